@@ -1,0 +1,355 @@
+//! `dmrpc pool check`, `stats` and `gc`: the pool's consistency invariant.
+//!
+//! The invariant (DESIGN.md 3.1): every page is exactly one of free, cached
+//! in a live slot's FIFO, or held; a held page's reference count equals the
+//! number of descriptor entries naming it (buffers, Refs, list pages); free
+//! pages are zero. The check reads the pool without attaching, and is exact
+//! when no process is in the middle of an operation (run it when quiescent,
+//! e.g. after tests); on a busy pool it can report in-flight work.
+
+use crate::desc::{Desc, DescState, Kind, FLAG_INDIRECT};
+use crate::error::Result;
+use crate::pages::{PageState, NO_PAGE};
+use crate::pool::{AttachOptions, Pool};
+use crate::shm::Shm;
+use crate::slot::{SlotKind, SlotState};
+use crate::sync::Ordering;
+use dm_sys::time::now_ms;
+use std::path::Path;
+
+/// Counts and problems found by a check.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CheckReport {
+    /// Data pages in the pool.
+    pub pages_total: u64,
+    /// Pages in the free set.
+    pub pages_free: u64,
+    /// Pages cached in slots' FIFOs.
+    pub pages_cached: u64,
+    /// Pages held (data and list pages).
+    pub pages_held: u64,
+    /// Of the held pages, those shared (refcount > 1).
+    pub pages_shared: u64,
+    /// Live Refs.
+    pub refs_live: u64,
+    /// Live buffers.
+    pub buffers: u64,
+    /// Descriptors in flight (building or dropping).
+    pub descs_in_flight: u64,
+    /// Descriptors in the table.
+    pub descs_total: u64,
+    /// Live slots (attached processes).
+    pub slots_live: u64,
+    /// Slots whose lease expired and are not yet reclaimed.
+    pub slots_dead: u64,
+    /// Slots in the table.
+    pub slots_total: u64,
+    /// Every violation of the invariant, precisely.
+    pub problems: Vec<String>,
+}
+
+impl CheckReport {
+    /// Whether the invariant holds.
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// What gc reclaimed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct GcReport {
+    /// Dead slots whose holdings were released.
+    pub slots_reclaimed: u64,
+    /// Refs reclaimed because their TTL passed.
+    pub refs_expired: u64,
+    /// Whether a full recount ran (no other process attached).
+    pub recounted: bool,
+    /// Pages whose refcount the recount corrected.
+    pub pages_repaired: u64,
+}
+
+/// Counts how many descriptor entries name each page. Returns problems for
+/// entries that name no page of the pool.
+pub(crate) fn count_holders(
+    shm: &Shm,
+    problems: &mut Vec<String>,
+    rep: &mut CheckReport,
+) -> Vec<u32> {
+    let n = shm.layout.n_pages as usize;
+    let mut holders = vec![0u32; n];
+    let now = now_ms();
+    for idx in 0..shm.layout.n_descs {
+        let Some(d) = shm.desc(idx) else { continue };
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        let (lo, hi) = match st.kind {
+            Some(Kind::Free) => continue,
+            Some(Kind::Buf) => {
+                rep.buffers += 1;
+                (0, d.n_pages.load(Ordering::Acquire))
+            }
+            Some(Kind::RefLive) => {
+                rep.refs_live += 1;
+                (0, d.n_pages.load(Ordering::Acquire))
+            }
+            Some(Kind::MapBuild) | Some(Kind::RefBuild) => {
+                rep.descs_in_flight += 1;
+                in_flight(shm, idx, st.owner, now, problems);
+                (0, d.held.load(Ordering::Acquire))
+            }
+            Some(Kind::Drop) => {
+                rep.descs_in_flight += 1;
+                in_flight(shm, idx, st.owner, now, problems);
+                (
+                    d.progress.load(Ordering::Acquire),
+                    d.held.load(Ordering::Acquire),
+                )
+            }
+            None => {
+                problems.push(format!("descriptor {idx}: invalid state word"));
+                continue;
+            }
+        };
+        count_desc(shm, idx, d, lo, hi, &mut holders, problems);
+    }
+    holders
+}
+
+fn in_flight(shm: &Shm, idx: u32, owner: u16, now: u64, problems: &mut Vec<String>) {
+    if !shm.slot_live(owner, now) {
+        problems.push(format!(
+            "descriptor {idx}: interrupted operation of dead slot {owner} (run gc)"
+        ));
+    }
+}
+
+fn count_desc(
+    shm: &Shm,
+    idx: u32,
+    d: &Desc,
+    lo: u32,
+    hi: u32,
+    holders: &mut [u32],
+    problems: &mut Vec<String>,
+) {
+    let n = holders.len() as u32;
+    for k in lo..hi {
+        match shm.entry_value(d, k as usize) {
+            Ok(NO_PAGE) => {}
+            Ok(p) if p < n => holders[p as usize] += 1,
+            Ok(p) => problems.push(format!(
+                "descriptor {idx} entry {k}: page {p} outside the pool"
+            )),
+            Err(e) => problems.push(format!("descriptor {idx} entry {k}: {e}")),
+        }
+    }
+    if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
+        for (k, e) in d.entries.iter().enumerate() {
+            match e.load(Ordering::Acquire) {
+                NO_PAGE => {}
+                l if l < n => holders[l as usize] += 1,
+                l => problems.push(format!(
+                    "descriptor {idx} list {k}: page {l} outside the pool"
+                )),
+            }
+        }
+    }
+}
+
+/// Checks the invariant. `deep` also verifies that free pages are zero.
+pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
+    let mut rep = CheckReport {
+        pages_total: shm.layout.n_pages as u64,
+        descs_total: shm.layout.n_descs as u64,
+        slots_total: shm.layout.n_slots as u64,
+        ..Default::default()
+    };
+    let now = now_ms();
+    let mut problems = Vec::new();
+    for s in 0..shm.layout.n_slots as u16 {
+        let Some(slot) = shm.slot(s) else { continue };
+        let st = SlotState::decode(slot.state.load(Ordering::Acquire));
+        match st.kind {
+            Some(SlotKind::Live) if shm.slot_expired(slot, now) => {
+                rep.slots_dead += 1;
+                problems.push(format!(
+                    "slot {s} (pid {}): lease expired, holdings not yet reclaimed (run gc)",
+                    slot.pid.load(Ordering::Relaxed)
+                ));
+            }
+            Some(SlotKind::Live) => rep.slots_live += 1,
+            Some(SlotKind::Reclaiming) => {
+                rep.slots_dead += 1;
+                problems.push(format!(
+                    "slot {s}: reclaim in progress by slot {}",
+                    st.reclaimer
+                ));
+            }
+            Some(SlotKind::Free) => {}
+            None => problems.push(format!("slot {s}: invalid state word")),
+        }
+    }
+    let holders = count_holders(shm, &mut problems, &mut rep);
+    let t = shm.pages();
+    let ps = shm.layout.page_size as usize;
+    for (p, &h) in holders.iter().enumerate() {
+        let p = p as u32;
+        match t.state(p) {
+            Ok(PageState::Free) => {
+                rep.pages_free += 1;
+                if h > 0 {
+                    problems.push(format!(
+                        "page {p}: free but named by {h} descriptor entries"
+                    ));
+                }
+                // SAFETY: p < n_pages; reading a free page races only with a
+                // claimer, which is not a memory-safety issue for u8 reads.
+                if deep
+                    && unsafe { std::slice::from_raw_parts(shm.page_ptr(p), ps) }
+                        .iter()
+                        .any(|&b| b != 0)
+                {
+                    problems.push(format!("page {p}: free but not zeroed"));
+                }
+            }
+            Ok(PageState::Cached(s)) => {
+                rep.pages_cached += 1;
+                if !shm.slot_live(s, now) {
+                    problems.push(format!(
+                        "page {p}: cached by slot {s}, which is not live (run gc)"
+                    ));
+                }
+                if h > 0 && shm.slot_live(s, now) {
+                    problems.push(format!(
+                        "page {p}: cached by slot {s} but named by {h} descriptor entries"
+                    ));
+                }
+            }
+            Ok(PageState::Held(rc)) => {
+                rep.pages_held += 1;
+                if rc > 1 {
+                    rep.pages_shared += 1;
+                }
+                if rc > h {
+                    problems.push(format!(
+                        "page {p}: refcount {rc} but {h} holders ({} share(s) leaked)",
+                        rc - h
+                    ));
+                } else if rc < h {
+                    problems.push(format!(
+                        "page {p}: refcount {rc} but {h} holders (over-released)"
+                    ));
+                }
+            }
+            Ok(PageState::Invalid(w)) => {
+                problems.push(format!("page {p}: invalid page word {w:#x}"))
+            }
+            Err(e) => problems.push(format!("page {p}: {e}")),
+        }
+    }
+    rep.problems = problems;
+    rep
+}
+
+/// Checks the pool in this process's mapping.
+pub(crate) fn check(shm: &Shm) -> CheckReport {
+    check_shm(shm, false)
+}
+
+/// Checks the pool at `path` without attaching to it.
+pub fn check_path(path: &Path, deep: bool) -> Result<CheckReport> {
+    Ok(check_shm(&Shm::open(path)?, deep))
+}
+
+/// Attaches briefly and reclaims: dead slots, expired Refs and, when no
+/// other process is attached, recounts every page from the descriptors and
+/// repairs what an ill-timed crash leaked.
+pub fn gc_path(path: &Path) -> Result<GcReport> {
+    let pool = Pool::open(
+        path,
+        AttachOptions {
+            heartbeat: false,
+            name: Some("dmrpc-gc".into()),
+            ..Default::default()
+        },
+    )?;
+    let mut rep = pool.maintain()?;
+    recount(&pool, &mut rep)?;
+    Ok(rep)
+}
+
+fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
+    let shm = pool.shm();
+    let me = pool.slot();
+    let a = shm.atomics();
+    if a.maint
+        .compare_exchange(0, me as u64 + 1, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return Ok(());
+    }
+    let now = now_ms();
+    let others = (0..shm.layout.n_slots as u16).any(|s| {
+        s != me
+            && shm.slot(s).is_some_and(|sl| {
+                SlotState::decode(sl.state.load(Ordering::SeqCst)).kind != Some(SlotKind::Free)
+            })
+    });
+    let res = if others {
+        Ok(())
+    } else {
+        repair(pool, shm, me, now, rep)
+    };
+    a.maint.store(0, Ordering::SeqCst);
+    res
+}
+
+fn repair(pool: &Pool, shm: &Shm, me: u16, _now: u64, rep: &mut GcReport) -> Result<()> {
+    rep.recounted = true;
+    // Descriptors owned by slots that no longer exist.
+    for idx in 0..shm.layout.n_descs {
+        let Some(d) = shm.desc(idx) else { continue };
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        let owned = matches!(
+            st.kind,
+            Some(Kind::Buf | Kind::MapBuild | Kind::RefBuild | Kind::Drop)
+        );
+        if owned && st.owner != me {
+            pool.inner.take_over_desc(d)?;
+        }
+    }
+    let mut problems = Vec::new();
+    let mut scratch = CheckReport::default();
+    let holders = count_holders(shm, &mut problems, &mut scratch);
+    let t = shm.pages();
+    for (p, &h) in holders.iter().enumerate() {
+        let p = p as u32;
+        let st = t.state(p)?;
+        let fixed = match st {
+            PageState::Held(rc) if rc == h => continue,
+            PageState::Cached(s) if s == me && h == 0 => continue,
+            PageState::Free if h == 0 => continue,
+            _ if h == 0 => {
+                shm.zero_page(p);
+                PageState::Free
+            }
+            _ => PageState::Held(h),
+        };
+        // Quiescent (maintenance lock held, no other slot): a plain CAS suffices.
+        let w = &shm_words(shm)[p as usize];
+        if w.compare_exchange(
+            st.encode(),
+            fixed.encode(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        )
+        .is_ok()
+        {
+            rep.pages_repaired += 1;
+        }
+    }
+    Ok(())
+}
+
+fn shm_words(shm: &Shm) -> &[crate::sync::AtomicU64] {
+    shm.page_words()
+}

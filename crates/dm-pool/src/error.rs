@@ -1,0 +1,147 @@
+//! Errors of the pool: one enum, each variant says what is wrong.
+
+use std::path::PathBuf;
+
+pub use crate::pages::PageError;
+pub use crate::refs::RefDecodeError;
+
+/// Everything a pool operation can report.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A length of zero was given where data is required.
+    #[error("length must be greater than zero")]
+    ZeroLength,
+    /// A length above what a buffer can hold.
+    #[error("length {len} exceeds the maximum buffer size {max} of this pool")]
+    TooLarge {
+        /// Asked for.
+        len: u64,
+        /// The pool's maximum.
+        max: u64,
+    },
+    /// A range outside the buffer.
+    #[error("range {offset}..{offset}+{len} is outside the buffer of {size} bytes")]
+    OutOfBounds {
+        /// Start.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Buffer size.
+        size: u64,
+    },
+    /// An address not aligned as the operation requires.
+    #[error("address {addr:#x} is not aligned to {align} bytes")]
+    Unaligned {
+        /// The address.
+        addr: u64,
+        /// Required alignment.
+        align: u64,
+    },
+    /// The pool (or its descriptor or slot table) has no room.
+    #[error("resource exhausted: no free {what} in the pool")]
+    ResourceExhausted {
+        /// Pages, descriptors or slots.
+        what: &'static str,
+    },
+    /// The buffer was freed already.
+    #[error("double free: buffer {desc} (generation {generation}) was already freed")]
+    DoubleFree {
+        /// Descriptor index.
+        desc: u32,
+        /// Generation.
+        generation: u32,
+    },
+    /// The buffer id does not name a buffer of this process.
+    #[error("buffer {desc} does not belong to this process")]
+    NotOwner {
+        /// Descriptor index.
+        desc: u32,
+    },
+    /// A buffer or Ref from another pool.
+    #[error("object of pool {found:#018x} used with pool {expected:#018x}")]
+    ForeignPool {
+        /// This pool.
+        expected: u64,
+        /// The object's pool.
+        found: u64,
+    },
+    /// A Ref whose tag or length does not match its descriptor.
+    #[error("forged Ref: tag or length does not match descriptor {desc}")]
+    RefForged {
+        /// Descriptor index.
+        desc: u32,
+    },
+    /// A Ref whose descriptor has been reused since.
+    #[error("stale Ref: descriptor {desc} is at generation {current}, the Ref names {generation}")]
+    RefStale {
+        /// Descriptor index.
+        desc: u32,
+        /// The Ref's generation.
+        generation: u32,
+        /// The descriptor's generation.
+        current: u32,
+    },
+    /// A Ref that was released already (double release, or use after release).
+    #[error("Ref {desc}/{generation} was already released")]
+    RefReleased {
+        /// Descriptor index.
+        desc: u32,
+        /// Generation.
+        generation: u32,
+    },
+    /// A Ref whose TTL has passed.
+    #[error("Ref {desc}/{generation} expired")]
+    RefExpired {
+        /// Descriptor index.
+        desc: u32,
+        /// Generation.
+        generation: u32,
+    },
+    /// Bytes that are not a Ref.
+    #[error("malformed Ref: {0}")]
+    RefDecode(#[from] RefDecodeError),
+    /// The file is not a dmrpc pool.
+    #[error("{path} is not a dmrpc pool (bad magic)")]
+    NotAPool {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The pool was made by an incompatible version.
+    #[error("pool format version {found} is not supported (this build reads version {supported})")]
+    VersionMismatch {
+        /// In the file.
+        found: u32,
+        /// This build.
+        supported: u32,
+    },
+    /// The header is inconsistent.
+    #[error("corrupt pool header: {0}")]
+    CorruptHeader(String),
+    /// Pool metadata is inconsistent (an index out of range, an impossible state).
+    #[error("corrupt pool metadata: {0}")]
+    Corrupt(String),
+    /// The pool is still being initialised by its creator (or the creator died).
+    #[error("pool is not initialised (its creator has not finished or died while creating it)")]
+    NotReady,
+    /// This process's lease expired (it was stopped too long) and others reclaimed it.
+    #[error("this process's lease on the pool was lost; its holdings were reclaimed")]
+    LeaseLost,
+    /// A pool with that name or path exists.
+    #[error("{0} already exists")]
+    AlreadyExists(PathBuf),
+    /// The OS refused (open, map, size).
+    #[error(transparent)]
+    Sys(#[from] dm_sys::mem::SysError),
+    /// Other I/O.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl From<PageError> for Error {
+    fn from(e: PageError) -> Self {
+        Error::Corrupt(e.to_string())
+    }
+}
+
+/// Result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,474 @@
+//! The pool file format (version 1): header, areas, and their validation.
+//!
+//! ```text
+//! 0        header (4 KiB): immutable part (checksummed), then shared atomics at 512
+//! pt_off   page table: one u64 per data page            (see pages.rs)
+//! slot_off slot table: SLOT_SIZE bytes per slot         (see slot.rs)
+//! desc_off descriptor table: DESC_SIZE bytes per desc   (see desc.rs)
+//! data_off data pages, page_size each, aligned to page_size
+//! ```
+//!
+//! Everything in the pool is addressed by offset or index, never by pointer,
+//! so each process may map the pool anywhere. The immutable header is written
+//! once by the creator, then `ready` is set; openers check magic, version,
+//! checksum and that every area lies inside the file before touching anything.
+//! Any change to this layout, the page-table word, the slot or descriptor
+//! record or the Ref encoding bumps [`POOL_VERSION`].
+
+use crate::desc::DESC_SIZE;
+use crate::slot::SLOT_SIZE;
+use crate::sync::{AtomicU32, AtomicU64};
+
+/// Magic bytes at offset 0.
+pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
+/// Format version this build reads and writes.
+pub const POOL_VERSION: u32 = 1;
+/// Bytes reserved for the header.
+pub const HEADER_LEN: u64 = 4096;
+/// Offset of the shared atomics inside the header.
+pub const ATOMICS_OFF: usize = 512;
+const IMMUTABLE_LEN: usize = 144;
+/// Smallest allowed page size.
+pub const MIN_PAGE_SIZE: u32 = 4096;
+/// Largest allowed page size.
+pub const MAX_PAGE_SIZE: u32 = 1 << 30;
+
+/// The immutable part of the header, decoded and validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// Page size in bytes (power of two, >= 4 KiB).
+    pub page_size: u32,
+    /// Random pool id (in every Ref).
+    pub pool_id: u64,
+    /// Bytes of the backing used by the pool.
+    pub total_len: u64,
+    /// Number of data pages.
+    pub n_pages: u32,
+    /// Number of slots (attached processes at once).
+    pub n_slots: u32,
+    /// Number of descriptors (buffers + Refs at once).
+    pub n_descs: u32,
+    /// Offset of the page table.
+    pub pt_off: u64,
+    /// Offset of the slot table.
+    pub slot_off: u64,
+    /// Offset of the descriptor table.
+    pub desc_off: u64,
+    /// Offset of the first data page.
+    pub data_off: u64,
+    /// Default lease of a slot, ms.
+    pub lease_ms: u64,
+    /// Default TTL of a Ref, ms.
+    pub ref_ttl_ms: u64,
+    /// Creation time, ms since the epoch.
+    pub created_ms: u64,
+    /// Pool name (up to 32 bytes).
+    pub name: String,
+}
+
+/// Shared counters and cursors, at [`ATOMICS_OFF`] in the header.
+#[repr(C)]
+#[derive(Debug)]
+pub struct HeaderAtomics {
+    /// 0 while the creator initialises, [`READY`] after.
+    pub ready: AtomicU32,
+    _pad: AtomicU32,
+    /// Where the next page claim starts scanning.
+    pub page_cursor: AtomicU64,
+    /// Where the next descriptor claim starts scanning.
+    pub desc_cursor: AtomicU64,
+    /// Maintenance lock (gc recount): holder slot + 1, or 0.
+    pub maint: AtomicU64,
+    /// Pages copied by copy-on-write, ever.
+    pub cow_copies: AtomicU64,
+    /// Refs created, ever.
+    pub refs_created: AtomicU64,
+    /// Refs reclaimed by TTL, ever.
+    pub refs_expired: AtomicU64,
+    /// Slots reclaimed after lease expiry, ever.
+    pub slots_reclaimed: AtomicU64,
+}
+
+/// Value of `ready` once the pool is initialised.
+pub const READY: u32 = 0x5245_4459;
+
+fn fnv1a(b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &x in b {
+        h ^= x as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn align_up(x: u64, a: u64) -> Option<u64> {
+    x.checked_add(a - 1).map(|v| v / a * a)
+}
+
+/// Parameters for creating a pool.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Total size of the backing in bytes. Default 1 GiB.
+    pub size: u64,
+    /// Page size (power of two, >= 4 KiB). Default 4 KiB.
+    pub page_size: u32,
+    /// Slots (processes attached at once). Default 256.
+    pub slots: u32,
+    /// Descriptors (live buffers + Refs at once). Default: a quarter of the
+    /// page count, at least 1024.
+    pub descs: Option<u32>,
+    /// Default lease of a slot in ms: a process silent this long is
+    /// considered dead and its holdings reclaimed. Default 2000.
+    pub lease_ms: u64,
+    /// Default TTL of a Ref in ms. Default 60000.
+    pub ref_ttl_ms: u64,
+    /// Name recorded in the header.
+    pub name: String,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            size: 1 << 30,
+            page_size: 4096,
+            slots: 256,
+            descs: None,
+            lease_ms: 2000,
+            ref_ttl_ms: 60_000,
+            name: String::new(),
+        }
+    }
+}
+
+impl Layout {
+    /// Computes the layout for a configuration, or says why it cannot exist.
+    pub fn compute(cfg: &PoolConfig, pool_id: u64, created_ms: u64) -> Result<Layout, String> {
+        let ps = cfg.page_size;
+        if !ps.is_power_of_two() || !(MIN_PAGE_SIZE..=MAX_PAGE_SIZE).contains(&ps) {
+            return Err(format!(
+                "page size {ps} must be a power of two between {MIN_PAGE_SIZE} and {MAX_PAGE_SIZE}"
+            ));
+        }
+        if cfg.slots == 0 || cfg.slots > u16::MAX as u32 {
+            return Err(format!("slots must be between 1 and {}", u16::MAX));
+        }
+        if cfg.name.len() > 32 {
+            return Err("pool name is longer than 32 bytes".into());
+        }
+        let ps64 = ps as u64;
+        let mut n = (cfg.size / ps64).min(u32::MAX as u64 - 1);
+        loop {
+            if n == 0 {
+                return Err(format!("size {} is too small for any data page", cfg.size));
+            }
+            let descs = cfg.descs.unwrap_or(((n / 4) as u32).max(1024));
+            let l = Self::place(cfg, ps, n as u32, descs, pool_id, created_ms)
+                .ok_or("size overflows")?;
+            if l.data_off + n * ps64 <= cfg.size {
+                return Ok(l);
+            }
+            // Shrink by the metadata overshoot (at least one page).
+            let over = (l.data_off + n * ps64 - cfg.size).div_ceil(ps64).max(1);
+            n = n.saturating_sub(over);
+        }
+    }
+
+    fn place(
+        cfg: &PoolConfig,
+        ps: u32,
+        n: u32,
+        descs: u32,
+        id: u64,
+        created: u64,
+    ) -> Option<Layout> {
+        let pt_off = HEADER_LEN;
+        let slot_off = align_up(pt_off + n as u64 * 8, 4096)?;
+        let desc_off = align_up(slot_off + cfg.slots as u64 * SLOT_SIZE as u64, 4096)?;
+        let meta_end = desc_off.checked_add(descs as u64 * DESC_SIZE as u64)?;
+        let data_off = align_up(meta_end, ps as u64)?;
+        Some(Layout {
+            page_size: ps,
+            pool_id: id,
+            total_len: data_off + n as u64 * ps as u64,
+            n_pages: n,
+            n_slots: cfg.slots,
+            n_descs: descs,
+            pt_off,
+            slot_off,
+            desc_off,
+            data_off,
+            lease_ms: cfg.lease_ms,
+            ref_ttl_ms: cfg.ref_ttl_ms,
+            created_ms: created,
+            name: cfg.name.clone(),
+        })
+    }
+
+    /// Entries per list page.
+    pub fn per_list_page(&self) -> usize {
+        self.page_size as usize / 4
+    }
+
+    /// Largest buffer (or Ref) in bytes.
+    pub fn max_len(&self) -> u64 {
+        let pages = (crate::desc::INLINE * self.per_list_page()).min(self.n_pages as usize);
+        pages as u64 * self.page_size as u64
+    }
+
+    /// Encodes the immutable header (with checksum).
+    pub fn encode(&self) -> [u8; IMMUTABLE_LEN + 8] {
+        let mut b = [0u8; IMMUTABLE_LEN + 8];
+        b[0..8].copy_from_slice(&MAGIC);
+        let put32 =
+            |b: &mut [u8], at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        let put64 =
+            |b: &mut [u8], at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        put32(&mut b, 8, POOL_VERSION);
+        put32(&mut b, 12, HEADER_LEN as u32);
+        put32(&mut b, 16, self.page_size);
+        put32(&mut b, 20, 0);
+        put64(&mut b, 24, self.pool_id);
+        put64(&mut b, 32, self.total_len);
+        put64(&mut b, 40, self.n_pages as u64);
+        put32(&mut b, 48, self.n_slots);
+        put32(&mut b, 52, self.n_descs);
+        put64(&mut b, 56, self.pt_off);
+        put64(&mut b, 64, self.slot_off);
+        put64(&mut b, 72, self.desc_off);
+        put64(&mut b, 80, self.data_off);
+        put64(&mut b, 88, self.lease_ms);
+        put64(&mut b, 96, self.ref_ttl_ms);
+        put64(&mut b, 104, self.created_ms);
+        let name = self.name.as_bytes();
+        b[112..112 + name.len().min(32)].copy_from_slice(&name[..name.len().min(32)]);
+        let sum = fnv1a(&b[..IMMUTABLE_LEN]);
+        put64(&mut b, IMMUTABLE_LEN, sum);
+        b
+    }
+
+    /// Decodes and validates header bytes read from a backing of `file_len`
+    /// bytes. Never panics, whatever the bytes.
+    pub fn parse(b: &[u8], file_len: u64) -> Result<Layout, ParseError> {
+        if b.len() < IMMUTABLE_LEN + 8 || file_len < HEADER_LEN {
+            return Err(ParseError::Truncated);
+        }
+        if b[0..8] != MAGIC {
+            return Err(ParseError::Magic);
+        }
+        let g32 = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        let g64 = |at: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(x)
+        };
+        let version = g32(8);
+        if version != POOL_VERSION {
+            return Err(ParseError::Version(version));
+        }
+        if g64(IMMUTABLE_LEN) != fnv1a(&b[..IMMUTABLE_LEN]) {
+            return Err(ParseError::Corrupt("header checksum mismatch".into()));
+        }
+        let bad = |s: String| Err(ParseError::Corrupt(s));
+        if g32(12) as u64 != HEADER_LEN {
+            return bad(format!("header length {} is not {HEADER_LEN}", g32(12)));
+        }
+        let name_raw = &b[112..144];
+        let name_len = name_raw.iter().position(|&c| c == 0).unwrap_or(32);
+        let Ok(name) = std::str::from_utf8(&name_raw[..name_len]) else {
+            return bad("pool name is not UTF-8".into());
+        };
+        let n_pages = g64(40);
+        if n_pages == 0 || n_pages >= u32::MAX as u64 {
+            return bad(format!("page count {n_pages} out of range"));
+        }
+        let l = Layout {
+            page_size: g32(16),
+            pool_id: g64(24),
+            total_len: g64(32),
+            n_pages: n_pages as u32,
+            n_slots: g32(48),
+            n_descs: g32(52),
+            pt_off: g64(56),
+            slot_off: g64(64),
+            desc_off: g64(72),
+            data_off: g64(80),
+            lease_ms: g64(88),
+            ref_ttl_ms: g64(96),
+            created_ms: g64(104),
+            name: name.to_owned(),
+        };
+        let ps = l.page_size;
+        if !ps.is_power_of_two() || !(MIN_PAGE_SIZE..=MAX_PAGE_SIZE).contains(&ps) {
+            return bad(format!("page size {ps} is invalid"));
+        }
+        if l.n_slots == 0 || l.n_slots > u16::MAX as u32 {
+            return bad(format!("slot count {} out of range", l.n_slots));
+        }
+        if l.n_descs == 0 || l.n_descs >= u32::MAX {
+            return bad(format!("descriptor count {} out of range", l.n_descs));
+        }
+        if l.total_len > file_len {
+            return bad(format!(
+                "pool claims {} bytes but the backing has {file_len}",
+                l.total_len
+            ));
+        }
+        // Areas must follow each other in order, aligned, inside total_len.
+        let areas = [
+            ("page table", l.pt_off, Some(l.n_pages as u64 * 8), 8u64),
+            (
+                "slot table",
+                l.slot_off,
+                (l.n_slots as u64).checked_mul(SLOT_SIZE as u64),
+                64,
+            ),
+            (
+                "descriptor table",
+                l.desc_off,
+                (l.n_descs as u64).checked_mul(DESC_SIZE as u64),
+                64,
+            ),
+            (
+                "data",
+                l.data_off,
+                (l.n_pages as u64).checked_mul(ps as u64),
+                ps as u64,
+            ),
+        ];
+        let mut end = HEADER_LEN;
+        for (what, off, len, align) in areas {
+            let Some(len) = len else {
+                return bad(format!("{what} size overflows"));
+            };
+            if off < end || off % align != 0 {
+                return bad(format!("{what} offset {off:#x} overlaps or is misaligned"));
+            }
+            match off.checked_add(len) {
+                Some(e) if e <= l.total_len => end = e,
+                _ => return bad(format!("{what} runs past the end of the pool")),
+            }
+        }
+        Ok(l)
+    }
+}
+
+/// Why header bytes were rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// Fewer bytes than a header.
+    #[error("file is shorter than a pool header")]
+    Truncated,
+    /// Not a pool.
+    #[error("bad magic")]
+    Magic,
+    /// Unsupported version.
+    #[error("unsupported version {0}")]
+    Version(u32),
+    /// Inconsistent header.
+    #[error("{0}")]
+    Corrupt(String),
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn compute_fits_and_parses_back() {
+        for (size, ps) in [
+            (1u64 << 20, 4096u32),
+            (1 << 30, 4096),
+            (64 << 20, 65536),
+            (1 << 24, 1 << 21),
+        ] {
+            let cfg = PoolConfig {
+                size,
+                page_size: ps,
+                name: "t".into(),
+                ..Default::default()
+            };
+            let l = Layout::compute(&cfg, 42, 7).unwrap();
+            assert!(l.total_len <= size, "{l:?}");
+            assert!(
+                l.n_pages as u64 * ps as u64 > size / 2,
+                "metadata overhead too high: {l:?}"
+            );
+            let b = l.encode();
+            assert_eq!(Layout::parse(&b, size).unwrap(), l);
+        }
+    }
+
+    #[test]
+    fn rejects_bad_headers() {
+        let l = Layout::compute(
+            &PoolConfig {
+                size: 1 << 22,
+                ..Default::default()
+            },
+            1,
+            1,
+        )
+        .unwrap();
+        let good = l.encode();
+        assert_eq!(
+            Layout::parse(&good[..10], 1 << 22),
+            Err(ParseError::Truncated)
+        );
+        let mut b = good;
+        b[0] = b'X';
+        assert_eq!(Layout::parse(&b, 1 << 22), Err(ParseError::Magic));
+        let mut b = good;
+        b[8] = 2;
+        assert_eq!(Layout::parse(&b, 1 << 22), Err(ParseError::Version(2)));
+        let mut b = good;
+        b[60] ^= 1;
+        assert!(matches!(
+            Layout::parse(&b, 1 << 22),
+            Err(ParseError::Corrupt(_))
+        ));
+        assert!(matches!(
+            Layout::parse(&good, 4096 * 2),
+            Err(ParseError::Corrupt(_))
+        ));
+        assert!(Layout::compute(
+            &PoolConfig {
+                page_size: 3000,
+                ..Default::default()
+            },
+            1,
+            1
+        )
+        .is_err());
+        assert!(Layout::compute(
+            &PoolConfig {
+                size: 8192,
+                ..Default::default()
+            },
+            1,
+            1
+        )
+        .is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_header_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200), len: u64) {
+            let _ = Layout::parse(&b, len);
+        }
+
+        #[test]
+        fn resealed_mutations_are_validated(at in 8usize..144, v: u8) {
+            // Mutate a field and fix the checksum: the validator must still
+            // accept only consistent layouts (or report why), never panic.
+            let l = Layout::compute(&PoolConfig { size: 1 << 22, ..Default::default() }, 1, 1).unwrap();
+            let mut b = l.encode();
+            b[at] = v;
+            let sum = fnv1a(&b[..IMMUTABLE_LEN]);
+            b[IMMUTABLE_LEN..].copy_from_slice(&sum.to_le_bytes());
+            if let Ok(p) = Layout::parse(&b, 1 << 22) {
+                prop_assert!(p.data_off + p.n_pages as u64 * p.page_size as u64 <= 1 << 22);
+            }
+        }
+    }
+}

@@ -1,0 +1,1305 @@
+//! The pool backend: attach, leases, the per-process page FIFO, buffers,
+//! Refs and copy-on-write through the explicit API.
+//!
+//! Data is reached through *the pool window*: every attached process maps the
+//! whole pool once, so reading a buffer or a mapped Ref is pointer arithmetic
+//! (no syscall, no per-call page-table work). Writes go through [`Buffer::write`],
+//! which copies a page first when its reference count is above one.
+
+use crate::desc::{
+    Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INDIRECT, INLINE,
+};
+use crate::error::{Error, Result};
+use crate::layout::{Layout, PoolConfig};
+use crate::pages::{PageState, Unshared, NO_PAGE};
+use crate::refs::Ref;
+use crate::shm::{host_id, Shm};
+use crate::slot::{SlotKind, SlotState};
+use crate::sync::{AtomicU32, Ordering};
+use dm_sys::mem::SharedFile;
+use dm_sys::time::now_ms;
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+/// Where a named pool lives by default.
+pub fn default_path(name: &str) -> PathBuf {
+    if name.contains('/') {
+        PathBuf::from(name)
+    } else {
+        PathBuf::from(format!("/dev/shm/dmrpc-{name}.pool"))
+    }
+}
+
+/// Options for attaching to a pool.
+#[derive(Debug, Clone)]
+pub struct AttachOptions {
+    /// Lease of this process's slot in ms (default: the pool's default).
+    pub lease_ms: Option<u64>,
+    /// Pages claimed from the shared free set per refill. Default 256.
+    pub batch: usize,
+    /// Surplus above this many cached pages goes back to the free set. Default 2048.
+    pub fifo_max: usize,
+    /// Name recorded in the slot (default: this executable's name).
+    pub name: Option<String>,
+    /// Run the background thread that renews the lease and reclaims dead
+    /// slots and expired Refs. Default true.
+    pub heartbeat: bool,
+    /// Fault in the whole data area at attach so that no access faults later.
+    pub prefault: bool,
+}
+
+impl Default for AttachOptions {
+    fn default() -> Self {
+        Self {
+            lease_ms: None,
+            batch: 256,
+            fifo_max: 2048,
+            name: None,
+            heartbeat: true,
+            prefault: false,
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) shm: Shm,
+    pub(crate) slot: u16,
+    incarnation: u32,
+    fifo: Mutex<VecDeque<u32>>,
+    opts: AttachOptions,
+    lost: AtomicBool,
+    zeros: Box<[u8]>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("path", &self.shm.path())
+            .field("slot", &self.slot)
+            .finish()
+    }
+}
+
+/// An attached pool. Cheap to clone; the slot is released when the last
+/// clone and every buffer of it are dropped.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// Resets a descriptor's fields to the `Free` invariants (no entries, no
+/// lists, empty journal). Called before the state word says `Free`.
+pub(crate) fn reset_desc_fields(d: &Desc) {
+    for e in &d.entries {
+        e.store(NO_PAGE, Ordering::Relaxed);
+    }
+    d.n_pages.store(0, Ordering::Relaxed);
+    d.held.store(0, Ordering::Relaxed);
+    d.progress.store(0, Ordering::Relaxed);
+    d.len.store(0, Ordering::Relaxed);
+    d.offset.store(0, Ordering::Relaxed);
+    d.journal_idx.store(NO_PAGE, Ordering::Relaxed);
+    d.journal_old.store(NO_PAGE, Ordering::Relaxed);
+    d.lock.store(0, Ordering::Relaxed);
+    let end = d.flags.load(Ordering::Relaxed) & 0xFF00;
+    d.flags.store(end, Ordering::Release);
+}
+
+impl Pool {
+    /// Creates a pool at `path` (a file that must not exist, or a DAX/char
+    /// device that is overwritten) with `cfg`. Does not attach.
+    pub fn create(path: &Path, cfg: &PoolConfig) -> Result<()> {
+        let layout = Layout::compute(cfg, dm_sys::rand::random_u64(), now_ms())
+            .map_err(Error::CorruptHeader)?;
+        let file = if SharedFile::is_device(path) {
+            SharedFile::open(path, Some(layout.total_len))?
+        } else {
+            match SharedFile::create(path, layout.total_len) {
+                Err(dm_sys::mem::SysError::Exists(p)) => return Err(Error::AlreadyExists(p)),
+                r => r?,
+            }
+        };
+        Shm::init(file, layout);
+        Ok(())
+    }
+
+    /// Attaches to the pool at `path`.
+    pub fn open(path: &Path, opts: AttachOptions) -> Result<Pool> {
+        let shm = Shm::open(path)?;
+        Self::attach(shm, opts)
+    }
+
+    /// Attaches to the pool at `path`, creating it with `cfg` if it does not exist.
+    pub fn open_or_create(path: &Path, cfg: &PoolConfig, opts: AttachOptions) -> Result<Pool> {
+        match Self::create(path, cfg) {
+            Ok(()) | Err(Error::AlreadyExists(_)) => Self::open(path, opts),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes the pool's backing file. Attached processes keep their
+    /// mappings until they detach.
+    pub fn destroy(path: &Path) -> Result<()> {
+        Shm::open(path)?;
+        dm_sys::mem::unlink(path)?;
+        Ok(())
+    }
+
+    fn attach(shm: Shm, opts: AttachOptions) -> Result<Pool> {
+        let now = now_ms();
+        let lease = opts.lease_ms.unwrap_or(shm.layout.lease_ms).max(10);
+        let mut claimed = None;
+        for i in 0..shm.layout.n_slots as u16 {
+            let Some(s) = shm.slot(i) else { break };
+            let w = s.state.load(Ordering::Acquire);
+            let st = SlotState::decode(w);
+            if st.kind != Some(SlotKind::Free) {
+                continue;
+            }
+            // Fill the record before publishing Live so that no observer
+            // sees a live slot with a stale heartbeat.
+            let inc = st.incarnation.wrapping_add(1);
+            if s.state
+                .compare_exchange(
+                    w,
+                    SlotState::encode(inc, SlotKind::Reclaiming, i),
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+            {
+                continue;
+            }
+            s.heartbeat_ms.store(now, Ordering::Relaxed);
+            s.lease_ms.store(lease, Ordering::Relaxed);
+            s.attached_ms.store(now, Ordering::Relaxed);
+            s.pid.store(dm_sys::proc::pid(), Ordering::Relaxed);
+            s.host.store(host_id(), Ordering::Relaxed);
+            let name = opts.name.clone().unwrap_or_else(|| {
+                std::env::current_exe()
+                    .ok()
+                    .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .unwrap_or_default()
+            });
+            let mut nb = [0u8; 32];
+            let n = name.len().min(32);
+            nb[..n].copy_from_slice(&name.as_bytes()[..n]);
+            for (k, w) in s.name.iter().enumerate() {
+                let mut x = [0u8; 8];
+                x.copy_from_slice(&nb[k * 8..k * 8 + 8]);
+                w.store(u64::from_le_bytes(x), Ordering::Relaxed);
+            }
+            s.state
+                .store(SlotState::encode(inc, SlotKind::Live, 0), Ordering::SeqCst);
+            claimed = Some((i, inc));
+            break;
+        }
+        let Some((slot, incarnation)) = claimed else {
+            return Err(Error::ResourceExhausted { what: "slots" });
+        };
+        // Wait out a maintenance recount (gc with no other process attached).
+        loop {
+            let m = shm.atomics().maint.load(Ordering::SeqCst);
+            if m == 0 {
+                break;
+            }
+            let holder = (m - 1) as u16;
+            if !shm.slot_live(holder, now_ms()) {
+                let _ =
+                    shm.atomics()
+                        .maint
+                        .compare_exchange(m, 0, Ordering::AcqRel, Ordering::Relaxed);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if opts.prefault {
+            shm.prefault();
+        }
+        let zeros = vec![0u8; shm.layout.page_size as usize].into_boxed_slice();
+        let inner = Arc::new(Inner {
+            shm,
+            slot,
+            incarnation,
+            fifo: Mutex::new(VecDeque::new()),
+            opts,
+            lost: AtomicBool::new(false),
+            zeros,
+        });
+        if inner.opts.heartbeat {
+            let weak = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("dmrpc-lease".into())
+                .spawn(move || heartbeat(weak, lease))?;
+        }
+        Ok(Pool { inner })
+    }
+
+    /// The pool's layout (page size, counts, id).
+    pub fn layout(&self) -> &Layout {
+        &self.inner.shm.layout
+    }
+
+    /// The pool id carried by every Ref of this pool.
+    pub fn id(&self) -> u64 {
+        self.inner.shm.layout.pool_id
+    }
+
+    /// The page size.
+    pub fn page_size(&self) -> usize {
+        self.inner.shm.layout.page_size as usize
+    }
+
+    /// Largest buffer this pool can hold.
+    pub fn max_len(&self) -> u64 {
+        self.inner.shm.layout.max_len()
+    }
+
+    /// This process's slot index.
+    pub fn slot(&self) -> u16 {
+        self.inner.slot
+    }
+
+    /// Backing path.
+    pub fn path(&self) -> &Path {
+        self.inner.shm.path()
+    }
+
+    pub(crate) fn shm(&self) -> &Shm {
+        &self.inner.shm
+    }
+
+    /// Renews this process's lease now (the background thread does this
+    /// when `heartbeat` is on).
+    pub fn renew(&self) -> Result<()> {
+        self.inner.renew()
+    }
+
+    /// Reserves a zero-filled buffer of `len` bytes. Pages are backed lazily
+    /// on first write, so this costs no page work.
+    pub fn alloc(&self, len: u64) -> Result<Buffer> {
+        let i = &self.inner;
+        i.live()?;
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        if len > self.max_len() {
+            return Err(Error::TooLarge {
+                len,
+                max: self.max_len(),
+            });
+        }
+        let n = len.div_ceil(self.page_size() as u64) as usize;
+        let (idx, gen) = i.claim_desc(Kind::Buf)?;
+        let d = i.desc(idx)?;
+        if let Err(e) = i.attach_lists(d, n) {
+            i.drop_own(idx, gen, Kind::Buf, END_ABORTED)?;
+            return Err(e);
+        }
+        d.len.store(len, Ordering::Relaxed);
+        d.offset.store(0, Ordering::Relaxed);
+        d.n_pages.store(n as u32, Ordering::Release);
+        Ok(Buffer {
+            pool: self.clone(),
+            desc: idx,
+            generation: gen,
+            len,
+            offset: 0,
+            n_pages: n as u32,
+        })
+    }
+
+    /// Frees a buffer (dropping it does the same, ignoring errors).
+    pub fn free(&self, buf: Buffer) -> Result<()> {
+        let id = buf.id();
+        std::mem::forget(buf);
+        self.free_id(id)
+    }
+
+    /// Frees a buffer by id: the form used across FFI, where a double free
+    /// is possible and is reported as [`Error::DoubleFree`].
+    pub fn free_id(&self, id: BufferId) -> Result<()> {
+        let i = &self.inner;
+        i.live()?;
+        if id.pool_id != self.id() {
+            return Err(Error::ForeignPool {
+                expected: self.id(),
+                found: id.pool_id,
+            });
+        }
+        let d = i.desc(id.desc)?;
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        if st.generation != id.generation || st.kind != Some(Kind::Buf) {
+            if st.generation == id.generation || st.kind == Some(Kind::Free) {
+                return Err(Error::DoubleFree {
+                    desc: id.desc,
+                    generation: id.generation,
+                });
+            }
+            return Err(Error::NotOwner { desc: id.desc });
+        }
+        if st.owner != i.slot {
+            return Err(Error::NotOwner { desc: id.desc });
+        }
+        i.drop_own(id.desc, id.generation, Kind::Buf, END_RELEASED)
+    }
+
+    /// Takes the id of a buffer and forgets the handle (for FFI). The buffer
+    /// stays allocated until [`free_id`](Self::free_id) or detach.
+    pub fn into_id(&self, buf: Buffer) -> BufferId {
+        let id = buf.id();
+        std::mem::forget(buf);
+        id
+    }
+
+    /// Creates a Ref to `len` bytes at `offset` of `buf`: +1 share on each
+    /// page (no copy); the buffer's view of those pages becomes CoW.
+    pub fn create_ref(&self, buf: &Buffer, offset: u64, len: u64) -> Result<Ref> {
+        self.create_ref_ttl(
+            buf,
+            offset,
+            len,
+            Duration::from_millis(self.layout().ref_ttl_ms),
+        )
+    }
+
+    /// [`create_ref`](Self::create_ref) with an explicit time to live.
+    pub fn create_ref_ttl(
+        &self,
+        buf: &Buffer,
+        offset: u64,
+        len: u64,
+        ttl: Duration,
+    ) -> Result<Ref> {
+        let i = &self.inner;
+        buf.check(self)?;
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        buf.bounds(offset, len)?;
+        let ps = self.page_size() as u64;
+        let start = buf.offset as u64 + offset;
+        let first = (start / ps) as usize;
+        let n = ((start + len).div_ceil(ps) - start / ps) as usize;
+        let (ridx, rgen) = i.claim_desc(Kind::RefBuild)?;
+        let r = i.desc(ridx)?;
+        if let Err(e) = i.attach_lists(r, n) {
+            i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
+            return Err(e);
+        }
+        let tag = dm_sys::rand::random_u64();
+        r.tag.store(tag, Ordering::Relaxed);
+        r.len.store(len, Ordering::Relaxed);
+        r.offset.store((start % ps) as u32, Ordering::Relaxed);
+        r.expiry_ms.store(
+            now_ms().saturating_add(ttl.as_millis() as u64),
+            Ordering::Relaxed,
+        );
+        r.n_pages.store(n as u32, Ordering::Relaxed);
+        let b = i.desc(buf.desc)?;
+        let pages = i.shm.pages();
+        let res = (|| -> Result<()> {
+            for k in 0..n {
+                let p = i.shm.entry_value(b, first + k)?;
+                if p != NO_PAGE {
+                    i.shm.check_page(p)?;
+                    i.set_entry(r, k, p)?;
+                    pages.share(p)?;
+                }
+                r.held.store(k as u32 + 1, Ordering::Release);
+            }
+            Ok(())
+        })();
+        if let Err(e) = res {
+            i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
+            return Err(e);
+        }
+        r.state
+            .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
+        i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
+        Ok(Ref {
+            pool_id: self.id(),
+            desc: ridx,
+            generation: rgen,
+            tag,
+            len,
+        })
+    }
+
+    /// Checks a Ref against its descriptor; returns the descriptor state word.
+    fn validate(&self, r: &Ref) -> Result<(&Desc, u64)> {
+        let i = &self.inner;
+        if r.pool_id != self.id() {
+            return Err(Error::ForeignPool {
+                expected: self.id(),
+                found: r.pool_id,
+            });
+        }
+        let d = i
+            .shm
+            .desc(r.desc)
+            .ok_or(Error::RefForged { desc: r.desc })?;
+        let w = d.state.load(Ordering::Acquire);
+        let st = DescState::decode(w);
+        if st.generation != r.generation {
+            return Err(Error::RefStale {
+                desc: r.desc,
+                generation: r.generation,
+                current: st.generation,
+            });
+        }
+        if d.tag.load(Ordering::Relaxed) != r.tag {
+            return Err(Error::RefForged { desc: r.desc });
+        }
+        match st.kind {
+            Some(Kind::RefLive) => {
+                if d.len.load(Ordering::Relaxed) != r.len {
+                    return Err(Error::RefForged { desc: r.desc });
+                }
+                if now_ms() > d.expiry_ms.load(Ordering::Relaxed) {
+                    return Err(Error::RefExpired {
+                        desc: r.desc,
+                        generation: r.generation,
+                    });
+                }
+                Ok((d, w))
+            }
+            Some(Kind::Free) | Some(Kind::Drop) => {
+                if (d.flags.load(Ordering::Relaxed) >> 8) & 0xFF == END_EXPIRED {
+                    Err(Error::RefExpired {
+                        desc: r.desc,
+                        generation: r.generation,
+                    })
+                } else {
+                    Err(Error::RefReleased {
+                        desc: r.desc,
+                        generation: r.generation,
+                    })
+                }
+            }
+            _ => Err(Error::RefForged { desc: r.desc }),
+        }
+    }
+
+    /// Length of the snapshot a Ref names, after validating it.
+    pub fn ref_len(&self, r: &Ref) -> Result<u64> {
+        self.validate(r).map(|_| r.len)
+    }
+
+    /// Maps a Ref into this process as a new buffer: +1 share on each page,
+    /// no copy. Writes to the buffer copy the pages they touch.
+    pub fn map_ref(&self, r: &Ref) -> Result<Buffer> {
+        let i = &self.inner;
+        i.live()?;
+        let (rd, w) = self.validate(r)?;
+        let ps = self.page_size() as u64;
+        let offset = rd.offset.load(Ordering::Relaxed) as u64;
+        let n = rd.n_pages.load(Ordering::Relaxed) as usize;
+        if offset >= ps || n as u64 != (offset + r.len).div_ceil(ps) || r.len > self.max_len() {
+            return Err(Error::RefForged { desc: r.desc });
+        }
+        let (idx, gen) = i.claim_desc(Kind::MapBuild)?;
+        let d = i.desc(idx)?;
+        if let Err(e) = i.attach_lists(d, n) {
+            i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
+            return Err(e);
+        }
+        d.len.store(r.len, Ordering::Relaxed);
+        d.offset.store(offset as u32, Ordering::Relaxed);
+        d.n_pages.store(n as u32, Ordering::Relaxed);
+        let pages = i.shm.pages();
+        let res = (|| -> Result<bool> {
+            for k in 0..n {
+                let p = i.shm.entry_value(rd, k)?;
+                if p != NO_PAGE {
+                    if p >= i.shm.layout.n_pages {
+                        return Ok(false);
+                    }
+                    i.set_entry(d, k, p)?;
+                    if !pages.try_share(p)? {
+                        i.set_entry(d, k, NO_PAGE)?;
+                        return Ok(false);
+                    }
+                }
+                d.held.store(k as u32 + 1, Ordering::Release);
+            }
+            // The Ref held every page throughout iff it is still the same live Ref.
+            Ok(rd.state.load(Ordering::Acquire) == w)
+        })();
+        match res {
+            Ok(true) => {
+                d.state
+                    .store(DescState::encode(gen, Kind::Buf, i.slot), Ordering::Release);
+                Ok(Buffer {
+                    pool: self.clone(),
+                    desc: idx,
+                    generation: gen,
+                    len: r.len,
+                    offset: offset as u32,
+                    n_pages: n as u32,
+                })
+            }
+            other => {
+                i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
+                other?;
+                // The Ref ended while we mapped it: report why.
+                self.validate(r)?;
+                Err(Error::RefReleased {
+                    desc: r.desc,
+                    generation: r.generation,
+                })
+            }
+        }
+    }
+
+    /// Releases a Ref: drops its shares. A second release is an error.
+    pub fn release_ref(&self, r: &Ref) -> Result<()> {
+        let i = &self.inner;
+        i.live()?;
+        loop {
+            let (d, w) = self.validate(r)?;
+            let st = DescState::decode(w);
+            let to = DescState::encode(st.generation, Kind::Drop, i.slot);
+            d.progress.store(0, Ordering::Relaxed);
+            if d.state
+                .compare_exchange(w, to, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return i.drop_desc(d, END_RELEASED);
+            }
+        }
+    }
+
+    /// Reclaims dead slots and expired Refs now (the heartbeat thread does
+    /// this every lease period). Returns what was reclaimed.
+    pub fn maintain(&self) -> Result<crate::check::GcReport> {
+        self.inner.maintain()
+    }
+
+    /// Consistency check of the whole pool (see [`crate::check`]).
+    pub fn check(&self) -> crate::check::CheckReport {
+        crate::check::check(&self.inner.shm)
+    }
+
+    /// Pages currently in this process's FIFO.
+    pub fn cached_pages(&self) -> usize {
+        self.inner.fifo.lock().map(|f| f.len()).unwrap_or(0)
+    }
+}
+
+fn heartbeat(weak: Weak<Inner>, lease: u64) {
+    let tick = Duration::from_millis((lease / 4).max(5));
+    let mut last_maint = 0u64;
+    loop {
+        std::thread::sleep(tick);
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.renew().is_err() {
+            return;
+        }
+        let now = now_ms();
+        if now >= last_maint + lease {
+            last_maint = now;
+            let _ = inner.maintain();
+        }
+    }
+}
+
+impl Inner {
+    fn live(&self) -> Result<()> {
+        if self.lost.load(Ordering::Relaxed) {
+            Err(Error::LeaseLost)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn renew(&self) -> Result<()> {
+        let Some(s) = self.shm.slot(self.slot) else {
+            return Err(Error::LeaseLost);
+        };
+        let st = SlotState::decode(s.state.load(Ordering::Acquire));
+        if st.kind != Some(SlotKind::Live) || st.incarnation != self.incarnation {
+            self.lost.store(true, Ordering::Relaxed);
+            return Err(Error::LeaseLost);
+        }
+        s.heartbeat_ms.store(now_ms(), Ordering::Release);
+        Ok(())
+    }
+
+    pub(crate) fn desc(&self, i: u32) -> Result<&Desc> {
+        self.shm
+            .desc(i)
+            .ok_or_else(|| Error::Corrupt(format!("descriptor {i} out of range")))
+    }
+
+    /// Claims a free descriptor for `kind`, owned by this slot.
+    fn claim_desc(&self, kind: Kind) -> Result<(u32, u32)> {
+        let n = self.shm.layout.n_descs as u64;
+        let cur = &self.shm.atomics().desc_cursor;
+        let start = cur.fetch_add(1, Ordering::Relaxed) % n;
+        for k in 0..n {
+            let i = ((start + k) % n) as u32;
+            let Some(d) = self.shm.desc(i) else { continue };
+            let w = d.state.load(Ordering::Relaxed);
+            let st = DescState::decode(w);
+            if st.kind != Some(Kind::Free) {
+                continue;
+            }
+            let gen = st.generation.wrapping_add(1);
+            if d.state
+                .compare_exchange(
+                    w,
+                    DescState::encode(gen, kind, self.slot),
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+            {
+                cur.store((i as u64 + 1) % n, Ordering::Relaxed);
+                return Ok((i, gen));
+            }
+        }
+        Err(Error::ResourceExhausted {
+            what: "descriptors",
+        })
+    }
+
+    /// Gives a descriptor of `n` entries the list pages it needs.
+    fn attach_lists(&self, d: &Desc, n: usize) -> Result<()> {
+        let lists = self.shm.lists_needed(n);
+        if lists == 0 {
+            return Ok(());
+        }
+        if lists > INLINE {
+            return Err(Error::TooLarge {
+                len: n as u64 * self.shm.layout.page_size as u64,
+                max: self.shm.layout.max_len(),
+            });
+        }
+        let got = self.take_pages(lists)?;
+        d.flags.fetch_or(FLAG_INDIRECT, Ordering::Release);
+        let pages = self.shm.pages();
+        for (k, &l) in got.iter().enumerate() {
+            for e in self.shm.list(l)? {
+                e.store(NO_PAGE, Ordering::Relaxed);
+            }
+            d.entries[k].store(l, Ordering::Release);
+            pages.hold_cached(l, self.slot)?;
+        }
+        Ok(())
+    }
+
+    fn set_entry(&self, d: &Desc, k: usize, p: u32) -> Result<()> {
+        match self.shm.entry(d, k)? {
+            Some(e) => {
+                e.store(p, Ordering::Release);
+                Ok(())
+            }
+            None => Err(Error::Corrupt(format!("entry {k} has no list page"))),
+        }
+    }
+
+    /// Takes `n` zeroed pages from the FIFO, refilling from the free set.
+    pub(crate) fn take_pages(&self, n: usize) -> Result<Vec<u32>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut retried = false;
+        loop {
+            {
+                let mut fifo = self
+                    .fifo
+                    .lock()
+                    .map_err(|_| Error::Corrupt("FIFO lock poisoned".into()))?;
+                if fifo.len() < n {
+                    let want = self.opts.batch.max(n - fifo.len());
+                    let mut got = Vec::with_capacity(want);
+                    self.shm.pages().claim_batch(
+                        &self.shm.atomics().page_cursor,
+                        self.slot,
+                        want,
+                        &mut got,
+                    );
+                    fifo.extend(got);
+                }
+                if fifo.len() >= n {
+                    return Ok(fifo.drain(..n).collect());
+                }
+            }
+            if retried {
+                return Err(Error::ResourceExhausted { what: "pages" });
+            }
+            retried = true;
+            // Reclaim what dead processes and expired Refs hold, then retry once.
+            self.maintain()?;
+        }
+    }
+
+    /// Returns zeroed pages (Cached by this slot) to the FIFO, giving back surplus.
+    pub(crate) fn give_pages(&self, pages: impl IntoIterator<Item = u32>) {
+        let Ok(mut fifo) = self.fifo.lock() else {
+            return;
+        };
+        fifo.extend(pages);
+        if fifo.len() > self.opts.fifo_max {
+            let keep = self.opts.fifo_max / 2;
+            let t = self.shm.pages();
+            while fifo.len() > keep {
+                if let Some(p) = fifo.pop_back() {
+                    let _ = t.release_cached(p, self.slot);
+                }
+            }
+        }
+    }
+
+    /// Drops a descriptor this slot owns in `kind` (abort of a build, or free).
+    fn drop_own(&self, idx: u32, gen: u32, kind: Kind, end: u32) -> Result<()> {
+        let d = self.desc(idx)?;
+        let n = d.n_pages.load(Ordering::Relaxed);
+        if kind == Kind::Buf {
+            d.held.store(n, Ordering::Relaxed);
+        }
+        d.progress.store(0, Ordering::Relaxed);
+        let from = DescState::encode(gen, kind, self.slot);
+        let to = DescState::encode(gen, Kind::Drop, self.slot);
+        d.state
+            .compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
+            .map_err(|_| Error::Corrupt(format!("descriptor {idx} changed under its owner")))?;
+        self.drop_desc(d, end)
+    }
+
+    /// Finishes dropping a descriptor in `Drop` state owned by this slot:
+    /// drops the shares of entries `[progress, held)`, then its list pages,
+    /// then frees it. Safe to resume after a crash at any point.
+    pub(crate) fn drop_desc(&self, d: &Desc, end: u32) -> Result<()> {
+        let held = d.held.load(Ordering::Acquire);
+        let mut freed = Vec::new();
+        let mut first_err = None;
+        let mut i = d.progress.load(Ordering::Acquire);
+        while i < held {
+            d.progress.store(i + 1, Ordering::Release);
+            match self.shm.entry_value(d, i as usize) {
+                Ok(NO_PAGE) => {}
+                Ok(p) => {
+                    if let Err(e) = self.drop_share(p, &mut freed) {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+            i += 1;
+        }
+        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
+            for e in &d.entries {
+                let l = e.swap(NO_PAGE, Ordering::AcqRel);
+                if l != NO_PAGE {
+                    if let Err(e) = self.drop_share(l, &mut freed) {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        d.flags.store(end << 8, Ordering::Release);
+        reset_desc_fields(d);
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        d.state.store(
+            DescState::encode(st.generation, Kind::Free, 0),
+            Ordering::Release,
+        );
+        self.give_pages(freed);
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Drops one share of page `p` held by a descriptor being dropped. A page
+    /// still cached by a dead (or our own) slot was never held: free it.
+    fn drop_share(&self, p: u32, freed: &mut Vec<u32>) -> Result<()> {
+        let p = self.shm.check_page(p)?;
+        let t = self.shm.pages();
+        match t.state(p)? {
+            PageState::Held(_) => {
+                if t.unshare(p, self.slot)? == Unshared::Last {
+                    self.shm.zero_page(p);
+                    freed.push(p);
+                }
+                Ok(())
+            }
+            PageState::Cached(x) if x == self.slot || !self.shm.slot_live(x, now_ms()) => {
+                self.shm.zero_page(p);
+                t.release_cached(p, x)?;
+                Ok(())
+            }
+            other => Err(Error::Corrupt(format!(
+                "page {p} is {other:?} but a dropped descriptor lists it"
+            ))),
+        }
+    }
+
+    /// Reclaims dead slots and expired Refs.
+    pub(crate) fn maintain(&self) -> Result<crate::check::GcReport> {
+        let mut rep = crate::check::GcReport::default();
+        let now = now_ms();
+        for s in 0..self.shm.layout.n_slots as u16 {
+            if s != self.slot && self.reclaim_slot(s, now)? {
+                rep.slots_reclaimed += 1;
+            }
+        }
+        for idx in 0..self.shm.layout.n_descs {
+            let d = self.desc(idx)?;
+            let w = d.state.load(Ordering::Acquire);
+            let st = DescState::decode(w);
+            if st.kind == Some(Kind::RefLive) && now > d.expiry_ms.load(Ordering::Relaxed) {
+                d.progress.store(0, Ordering::Relaxed);
+                let to = DescState::encode(st.generation, Kind::Drop, self.slot);
+                if d.state
+                    .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    self.drop_desc(d, END_EXPIRED)?;
+                    self.shm
+                        .atomics()
+                        .refs_expired
+                        .fetch_add(1, Ordering::Relaxed);
+                    rep.refs_expired += 1;
+                }
+            }
+        }
+        Ok(rep)
+    }
+
+    /// If slot `s` is dead (lease expired, or its reclaimer died), takes it
+    /// over and releases everything it holds. Returns whether it did.
+    fn reclaim_slot(&self, s: u16, now: u64) -> Result<bool> {
+        let Some(slot) = self.shm.slot(s) else {
+            return Ok(false);
+        };
+        let w = slot.state.load(Ordering::Acquire);
+        let st = SlotState::decode(w);
+        let dead = match st.kind {
+            Some(SlotKind::Live) => self.shm.slot_expired(slot, now),
+            Some(SlotKind::Reclaiming) => {
+                st.reclaimer != s && !self.shm.slot_live(st.reclaimer, now)
+            }
+            _ => false,
+        };
+        if !dead {
+            return Ok(false);
+        }
+        let to = SlotState::encode(st.incarnation, SlotKind::Reclaiming, self.slot);
+        if slot
+            .state
+            .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return Ok(false);
+        }
+        self.release_holdings_of(s)?;
+        slot.state.store(
+            SlotState::encode(st.incarnation, SlotKind::Free, 0),
+            Ordering::Release,
+        );
+        self.shm
+            .atomics()
+            .slots_reclaimed
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Releases every descriptor owned by slot `s` and every page it caches.
+    /// `s` is dead (or is this slot, detaching).
+    pub(crate) fn release_holdings_of(&self, s: u16) -> Result<()> {
+        for idx in 0..self.shm.layout.n_descs {
+            let d = self.desc(idx)?;
+            if DescState::decode(d.state.load(Ordering::Acquire)).owner == s {
+                self.take_over_desc(d)?;
+            }
+        }
+        let t = self.shm.pages();
+        for p in 0..self.shm.layout.n_pages {
+            if t.state(p)? == PageState::Cached(s) {
+                self.shm.zero_page(p);
+                t.release_cached(p, s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes over an owned descriptor whose owner is gone and drops it.
+    /// Returns whether it was dropped (false: not an owned kind, or raced).
+    pub(crate) fn take_over_desc(&self, d: &Desc) -> Result<bool> {
+        let w = d.state.load(Ordering::Acquire);
+        let st = DescState::decode(w);
+        match st.kind {
+            Some(Kind::Buf) => {
+                self.undo_journal(d)?;
+                d.held
+                    .store(d.n_pages.load(Ordering::Relaxed), Ordering::Relaxed);
+                d.progress.store(0, Ordering::Relaxed);
+            }
+            Some(Kind::MapBuild) | Some(Kind::RefBuild) => d.progress.store(0, Ordering::Relaxed),
+            Some(Kind::Drop) => {}
+            _ => return Ok(false),
+        }
+        let to = DescState::encode(st.generation, Kind::Drop, self.slot);
+        if d.state
+            .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.drop_desc(d, END_ABORTED)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Resolves an interrupted copy-on-write of a dead owner: if the new page
+    /// was linked but never committed (still cached), the old page's share
+    /// was never dropped — put it back in the list.
+    fn undo_journal(&self, d: &Desc) -> Result<()> {
+        let idx = d.journal_idx.load(Ordering::Acquire);
+        if idx == NO_PAGE {
+            return Ok(());
+        }
+        let old = d.journal_old.load(Ordering::Acquire);
+        let cur = self.shm.entry_value(d, idx as usize)?;
+        if cur != old && cur != NO_PAGE {
+            if let PageState::Cached(_) = self.shm.pages().state(self.shm.check_page(cur)?)? {
+                self.set_entry(d, idx as usize, old)?;
+            }
+        }
+        d.journal_idx.store(NO_PAGE, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if self.lost.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Ok(mut fifo) = self.fifo.lock() {
+            let t = self.shm.pages();
+            for p in fifo.drain(..) {
+                let _ = t.release_cached(p, self.slot);
+            }
+        }
+        let _ = self.release_holdings_of(self.slot);
+        if let Some(s) = self.shm.slot(self.slot) {
+            let _ = s.state.compare_exchange(
+                SlotState::encode(self.incarnation, SlotKind::Live, 0),
+                SlotState::encode(self.incarnation, SlotKind::Free, 0),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+    }
+}
+
+/// A buffer id that can cross an FFI boundary: [`Pool::free_id`] detects
+/// double frees with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BufferId {
+    /// Pool id.
+    pub pool_id: u64,
+    /// Descriptor index.
+    pub desc: u32,
+    /// Generation.
+    pub generation: u32,
+}
+
+/// A buffer in the pool owned by this process: pages of its own or shared
+/// with Refs (copy-on-write). Freed on drop.
+#[derive(Debug)]
+pub struct Buffer {
+    pool: Pool,
+    desc: u32,
+    generation: u32,
+    len: u64,
+    offset: u32,
+    n_pages: u32,
+}
+
+impl Buffer {
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the length is zero (never: buffers are at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its id.
+    pub fn id(&self) -> BufferId {
+        BufferId {
+            pool_id: self.pool.id(),
+            desc: self.desc,
+            generation: self.generation,
+        }
+    }
+
+    /// The pool it belongs to.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    fn check(&self, pool: &Pool) -> Result<()> {
+        pool.inner.live()?;
+        if pool.id() != self.pool.id() || !Arc::ptr_eq(&pool.inner, &self.pool.inner) {
+            return Err(Error::ForeignPool {
+                expected: pool.id(),
+                found: self.pool.id(),
+            });
+        }
+        Ok(())
+    }
+
+    fn bounds(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(e) if e <= self.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    fn d(&self) -> Result<&Desc> {
+        self.pool.inner.desc(self.desc)
+    }
+
+    /// Page entry `k` of this buffer.
+    pub(crate) fn page_at(&self, k: usize) -> Result<u32> {
+        self.pool.inner.shm.entry_value(self.d()?, k)
+    }
+
+    pub(crate) fn desc_index(&self) -> u32 {
+        self.desc
+    }
+
+    pub(crate) fn first_offset(&self) -> u32 {
+        self.offset
+    }
+
+    pub(crate) fn page_count(&self) -> u32 {
+        self.n_pages
+    }
+
+    /// Copies `out.len()` bytes at `offset` into `out`.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.pool.inner.live()?;
+        self.bounds(offset, out.len() as u64)?;
+        let mut done = 0;
+        for seg in self.segments(offset, out.len() as u64)? {
+            out[done..done + seg.len()].copy_from_slice(seg);
+            done += seg.len();
+        }
+        Ok(())
+    }
+
+    /// Reads the whole buffer into a vector.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.len as usize];
+        self.read(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Views `len` bytes at `offset` as slices of pool memory: one slice per
+    /// run of consecutive pool pages (unbacked pages read as zeros). No copy,
+    /// no syscall: this is the fast read path for received data.
+    pub fn segments(&self, offset: u64, len: u64) -> Result<Vec<&[u8]>> {
+        self.bounds(offset, len)?;
+        let i = &self.pool.inner;
+        let ps = i.shm.layout.page_size as u64;
+        let mut out: Vec<&[u8]> = Vec::new();
+        let mut pos = self.offset as u64 + offset;
+        let end = pos + len;
+        let mut run: Option<(u32, u64, u64)> = None; // (page, in-page start, bytes)
+        while pos < end {
+            let k = (pos / ps) as usize;
+            let in_page = pos % ps;
+            let take = (ps - in_page).min(end - pos);
+            let p = self.page_at(k)?;
+            if p != NO_PAGE {
+                i.shm.check_page(p)?;
+            }
+            run = match run {
+                Some((rp, rs, rn))
+                    if p != NO_PAGE
+                        && rp != NO_PAGE
+                        && rp as u64 + (rs + rn) / ps == p as u64
+                        && in_page == 0 =>
+                {
+                    Some((rp, rs, rn + take))
+                }
+                prev => {
+                    if let Some(seg) = prev {
+                        out.push(self.seg(seg));
+                    }
+                    Some((p, in_page, take))
+                }
+            };
+            pos += take;
+        }
+        if let Some(seg) = run {
+            out.push(self.seg(seg));
+        }
+        Ok(out)
+    }
+
+    fn seg(&self, (p, start, n): (u32, u64, u64)) -> &[u8] {
+        let i = &self.pool.inner;
+        if p == NO_PAGE {
+            return &i.zeros[start as usize..(start + n) as usize];
+        }
+        // SAFETY: p is a checked page index and the run [p, p + pages) lies
+        // in the data area (each page index was checked). The pages are held
+        // by this buffer; a page shared with others is frozen (writers copy
+        // first) and a page we hold alone changes only through `&mut self`,
+        // which the returned borrow of `self` excludes.
+        unsafe { std::slice::from_raw_parts(i.shm.page_ptr(p).add(start as usize), n as usize) }
+    }
+
+    /// The whole buffer as one slice, if its pages are consecutive in the pool.
+    pub fn as_slice(&self) -> Result<Option<&[u8]>> {
+        let s = self.segments(0, self.len)?;
+        Ok(if s.len() == 1 {
+            s.into_iter().next()
+        } else {
+            None
+        })
+    }
+
+    /// Writes `data` at `offset`. Pages shared with a Ref or another buffer
+    /// are copied first (only the pages written); unbacked pages are backed.
+    /// If the pool has too few free pages for the whole write, nothing is
+    /// written and `ResourceExhausted` is returned.
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        let i = self.pool.inner.clone();
+        i.live()?;
+        self.bounds(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let ps = i.shm.layout.page_size as u64;
+        let d = self.d()?;
+        let t = i.shm.pages();
+        let start = self.offset as u64 + offset;
+        let end = start + data.len() as u64;
+        let (k0, k1) = ((start / ps) as usize, end.div_ceil(ps) as usize);
+        // Reserve every page the write may need first, so it is all or nothing.
+        let mut need = 0;
+        for k in k0..k1 {
+            let p = self.page_at(k)?;
+            if p == NO_PAGE || t.rc(i.shm.check_page(p)?) != 1 {
+                need += 1;
+            }
+        }
+        let mut fresh = i.take_pages(need)?.into_iter();
+        let mut pos = start;
+        let mut src = 0usize;
+        let mut copies = 0;
+        while pos < end {
+            let k = (pos / ps) as usize;
+            let in_page = (pos % ps) as usize;
+            let take = ((ps as usize) - in_page).min((end - pos) as usize);
+            let p = self.page_at(k)?;
+            let target = if p != NO_PAGE && t.rc(p) == 1 {
+                p
+            } else {
+                // A transient share (a stale map attempt) can make a page
+                // look shared after we counted: take one more page then.
+                let q = match fresh.next() {
+                    Some(q) => q,
+                    None => i.take_pages(1)?[0],
+                };
+                let whole = in_page == 0 && take == ps as usize;
+                if p != NO_PAGE && !whole {
+                    // SAFETY: p is held by us and frozen (rc > 1); q is ours
+                    // (Cached by this slot); both are distinct checked pages.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            i.shm.page_ptr(p),
+                            i.shm.page_ptr(q),
+                            ps as usize,
+                        )
+                    };
+                }
+                i.link_page(d, k, p, q)?;
+                if p != NO_PAGE {
+                    copies += 1;
+                }
+                q
+            };
+            // SAFETY: `target` is held by this buffer alone (rc == 1), so no
+            // one else reads or writes it; the range is inside the page.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data[src..].as_ptr(),
+                    i.shm.page_ptr(target).add(in_page),
+                    take,
+                )
+            };
+            pos += take as u64;
+            src += take;
+        }
+        i.give_pages(fresh);
+        if copies > 0 {
+            i.shm
+                .atomics()
+                .cow_copies
+                .fetch_add(copies, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Creates a Ref to a range of this buffer (see [`Pool::create_ref`]).
+    pub fn create_ref(&self, offset: u64, len: u64) -> Result<Ref> {
+        self.pool.create_ref(self, offset, len)
+    }
+
+    /// Creates a Ref to the whole buffer.
+    pub fn share(&self) -> Result<Ref> {
+        self.pool.create_ref(self, 0, self.len)
+    }
+}
+
+impl Inner {
+    /// Replaces entry `k` (old page `p`, or NO_PAGE) of an owned buffer with
+    /// `q`, a page cached by this slot and already filled. The CoW journal
+    /// makes this recoverable at every step (see `undo_journal`).
+    pub(crate) fn link_page(&self, d: &Desc, k: usize, p: u32, q: u32) -> Result<()> {
+        let t = self.shm.pages();
+        if p != NO_PAGE {
+            d.journal_old.store(p, Ordering::Relaxed);
+            d.journal_idx.store(k as u32, Ordering::Release);
+        }
+        self.set_entry(d, k, q)?;
+        t.hold_cached(q, self.slot)?;
+        if p != NO_PAGE {
+            if t.unshare(p, self.slot)? == Unshared::Last {
+                self.shm.zero_page(p);
+                self.give_pages([p]);
+            }
+            d.journal_idx.store(NO_PAGE, Ordering::Release);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let _ = self.pool.free_id(self.id());
+    }
+}
+
+// Keep AtomicU32 import used in all cfgs.
+#[allow(dead_code)]
+fn _assert_atomic(_: &AtomicU32) {}

@@ -1,0 +1,267 @@
+//! Typed views of the mapped pool: header atomics, page table, slots,
+//! descriptors, page data. Every index read from the pool is bounds-checked
+//! here before it is turned into an address.
+
+use crate::desc::{Desc, FLAG_INDIRECT, INLINE};
+use crate::error::{Error, Result};
+use crate::layout::{HeaderAtomics, Layout, ParseError, ATOMICS_OFF, HEADER_LEN, READY};
+use crate::pages::{PageTable, NO_PAGE};
+use crate::slot::{Slot, SlotKind, SlotState};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use dm_sys::mem::SharedFile;
+use std::path::Path;
+
+/// A mapped, validated pool.
+#[derive(Debug)]
+pub struct Shm {
+    file: SharedFile,
+    /// The validated layout.
+    pub layout: Layout,
+}
+
+impl Shm {
+    /// Maps `path` and validates its header.
+    pub fn open(path: &Path) -> Result<Shm> {
+        let device = SharedFile::is_device(path);
+        let file = if device {
+            // A device has no size: read the header to learn the pool's length.
+            let probe = SharedFile::open(path, Some(HEADER_LEN))?;
+            let l = Self::parse(&probe, path, u64::MAX)?;
+            drop(probe);
+            SharedFile::open(path, Some(l.total_len))?
+        } else {
+            SharedFile::open(path, None)?
+        };
+        let layout = Self::parse(&file, path, file.len() as u64)?;
+        let shm = Shm { file, layout };
+        // Wait briefly for a concurrent creator to finish.
+        for _ in 0..200 {
+            if shm.atomics().ready.load(Ordering::Acquire) == READY {
+                return Ok(shm);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        Err(Error::NotReady)
+    }
+
+    fn parse(file: &SharedFile, path: &Path, file_len: u64) -> Result<Layout> {
+        if (file.len() as u64) < HEADER_LEN {
+            return Err(Error::CorruptHeader(format!(
+                "backing is {} bytes, smaller than a pool header",
+                file.len()
+            )));
+        }
+        // SAFETY: the mapping is at least HEADER_LEN bytes; the immutable
+        // header is only written before `ready` is published, and any bytes
+        // are acceptable input to `parse`.
+        let bytes = unsafe { std::slice::from_raw_parts(file.base(), ATOMICS_OFF) };
+        Layout::parse(bytes, file_len).map_err(|e| match e {
+            ParseError::Magic | ParseError::Truncated => Error::NotAPool {
+                path: path.to_owned(),
+            },
+            ParseError::Version(v) => Error::VersionMismatch {
+                found: v,
+                supported: crate::layout::POOL_VERSION,
+            },
+            ParseError::Corrupt(why) => Error::CorruptHeader(why),
+        })
+    }
+
+    /// Creates the pool in a fresh mapping: writes metadata, then publishes `ready`.
+    pub(crate) fn init(file: SharedFile, layout: Layout) -> Shm {
+        let enc = layout.encode();
+        // SAFETY: the mapping is at least total_len >= HEADER_LEN bytes and
+        // nobody else uses it before `ready` is published below.
+        unsafe { std::ptr::copy_nonoverlapping(enc.as_ptr(), file.base(), enc.len()) };
+        let shm = Shm { file, layout };
+        for i in 0..shm.layout.n_descs {
+            if let Some(d) = shm.desc(i) {
+                crate::pool::reset_desc_fields(d);
+            }
+        }
+        shm.atomics().ready.store(READY, Ordering::Release);
+        shm
+    }
+
+    /// The path of the backing.
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
+
+    /// File descriptor of the backing (for fixed mappings).
+    pub fn raw_fd(&self) -> i32 {
+        self.file.raw_fd()
+    }
+
+    /// Faults in the whole data area.
+    pub fn prefault(&self) {
+        self.file.prefault(
+            self.layout.data_off as usize,
+            self.layout.n_pages as usize * self.layout.page_size as usize,
+        );
+    }
+
+    fn at<T>(&self, off: u64) -> &T {
+        // SAFETY: callers pass offsets inside areas validated by
+        // `Layout::parse` (aligned for T, inside the mapping); T is a
+        // repr(C) type made only of atomics, valid for any bit pattern.
+        unsafe { &*(self.file.base().add(off as usize) as *const T) }
+    }
+
+    /// Shared counters and cursors.
+    pub fn atomics(&self) -> &HeaderAtomics {
+        self.at(ATOMICS_OFF as u64)
+    }
+
+    /// The page table.
+    pub fn pages(&self) -> PageTable<'_> {
+        // SAFETY: the page table area holds n_pages u64 words (validated),
+        // 8-aligned, and AtomicU64 has the layout of u64.
+        let words = unsafe {
+            std::slice::from_raw_parts(
+                self.file.base().add(self.layout.pt_off as usize) as *const AtomicU64,
+                self.layout.n_pages as usize,
+            )
+        };
+        PageTable::new(words)
+    }
+
+    /// The raw page-table words (for the quiescent recount in gc).
+    pub(crate) fn page_words(&self) -> &[AtomicU64] {
+        // SAFETY: as in `pages`.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.file.base().add(self.layout.pt_off as usize) as *const AtomicU64,
+                self.layout.n_pages as usize,
+            )
+        }
+    }
+
+    /// Address of the first page-table word (for the fault handler).
+    pub(crate) fn pages_ptr(&self) -> *const AtomicU64 {
+        self.page_words().as_ptr()
+    }
+
+    /// Slot `i`, if in range.
+    pub fn slot(&self, i: u16) -> Option<&Slot> {
+        (u32::from(i) < self.layout.n_slots)
+            .then(|| self.at(self.layout.slot_off + i as u64 * crate::slot::SLOT_SIZE as u64))
+    }
+
+    /// Descriptor `i`, if in range.
+    pub fn desc(&self, i: u32) -> Option<&Desc> {
+        (i < self.layout.n_descs)
+            .then(|| self.at(self.layout.desc_off + i as u64 * crate::desc::DESC_SIZE as u64))
+    }
+
+    /// Address of data page `p` (`p` must be < n_pages).
+    pub fn page_ptr(&self, p: u32) -> *mut u8 {
+        debug_assert!(p < self.layout.n_pages);
+        // SAFETY: p < n_pages, so the page lies inside the validated data area.
+        unsafe {
+            self.file
+                .base()
+                .add(self.layout.data_off as usize + p as usize * self.layout.page_size as usize)
+        }
+    }
+
+    /// Checks a page index read from the pool.
+    pub fn check_page(&self, p: u32) -> Result<u32> {
+        if p < self.layout.n_pages {
+            Ok(p)
+        } else {
+            Err(Error::Corrupt(format!(
+                "page index {p} is outside the pool ({} pages)",
+                self.layout.n_pages
+            )))
+        }
+    }
+
+    /// A list page viewed as entries.
+    pub fn list(&self, p: u32) -> Result<&[AtomicU32]> {
+        let p = self.check_page(p)?;
+        // SAFETY: a data page is page_size bytes (a multiple of 4), 4-aligned,
+        // inside the mapping; AtomicU32 has the layout of u32.
+        Ok(unsafe {
+            std::slice::from_raw_parts(
+                self.page_ptr(p) as *const AtomicU32,
+                self.layout.per_list_page(),
+            )
+        })
+    }
+
+    /// Entry `i` of descriptor `d` (data page index or NO_PAGE). A missing
+    /// list page reads as NO_PAGE (a descriptor whose builder died early).
+    pub fn entry<'a>(&'a self, d: &'a Desc, i: usize) -> Result<Option<&'a AtomicU32>> {
+        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT == 0 {
+            return Ok(d.entries.get(i));
+        }
+        let per = self.layout.per_list_page();
+        let Some(l) = d.entries.get(i / per) else {
+            return Ok(None);
+        };
+        let l = l.load(Ordering::Acquire);
+        if l == NO_PAGE {
+            return Ok(None);
+        }
+        Ok(self.list(l)?.get(i % per))
+    }
+
+    /// Reads entry `i` (NO_PAGE when absent).
+    pub fn entry_value(&self, d: &Desc, i: usize) -> Result<u32> {
+        Ok(self
+            .entry(d, i)?
+            .map_or(NO_PAGE, |e| e.load(Ordering::Acquire)))
+    }
+
+    /// Number of list pages a descriptor of `n` entries needs (0 = inline).
+    pub fn lists_needed(&self, n: usize) -> usize {
+        if n <= INLINE {
+            0
+        } else {
+            n.div_ceil(self.layout.per_list_page())
+        }
+    }
+
+    /// Zeroes data page `p`.
+    pub fn zero_page(&self, p: u32) {
+        // SAFETY: p is a checked page index; the caller owns the page
+        // (Cached by its slot), so no one else reads or writes it.
+        unsafe { std::ptr::write_bytes(self.page_ptr(p), 0, self.layout.page_size as usize) };
+    }
+
+    /// Whether slot `s` is live (attached, lease not expired) at `now`.
+    pub fn slot_live(&self, s: u16, now: u64) -> bool {
+        let Some(slot) = self.slot(s) else {
+            return false;
+        };
+        let st = SlotState::decode(slot.state.load(Ordering::Acquire));
+        st.kind == Some(SlotKind::Live) && !self.slot_expired(slot, now)
+    }
+
+    /// Whether a live slot's lease has expired (or its process is gone).
+    pub fn slot_expired(&self, slot: &Slot, now: u64) -> bool {
+        let hb = slot.heartbeat_ms.load(Ordering::Acquire);
+        let lease = slot.lease_ms.load(Ordering::Relaxed);
+        if now > hb.saturating_add(lease) {
+            return true;
+        }
+        // On the same host a vanished pid is dead without waiting for the lease.
+        slot.host.load(Ordering::Relaxed) == host_id()
+            && !dm_sys::proc::pid_alive(slot.pid.load(Ordering::Relaxed))
+    }
+}
+
+/// Hash of this host's boot id (0 if unknown).
+pub fn host_id() -> u64 {
+    static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ID.get_or_init(|| {
+        let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in s.trim().bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h
+    })
+}

@@ -1,0 +1,86 @@
+//! Slots: one record per attached process, with its lease.
+//!
+//! The state word packs `incarnation (32) | kind (8) | reclaimer (16)`. A
+//! process takes a `Free` slot with a CAS (bumping the incarnation), renews
+//! `heartbeat_ms` from a background thread, and frees the slot on detach.
+//! A slot whose heartbeat is older than its lease is dead: any live process
+//! (or `dmrpc pool gc`) CASes it to `Reclaiming` and releases everything the
+//! pool records as its holdings (descriptors it owns, pages cached by it).
+
+use crate::sync::{AtomicU32, AtomicU64};
+
+/// Size of a slot record in the pool.
+pub const SLOT_SIZE: usize = 128;
+
+/// Slot kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotKind {
+    /// Unused.
+    Free,
+    /// Attached.
+    Live,
+    /// Dead, being reclaimed by the slot in `reclaimer`.
+    Reclaiming,
+}
+
+/// Decoded slot state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotState {
+    /// Bumped on every attach.
+    pub incarnation: u32,
+    /// Kind (None for an impossible value).
+    pub kind: Option<SlotKind>,
+    /// Reclaiming slot index.
+    pub reclaimer: u16,
+}
+
+impl SlotState {
+    /// Decodes.
+    pub fn decode(w: u64) -> Self {
+        SlotState {
+            incarnation: w as u32,
+            kind: match (w >> 32) as u8 {
+                0 => Some(SlotKind::Free),
+                1 => Some(SlotKind::Live),
+                2 => Some(SlotKind::Reclaiming),
+                _ => None,
+            },
+            reclaimer: (w >> 40) as u16,
+        }
+    }
+
+    /// Encodes.
+    pub fn encode(incarnation: u32, kind: SlotKind, reclaimer: u16) -> u64 {
+        let k = match kind {
+            SlotKind::Free => 0u64,
+            SlotKind::Live => 1,
+            SlotKind::Reclaiming => 2,
+        };
+        incarnation as u64 | (k << 32) | ((reclaimer as u64) << 40)
+    }
+}
+
+/// A slot as laid out in the pool.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Slot {
+    /// `incarnation | kind | reclaimer`.
+    pub state: AtomicU64,
+    /// Last renewal, ms since the epoch.
+    pub heartbeat_ms: AtomicU64,
+    /// Lease length, ms.
+    pub lease_ms: AtomicU64,
+    /// Attach time, ms since the epoch.
+    pub attached_ms: AtomicU64,
+    /// Hash of the host's boot id (pid checks are only meaningful on the same host).
+    pub host: AtomicU64,
+    /// Process id.
+    pub pid: AtomicU32,
+    _pad: AtomicU32,
+    /// Process name, up to 32 bytes, NUL padded.
+    pub name: [AtomicU64; 4],
+    _rsv: [AtomicU64; 6],
+}
+
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<Slot>() == SLOT_SIZE);

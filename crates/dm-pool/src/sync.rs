@@ -1,0 +1,8 @@
+//! The one place atomics come from, so that the lock-free protocols can be
+//! model-checked with loom (`RUSTFLAGS="--cfg loom" cargo test -p dm-pool --test loom`).
+
+#[cfg(loom)]
+pub use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+#[cfg(not(loom))]
+pub use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

@@ -1,0 +1,126 @@
+//! A process-wide write-fault hook.
+//!
+//! Transparent copy-on-write needs to run code when a store hits a page that
+//! is mapped read-only. This module installs one `SIGSEGV` handler for the
+//! process (once) and calls a resolver registered by the layer above with the
+//! faulting address. If the resolver does not claim the fault (an address
+//! outside every DM window, or a real bug), the previous handler runs as if we
+//! were never there: a `SA_SIGINFO` handler is called with the same arguments,
+//! `SIG_IGN` returns, and `SIG_DFL` is restored so that the re-executed
+//! instruction faults again and the process dies with the usual signal.
+//!
+//! Everything reachable from the handler must be async-signal-safe: atomics,
+//! plain loads and stores, and raw syscalls. No allocation, no locks.
+
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::Once;
+
+/// Resolver signature: given the faulting address and whether the access was
+/// a write, return `true` if the fault was resolved (the instruction will be
+/// retried), `false` to pass it on.
+pub type Resolver = fn(addr: usize, is_write: bool) -> bool;
+
+static RESOLVER: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
+static INSTALL: Once = Once::new();
+static PREV_SET: AtomicUsize = AtomicUsize::new(0);
+static mut PREV: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
+
+/// Installs the process-wide handler (idempotent) and sets the resolver.
+/// Returns an error if `sigaction` fails.
+pub fn install(resolver: Resolver) -> std::io::Result<()> {
+    RESOLVER.store(resolver as *mut (), Ordering::Release);
+    let mut err = None;
+    INSTALL.call_once(|| {
+        // SAFETY: we build a zeroed sigaction (a valid value), fill in our
+        // handler with SA_SIGINFO, and save the previous one into PREV before
+        // any fault can read it (PREV_SET is published after the write).
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = handler as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER;
+            libc::sigemptyset(&mut sa.sa_mask);
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGSEGV, &sa, &mut old) != 0 {
+                err = Some(std::io::Error::last_os_error());
+                return;
+            }
+            let prev = &raw mut PREV;
+            (*prev).write(old);
+            PREV_SET.store(1, Ordering::Release);
+        }
+    });
+    match err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    let is_write = fault_is_write(ctx);
+    let r = RESOLVER.load(Ordering::Acquire);
+    if !r.is_null() {
+        // SAFETY: RESOLVER only ever holds a `Resolver` fn pointer (see `install`).
+        let f: Resolver = unsafe { std::mem::transmute::<*mut (), Resolver>(r) };
+        if f(addr, is_write) {
+            return;
+        }
+    }
+    chain(sig, info, ctx);
+}
+
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+fn fault_is_write(ctx: *mut libc::c_void) -> bool {
+    if ctx.is_null() {
+        return true;
+    }
+    // SAFETY: for SA_SIGINFO handlers the third argument is a ucontext_t.
+    let uc = unsafe { &*(ctx as *const libc::ucontext_t) };
+    // Bit 1 of the page-fault error code: the access was a write.
+    (uc.uc_mcontext.gregs[libc::REG_ERR as usize] & 2) != 0
+}
+
+#[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
+fn fault_is_write(_ctx: *mut libc::c_void) -> bool {
+    true
+}
+
+fn chain(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    if PREV_SET.load(Ordering::Acquire) == 0 {
+        restore_default(sig);
+        return;
+    }
+    // SAFETY: PREV was fully written before PREV_SET was published.
+    let prev = unsafe { (*(&raw const PREV)).assume_init_ref() };
+    let h = prev.sa_sigaction;
+    if h == libc::SIG_IGN {
+        return;
+    }
+    if h == libc::SIG_DFL {
+        restore_default(sig);
+        return;
+    }
+    if prev.sa_flags & libc::SA_SIGINFO != 0 {
+        // SAFETY: the previous handler was installed with SA_SIGINFO, so it
+        // has this signature.
+        let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) =
+            unsafe { std::mem::transmute(h) };
+        f(sig, info, ctx);
+    } else {
+        // SAFETY: a plain handler takes the signal number only.
+        let f: extern "C" fn(i32) = unsafe { std::mem::transmute(h) };
+        f(sig);
+    }
+}
+
+fn restore_default(sig: i32) {
+    // SAFETY: resetting a signal to SIG_DFL is async-signal-safe; the faulting
+    // instruction is then retried and delivers the default action.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = libc::SIG_DFL;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(sig, &sa, std::ptr::null_mut());
+    }
+}

@@ -1,0 +1,74 @@
+//! The OS edge of dmrpc.
+//!
+//! Everything that talks to the kernel lives here, behind small, documented
+//! primitives, so that the crates above (the pool format, the RPC layer) are
+//! safe Rust over offsets and atomics:
+//!
+//! * [`mem::SharedFile`] — create/open a pool backing file (tmpfs, any regular
+//!   file, or a DAX character device) and map all of it `MAP_SHARED` once.
+//! * [`mem::Reservation`] — a reserved range of virtual addresses into which
+//!   single file pages are mapped at fixed addresses (the transparent
+//!   load/store path of mapped buffers).
+//! * [`fault`] — a process-wide `SIGSEGV` hook that resolves write faults in
+//!   registered windows and chains to the previous handler for everything else.
+//! * [`time`], [`rand`], [`proc`] — clocks for leases, random tags, liveness.
+
+pub mod fault;
+pub mod mem;
+
+/// Wall-clock time, used for leases and Ref TTLs.
+pub mod time {
+    /// Milliseconds since the Unix epoch (`CLOCK_REALTIME`).
+    ///
+    /// Leases are compared across processes — and, for a pool on a CXL
+    /// device shared by several hosts, across hosts — so a clock every
+    /// participant agrees on is needed; the realtime clock is that clock
+    /// (hosts are assumed NTP-synchronised to well under a lease).
+    pub fn now_ms() -> u64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec; clock_gettime is
+        // async-signal-safe and has no other preconditions.
+        unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+        (ts.tv_sec as u64) * 1000 + (ts.tv_nsec as u64) / 1_000_000
+    }
+}
+
+/// Randomness for pool ids and Ref tags.
+pub mod rand {
+    /// 64 random bits from the kernel (`getrandom(2)`).
+    pub fn random_u64() -> u64 {
+        let mut v = [0u8; 8];
+        let mut filled = 0usize;
+        while filled < v.len() {
+            // SAFETY: the pointer and length describe the unfilled tail of `v`.
+            let n =
+                unsafe { libc::getrandom(v[filled..].as_mut_ptr().cast(), v.len() - filled, 0) };
+            if n > 0 {
+                filled += n as usize;
+            }
+        }
+        u64::from_ne_bytes(v)
+    }
+}
+
+/// Process liveness.
+pub mod proc {
+    /// This process's id.
+    pub fn pid() -> u32 {
+        std::process::id()
+    }
+
+    /// Whether a process with this pid exists on this host (signal 0 probe).
+    /// A hint only: pids are reused, so leases remain the authority.
+    pub fn pid_alive(pid: u32) -> bool {
+        if pid == 0 || pid > i32::MAX as u32 {
+            return false;
+        }
+        // SAFETY: kill with signal 0 performs only the permission/existence check.
+        let r = unsafe { libc::kill(pid as i32, 0) };
+        r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    }
+}

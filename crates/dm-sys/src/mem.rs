@@ -1,0 +1,410 @@
+//! Shared file mappings and fixed-address page mappings.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// Errors of the OS edge: which call failed, on what, and the OS reason.
+#[derive(Debug, thiserror::Error)]
+pub enum SysError {
+    /// The backing path could not be opened or created.
+    #[error("cannot open {path}: {source}")]
+    Open {
+        /// The path given.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The backing file exists already (exclusive create).
+    #[error("{0} already exists")]
+    Exists(PathBuf),
+    /// Sizing the backing file failed.
+    #[error("cannot size {path} to {size} bytes: {source}")]
+    Resize {
+        /// The path.
+        path: PathBuf,
+        /// The size asked for.
+        size: u64,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// `mmap` refused the backing file.
+    #[error("cannot map {path} ({len} bytes): {source}")]
+    Map {
+        /// The path.
+        path: PathBuf,
+        /// The length asked for.
+        len: usize,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A page-table operation (`mmap` fixed, `mprotect`, `munmap`) failed.
+    #[error("{op} failed: {source}")]
+    PageTable {
+        /// The operation.
+        op: &'static str,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+/// A backing file (regular file, tmpfs file or DAX device) mapped in full,
+/// shared and read-write, at an address the kernel chooses.
+///
+/// The mapping lives as long as this value. Everything in it may be changed
+/// at any time by other processes: read it through atomics or accept torn
+/// values, never through `&T` of a type with invalid bit patterns.
+#[derive(Debug)]
+pub struct SharedFile {
+    fd: OwnedFd,
+    base: *mut u8,
+    len: usize,
+    path: PathBuf,
+}
+
+// SAFETY: the mapping is plain shared memory; the raw pointer is only an
+// address. Concurrent access discipline is the responsibility of users, who
+// go through atomics.
+unsafe impl Send for SharedFile {}
+// SAFETY: as above.
+unsafe impl Sync for SharedFile {}
+
+fn cpath(path: &Path) -> Result<CString, SysError> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| SysError::Open {
+        path: path.to_owned(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL"),
+    })
+}
+
+impl SharedFile {
+    /// Creates `path` exclusively with `size` bytes and maps it.
+    /// A DAX or other character device cannot be created: use [`open`](Self::open).
+    pub fn create(path: &Path, size: u64) -> Result<Self, SysError> {
+        let c = cpath(path)?;
+        // SAFETY: `c` is a valid NUL-terminated path.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EEXIST) {
+                return Err(SysError::Exists(path.to_owned()));
+            }
+            return Err(SysError::Open {
+                path: path.to_owned(),
+                source: e,
+            });
+        }
+        // SAFETY: fd was just returned by open and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: fd is a valid open file descriptor.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: `c` is valid; we remove the file we just created.
+            unsafe { libc::unlink(c.as_ptr()) };
+            return Err(SysError::Resize {
+                path: path.to_owned(),
+                size,
+                source: e,
+            });
+        }
+        Self::map(fd, path, size as usize).inspect_err(|_| {
+            // SAFETY: `c` is valid; we remove the file we just created.
+            unsafe { libc::unlink(c.as_ptr()) };
+        })
+    }
+
+    /// Opens an existing backing and maps it whole. For regular files the
+    /// length is the file size; for devices (DAX) `device_len` must be given.
+    pub fn open(path: &Path, device_len: Option<u64>) -> Result<Self, SysError> {
+        let c = cpath(path)?;
+        // SAFETY: `c` is a valid NUL-terminated path.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(SysError::Open {
+                path: path.to_owned(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: fd was just returned by open and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let len = match device_len {
+            Some(l) => l,
+            None => file_len(&fd).map_err(|source| SysError::Open {
+                path: path.to_owned(),
+                source,
+            })?,
+        };
+        Self::map(fd, path, len as usize)
+    }
+
+    /// Whether `path` is a character device (a DAX device: it has no file size).
+    pub fn is_device(path: &Path) -> bool {
+        use std::os::unix::fs::FileTypeExt;
+        std::fs::metadata(path)
+            .map(|m| m.file_type().is_char_device())
+            .unwrap_or(false)
+    }
+
+    fn map(fd: OwnedFd, path: &Path, len: usize) -> Result<Self, SysError> {
+        if len == 0 {
+            return Err(SysError::Map {
+                path: path.to_owned(),
+                len,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty file"),
+            });
+        }
+        // SAFETY: a fresh shared mapping of a file we hold open; the kernel
+        // chooses the address, so nothing existing is replaced.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(SysError::Map {
+                path: path.to_owned(),
+                len,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(Self {
+            fd,
+            base: p.cast(),
+            len,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Base address of the mapping.
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    /// Length of the mapping in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mapping is empty (never true for a mapped file).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The backing path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file descriptor, for mapping single pages elsewhere.
+    pub fn raw_fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    /// Faults in `len` bytes at `offset` ahead of use (`MADV_POPULATE_WRITE`),
+    /// so that later accesses cost no page fault. Best effort.
+    pub fn prefault(&self, offset: usize, len: usize) {
+        if offset >= self.len {
+            return;
+        }
+        let len = len.min(self.len - offset);
+        // SAFETY: the range lies within our mapping; madvise does not change
+        // the contents.
+        unsafe {
+            libc::madvise(
+                self.base.add(offset).cast(),
+                len,
+                23, /* MADV_POPULATE_WRITE */
+            )
+        };
+    }
+}
+
+impl Drop for SharedFile {
+    fn drop(&mut self) {
+        // SAFETY: base/len describe the mapping created in `map`, which no
+        // reference outlives (borrows of it are tied to `self`).
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+fn file_len(fd: &OwnedFd) -> std::io::Result<u64> {
+    // SAFETY: an all-zero stat is a valid out-parameter.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is valid and `st` is writable.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.st_size as u64)
+}
+
+/// Removes a backing file.
+pub fn unlink(path: &Path) -> std::io::Result<()> {
+    std::fs::remove_file(path)
+}
+
+/// The system page size.
+pub fn os_page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+}
+
+/// A range of reserved virtual addresses (`PROT_NONE`, anonymous) into which
+/// file pages are mapped at fixed addresses. Unmapped on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: an address range; access discipline is the caller's.
+unsafe impl Send for Reservation {}
+// SAFETY: as above.
+unsafe impl Sync for Reservation {}
+
+/// Access rights of a fixed mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prot {
+    /// Read-only.
+    Read,
+    /// Read-write.
+    ReadWrite,
+}
+
+impl Prot {
+    fn bits(self) -> i32 {
+        match self {
+            Prot::Read => libc::PROT_READ,
+            Prot::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
+        }
+    }
+}
+
+fn last(op: &'static str) -> SysError {
+    SysError::PageTable {
+        op,
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+impl Reservation {
+    /// Reserves `len` bytes of address space (rounded by the caller to pages),
+    /// readable as zeros and not writable: a write faults.
+    pub fn new(len: usize) -> Result<Self, SysError> {
+        // SAFETY: a fresh private anonymous mapping at a kernel-chosen address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(last("mmap(reserve)"));
+        }
+        Ok(Self {
+            base: p.cast(),
+            len: len.max(1),
+        })
+    }
+
+    /// Base address.
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the reservation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Maps `len` bytes of `fd` at file offset `file_off` at `self.base + at`.
+    pub fn map_file(
+        &self,
+        at: usize,
+        fd: i32,
+        file_off: u64,
+        len: usize,
+        prot: Prot,
+    ) -> Result<(), SysError> {
+        if at.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(SysError::PageTable {
+                op: "mmap(fixed)",
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "outside reservation",
+                ),
+            });
+        }
+        // SAFETY: the target range lies inside our reservation.
+        unsafe { map_file_fixed(self.base.add(at), fd, file_off, len, prot) }
+    }
+}
+
+/// Maps `len` bytes of `fd` at `file_off` over `addr` (`MAP_SHARED|MAP_FIXED`).
+/// A raw syscall wrapper with no allocation: callable from a signal handler.
+///
+/// # Safety
+/// `addr..addr+len` must be a page-aligned range this process owns (a
+/// [`Reservation`]), with no live Rust references into it.
+pub unsafe fn map_file_fixed(
+    addr: *mut u8,
+    fd: i32,
+    file_off: u64,
+    len: usize,
+    prot: Prot,
+) -> Result<(), SysError> {
+    // SAFETY: per the function contract the range is ours to replace.
+    let p = unsafe {
+        libc::mmap(
+            addr.cast(),
+            len,
+            prot.bits(),
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd,
+            file_off as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(last("mmap(fixed)"));
+    }
+    Ok(())
+}
+
+/// Changes the protection of `addr..addr+len`. Async-signal-safe.
+///
+/// # Safety
+/// The range must be page-aligned and owned by the caller (a [`Reservation`]).
+pub unsafe fn protect(addr: *mut u8, len: usize, prot: Prot) -> Result<(), SysError> {
+    // SAFETY: per the function contract.
+    if unsafe { libc::mprotect(addr.cast(), len, prot.bits()) } != 0 {
+        return Err(last("mprotect"));
+    }
+    Ok(())
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: base/len is the reservation made in `new`; fixed mappings
+        // inside it are removed with it.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}

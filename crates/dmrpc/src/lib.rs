@@ -1,0 +1,1 @@
+pub use dm_pool as pool;
