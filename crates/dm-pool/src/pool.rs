@@ -21,7 +21,7 @@ use dm_sys::time::now_ms;
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Where a named pool lives by default.
@@ -64,14 +64,30 @@ impl Default for AttachOptions {
     }
 }
 
-pub(crate) struct Inner {
+/// What the lease thread shares with the handle: the mapping and the slot.
+/// Everything here works without the process FIFO; pages it frees are
+/// handed back to the caller in a `freed` vector (zeroed, cached by us).
+pub(crate) struct Core {
     pub(crate) shm: Shm,
     pub(crate) slot: u16,
     incarnation: u32,
+    lost: AtomicBool,
+}
+
+pub(crate) struct Inner {
+    core: Arc<Core>,
     fifo: Mutex<VecDeque<u32>>,
     opts: AttachOptions,
-    lost: AtomicBool,
     zeros: Box<[u8]>,
+    stop: Arc<AtomicBool>,
+    lease_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::ops::Deref for Inner {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
 }
 
 impl std::fmt::Debug for Inner {
@@ -219,21 +235,31 @@ impl Pool {
             shm.prefault();
         }
         let zeros = vec![0u8; shm.layout.page_size as usize].into_boxed_slice();
-        let inner = Arc::new(Inner {
+        let core = Arc::new(Core {
             shm,
             slot,
             incarnation,
+            lost: AtomicBool::new(false),
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let lease_thread = if opts.heartbeat {
+            let (c, st) = (core.clone(), stop.clone());
+            Some(
+                std::thread::Builder::new()
+                    .name("dmrpc-lease".into())
+                    .spawn(move || heartbeat(c, st, lease))?,
+            )
+        } else {
+            None
+        };
+        let inner = Arc::new(Inner {
+            core,
             fifo: Mutex::new(VecDeque::new()),
             opts,
-            lost: AtomicBool::new(false),
             zeros,
+            stop,
+            lease_thread: Mutex::new(lease_thread),
         });
-        if inner.opts.heartbeat {
-            let weak = Arc::downgrade(&inner);
-            std::thread::Builder::new()
-                .name("dmrpc-lease".into())
-                .spawn(move || heartbeat(weak, lease))?;
-        }
         Ok(Pool { inner })
     }
 
@@ -308,13 +334,15 @@ impl Pool {
             len,
             offset: 0,
             n_pages: n as u32,
+            detached: false,
         })
     }
 
     /// Frees a buffer (dropping it does the same, ignoring errors).
-    pub fn free(&self, buf: Buffer) -> Result<()> {
+    pub fn free(&self, mut buf: Buffer) -> Result<()> {
         let id = buf.id();
-        std::mem::forget(buf);
+        buf.detached = true;
+        drop(buf);
         self.free_id(id)
     }
 
@@ -348,10 +376,9 @@ impl Pool {
 
     /// Takes the id of a buffer and forgets the handle (for FFI). The buffer
     /// stays allocated until [`free_id`](Self::free_id) or detach.
-    pub fn into_id(&self, buf: Buffer) -> BufferId {
-        let id = buf.id();
-        std::mem::forget(buf);
-        id
+    pub fn into_id(&self, mut buf: Buffer) -> BufferId {
+        buf.detached = true;
+        buf.id()
     }
 
     /// Creates a Ref to `len` bytes at `offset` of `buf`: +1 share on each
@@ -539,6 +566,7 @@ impl Pool {
                     len: r.len,
                     offset: offset as u32,
                     n_pages: n as u32,
+                    detached: false,
                 })
             }
             other => {
@@ -567,7 +595,7 @@ impl Pool {
                 .compare_exchange(w, to, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                return i.drop_desc(d, END_RELEASED);
+                return i.drop_desc_local(d, END_RELEASED);
             }
         }
     }
@@ -575,7 +603,7 @@ impl Pool {
     /// Reclaims dead slots and expired Refs now (the heartbeat thread does
     /// this every lease period). Returns what was reclaimed.
     pub fn maintain(&self) -> Result<crate::check::GcReport> {
-        self.inner.maintain()
+        self.inner.maintain_local()
     }
 
     /// Consistency check of the whole pool (see [`crate::check`]).
@@ -589,24 +617,46 @@ impl Pool {
     }
 }
 
-fn heartbeat(weak: Weak<Inner>, lease: u64) {
+/// The lease thread: renews the slot's heartbeat every quarter lease and,
+/// every lease, reclaims dead slots and expired Refs (pages it frees go
+/// straight back to the free set). Parked between ticks; woken to stop.
+fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64) {
     let tick = Duration::from_millis((lease / 4).max(5));
-    let mut last_maint = 0u64;
-    loop {
-        std::thread::sleep(tick);
-        let Some(inner) = weak.upgrade() else { return };
-        if inner.renew().is_err() {
+    let mut last_maint = now_ms();
+    while !stop.load(Ordering::Acquire) {
+        std::thread::park_timeout(tick);
+        if stop.load(Ordering::Acquire) || core.renew().is_err() {
             return;
         }
         let now = now_ms();
         if now >= last_maint + lease {
             last_maint = now;
-            let _ = inner.maintain();
+            let mut freed = Vec::new();
+            let _ = core.maintain(&mut freed);
+            core.release_freed(freed);
         }
     }
 }
 
-impl Inner {
+impl Core {
+    fn set_entry(&self, d: &Desc, k: usize, p: u32) -> Result<()> {
+        match self.shm.entry(d, k)? {
+            Some(e) => {
+                e.store(p, Ordering::Release);
+                Ok(())
+            }
+            None => Err(Error::Corrupt(format!("entry {k} has no list page"))),
+        }
+    }
+
+    /// Returns zeroed pages cached by this slot to the shared free set.
+    pub(crate) fn release_freed(&self, freed: Vec<u32>) {
+        let t = self.shm.pages();
+        for p in freed {
+            let _ = t.release_cached(p, self.slot);
+        }
+    }
+
     fn live(&self) -> Result<()> {
         if self.lost.load(Ordering::Relaxed) {
             Err(Error::LeaseLost)
@@ -665,7 +715,9 @@ impl Inner {
             what: "descriptors",
         })
     }
+}
 
+impl Inner {
     /// Gives a descriptor of `n` entries the list pages it needs.
     fn attach_lists(&self, d: &Desc, n: usize) -> Result<()> {
         let lists = self.shm.lists_needed(n);
@@ -689,16 +741,6 @@ impl Inner {
             pages.hold_cached(l, self.slot)?;
         }
         Ok(())
-    }
-
-    fn set_entry(&self, d: &Desc, k: usize, p: u32) -> Result<()> {
-        match self.shm.entry(d, k)? {
-            Some(e) => {
-                e.store(p, Ordering::Release);
-                Ok(())
-            }
-            None => Err(Error::Corrupt(format!("entry {k} has no list page"))),
-        }
     }
 
     /// Takes `n` zeroed pages from the FIFO, refilling from the free set.
@@ -733,7 +775,7 @@ impl Inner {
             }
             retried = true;
             // Reclaim what dead processes and expired Refs hold, then retry once.
-            self.maintain()?;
+            self.maintain_local()?;
         }
     }
 
@@ -767,15 +809,40 @@ impl Inner {
         d.state
             .compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
             .map_err(|_| Error::Corrupt(format!("descriptor {idx} changed under its owner")))?;
-        self.drop_desc(d, end)
+        self.drop_desc_local(d, end)
     }
 
+    /// Drops a descriptor in `Drop` state, keeping freed pages in the FIFO.
+    pub(crate) fn drop_desc_local(&self, d: &Desc, end: u32) -> Result<()> {
+        let mut freed = Vec::new();
+        let r = self.core.drop_desc(d, end, &mut freed);
+        self.give_pages(freed);
+        r
+    }
+
+    /// Reclaims dead slots and expired Refs, keeping freed pages.
+    pub(crate) fn maintain_local(&self) -> Result<crate::check::GcReport> {
+        let mut freed = Vec::new();
+        let r = self.core.maintain(&mut freed);
+        self.give_pages(freed);
+        r
+    }
+
+    /// Takes over and drops a descriptor whose owner is gone.
+    pub(crate) fn take_over_desc(&self, d: &Desc) -> Result<bool> {
+        let mut freed = Vec::new();
+        let r = self.core.take_over_desc(d, &mut freed);
+        self.give_pages(freed);
+        r
+    }
+}
+
+impl Core {
     /// Finishes dropping a descriptor in `Drop` state owned by this slot:
     /// drops the shares of entries `[progress, held)`, then its list pages,
     /// then frees it. Safe to resume after a crash at any point.
-    pub(crate) fn drop_desc(&self, d: &Desc, end: u32) -> Result<()> {
+    pub(crate) fn drop_desc(&self, d: &Desc, end: u32, freed: &mut Vec<u32>) -> Result<()> {
         let held = d.held.load(Ordering::Acquire);
-        let mut freed = Vec::new();
         let mut first_err = None;
         let mut i = d.progress.load(Ordering::Acquire);
         while i < held {
@@ -783,7 +850,7 @@ impl Inner {
             match self.shm.entry_value(d, i as usize) {
                 Ok(NO_PAGE) => {}
                 Ok(p) => {
-                    if let Err(e) = self.drop_share(p, &mut freed) {
+                    if let Err(e) = self.drop_share(p, freed) {
                         first_err.get_or_insert(e);
                     }
                 }
@@ -797,7 +864,7 @@ impl Inner {
             for e in &d.entries {
                 let l = e.swap(NO_PAGE, Ordering::AcqRel);
                 if l != NO_PAGE {
-                    if let Err(e) = self.drop_share(l, &mut freed) {
+                    if let Err(e) = self.drop_share(l, freed) {
                         first_err.get_or_insert(e);
                     }
                 }
@@ -810,7 +877,6 @@ impl Inner {
             DescState::encode(st.generation, Kind::Free, 0),
             Ordering::Release,
         );
-        self.give_pages(freed);
         match first_err {
             Some(e) => Err(e),
             None => Ok(()),
@@ -842,11 +908,11 @@ impl Inner {
     }
 
     /// Reclaims dead slots and expired Refs.
-    pub(crate) fn maintain(&self) -> Result<crate::check::GcReport> {
+    pub(crate) fn maintain(&self, freed: &mut Vec<u32>) -> Result<crate::check::GcReport> {
         let mut rep = crate::check::GcReport::default();
         let now = now_ms();
         for s in 0..self.shm.layout.n_slots as u16 {
-            if s != self.slot && self.reclaim_slot(s, now)? {
+            if s != self.slot && self.reclaim_slot(s, now, freed)? {
                 rep.slots_reclaimed += 1;
             }
         }
@@ -861,7 +927,7 @@ impl Inner {
                     .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
                 {
-                    self.drop_desc(d, END_EXPIRED)?;
+                    self.drop_desc(d, END_EXPIRED, freed)?;
                     self.shm
                         .atomics()
                         .refs_expired
@@ -875,7 +941,7 @@ impl Inner {
 
     /// If slot `s` is dead (lease expired, or its reclaimer died), takes it
     /// over and releases everything it holds. Returns whether it did.
-    fn reclaim_slot(&self, s: u16, now: u64) -> Result<bool> {
+    fn reclaim_slot(&self, s: u16, now: u64, freed: &mut Vec<u32>) -> Result<bool> {
         let Some(slot) = self.shm.slot(s) else {
             return Ok(false);
         };
@@ -899,7 +965,7 @@ impl Inner {
         {
             return Ok(false);
         }
-        self.release_holdings_of(s)?;
+        self.release_holdings_of(s, freed)?;
         slot.state.store(
             SlotState::encode(st.incarnation, SlotKind::Free, 0),
             Ordering::Release,
@@ -913,11 +979,11 @@ impl Inner {
 
     /// Releases every descriptor owned by slot `s` and every page it caches.
     /// `s` is dead (or is this slot, detaching).
-    pub(crate) fn release_holdings_of(&self, s: u16) -> Result<()> {
+    pub(crate) fn release_holdings_of(&self, s: u16, freed: &mut Vec<u32>) -> Result<()> {
         for idx in 0..self.shm.layout.n_descs {
             let d = self.desc(idx)?;
             if DescState::decode(d.state.load(Ordering::Acquire)).owner == s {
-                self.take_over_desc(d)?;
+                self.take_over_desc(d, freed)?;
             }
         }
         let t = self.shm.pages();
@@ -932,7 +998,7 @@ impl Inner {
 
     /// Takes over an owned descriptor whose owner is gone and drops it.
     /// Returns whether it was dropped (false: not an owned kind, or raced).
-    pub(crate) fn take_over_desc(&self, d: &Desc) -> Result<bool> {
+    pub(crate) fn take_over_desc(&self, d: &Desc, freed: &mut Vec<u32>) -> Result<bool> {
         let w = d.state.load(Ordering::Acquire);
         let st = DescState::decode(w);
         match st.kind {
@@ -951,7 +1017,7 @@ impl Inner {
             .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
         {
-            self.drop_desc(d, END_ABORTED)?;
+            self.drop_desc(d, END_ABORTED, freed)?;
             return Ok(true);
         }
         Ok(false)
@@ -979,6 +1045,11 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(h) = self.lease_thread.lock().ok().and_then(|mut g| g.take()) {
+            h.thread().unpark();
+            let _ = h.join();
+        }
         if self.lost.load(Ordering::Relaxed) {
             return;
         }
@@ -988,7 +1059,9 @@ impl Drop for Inner {
                 let _ = t.release_cached(p, self.slot);
             }
         }
-        let _ = self.release_holdings_of(self.slot);
+        let mut freed = Vec::new();
+        let _ = self.core.release_holdings_of(self.slot, &mut freed);
+        self.core.release_freed(freed);
         if let Some(s) = self.shm.slot(self.slot) {
             let _ = s.state.compare_exchange(
                 SlotState::encode(self.incarnation, SlotKind::Live, 0),
@@ -1022,6 +1095,9 @@ pub struct Buffer {
     len: u64,
     offset: u32,
     n_pages: u32,
+    /// Set when the handle no longer owns the descriptor (freed explicitly
+    /// or turned into a `BufferId`): dropping it then frees nothing.
+    detached: bool,
 }
 
 impl Buffer {
@@ -1296,7 +1372,9 @@ impl Inner {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        let _ = self.pool.free_id(self.id());
+        if !self.detached {
+            let _ = self.pool.free_id(self.id());
+        }
     }
 }
 
