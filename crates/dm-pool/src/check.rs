@@ -28,6 +28,8 @@ pub struct CheckReport {
     pub pages_cached: u64,
     /// Pages held (data and list pages).
     pub pages_held: u64,
+    /// Of the held pages, list pages (page lists of large descriptors).
+    pub pages_lists: u64,
     /// Of the held pages, those shared (refcount > 1).
     pub pages_shared: u64,
     /// Live Refs.
@@ -99,17 +101,29 @@ pub(crate) fn count_holders(
             Some(Kind::Drop) => {
                 rep.descs_in_flight += 1;
                 in_flight(shm, idx, st.owner, now, problems);
-                (
+                let (pr, held) = (
                     d.progress.load(Ordering::Acquire),
                     d.held.load(Ordering::Acquire),
-                )
+                );
+                // Positions >= held are list slots: those below progress are done.
+                rep.pages_lists += count_desc(
+                    shm,
+                    idx,
+                    d,
+                    pr.min(held),
+                    held,
+                    pr.saturating_sub(held),
+                    &mut holders,
+                    problems,
+                );
+                continue;
             }
             None => {
                 problems.push(format!("descriptor {idx}: invalid state word"));
                 continue;
             }
         };
-        count_desc(shm, idx, d, lo, hi, &mut holders, problems);
+        rep.pages_lists += count_desc(shm, idx, d, lo, hi, 0, &mut holders, problems);
     }
     holders
 }
@@ -122,15 +136,19 @@ fn in_flight(shm: &Shm, idx: u32, owner: u16, now: u64, problems: &mut Vec<Strin
     }
 }
 
+/// Counts a descriptor's entries `[lo, hi)` and list pages; returns the
+/// number of list pages.
 fn count_desc(
     shm: &Shm,
     idx: u32,
     d: &Desc,
     lo: u32,
     hi: u32,
+    lists_from: u32,
     holders: &mut [u32],
     problems: &mut Vec<String>,
-) {
+) -> u64 {
+    let mut lists = 0;
     let n = holders.len() as u32;
     for k in lo..hi {
         match shm.entry_value(d, k as usize) {
@@ -143,16 +161,20 @@ fn count_desc(
         }
     }
     if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
-        for (k, e) in d.entries.iter().enumerate() {
+        for (k, e) in d.entries.iter().enumerate().skip(lists_from as usize) {
             match e.load(Ordering::Acquire) {
                 NO_PAGE => {}
-                l if l < n => holders[l as usize] += 1,
+                l if l < n => {
+                    holders[l as usize] += 1;
+                    lists += 1;
+                }
                 l => problems.push(format!(
                     "descriptor {idx} list {k}: page {l} outside the pool"
                 )),
             }
         }
     }
+    lists
 }
 
 /// Checks the invariant. `deep` also verifies that free pages are zero.
@@ -240,6 +262,18 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
                     ));
                 }
             }
+            Ok(PageState::Locked { rc, desc }) => {
+                rep.pages_held += 1;
+                let owner = shm
+                    .desc(desc)
+                    .map(|d| DescState::decode(d.state.load(Ordering::Acquire)).owner);
+                match owner {
+                    Some(o) if shm.slot_live(o, now) => {} // an operation in flight
+                    _ => problems.push(format!(
+                        "page {p}: refcount {rc}, locked by descriptor {desc} whose owner is gone (run gc)"
+                    )),
+                }
+            }
             Ok(PageState::Invalid(w)) => {
                 problems.push(format!("page {p}: invalid page word {w:#x}"))
             }
@@ -305,18 +339,9 @@ fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
 
 fn repair(pool: &Pool, shm: &Shm, me: u16, _now: u64, rep: &mut GcReport) -> Result<()> {
     rep.recounted = true;
-    // Descriptors owned by slots that no longer exist.
-    for idx in 0..shm.layout.n_descs {
-        let Some(d) = shm.desc(idx) else { continue };
-        let st = DescState::decode(d.state.load(Ordering::Acquire));
-        let owned = matches!(
-            st.kind,
-            Some(Kind::Buf | Kind::MapBuild | Kind::RefBuild | Kind::Drop)
-        );
-        if owned && st.owner != me {
-            pool.inner.take_over_desc(d)?;
-        }
-    }
+    // Descriptors owned by slots that no longer exist (we are the only
+    // slot: every other owner is gone).
+    pool.inner.reclaim_orphans()?;
     let mut problems = Vec::new();
     let mut scratch = CheckReport::default();
     let holders = count_holders(shm, &mut problems, &mut scratch);

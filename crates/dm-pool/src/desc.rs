@@ -17,14 +17,17 @@
 //! | `MapBuild`  | user slot  | `[0, held)` (building a buffer from a Ref)      |
 //! | `RefBuild`  | user slot  | `[0, held)` (building a Ref from a buffer)      |
 //! | `RefLive`   | none       | all                                            |
-//! | `Drop`      | dropper    | `[progress, held)`                             |
+//! | `Drop`      | dropper    | `[progress, held)`, then list slots `k` with `held + k >= progress` |
 //!
-//! Shares are counted *after* they are taken and *before* they are dropped
-//! (`held` is bumped after an increment, `progress` before a decrement), so a
-//! crash inside the one-instruction window between the two can only leak a
-//! share, never drop one twice. `dmrpc pool check` reports such a leak
-//! precisely and `dmrpc pool gc` repairs it by recounting once no process is
-//! attached.
+//! Shares are taken and dropped in entry order under the page lock of
+//! `pages.rs`: each page's count changes in the same CAS that locks it to
+//! this descriptor; every 64 pages (and at the end) the counter (`held` or
+//! `progress`) is stored, then those pages are unlocked. The pages between
+//! the stored counter and the first untouched entry are exactly those
+//! locked by this descriptor (or, for drops, turned `Cached` by its owner),
+//! so a reclaimer of a dead owner can walk forward from the counter and
+//! finish the record: every share is accounted exactly once, whatever
+//! instruction the owner died at (see `reclaim.rs`).
 
 use crate::sync::{AtomicU32, AtomicU64};
 

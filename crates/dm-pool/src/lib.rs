@@ -53,6 +53,8 @@ pub mod mapped;
 #[cfg(not(loom))]
 pub mod pool;
 #[cfg(not(loom))]
+mod reclaim;
+#[cfg(not(loom))]
 pub mod shm;
 
 #[cfg(not(loom))]

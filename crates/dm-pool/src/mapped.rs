@@ -22,7 +22,7 @@
 
 use crate::desc::{Desc, FLAG_INDIRECT};
 use crate::error::{Error, Result};
-use crate::pages::{PageState, PageTable, Unshared, NO_PAGE};
+use crate::pages::{Changed, Delta, PageState, PageTable, NO_PAGE};
 use crate::pool::{Buffer, Pool};
 use crate::refs::Ref;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
@@ -45,6 +45,7 @@ struct Window {
     n_pages: u32,
     pt: *const AtomicU64,
     desc: *const Desc,
+    desc_idx: u32,
     slot: u16,
     cursor: *const AtomicU64,
     cow_copies: *const AtomicU64,
@@ -112,6 +113,7 @@ impl MappedBuffer {
             n_pages: shm.layout.n_pages,
             pt: shm.pages_ptr(),
             desc: d,
+            desc_idx: buf.desc_index(),
             slot: pool.slot(),
             cursor: &a.page_cursor,
             cow_copies: &a.cow_copies,
@@ -328,13 +330,9 @@ unsafe fn cow_one(
     if p != NO_PAGE {
         // SAFETY: p is shared and therefore frozen; q is ours; distinct pages.
         unsafe { std::ptr::copy_nonoverlapping(unsafe_page(win, p), qptr, win.ps) };
-        d.journal_old.store(p, Ordering::Relaxed);
-        d.journal_idx.store(k as u32, Ordering::Release);
     }
-    entry.store(q, Ordering::Release);
-    if t.hold_cached(q, win.slot).is_err() {
-        return false;
-    }
+    // Map the copy first (the syscall stays outside the commit window), then
+    // commit: journal, link, hold q, drop p's share, clear the journal.
     let off = win.data_off + q as u64 * win.ps as u64;
     // SAFETY: page_addr is a page of our reservation; the user's access
     // there is the faulting instruction, which retries after we return.
@@ -342,17 +340,54 @@ unsafe fn cow_one(
         return false;
     }
     if p != NO_PAGE {
-        if let Ok(Unshared::Last) = t.unshare(p, win.slot) {
-            // SAFETY: p is now cached by us; nobody else references it.
-            unsafe { std::ptr::write_bytes(unsafe_page(win, p), 0, win.ps) };
-            let _ = t.release_cached(p, win.slot);
+        d.journal_old.store(p, Ordering::Relaxed);
+        d.journal_idx.store(k as u32, Ordering::Release);
+    }
+    entry.store(q, Ordering::Release);
+    if t.hold_cached(q, win.slot).is_err() {
+        return false;
+    }
+    if p != NO_PAGE {
+        // Drop p's share under the page lock, recorded by clearing the
+        // journal (the protocol of reclaim.rs, without allocating).
+        let mut spins = 0u32;
+        loop {
+            match t.change(p, win.desc_idx, Delta::Dec(win.slot)) {
+                Ok(Changed::Locked(w)) => {
+                    d.journal_idx.store(NO_PAGE, Ordering::Release);
+                    t.unlock_own(p, w);
+                    break;
+                }
+                Ok(Changed::Last) => {
+                    d.journal_idx.store(NO_PAGE, Ordering::Release);
+                    // SAFETY: p is now cached by us; nobody else references it.
+                    unsafe { std::ptr::write_bytes(unsafe_page(win, p), 0, win.ps) };
+                    let _ = t.release_cached(p, win.slot);
+                    break;
+                }
+                Ok(Changed::Busy(_)) => {
+                    spins += 1;
+                    if spins < 64 {
+                        std::hint::spin_loop();
+                    } else {
+                        // SAFETY: sched_yield is async-signal-safe.
+                        unsafe { libc_yield() };
+                    }
+                }
+                _ => return false,
+            }
         }
-        d.journal_idx.store(NO_PAGE, Ordering::Release);
         // SAFETY: a pool counter.
         unsafe { &*win.cow_copies }.fetch_add(1, Ordering::Relaxed);
     }
     debug_assert!(!matches!(t.state(q), Ok(PageState::Free)));
     true
+}
+
+/// # Safety
+/// None beyond the syscall's: it only yields the CPU.
+unsafe fn libc_yield() {
+    dm_sys::sched_yield();
 }
 
 fn unsafe_page(win: &Window, p: u32) -> *mut u8 {

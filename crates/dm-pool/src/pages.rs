@@ -9,6 +9,7 @@
 //! | `Free`   | in the shared free set, contents all zero             | word == 0       |
 //! | `Cached` | claimed by one slot (its local FIFO, or being filled) | owner slot      |
 //! | `Held`   | reachable from descriptors (buffers, Refs, lists)     | refcount > 0    |
+//! | `Locked` | held; its count was just changed by one descriptor    | refcount, desc  |
 //!
 //! Because the owner of a cached page is recorded in the same word that a
 //! claim changes, a process killed between any two instructions never loses
@@ -21,6 +22,12 @@
 //! back surplus, so the per-allocation fast path touches no shared line
 //! beyond the page's own word (DmRPC-CXL's page-ownership coordinator).
 //!
+//! A count change is one CAS that also *locks* the page to the descriptor
+//! making it; the descriptor then records the change in its own counter and
+//! unlocks. Since the lock names the descriptor, a process killed between
+//! the two steps leaves enough in the pool for anyone to finish its record:
+//! crash recovery is exact, with no leaked and no doubly dropped share.
+//!
 //! Reference counts follow the copy-on-write rule of DESIGN.md section 3: a
 //! holder that writes a page whose count is above one copies it first; the
 //! last holder to drop a page turns it into `Cached(itself)`, zeroes it and
@@ -32,13 +39,20 @@ use crate::sync::{AtomicU64, Ordering};
 pub const NO_PAGE: u32 = u32::MAX;
 
 const RC_MASK: u64 = 0xFFFF_FFFF;
-const OWNER_SHIFT: u32 = 32;
-const OWNER_MASK: u64 = 0xFFFF << OWNER_SHIFT;
-const STATE_SHIFT: u32 = 48;
+const ID_SHIFT: u32 = 32;
+const ID_MASK: u64 = ((1 << 29) - 1) << ID_SHIFT;
+const LOCK_BIT: u64 = 1 << 61;
+const STATE_SHIFT: u32 = 62;
 const ST_CACHED: u64 = 1;
 const ST_HELD: u64 = 2;
 
+/// Largest descriptor index a page lock can name.
+pub const MAX_LOCK_DESC: u32 = (1 << 29) - 1;
+
 /// Decoded state of one page.
+///
+/// Word layout: `state (2) | lock (1) | id (29) | rc (32)`, where `id` is
+/// the owner slot of a cached page or the locking descriptor of a locked one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PageState {
     /// In the free set (zeroed).
@@ -47,6 +61,14 @@ pub enum PageState {
     Cached(u16),
     /// Held by this many holders.
     Held(u32),
+    /// Held by `rc` holders, and locked by descriptor `desc`, which has just
+    /// changed `rc` and not yet recorded that in its own counter.
+    Locked {
+        /// Reference count (already including the locker's change).
+        rc: u32,
+        /// Locking descriptor.
+        desc: u32,
+    },
     /// A word no correct writer produces.
     Invalid(u64),
 }
@@ -54,14 +76,16 @@ pub enum PageState {
 impl PageState {
     /// Decodes a page-table word.
     pub fn decode(w: u64) -> Self {
-        match w >> STATE_SHIFT {
-            0 if w == 0 => PageState::Free,
-            ST_CACHED if w & RC_MASK == 0 => {
-                PageState::Cached(((w & OWNER_MASK) >> OWNER_SHIFT) as u16)
-            }
-            ST_HELD if w & OWNER_MASK == 0 && w & RC_MASK > 0 => {
-                PageState::Held((w & RC_MASK) as u32)
-            }
+        let id = (w & ID_MASK) >> ID_SHIFT;
+        let rc = (w & RC_MASK) as u32;
+        match (w >> STATE_SHIFT, w & LOCK_BIT != 0) {
+            (0, _) if w == 0 => PageState::Free,
+            (ST_CACHED, false) if rc == 0 && id <= u16::MAX as u64 => PageState::Cached(id as u16),
+            (ST_HELD, false) if id == 0 && rc > 0 => PageState::Held(rc),
+            (ST_HELD, true) if rc > 0 => PageState::Locked {
+                rc,
+                desc: id as u32,
+            },
             _ => PageState::Invalid(w),
         }
     }
@@ -70,21 +94,53 @@ impl PageState {
     pub fn encode(self) -> u64 {
         match self {
             PageState::Free => 0,
-            PageState::Cached(s) => (ST_CACHED << STATE_SHIFT) | ((s as u64) << OWNER_SHIFT),
+            PageState::Cached(s) => (ST_CACHED << STATE_SHIFT) | ((s as u64) << ID_SHIFT),
             PageState::Held(rc) => (ST_HELD << STATE_SHIFT) | rc as u64,
+            PageState::Locked { rc, desc } => {
+                (ST_HELD << STATE_SHIFT)
+                    | LOCK_BIT
+                    | (((desc as u64) << ID_SHIFT) & ID_MASK)
+                    | rc as u64
+            }
             PageState::Invalid(w) => w,
+        }
+    }
+
+    /// Reference count of a held (possibly locked) page, else 0.
+    pub fn rc(self) -> u32 {
+        match self {
+            PageState::Held(rc) | PageState::Locked { rc, .. } => rc,
+            _ => 0,
         }
     }
 }
 
-/// Outcome of dropping one share of a page.
+/// A reference-count change asked of [`PageTable::change`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unshared {
-    /// Other holders remain.
-    Shared,
-    /// This was the last share: the page is now `Cached(slot)` of the caller,
-    /// which must zero it before reusing or freeing it.
+pub enum Delta {
+    /// Add a share to a page that must be held.
+    Inc,
+    /// Add a share if the page is held; report `NotHeld` otherwise.
+    TryInc,
+    /// Drop a share; the last one turns the page into `Cached(slot)`.
+    Dec(u16),
+}
+
+/// Outcome of [`PageTable::change`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Changed {
+    /// The count changed and the page is now locked by the caller's
+    /// descriptor (this is the locked word): record the change in the
+    /// descriptor, then [`PageTable::unlock`].
+    Locked(u64),
+    /// The last share was dropped: the page is `Cached(slot)` of the caller,
+    /// which must zero it before reuse. Not locked.
     Last,
+    /// `TryInc` on a page that is not held: nothing changed.
+    NotHeld,
+    /// Locked by another descriptor: wait for it (or complete its operation
+    /// if its owner is dead), then retry.
+    Busy(u32),
 }
 
 /// A page-table protocol violation: an operation met a page in a state it
@@ -137,10 +193,7 @@ impl<'a> PageTable<'a> {
 
     /// Reference count of a held page (0 if not held).
     pub fn rc(&self, page: u32) -> u32 {
-        match self.state(page) {
-            Ok(PageState::Held(rc)) => rc,
-            _ => 0,
-        }
+        self.state(page).map_or(0, PageState::rc)
     }
 
     /// `Free -> Cached(slot)`: claims a free page. False if it was not free.
@@ -199,68 +252,84 @@ impl<'a> PageTable<'a> {
         })
     }
 
-    /// Adds a share to a page that is held and stays held for the duration
-    /// (the caller itself holds a share, or holds the descriptor that does).
-    pub fn share(&self, page: u32) -> Result<(), PageError> {
-        if self.try_share(page)? {
-            Ok(())
-        } else {
-            Err(PageError {
-                page,
-                found: self.state(page)?,
-                expected: "held",
-            })
-        }
-    }
-
-    /// Adds a share if the page is held (count above zero); false otherwise.
-    /// Used where the page may be dropped concurrently (mapping a Ref that is
-    /// being released): the caller validates afterwards and undoes on failure.
-    pub fn try_share(&self, page: u32) -> Result<bool, PageError> {
+    /// Changes a page's reference count on behalf of descriptor `desc`.
+    ///
+    /// The count change and the lock are one CAS: a page that is `Locked`
+    /// by `desc` has had its count changed and `desc` has not yet recorded
+    /// it. Whoever finds the page locked by a dead owner's descriptor can
+    /// therefore complete the record and unlock, and no crash point leaves a
+    /// share counted twice or not at all (see `pool.rs`, `complete_lock`).
+    pub fn change(&self, page: u32, desc: u32, delta: Delta) -> Result<Changed, PageError> {
         let w = self.word(page)?;
         let mut cur = w.load(Ordering::Acquire);
         loop {
-            match PageState::decode(cur) {
-                PageState::Held(rc) if rc < u32::MAX - 1 => {
-                    match w.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
-                    {
-                        Ok(_) => return Ok(true),
-                        Err(c) => cur = c,
-                    }
+            let next = match (PageState::decode(cur), delta) {
+                (PageState::Locked { desc: other, .. }, _) => return Ok(Changed::Busy(other)),
+                (PageState::Held(rc), Delta::Inc | Delta::TryInc) if rc < u32::MAX - 1 => {
+                    PageState::Locked { rc: rc + 1, desc }.encode()
                 }
-                PageState::Held(_) => {
-                    return Err(PageError {
-                        page,
-                        found: PageState::decode(cur),
-                        expected: "a reference count below 2^32-1",
-                    })
+                (PageState::Held(1), Delta::Dec(slot)) => PageState::Cached(slot).encode(),
+                (PageState::Held(rc), Delta::Dec(_)) => {
+                    PageState::Locked { rc: rc - 1, desc }.encode()
                 }
-                _ => return Ok(false),
-            }
-        }
-    }
-
-    /// Drops one share. The last share turns the page into `Cached(slot)`.
-    pub fn unshare(&self, page: u32, slot: u16) -> Result<Unshared, PageError> {
-        let w = self.word(page)?;
-        let mut cur = w.load(Ordering::Acquire);
-        loop {
-            let (next, out) = match PageState::decode(cur) {
-                PageState::Held(1) => (PageState::Cached(slot).encode(), Unshared::Last),
-                PageState::Held(_) => (cur - 1, Unshared::Shared),
-                found => {
+                (_, Delta::TryInc) => return Ok(Changed::NotHeld),
+                (found, _) => {
                     return Err(PageError {
                         page,
                         found,
-                        expected: "held",
+                        expected: "held, below 2^32-1 shares",
                     })
                 }
             };
             match w.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Ok(out),
+                Ok(_) => {
+                    return Ok(match PageState::decode(next) {
+                        PageState::Cached(_) => Changed::Last,
+                        _ => Changed::Locked(next),
+                    })
+                }
                 Err(c) => cur = c,
             }
         }
+    }
+
+    /// Unlocks a page locked by `desc` (keeping its count). Idempotent:
+    /// false if it was not locked by `desc`.
+    pub fn unlock(&self, page: u32, desc: u32) -> bool {
+        let Ok(w) = self.word(page) else { return false };
+        let mut cur = w.load(Ordering::Acquire);
+        loop {
+            let PageState::Locked { rc, desc: d } = PageState::decode(cur) else {
+                return false;
+            };
+            if d != desc & MAX_LOCK_DESC {
+                return false;
+            }
+            match w.compare_exchange_weak(
+                cur,
+                PageState::Held(rc).encode(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return true,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    /// Unlocks a page this caller locked, given the word its
+    /// [`change`](Self::change) returned. A plain store: while a page is
+    /// locked only its locker writes the word.
+    pub fn unlock_own(&self, page: u32, locked: u64) {
+        if let (Ok(w), PageState::Locked { rc, .. }) = (self.word(page), PageState::decode(locked))
+        {
+            w.store(PageState::Held(rc).encode(), Ordering::Release);
+        }
+    }
+
+    /// Whether `page` is locked by `desc`.
+    pub fn locked_by(&self, page: u32, desc: u32) -> bool {
+        matches!(self.state(page), Ok(PageState::Locked { desc: d, .. }) if d == desc & MAX_LOCK_DESC)
     }
 
     /// Claims one free page for `slot`. Allocation-free and lock-free, so
@@ -331,18 +400,27 @@ mod tests {
             PageState::Cached(65535),
             PageState::Held(1),
             PageState::Held(u32::MAX),
+            PageState::Locked { rc: 3, desc: 0 },
+            PageState::Locked {
+                rc: 1,
+                desc: MAX_LOCK_DESC,
+            },
         ] {
             assert_eq!(PageState::decode(s.encode()), s);
         }
-        assert!(matches!(PageState::decode(3 << 48), PageState::Invalid(_)));
+        assert!(matches!(PageState::decode(3 << 62), PageState::Invalid(_)));
         assert!(matches!(
-            PageState::decode(ST_HELD << 48),
+            PageState::decode(ST_HELD << 62),
+            PageState::Invalid(_)
+        ));
+        assert!(matches!(
+            PageState::decode(ST_CACHED << 62 | 5),
             PageState::Invalid(_)
         ));
     }
 
     #[test]
-    fn lifecycle() {
+    fn lifecycle_with_locks() {
         let w = table(4);
         let t = PageTable::new(&w);
         assert!(t.try_claim(1, 7));
@@ -350,15 +428,33 @@ mod tests {
         assert_eq!(t.state(1).unwrap(), PageState::Cached(7));
         assert!(t.hold_cached(1, 8).is_err());
         t.hold_cached(1, 7).unwrap();
-        t.share(1).unwrap();
-        assert_eq!(t.rc(1), 2);
-        assert_eq!(t.unshare(1, 7).unwrap(), Unshared::Shared);
-        assert_eq!(t.unshare(1, 3).unwrap(), Unshared::Last);
+        assert!(matches!(
+            t.change(1, 40, Delta::Inc),
+            Ok(Changed::Locked(_))
+        ));
+        assert_eq!(t.state(1).unwrap(), PageState::Locked { rc: 2, desc: 40 });
+        assert_eq!(
+            t.change(1, 41, Delta::Dec(3)),
+            Ok(Changed::Busy(40)),
+            "a locked page waits"
+        );
+        assert!(!t.unlock(1, 41), "only the locker unlocks");
+        assert!(t.unlock(1, 40));
+        assert!(!t.unlock(1, 40), "unlock is idempotent");
+        assert!(matches!(
+            t.change(1, 41, Delta::Dec(3)),
+            Ok(Changed::Locked(_))
+        ));
+        assert!(t.unlock(1, 41));
+        assert_eq!(t.change(1, 42, Delta::Dec(3)), Ok(Changed::Last));
         assert_eq!(t.state(1).unwrap(), PageState::Cached(3));
-        assert!(t.unshare(1, 3).is_err(), "double drop is detected");
+        assert!(
+            t.change(1, 42, Delta::Dec(3)).is_err(),
+            "double drop is detected"
+        );
+        assert_eq!(t.change(1, 42, Delta::TryInc), Ok(Changed::NotHeld));
         t.release_cached(1, 3).unwrap();
         assert_eq!(t.state(1).unwrap(), PageState::Free);
-        assert!(!t.try_share(1).unwrap());
         assert!(t.state(99).is_err());
     }
 
@@ -372,6 +468,7 @@ mod tests {
         assert_eq!(out, vec![0, 1, 2, 3]);
         assert_eq!(t.claim_batch(&c, 1, 100, &mut out), 6);
         assert_eq!(t.claim_batch(&c, 1, 1, &mut out), 0);
+        assert_eq!(t.claim_one(&c, 1), None);
         t.release_cached(5, 1).unwrap();
         assert_eq!(t.claim_batch(&c, 2, 3, &mut out), 1);
         assert_eq!(*out.last().unwrap(), 5);

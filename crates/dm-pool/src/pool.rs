@@ -11,7 +11,8 @@ use crate::desc::{
 };
 use crate::error::{Error, Result};
 use crate::layout::{Layout, PoolConfig};
-use crate::pages::{PageState, Unshared, NO_PAGE};
+use crate::pages::{Delta, NO_PAGE};
+use crate::reclaim::{Book, Stop};
 use crate::refs::Ref;
 use crate::shm::{host_id, Shm};
 use crate::slot::{SlotKind, SlotState};
@@ -44,9 +45,11 @@ pub struct AttachOptions {
     pub fifo_max: usize,
     /// Name recorded in the slot (default: this executable's name).
     pub name: Option<String>,
-    /// Run the background thread that renews the lease and reclaims dead
-    /// slots and expired Refs. Default true.
+    /// Run the background thread that renews the lease. Default true.
     pub heartbeat: bool,
+    /// Let that thread also reclaim dead slots and expired Refs every lease
+    /// period. Default true.
+    pub reclaim: bool,
     /// Fault in the whole data area at attach so that no access faults later.
     pub prefault: bool,
 }
@@ -59,6 +62,7 @@ impl Default for AttachOptions {
             fifo_max: 2048,
             name: None,
             heartbeat: true,
+            reclaim: true,
             prefault: false,
         }
     }
@@ -70,8 +74,8 @@ impl Default for AttachOptions {
 pub(crate) struct Core {
     pub(crate) shm: Shm,
     pub(crate) slot: u16,
-    incarnation: u32,
-    lost: AtomicBool,
+    pub(crate) incarnation: u32,
+    pub(crate) lost: AtomicBool,
 }
 
 pub(crate) struct Inner {
@@ -242,12 +246,13 @@ impl Pool {
             lost: AtomicBool::new(false),
         });
         let stop = Arc::new(AtomicBool::new(false));
+        let reclaim = opts.reclaim;
         let lease_thread = if opts.heartbeat {
             let (c, st) = (core.clone(), stop.clone());
             Some(
                 std::thread::Builder::new()
                     .name("dmrpc-lease".into())
-                    .spawn(move || heartbeat(c, st, lease))?,
+                    .spawn(move || heartbeat(c, st, lease, reclaim))?,
             )
         } else {
             None
@@ -426,17 +431,25 @@ impl Pool {
         );
         r.n_pages.store(n as u32, Ordering::Relaxed);
         let b = i.desc(buf.desc)?;
-        let pages = i.shm.pages();
         let res = (|| -> Result<()> {
             for k in 0..n {
                 let p = i.shm.entry_value(b, first + k)?;
                 if p != NO_PAGE {
                     i.shm.check_page(p)?;
                     i.set_entry(r, k, p)?;
-                    pages.share(p)?;
                 }
-                r.held.store(k as u32 + 1, Ordering::Release);
             }
+            let mut none = Vec::new();
+            i.bulk_change(
+                ridx,
+                r,
+                0,
+                n as u32,
+                |k| i.shm.entry_value(r, k as usize),
+                Book::Held,
+                Delta::Inc,
+                &mut none,
+            )?;
             Ok(())
         })();
         if let Err(e) = res {
@@ -536,7 +549,6 @@ impl Pool {
         d.len.store(r.len, Ordering::Relaxed);
         d.offset.store(offset as u32, Ordering::Relaxed);
         d.n_pages.store(n as u32, Ordering::Relaxed);
-        let pages = i.shm.pages();
         let res = (|| -> Result<bool> {
             for k in 0..n {
                 let p = i.shm.entry_value(rd, k)?;
@@ -545,15 +557,21 @@ impl Pool {
                         return Ok(false);
                     }
                     i.set_entry(d, k, p)?;
-                    if !pages.try_share(p)? {
-                        i.set_entry(d, k, NO_PAGE)?;
-                        return Ok(false);
-                    }
                 }
-                d.held.store(k as u32 + 1, Ordering::Release);
             }
+            let mut none = Vec::new();
+            let stop = i.bulk_change(
+                idx,
+                d,
+                0,
+                n as u32,
+                |k| i.shm.entry_value(d, k as usize),
+                Book::Held,
+                Delta::TryInc,
+                &mut none,
+            )?;
             // The Ref held every page throughout iff it is still the same live Ref.
-            Ok(rd.state.load(Ordering::Acquire) == w)
+            Ok(stop == Stop::Done && rd.state.load(Ordering::Acquire) == w)
         })();
         match res {
             Ok(true) => {
@@ -590,12 +608,11 @@ impl Pool {
             let (d, w) = self.validate(r)?;
             let st = DescState::decode(w);
             let to = DescState::encode(st.generation, Kind::Drop, i.slot);
-            d.progress.store(0, Ordering::Relaxed);
             if d.state
                 .compare_exchange(w, to, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                return i.drop_desc_local(d, END_RELEASED);
+                return i.drop_desc_local(r.desc, d, END_RELEASED);
             }
         }
     }
@@ -620,7 +637,7 @@ impl Pool {
 /// The lease thread: renews the slot's heartbeat every quarter lease and,
 /// every lease, reclaims dead slots and expired Refs (pages it frees go
 /// straight back to the free set). Parked between ticks; woken to stop.
-fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64) {
+fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64, reclaim: bool) {
     let tick = Duration::from_millis((lease / 4).max(5));
     let mut last_maint = now_ms();
     while !stop.load(Ordering::Acquire) {
@@ -629,7 +646,7 @@ fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64) {
             return;
         }
         let now = now_ms();
-        if now >= last_maint + lease {
+        if reclaim && now >= last_maint + lease {
             last_maint = now;
             let mut freed = Vec::new();
             let _ = core.maintain(&mut freed);
@@ -639,7 +656,7 @@ fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64) {
 }
 
 impl Core {
-    fn set_entry(&self, d: &Desc, k: usize, p: u32) -> Result<()> {
+    pub(crate) fn set_entry(&self, d: &Desc, k: usize, p: u32) -> Result<()> {
         match self.shm.entry(d, k)? {
             Some(e) => {
                 e.store(p, Ordering::Release);
@@ -657,15 +674,24 @@ impl Core {
         }
     }
 
+    /// Fails with `LeaseLost` unless this slot is still ours: a process that
+    /// was stopped past its lease has had its holdings reclaimed and must
+    /// not touch them. One load of the slot word (read-mostly, shared).
     fn live(&self) -> Result<()> {
-        if self.lost.load(Ordering::Relaxed) {
-            Err(Error::LeaseLost)
-        } else {
-            Ok(())
+        if !self.lost.load(Ordering::Relaxed) {
+            let w = self
+                .shm
+                .slot(self.slot)
+                .map(|s| s.state.load(Ordering::Acquire));
+            if w == Some(SlotState::encode(self.incarnation, SlotKind::Live, 0)) {
+                return Ok(());
+            }
+            self.lost.store(true, Ordering::Relaxed);
         }
+        Err(Error::LeaseLost)
     }
 
-    fn renew(&self) -> Result<()> {
+    pub(crate) fn renew(&self) -> Result<()> {
         let Some(s) = self.shm.slot(self.slot) else {
             return Err(Error::LeaseLost);
         };
@@ -809,13 +835,13 @@ impl Inner {
         d.state
             .compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
             .map_err(|_| Error::Corrupt(format!("descriptor {idx} changed under its owner")))?;
-        self.drop_desc_local(d, end)
+        self.drop_desc_local(idx, d, end)
     }
 
     /// Drops a descriptor in `Drop` state, keeping freed pages in the FIFO.
-    pub(crate) fn drop_desc_local(&self, d: &Desc, end: u32) -> Result<()> {
+    pub(crate) fn drop_desc_local(&self, di: u32, d: &Desc, end: u32) -> Result<()> {
         let mut freed = Vec::new();
-        let r = self.core.drop_desc(d, end, &mut freed);
+        let r = self.core.drop_desc(di, d, end, &mut freed);
         self.give_pages(freed);
         r
     }
@@ -828,218 +854,21 @@ impl Inner {
         r
     }
 
-    /// Takes over and drops a descriptor whose owner is gone.
-    pub(crate) fn take_over_desc(&self, d: &Desc) -> Result<bool> {
+    /// Takes over and drops every owned descriptor not owned by this slot
+    /// (gc's recount runs this when no other process is attached).
+    pub(crate) fn reclaim_orphans(&self) -> Result<()> {
         let mut freed = Vec::new();
-        let r = self.core.take_over_desc(d, &mut freed);
+        let me = self.slot;
+        let owned = |st: &DescState| {
+            st.owner != me
+                && matches!(
+                    st.kind,
+                    Some(Kind::Buf | Kind::MapBuild | Kind::RefBuild | Kind::Drop)
+                )
+        };
+        let r = self.core.reclaim_descs(owned, &mut freed);
         self.give_pages(freed);
         r
-    }
-}
-
-impl Core {
-    /// Finishes dropping a descriptor in `Drop` state owned by this slot:
-    /// drops the shares of entries `[progress, held)`, then its list pages,
-    /// then frees it. Safe to resume after a crash at any point.
-    pub(crate) fn drop_desc(&self, d: &Desc, end: u32, freed: &mut Vec<u32>) -> Result<()> {
-        let held = d.held.load(Ordering::Acquire);
-        let mut first_err = None;
-        let mut i = d.progress.load(Ordering::Acquire);
-        while i < held {
-            d.progress.store(i + 1, Ordering::Release);
-            match self.shm.entry_value(d, i as usize) {
-                Ok(NO_PAGE) => {}
-                Ok(p) => {
-                    if let Err(e) = self.drop_share(p, freed) {
-                        first_err.get_or_insert(e);
-                    }
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-            i += 1;
-        }
-        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
-            for e in &d.entries {
-                let l = e.swap(NO_PAGE, Ordering::AcqRel);
-                if l != NO_PAGE {
-                    if let Err(e) = self.drop_share(l, freed) {
-                        first_err.get_or_insert(e);
-                    }
-                }
-            }
-        }
-        d.flags.store(end << 8, Ordering::Release);
-        reset_desc_fields(d);
-        let st = DescState::decode(d.state.load(Ordering::Acquire));
-        d.state.store(
-            DescState::encode(st.generation, Kind::Free, 0),
-            Ordering::Release,
-        );
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
-    /// Drops one share of page `p` held by a descriptor being dropped. A page
-    /// still cached by a dead (or our own) slot was never held: free it.
-    fn drop_share(&self, p: u32, freed: &mut Vec<u32>) -> Result<()> {
-        let p = self.shm.check_page(p)?;
-        let t = self.shm.pages();
-        match t.state(p)? {
-            PageState::Held(_) => {
-                if t.unshare(p, self.slot)? == Unshared::Last {
-                    self.shm.zero_page(p);
-                    freed.push(p);
-                }
-                Ok(())
-            }
-            PageState::Cached(x) if x == self.slot || !self.shm.slot_live(x, now_ms()) => {
-                self.shm.zero_page(p);
-                t.release_cached(p, x)?;
-                Ok(())
-            }
-            other => Err(Error::Corrupt(format!(
-                "page {p} is {other:?} but a dropped descriptor lists it"
-            ))),
-        }
-    }
-
-    /// Reclaims dead slots and expired Refs.
-    pub(crate) fn maintain(&self, freed: &mut Vec<u32>) -> Result<crate::check::GcReport> {
-        let mut rep = crate::check::GcReport::default();
-        let now = now_ms();
-        for s in 0..self.shm.layout.n_slots as u16 {
-            if s != self.slot && self.reclaim_slot(s, now, freed)? {
-                rep.slots_reclaimed += 1;
-            }
-        }
-        for idx in 0..self.shm.layout.n_descs {
-            let d = self.desc(idx)?;
-            let w = d.state.load(Ordering::Acquire);
-            let st = DescState::decode(w);
-            if st.kind == Some(Kind::RefLive) && now > d.expiry_ms.load(Ordering::Relaxed) {
-                d.progress.store(0, Ordering::Relaxed);
-                let to = DescState::encode(st.generation, Kind::Drop, self.slot);
-                if d.state
-                    .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    self.drop_desc(d, END_EXPIRED, freed)?;
-                    self.shm
-                        .atomics()
-                        .refs_expired
-                        .fetch_add(1, Ordering::Relaxed);
-                    rep.refs_expired += 1;
-                }
-            }
-        }
-        Ok(rep)
-    }
-
-    /// If slot `s` is dead (lease expired, or its reclaimer died), takes it
-    /// over and releases everything it holds. Returns whether it did.
-    fn reclaim_slot(&self, s: u16, now: u64, freed: &mut Vec<u32>) -> Result<bool> {
-        let Some(slot) = self.shm.slot(s) else {
-            return Ok(false);
-        };
-        let w = slot.state.load(Ordering::Acquire);
-        let st = SlotState::decode(w);
-        let dead = match st.kind {
-            Some(SlotKind::Live) => self.shm.slot_expired(slot, now),
-            Some(SlotKind::Reclaiming) => {
-                st.reclaimer != s && !self.shm.slot_live(st.reclaimer, now)
-            }
-            _ => false,
-        };
-        if !dead {
-            return Ok(false);
-        }
-        let to = SlotState::encode(st.incarnation, SlotKind::Reclaiming, self.slot);
-        if slot
-            .state
-            .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
-            .is_err()
-        {
-            return Ok(false);
-        }
-        self.release_holdings_of(s, freed)?;
-        slot.state.store(
-            SlotState::encode(st.incarnation, SlotKind::Free, 0),
-            Ordering::Release,
-        );
-        self.shm
-            .atomics()
-            .slots_reclaimed
-            .fetch_add(1, Ordering::Relaxed);
-        Ok(true)
-    }
-
-    /// Releases every descriptor owned by slot `s` and every page it caches.
-    /// `s` is dead (or is this slot, detaching).
-    pub(crate) fn release_holdings_of(&self, s: u16, freed: &mut Vec<u32>) -> Result<()> {
-        for idx in 0..self.shm.layout.n_descs {
-            let d = self.desc(idx)?;
-            if DescState::decode(d.state.load(Ordering::Acquire)).owner == s {
-                self.take_over_desc(d, freed)?;
-            }
-        }
-        let t = self.shm.pages();
-        for p in 0..self.shm.layout.n_pages {
-            if t.state(p)? == PageState::Cached(s) {
-                self.shm.zero_page(p);
-                t.release_cached(p, s)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Takes over an owned descriptor whose owner is gone and drops it.
-    /// Returns whether it was dropped (false: not an owned kind, or raced).
-    pub(crate) fn take_over_desc(&self, d: &Desc, freed: &mut Vec<u32>) -> Result<bool> {
-        let w = d.state.load(Ordering::Acquire);
-        let st = DescState::decode(w);
-        match st.kind {
-            Some(Kind::Buf) => {
-                self.undo_journal(d)?;
-                d.held
-                    .store(d.n_pages.load(Ordering::Relaxed), Ordering::Relaxed);
-                d.progress.store(0, Ordering::Relaxed);
-            }
-            Some(Kind::MapBuild) | Some(Kind::RefBuild) => d.progress.store(0, Ordering::Relaxed),
-            Some(Kind::Drop) => {}
-            _ => return Ok(false),
-        }
-        let to = DescState::encode(st.generation, Kind::Drop, self.slot);
-        if d.state
-            .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
-            self.drop_desc(d, END_ABORTED, freed)?;
-            return Ok(true);
-        }
-        Ok(false)
-    }
-
-    /// Resolves an interrupted copy-on-write of a dead owner: if the new page
-    /// was linked but never committed (still cached), the old page's share
-    /// was never dropped — put it back in the list.
-    fn undo_journal(&self, d: &Desc) -> Result<()> {
-        let idx = d.journal_idx.load(Ordering::Acquire);
-        if idx == NO_PAGE {
-            return Ok(());
-        }
-        let old = d.journal_old.load(Ordering::Acquire);
-        let cur = self.shm.entry_value(d, idx as usize)?;
-        if cur != old && cur != NO_PAGE {
-            if let PageState::Cached(_) = self.shm.pages().state(self.shm.check_page(cur)?)? {
-                self.set_entry(d, idx as usize, old)?;
-            }
-        }
-        d.journal_idx.store(NO_PAGE, Ordering::Release);
-        Ok(())
     }
 }
 
@@ -1308,7 +1137,7 @@ impl Buffer {
                         )
                     };
                 }
-                i.link_page(d, k, p, q)?;
+                i.link_page(self.desc, d, k, p, q)?;
                 if p != NO_PAGE {
                     copies += 1;
                 }
@@ -1351,7 +1180,7 @@ impl Inner {
     /// Replaces entry `k` (old page `p`, or NO_PAGE) of an owned buffer with
     /// `q`, a page cached by this slot and already filled. The CoW journal
     /// makes this recoverable at every step (see `undo_journal`).
-    pub(crate) fn link_page(&self, d: &Desc, k: usize, p: u32, q: u32) -> Result<()> {
+    pub(crate) fn link_page(&self, di: u32, d: &Desc, k: usize, p: u32, q: u32) -> Result<()> {
         let t = self.shm.pages();
         if p != NO_PAGE {
             d.journal_old.store(p, Ordering::Relaxed);
@@ -1360,11 +1189,18 @@ impl Inner {
         self.set_entry(d, k, q)?;
         t.hold_cached(q, self.slot)?;
         if p != NO_PAGE {
-            if t.unshare(p, self.slot)? == Unshared::Last {
-                self.shm.zero_page(p);
-                self.give_pages([p]);
-            }
-            d.journal_idx.store(NO_PAGE, Ordering::Release);
+            let mut freed = Vec::new();
+            self.bulk_change(
+                di,
+                d,
+                0,
+                1,
+                |_| Ok(p),
+                Book::Journal,
+                Delta::Dec(self.slot),
+                &mut freed,
+            )?;
+            self.give_pages(freed);
         }
         Ok(())
     }

@@ -72,3 +72,9 @@ pub mod proc {
         r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
     }
 }
+
+/// Gives up the CPU (`sched_yield(2)`). Async-signal-safe.
+pub fn sched_yield() {
+    // SAFETY: no preconditions.
+    unsafe { libc::sched_yield() };
+}

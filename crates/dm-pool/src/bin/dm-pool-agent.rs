@@ -16,7 +16,8 @@
 //! release REFHEX            -> ok
 //! free B                    -> ok
 //! check                     -> ok | err check: problems
-//! churn SEED                -> never returns: random ops until killed
+//! churn SEED [MASK]         -> never returns: random ops until killed
+//!                              (MASK: bit n enables op n of `churn`, default all)
 //! exit                      -> detaches and exits
 //! ```
 
@@ -172,7 +173,8 @@ impl Agent {
             }
             "churn" => {
                 let seed = num(&mut it)?;
-                self.churn(seed)
+                let mask = it.next().and_then(|m| m.parse().ok()).unwrap_or(u64::MAX);
+                self.churn(seed, mask)
             }
             _ => Err(format!("unknown command {cmd:?}")),
         }
@@ -180,7 +182,7 @@ impl Agent {
 
     /// Random operations forever, exercising every multi-step protocol (for
     /// kill -9 tests). Announces "ok" once started.
-    fn churn(&mut self, seed: u64) -> R {
+    fn churn(&mut self, seed: u64, mask: u64) -> R {
         let mut x = seed | 1;
         let mut rnd = move || {
             x ^= x << 13;
@@ -195,7 +197,11 @@ impl Agent {
         let mut maps: Vec<MappedBuffer> = Vec::new();
         let ps = self.pool.page_size() as u64;
         loop {
-            match rnd() % 9 {
+            let op = rnd() % 9;
+            if mask & (1 << op) == 0 {
+                continue;
+            }
+            match op {
                 0 | 1 if bufs.len() < 16 => {
                     let len = 1 + rnd() % (ps * 80);
                     if let Ok(b) = self.pool.alloc(len) {
@@ -259,6 +265,7 @@ fn main() {
         AttachOptions {
             lease_ms,
             name: Some("dm-pool-agent".into()),
+            reclaim: std::env::var_os("DMRPC_AGENT_NO_RECLAIM").is_none(),
             ..Default::default()
         },
     ) {

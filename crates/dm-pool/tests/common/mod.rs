@@ -121,10 +121,20 @@ impl Agent {
         assert!(st.success(), "agent exited with {st}");
     }
 
+    /// SIGKILL (std's `kill`), then reap.
     pub fn kill9(mut self) {
-        // SAFETY-free: std's kill sends SIGKILL.
         self.child.kill().unwrap();
         self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Agent {
+    /// A test that fails midway must not leave agents running.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 

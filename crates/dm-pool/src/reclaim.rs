@@ -1,0 +1,501 @@
+//! Where shares are taken and dropped crash-safely, and where what dead
+//! processes and expired Refs hold is reclaimed.
+//!
+//! Every share change goes through [`Core::bulk_change`]: per page, one CAS
+//! changes the count and locks the page to the descriptor; every
+//! [`BATCH`] pages the descriptor's counter is stored and those pages are
+//! unlocked (plain stores: nobody else writes a locked word). Before waiting
+//! for a page locked by someone else, the pages held so far are recorded
+//! and unlocked, so no process waits while holding a lock (no deadlock).
+//!
+//! A process killed anywhere leaves its descriptors in a state a reclaimer
+//! can finish exactly ([`Core::reclaim_descs`]):
+//! 1. an interrupted copy-on-write is resolved from the journal;
+//! 2. entries naming pages still cached by the dead owner (a page being
+//!    linked, or a page whose last share it had just dropped) are removed
+//!    and the pages freed — nobody else holds them;
+//! 3. the counter is advanced over the pages locked by the descriptor,
+//!    which are exactly those changed but not yet recorded, and they are
+//!    unlocked;
+//! 4. the descriptor is dropped from its counter onwards.
+
+use crate::check::GcReport;
+use crate::desc::{Desc, DescState, Kind, END_ABORTED, END_EXPIRED, FLAG_INDIRECT, INLINE};
+use crate::error::Result;
+use crate::pages::{Changed, Delta, PageState, NO_PAGE};
+use crate::pool::{reset_desc_fields, Core};
+use crate::slot::{SlotKind, SlotState};
+use crate::sync::Ordering;
+use dm_sys::time::now_ms;
+
+/// Pages changed between two counter stores (bounds how long pages stay locked).
+pub(crate) const BATCH: usize = 64;
+
+/// Which counter of a descriptor records its share changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Book {
+    /// `held`: building (shares taken for entries below it).
+    Held,
+    /// `progress`: dropping (shares dropped for positions below it).
+    Progress,
+    /// The copy-on-write journal: dropping the replaced page's share is
+    /// recorded by clearing `journal_idx`.
+    Journal,
+}
+
+impl Book {
+    fn store(self, d: &Desc, k: u32) {
+        match self {
+            Book::Held => d.held.store(k, Ordering::Release),
+            Book::Progress => d.progress.store(k, Ordering::Release),
+            Book::Journal => {
+                if k > 0 {
+                    d.journal_idx.store(NO_PAGE, Ordering::Release)
+                }
+            }
+        }
+    }
+}
+
+/// Where a bulk change stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stop {
+    /// Every position was processed.
+    Done,
+    /// `TryInc` met a page that is not held at this position (recorded up to it).
+    NotHeld(u32),
+}
+
+impl Core {
+    /// Position `k` of a descriptor's drop space: data entries `[0, held)`,
+    /// then list slots at `held + k`.
+    fn drop_slot(&self, d: &Desc, held: u32, k: u32) -> Result<u32> {
+        if k < held {
+            self.shm.entry_value(d, k as usize)
+        } else if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
+            Ok(d.entries
+                .get((k - held) as usize)
+                .map_or(NO_PAGE, |e| e.load(Ordering::Acquire)))
+        } else {
+            Ok(NO_PAGE)
+        }
+    }
+
+    /// Applies `delta` to the page at every position `[from, to)` of
+    /// descriptor `di` (pages given by `page_at`), recording in `book`.
+    /// Pages whose last share is dropped are zeroed and pushed to `freed`.
+    pub(crate) fn bulk_change(
+        &self,
+        di: u32,
+        d: &Desc,
+        from: u32,
+        to: u32,
+        page_at: impl Fn(u32) -> Result<u32>,
+        book: Book,
+        delta: Delta,
+        freed: &mut Vec<u32>,
+    ) -> Result<Stop> {
+        let t = self.shm.pages();
+        let mut locked: Vec<(u32, u64)> = Vec::with_capacity(BATCH);
+        let mut last: Vec<u32> = Vec::new();
+        let flush =
+            |k: u32, locked: &mut Vec<(u32, u64)>, last: &mut Vec<u32>, freed: &mut Vec<u32>| {
+                book.store(d, k);
+                for (p, w) in locked.drain(..) {
+                    t.unlock_own(p, w);
+                }
+                for p in last.drain(..) {
+                    self.shm.zero_page(p);
+                    freed.push(p);
+                }
+            };
+        let mut k = from;
+        let mut spins = 0u32;
+        // Every exit records what was changed and unlocks it.
+        let stop = loop {
+            if k >= to {
+                break Ok(Stop::Done);
+            }
+            let p = match page_at(k).and_then(|p| {
+                if p == NO_PAGE {
+                    Ok(p)
+                } else {
+                    self.shm.check_page(p)
+                }
+            }) {
+                Ok(NO_PAGE) => {
+                    k += 1;
+                    continue;
+                }
+                Ok(p) => p,
+                Err(e) => break Err(e),
+            };
+            match t.change(p, di, delta) {
+                Ok(Changed::Locked(w)) => locked.push((p, w)),
+                Ok(Changed::Last) => last.push(p),
+                Ok(Changed::NotHeld) => break Ok(Stop::NotHeld(k)),
+                Ok(Changed::Busy(other)) => {
+                    flush(k, &mut locked, &mut last, freed);
+                    self.wait_busy(p, other, &mut spins, freed);
+                    continue;
+                }
+                Err(e) => break Err(e.into()),
+            }
+            k += 1;
+            if locked.len() + last.len() >= BATCH {
+                flush(k, &mut locked, &mut last, freed);
+            }
+        };
+        flush(k.min(to), &mut locked, &mut last, freed);
+        stop
+    }
+
+    /// Waits for page `p`, locked by descriptor `other`. A live owner holds
+    /// such a lock for a few instructions; a dead one is reclaimed here as
+    /// soon as its lease says so (which completes and unlocks its work).
+    pub(crate) fn wait_busy(&self, p: u32, other: u32, spins: &mut u32, freed: &mut Vec<u32>) {
+        *spins += 1;
+        if *spins < 64 {
+            std::hint::spin_loop();
+            return;
+        }
+        std::thread::yield_now();
+        if *spins % 512 == 0 {
+            // A long wait must not cost us our own lease.
+            let _ = self.renew();
+            if let Some(d) = self.shm.desc(other) {
+                let owner = DescState::decode(d.state.load(Ordering::Acquire)).owner;
+                if owner != self.slot && self.shm.pages().locked_by(p, other) {
+                    let _ = self.reclaim_slot(owner, now_ms(), freed);
+                }
+            }
+        }
+    }
+
+    /// Finishes dropping a descriptor in `Drop` state owned by this slot:
+    /// its data entries from `progress`, then its list pages; then frees it.
+    pub(crate) fn drop_desc(
+        &self,
+        di: u32,
+        d: &Desc,
+        end: u32,
+        freed: &mut Vec<u32>,
+    ) -> Result<()> {
+        let held = d.held.load(Ordering::Acquire);
+        let span = held + INLINE as u32;
+        let from = d.progress.load(Ordering::Acquire);
+        let res = self.bulk_change(
+            di,
+            d,
+            from,
+            span,
+            |k| self.drop_slot(d, held, k),
+            Book::Progress,
+            Delta::Dec(self.slot),
+            freed,
+        );
+        if let Err(e) = res {
+            // Leave the descriptor in Drop: gc reports it; nothing is freed twice.
+            return Err(e);
+        }
+        d.flags.store(end << 8, Ordering::Release);
+        reset_desc_fields(d);
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        d.state.store(
+            DescState::encode(st.generation, Kind::Free, 0),
+            Ordering::Release,
+        );
+        Ok(())
+    }
+
+    /// Reclaims dead slots and expired Refs.
+    pub(crate) fn maintain(&self, freed: &mut Vec<u32>) -> Result<GcReport> {
+        let mut rep = GcReport::default();
+        let now = now_ms();
+        for s in 0..self.shm.layout.n_slots as u16 {
+            if s != self.slot && self.reclaim_slot(s, now, freed)? {
+                rep.slots_reclaimed += 1;
+            }
+        }
+        for idx in 0..self.shm.layout.n_descs {
+            let d = self.desc(idx)?;
+            let w = d.state.load(Ordering::Acquire);
+            let st = DescState::decode(w);
+            if st.kind == Some(Kind::RefLive) && now > d.expiry_ms.load(Ordering::Relaxed) {
+                let to = DescState::encode(st.generation, Kind::Drop, self.slot);
+                if d.state
+                    .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    self.drop_desc(idx, d, END_EXPIRED, freed)?;
+                    self.shm
+                        .atomics()
+                        .refs_expired
+                        .fetch_add(1, Ordering::Relaxed);
+                    rep.refs_expired += 1;
+                }
+            }
+        }
+        Ok(rep)
+    }
+
+    /// If slot `s` is dead (lease expired, or its reclaimer died), takes it
+    /// over and releases everything it holds. Returns whether it did.
+    pub(crate) fn reclaim_slot(&self, s: u16, now: u64, freed: &mut Vec<u32>) -> Result<bool> {
+        let Some(slot) = self.shm.slot(s) else {
+            return Ok(false);
+        };
+        let w = slot.state.load(Ordering::Acquire);
+        let st = SlotState::decode(w);
+        let dead = match st.kind {
+            Some(SlotKind::Live) => self.shm.slot_expired(slot, now),
+            Some(SlotKind::Reclaiming) => {
+                st.reclaimer != s && !self.shm.slot_live(st.reclaimer, now)
+            }
+            _ => false,
+        };
+        if !dead || s == self.slot {
+            return Ok(false);
+        }
+        let to = SlotState::encode(st.incarnation, SlotKind::Reclaiming, self.slot);
+        if slot
+            .state
+            .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return Ok(false);
+        }
+        self.release_holdings_of(s, freed)?;
+        slot.state.store(
+            SlotState::encode(st.incarnation, SlotKind::Free, 0),
+            Ordering::Release,
+        );
+        self.shm
+            .atomics()
+            .slots_reclaimed
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Releases every descriptor owned by slot `s` and every page it caches.
+    /// `s` is dead and reclaimed by us (or is this slot, detaching).
+    pub(crate) fn release_holdings_of(&self, s: u16, freed: &mut Vec<u32>) -> Result<()> {
+        self.reclaim_descs(|st| st.owner == s, freed)?;
+        // Descriptors first, then the sweep: after `normalize` no descriptor
+        // names a page cached by `s`.
+        let t = self.shm.pages();
+        for p in 0..self.shm.layout.n_pages {
+            if t.state(p)? == PageState::Cached(s) {
+                self.shm.zero_page(p);
+                t.release_cached(p, s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes over and drops every owned descriptor matching `pick` (whose
+    /// owners are gone), in phases that never wait on each other:
+    /// A. finish each one's records (journal, counters);
+    /// B. unlock every page any of them still locks (one page-table pass);
+    /// C/D. normalise and drop each (dropping may wait for live processes).
+    pub(crate) fn reclaim_descs(
+        &self,
+        pick: impl Fn(&DescState) -> bool,
+        freed: &mut Vec<u32>,
+    ) -> Result<()> {
+        let mut owned = Vec::new();
+        for idx in 0..self.shm.layout.n_descs {
+            let d = self.desc(idx)?;
+            let st = DescState::decode(d.state.load(Ordering::Acquire));
+            if pick(&st) && self.finish_records(idx, d)? {
+                owned.push(idx);
+            }
+        }
+        if owned.is_empty() {
+            return Ok(());
+        }
+        let t = self.shm.pages();
+        for p in 0..self.shm.layout.n_pages {
+            if let PageState::Locked { desc, .. } = t.state(p)? {
+                if owned.binary_search(&desc).is_ok() {
+                    t.unlock(p, desc);
+                }
+            }
+        }
+        for idx in owned {
+            self.take_over_desc(idx, self.desc(idx)?, freed)?;
+        }
+        Ok(())
+    }
+
+    /// Drops an owned descriptor whose owner is gone, once its records are
+    /// finished and its locks released (`reclaim_descs`): removes pages the
+    /// owner still caches, then drops it from its counter on. Returns
+    /// whether it was dropped (false: not an owned kind, or raced).
+    fn take_over_desc(&self, di: u32, d: &Desc, freed: &mut Vec<u32>) -> Result<bool> {
+        let w = d.state.load(Ordering::Acquire);
+        let st = DescState::decode(w);
+        if !matches!(
+            st.kind,
+            Some(Kind::Buf | Kind::MapBuild | Kind::RefBuild | Kind::Drop)
+        ) {
+            return Ok(false);
+        }
+        self.normalize(d, st)?;
+        let n = d.n_pages.load(Ordering::Acquire);
+        if st.kind == Some(Kind::Buf) {
+            // A copy-on-write that linked and held its new page but had not
+            // dropped the old page's share yet: drop it now (recorded by
+            // clearing the journal, so this too can be interrupted).
+            if d.journal_idx.load(Ordering::Acquire) != NO_PAGE {
+                let p = self.shm.check_page(d.journal_old.load(Ordering::Acquire))?;
+                self.bulk_change(
+                    di,
+                    d,
+                    0,
+                    1,
+                    |_| Ok(p),
+                    Book::Journal,
+                    Delta::Dec(self.slot),
+                    freed,
+                )?;
+            }
+            d.held.store(n, Ordering::Relaxed);
+            d.progress.store(0, Ordering::Relaxed);
+        } else if matches!(st.kind, Some(Kind::MapBuild | Kind::RefBuild)) {
+            d.progress.store(0, Ordering::Relaxed);
+        }
+        let to = DescState::encode(st.generation, Kind::Drop, self.slot);
+        if d.state
+            .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.drop_desc(di, d, END_ABORTED, freed)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Phase A for one descriptor: resolve an interrupted copy-on-write and
+    /// advance the counter over pages it changed but did not record: in
+    /// entry order right from the counter, each is locked by it or, for a
+    /// drop, became `Cached(owner)` (its last share). Idempotent, never
+    /// waits. False if the descriptor is not of an owned kind.
+    fn finish_records(&self, di: u32, d: &Desc) -> Result<bool> {
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        let Some(kind) = st.kind else {
+            return Ok(false);
+        };
+        if !matches!(
+            kind,
+            Kind::Buf | Kind::MapBuild | Kind::RefBuild | Kind::Drop
+        ) {
+            return Ok(false);
+        }
+        let t = self.shm.pages();
+        if kind == Kind::Buf {
+            self.undo_journal(di, d, st.owner)?;
+            return Ok(true);
+        }
+        let n = d.n_pages.load(Ordering::Acquire);
+        let held = d.held.load(Ordering::Acquire);
+        let (from, span) = match kind {
+            Kind::Drop => (d.progress.load(Ordering::Acquire), held + INLINE as u32),
+            _ => (held, n),
+        };
+        let mut k = from;
+        while k < span {
+            let p = if kind == Kind::Drop {
+                self.drop_slot(d, held, k)?
+            } else {
+                self.shm.entry_value(d, k as usize)?
+            };
+            if p != NO_PAGE {
+                // Changed but unrecorded: locked by us, or (drops) turned
+                // `Cached(owner)` by dropping its last share.
+                let p = self.shm.check_page(p)?;
+                let changed = t.locked_by(p, di)
+                    || (kind == Kind::Drop && t.state(p)? == PageState::Cached(st.owner));
+                if !changed {
+                    break;
+                }
+            }
+            k += 1;
+        }
+        if kind == Kind::Drop {
+            d.progress.fetch_max(k, Ordering::AcqRel);
+        } else {
+            d.held.fetch_max(k, Ordering::AcqRel);
+        }
+        Ok(true)
+    }
+
+    /// Removes from a descriptor of a gone owner the pages that owner still
+    /// caches — a page being linked, or one whose last share it had just
+    /// dropped — and frees them: nobody else holds them.
+    fn normalize(&self, d: &Desc, st: DescState) -> Result<()> {
+        let t = self.shm.pages();
+        let owner = st.owner;
+        let n = d.n_pages.load(Ordering::Acquire);
+        let held = d.held.load(Ordering::Acquire);
+        let (lo, hi) = match st.kind {
+            Some(Kind::Buf) => (0, n),
+            Some(Kind::Drop) => (d.progress.load(Ordering::Acquire).min(held), held),
+            _ => (0, held),
+        };
+        for k in lo..hi {
+            let p = self.shm.entry_value(d, k as usize)?;
+            if p != NO_PAGE && t.state(self.shm.check_page(p)?)? == PageState::Cached(owner) {
+                self.set_entry(d, k as usize, NO_PAGE)?;
+                self.shm.zero_page(p);
+                t.release_cached(p, owner)?;
+            }
+        }
+        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
+            for e in &d.entries {
+                let l = e.load(Ordering::Acquire);
+                if l != NO_PAGE && t.state(self.shm.check_page(l)?)? == PageState::Cached(owner) {
+                    e.store(NO_PAGE, Ordering::Release);
+                    self.shm.zero_page(l);
+                    t.release_cached(l, owner)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Resolves a copy-on-write of entry `idx` (old page `p`, new page `q`)
+    /// interrupted by the owner's death, following the order of
+    /// `Inner::link_page`: journal, link q, hold q, drop p's share, clear.
+    /// If p's share is still to drop, the journal stays for the takeover.
+    fn undo_journal(&self, di: u32, d: &Desc, owner: u16) -> Result<()> {
+        let idx = d.journal_idx.load(Ordering::Acquire);
+        if idx == NO_PAGE {
+            return Ok(());
+        }
+        let t = self.shm.pages();
+        let p = self.shm.check_page(d.journal_old.load(Ordering::Acquire))?;
+        let cur = self.shm.entry_value(d, idx as usize)?;
+        if cur != p && cur != NO_PAGE {
+            match t.state(self.shm.check_page(cur)?)? {
+                // q linked but never held: p's share is intact; put p back.
+                PageState::Cached(x) if x == owner => self.set_entry(d, idx as usize, p)?,
+                // q held: was p's share dropped?
+                _ => match t.state(p)? {
+                    // Dropped, not yet recorded.
+                    PageState::Locked { desc, .. } if desc == di => {
+                        d.journal_idx.store(NO_PAGE, Ordering::Release);
+                        t.unlock(p, di);
+                        return Ok(());
+                    }
+                    // Its last share is gone (cached by anyone), ours included.
+                    PageState::Cached(_) => {}
+                    // Not dropped yet: leave the journal for `take_over_desc`.
+                    _ => return Ok(()),
+                },
+            }
+        }
+        d.journal_idx.store(NO_PAGE, Ordering::Release);
+        Ok(())
+    }
+}

@@ -1,0 +1,246 @@
+//! Multi-process tests: real processes (`dm-pool-agent`) attached to one pool.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+use common::{hex, watchdog, Agent, TempPool};
+use dm_pool::{MappedBuffer, Pool, PoolConfig, Ref};
+use std::time::Duration;
+
+fn fnv(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn ref_crosses_processes_with_cow_isolation_both_ways() {
+    watchdog(60, || {
+        let tp = TempPool::new(32 << 20);
+        let pool = tp.attach();
+        let data = pattern(200 * 1024 + 5, 1);
+        let mut buf = pool.alloc(data.len() as u64).unwrap();
+        buf.write(0, &data).unwrap();
+        let r = buf.share().unwrap();
+
+        let mut a = Agent::spawn(&tp.path, None);
+        let b = a.ok(&format!("map {}", hex(&r.to_bytes())));
+        assert_eq!(
+            a.ok(&format!("sum {b}")),
+            fnv(&data).to_string(),
+            "the other process reads the snapshot"
+        );
+        // The other process writes: it sees its change, we keep ours.
+        a.ok(&format!("fill {b} 10 5000 255"));
+        let mut want = data.clone();
+        want[10..5010].fill(255);
+        assert_eq!(a.ok(&format!("sum {b}")), fnv(&want).to_string());
+        assert_eq!(buf.to_vec().unwrap(), data);
+        // We write: the other process keeps what it had.
+        buf.write(100_000, &[7u8; 9000]).unwrap();
+        assert_eq!(a.ok(&format!("sum {b}")), fnv(&want).to_string());
+        // And a fresh map of the Ref still sees the original snapshot.
+        let b2 = a.ok(&format!("map {}", hex(&r.to_bytes())));
+        assert_eq!(a.ok(&format!("sum {b2}")), fnv(&data).to_string());
+        a.ok(&format!("free {b}"));
+        a.ok(&format!("free {b2}"));
+        a.ok("check");
+        a.exit();
+        pool.release_ref(&r).unwrap();
+        drop((buf, pool));
+        tp.assert_clean();
+    });
+}
+
+#[test]
+fn load_store_cow_across_processes() {
+    watchdog(60, || {
+        let tp = TempPool::new(32 << 20);
+        let pool = tp.attach();
+        let mut m = MappedBuffer::alloc(&pool, 16 * 4096).unwrap();
+        m.as_mut_slice().fill(3);
+        let r = m.share().unwrap();
+        let mut a = Agent::spawn(&tp.path, None);
+        let mm = a.ok(&format!("mmap {}", hex(&r.to_bytes())));
+        assert_eq!(a.ok(&format!("mread {mm} 4095 2")), "0303");
+        // Their plain stores fault and copy; our mapping keeps the data.
+        a.ok(&format!("mfill {mm} 4095 2 9"));
+        assert_eq!(a.ok(&format!("mread {mm} 4095 2")), "0909");
+        assert_eq!(&m.as_slice()[4095..4097], &[3, 3]);
+        // Our plain stores fault and copy; their mapping keeps the snapshot.
+        m.as_mut_slice()[8 * 4096] = 42;
+        assert_eq!(a.ok(&format!("mread {mm} {} 1", 8 * 4096)), "03");
+        let seen = pool.map_ref(&r).unwrap();
+        assert_eq!(seen.to_vec().unwrap(), vec![3u8; 16 * 4096]);
+        let rep = pool.check();
+        assert!(rep.ok(), "{:?}", rep.problems);
+        // 16 shared pages + 2 copied by them + 1 copied by us.
+        assert_eq!(rep.pages_held, 16 + 2 + 1);
+        a.ok(&format!("free {mm}"));
+        a.exit();
+        pool.release_ref(&r).unwrap();
+        drop((seen, m, pool));
+        tp.assert_clean();
+    });
+}
+
+#[test]
+fn fan_out_to_several_processes() {
+    watchdog(60, || {
+        let tp = TempPool::new(64 << 20);
+        let pool = tp.attach();
+        let data = pattern(1 << 20, 7);
+        let mut buf = pool.alloc(data.len() as u64).unwrap();
+        buf.write(0, &data).unwrap();
+        let r = buf.share().unwrap();
+        let mut agents: Vec<Agent> = (0..4).map(|_| Agent::spawn(&tp.path, None)).collect();
+        let ids: Vec<String> = agents
+            .iter_mut()
+            .map(|a| a.ok(&format!("map {}", hex(&r.to_bytes()))))
+            .collect();
+        assert_eq!(
+            pool.check().pages_shared,
+            256,
+            "one copy of the data for five holders"
+        );
+        for (k, (a, b)) in agents.iter_mut().zip(&ids).enumerate() {
+            a.ok(&format!("fill {b} {} 1 {}", k * 4096, 100 + k));
+        }
+        for (k, (a, b)) in agents.iter_mut().zip(&ids).enumerate() {
+            let mut want = data.clone();
+            want[k * 4096] = 100 + k as u8;
+            assert_eq!(a.ok(&format!("sum {b}")), fnv(&want).to_string());
+        }
+        assert_eq!(buf.to_vec().unwrap(), data);
+        let rep = pool.check();
+        assert_eq!(
+            rep.pages_held - rep.pages_lists,
+            256 + 4,
+            "one page copied per writer"
+        );
+        for a in agents {
+            a.exit();
+        }
+        pool.release_ref(&r).unwrap();
+        drop((buf, pool));
+        tp.assert_clean();
+    });
+}
+
+#[test]
+fn stopped_process_loses_its_lease_and_is_reclaimed() {
+    watchdog(60, || {
+        let tp = TempPool::new(16 << 20);
+        let mut a = Agent::spawn(&tp.path, Some(300));
+        let b = a.ok("alloc 100000");
+        a.ok(&format!("fill {b} 0 100000 1"));
+        let pid = a.child.id() as i32;
+        // SAFETY-free: signal via the kill command line tool.
+        let sig = |s: &str| {
+            std::process::Command::new("kill")
+                .args([s, &pid.to_string()])
+                .status()
+                .unwrap();
+        };
+        sig("-STOP");
+        assert!(dm_pool::check_path(&tp.path, false).unwrap().pages_held > 0);
+        std::thread::sleep(Duration::from_millis(700));
+        let before = dm_pool::check_path(&tp.path, false).unwrap();
+        assert_eq!(before.slots_dead, 1, "{before:?}");
+        let rep = dm_pool::gc_path(&tp.path).unwrap();
+        assert_eq!(rep.slots_reclaimed, 1);
+        sig("-CONT");
+        let e = a.err(&format!("fill {b} 0 10 2"));
+        assert!(e.contains("LeaseLost"), "{e}");
+        a.exit();
+        tp.assert_clean();
+    });
+}
+
+/// kill -9 processes at random points of random work (alloc, write, CoW,
+/// create_ref, map_ref, load/store faults, release, free) while a survivor
+/// holds data; after lease expiry and gc nothing is lost for the survivor
+/// and nothing leaks.
+#[test]
+fn kill9_at_random_points_loses_nothing_and_leaks_nothing() {
+    watchdog(240, || {
+        // Refs the killed processes created and never released must expire:
+        // a short default TTL, and a long one for the survivor's own Ref.
+        let tp = TempPool::with(PoolConfig {
+            size: 64 << 20,
+            ref_ttl_ms: 1500,
+            ..Default::default()
+        });
+        let survivor = Pool::open(&tp.path, Default::default()).unwrap();
+        let data = pattern(300 * 1024, 3);
+        let mut keep = survivor.alloc(data.len() as u64).unwrap();
+        keep.write(0, &data).unwrap();
+        let shared: Ref = survivor
+            .create_ref_ttl(&keep, 0, data.len() as u64, Duration::from_secs(600))
+            .unwrap();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ std::process::id() as u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for round in 0..12 {
+            let mut agents: Vec<Agent> = (0..2)
+                .map(|_| Agent::spawn(&tp.path, Some(agent_lease())))
+                .collect();
+            for a in agents.iter_mut() {
+                // Churners also map the survivor's Ref and write to it (CoW).
+                let m = a.ok(&format!("map {}", hex(&shared.to_bytes())));
+                a.ok(&format!("fill {m} {} 1000 9", rnd() % 200_000));
+                assert!(a
+                    .raw(&format!("churn {} {}", rnd(), churn_mask()))
+                    .starts_with("ok churning"));
+            }
+            std::thread::sleep(Duration::from_millis(20 + rnd() % 200));
+            for a in agents {
+                a.kill9();
+            }
+            // The survivor keeps working meanwhile, and its data is intact.
+            assert_eq!(keep.to_vec().unwrap(), data, "round {round}");
+            let m = survivor.map_ref(&shared).unwrap();
+            assert_eq!(m.to_vec().unwrap(), data);
+        }
+        // Reclaim the dead (the survivor's maintenance; gc works the same):
+        // the invariant holds exactly, with the survivor still attached.
+        survivor.maintain().unwrap();
+        let rep = survivor.check();
+        assert!(rep.ok(), "after reclaim: {:?}", rep.problems);
+        assert_eq!(rep.slots_live, 1);
+        survivor.release_ref(&shared).unwrap();
+        drop(keep);
+        drop(survivor);
+        // What is left is held by Refs the dead created: gone after their TTL.
+        std::thread::sleep(Duration::from_millis(1600));
+        let gc = dm_pool::gc_path(&tp.path).unwrap();
+        assert!(gc.recounted);
+        assert_eq!(gc.pages_repaired, 0, "the recount found nothing to repair");
+        tp.assert_clean();
+    });
+}
+
+fn agent_lease() -> u64 {
+    std::env::var("DMRPC_AGENT_LEASE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(400)
+}
+
+/// Which churn operations run (bit n = op n of the agent's `churn`); all by
+/// default. Narrowing it helps find which protocol a failure comes from.
+fn churn_mask() -> u64 {
+    std::env::var("DMRPC_CHURN_MASK")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(u64::MAX)
+}
