@@ -378,3 +378,36 @@ fn repair(pool: &Pool, shm: &Shm, me: u16, _now: u64, rep: &mut GcReport) -> Res
 fn shm_words(shm: &Shm) -> &[crate::sync::AtomicU64] {
     shm.page_words()
 }
+
+/// The pool's lifetime counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counters {
+    /// Pages copied by copy-on-write, ever.
+    pub cow_copies: u64,
+    /// Refs created, ever.
+    pub refs_created: u64,
+    /// Refs reclaimed by TTL, ever.
+    pub refs_expired: u64,
+    /// Dead slots reclaimed, ever.
+    pub slots_reclaimed: u64,
+}
+
+pub(crate) fn counters(shm: &Shm) -> Counters {
+    let a = shm.atomics();
+    Counters {
+        cow_copies: a.cow_copies.load(Ordering::Relaxed),
+        refs_created: a.refs_created.load(Ordering::Relaxed),
+        refs_expired: a.refs_expired.load(Ordering::Relaxed),
+        slots_reclaimed: a.slots_reclaimed.load(Ordering::Relaxed),
+    }
+}
+
+/// The lifetime counters of the pool at `path` (no attach).
+pub fn counters_of(path: &Path) -> Result<Counters> {
+    Ok(counters(&Shm::open(path)?))
+}
+
+/// The validated layout of the pool at `path` (no attach).
+pub fn layout_of(path: &Path) -> Result<crate::layout::Layout> {
+    Ok(Shm::open(path)?.layout)
+}

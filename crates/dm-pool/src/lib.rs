@@ -58,7 +58,7 @@ mod reclaim;
 pub mod shm;
 
 #[cfg(not(loom))]
-pub use check::{check_path, gc_path, CheckReport, GcReport};
+pub use check::{check_path, counters_of, gc_path, layout_of, CheckReport, Counters, GcReport};
 #[cfg(not(loom))]
 pub use error::{Error, Result};
 #[cfg(not(loom))]

@@ -628,6 +628,11 @@ impl Pool {
         crate::check::check(&self.inner.shm)
     }
 
+    /// The pool's lifetime counters (CoW copies, Refs created, ...).
+    pub fn counters(&self) -> crate::check::Counters {
+        crate::check::counters(&self.inner.shm)
+    }
+
     /// Pages currently in this process's FIFO.
     pub fn cached_pages(&self) -> usize {
         self.inner.fifo.lock().map(|f| f.len()).unwrap_or(0)

@@ -1,1 +1,50 @@
-fn main() {}
+//! The `dmrpc` command-line tool. Subcommands live in `cmd/` (pool
+//! management, the demo) and `bench/` (benchmarks against baselines).
+
+mod bench;
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+/// dmrpc: RPC for data-intensive services, with large arguments passed by
+/// reference through a shared memory pool and page-granular copy-on-write.
+///
+/// Start with `dmrpc demo`. Pools live under /dev/shm by default
+/// (`dmrpc pool create NAME --size 1GiB`); any mmap-able file or DAX device
+/// works with --path.
+#[derive(Parser, Debug)]
+#[command(name = "dmrpc", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Create, inspect, check, collect and destroy memory pools.
+    #[command(subcommand)]
+    Pool(cmd::pool::PoolCmd),
+    /// Hand a large buffer down a chain of processes by Ref and by value.
+    Demo(cmd::demo::DemoArgs),
+    /// Run a benchmark against its baseline (see BENCHMARKS.md).
+    Bench(bench::BenchArgs),
+    #[command(name = "__hop", hide = true)]
+    Hop(cmd::demo::HopArgs),
+    #[command(name = "__bench-peer", hide = true)]
+    BenchPeer(bench::PeerArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Pool(c) => cmd::pool::run(c),
+        Cmd::Demo(a) => cmd::demo::run(a),
+        Cmd::Bench(a) => bench::run(a),
+        Cmd::Hop(a) => cmd::demo::hop(a),
+        Cmd::BenchPeer(a) => bench::peer(a),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(2);
+    }
+}

@@ -1,0 +1,345 @@
+//! `dmrpc bench cow` — DmRPC's create_ref experiment on the pool backend.
+//!
+//! For each buffer size, in one run:
+//! * **copy** (the baseline): `memcpy` of the buffer into a pre-faulted
+//!   private buffer — the cheapest possible copy, so the ratio is conservative;
+//! * **share**: `create_ref` here + `map_ref` and unmap in *another process*
+//!   (timed inside that process) + `release_ref` here. The control messages
+//!   between the two processes are not counted: they are the RPC layer's
+//!   cost, measured by `bench rtt`.
+//!
+//! Also: the cost of one copy-on-write (explicit write, and a store through
+//! a mapped buffer), and alloc/write/free throughput with 1 and 2 processes.
+
+use super::serde_like::Obj;
+use super::BenchArgs;
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use dm_pool::{AttachOptions, MappedBuffer, Pool, PoolConfig, Ref};
+use dmrpc::fmt_size;
+use std::hint::black_box;
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct PeerArgs {
+    #[arg(long)]
+    pub path: PathBuf,
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The peer process: maps Refs (timed) and runs alloc loops on request.
+pub fn peer(a: PeerArgs) -> Result<()> {
+    let pool = Pool::open(
+        &a.path,
+        AttachOptions {
+            prefault: true,
+            name: Some("bench-peer".into()),
+            ..Default::default()
+        },
+    )?;
+    let mut out = std::io::stdout().lock();
+    println!("ready");
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let mut it = line.split_whitespace();
+        match it.next() {
+            Some("map") => {
+                let h = it.next().ok_or_else(|| anyhow!("map: no ref"))?;
+                let b: Vec<u8> = (0..h.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&h[i..i + 2], 16))
+                    .collect::<Result<_, _>>()?;
+                let r = Ref::from_bytes(&b)?;
+                let t = Instant::now();
+                let m = pool.map_ref(&r)?;
+                let map_ns = t.elapsed().as_nanos();
+                black_box(m.segments(0, 1)?);
+                let t = Instant::now();
+                drop(m);
+                let free_ns = t.elapsed().as_nanos();
+                writeln!(out, "ok {map_ns} {free_ns}")?;
+            }
+            Some("alloc") => {
+                let n: u64 = it.next().and_then(|s| s.parse().ok()).unwrap_or(1000);
+                let t = Instant::now();
+                alloc_loop(&pool, n)?;
+                writeln!(out, "ok {}", t.elapsed().as_nanos())?;
+            }
+            _ => break,
+        }
+        out.flush()?;
+    }
+    Ok(())
+}
+
+fn alloc_loop(pool: &Pool, n: u64) -> Result<()> {
+    for i in 0..n {
+        let mut b = pool.alloc(4096)?;
+        b.write(0, &[i as u8])?;
+        pool.free(b)?;
+    }
+    Ok(())
+}
+
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    out: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn spawn(path: &std::path::Path) -> Result<Peer> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("__bench-peer")
+            .arg("--path")
+            .arg(path)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the peer process")?;
+        let stdin = child.stdin.take().ok_or_else(|| anyhow!("no stdin"))?;
+        let out = BufReader::new(child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?);
+        let mut p = Peer { child, stdin, out };
+        if p.line()? != "ready" {
+            bail!("peer failed to start");
+        }
+        Ok(p)
+    }
+
+    fn line(&mut self) -> Result<String> {
+        let mut s = String::new();
+        if self.out.read_line(&mut s)? == 0 {
+            bail!("the peer exited");
+        }
+        Ok(s.trim().to_string())
+    }
+
+    fn send(&mut self, cmd: &str) -> Result<()> {
+        writeln!(self.stdin, "{cmd}")?;
+        Ok(self.stdin.flush()?)
+    }
+
+    fn ok_nums(&mut self) -> Result<Vec<f64>> {
+        let l = self.line()?;
+        let mut it = l.split_whitespace();
+        if it.next() != Some("ok") {
+            bail!("peer: {l}");
+        }
+        Ok(it.filter_map(|x| x.parse().ok()).collect())
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.child.wait();
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+struct TempPool(PathBuf);
+impl Drop for TempPool {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let max = if a.quick { 16 << 20 } else { 64 << 20 };
+    let budget = Duration::from_millis(if a.quick { 150 } else { 600 });
+    let path = PathBuf::from(format!(
+        "/dev/shm/dmrpc-bench-cow-{}.pool",
+        std::process::id()
+    ));
+    let _guard = TempPool(path.clone());
+    Pool::create(
+        &path,
+        &PoolConfig {
+            size: max * 4 + (64 << 20),
+            name: "bench-cow".into(),
+            ..Default::default()
+        },
+    )?;
+    let pool = Pool::open(
+        &path,
+        AttachOptions {
+            prefault: true,
+            batch: 1024,
+            ..Default::default()
+        },
+    )?;
+    let mut peer = Peer::spawn(&path)?;
+
+    println!("bench cow: create_ref + map_ref (in another process) vs copying the buffer");
+    println!(
+        "{:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>8}",
+        "size", "copy", "create_ref", "map_ref", "share total", "per page", "ratio"
+    );
+    let mut rows = Vec::new();
+    let mut size = 4096u64;
+    while size <= max {
+        let mut src = pool.alloc(size)?;
+        let data: Vec<u8> = (0..size).map(|i| i as u8).collect();
+        src.write(0, &data)?;
+        let view = src.segments(0, size)?;
+        // Baseline: memcpy into a pre-faulted private buffer.
+        let mut dst = vec![1u8; size as usize];
+        let mut copy = Vec::new();
+        let t_end = Instant::now() + budget;
+        while copy.len() < 5 || (Instant::now() < t_end && copy.len() < 10_000) {
+            let t = Instant::now();
+            let mut at = 0;
+            for s in &view {
+                dst[at..at + s.len()].copy_from_slice(s);
+                at += s.len();
+            }
+            black_box(&dst);
+            copy.push(t.elapsed().as_nanos() as f64);
+        }
+        // Sharing: create_ref here, map_ref + unmap in the peer, release here.
+        let (mut create, mut map, mut total) = (Vec::new(), Vec::new(), Vec::new());
+        let t_end = Instant::now() + budget;
+        while create.len() < 5 || (Instant::now() < t_end && create.len() < 5_000) {
+            let t = Instant::now();
+            let r = src.share()?;
+            let c = t.elapsed().as_nanos() as f64;
+            peer.send(&format!("map {}", hex(&r.to_bytes())))?;
+            let nums = peer.ok_nums()?;
+            let t = Instant::now();
+            pool.release_ref(&r)?;
+            let rel = t.elapsed().as_nanos() as f64;
+            let (m, f) = (
+                nums.first().copied().unwrap_or(f64::NAN),
+                nums.get(1).copied().unwrap_or(f64::NAN),
+            );
+            create.push(c);
+            map.push(m);
+            total.push(c + m + f + rel);
+        }
+        drop(view);
+        let (copy_ns, create_ns, map_ns, share_ns) = (
+            median(&mut copy),
+            median(&mut create),
+            median(&mut map),
+            median(&mut total),
+        );
+        let pages = size.div_ceil(pool.page_size() as u64) as f64;
+        let ratio = copy_ns / share_ns;
+        println!(
+            "{:>9} {:>8.1} us {:>8.1} us {:>8.1} us {:>8.1} us {:>8.1} ns {:>7.1}x",
+            fmt_size(size),
+            copy_ns / 1e3,
+            create_ns / 1e3,
+            map_ns / 1e3,
+            share_ns / 1e3,
+            share_ns / pages,
+            ratio
+        );
+        let mut o = Obj::default();
+        o.num("size", size as f64);
+        o.num("copy_ns", copy_ns);
+        o.num("create_ref_ns", create_ns);
+        o.num("map_ref_ns", map_ns);
+        o.num("share_total_ns", share_ns);
+        o.num("share_ns_per_page", share_ns / pages);
+        o.num("ratio_copy_over_share", ratio);
+        rows.push(o);
+        drop(src);
+        size *= 4;
+    }
+
+    // One copy-on-write: explicit write, and a store through a mapped buffer.
+    let n = 256u64;
+    let ps = pool.page_size() as u64;
+    let mut b = pool.alloc(n * ps)?;
+    b.write(0, &vec![7u8; (n * ps) as usize])?;
+    let r = b.share()?;
+    let t = Instant::now();
+    for k in 0..n {
+        b.write(k * ps, &[1])?;
+    }
+    let cow_explicit = t.elapsed().as_nanos() as f64 / n as f64;
+    pool.release_ref(&r)?;
+    drop(b);
+    let mut m = MappedBuffer::alloc(&pool, n * ps)?;
+    m.as_mut_slice().fill(7);
+    let r = m.share()?;
+    let t = Instant::now();
+    {
+        let s = m.as_mut_slice();
+        for k in 0..n {
+            s[(k * ps) as usize] = 1;
+        }
+    }
+    let cow_fault = t.elapsed().as_nanos() as f64 / n as f64;
+    pool.release_ref(&r)?;
+    drop(m);
+    println!("\ncopy-on-write of one 4 KiB page: explicit write {:.2} us, store through a mapped buffer (fault) {:.2} us", cow_explicit / 1e3, cow_fault / 1e3);
+
+    // alloc + 1-byte write + free throughput, 1 and 2 processes.
+    let loops = if a.quick { 20_000 } else { 200_000 };
+    let t = Instant::now();
+    alloc_loop(&pool, loops)?;
+    let one = loops as f64 / t.elapsed().as_secs_f64();
+    peer.send(&format!("alloc {loops}"))?;
+    let t = Instant::now();
+    alloc_loop(&pool, loops)?;
+    let mine = t.elapsed().as_secs_f64();
+    let theirs = peer.ok_nums()?.first().copied().unwrap_or(f64::NAN) / 1e9;
+    let two = loops as f64 / mine + loops as f64 / theirs;
+    println!(
+        "alloc + write + free: {:.2} M ops/s with 1 process, {:.2} M ops/s with 2 processes",
+        one / 1e6,
+        two / 1e6
+    );
+    drop(peer);
+    let rep = pool.check();
+    if !rep.ok() {
+        bail!("pool check failed after the benchmark: {:?}", rep.problems);
+    }
+
+    let mut res = Obj::default();
+    res.str("benchmark", "cow");
+    res.str("method", "median; copy = memcpy into a pre-faulted private buffer; share = create_ref + map_ref and unmap in another process + release_ref");
+    res.obj("machine", &super::machine());
+    res.arr("sizes", &rows);
+    res.num("cow_explicit_ns", cow_explicit);
+    res.num("cow_fault_ns", cow_fault);
+    res.num("alloc_free_ops_1proc", one);
+    res.num("alloc_free_ops_2proc", two);
+    let json = a.out.join("cow.json");
+    std::fs::write(&json, res.render())?;
+    let mut csv = String::from("size,copy_ns,create_ref_ns,map_ref_ns,share_total_ns,ratio\n");
+    for r in &rows {
+        let j = r.render();
+        let get = |k: &str| -> String {
+            j.split(&format!("\"{k}\":"))
+                .nth(1)
+                .and_then(|s| s.split([',', '}']).next())
+                .unwrap_or("")
+                .to_string()
+        };
+        csv += &format!(
+            "{},{},{},{},{},{}\n",
+            get("size"),
+            get("copy_ns"),
+            get("create_ref_ns"),
+            get("map_ref_ns"),
+            get("share_total_ns"),
+            get("ratio_copy_over_share")
+        );
+    }
+    std::fs::write(a.out.join("cow.csv"), csv)?;
+    println!("results: {}", json.display());
+    Ok(())
+}

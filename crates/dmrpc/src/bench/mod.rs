@@ -1,0 +1,100 @@
+//! `dmrpc bench NAME`: benchmarks that run their baseline in the same
+//! invocation and report ratios (the machine is shared and noisy: compare
+//! within one run). Results go to `--out` as JSON and CSV.
+
+mod cow;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Which benchmark: `cow` (create_ref + map_ref vs copying), or `all`.
+    pub name: String,
+    /// A short run for smoke tests (well under a minute).
+    #[arg(long)]
+    pub quick: bool,
+    /// Directory for the JSON and CSV results.
+    #[arg(long, default_value = "bench-results")]
+    pub out: PathBuf,
+}
+
+pub use cow::{peer, PeerArgs};
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    std::fs::create_dir_all(&a.out)?;
+    match a.name.as_str() {
+        "cow" | "all" => cow::run(&a),
+        n => bail!("unknown benchmark {n:?} (available: cow, all)"),
+    }
+}
+
+/// A machine description recorded with every result.
+pub fn machine() -> serde_like::Obj {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut o = serde_like::Obj::default();
+    o.str("cpu", &cpu);
+    o.num(
+        "cores",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1) as f64,
+    );
+    o.str("kernel", kernel.trim());
+    o
+}
+
+/// A tiny JSON writer (the results are flat tables; no serde needed).
+pub mod serde_like {
+    #[derive(Default, Debug, Clone)]
+    pub struct Obj(Vec<(String, String)>);
+
+    fn esc(s: &str) -> String {
+        s.chars()
+            .flat_map(|c| match c {
+                '"' => "\\\"".chars().collect::<Vec<_>>(),
+                '\\' => "\\\\".chars().collect(),
+                c if (c as u32) < 0x20 => format!("\\u{:04x}", c as u32).chars().collect(),
+                c => vec![c],
+            })
+            .collect()
+    }
+
+    impl Obj {
+        pub fn str(&mut self, k: &str, v: &str) {
+            self.0.push((k.into(), format!("\"{}\"", esc(v))));
+        }
+        pub fn num(&mut self, k: &str, v: f64) {
+            let v = if v.is_finite() {
+                format!("{v}")
+            } else {
+                "null".into()
+            };
+            self.0.push((k.into(), v));
+        }
+        pub fn obj(&mut self, k: &str, v: &Obj) {
+            self.0.push((k.into(), v.render()));
+        }
+        pub fn arr(&mut self, k: &str, v: &[Obj]) {
+            let items: Vec<String> = v.iter().map(|o| o.render()).collect();
+            self.0.push((k.into(), format!("[{}]", items.join(","))));
+        }
+        pub fn render(&self) -> String {
+            let f: Vec<String> = self
+                .0
+                .iter()
+                .map(|(k, v)| format!("\"{}\":{}", esc(k), v))
+                .collect();
+            format!("{{{}}}", f.join(","))
+        }
+    }
+}

@@ -1,0 +1,4 @@
+//! The subcommands of the `dmrpc` tool.
+
+pub mod demo;
+pub mod pool;

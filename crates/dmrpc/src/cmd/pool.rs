@@ -1,0 +1,213 @@
+//! `dmrpc pool ...`: create, inspect, check, collect and destroy pools.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use dm_pool::{default_path, Pool, PoolConfig};
+use dmrpc::{fmt_size, parse_size};
+use std::path::PathBuf;
+
+/// Which pool: a name (backed by /dev/shm/dmrpc-NAME.pool) or a path.
+#[derive(Args, Debug, Clone)]
+pub struct Target {
+    /// Pool name (its file is /dev/shm/dmrpc-NAME.pool).
+    #[arg(default_value = "default")]
+    pub name: String,
+    /// Use this file or DAX device instead of the default location.
+    #[arg(long)]
+    pub path: Option<PathBuf>,
+}
+
+impl Target {
+    pub fn path(&self) -> PathBuf {
+        self.path
+            .clone()
+            .unwrap_or_else(|| default_path(&self.name))
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PoolCmd {
+    /// Create a pool (a file under /dev/shm by default, or --path FILE|DAX device).
+    Create {
+        #[command(flatten)]
+        target: Target,
+        /// Total size, e.g. 256MiB, 1GiB.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        size: u64,
+        /// Page size: the unit of sharing and copy-on-write (power of two, >= 4KiB).
+        #[arg(long, default_value = "4KiB", value_parser = parse_size)]
+        page_size: u64,
+        /// How many processes may attach at once.
+        #[arg(long, default_value_t = 256)]
+        slots: u32,
+        /// A process silent this long (ms) is dead; its holdings are reclaimed.
+        #[arg(long, default_value_t = 2000)]
+        lease_ms: u64,
+        /// Default time to live of a Ref (ms).
+        #[arg(long, default_value_t = 60_000)]
+        ref_ttl_ms: u64,
+    },
+    /// Show the pool's format and geometry.
+    Info {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Pages free / cached / held, Refs, buffers, slots.
+    Stats {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Verify the invariant (every page free, cached or held; refcounts equal
+    /// holders). Exits 1 with a precise report if it fails.
+    Check {
+        #[command(flatten)]
+        target: Target,
+        /// Also verify that every free page is zeroed.
+        #[arg(long)]
+        deep: bool,
+    },
+    /// Reclaim dead processes' holdings and expired Refs; with no process
+    /// attached, also recount every page and repair.
+    Gc {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Remove the pool's backing file.
+    Destroy {
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+pub fn run(cmd: PoolCmd) -> Result<()> {
+    match cmd {
+        PoolCmd::Create {
+            target,
+            size,
+            page_size,
+            slots,
+            lease_ms,
+            ref_ttl_ms,
+        } => {
+            let path = target.path();
+            let cfg = PoolConfig {
+                size,
+                page_size: u32::try_from(page_size).context("page size too large")?,
+                slots,
+                descs: None,
+                lease_ms,
+                ref_ttl_ms,
+                name: target.name.clone(),
+            };
+            Pool::create(&path, &cfg)
+                .with_context(|| format!("creating pool {}", path.display()))?;
+            let info = dm_pool::check_path(&path, false)?;
+            println!(
+                "created pool {:?} at {} ({} pages of {})",
+                target.name,
+                path.display(),
+                info.pages_total,
+                fmt_size(page_size)
+            );
+        }
+        PoolCmd::Info { target } => {
+            let path = target.path();
+            let l =
+                dm_pool::layout_of(&path).with_context(|| format!("opening {}", path.display()))?;
+            println!("pool        {:?}", l.name);
+            println!("path        {}", path.display());
+            println!("format      version {}", dm_pool::POOL_VERSION);
+            println!("id          {:#018x}", l.pool_id);
+            println!(
+                "size        {} ({} bytes)",
+                fmt_size(l.total_len),
+                l.total_len
+            );
+            println!("page size   {}", fmt_size(l.page_size as u64));
+            println!(
+                "data pages  {} ({})",
+                l.n_pages,
+                fmt_size(l.n_pages as u64 * l.page_size as u64)
+            );
+            println!("slots       {}", l.n_slots);
+            println!("descriptors {}", l.n_descs);
+            println!("max buffer  {}", fmt_size(l.max_len()));
+            println!("lease       {} ms", l.lease_ms);
+            println!("Ref TTL     {} ms", l.ref_ttl_ms);
+        }
+        PoolCmd::Stats { target } => {
+            let path = target.path();
+            let r = dm_pool::check_path(&path, false)
+                .with_context(|| format!("opening {}", path.display()))?;
+            let counters = dm_pool::counters_of(&path)?;
+            println!(
+                "pages   total {}  free {}  cached {}  held {} (shared {}, lists {})",
+                r.pages_total,
+                r.pages_free,
+                r.pages_cached,
+                r.pages_held,
+                r.pages_shared,
+                r.pages_lists
+            );
+            println!(
+                "refs    live {}  created {}  expired {}",
+                r.refs_live, counters.refs_created, counters.refs_expired
+            );
+            println!(
+                "buffers {}  in flight {}  descriptors {}",
+                r.buffers, r.descs_in_flight, r.descs_total
+            );
+            println!(
+                "slots   live {}  dead {}  total {}  reclaimed {}",
+                r.slots_live, r.slots_dead, r.slots_total, counters.slots_reclaimed
+            );
+            println!("cow     pages copied {}", counters.cow_copies);
+        }
+        PoolCmd::Check { target, deep } => {
+            let path = target.path();
+            let r = dm_pool::check_path(&path, deep)
+                .with_context(|| format!("opening {}", path.display()))?;
+            if r.ok() {
+                println!(
+                    "pool check passed: {} pages ({} free, {} cached, {} held), {} refs, {} buffers, {} live slots",
+                    r.pages_total, r.pages_free, r.pages_cached, r.pages_held, r.refs_live, r.buffers, r.slots_live
+                );
+            } else {
+                eprintln!("pool check FAILED: {} problem(s)", r.problems.len());
+                for p in &r.problems {
+                    eprintln!("  - {p}");
+                }
+                std::process::exit(1);
+            }
+        }
+        PoolCmd::Gc { target } => {
+            let path = target.path();
+            let g =
+                dm_pool::gc_path(&path).with_context(|| format!("opening {}", path.display()))?;
+            println!(
+                "gc: {} dead slot(s) reclaimed, {} expired Ref(s) reclaimed, recount {}{}",
+                g.slots_reclaimed,
+                g.refs_expired,
+                if g.recounted {
+                    "ran"
+                } else {
+                    "skipped (other processes attached)"
+                },
+                if g.pages_repaired > 0 {
+                    format!(", {} page(s) repaired", g.pages_repaired)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        PoolCmd::Destroy { target } => {
+            let path = target.path();
+            if !path.exists() {
+                bail!("no pool at {}", path.display());
+            }
+            Pool::destroy(&path).with_context(|| format!("destroying {}", path.display()))?;
+            println!("destroyed {}", path.display());
+        }
+    }
+    Ok(())
+}
