@@ -262,6 +262,24 @@ impl<'a> PageTable<'a> {
     pub fn change(&self, page: u32, desc: u32, delta: Delta) -> Result<Changed, PageError> {
         let w = self.word(page)?;
         let mut cur = w.load(Ordering::Acquire);
+        // Fast path: held, unlocked, no contention — one CAS, no decoding.
+        if cur & !RC_MASK == ST_HELD << STATE_SHIFT {
+            let rc = cur & RC_MASK;
+            let lock = LOCK_BIT | (((desc as u64) << ID_SHIFT) & ID_MASK);
+            let next = match delta {
+                Delta::Inc | Delta::TryInc if rc < u32::MAX as u64 - 1 => Some((cur + 1) | lock),
+                Delta::Dec(slot) if rc == 1 => Some(PageState::Cached(slot).encode()),
+                Delta::Dec(_) if rc > 1 => Some((cur - 1) | lock),
+                _ => None,
+            };
+            if let Some(next) = next {
+                match w.compare_exchange(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) if next & LOCK_BIT != 0 => return Ok(Changed::Locked(next)),
+                    Ok(_) => return Ok(Changed::Last),
+                    Err(c) => cur = c,
+                }
+            }
+        }
         loop {
             let next = match (PageState::decode(cur), delta) {
                 (PageState::Locked { desc: other, .. }, _) => return Ok(Changed::Busy(other)),

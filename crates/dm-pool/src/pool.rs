@@ -432,20 +432,24 @@ impl Pool {
         r.n_pages.store(n as u32, Ordering::Relaxed);
         let b = i.desc(buf.desc)?;
         let res = (|| -> Result<()> {
+            let (mut from, mut to) = (i.shm.cursor(b), i.shm.cursor(r));
             for k in 0..n {
-                let p = i.shm.entry_value(b, first + k)?;
+                let p = from.get(first + k)?;
                 if p != NO_PAGE {
                     i.shm.check_page(p)?;
-                    i.set_entry(r, k, p)?;
+                    to.slot(k)?
+                        .ok_or_else(|| Error::Corrupt(format!("entry {k} has no list page")))?
+                        .store(p, Ordering::Relaxed);
                 }
             }
             let mut none = Vec::new();
+            let mut cur = i.shm.cursor(r);
             i.bulk_change(
                 ridx,
                 r,
                 0,
                 n as u32,
-                |k| i.shm.entry_value(r, k as usize),
+                |k| cur.get(k as usize),
                 Book::Held,
                 Delta::Inc,
                 &mut none,
@@ -550,22 +554,26 @@ impl Pool {
         d.offset.store(offset as u32, Ordering::Relaxed);
         d.n_pages.store(n as u32, Ordering::Relaxed);
         let res = (|| -> Result<bool> {
+            let (mut from, mut to) = (i.shm.cursor(rd), i.shm.cursor(d));
             for k in 0..n {
-                let p = i.shm.entry_value(rd, k)?;
+                let p = from.get(k)?;
                 if p != NO_PAGE {
                     if p >= i.shm.layout.n_pages {
                         return Ok(false);
                     }
-                    i.set_entry(d, k, p)?;
+                    to.slot(k)?
+                        .ok_or_else(|| Error::Corrupt(format!("entry {k} has no list page")))?
+                        .store(p, Ordering::Relaxed);
                 }
             }
             let mut none = Vec::new();
+            let mut cur = i.shm.cursor(d);
             let stop = i.bulk_change(
                 idx,
                 d,
                 0,
                 n as u32,
-                |k| i.shm.entry_value(d, k as usize),
+                |k| cur.get(k as usize),
                 Book::Held,
                 Delta::TryInc,
                 &mut none,

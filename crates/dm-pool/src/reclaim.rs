@@ -90,7 +90,7 @@ impl Core {
         d: &Desc,
         from: u32,
         to: u32,
-        page_at: impl Fn(u32) -> Result<u32>,
+        mut page_at: impl FnMut(u32) -> Result<u32>,
         book: Book,
         delta: Delta,
         freed: &mut Vec<u32>,
@@ -184,12 +184,19 @@ impl Core {
         let held = d.held.load(Ordering::Acquire);
         let span = held + INLINE as u32;
         let from = d.progress.load(Ordering::Acquire);
+        let mut cur = self.shm.cursor(d);
         let res = self.bulk_change(
             di,
             d,
             from,
             span,
-            |k| self.drop_slot(d, held, k),
+            |k| {
+                if k < held {
+                    cur.get(k as usize)
+                } else {
+                    self.drop_slot(d, held, k)
+                }
+            },
             Book::Progress,
             Delta::Dec(self.slot),
             freed,
