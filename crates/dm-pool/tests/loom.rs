@@ -1,0 +1,191 @@
+//! loom models of the pool's lock-free protocols (run with
+//! `RUSTFLAGS="--cfg loom" cargo test -p dm-pool --test loom --release`).
+//!
+//! They exercise the real `PageTable` code over loom's atomics:
+//! * claiming from the free set: every page ends up owned exactly once;
+//! * reference counting under page locks: concurrent share/drop keep the
+//!   count exact, a locked page makes others wait, the last drop happens once;
+//! * mapping a Ref while it is released (validate, take shares, re-validate,
+//!   undo): a mapper never keeps a share of a page the release freed.
+#![cfg(loom)]
+
+use dm_pool::desc::{DescState, Kind};
+use dm_pool::pages::{Changed, Delta, PageState, PageTable};
+use loom::sync::atomic::{AtomicU64, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+
+fn table(n: usize) -> Arc<Vec<AtomicU64>> {
+    Arc::new((0..n).map(|_| AtomicU64::new(0)).collect())
+}
+
+/// Changes a page for `desc`, waiting while another descriptor holds it,
+/// and records+unlocks at once — what `bulk_change` does for one page.
+fn change(t: &PageTable<'_>, p: u32, desc: u32, d: Delta) -> Changed {
+    loop {
+        match t.change(p, desc, d).expect("protocol violation") {
+            Changed::Busy(_) => thread::yield_now(),
+            Changed::Locked(w) => {
+                assert!(t.locked_by(p, desc));
+                t.unlock_own(p, w);
+                return Changed::Locked(w);
+            }
+            other => return other,
+        }
+    }
+}
+
+#[test]
+fn claims_are_exclusive() {
+    loom::model(|| {
+        let words = table(3);
+        let cursor = Arc::new(AtomicU64::new(0));
+        let hs: Vec<_> = (0..2u16)
+            .map(|slot| {
+                let (w, c) = (words.clone(), cursor.clone());
+                thread::spawn(move || {
+                    let t = PageTable::new(&w);
+                    let mut got = Vec::new();
+                    t.claim_batch(&c, slot, 2, &mut got);
+                    got
+                })
+            })
+            .collect();
+        let mut all: Vec<u32> = hs.into_iter().flat_map(|h| h.join().unwrap()).collect();
+        let t = PageTable::new(&words);
+        // Every page claimed at most once, and owned by whoever claimed it.
+        all.sort();
+        let n = all.len();
+        all.dedup();
+        assert_eq!(all.len(), n, "a page was claimed twice");
+        assert_eq!(n, 3, "free pages were missed");
+        for p in 0..3 {
+            assert!(matches!(t.state(p).unwrap(), PageState::Cached(_)));
+        }
+    });
+}
+
+#[test]
+fn concurrent_share_and_drop_keep_the_count_exact() {
+    loom::model(|| {
+        let words = table(1);
+        {
+            let t = PageTable::new(&words);
+            assert!(t.try_claim(0, 0));
+            t.hold_cached(0, 0).unwrap();
+            change(&t, 0, 9, Delta::Inc); // rc 2: a buffer and a Ref
+        }
+        let w1 = words.clone();
+        let sharer = thread::spawn(move || {
+            let t = PageTable::new(&w1);
+            change(&t, 0, 1, Delta::Inc) // a mapper takes a share
+        });
+        let w2 = words.clone();
+        let dropper = thread::spawn(move || {
+            let t = PageTable::new(&w2);
+            change(&t, 0, 2, Delta::Dec(2)) // the Ref is released
+        });
+        assert!(matches!(sharer.join().unwrap(), Changed::Locked(_)));
+        assert!(matches!(dropper.join().unwrap(), Changed::Locked(_)));
+        let t = PageTable::new(&words);
+        assert_eq!(
+            t.state(0).unwrap(),
+            PageState::Held(2),
+            "one share in, one out"
+        );
+        // The last two drops: exactly one of them sees Last.
+        let a = change(&t, 0, 3, Delta::Dec(1));
+        let b = change(&t, 0, 4, Delta::Dec(1));
+        assert!(matches!(a, Changed::Locked(_)));
+        assert_eq!(b, Changed::Last);
+        assert_eq!(t.state(0).unwrap(), PageState::Cached(1));
+    });
+}
+
+#[test]
+fn last_drop_happens_once_under_contention() {
+    loom::model(|| {
+        let words = table(1);
+        {
+            let t = PageTable::new(&words);
+            assert!(t.try_claim(0, 0));
+            t.hold_cached(0, 0).unwrap();
+            change(&t, 0, 9, Delta::Inc);
+        }
+        let hs: Vec<_> = (1..3u16)
+            .map(|s| {
+                let w = words.clone();
+                thread::spawn(move || {
+                    let t = PageTable::new(&w);
+                    change(&t, 0, s as u32, Delta::Dec(s))
+                })
+            })
+            .collect();
+        let outs: Vec<Changed> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let lasts = outs.iter().filter(|o| **o == Changed::Last).count();
+        assert_eq!(lasts, 1, "exactly one holder frees the page: {outs:?}");
+        let t = PageTable::new(&words);
+        assert!(matches!(
+            t.state(0).unwrap(),
+            PageState::Cached(1) | PageState::Cached(2)
+        ));
+    });
+}
+
+#[test]
+fn mapping_a_ref_while_it_is_released() {
+    loom::model(|| {
+        // A live Ref (descriptor state word) holding page 0 alone.
+        let words = table(1);
+        let gen = 7;
+        let desc = Arc::new(AtomicU64::new(DescState::encode(gen, Kind::RefLive, 0)));
+        {
+            let t = PageTable::new(&words);
+            assert!(t.try_claim(0, 0));
+            t.hold_cached(0, 0).unwrap();
+        }
+        let (w1, d1) = (words.clone(), desc.clone());
+        let mapper = thread::spawn(move || {
+            let t = PageTable::new(&w1);
+            let seen = d1.load(Ordering::Acquire);
+            if DescState::decode(seen).kind != Some(Kind::RefLive) {
+                return false;
+            }
+            // Take a share only if the page is still held ...
+            if !matches!(change(&t, 0, 1, Delta::TryInc), Changed::Locked(_)) {
+                return false;
+            }
+            // ... and keep it only if the Ref stayed the same live Ref.
+            if d1.load(Ordering::Acquire) == seen {
+                return true;
+            }
+            change(&t, 0, 1, Delta::Dec(1));
+            false
+        });
+        let (w2, d2) = (words.clone(), desc.clone());
+        let releaser = thread::spawn(move || {
+            let t = PageTable::new(&w2);
+            let live = DescState::encode(gen, Kind::RefLive, 0);
+            d2.compare_exchange(
+                live,
+                DescState::encode(gen, Kind::Drop, 2),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .unwrap();
+            change(&t, 0, 2, Delta::Dec(2))
+        });
+        let mapped = mapper.join().unwrap();
+        let released = releaser.join().unwrap();
+        let t = PageTable::new(&words);
+        let st = t.state(0).unwrap();
+        if mapped {
+            // The mapper holds the page: the release did not free it.
+            assert!(matches!(released, Changed::Locked(_)));
+            assert_eq!(st, PageState::Held(1));
+        } else {
+            // Whoever dropped last owns it; nobody holds it.
+            assert!(matches!(st, PageState::Cached(_)), "{st:?}");
+        }
+    });
+}
