@@ -138,6 +138,7 @@ fn in_flight(shm: &Shm, idx: u32, owner: u16, now: u64, problems: &mut Vec<Strin
 
 /// Counts a descriptor's entries `[lo, hi)` and list pages; returns the
 /// number of list pages.
+#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
 fn count_desc(
     shm: &Shm,
     idx: u32,
@@ -223,13 +224,13 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
                         "page {p}: free but named by {h} descriptor entries"
                     ));
                 }
-                // SAFETY: p < n_pages; reading a free page races only with a
-                // claimer, which is not a memory-safety issue for u8 reads.
-                if deep
-                    && unsafe { std::slice::from_raw_parts(shm.page_ptr(p), ps) }
-                        .iter()
-                        .any(|&b| b != 0)
-                {
+                let dirty = deep && {
+                    // SAFETY: p < n_pages; a free page is read while a
+                    // claimer may write it, which is benign for u8 reads.
+                    let page = unsafe { std::slice::from_raw_parts(shm.page_ptr(p), ps) };
+                    page.iter().any(|&b| b != 0)
+                };
+                if dirty {
                     problems.push(format!("page {p}: free but not zeroed"));
                 }
             }

@@ -161,7 +161,10 @@ impl Layout {
             if n == 0 {
                 return Err(format!("size {} is too small for any data page", cfg.size));
             }
-            let descs = cfg.descs.unwrap_or(((n / 4) as u32).max(1024));
+            let descs = cfg
+                .descs
+                .unwrap_or(((n / 4) as u32).max(1024))
+                .clamp(1, crate::pages::MAX_LOCK_DESC);
             let l = Self::place(cfg, ps, n as u32, descs, pool_id, created_ms)
                 .ok_or("size overflows")?;
             if l.data_off + n * ps64 <= cfg.size {
@@ -304,7 +307,7 @@ impl Layout {
         if l.n_slots == 0 || l.n_slots > u16::MAX as u32 {
             return bad(format!("slot count {} out of range", l.n_slots));
         }
-        if l.n_descs == 0 || l.n_descs >= u32::MAX {
+        if l.n_descs == 0 || l.n_descs > crate::pages::MAX_LOCK_DESC {
             return bad(format!("descriptor count {} out of range", l.n_descs));
         }
         if l.total_len > file_len {

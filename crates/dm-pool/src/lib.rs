@@ -47,6 +47,9 @@ pub mod check;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
+#[doc(hidden)]
+pub mod fuzzing;
+#[cfg(not(loom))]
 pub mod layout;
 #[cfg(not(loom))]
 pub mod mapped;

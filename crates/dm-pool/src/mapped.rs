@@ -92,7 +92,7 @@ impl MappedBuffer {
         let shm = pool.shm();
         let ps = shm.layout.page_size as usize;
         let n = buf.page_count() as usize;
-        if ps % dm_sys::mem::os_page_size() != 0 {
+        if !ps.is_multiple_of(dm_sys::mem::os_page_size()) {
             return Err(Error::Unaligned {
                 addr: ps as u64,
                 align: dm_sys::mem::os_page_size() as u64,

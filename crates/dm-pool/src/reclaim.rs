@@ -84,6 +84,7 @@ impl Core {
     /// Applies `delta` to the page at every position `[from, to)` of
     /// descriptor `di` (pages given by `page_at`), recording in `book`.
     /// Pages whose last share is dropped are zeroed and pushed to `freed`.
+    #[allow(clippy::too_many_arguments)] // the protocol's inputs, each used once
     pub(crate) fn bulk_change(
         &self,
         di: u32,
@@ -160,7 +161,7 @@ impl Core {
             return;
         }
         std::thread::yield_now();
-        if *spins % 512 == 0 {
+        if spins.is_multiple_of(512) {
             // A long wait must not cost us our own lease.
             let _ = self.renew();
             if let Some(d) = self.shm.desc(other) {
@@ -201,10 +202,8 @@ impl Core {
             Delta::Dec(self.slot),
             freed,
         );
-        if let Err(e) = res {
-            // Leave the descriptor in Drop: gc reports it; nothing is freed twice.
-            return Err(e);
-        }
+        // On error the descriptor stays in Drop: gc reports it; nothing is freed twice.
+        res?;
         d.flags.store(end << 8, Ordering::Release);
         reset_desc_fields(d);
         let st = DescState::decode(d.state.load(Ordering::Acquire));

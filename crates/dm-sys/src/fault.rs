@@ -92,7 +92,7 @@ fn chain(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
         return;
     }
     // SAFETY: PREV was fully written before PREV_SET was published.
-    let prev = unsafe { (*(&raw const PREV)).assume_init_ref() };
+    let prev: &libc::sigaction = unsafe { &*(&raw const PREV).cast::<libc::sigaction>() };
     let h = prev.sa_sigaction;
     if h == libc::SIG_IGN {
         return;
