@@ -35,4 +35,9 @@ RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
   cargo test -p dm-pool --release --test loom
 
 step "unit, property, multi-process tests, and the fuzz targets over their saved corpus"
-cargo test --workspace
+mkdir -p target
+cargo test --workspace 2>&1 | tee target/test-output.log
+
+# One closing line with the totals of every test binary above.
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
+     END { printf "\ntests: %d passed, %d failed\n", p, f }' target/test-output.log
