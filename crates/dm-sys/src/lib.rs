@@ -38,9 +38,9 @@ pub mod time {
 
 /// Randomness for pool ids and Ref tags.
 pub mod rand {
-    /// 64 random bits from the kernel (`getrandom(2)`).
-    pub fn random_u64() -> u64 {
-        let mut v = [0u8; 8];
+    use std::cell::RefCell;
+
+    fn fill(v: &mut [u8]) {
         let mut filled = 0usize;
         while filled < v.len() {
             // SAFETY: the pointer and length describe the unfilled tail of `v`.
@@ -50,7 +50,34 @@ pub mod rand {
                 filled += n as usize;
             }
         }
-        u64::from_ne_bytes(v)
+    }
+
+    thread_local! {
+        // Kernel randomness fetched 4 KiB at a time: the same strength as
+        // one getrandom(2) per value, without a syscall per Ref.
+        static POOL: RefCell<(Vec<u8>, usize)> = const { RefCell::new((Vec::new(), 0)) };
+    }
+
+    /// 64 random bits from the kernel (`getrandom(2)`, batched per thread).
+    /// After a fork, the child must not reuse the parent's batch: processes
+    /// here are spawned with exec, which starts with an empty one.
+    pub fn random_u64() -> u64 {
+        POOL.with(|p| {
+            let mut p = p.borrow_mut();
+            if p.0.len() < 4096 || p.1 + 8 > p.0.len() {
+                p.0.resize(4096, 0);
+                fill(&mut p.0);
+                p.1 = 0;
+            }
+            let at = p.1;
+            p.1 += 8;
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&p.0[at..at + 8]);
+            // Used bytes are overwritten so that a later memory disclosure
+            // cannot reveal tags already handed out.
+            p.0[at..at + 8].fill(0);
+            u64::from_ne_bytes(b)
+        })
     }
 }
 
