@@ -213,6 +213,18 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
     }
     let holders = count_holders(shm, &mut problems, &mut rep);
     let t = shm.pages();
+    for st in 0..t.stripe_count() {
+        if let Some(h) = t.stripe_holder(st) {
+            let owner = shm
+                .desc(h)
+                .map(|d| DescState::decode(d.state.load(Ordering::Acquire)).owner);
+            if !owner.is_some_and(|o| shm.slot_live(o, now)) {
+                problems.push(format!(
+                    "stripe {st}: locked by descriptor {h} whose owner is gone (run gc)"
+                ));
+            }
+        }
+    }
     let ps = shm.layout.page_size as usize;
     for (p, &h) in holders.iter().enumerate() {
         let p = p as u32;

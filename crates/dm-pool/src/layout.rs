@@ -3,6 +3,7 @@
 //! ```text
 //! 0        header (4 KiB): immutable part (checksummed), then shared atomics at 512
 //! pt_off   page table: one u64 per data page            (see pages.rs)
+//! st_off   stripe locks: one u64 per 64 data pages      (see pages.rs)
 //! slot_off slot table: SLOT_SIZE bytes per slot         (see slot.rs)
 //! desc_off descriptor table: DESC_SIZE bytes per desc   (see desc.rs)
 //! data_off data pages, page_size each, aligned to page_size
@@ -22,12 +23,14 @@ use crate::sync::{AtomicU32, AtomicU64};
 /// Magic bytes at offset 0.
 pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// Format version this build reads and writes.
-pub const POOL_VERSION: u32 = 1;
+///
+/// History: 1 — first format; 2 — stripe locks (`st_off`, header offset 144).
+pub const POOL_VERSION: u32 = 2;
 /// Bytes reserved for the header.
 pub const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.
 pub const ATOMICS_OFF: usize = 512;
-const IMMUTABLE_LEN: usize = 144;
+const IMMUTABLE_LEN: usize = 152;
 /// Smallest allowed page size.
 pub const MIN_PAGE_SIZE: u32 = 4096;
 /// Largest allowed page size.
@@ -50,6 +53,8 @@ pub struct Layout {
     pub n_descs: u32,
     /// Offset of the page table.
     pub pt_off: u64,
+    /// Offset of the stripe-lock table.
+    pub st_off: u64,
     /// Offset of the slot table.
     pub slot_off: u64,
     /// Offset of the descriptor table.
@@ -185,7 +190,8 @@ impl Layout {
         created: u64,
     ) -> Option<Layout> {
         let pt_off = HEADER_LEN;
-        let slot_off = align_up(pt_off + n as u64 * 8, 4096)?;
+        let st_off = align_up(pt_off + n as u64 * 8, 64)?;
+        let slot_off = align_up(st_off + crate::pages::stripes_for(n) as u64 * 8, 4096)?;
         let desc_off = align_up(slot_off + cfg.slots as u64 * SLOT_SIZE as u64, 4096)?;
         let meta_end = desc_off.checked_add(descs as u64 * DESC_SIZE as u64)?;
         let data_off = align_up(meta_end, ps as u64)?;
@@ -197,6 +203,7 @@ impl Layout {
             n_slots: cfg.slots,
             n_descs: descs,
             pt_off,
+            st_off,
             slot_off,
             desc_off,
             data_off,
@@ -244,6 +251,7 @@ impl Layout {
         put64(&mut b, 104, self.created_ms);
         let name = self.name.as_bytes();
         b[112..112 + name.len().min(32)].copy_from_slice(&name[..name.len().min(32)]);
+        put64(&mut b, 144, self.st_off);
         let sum = fnv1a(&b[..IMMUTABLE_LEN]);
         put64(&mut b, IMMUTABLE_LEN, sum);
         b
@@ -292,6 +300,7 @@ impl Layout {
             n_slots: g32(48),
             n_descs: g32(52),
             pt_off: g64(56),
+            st_off: g64(144),
             slot_off: g64(64),
             desc_off: g64(72),
             data_off: g64(80),
@@ -319,6 +328,12 @@ impl Layout {
         // Areas must follow each other in order, aligned, inside total_len.
         let areas = [
             ("page table", l.pt_off, Some(l.n_pages as u64 * 8), 8u64),
+            (
+                "stripe table",
+                l.st_off,
+                Some(crate::pages::stripes_for(l.n_pages) as u64 * 8),
+                8,
+            ),
             (
                 "slot table",
                 l.slot_off,
@@ -422,8 +437,8 @@ mod tests {
         b[0] = b'X';
         assert_eq!(Layout::parse(&b, 1 << 22), Err(ParseError::Magic));
         let mut b = good;
-        b[8] = 2;
-        assert_eq!(Layout::parse(&b, 1 << 22), Err(ParseError::Version(2)));
+        b[8] = 99;
+        assert_eq!(Layout::parse(&b, 1 << 22), Err(ParseError::Version(99)));
         let mut b = good;
         b[60] ^= 1;
         assert!(matches!(

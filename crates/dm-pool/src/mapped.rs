@@ -44,6 +44,7 @@ struct Window {
     data: *mut u8,
     n_pages: u32,
     pt: *const AtomicU64,
+    stripes: *const AtomicU64,
     desc: *const Desc,
     desc_idx: u32,
     slot: u16,
@@ -112,6 +113,7 @@ impl MappedBuffer {
             data: shm.page_ptr(0),
             n_pages: shm.layout.n_pages,
             pt: shm.pages_ptr(),
+            stripes: shm.stripes_ptr(),
             desc: d,
             desc_idx: buf.desc_index(),
             slot: pool.slot(),
@@ -286,7 +288,13 @@ unsafe fn resolve_in(win: &Window, addr: usize) -> bool {
     // SAFETY: per the contract, the window's pointers are live.
     let (d, pt, cursor) = unsafe { (&*win.desc, &*win.pt, &*win.cursor) };
     // SAFETY: pt addresses n_pages words of the page table.
-    let t = PageTable::new(unsafe { std::slice::from_raw_parts(pt, win.n_pages as usize) });
+    // SAFETY: as above; the stripe table has stripes_for(n_pages) words.
+    let t = PageTable::new(
+        unsafe { std::slice::from_raw_parts(pt, win.n_pages as usize) },
+        unsafe {
+            std::slice::from_raw_parts(win.stripes, crate::pages::stripes_for(win.n_pages) as usize)
+        },
+    );
     while d
         .lock
         .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
@@ -353,13 +361,14 @@ unsafe fn cow_one(
         let mut spins = 0u32;
         loop {
             match t.change(p, win.desc_idx, Delta::Dec(win.slot)) {
-                Ok(Changed::Locked(w)) => {
+                Ok(c @ Changed::Locked(_)) => {
                     d.journal_idx.store(NO_PAGE, Ordering::Release);
-                    t.unlock_own(p, w);
+                    t.done(p, c);
                     break;
                 }
                 Ok(Changed::Last) => {
                     d.journal_idx.store(NO_PAGE, Ordering::Release);
+                    t.done(p, Changed::Last);
                     // SAFETY: p is now cached by us; nobody else references it.
                     unsafe { std::ptr::write_bytes(unsafe_page(win, p), 0, win.ps) };
                     let _ = t.release_cached(p, win.slot);

@@ -156,16 +156,82 @@ pub struct PageError {
     pub expected: &'static str,
 }
 
-/// The page table: a view of `n` atomic words in the pool.
+/// Pages per stripe lock.
+pub const STRIPE: u32 = 64;
+
+/// Stripe words needed for `pages` pages.
+pub fn stripes_for(pages: u32) -> u32 {
+    pages.div_ceil(STRIPE)
+}
+
+/// The page table: a view of `n` atomic words in the pool, and the stripe
+/// locks (one word per [`STRIPE`] consecutive pages: 0, or locker desc + 1).
+///
+/// Every change of a *held* page's count happens under its stripe lock:
+/// one CAS takes the stripe, then the words of its pages are changed with
+/// plain loads and stores (nobody else writes a held word of a locked
+/// stripe), each left `Locked` by the descriptor until it has recorded the
+/// changes, then the pages and the stripe are unlocked. Sharing a run of
+/// pages thus costs one atomic read-modify-write per stripe, not per page.
+/// Claims and releases of free and cached pages are single CASes and do not
+/// take stripes (they never touch a held word).
 #[derive(Debug, Clone, Copy)]
 pub struct PageTable<'a> {
     words: &'a [AtomicU64],
+    stripes: &'a [AtomicU64],
 }
 
 impl<'a> PageTable<'a> {
-    /// Wraps the page-table words.
-    pub fn new(words: &'a [AtomicU64]) -> Self {
-        Self { words }
+    /// Wraps the page-table words and their stripe locks
+    /// (`stripes.len() >= stripes_for(words.len())`).
+    pub fn new(words: &'a [AtomicU64], stripes: &'a [AtomicU64]) -> Self {
+        Self { words, stripes }
+    }
+
+    fn stripe(&self, page: u32) -> Result<&'a AtomicU64, PageError> {
+        self.stripes.get((page / STRIPE) as usize).ok_or(PageError {
+            page,
+            found: PageState::Invalid(u64::MAX),
+            expected: "a page with a stripe lock",
+        })
+    }
+
+    /// Takes the stripe lock of `page` for `desc`: `Ok(None)` when taken,
+    /// `Ok(Some(other))` when descriptor `other` holds it.
+    pub fn lock_stripe_of(&self, page: u32, desc: u32) -> Result<Option<u32>, PageError> {
+        let s = self.stripe(page)?;
+        match s.compare_exchange(0, desc as u64 + 1, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => Ok(None),
+            Err(other) => Ok(Some((other - 1) as u32)),
+        }
+    }
+
+    /// Releases the stripe lock of `page` (held by the caller).
+    pub fn unlock_stripe_of(&self, page: u32) {
+        if let Ok(s) = self.stripe(page) {
+            s.store(0, Ordering::Release);
+        }
+    }
+
+    /// Stripe `index`'s holder, if locked.
+    pub fn stripe_holder(&self, index: u32) -> Option<u32> {
+        match self.stripes.get(index as usize)?.load(Ordering::Acquire) {
+            0 => None,
+            w => Some((w - 1) as u32),
+        }
+    }
+
+    /// Releases stripe `index` if `desc` holds it (crash recovery). Idempotent.
+    pub fn unlock_stripe_if(&self, index: u32, desc: u32) -> bool {
+        self.stripes.get(index as usize).is_some_and(|s| {
+            s.compare_exchange(desc as u64 + 1, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        })
+    }
+
+    /// Number of stripes.
+    pub fn stripe_count(&self) -> u32 {
+        self.stripes.len() as u32
     }
 
     /// Number of pages.
@@ -252,63 +318,101 @@ impl<'a> PageTable<'a> {
         })
     }
 
-    /// Changes a page's reference count on behalf of descriptor `desc`.
-    ///
-    /// The count change and the lock are one CAS: a page that is `Locked`
-    /// by `desc` has had its count changed and `desc` has not yet recorded
-    /// it. Whoever finds the page locked by a dead owner's descriptor can
-    /// therefore complete the record and unlock, and no crash point leaves a
-    /// share counted twice or not at all (see `pool.rs`, `complete_lock`).
-    pub fn change(&self, page: u32, desc: u32, delta: Delta) -> Result<Changed, PageError> {
-        let w = self.word(page)?;
-        let mut cur = w.load(Ordering::Acquire);
-        // Fast path: held, unlocked, no contention — one CAS, no decoding.
-        if cur & !RC_MASK == ST_HELD << STATE_SHIFT {
-            let rc = cur & RC_MASK;
-            let lock = LOCK_BIT | (((desc as u64) << ID_SHIFT) & ID_MASK);
-            let next = match delta {
-                Delta::Inc | Delta::TryInc if rc < u32::MAX as u64 - 1 => Some((cur + 1) | lock),
-                Delta::Dec(slot) if rc == 1 => Some(PageState::Cached(slot).encode()),
-                Delta::Dec(_) if rc > 1 => Some((cur - 1) | lock),
-                _ => None,
-            };
-            if let Some(next) = next {
-                match w.compare_exchange(cur, next, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) if next & LOCK_BIT != 0 => return Ok(Changed::Locked(next)),
-                    Ok(_) => return Ok(Changed::Last),
-                    Err(c) => cur = c,
-                }
-            }
+    /// The common case of [`change_in_stripe`](Self::change_in_stripe): a
+    /// held, unlocked page whose count changes and stays above zero (the
+    /// caller holds the stripe). `None` means "take the general path".
+    #[inline(always)]
+    pub fn change_fast(&self, page: u32, desc: u32, delta: Delta) -> Option<Changed> {
+        let w = self.words.get(page as usize)?;
+        let cur = w.load(Ordering::Acquire);
+        if cur & !RC_MASK != ST_HELD << STATE_SHIFT {
+            return None;
         }
-        loop {
-            let next = match (PageState::decode(cur), delta) {
-                (PageState::Locked { desc: other, .. }, _) => return Ok(Changed::Busy(other)),
-                (PageState::Held(rc), Delta::Inc | Delta::TryInc) if rc < u32::MAX - 1 => {
-                    PageState::Locked { rc: rc + 1, desc }.encode()
-                }
-                (PageState::Held(1), Delta::Dec(slot)) => PageState::Cached(slot).encode(),
-                (PageState::Held(rc), Delta::Dec(_)) => {
-                    PageState::Locked { rc: rc - 1, desc }.encode()
-                }
-                (_, Delta::TryInc) => return Ok(Changed::NotHeld),
-                (found, _) => {
+        let rc = cur & RC_MASK;
+        let lock = LOCK_BIT | (((desc as u64) << ID_SHIFT) & ID_MASK);
+        let next = match delta {
+            Delta::Inc | Delta::TryInc if rc < u32::MAX as u64 - 1 => (cur + 1) | lock,
+            Delta::Dec(_) if rc > 1 => (cur - 1) | lock,
+            _ => return None,
+        };
+        w.store(next, Ordering::Relaxed);
+        Some(Changed::Locked(next))
+    }
+
+    /// Changes a held page's count for descriptor `desc`, which must hold
+    /// the page's stripe lock ([`lock_stripe_of`](Self::lock_stripe_of)).
+    ///
+    /// The new count and the page lock are one store: a page `Locked` by
+    /// `desc` has had its count changed and `desc` has not yet recorded it.
+    /// Whoever reclaims a dead owner's descriptor can therefore complete the
+    /// record and unlock, and no crash point leaves a share counted twice or
+    /// not at all (see `reclaim.rs`).
+    #[inline]
+    pub fn change_in_stripe(
+        &self,
+        page: u32,
+        desc: u32,
+        delta: Delta,
+    ) -> Result<Changed, PageError> {
+        let w = self.word(page)?;
+        let cur = w.load(Ordering::Acquire);
+        let lock = LOCK_BIT | (((desc as u64) << ID_SHIFT) & ID_MASK);
+        // Fast path: held and unlocked — no decoding.
+        let next = if cur & !RC_MASK == ST_HELD << STATE_SHIFT {
+            let rc = cur & RC_MASK;
+            match delta {
+                Delta::Inc | Delta::TryInc if rc < u32::MAX as u64 - 1 => (cur + 1) | lock,
+                Delta::Dec(slot) if rc == 1 => PageState::Cached(slot).encode(),
+                Delta::Dec(_) => (cur - 1) | lock,
+                _ => {
                     return Err(PageError {
                         page,
-                        found,
-                        expected: "held, below 2^32-1 shares",
+                        found: PageState::decode(cur),
+                        expected: "below 2^32-1 shares",
                     })
                 }
-            };
-            match w.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => {
-                    return Ok(match PageState::decode(next) {
-                        PageState::Cached(_) => Changed::Last,
-                        _ => Changed::Locked(next),
-                    })
-                }
-                Err(c) => cur = c,
             }
+        } else {
+            return match (PageState::decode(cur), delta) {
+                (PageState::Locked { desc: other, .. }, _) => Ok(Changed::Busy(other)),
+                (_, Delta::TryInc) => Ok(Changed::NotHeld),
+                (found, _) => Err(PageError {
+                    page,
+                    found,
+                    expected: "held",
+                }),
+            };
+        };
+        w.store(next, Ordering::Relaxed);
+        Ok(if next & LOCK_BIT != 0 {
+            Changed::Locked(next)
+        } else {
+            Changed::Last
+        })
+    }
+
+    /// Changes one page's count for `desc`, taking its stripe. On `Locked`
+    /// or `Last` the stripe stays held: record the change, then call
+    /// [`done`](Self::done). `Busy` means another descriptor holds the
+    /// stripe or the page: wait (or reclaim its dead owner) and retry.
+    pub fn change(&self, page: u32, desc: u32, delta: Delta) -> Result<Changed, PageError> {
+        if let Some(other) = self.lock_stripe_of(page, desc)? {
+            return Ok(Changed::Busy(other));
         }
+        let r = self.change_in_stripe(page, desc, delta);
+        if !matches!(r, Ok(Changed::Locked(_) | Changed::Last)) {
+            self.unlock_stripe_of(page);
+        }
+        r
+    }
+
+    /// Ends a single-page [`change`](Self::change) once it is recorded:
+    /// unlocks the page (if locked) and its stripe.
+    pub fn done(&self, page: u32, changed: Changed) {
+        if let Changed::Locked(w) = changed {
+            self.unlock_own(page, w);
+        }
+        self.unlock_stripe_of(page);
     }
 
     /// Unlocks a page locked by `desc` (keeping its count). Idempotent:
@@ -335,9 +439,10 @@ impl<'a> PageTable<'a> {
         }
     }
 
-    /// Unlocks a page this caller locked, given the word its
-    /// [`change`](Self::change) returned. A plain store: while a page is
-    /// locked only its locker writes the word.
+    /// Unlocks a page this caller locked, given the word the change
+    /// returned. A plain store: while a page is locked only its locker
+    /// writes the word.
+    #[inline]
     pub fn unlock_own(&self, page: u32, locked: u64) {
         if let (Ok(w), PageState::Locked { rc, .. }) = (self.word(page), PageState::decode(locked))
         {
@@ -406,8 +511,12 @@ impl<'a> PageTable<'a> {
 mod tests {
     use super::*;
 
-    fn table(n: usize) -> Vec<AtomicU64> {
-        (0..n).map(|_| AtomicU64::new(0)).collect()
+    fn table(n: usize) -> (Vec<AtomicU64>, Vec<AtomicU64>) {
+        let w = (0..n).map(|_| AtomicU64::new(0)).collect();
+        let s = (0..stripes_for(n as u32))
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        (w, s)
     }
 
     #[test]
@@ -439,38 +548,40 @@ mod tests {
 
     #[test]
     fn lifecycle_with_locks() {
-        let w = table(4);
-        let t = PageTable::new(&w);
+        let (w, st) = table(4);
+        let t = PageTable::new(&w, &st);
         assert!(t.try_claim(1, 7));
         assert!(!t.try_claim(1, 8));
         assert_eq!(t.state(1).unwrap(), PageState::Cached(7));
         assert!(t.hold_cached(1, 8).is_err());
         t.hold_cached(1, 7).unwrap();
-        assert!(matches!(
-            t.change(1, 40, Delta::Inc),
-            Ok(Changed::Locked(_))
-        ));
+        let c = t.change(1, 40, Delta::Inc).unwrap();
+        assert!(matches!(c, Changed::Locked(_)));
         assert_eq!(t.state(1).unwrap(), PageState::Locked { rc: 2, desc: 40 });
         assert_eq!(
             t.change(1, 41, Delta::Dec(3)),
             Ok(Changed::Busy(40)),
-            "a locked page waits"
+            "a locked stripe waits"
         );
+        assert_eq!(t.stripe_holder(0), Some(40));
         assert!(!t.unlock(1, 41), "only the locker unlocks");
-        assert!(t.unlock(1, 40));
+        t.done(1, c);
+        assert_eq!(t.stripe_holder(0), None);
+        assert_eq!(t.state(1).unwrap(), PageState::Held(2));
         assert!(!t.unlock(1, 40), "unlock is idempotent");
-        assert!(matches!(
-            t.change(1, 41, Delta::Dec(3)),
-            Ok(Changed::Locked(_))
-        ));
-        assert!(t.unlock(1, 41));
+        let c = t.change(1, 41, Delta::Dec(3)).unwrap();
+        assert!(matches!(c, Changed::Locked(_)));
+        t.done(1, c);
         assert_eq!(t.change(1, 42, Delta::Dec(3)), Ok(Changed::Last));
+        t.done(1, Changed::Last);
         assert_eq!(t.state(1).unwrap(), PageState::Cached(3));
         assert!(
             t.change(1, 42, Delta::Dec(3)).is_err(),
             "double drop is detected"
         );
+        assert_eq!(t.stripe_holder(0), None, "an error releases the stripe");
         assert_eq!(t.change(1, 42, Delta::TryInc), Ok(Changed::NotHeld));
+        assert_eq!(t.stripe_holder(0), None);
         t.release_cached(1, 3).unwrap();
         assert_eq!(t.state(1).unwrap(), PageState::Free);
         assert!(t.state(99).is_err());
@@ -478,8 +589,8 @@ mod tests {
 
     #[test]
     fn claim_batch_is_contiguous_and_exhausts_cleanly() {
-        let w = table(10);
-        let t = PageTable::new(&w);
+        let (w, st) = table(10);
+        let t = PageTable::new(&w, &st);
         let c = AtomicU64::new(0);
         let mut out = Vec::new();
         assert_eq!(t.claim_batch(&c, 1, 4, &mut out), 4);

@@ -12,7 +12,7 @@ use crate::desc::{
 use crate::error::{Error, Result};
 use crate::layout::{Layout, PoolConfig};
 use crate::pages::{Delta, NO_PAGE};
-use crate::reclaim::{Book, Stop};
+use crate::reclaim::{Book, Src, Stop};
 use crate::refs::Ref;
 use crate::shm::{host_id, Shm};
 use crate::slot::{SlotKind, SlotState};
@@ -432,24 +432,14 @@ impl Pool {
         r.n_pages.store(n as u32, Ordering::Relaxed);
         let b = i.desc(buf.desc)?;
         let res = (|| -> Result<()> {
-            let (mut from, mut to) = (i.shm.cursor(b), i.shm.cursor(r));
-            for k in 0..n {
-                let p = from.get(first + k)?;
-                if p != NO_PAGE {
-                    i.shm.check_page(p)?;
-                    to.slot(k)?
-                        .ok_or_else(|| Error::Corrupt(format!("entry {k} has no list page")))?
-                        .store(p, Ordering::Relaxed);
-                }
-            }
+            i.shm.copy_entries(b, first, r, n)?;
             let mut none = Vec::new();
-            let mut cur = i.shm.cursor(r);
             i.bulk_change(
                 ridx,
                 r,
                 0,
                 n as u32,
-                |k| cur.get(k as usize),
+                Src::Entries,
                 Book::Held,
                 Delta::Inc,
                 &mut none,
@@ -554,26 +544,17 @@ impl Pool {
         d.offset.store(offset as u32, Ordering::Relaxed);
         d.n_pages.store(n as u32, Ordering::Relaxed);
         let res = (|| -> Result<bool> {
-            let (mut from, mut to) = (i.shm.cursor(rd), i.shm.cursor(d));
-            for k in 0..n {
-                let p = from.get(k)?;
-                if p != NO_PAGE {
-                    if p >= i.shm.layout.n_pages {
-                        return Ok(false);
-                    }
-                    to.slot(k)?
-                        .ok_or_else(|| Error::Corrupt(format!("entry {k} has no list page")))?
-                        .store(p, Ordering::Relaxed);
-                }
+            // Entries out of range: the Ref is being released and its lists reused.
+            if i.shm.copy_entries(rd, 0, d, n).is_err() {
+                return Ok(false);
             }
             let mut none = Vec::new();
-            let mut cur = i.shm.cursor(d);
             let stop = i.bulk_change(
                 idx,
                 d,
                 0,
                 n as u32,
-                |k| cur.get(k as usize),
+                Src::Entries,
                 Book::Held,
                 Delta::TryInc,
                 &mut none,
@@ -1208,7 +1189,7 @@ impl Inner {
                 d,
                 0,
                 1,
-                |_| Ok(p),
+                Src::One(p),
                 Book::Journal,
                 Delta::Dec(self.slot),
                 &mut freed,

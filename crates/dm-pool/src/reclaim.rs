@@ -22,7 +22,7 @@
 use crate::check::GcReport;
 use crate::desc::{Desc, DescState, Kind, END_ABORTED, END_EXPIRED, FLAG_INDIRECT, INLINE};
 use crate::error::Result;
-use crate::pages::{Changed, Delta, PageState, NO_PAGE};
+use crate::pages::{Changed, Delta, PageState, NO_PAGE, STRIPE};
 use crate::pool::{reset_desc_fields, Core};
 use crate::slot::{SlotKind, SlotState};
 use crate::sync::Ordering;
@@ -57,6 +57,20 @@ impl Book {
     }
 }
 
+/// Which pages a bulk change walks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Src {
+    /// The descriptor's own entries.
+    Entries,
+    /// The drop space: data entries below `held`, then list slots.
+    Drop {
+        /// Data entries.
+        held: u32,
+    },
+    /// One page (position 0).
+    One(u32),
+}
+
 /// Where a bulk change stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Stop {
@@ -82,8 +96,11 @@ impl Core {
     }
 
     /// Applies `delta` to the page at every position `[from, to)` of
-    /// descriptor `di` (pages given by `page_at`), recording in `book`.
-    /// Pages whose last share is dropped are zeroed and pushed to `freed`.
+    /// descriptor `di` (pages named by `src`), recording in `book`. Pages
+    /// whose last share is dropped are zeroed and pushed to `freed`.
+    ///
+    /// The hot loop walks entries a chunk (list page) at a time with plain
+    /// loads, holds one stripe lock at a time, and allocates nothing.
     #[allow(clippy::too_many_arguments)] // the protocol's inputs, each used once
     pub(crate) fn bulk_change(
         &self,
@@ -91,68 +108,142 @@ impl Core {
         d: &Desc,
         from: u32,
         to: u32,
-        mut page_at: impl FnMut(u32) -> Result<u32>,
+        src: Src,
         book: Book,
         delta: Delta,
         freed: &mut Vec<u32>,
     ) -> Result<Stop> {
         let t = self.shm.pages();
-        let mut locked: Vec<(u32, u64)> = Vec::with_capacity(BATCH);
+        let np = self.shm.layout.n_pages;
+        let mut locked = [(0u32, 0u64); BATCH];
+        let mut nl = 0usize;
         let mut last: Vec<u32> = Vec::new();
-        let flush =
-            |k: u32, locked: &mut Vec<(u32, u64)>, last: &mut Vec<u32>, freed: &mut Vec<u32>| {
-                book.store(d, k);
-                for (p, w) in locked.drain(..) {
-                    t.unlock_own(p, w);
-                }
-                for p in last.drain(..) {
-                    self.shm.zero_page(p);
-                    freed.push(p);
-                }
-            };
+        // The stripe we hold, if any.
+        let mut stripe: Option<u32> = None;
+        let flush = |k: u32,
+                     stripe: &mut Option<u32>,
+                     locked: &[(u32, u64)],
+                     nl: &mut usize,
+                     last: &mut Vec<u32>,
+                     freed: &mut Vec<u32>| {
+            book.store(d, k);
+            for &(p, w) in &locked[..*nl] {
+                t.unlock_own(p, w);
+            }
+            *nl = 0;
+            if let Some(s) = stripe.take() {
+                t.unlock_stripe_of(s * STRIPE);
+            }
+            for p in last.drain(..) {
+                self.shm.zero_page(p);
+                freed.push(p);
+            }
+        };
+        let one = [crate::sync::AtomicU32::new(match src {
+            Src::One(p) => p,
+            _ => NO_PAGE,
+        })];
         let mut k = from;
         let mut spins = 0u32;
-        // Every exit records what was changed and unlocks it.
-        let stop = loop {
+        let stop: Result<Stop> = 'outer: loop {
             if k >= to {
                 break Ok(Stop::Done);
             }
-            let p = match page_at(k).and_then(|p| {
-                if p == NO_PAGE {
-                    Ok(p)
-                } else {
-                    self.shm.check_page(p)
+            // The chunk of positions containing k.
+            let (base, run, span) = match src {
+                Src::Entries => match self.shm.entry_chunk(d, k as usize) {
+                    Ok((b, r, sp)) => (b as u32, r, sp as u32),
+                    Err(e) => break Err(e),
+                },
+                Src::Drop { held } if k < held => match self.shm.entry_chunk(d, k as usize) {
+                    Ok((b, r, sp)) => (b as u32, r, (sp as u32).min(held - b as u32)),
+                    Err(e) => break Err(e),
+                },
+                Src::Drop { held } => {
+                    let lists: &[crate::sync::AtomicU32] =
+                        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
+                            &d.entries[..]
+                        } else {
+                            &[]
+                        };
+                    (held, lists, INLINE as u32)
                 }
-            }) {
-                Ok(NO_PAGE) => {
-                    k += 1;
-                    continue;
-                }
-                Ok(p) => p,
-                Err(e) => break Err(e),
+                Src::One(_) => (0, &one[..], 1),
             };
-            match t.change(p, di, delta) {
-                Ok(Changed::Locked(w)) => locked.push((p, w)),
-                Ok(Changed::Last) => last.push(p),
-                Ok(Changed::NotHeld) => break Ok(Stop::NotHeld(k)),
-                Ok(Changed::Busy(other)) => {
-                    flush(k, &mut locked, &mut last, freed);
-                    self.wait_busy(p, other, &mut spins, freed);
+            let end = to.min(base + span);
+            let mut i = k;
+            while i < end {
+                let p = run
+                    .get((i - base) as usize)
+                    .map_or(NO_PAGE, |e| e.load(Ordering::Relaxed));
+                if p == NO_PAGE {
+                    i += 1;
                     continue;
                 }
-                Err(e) => break Err(e.into()),
+                if p >= np {
+                    flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                    break 'outer Err(crate::error::Error::Corrupt(format!(
+                        "page index {p} is outside the pool ({np} pages)"
+                    )));
+                }
+                if stripe != Some(p / STRIPE) {
+                    // One stripe at a time: record and release before the next.
+                    flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                    match t.lock_stripe_of(p, di) {
+                        Ok(None) => stripe = Some(p / STRIPE),
+                        Ok(Some(other)) => {
+                            self.wait_busy(p, other, &mut spins, freed);
+                            k = i;
+                            continue 'outer;
+                        }
+                        Err(e) => break 'outer Err(e.into()),
+                    }
+                }
+                if let Some(Changed::Locked(w)) = t.change_fast(p, di, delta) {
+                    locked[nl] = (p, w);
+                    nl += 1;
+                    i += 1;
+                    if nl + last.len() >= BATCH {
+                        flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                    }
+                    continue;
+                }
+                match t.change_in_stripe(p, di, delta) {
+                    Ok(Changed::Locked(w)) => {
+                        locked[nl] = (p, w);
+                        nl += 1;
+                    }
+                    Ok(Changed::Last) => last.push(p),
+                    Ok(Changed::NotHeld) => {
+                        flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                        break 'outer Ok(Stop::NotHeld(i));
+                    }
+                    Ok(Changed::Busy(other)) => {
+                        flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                        self.wait_busy(p, other, &mut spins, freed);
+                        k = i;
+                        continue 'outer;
+                    }
+                    Err(e) => {
+                        flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                        break 'outer Err(e.into());
+                    }
+                }
+                i += 1;
+                if nl + last.len() >= BATCH {
+                    flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                }
             }
-            k += 1;
-            if locked.len() + last.len() >= BATCH {
-                flush(k, &mut locked, &mut last, freed);
-            }
+            k = end;
         };
-        flush(k.min(to), &mut locked, &mut last, freed);
+        if let Ok(Stop::Done) = stop {
+            flush(to, &mut stripe, &locked, &mut nl, &mut last, freed);
+        }
         stop
     }
 
-    /// Waits for page `p`, locked by descriptor `other`. A live owner holds
-    /// such a lock for a few instructions; a dead one is reclaimed here as
+    /// Waits for page `p` (or its stripe), locked by descriptor `other`. A
+    /// live owner holds such a lock briefly; a dead one is reclaimed here as
     /// soon as its lease says so (which completes and unlocks its work).
     pub(crate) fn wait_busy(&self, p: u32, other: u32, spins: &mut u32, freed: &mut Vec<u32>) {
         *spins += 1;
@@ -166,7 +257,10 @@ impl Core {
             let _ = self.renew();
             if let Some(d) = self.shm.desc(other) {
                 let owner = DescState::decode(d.state.load(Ordering::Acquire)).owner;
-                if owner != self.slot && self.shm.pages().locked_by(p, other) {
+                let t = self.shm.pages();
+                if owner != self.slot
+                    && (t.locked_by(p, other) || t.stripe_holder(p / STRIPE) == Some(other))
+                {
                     let _ = self.reclaim_slot(owner, now_ms(), freed);
                 }
             }
@@ -185,19 +279,12 @@ impl Core {
         let held = d.held.load(Ordering::Acquire);
         let span = held + INLINE as u32;
         let from = d.progress.load(Ordering::Acquire);
-        let mut cur = self.shm.cursor(d);
         let res = self.bulk_change(
             di,
             d,
             from,
             span,
-            |k| {
-                if k < held {
-                    cur.get(k as usize)
-                } else {
-                    self.drop_slot(d, held, k)
-                }
-            },
+            Src::Drop { held },
             Book::Progress,
             Delta::Dec(self.slot),
             freed,
@@ -328,6 +415,14 @@ impl Core {
                 }
             }
         }
+        // Pages before stripes: a stripe is released only after its pages.
+        for s in 0..t.stripe_count() {
+            if let Some(h) = t.stripe_holder(s) {
+                if owned.binary_search(&h).is_ok() {
+                    t.unlock_stripe_if(s, h);
+                }
+            }
+        }
         for idx in owned {
             self.take_over_desc(idx, self.desc(idx)?, freed)?;
         }
@@ -360,7 +455,7 @@ impl Core {
                     d,
                     0,
                     1,
-                    |_| Ok(p),
+                    Src::One(p),
                     Book::Journal,
                     Delta::Dec(self.slot),
                     freed,

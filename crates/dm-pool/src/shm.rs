@@ -113,17 +113,21 @@ impl Shm {
         self.at(ATOMICS_OFF as u64)
     }
 
-    /// The page table.
+    /// The page table (with its stripe locks).
     pub fn pages(&self) -> PageTable<'_> {
-        // SAFETY: the page table area holds n_pages u64 words (validated),
-        // 8-aligned, and AtomicU64 has the layout of u64.
-        let words = unsafe {
+        PageTable::new(self.page_words(), self.stripe_words())
+    }
+
+    /// The stripe-lock words.
+    pub(crate) fn stripe_words(&self) -> &[AtomicU64] {
+        // SAFETY: the stripe area holds stripes_for(n_pages) u64 words
+        // (validated), 8-aligned; AtomicU64 has the layout of u64.
+        unsafe {
             std::slice::from_raw_parts(
-                self.file.base().add(self.layout.pt_off as usize) as *const AtomicU64,
-                self.layout.n_pages as usize,
+                self.file.base().add(self.layout.st_off as usize) as *const AtomicU64,
+                crate::pages::stripes_for(self.layout.n_pages) as usize,
             )
-        };
-        PageTable::new(words)
+        }
     }
 
     /// The raw page-table words (for the quiescent recount in gc).
@@ -135,6 +139,11 @@ impl Shm {
                 self.layout.n_pages as usize,
             )
         }
+    }
+
+    /// Address of the first stripe word (for the fault handler).
+    pub(crate) fn stripes_ptr(&self) -> *const AtomicU64 {
+        self.stripe_words().as_ptr()
     }
 
     /// Address of the first page-table word (for the fault handler).
@@ -205,6 +214,59 @@ impl Shm {
             return Ok(None);
         }
         Ok(self.list(l)?.get(i % per))
+    }
+
+    /// The chunk of a descriptor's entries containing position `k`:
+    /// `(first position, entries, positions the chunk spans)`. The entries
+    /// are empty when the chunk's list page is missing (all read as none).
+    #[inline]
+    pub fn entry_chunk<'a>(
+        &'a self,
+        d: &'a Desc,
+        k: usize,
+    ) -> Result<(usize, &'a [AtomicU32], usize)> {
+        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT == 0 {
+            return Ok((0, &d.entries[..], INLINE));
+        }
+        let per = self.layout.per_list_page();
+        let c = k / per;
+        let l = d
+            .entries
+            .get(c)
+            .map_or(NO_PAGE, |e| e.load(Ordering::Acquire));
+        if l == NO_PAGE {
+            return Ok((c * per, &[], per));
+        }
+        Ok((c * per, self.list(l)?, per))
+    }
+
+    /// Copies entries `[0, n)` of `from` starting at position `at` into
+    /// entries `[0, n)` of `to`, checking every page index.
+    pub fn copy_entries(&self, from: &Desc, at: usize, to: &Desc, n: usize) -> Result<()> {
+        let np = self.layout.n_pages;
+        let mut k = 0;
+        while k < n {
+            let (sb, src, sspan) = self.entry_chunk(from, at + k)?;
+            let (db, dst, dspan) = self.entry_chunk(to, k)?;
+            let len = (sb + sspan - (at + k)).min(db + dspan - k).min(n - k);
+            if dst.is_empty() {
+                return Err(Error::Corrupt(format!("entry {k} has no list page")));
+            }
+            for i in 0..len {
+                let p = src
+                    .get(at + k + i - sb)
+                    .map_or(NO_PAGE, |e| e.load(Ordering::Relaxed));
+                if p != NO_PAGE && p >= np {
+                    return Err(Error::Corrupt(format!(
+                        "page index {p} is outside the pool ({np} pages)"
+                    )));
+                }
+                dst[k + i - db].store(p, Ordering::Relaxed);
+            }
+            k += len;
+        }
+        std::sync::atomic::fence(Ordering::Release);
+        Ok(())
     }
 
     /// A cursor over a descriptor's entries that looks up each list page

@@ -351,10 +351,10 @@ fn bad_pool_files() {
         Pool::open(&f, AttachOptions::default()),
         Err(Error::VersionMismatch {
             found: 99,
-            supported: 1
+            supported: dm_pool::POOL_VERSION
         })
     ));
-    bytes[8] = 1;
+    bytes[8] = dm_pool::POOL_VERSION as u8;
     bytes[60] ^= 0xff; // an offset: checksum catches it
     std::fs::write(&f, &bytes).unwrap();
     assert!(matches!(

@@ -10,25 +10,38 @@
 #![cfg(loom)]
 
 use dm_pool::desc::{DescState, Kind};
-use dm_pool::pages::{Changed, Delta, PageState, PageTable};
+use dm_pool::pages::{stripes_for, Changed, Delta, PageState, PageTable};
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
+/// Page words followed by their stripe words, in one shared vector.
 fn table(n: usize) -> Arc<Vec<AtomicU64>> {
-    Arc::new((0..n).map(|_| AtomicU64::new(0)).collect())
+    Arc::new(
+        (0..n + stripes_for(n as u32) as usize)
+            .map(|_| AtomicU64::new(0))
+            .collect(),
+    )
 }
 
-/// Changes a page for `desc`, waiting while another descriptor holds it,
-/// and records+unlocks at once — what `bulk_change` does for one page.
+fn view(v: &[AtomicU64], n: usize) -> PageTable<'_> {
+    PageTable::new(&v[..n], &v[n..])
+}
+
+/// Changes a page for `desc`, waiting while another descriptor holds its
+/// stripe, then records and unlocks — what `bulk_change` does for one page.
 fn change(t: &PageTable<'_>, p: u32, desc: u32, d: Delta) -> Changed {
     loop {
         match t.change(p, desc, d).expect("protocol violation") {
             Changed::Busy(_) => thread::yield_now(),
-            Changed::Locked(w) => {
+            c @ Changed::Locked(_) => {
                 assert!(t.locked_by(p, desc));
-                t.unlock_own(p, w);
-                return Changed::Locked(w);
+                t.done(p, c);
+                return c;
+            }
+            Changed::Last => {
+                t.done(p, Changed::Last);
+                return Changed::Last;
             }
             other => return other,
         }
@@ -39,12 +52,13 @@ fn change(t: &PageTable<'_>, p: u32, desc: u32, d: Delta) -> Changed {
 fn claims_are_exclusive() {
     loom::model(|| {
         let words = table(3);
+        const N: usize = 3;
         let cursor = Arc::new(AtomicU64::new(0));
         let hs: Vec<_> = (0..2u16)
             .map(|slot| {
                 let (w, c) = (words.clone(), cursor.clone());
                 thread::spawn(move || {
-                    let t = PageTable::new(&w);
+                    let t = view(&w, N);
                     let mut got = Vec::new();
                     t.claim_batch(&c, slot, 2, &mut got);
                     got
@@ -52,7 +66,7 @@ fn claims_are_exclusive() {
             })
             .collect();
         let mut all: Vec<u32> = hs.into_iter().flat_map(|h| h.join().unwrap()).collect();
-        let t = PageTable::new(&words);
+        let t = view(&words, N);
         // Every page claimed at most once, and owned by whoever claimed it.
         all.sort();
         let n = all.len();
@@ -69,25 +83,26 @@ fn claims_are_exclusive() {
 fn concurrent_share_and_drop_keep_the_count_exact() {
     loom::model(|| {
         let words = table(1);
+        const N: usize = 1;
         {
-            let t = PageTable::new(&words);
+            let t = view(&words, N);
             assert!(t.try_claim(0, 0));
             t.hold_cached(0, 0).unwrap();
             change(&t, 0, 9, Delta::Inc); // rc 2: a buffer and a Ref
         }
         let w1 = words.clone();
         let sharer = thread::spawn(move || {
-            let t = PageTable::new(&w1);
+            let t = view(&w1, N);
             change(&t, 0, 1, Delta::Inc) // a mapper takes a share
         });
         let w2 = words.clone();
         let dropper = thread::spawn(move || {
-            let t = PageTable::new(&w2);
+            let t = view(&w2, N);
             change(&t, 0, 2, Delta::Dec(2)) // the Ref is released
         });
         assert!(matches!(sharer.join().unwrap(), Changed::Locked(_)));
         assert!(matches!(dropper.join().unwrap(), Changed::Locked(_)));
-        let t = PageTable::new(&words);
+        let t = view(&words, N);
         assert_eq!(
             t.state(0).unwrap(),
             PageState::Held(2),
@@ -106,8 +121,9 @@ fn concurrent_share_and_drop_keep_the_count_exact() {
 fn last_drop_happens_once_under_contention() {
     loom::model(|| {
         let words = table(1);
+        const N: usize = 1;
         {
-            let t = PageTable::new(&words);
+            let t = view(&words, N);
             assert!(t.try_claim(0, 0));
             t.hold_cached(0, 0).unwrap();
             change(&t, 0, 9, Delta::Inc);
@@ -116,7 +132,7 @@ fn last_drop_happens_once_under_contention() {
             .map(|s| {
                 let w = words.clone();
                 thread::spawn(move || {
-                    let t = PageTable::new(&w);
+                    let t = view(&w, N);
                     change(&t, 0, s as u32, Delta::Dec(s))
                 })
             })
@@ -124,7 +140,7 @@ fn last_drop_happens_once_under_contention() {
         let outs: Vec<Changed> = hs.into_iter().map(|h| h.join().unwrap()).collect();
         let lasts = outs.iter().filter(|o| **o == Changed::Last).count();
         assert_eq!(lasts, 1, "exactly one holder frees the page: {outs:?}");
-        let t = PageTable::new(&words);
+        let t = view(&words, N);
         assert!(matches!(
             t.state(0).unwrap(),
             PageState::Cached(1) | PageState::Cached(2)
@@ -137,16 +153,17 @@ fn mapping_a_ref_while_it_is_released() {
     loom::model(|| {
         // A live Ref (descriptor state word) holding page 0 alone.
         let words = table(1);
+        const N: usize = 1;
         let gen = 7;
         let desc = Arc::new(AtomicU64::new(DescState::encode(gen, Kind::RefLive, 0)));
         {
-            let t = PageTable::new(&words);
+            let t = view(&words, N);
             assert!(t.try_claim(0, 0));
             t.hold_cached(0, 0).unwrap();
         }
         let (w1, d1) = (words.clone(), desc.clone());
         let mapper = thread::spawn(move || {
-            let t = PageTable::new(&w1);
+            let t = view(&w1, N);
             let seen = d1.load(Ordering::Acquire);
             if DescState::decode(seen).kind != Some(Kind::RefLive) {
                 return false;
@@ -164,7 +181,7 @@ fn mapping_a_ref_while_it_is_released() {
         });
         let (w2, d2) = (words.clone(), desc.clone());
         let releaser = thread::spawn(move || {
-            let t = PageTable::new(&w2);
+            let t = view(&w2, N);
             let live = DescState::encode(gen, Kind::RefLive, 0);
             d2.compare_exchange(
                 live,
@@ -177,7 +194,7 @@ fn mapping_a_ref_while_it_is_released() {
         });
         let mapped = mapper.join().unwrap();
         let released = releaser.join().unwrap();
-        let t = PageTable::new(&words);
+        let t = view(&words, N);
         let st = t.state(0).unwrap();
         if mapped {
             // The mapper holds the page: the release did not free it.
