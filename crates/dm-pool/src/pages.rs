@@ -444,9 +444,8 @@ impl<'a> PageTable<'a> {
     /// writes the word.
     #[inline]
     pub fn unlock_own(&self, page: u32, locked: u64) {
-        if let (Ok(w), PageState::Locked { rc, .. }) = (self.word(page), PageState::decode(locked))
-        {
-            w.store(PageState::Held(rc).encode(), Ordering::Release);
+        if let Some(w) = self.words.get(page as usize) {
+            w.store(locked & !(LOCK_BIT | ID_MASK), Ordering::Release);
         }
     }
 

@@ -186,7 +186,7 @@ impl Core {
                         "page index {p} is outside the pool ({np} pages)"
                     )));
                 }
-                if stripe != Some(p / STRIPE) {
+                if stripe.is_none_or(|st| p / STRIPE != st) {
                     // One stripe at a time: record and release before the next.
                     flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
                     match t.lock_stripe_of(p, di) {
