@@ -34,6 +34,8 @@ pub struct CheckReport {
     pub pages_shared: u64,
     /// Live Refs.
     pub refs_live: u64,
+    /// Of the live Refs, those released but kept by buffers mapped from them.
+    pub refs_released_mapped: u64,
     /// Live buffers.
     pub buffers: u64,
     /// Descriptors in flight (building or dropping).
@@ -80,6 +82,36 @@ pub(crate) fn count_holders(
     let n = shm.layout.n_pages as usize;
     let mut holders = vec![0u32; n];
     let now = now_ms();
+    // Mapped buffers linked to each Ref (its mapper count must match).
+    let mut links = std::collections::HashMap::<u32, u32>::new();
+    for idx in 0..shm.layout.n_descs {
+        let Some(d) = shm.desc(idx) else { continue };
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        if matches!(st.kind, Some(Kind::Buf | Kind::MapBuild | Kind::Drop))
+            && d.aux.load(Ordering::Acquire) == 1
+        {
+            *links
+                .entry(d.tag.load(Ordering::Acquire) as u32)
+                .or_default() += 1;
+        }
+    }
+    for idx in 0..shm.layout.n_descs {
+        let Some(d) = shm.desc(idx) else { continue };
+        if DescState::decode(d.state.load(Ordering::Acquire)).kind != Some(Kind::RefLive) {
+            continue;
+        }
+        let a = d.aux.load(Ordering::Acquire);
+        let linked = links.get(&idx).copied().unwrap_or(0);
+        if crate::desc::mappers::locker(a).is_none() && crate::desc::mappers::count(a) != linked {
+            problems.push(format!(
+                "Ref {idx}: mapper count {} but {linked} buffers mapped from it",
+                crate::desc::mappers::count(a)
+            ));
+        }
+        if crate::desc::mappers::released(a) && linked > 0 {
+            rep.refs_released_mapped += 1;
+        }
+    }
     for idx in 0..shm.layout.n_descs {
         let Some(d) = shm.desc(idx) else { continue };
         let st = DescState::decode(d.state.load(Ordering::Acquire));
@@ -152,8 +184,9 @@ fn count_desc(
     let mut lists = 0;
     let n = holders.len() as u32;
     for k in lo..hi {
-        match shm.entry_value(d, k as usize) {
+        match shm.raw_entry(d, k as usize) {
             Ok(NO_PAGE) => {}
+            Ok(p) if p & crate::pages::BORROWED != 0 => {} // the Ref holds it
             Ok(p) if p < n => holders[p as usize] += 1,
             Ok(p) => problems.push(format!(
                 "descriptor {idx} entry {k}: page {p} outside the pool"

@@ -32,7 +32,7 @@
 use crate::sync::{AtomicU32, AtomicU64};
 
 /// Inline entries per descriptor.
-pub const INLINE: usize = 48;
+pub const INLINE: usize = 46;
 
 /// Flag: entries name list pages, not data pages.
 pub const FLAG_INDIRECT: u32 = 1;
@@ -130,6 +130,9 @@ pub struct Desc {
     pub flags: AtomicU32,
     /// Serialises the fault handler against other threads of the owner.
     pub lock: AtomicU32,
+    /// A Ref: its mapper word (see `refs_aux`). A buffer mapped from a Ref:
+    /// 1 once linked to it (the Ref's index is in `tag`), else 0.
+    pub aux: AtomicU64,
     /// Inline entries: data pages, or list pages if `FLAG_INDIRECT`.
     pub entries: [AtomicU32; INLINE],
 }
@@ -139,3 +142,206 @@ pub const DESC_SIZE: usize = 256;
 
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<Desc>() == DESC_SIZE);
+
+/// The mapper word of a Ref (`Desc::aux`): how many buffers are mapped from
+/// it, whether it was released, and who drops it — one word, so that
+/// release, map (link) and unmap (unlink) race only through CASes on it.
+///
+/// `count (32) | id (29) << 32 | LOCK (61) | RELEASED (62) | DROPPING (63)`,
+/// plus `IS_REF` (bit 60) on every Ref's word. With `LOCK`, `id` is the
+/// descriptor linking or unlinking (its own record follows, then unlock);
+/// with `DROPPING`, `id` is the slot dropping the Ref's pages.
+pub mod mappers {
+    use crate::sync::{AtomicU64, Ordering};
+
+    /// Marks a Ref's word (a buffer's `aux` never has it).
+    pub const IS_REF: u64 = 1 << 60;
+    const LOCK: u64 = 1 << 61;
+    const RELEASED: u64 = 1 << 62;
+    const DROPPING: u64 = 1 << 63;
+    const ID_SHIFT: u32 = 32;
+    const ID_MASK: u64 = ((1 << 28) - 1) << ID_SHIFT;
+    const COUNT: u64 = 0xFFFF_FFFF;
+
+    /// Outcome of [`link`] and [`unlink`].
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Step {
+        /// Done; the word is locked by the caller: record, then [`unlock`].
+        Locked(u64),
+        /// Unlinked the last mapper of a released Ref: the caller's slot is
+        /// now its dropper (record, then drop the Ref). Not locked.
+        Drop,
+        /// The Ref is released or being dropped: no new mappers.
+        Closed,
+        /// Locked by descriptor `.0`: wait and retry.
+        Busy(u32),
+        /// Not a Ref's word.
+        NotARef,
+    }
+
+    /// Outcome of [`release`].
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Release {
+        /// No mappers: the caller's slot now drops the Ref.
+        Drop,
+        /// Mapped: the last mapper to unmap drops it.
+        Kept,
+        /// Released before.
+        Already,
+        /// Locked by descriptor `.0`: wait and retry.
+        Busy(u32),
+    }
+
+    fn id(w: u64) -> u32 {
+        ((w & ID_MASK) >> ID_SHIFT) as u32
+    }
+
+    /// Mappers of a Ref word.
+    pub fn count(w: u64) -> u32 {
+        (w & COUNT) as u32
+    }
+
+    /// Whether the Ref was released.
+    pub fn released(w: u64) -> bool {
+        w & RELEASED != 0
+    }
+
+    /// The descriptor holding the lock, if locked.
+    pub fn locker(w: u64) -> Option<u32> {
+        (w & LOCK != 0).then(|| id(w))
+    }
+
+    /// The slot dropping the Ref, if any.
+    pub fn dropper(w: u64) -> Option<u16> {
+        (w & DROPPING != 0).then(|| id(w) as u16)
+    }
+
+    fn step(a: &AtomicU64, f: impl Fn(u64) -> Result<u64, Step>) -> Step {
+        let mut cur = a.load(Ordering::Acquire);
+        loop {
+            if cur & IS_REF == 0 {
+                return Step::NotARef;
+            }
+            if cur & LOCK != 0 {
+                return Step::Busy(id(cur));
+            }
+            let next = match f(cur) {
+                Ok(n) => n,
+                Err(s) => return s,
+            };
+            match a.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) if next & DROPPING != 0 => return Step::Drop,
+                Ok(_) => return Step::Locked(next),
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    /// Adds mapper `desc` (refused once released or dropping).
+    pub fn link(a: &AtomicU64, desc: u32) -> Step {
+        step(a, |w| {
+            if w & (RELEASED | DROPPING) != 0 || count(w) == u32::MAX {
+                return Err(Step::Closed);
+            }
+            Ok((w + 1) | LOCK | (((desc as u64) << ID_SHIFT) & ID_MASK))
+        })
+    }
+
+    /// Removes mapper `desc`; the last one out of a released Ref becomes its
+    /// dropper (`slot`).
+    pub fn unlink(a: &AtomicU64, desc: u32, slot: u16) -> Step {
+        step(a, |w| {
+            if w & DROPPING != 0 || count(w) == 0 {
+                return Err(Step::Closed);
+            }
+            if count(w) == 1 && w & RELEASED != 0 {
+                return Ok(IS_REF | RELEASED | DROPPING | ((slot as u64) << ID_SHIFT));
+            }
+            Ok((w - 1) | LOCK | (((desc as u64) << ID_SHIFT) & ID_MASK))
+        })
+    }
+
+    /// Unlocks a word the caller locked (`w` from [`link`] or [`unlink`]).
+    pub fn unlock(a: &AtomicU64, w: u64) {
+        a.store(w & !(LOCK | ID_MASK), Ordering::Release);
+    }
+
+    /// Unlocks if `desc` holds the lock (crash recovery). Idempotent.
+    pub fn unlock_if(a: &AtomicU64, desc: u32) -> bool {
+        let w = a.load(Ordering::Acquire);
+        locker(w) == Some(desc)
+            && a.compare_exchange(
+                w,
+                w & !(LOCK | ID_MASK),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+    }
+
+    /// Makes `slot` the dropper of a Ref whose dropper was `dead`. Returns
+    /// whether it did.
+    pub fn adopt(a: &AtomicU64, dead: u16, slot: u16) -> bool {
+        let w = a.load(Ordering::Acquire);
+        dropper(w) == Some(dead)
+            && a.compare_exchange(
+                w,
+                (w & !ID_MASK) | ((slot as u64) << ID_SHIFT),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+    }
+
+    /// Releases the Ref: with no mappers `slot` becomes its dropper.
+    pub fn release(a: &AtomicU64, slot: u16) -> Release {
+        let mut cur = a.load(Ordering::Acquire);
+        loop {
+            if cur & IS_REF == 0 || cur & (RELEASED | DROPPING) != 0 {
+                return Release::Already;
+            }
+            if cur & LOCK != 0 {
+                return Release::Busy(id(cur));
+            }
+            let (next, out) = if count(cur) == 0 {
+                (
+                    IS_REF | RELEASED | DROPPING | ((slot as u64) << ID_SHIFT),
+                    Release::Drop,
+                )
+            } else {
+                (cur | RELEASED, Release::Kept)
+            };
+            match a.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return out,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    #[cfg(all(test, not(loom)))]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn protocol() {
+            let a = AtomicU64::new(0);
+            assert_eq!(link(&a, 3), Step::NotARef, "a buffer's aux is never linked");
+            a.store(IS_REF, Ordering::Relaxed);
+            let Step::Locked(w) = link(&a, 3) else {
+                panic!()
+            };
+            assert_eq!(link(&a, 4), Step::Busy(3));
+            assert_eq!(release(&a, 1), Release::Busy(3));
+            unlock(&a, w);
+            assert_eq!(count(a.load(Ordering::Relaxed)), 1);
+            assert_eq!(release(&a, 1), Release::Kept);
+            assert_eq!(release(&a, 1), Release::Already);
+            assert_eq!(link(&a, 5), Step::Closed, "no new mappers after release");
+            assert_eq!(unlink(&a, 3, 7), Step::Drop, "the last mapper out drops");
+            assert_eq!(dropper(a.load(Ordering::Relaxed)), Some(7));
+            let b = AtomicU64::new(IS_REF);
+            assert_eq!(release(&b, 2), Release::Drop);
+            assert!(!unlock_if(&b, 9));
+        }
+    }
+}

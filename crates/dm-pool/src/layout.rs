@@ -24,8 +24,9 @@ use crate::sync::{AtomicU32, AtomicU64};
 pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// Format version this build reads and writes.
 ///
-/// History: 1 — first format; 2 — stripe locks (`st_off`, header offset 144).
-pub const POOL_VERSION: u32 = 2;
+/// History: 1 — first format; 2 — stripe locks (`st_off`, header offset 144);
+/// 3 — descriptors carry an `aux` word (46 inline entries), pages < 2^31.
+pub const POOL_VERSION: u32 = 3;
 /// Bytes reserved for the header.
 pub const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.
@@ -161,7 +162,7 @@ impl Layout {
             return Err("pool name is longer than 32 bytes".into());
         }
         let ps64 = ps as u64;
-        let mut n = (cfg.size / ps64).min(u32::MAX as u64 - 1);
+        let mut n = (cfg.size / ps64).min(crate::pages::MAX_PAGES as u64);
         loop {
             if n == 0 {
                 return Err(format!("size {} is too small for any data page", cfg.size));
@@ -289,7 +290,7 @@ impl Layout {
             return bad("pool name is not UTF-8".into());
         };
         let n_pages = g64(40);
-        if n_pages == 0 || n_pages >= u32::MAX as u64 {
+        if n_pages == 0 || n_pages > crate::pages::MAX_PAGES as u64 {
             return bad(format!("page count {n_pages} out of range"));
         }
         let l = Layout {

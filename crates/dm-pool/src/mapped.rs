@@ -22,7 +22,7 @@
 
 use crate::desc::{Desc, FLAG_INDIRECT};
 use crate::error::{Error, Result};
-use crate::pages::{Changed, Delta, PageState, PageTable, NO_PAGE};
+use crate::pages::{Changed, Delta, PageState, PageTable, BORROWED, NO_PAGE};
 use crate::pool::{Buffer, Pool};
 use crate::refs::Ref;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
@@ -152,21 +152,22 @@ impl MappedBuffer {
         let n = self.buf.page_count() as usize;
         let mut k = 0;
         while k < n {
-            let p = self.buf.page_at(k)?;
+            let (p, borrowed) = self.buf.owned_page_at(k)?;
             if p == NO_PAGE {
                 k += 1;
                 continue;
             }
             shm.check_page(p)?;
-            let prot = if t.rc(p) == 1 {
+            // Writable only if this buffer holds the page alone.
+            let prot = if !borrowed && t.rc(p) == 1 {
                 Prot::ReadWrite
             } else {
                 Prot::Read
             };
             let mut run = 1;
             while k + run < n {
-                let q = self.buf.page_at(k + run)?;
-                let qprot = if t.rc(q) == 1 {
+                let (q, qb) = self.buf.owned_page_at(k + run)?;
+                let qprot = if !qb && t.rc(q) == 1 {
                     Prot::ReadWrite
                 } else {
                     Prot::Read
@@ -322,11 +323,15 @@ unsafe fn cow_one(
     let Some(entry) = (unsafe { entry_of(win, d, k) }) else {
         return false;
     };
-    let p = entry.load(Ordering::Acquire);
+    let raw = entry.load(Ordering::Acquire);
+    // A borrowed page is held by the Ref this buffer was mapped from: copy
+    // it, never write it, and drop no share of it.
+    let borrowed = raw != NO_PAGE && raw & BORROWED != 0;
+    let p = if borrowed { raw & !BORROWED } else { raw };
     if p != NO_PAGE && p >= win.n_pages {
         return false;
     }
-    if p != NO_PAGE && t.rc(p) == 1 {
+    if p != NO_PAGE && !borrowed && t.rc(p) == 1 {
         // Held alone (the other shares went away): just make it writable.
         // SAFETY: page_addr is a page of our reservation.
         return unsafe { protect(page_addr, win.ps, Prot::ReadWrite) }.is_ok();
@@ -347,7 +352,7 @@ unsafe fn cow_one(
     if unsafe { map_file_fixed(page_addr, win.fd, off, win.ps, Prot::ReadWrite) }.is_err() {
         return false;
     }
-    if p != NO_PAGE {
+    if p != NO_PAGE && !borrowed {
         d.journal_old.store(p, Ordering::Relaxed);
         d.journal_idx.store(k as u32, Ordering::Release);
     }
@@ -355,7 +360,11 @@ unsafe fn cow_one(
     if t.hold_cached(q, win.slot).is_err() {
         return false;
     }
-    if p != NO_PAGE {
+    if borrowed {
+        // SAFETY: a pool counter.
+        unsafe { &*win.cow_copies }.fetch_add(1, Ordering::Relaxed);
+    }
+    if p != NO_PAGE && !borrowed {
         // Drop p's share under the page lock, recorded by clearing the
         // journal (the protocol of reclaim.rs, without allocating).
         let mut spins = 0u32;

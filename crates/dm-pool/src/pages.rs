@@ -38,6 +38,13 @@ use crate::sync::{AtomicU64, Ordering};
 /// Marks "no page" in page lists (an unbacked page reads as zero).
 pub const NO_PAGE: u32 = u32::MAX;
 
+/// Flag on a page-list entry: the page is *borrowed* from the Ref a buffer
+/// was mapped from (held by the Ref's share, not by this entry).
+pub const BORROWED: u32 = 1 << 31;
+
+/// Most data pages a pool can have (entries keep the top bit for [`BORROWED`]).
+pub const MAX_PAGES: u32 = BORROWED - 2;
+
 const RC_MASK: u64 = 0xFFFF_FFFF;
 const ID_SHIFT: u32 = 32;
 const ID_MASK: u64 = ((1 << 29) - 1) << ID_SHIFT;

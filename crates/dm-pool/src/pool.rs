@@ -7,12 +7,12 @@
 //! which copies a page first when its reference count is above one.
 
 use crate::desc::{
-    Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INDIRECT, INLINE,
+    mappers, Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INDIRECT, INLINE,
 };
 use crate::error::{Error, Result};
 use crate::layout::{Layout, PoolConfig};
-use crate::pages::{Delta, NO_PAGE};
-use crate::reclaim::{Book, Src, Stop};
+use crate::pages::{Delta, BORROWED, NO_PAGE};
+use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
 use crate::shm::{host_id, Shm};
 use crate::slot::{SlotKind, SlotState};
@@ -124,6 +124,7 @@ pub(crate) fn reset_desc_fields(d: &Desc) {
     d.journal_idx.store(NO_PAGE, Ordering::Relaxed);
     d.journal_old.store(NO_PAGE, Ordering::Relaxed);
     d.lock.store(0, Ordering::Relaxed);
+    d.aux.store(0, Ordering::Relaxed);
     let end = d.flags.load(Ordering::Relaxed) & 0xFF00;
     d.flags.store(end, Ordering::Release);
 }
@@ -432,7 +433,7 @@ impl Pool {
         r.n_pages.store(n as u32, Ordering::Relaxed);
         let b = i.desc(buf.desc)?;
         let res = (|| -> Result<()> {
-            i.shm.copy_entries(b, first, r, n)?;
+            i.shm.copy_entries(b, first, r, n, 0)?;
             let mut none = Vec::new();
             i.bulk_change(
                 ridx,
@@ -450,6 +451,7 @@ impl Pool {
             i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
             return Err(e);
         }
+        r.aux.store(mappers::IS_REF, Ordering::Release);
         r.state
             .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
@@ -487,10 +489,26 @@ impl Pool {
         if d.tag.load(Ordering::Relaxed) != r.tag {
             return Err(Error::RefForged { desc: r.desc });
         }
+        let ended = || {
+            if (d.flags.load(Ordering::Relaxed) >> 8) & 0xFF == END_EXPIRED {
+                Err(Error::RefExpired {
+                    desc: r.desc,
+                    generation: r.generation,
+                })
+            } else {
+                Err(Error::RefReleased {
+                    desc: r.desc,
+                    generation: r.generation,
+                })
+            }
+        };
         match st.kind {
             Some(Kind::RefLive) => {
                 if d.len.load(Ordering::Relaxed) != r.len {
                     return Err(Error::RefForged { desc: r.desc });
+                }
+                if mappers::released(d.aux.load(Ordering::Acquire)) {
+                    return ended();
                 }
                 if now_ms() > d.expiry_ms.load(Ordering::Relaxed) {
                     return Err(Error::RefExpired {
@@ -500,19 +518,7 @@ impl Pool {
                 }
                 Ok((d, w))
             }
-            Some(Kind::Free) | Some(Kind::Drop) => {
-                if (d.flags.load(Ordering::Relaxed) >> 8) & 0xFF == END_EXPIRED {
-                    Err(Error::RefExpired {
-                        desc: r.desc,
-                        generation: r.generation,
-                    })
-                } else {
-                    Err(Error::RefReleased {
-                        desc: r.desc,
-                        generation: r.generation,
-                    })
-                }
-            }
+            Some(Kind::Free) | Some(Kind::Drop) => ended(),
             _ => Err(Error::RefForged { desc: r.desc }),
         }
     }
@@ -522,8 +528,10 @@ impl Pool {
         self.validate(r).map(|_| r.len)
     }
 
-    /// Maps a Ref into this process as a new buffer: +1 share on each page,
-    /// no copy. Writes to the buffer copy the pages they touch.
+    /// Maps a Ref into this process as a new buffer, with no copy and no
+    /// per-page work: the buffer *borrows* the Ref's pages and holds the Ref
+    /// by one count (so its data outlives a release). Writes to the buffer
+    /// copy the pages they touch.
     pub fn map_ref(&self, r: &Ref) -> Result<Buffer> {
         let i = &self.inner;
         i.live()?;
@@ -543,65 +551,85 @@ impl Pool {
         d.len.store(r.len, Ordering::Relaxed);
         d.offset.store(offset as u32, Ordering::Relaxed);
         d.n_pages.store(n as u32, Ordering::Relaxed);
-        let res = (|| -> Result<bool> {
-            // Entries out of range: the Ref is being released and its lists reused.
-            if i.shm.copy_entries(rd, 0, d, n).is_err() {
-                return Ok(false);
+        d.tag.store(r.desc as u64, Ordering::Release); // the Ref we link to
+                                                       // Link (one count on the Ref), then check it is still the Ref we
+                                                       // validated: from then on it cannot be dropped, so its entries are
+                                                       // stable and can be borrowed.
+        let mut spins = 0u32;
+        let linked = loop {
+            match mappers::link(&rd.aux, idx) {
+                mappers::Step::Locked(lw) => {
+                    d.aux.store(1, Ordering::Release);
+                    mappers::unlock(&rd.aux, lw);
+                    break true;
+                }
+                mappers::Step::Busy(other) => {
+                    let mut freed = Vec::new();
+                    i.wait_busy(NO_PAGE, other, &mut spins, &mut freed);
+                    i.give_pages(freed);
+                }
+                _ => break false,
             }
-            let mut none = Vec::new();
-            let stop = i.bulk_change(
-                idx,
-                d,
-                0,
-                n as u32,
-                Src::Entries,
-                Book::Held,
-                Delta::TryInc,
-                &mut none,
-            )?;
-            // The Ref held every page throughout iff it is still the same live Ref.
-            Ok(stop == Stop::Done && rd.state.load(Ordering::Acquire) == w)
-        })();
-        match res {
-            Ok(true) => {
-                d.state
-                    .store(DescState::encode(gen, Kind::Buf, i.slot), Ordering::Release);
-                Ok(Buffer {
-                    pool: self.clone(),
-                    desc: idx,
-                    generation: gen,
-                    len: r.len,
-                    offset: offset as u32,
-                    n_pages: n as u32,
-                    detached: false,
-                })
-            }
-            other => {
-                i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
-                other?;
-                // The Ref ended while we mapped it: report why.
-                self.validate(r)?;
-                Err(Error::RefReleased {
-                    desc: r.desc,
-                    generation: r.generation,
-                })
-            }
+        };
+        let ok = linked
+            && rd.state.load(Ordering::Acquire) == w
+            && i.shm.copy_entries(rd, 0, d, n, BORROWED).is_ok();
+        if !ok {
+            i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
+            self.validate(r)?;
+            return Err(Error::RefReleased {
+                desc: r.desc,
+                generation: r.generation,
+            });
         }
+        d.held.store(n as u32, Ordering::Relaxed);
+        d.state
+            .store(DescState::encode(gen, Kind::Buf, i.slot), Ordering::Release);
+        Ok(Buffer {
+            pool: self.clone(),
+            desc: idx,
+            generation: gen,
+            len: r.len,
+            offset: offset as u32,
+            n_pages: n as u32,
+            detached: false,
+        })
     }
 
-    /// Releases a Ref: drops its shares. A second release is an error.
+    /// Releases a Ref. Its pages are dropped now, or when the last buffer
+    /// mapped from it is freed. A second release is an error.
     pub fn release_ref(&self, r: &Ref) -> Result<()> {
+        self.end_ref(r, END_RELEASED)
+    }
+
+    fn end_ref(&self, r: &Ref, end: u32) -> Result<()> {
         let i = &self.inner;
         i.live()?;
+        let mut spins = 0u32;
         loop {
             let (d, w) = self.validate(r)?;
-            let st = DescState::decode(w);
-            let to = DescState::encode(st.generation, Kind::Drop, i.slot);
-            if d.state
-                .compare_exchange(w, to, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                return i.drop_desc_local(r.desc, d, END_RELEASED);
+            let flags = d.flags.load(Ordering::Relaxed);
+            d.flags
+                .store((flags & 0xFF) | (end << 8), Ordering::Release);
+            match mappers::release(&d.aux, i.slot) {
+                mappers::Release::Drop => {
+                    let mut freed = Vec::new();
+                    let res = i.core.drop_ref(r.desc, d, w, end, &mut freed);
+                    i.give_pages(freed);
+                    return res;
+                }
+                mappers::Release::Kept => return Ok(()),
+                mappers::Release::Already => {
+                    return Err(Error::RefReleased {
+                        desc: r.desc,
+                        generation: r.generation,
+                    })
+                }
+                mappers::Release::Busy(other) => {
+                    let mut freed = Vec::new();
+                    i.wait_busy(NO_PAGE, other, &mut spins, &mut freed);
+                    i.give_pages(freed);
+                }
             }
         }
     }
@@ -979,6 +1007,17 @@ impl Buffer {
         self.pool.inner.shm.entry_value(self.d()?, k)
     }
 
+    /// Page entry `k` and whether it is borrowed from the Ref this buffer
+    /// was mapped from.
+    pub(crate) fn owned_page_at(&self, k: usize) -> Result<(u32, bool)> {
+        let raw = self.pool.inner.shm.raw_entry(self.d()?, k)?;
+        Ok(if raw == NO_PAGE {
+            (raw, false)
+        } else {
+            (raw & !BORROWED, raw & BORROWED != 0)
+        })
+    }
+
     pub(crate) fn desc_index(&self) -> u32 {
         self.desc
     }
@@ -1096,8 +1135,8 @@ impl Buffer {
         // Reserve every page the write may need first, so it is all or nothing.
         let mut need = 0;
         for k in k0..k1 {
-            let p = self.page_at(k)?;
-            if p == NO_PAGE || t.rc(i.shm.check_page(p)?) != 1 {
+            let (p, borrowed) = self.owned_page_at(k)?;
+            if p == NO_PAGE || borrowed || t.rc(i.shm.check_page(p)?) != 1 {
                 need += 1;
             }
         }
@@ -1109,8 +1148,8 @@ impl Buffer {
             let k = (pos / ps) as usize;
             let in_page = (pos % ps) as usize;
             let take = ((ps as usize) - in_page).min((end - pos) as usize);
-            let p = self.page_at(k)?;
-            let target = if p != NO_PAGE && t.rc(p) == 1 {
+            let (p, borrowed) = self.owned_page_at(k)?;
+            let target = if p != NO_PAGE && !borrowed && t.rc(p) == 1 {
                 p
             } else {
                 // A transient share (a stale map attempt) can make a page
@@ -1131,7 +1170,8 @@ impl Buffer {
                         )
                     };
                 }
-                i.link_page(self.desc, d, k, p, q)?;
+                // A borrowed page's share belongs to the Ref: nothing to drop.
+                i.link_page(self.desc, d, k, if borrowed { NO_PAGE } else { p }, q)?;
                 if p != NO_PAGE {
                     copies += 1;
                 }

@@ -20,9 +20,12 @@
 //! 4. the descriptor is dropped from its counter onwards.
 
 use crate::check::GcReport;
-use crate::desc::{Desc, DescState, Kind, END_ABORTED, END_EXPIRED, FLAG_INDIRECT, INLINE};
+use crate::desc::mappers;
+use crate::desc::{
+    Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INDIRECT, INLINE,
+};
 use crate::error::Result;
-use crate::pages::{Changed, Delta, PageState, NO_PAGE, STRIPE};
+use crate::pages::{Changed, Delta, PageState, BORROWED, NO_PAGE, STRIPE};
 use crate::pool::{reset_desc_fields, Core};
 use crate::slot::{SlotKind, SlotState};
 use crate::sync::Ordering;
@@ -176,7 +179,8 @@ impl Core {
                 let p = run
                     .get((i - base) as usize)
                     .map_or(NO_PAGE, |e| e.load(Ordering::Relaxed));
-                if p == NO_PAGE {
+                if p == NO_PAGE || p & BORROWED != 0 {
+                    // Unbacked, or borrowed from a Ref: no share here.
                     i += 1;
                     continue;
                 }
@@ -268,7 +272,8 @@ impl Core {
     }
 
     /// Finishes dropping a descriptor in `Drop` state owned by this slot:
-    /// its data entries from `progress`, then its list pages; then frees it.
+    /// its data entries from `progress`, then its list pages, then (for a
+    /// buffer mapped from a Ref) its count on that Ref; then frees it.
     pub(crate) fn drop_desc(
         &self,
         di: u32,
@@ -279,7 +284,8 @@ impl Core {
         let held = d.held.load(Ordering::Acquire);
         let span = held + INLINE as u32;
         let from = d.progress.load(Ordering::Acquire);
-        let res = self.bulk_change(
+        // On error the descriptor stays in Drop: gc reports it; nothing is freed twice.
+        self.bulk_change(
             di,
             d,
             from,
@@ -288,9 +294,10 @@ impl Core {
             Book::Progress,
             Delta::Dec(self.slot),
             freed,
-        );
-        // On error the descriptor stays in Drop: gc reports it; nothing is freed twice.
-        res?;
+        )?;
+        if d.aux.load(Ordering::Acquire) == 1 {
+            self.unlink(di, d, freed)?;
+        }
         d.flags.store(end << 8, Ordering::Release);
         reset_desc_fields(d);
         let st = DescState::decode(d.state.load(Ordering::Acquire));
@@ -299,6 +306,59 @@ impl Core {
             Ordering::Release,
         );
         Ok(())
+    }
+
+    /// Removes buffer `di`'s count on the Ref it was mapped from; the last
+    /// mapper of a released Ref drops it.
+    fn unlink(&self, di: u32, d: &Desc, freed: &mut Vec<u32>) -> Result<()> {
+        let ri = d.tag.load(Ordering::Acquire) as u32;
+        let r = self.desc(ri)?;
+        let mut spins = 0u32;
+        loop {
+            match mappers::unlink(&r.aux, di, self.slot) {
+                mappers::Step::Locked(w) => {
+                    d.aux.store(0, Ordering::Release);
+                    mappers::unlock(&r.aux, w);
+                    return Ok(());
+                }
+                mappers::Step::Drop => {
+                    d.aux.store(0, Ordering::Release);
+                    let w = r.state.load(Ordering::Acquire);
+                    return self.drop_ref(ri, r, w, END_RELEASED, freed);
+                }
+                mappers::Step::Busy(other) => self.wait_busy(NO_PAGE, other, &mut spins, freed),
+                s => {
+                    return Err(crate::error::Error::Corrupt(format!(
+                        "buffer {di} is linked to descriptor {ri}, whose mapper word refuses the unlink ({s:?})"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Drops Ref `ri` (state word `w`) once this slot is its dropper.
+    pub(crate) fn drop_ref(
+        &self,
+        ri: u32,
+        r: &Desc,
+        w: u64,
+        end: u32,
+        freed: &mut Vec<u32>,
+    ) -> Result<()> {
+        let st = DescState::decode(w);
+        if st.kind != Some(Kind::RefLive) {
+            return Err(crate::error::Error::Corrupt(format!(
+                "descriptor {ri} is not a Ref to drop"
+            )));
+        }
+        r.progress.store(0, Ordering::Relaxed);
+        let to = DescState::encode(st.generation, Kind::Drop, self.slot);
+        r.state
+            .compare_exchange(w, to, Ordering::AcqRel, Ordering::Acquire)
+            .map_err(|_| {
+                crate::error::Error::Corrupt(format!("Ref {ri} changed while this slot dropped it"))
+            })?;
+        self.drop_desc(ri, r, end, freed)
     }
 
     /// Reclaims dead slots and expired Refs.
@@ -314,18 +374,30 @@ impl Core {
             let d = self.desc(idx)?;
             let w = d.state.load(Ordering::Acquire);
             let st = DescState::decode(w);
-            if st.kind == Some(Kind::RefLive) && now > d.expiry_ms.load(Ordering::Relaxed) {
-                let to = DescState::encode(st.generation, Kind::Drop, self.slot);
-                if d.state
-                    .compare_exchange(w, to, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    self.drop_desc(idx, d, END_EXPIRED, freed)?;
-                    self.shm
-                        .atomics()
-                        .refs_expired
-                        .fetch_add(1, Ordering::Relaxed);
-                    rep.refs_expired += 1;
+            if st.kind == Some(Kind::RefLive)
+                && now > d.expiry_ms.load(Ordering::Relaxed)
+                && !mappers::released(d.aux.load(Ordering::Acquire))
+            {
+                let flags = d.flags.load(Ordering::Relaxed);
+                d.flags
+                    .store((flags & 0xFF) | (END_EXPIRED << 8), Ordering::Release);
+                match mappers::release(&d.aux, self.slot) {
+                    mappers::Release::Drop => {
+                        self.drop_ref(idx, d, w, END_EXPIRED, freed)?;
+                        self.shm
+                            .atomics()
+                            .refs_expired
+                            .fetch_add(1, Ordering::Relaxed);
+                        rep.refs_expired += 1;
+                    }
+                    mappers::Release::Kept => {
+                        self.shm
+                            .atomics()
+                            .refs_expired
+                            .fetch_add(1, Ordering::Relaxed);
+                        rep.refs_expired += 1;
+                    }
+                    _ => {}
                 }
             }
         }
@@ -374,6 +446,16 @@ impl Core {
     /// `s` is dead and reclaimed by us (or is this slot, detaching).
     pub(crate) fn release_holdings_of(&self, s: u16, freed: &mut Vec<u32>) -> Result<()> {
         self.reclaim_descs(|st| st.owner == s, freed)?;
+        // Refs `s` was dropping (it won the drop, then died): adopt and drop.
+        for idx in 0..self.shm.layout.n_descs {
+            let d = self.desc(idx)?;
+            let w = d.state.load(Ordering::Acquire);
+            if DescState::decode(w).kind == Some(Kind::RefLive)
+                && mappers::adopt(&d.aux, s, self.slot)
+            {
+                self.drop_ref(idx, d, w, END_RELEASED, freed)?;
+            }
+        }
         // Descriptors first, then the sweep: after `normalize` no descriptor
         // names a page cached by `s`.
         let t = self.shm.pages();
@@ -494,6 +576,26 @@ impl Core {
             return Ok(false);
         }
         let t = self.shm.pages();
+        // A link to (or unlink from) the Ref this buffer was mapped from,
+        // done on the Ref's mapper word but not yet recorded here.
+        if matches!(kind, Kind::Buf | Kind::MapBuild | Kind::Drop)
+            && d.aux.load(Ordering::Acquire) <= 1
+        {
+            if let Some(r) = self.shm.desc(d.tag.load(Ordering::Acquire) as u32) {
+                let a = r.aux.load(Ordering::Acquire);
+                if mappers::locker(a) == Some(di) {
+                    d.aux
+                        .store(u64::from(kind != Kind::Drop), Ordering::Release);
+                    mappers::unlock_if(&r.aux, di);
+                } else if kind == Kind::Drop
+                    && d.aux.load(Ordering::Acquire) == 1
+                    && mappers::dropper(a) == Some(st.owner)
+                {
+                    // The last unlink happened (the Ref is dropped by its dropper).
+                    d.aux.store(0, Ordering::Release);
+                }
+            }
+        }
         if kind == Kind::Buf {
             self.undo_journal(di, d, st.owner)?;
             return Ok(true);

@@ -5,7 +5,7 @@
 use crate::desc::{Desc, FLAG_INDIRECT, INLINE};
 use crate::error::{Error, Result};
 use crate::layout::{HeaderAtomics, Layout, ParseError, ATOMICS_OFF, HEADER_LEN, READY};
-use crate::pages::{PageTable, NO_PAGE};
+use crate::pages::{PageTable, BORROWED, NO_PAGE};
 use crate::slot::{Slot, SlotKind, SlotState};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use dm_sys::mem::SharedFile;
@@ -241,8 +241,17 @@ impl Shm {
     }
 
     /// Copies entries `[0, n)` of `from` starting at position `at` into
-    /// entries `[0, n)` of `to`, checking every page index.
-    pub fn copy_entries(&self, from: &Desc, at: usize, to: &Desc, n: usize) -> Result<()> {
+    /// entries `[0, n)` of `to`, checking every page index. `flag` is or-ed
+    /// into every copied page (`BORROWED` to borrow them); a borrowed flag
+    /// in the source is dropped.
+    pub fn copy_entries(
+        &self,
+        from: &Desc,
+        at: usize,
+        to: &Desc,
+        n: usize,
+        flag: u32,
+    ) -> Result<()> {
         let np = self.layout.n_pages;
         let mut k = 0;
         while k < n {
@@ -253,13 +262,17 @@ impl Shm {
                 return Err(Error::Corrupt(format!("entry {k} has no list page")));
             }
             for i in 0..len {
-                let p = src
+                let mut p = src
                     .get(at + k + i - sb)
                     .map_or(NO_PAGE, |e| e.load(Ordering::Relaxed));
-                if p != NO_PAGE && p >= np {
-                    return Err(Error::Corrupt(format!(
-                        "page index {p} is outside the pool ({np} pages)"
-                    )));
+                if p != NO_PAGE {
+                    p &= !BORROWED;
+                    if p >= np {
+                        return Err(Error::Corrupt(format!(
+                            "page index {p} is outside the pool ({np} pages)"
+                        )));
+                    }
+                    p |= flag;
                 }
                 dst[k + i - db].store(p, Ordering::Relaxed);
             }
@@ -281,8 +294,13 @@ impl Shm {
         }
     }
 
-    /// Reads entry `i` (NO_PAGE when absent).
+    /// Reads entry `i`: the page it names, borrowed or not (NO_PAGE when absent).
     pub fn entry_value(&self, d: &Desc, i: usize) -> Result<u32> {
+        Ok(unborrow(self.raw_entry(d, i)?))
+    }
+
+    /// Reads entry `i` with its `BORROWED` flag (NO_PAGE when absent).
+    pub fn raw_entry(&self, d: &Desc, i: usize) -> Result<u32> {
         Ok(self
             .entry(d, i)?
             .map_or(NO_PAGE, |e| e.load(Ordering::Acquire)))
@@ -323,6 +341,16 @@ impl Shm {
         // On the same host a vanished pid is dead without waiting for the lease.
         slot.host.load(Ordering::Relaxed) == host_id()
             && !dm_sys::proc::pid_alive(slot.pid.load(Ordering::Relaxed))
+    }
+}
+
+/// The page an entry names, borrowed or not.
+#[inline]
+pub fn unborrow(e: u32) -> u32 {
+    if e == NO_PAGE {
+        e
+    } else {
+        e & !BORROWED
     }
 }
 
@@ -374,8 +402,10 @@ impl<'a> Cursor<'a> {
         Ok(self.run.get(k - self.start))
     }
 
-    /// The page at position `k` (NO_PAGE when absent).
+    /// The page at position `k`, borrowed or not (NO_PAGE when absent).
     pub fn get(&mut self, k: usize) -> Result<u32> {
-        Ok(self.slot(k)?.map_or(NO_PAGE, |e| e.load(Ordering::Acquire)))
+        Ok(unborrow(
+            self.slot(k)?.map_or(NO_PAGE, |e| e.load(Ordering::Acquire)),
+        ))
     }
 }

@@ -233,14 +233,23 @@ pub fn run(args: DemoArgs) -> Result<()> {
         name: args.pool.clone(),
         ..Default::default()
     };
-    let pool = Pool::open_or_create(
-        &path,
-        &cfg,
-        AttachOptions {
-            name: Some("dmrpc-demo".into()),
-            ..Default::default()
-        },
-    )
+    let opts = AttachOptions {
+        name: Some("dmrpc-demo".into()),
+        ..Default::default()
+    };
+    let pool = match Pool::open_or_create(&path, &cfg, opts.clone()) {
+        // The demo's own pool, left by a build with another pool format:
+        // replace it (nothing can be attached to a pool this build cannot read).
+        Err(dm_pool::Error::VersionMismatch { found, supported }) => {
+            println!(
+                "replacing {} (pool format {found}; this build uses {supported})",
+                path.display()
+            );
+            std::fs::remove_file(&path)?;
+            Pool::open_or_create(&path, &cfg, opts)
+        }
+        r => r,
+    }
     .with_context(|| format!("opening pool {}", path.display()))?;
     if args.size > pool.max_len() {
         bail!(
