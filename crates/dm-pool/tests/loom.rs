@@ -206,3 +206,61 @@ fn mapping_a_ref_while_it_is_released() {
         }
     });
 }
+
+/// A buffer mapping a Ref (link, then unlink) while the Ref is released:
+/// exactly one of them ends up dropping the Ref, never while mapped, and a
+/// link refused after the release leaves the count unchanged.
+#[test]
+fn map_unmap_and_release_race_on_the_mapper_word() {
+    use dm_pool::desc::mappers::{self, Release, Step};
+    loom::model(|| {
+        let aux = Arc::new(AtomicU64::new(mappers::IS_REF));
+        let a1 = aux.clone();
+        let mapper = thread::spawn(move || {
+            // Link (retrying while the word is locked) ...
+            let linked = loop {
+                match mappers::link(&a1, 1) {
+                    Step::Locked(w) => {
+                        mappers::unlock(&a1, w);
+                        break true;
+                    }
+                    Step::Busy(_) => thread::yield_now(),
+                    _ => break false,
+                }
+            };
+            if !linked {
+                return false; // released first: no mapping, no drop duty
+            }
+            // ... and unlink; the last one out of a released Ref drops it.
+            loop {
+                match mappers::unlink(&a1, 1, 5) {
+                    Step::Locked(w) => {
+                        mappers::unlock(&a1, w);
+                        return false;
+                    }
+                    Step::Drop => return true,
+                    Step::Busy(_) => thread::yield_now(),
+                    s => panic!("unlink refused: {s:?}"),
+                }
+            }
+        });
+        let a2 = aux.clone();
+        let releaser = thread::spawn(move || loop {
+            match mappers::release(&a2, 6) {
+                Release::Drop => return true,
+                Release::Kept => return false,
+                Release::Busy(_) => thread::yield_now(),
+                Release::Already => panic!("released twice"),
+            }
+        });
+        let (m, r) = (mapper.join().unwrap(), releaser.join().unwrap());
+        assert!(
+            m ^ r,
+            "exactly one drops the Ref (mapper {m}, releaser {r})"
+        );
+        let w = aux.load(Ordering::Acquire);
+        assert_eq!(mappers::count(w), 0);
+        assert!(mappers::released(w));
+        assert_eq!(mappers::dropper(w), Some(if m { 5 } else { 6 }));
+    });
+}
