@@ -326,7 +326,7 @@ impl Pool {
         let n = len.div_ceil(self.page_size() as u64) as usize;
         let (idx, gen) = i.claim_desc(Kind::Buf)?;
         let d = i.desc(idx)?;
-        if let Err(e) = i.attach_lists(d, n) {
+        if let Err(e) = i.attach_lists(d, n, true) {
             i.drop_own(idx, gen, Kind::Buf, END_ABORTED)?;
             return Err(e);
         }
@@ -418,7 +418,7 @@ impl Pool {
         let n = ((start + len).div_ceil(ps) - start / ps) as usize;
         let (ridx, rgen) = i.claim_desc(Kind::RefBuild)?;
         let r = i.desc(ridx)?;
-        if let Err(e) = i.attach_lists(r, n) {
+        if let Err(e) = i.attach_lists(r, n, false) {
             i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
             return Err(e);
         }
@@ -544,7 +544,7 @@ impl Pool {
         }
         let (idx, gen) = i.claim_desc(Kind::MapBuild)?;
         let d = i.desc(idx)?;
-        if let Err(e) = i.attach_lists(d, n) {
+        if let Err(e) = i.attach_lists(d, n, false) {
             i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
             return Err(e);
         }
@@ -767,7 +767,10 @@ impl Core {
 
 impl Inner {
     /// Gives a descriptor of `n` entries the list pages it needs.
-    fn attach_lists(&self, d: &Desc, n: usize) -> Result<()> {
+    /// `fill`: mark entries `[0, n)` as unbacked (a fresh buffer). Builders
+    /// that write all `n` entries themselves pass false: list pages come
+    /// zeroed, and every reader of a descriptor stops at `n` (or `held`).
+    fn attach_lists(&self, d: &Desc, n: usize, fill: bool) -> Result<()> {
         let lists = self.shm.lists_needed(n);
         if lists == 0 {
             return Ok(());
@@ -781,9 +784,13 @@ impl Inner {
         let got = self.take_pages(lists)?;
         d.flags.fetch_or(FLAG_INDIRECT, Ordering::Release);
         let pages = self.shm.pages();
+        let per = self.shm.layout.per_list_page();
         for (k, &l) in got.iter().enumerate() {
-            for e in self.shm.list(l)? {
-                e.store(NO_PAGE, Ordering::Relaxed);
+            if fill {
+                let used = (n - k * per).min(per);
+                for e in &self.shm.list(l)?[..used] {
+                    e.store(NO_PAGE, Ordering::Relaxed);
+                }
             }
             d.entries[k].store(l, Ordering::Release);
             pages.hold_cached(l, self.slot)?;
