@@ -2,7 +2,9 @@
 //!
 //! A descriptor owns a list of page indices (its *entries*): a buffer's pages,
 //! or a Ref's frozen snapshot. Each non-`NO_PAGE` entry is one share of that
-//! page. Short lists live inline in the descriptor; longer ones in *list
+//! page, except entries flagged `BORROWED`: a buffer mapped from a Ref
+//! borrows the Ref's pages and holds the Ref itself by one count on its
+//! mapper word (see [`mappers`]); writing such a page copies it first. Short lists live inline in the descriptor; longer ones in *list
 //! pages* (pool pages, each held once by the descriptor) named inline.
 //!
 //! The state word packs `generation (32) | kind (8) | owner slot (16)`.
@@ -13,8 +15,8 @@
 //! | kind        | owner      | entries holding a share                        |
 //! |-------------|------------|------------------------------------------------|
 //! | `Free`      | -          | none                                           |
-//! | `Buf`       | user slot  | every entry that is `Held` (see CoW journal)   |
-//! | `MapBuild`  | user slot  | `[0, held)` (building a buffer from a Ref)      |
+//! | `Buf`       | user slot  | every entry not flagged `BORROWED` (see CoW journal) |
+//! | `MapBuild`  | user slot  | none: a mapped buffer borrows its Ref's pages   |
 //! | `RefBuild`  | user slot  | `[0, held)` (building a Ref from a buffer)      |
 //! | `RefLive`   | none       | all                                            |
 //! | `Drop`      | dropper    | `[progress, held)`, then list slots `k` with `held + k >= progress` |
