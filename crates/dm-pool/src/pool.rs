@@ -161,10 +161,17 @@ impl Pool {
         }
     }
 
-    /// Removes the pool's backing file. Attached processes keep their
-    /// mappings until they detach.
+    /// Destroys the pool at `path`: removes its backing file, or, on a
+    /// device (DAX), erases its header so that nothing opens it as a pool
+    /// (the device node itself is never removed). Attached processes keep
+    /// their mappings until they detach.
     pub fn destroy(path: &Path) -> Result<()> {
-        Shm::open(path)?;
+        let shm = Shm::open(path)?;
+        if SharedFile::is_device(path) {
+            shm.erase_header();
+            return Ok(());
+        }
+        drop(shm);
         dm_sys::mem::unlink(path)?;
         Ok(())
     }

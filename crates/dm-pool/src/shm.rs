@@ -83,6 +83,13 @@ impl Shm {
         shm
     }
 
+    /// Overwrites the magic so that the backing is no longer a pool.
+    pub(crate) fn erase_header(&self) {
+        // SAFETY: the mapping is at least HEADER_LEN bytes; writing the
+        // magic races only with openers, which then reject the file.
+        unsafe { std::ptr::write_bytes(self.file.base(), 0, 8) };
+    }
+
     /// The path of the backing.
     pub fn path(&self) -> &Path {
         self.file.path()

@@ -464,3 +464,32 @@ fn faults_outside_windows_still_reach_the_default_handler() {
 fn libc_sigsegv() -> i32 {
     11
 }
+
+#[test]
+fn pool_on_a_regular_disk_file() {
+    // Any mmap-able file works as a backing, not only /dev/shm (tmpfs).
+    let path = std::env::temp_dir().join(format!("dmrpc-disk-{}.pool", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    Pool::create(
+        &path,
+        &PoolConfig {
+            size: 8 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    {
+        let pool = Pool::open(&path, AttachOptions::default()).unwrap();
+        let mut b = pool.alloc(3 * 4096).unwrap();
+        b.write(5000, b"on disk").unwrap();
+        let r = b.share().unwrap();
+        let m = pool.map_ref(&r).unwrap();
+        assert_eq!(&m.to_vec().unwrap()[5000..5007], b"on disk");
+        pool.release_ref(&r).unwrap();
+        drop((b, m, pool));
+    }
+    let rep = dm_pool::check_path(&path, true).unwrap();
+    assert!(rep.ok() && rep.pages_held == 0, "{rep:?}");
+    Pool::destroy(&path).unwrap();
+    assert!(!path.exists());
+}

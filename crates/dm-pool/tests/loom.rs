@@ -48,6 +48,15 @@ fn change(t: &PageTable<'_>, p: u32, desc: u32, d: Delta) -> Changed {
     }
 }
 
+/// Makes page 0 held by `rc` holders.
+fn held_page(t: &PageTable<'_>, rc: u32) {
+    assert!(t.try_claim(0, 0));
+    t.hold_cached(0, 0).unwrap();
+    for _ in 1..rc {
+        change(t, 0, 9, Delta::Inc);
+    }
+}
+
 #[test]
 fn claims_are_exclusive() {
     loom::model(|| {
@@ -84,12 +93,7 @@ fn concurrent_share_and_drop_keep_the_count_exact() {
     loom::model(|| {
         let words = table(1);
         const N: usize = 1;
-        {
-            let t = view(&words, N);
-            assert!(t.try_claim(0, 0));
-            t.hold_cached(0, 0).unwrap();
-            change(&t, 0, 9, Delta::Inc); // rc 2: a buffer and a Ref
-        }
+        held_page(&view(&words, N), 2); // a buffer and a Ref
         let w1 = words.clone();
         let sharer = thread::spawn(move || {
             let t = view(&w1, N);
@@ -122,12 +126,7 @@ fn last_drop_happens_once_under_contention() {
     loom::model(|| {
         let words = table(1);
         const N: usize = 1;
-        {
-            let t = view(&words, N);
-            assert!(t.try_claim(0, 0));
-            t.hold_cached(0, 0).unwrap();
-            change(&t, 0, 9, Delta::Inc);
-        }
+        held_page(&view(&words, N), 2); // a buffer and a Ref
         let hs: Vec<_> = (1..3u16)
             .map(|s| {
                 let w = words.clone();
@@ -156,11 +155,7 @@ fn mapping_a_ref_while_it_is_released() {
         const N: usize = 1;
         let gen = 7;
         let desc = Arc::new(AtomicU64::new(DescState::encode(gen, Kind::RefLive, 0)));
-        {
-            let t = view(&words, N);
-            assert!(t.try_claim(0, 0));
-            t.hold_cached(0, 0).unwrap();
-        }
+        held_page(&view(&words, N), 1); // the Ref alone
         let (w1, d1) = (words.clone(), desc.clone());
         let mapper = thread::spawn(move || {
             let t = view(&w1, N);
