@@ -38,6 +38,10 @@ pub const INLINE: usize = 46;
 
 /// Flag: entries name list pages, not data pages.
 pub const FLAG_INDIRECT: u32 = 1;
+/// Flag: a buffer mapped from a Ref with no entries of its own yet: entry
+/// `k` reads as the Ref's entry `k`, borrowed (the Ref's index is in `tag`).
+/// Its first write materialises the list.
+pub const FLAG_INHERIT: u32 = 2;
 /// End reason stored in `flags` bits 8..16 when a Ref ends.
 pub const END_RELEASED: u32 = 1;
 /// The Ref expired (TTL) and was reclaimed.

@@ -25,7 +25,8 @@ pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// Format version this build reads and writes.
 ///
 /// History: 1 — first format; 2 — stripe locks (`st_off`, header offset 144);
-/// 3 — descriptors carry an `aux` word (46 inline entries), pages < 2^31.
+/// 3 — descriptors carry an `aux` word (46 inline entries), pages < 2^31,
+/// entries may be `BORROWED`, and a mapped buffer may `FLAG_INHERIT` its Ref.
 pub const POOL_VERSION: u32 = 3;
 /// Bytes reserved for the header.
 pub const HEADER_LEN: u64 = 4096;

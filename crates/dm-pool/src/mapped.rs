@@ -87,7 +87,9 @@ impl MappedBuffer {
     }
 
     /// Maps an existing buffer for load/store.
-    pub fn from_buffer(buf: Buffer) -> Result<MappedBuffer> {
+    pub fn from_buffer(mut buf: Buffer) -> Result<MappedBuffer> {
+        // The fault handler cannot allocate: give the buffer its own list now.
+        buf.materialize()?;
         dm_sys::fault::install(resolve).map_err(Error::Io)?;
         let pool = buf.pool().clone();
         let shm = pool.shm();

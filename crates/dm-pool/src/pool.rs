@@ -7,7 +7,8 @@
 //! which copies a page first when its reference count is above one.
 
 use crate::desc::{
-    mappers, Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INDIRECT, INLINE,
+    mappers, Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INDIRECT,
+    FLAG_INHERIT, INLINE,
 };
 use crate::error::{Error, Result};
 use crate::layout::{Layout, PoolConfig};
@@ -551,10 +552,6 @@ impl Pool {
         }
         let (idx, gen) = i.claim_desc(Kind::MapBuild)?;
         let d = i.desc(idx)?;
-        if let Err(e) = i.attach_lists(d, n, false) {
-            i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
-            return Err(e);
-        }
         d.len.store(r.len, Ordering::Relaxed);
         d.offset.store(offset as u32, Ordering::Relaxed);
         d.n_pages.store(n as u32, Ordering::Relaxed);
@@ -578,9 +575,11 @@ impl Pool {
                 _ => break false,
             }
         };
-        let ok = linked
-            && rd.state.load(Ordering::Acquire) == w
-            && i.shm.copy_entries(rd, 0, d, n, BORROWED).is_ok();
+        // Read through the Ref until the first write (no list of our own).
+        let ok = linked && rd.state.load(Ordering::Acquire) == w;
+        if ok {
+            d.flags.fetch_or(FLAG_INHERIT, Ordering::Release);
+        }
         if !ok {
             i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
             self.validate(r)?;
@@ -777,7 +776,7 @@ impl Inner {
     /// `fill`: mark entries `[0, n)` as unbacked (a fresh buffer). Builders
     /// that write all `n` entries themselves pass false: list pages come
     /// zeroed, and every reader of a descriptor stops at `n` (or `held`).
-    fn attach_lists(&self, d: &Desc, n: usize, fill: bool) -> Result<()> {
+    pub(crate) fn attach_lists(&self, d: &Desc, n: usize, fill: bool) -> Result<()> {
         let lists = self.shm.lists_needed(n);
         if lists == 0 {
             return Ok(());
@@ -1032,6 +1031,22 @@ impl Buffer {
         })
     }
 
+    /// Gives a buffer that reads through its Ref a page list of its own
+    /// (every page borrowed), before its first write. Order matters for
+    /// crash recovery: the list is filled with "no page" before the buffer
+    /// stops inheriting, so no entry ever reads as an owned page it is not.
+    pub(crate) fn materialize(&mut self) -> Result<()> {
+        let i = self.pool.inner.clone();
+        let d = self.d()?;
+        let Some(r) = i.shm.inherits_from(d) else {
+            return Ok(());
+        };
+        let n = self.n_pages as usize;
+        i.attach_lists(d, n, true)?;
+        d.flags.fetch_and(!FLAG_INHERIT, Ordering::AcqRel);
+        i.shm.copy_entries(r, 0, d, n, BORROWED)
+    }
+
     pub(crate) fn desc_index(&self) -> u32 {
         self.desc
     }
@@ -1140,6 +1155,7 @@ impl Buffer {
         if data.is_empty() {
             return Ok(());
         }
+        self.materialize()?;
         let ps = i.shm.layout.page_size as u64;
         let d = self.d()?;
         let t = i.shm.pages();

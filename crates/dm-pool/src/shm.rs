@@ -2,7 +2,7 @@
 //! descriptors, page data. Every index read from the pool is bounds-checked
 //! here before it is turned into an address.
 
-use crate::desc::{Desc, FLAG_INDIRECT, INLINE};
+use crate::desc::{Desc, FLAG_INDIRECT, FLAG_INHERIT, INLINE};
 use crate::error::{Error, Result};
 use crate::layout::{HeaderAtomics, Layout, ParseError, ATOMICS_OFF, HEADER_LEN, READY};
 use crate::pages::{PageTable, BORROWED, NO_PAGE};
@@ -207,9 +207,14 @@ impl Shm {
     }
 
     /// Entry `i` of descriptor `d` (data page index or NO_PAGE). A missing
-    /// list page reads as NO_PAGE (a descriptor whose builder died early).
+    /// list page reads as NO_PAGE (a descriptor whose builder died early),
+    /// and so does every entry of an inheriting buffer (it owns none).
     pub fn entry<'a>(&'a self, d: &'a Desc, i: usize) -> Result<Option<&'a AtomicU32>> {
-        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT == 0 {
+        let flags = d.flags.load(Ordering::Acquire);
+        if flags & FLAG_INHERIT != 0 {
+            return Ok(None);
+        }
+        if flags & FLAG_INDIRECT == 0 {
             return Ok(d.entries.get(i));
         }
         let per = self.layout.per_list_page();
@@ -223,6 +228,14 @@ impl Shm {
         Ok(self.list(l)?.get(i % per))
     }
 
+    /// The Ref an inheriting buffer reads through, if `d` inherits.
+    pub fn inherits_from(&self, d: &Desc) -> Option<&Desc> {
+        if d.flags.load(Ordering::Acquire) & FLAG_INHERIT == 0 {
+            return None;
+        }
+        self.desc(d.tag.load(Ordering::Acquire) as u32)
+    }
+
     /// The chunk of a descriptor's entries containing position `k`:
     /// `(first position, entries, positions the chunk spans)`. The entries
     /// are empty when the chunk's list page is missing (all read as none).
@@ -232,7 +245,11 @@ impl Shm {
         d: &'a Desc,
         k: usize,
     ) -> Result<(usize, &'a [AtomicU32], usize)> {
-        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT == 0 {
+        let flags = d.flags.load(Ordering::Acquire);
+        if flags & FLAG_INHERIT != 0 {
+            return Ok((k, &[], 1 << 20)); // owns no entries
+        }
+        if flags & FLAG_INDIRECT == 0 {
             return Ok((0, &d.entries[..], INLINE));
         }
         let per = self.layout.per_list_page();
@@ -259,6 +276,8 @@ impl Shm {
         n: usize,
         flag: u32,
     ) -> Result<()> {
+        // An inheriting buffer's pages are its Ref's (at the same positions).
+        let from = self.inherits_from(from).unwrap_or(from);
         let np = self.layout.n_pages;
         let mut k = 0;
         while k < n {
@@ -306,8 +325,13 @@ impl Shm {
         Ok(unborrow(self.raw_entry(d, i)?))
     }
 
-    /// Reads entry `i` with its `BORROWED` flag (NO_PAGE when absent).
+    /// Reads entry `i` with its `BORROWED` flag (NO_PAGE when absent). An
+    /// inheriting buffer reads its Ref's entry, borrowed.
     pub fn raw_entry(&self, d: &Desc, i: usize) -> Result<u32> {
+        if let Some(r) = self.inherits_from(d) {
+            let p = unborrow(self.raw_entry(r, i)?);
+            return Ok(if p == NO_PAGE { p } else { p | BORROWED });
+        }
         Ok(self
             .entry(d, i)?
             .map_or(NO_PAGE, |e| e.load(Ordering::Acquire)))
