@@ -308,18 +308,6 @@ impl Shm {
         Ok(())
     }
 
-    /// A cursor over a descriptor's entries that looks up each list page
-    /// once per run of entries, not once per entry.
-    pub fn cursor<'a>(&'a self, d: &'a Desc) -> Cursor<'a> {
-        Cursor {
-            shm: self,
-            d,
-            indirect: d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0,
-            start: 0,
-            run: &[],
-        }
-    }
-
     /// Reads entry `i`: the page it names, borrowed or not (NO_PAGE when absent).
     pub fn entry_value(&self, d: &Desc, i: usize) -> Result<u32> {
         Ok(unborrow(self.raw_entry(d, i)?))
@@ -397,46 +385,4 @@ pub fn host_id() -> u64 {
         }
         h
     })
-}
-
-/// Sequential access to a descriptor's entries (see [`Shm::cursor`]).
-#[derive(Debug)]
-pub struct Cursor<'a> {
-    shm: &'a Shm,
-    d: &'a Desc,
-    indirect: bool,
-    start: usize,
-    run: &'a [AtomicU32],
-}
-
-impl<'a> Cursor<'a> {
-    /// The entry at position `k`, if it exists (a missing list page: None).
-    pub fn slot(&mut self, k: usize) -> Result<Option<&'a AtomicU32>> {
-        if k >= self.start && k - self.start < self.run.len() {
-            return Ok(Some(&self.run[k - self.start]));
-        }
-        if !self.indirect {
-            self.start = 0;
-            self.run = &self.d.entries[..];
-            return Ok(self.run.get(k));
-        }
-        let per = self.shm.layout.per_list_page();
-        let Some(l) = self.d.entries.get(k / per) else {
-            return Ok(None);
-        };
-        let l = l.load(Ordering::Acquire);
-        if l == NO_PAGE {
-            return Ok(None);
-        }
-        self.run = self.shm.list(l)?;
-        self.start = k / per * per;
-        Ok(self.run.get(k - self.start))
-    }
-
-    /// The page at position `k`, borrowed or not (NO_PAGE when absent).
-    pub fn get(&mut self, k: usize) -> Result<u32> {
-        Ok(unborrow(
-            self.slot(k)?.map_or(NO_PAGE, |e| e.load(Ordering::Acquire)),
-        ))
-    }
 }
