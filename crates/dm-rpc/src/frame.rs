@@ -1,0 +1,603 @@
+//! Where frames are parsed: the wire format of dmrpc calls (version 1).
+//!
+//! Every transport carries the same frames: a 32-byte fixed header, then a
+//! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
+//! two belongs to the layer above). All integers are little-endian.
+//!
+//! | bytes  | field        | notes                                                  |
+//! |--------|--------------|--------------------------------------------------------|
+//! | 0..2   | magic        | `D5 52`                                                |
+//! | 2      | version      | [`FRAME_VERSION`]                                      |
+//! | 3      | kind         | [`Kind`]: request, response, cancel                    |
+//! | 4..6   | flags        | none defined in version 1: must be zero                |
+//! | 6      | payload kind | 0 none, 1 inline bytes, 2 Refs                         |
+//! | 7      | status       | [`Status`]; zero except in responses                   |
+//! | 8..16  | call id      | chosen by the caller, echoed by the response           |
+//! | 16..20 | method       | [`method_id`] of the method's full name (requests)     |
+//! | 20..24 | deadline     | microseconds the caller will wait, 0 = none (requests) |
+//! | 24..28 | length       | payload bytes                                          |
+//! | 28..32 | reserved     | must be zero                                           |
+//!
+//! A Refs payload is one or more 40-byte encoded Refs (`dm_pool::refs`).
+//! The decoder checks every field and every Ref encoding, bounds the payload
+//! by [`Limits`], returns `Ok(None)` when more bytes are needed (streams), and
+//! never panics, whatever the bytes: it is fuzzed (`fuzz/fuzz_targets/frame_decode.rs`).
+
+use dm_pool::{Ref, RefDecodeError};
+
+/// Frame encoding version written and read by this build.
+pub const FRAME_VERSION: u8 = 1;
+/// Size of the fixed header.
+pub const HEADER_LEN: usize = 32;
+const MAGIC: [u8; 2] = [0xD5, 0x52];
+
+/// What a frame is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Kind {
+    /// A call.
+    Request = 1,
+    /// The answer to the call with the same id.
+    Response = 2,
+    /// The caller gave up on the call with this id.
+    Cancel = 3,
+}
+
+/// Outcome of a call, carried by responses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Status {
+    /// Success.
+    Ok = 0,
+    /// No such service or method.
+    NotFound = 1,
+    /// The arguments were rejected.
+    InvalidArgument = 2,
+    /// The deadline passed before an answer.
+    DeadlineExceeded = 3,
+    /// The peer is gone or not reachable.
+    Unavailable = 4,
+    /// Out of memory, pool pages, ring space or quota.
+    ResourceExhausted = 5,
+    /// A bug or an unexpected failure on the other side.
+    Internal = 6,
+    /// The call was cancelled.
+    Cancelled = 7,
+}
+
+impl Kind {
+    fn from_u8(v: u8) -> Option<Kind> {
+        Some(match v {
+            1 => Kind::Request,
+            2 => Kind::Response,
+            3 => Kind::Cancel,
+            _ => return None,
+        })
+    }
+}
+
+impl Status {
+    fn from_u8(v: u8) -> Option<Status> {
+        Some(match v {
+            0 => Status::Ok,
+            1 => Status::NotFound,
+            2 => Status::InvalidArgument,
+            3 => Status::DeadlineExceeded,
+            4 => Status::Unavailable,
+            5 => Status::ResourceExhausted,
+            6 => Status::Internal,
+            7 => Status::Cancelled,
+            _ => return None,
+        })
+    }
+}
+
+/// What a frame carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Payload {
+    /// Nothing.
+    None,
+    /// Bytes, copied with the frame.
+    Inline(Vec<u8>),
+    /// References to pool memory (one or more).
+    Refs(Vec<Ref>),
+}
+
+impl Payload {
+    fn kind(&self) -> u8 {
+        match self {
+            Payload::None => 0,
+            Payload::Inline(_) => 1,
+            Payload::Refs(_) => 2,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Payload::None => 0,
+            Payload::Inline(b) => b.len(),
+            Payload::Refs(r) => r.len() * Ref::SIZE,
+        }
+    }
+}
+
+/// One frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Request, response or cancel.
+    pub kind: Kind,
+    /// Call id (the response and a cancel carry the request's).
+    pub call_id: u64,
+    /// [`method_id`] of the method (requests; zero otherwise).
+    pub method: u32,
+    /// Microseconds the caller will wait, 0 = no deadline (requests).
+    pub deadline_us: u32,
+    /// Outcome (responses; `Ok` otherwise).
+    pub status: Status,
+    /// Payload.
+    pub payload: Payload,
+}
+
+/// Bounds the decoder enforces on what a peer may send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest payload in bytes. Default 16 MiB (larger arguments travel
+    /// as Refs).
+    pub max_payload: u32,
+    /// Most Refs in one frame. Default 64.
+    pub max_refs: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_payload: 16 << 20,
+            max_refs: 64,
+        }
+    }
+}
+
+/// Why bytes are not a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// Not a dmrpc frame (or the stream lost its place).
+    #[error("bad frame magic {0:02x?}")]
+    Magic([u8; 2]),
+    /// A frame version this build does not read.
+    #[error("frame version {0} is not supported (this build reads version {FRAME_VERSION})")]
+    Version(u8),
+    /// Unknown frame kind.
+    #[error("unknown frame kind {0}")]
+    Kind(u8),
+    /// Unknown payload kind.
+    #[error("unknown payload kind {0}")]
+    PayloadKind(u8),
+    /// Unknown status code.
+    #[error("unknown status {0}")]
+    Status(u8),
+    /// Flags or reserved bytes not zero.
+    #[error("reserved header bits are set ({0})")]
+    Reserved(&'static str),
+    /// A field that does not fit the frame's kind.
+    #[error("inconsistent frame: {0}")]
+    Inconsistent(&'static str),
+    /// A payload above the receiver's limit.
+    #[error("payload of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// Announced length.
+        len: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// A Refs payload whose length is not a whole number of Refs.
+    #[error("Refs payload of {0} bytes is not a multiple of {size}", size = Ref::SIZE)]
+    RefsLength(u32),
+    /// More Refs than allowed.
+    #[error("{count} Refs exceed the limit of {max}")]
+    TooManyRefs {
+        /// Refs in the frame.
+        count: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// A malformed Ref in the payload.
+    #[error("Ref {index} of the payload: {error}")]
+    Ref {
+        /// Its position.
+        index: u32,
+        /// What is wrong with it.
+        error: RefDecodeError,
+    },
+}
+
+/// The method id of a method's full name (`service/path/method`): FNV-1a,
+/// never zero (zero means "no method").
+pub fn method_id(name: &str) -> u32 {
+    let h = name.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ b as u32).wrapping_mul(0x0100_0193)
+    });
+    if h == 0 {
+        1
+    } else {
+        h
+    }
+}
+
+impl Frame {
+    /// A request.
+    pub fn request(call_id: u64, method: u32, deadline_us: u32, payload: Payload) -> Frame {
+        Frame {
+            kind: Kind::Request,
+            call_id,
+            method,
+            deadline_us,
+            status: Status::Ok,
+            payload,
+        }
+    }
+
+    /// A response.
+    pub fn response(call_id: u64, status: Status, payload: Payload) -> Frame {
+        Frame {
+            kind: Kind::Response,
+            call_id,
+            method: 0,
+            deadline_us: 0,
+            status,
+            payload,
+        }
+    }
+
+    /// A cancel.
+    pub fn cancel(call_id: u64) -> Frame {
+        Frame {
+            kind: Kind::Cancel,
+            call_id,
+            method: 0,
+            deadline_us: 0,
+            status: Status::Ok,
+            payload: Payload::None,
+        }
+    }
+
+    /// Encoded size.
+    pub fn encoded_len(&self) -> usize {
+        HEADER_LEN + self.payload.len()
+    }
+
+    /// Appends the encoding to `out`. Panics only if the payload exceeds
+    /// 4 GiB, which no caller can build within [`Limits`].
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let len = u32::try_from(self.payload.len()).unwrap_or(u32::MAX);
+        out.reserve(HEADER_LEN + len as usize);
+        out.extend_from_slice(&MAGIC);
+        out.push(FRAME_VERSION);
+        out.push(self.kind as u8);
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.push(self.payload.kind());
+        out.push(self.status as u8);
+        out.extend_from_slice(&self.call_id.to_le_bytes());
+        out.extend_from_slice(&self.method.to_le_bytes());
+        out.extend_from_slice(&self.deadline_us.to_le_bytes());
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        match &self.payload {
+            Payload::None => {}
+            Payload::Inline(b) => out.extend_from_slice(b),
+            Payload::Refs(rs) => {
+                for r in rs {
+                    out.extend_from_slice(&r.to_bytes());
+                }
+            }
+        }
+    }
+
+    /// The encoding.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.encoded_len());
+        self.encode_into(&mut v);
+        v
+    }
+
+    /// Decodes the frame at the start of `buf`: `Ok(Some((frame, used)))`,
+    /// `Ok(None)` if `buf` holds only part of a frame (read more), or a
+    /// typed error for bytes that are not a valid frame. The header is
+    /// checked before waiting for a payload, so a bad length is rejected at
+    /// once rather than awaited.
+    pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Frame, usize)>, FrameError> {
+        let Some(h) = buf.get(..HEADER_LEN) else {
+            // Reject a wrong magic or version as early as the bytes allow.
+            if buf.len() >= 2 && buf[..2] != MAGIC {
+                return Err(FrameError::Magic([buf[0], buf[1]]));
+            }
+            if buf.len() >= 3 && buf[2] != FRAME_VERSION {
+                return Err(FrameError::Version(buf[2]));
+            }
+            return Ok(None);
+        };
+        let u16_at = |i: usize| u16::from_le_bytes([h[i], h[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let u64_at = |i: usize| u64::from(u32_at(i)) | (u64::from(u32_at(i + 4)) << 32);
+        if h[..2] != MAGIC {
+            return Err(FrameError::Magic([h[0], h[1]]));
+        }
+        if h[2] != FRAME_VERSION {
+            return Err(FrameError::Version(h[2]));
+        }
+        let kind = Kind::from_u8(h[3]).ok_or(FrameError::Kind(h[3]))?;
+        if u16_at(4) != 0 {
+            return Err(FrameError::Reserved("flags"));
+        }
+        if u32_at(28) != 0 {
+            return Err(FrameError::Reserved("bytes 28..32"));
+        }
+        let pkind = h[6];
+        if pkind > 2 {
+            return Err(FrameError::PayloadKind(pkind));
+        }
+        let status = Status::from_u8(h[7]).ok_or(FrameError::Status(h[7]))?;
+        let (call_id, method, deadline_us, len) = (u64_at(8), u32_at(16), u32_at(20), u32_at(24));
+        match kind {
+            Kind::Request if status != Status::Ok => {
+                return Err(FrameError::Inconsistent("a request carries a status"))
+            }
+            Kind::Request if method == 0 => {
+                return Err(FrameError::Inconsistent("a request names no method"))
+            }
+            Kind::Response | Kind::Cancel if method != 0 || deadline_us != 0 => {
+                return Err(FrameError::Inconsistent(
+                    "only requests carry a method and a deadline",
+                ))
+            }
+            Kind::Cancel if status != Status::Ok || pkind != 0 => {
+                return Err(FrameError::Inconsistent(
+                    "a cancel carries no status or payload",
+                ))
+            }
+            Kind::Response if status != Status::Ok && pkind == 2 => {
+                return Err(FrameError::Inconsistent("an error response carries Refs"))
+            }
+            _ => {}
+        }
+        if len > limits.max_payload {
+            return Err(FrameError::TooLarge {
+                len,
+                max: limits.max_payload,
+            });
+        }
+        match pkind {
+            0 if len != 0 => {
+                return Err(FrameError::Inconsistent("an empty payload with a length"))
+            }
+            2 if len == 0 || len % Ref::SIZE as u32 != 0 => {
+                return Err(FrameError::RefsLength(len))
+            }
+            2 if len / Ref::SIZE as u32 > limits.max_refs => {
+                return Err(FrameError::TooManyRefs {
+                    count: len / Ref::SIZE as u32,
+                    max: limits.max_refs,
+                })
+            }
+            _ => {}
+        }
+        let total = HEADER_LEN + len as usize;
+        let Some(body) = buf.get(HEADER_LEN..total) else {
+            return Ok(None);
+        };
+        let payload = match pkind {
+            0 => Payload::None,
+            1 => Payload::Inline(body.to_vec()),
+            _ => Payload::Refs(
+                body.chunks_exact(Ref::SIZE)
+                    .enumerate()
+                    .map(|(i, c)| {
+                        Ref::from_bytes(c).map_err(|error| FrameError::Ref {
+                            index: i as u32,
+                            error,
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+        };
+        Ok(Some((
+            Frame {
+                kind,
+                call_id,
+                method,
+                deadline_us,
+                status,
+                payload,
+            },
+            total,
+        )))
+    }
+}
+
+/// Fuzz entry point shared by `fuzz/fuzz_targets/frame_decode.rs` and the
+/// corpus replay test: decode a stream of frames from arbitrary bytes; every
+/// frame that decodes must re-encode to exactly its bytes.
+#[doc(hidden)]
+pub fn fuzz_decode(data: &[u8]) {
+    let limits = Limits {
+        max_payload: 1 << 16,
+        max_refs: 8,
+    };
+    let mut at = 0;
+    while at < data.len() {
+        match Frame::decode(&data[at..], &limits) {
+            Ok(Some((f, used))) => {
+                assert_eq!(
+                    f.encode(),
+                    data[at..at + used],
+                    "a decoded frame re-encodes to its bytes"
+                );
+                at += used;
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn a_ref() -> Ref {
+        Ref {
+            pool_id: 7,
+            desc: 3,
+            generation: 2,
+            tag: 99,
+            len: 4096,
+        }
+    }
+
+    fn frames() -> impl Strategy<Value = Frame> {
+        let payload = prop_oneof![
+            Just(Payload::None),
+            proptest::collection::vec(any::<u8>(), 0..300).prop_map(Payload::Inline),
+            (1usize..5, any::<u64>(), any::<u32>(), 1u64..).prop_map(|(n, tag, desc, len)| {
+                Payload::Refs(
+                    (0..n)
+                        .map(|i| Ref {
+                            pool_id: 1,
+                            desc: desc ^ i as u32,
+                            generation: 1,
+                            tag,
+                            len,
+                        })
+                        .collect(),
+                )
+            }),
+        ];
+        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..3).prop_map(
+            |(id, m, dl, p, k)| match k {
+                0 => Frame::request(id, m, dl, p),
+                1 => Frame::response(id, Status::Ok, p),
+                _ => Frame::cancel(id),
+            },
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn roundtrip(f in frames()) {
+            let b = f.encode();
+            prop_assert_eq!(b.len(), f.encoded_len());
+            prop_assert_eq!(Frame::decode(&b, &Limits::default()), Ok(Some((f, b.len()))));
+        }
+
+        #[test]
+        fn a_stream_split_anywhere_decodes_the_same(fs in proptest::collection::vec(frames(), 1..6), cut in any::<usize>()) {
+            let mut stream = Vec::new();
+            for f in &fs {
+                f.encode_into(&mut stream);
+            }
+            // Feed the bytes in two parts: no frame is lost, duplicated or torn.
+            let cut = cut % (stream.len() + 1);
+            let mut buf = stream[..cut].to_vec();
+            let mut got = Vec::new();
+            let mut rest = &stream[cut..];
+            loop {
+                match Frame::decode(&buf, &Limits::default()).unwrap() {
+                    Some((f, used)) => {
+                        got.push(f);
+                        buf.drain(..used);
+                    }
+                    None if !rest.is_empty() => {
+                        buf.extend_from_slice(rest);
+                        rest = &[];
+                    }
+                    None => break,
+                }
+            }
+            prop_assert_eq!(got, fs);
+            prop_assert!(buf.is_empty());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200)) {
+            fuzz_decode(&b);
+            let _ = Frame::decode(&b, &Limits::default());
+        }
+    }
+
+    #[test]
+    fn malformed_frames_get_typed_errors() {
+        let l = Limits::default();
+        let good = Frame::request(
+            5,
+            method_id("shop/images/resize"),
+            1000,
+            Payload::Refs(vec![a_ref()]),
+        )
+        .encode();
+        let bad = |at: usize, v: u8| {
+            let mut b = good.clone();
+            b[at] = v;
+            Frame::decode(&b, &l)
+        };
+        assert_eq!(bad(0, 0), Err(FrameError::Magic([0, 0x52])));
+        assert_eq!(
+            Frame::decode(&[0x00, 0x52], &l),
+            Err(FrameError::Magic([0, 0x52])),
+            "early, from 2 bytes"
+        );
+        assert_eq!(bad(2, 9), Err(FrameError::Version(9)));
+        assert_eq!(bad(3, 0), Err(FrameError::Kind(0)));
+        assert_eq!(bad(4, 1), Err(FrameError::Reserved("flags")));
+        assert_eq!(bad(30, 1), Err(FrameError::Reserved("bytes 28..32")));
+        assert_eq!(bad(6, 3), Err(FrameError::PayloadKind(3)));
+        assert_eq!(bad(7, 99), Err(FrameError::Status(99)));
+        assert!(
+            matches!(bad(7, 2), Err(FrameError::Inconsistent(_))),
+            "a request with a status"
+        );
+        assert!(matches!(bad(24, 41), Err(FrameError::RefsLength(41))));
+        let mut b = good.clone();
+        b[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            Frame::decode(&b, &l),
+            Err(FrameError::TooLarge {
+                len: u32::MAX,
+                max: l.max_payload
+            })
+        );
+        let mut b = good.clone();
+        b[32] = 9; // the Ref's version byte
+        assert!(matches!(
+            Frame::decode(&b, &l),
+            Err(FrameError::Ref { index: 0, .. })
+        ));
+        let many = Frame::response(1, Status::Ok, Payload::Refs(vec![a_ref(); 65])).encode();
+        assert_eq!(
+            Frame::decode(&many, &l),
+            Err(FrameError::TooManyRefs { count: 65, max: 64 })
+        );
+        let mut c = Frame::cancel(3).encode();
+        c[24] = 1;
+        assert!(matches!(
+            Frame::decode(&c, &l),
+            Err(FrameError::Inconsistent(_))
+        ));
+        let err_refs = Frame::response(1, Status::Internal, Payload::Refs(vec![a_ref()])).encode();
+        assert!(matches!(
+            Frame::decode(&err_refs, &l),
+            Err(FrameError::Inconsistent(_))
+        ));
+        // Incomplete is not an error.
+        assert_eq!(Frame::decode(&good[..10], &l), Ok(None));
+        assert_eq!(Frame::decode(&good[..good.len() - 1], &l), Ok(None));
+    }
+
+    #[test]
+    fn method_ids_are_stable_and_never_zero() {
+        assert_eq!(
+            method_id("shop/images/resize"),
+            method_id("shop/images/resize")
+        );
+        assert_ne!(method_id("a/b"), method_id("a/c"));
+        assert_ne!(method_id(""), 0);
+    }
+}
