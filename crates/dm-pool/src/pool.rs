@@ -17,7 +17,7 @@ use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
 use crate::shm::{host_id, Shm};
 use crate::slot::{SlotKind, SlotState};
-use crate::sync::{AtomicU32, Ordering};
+use crate::sync::Ordering;
 use dm_sys::mem::SharedFile;
 use dm_sys::time::now_ms;
 use std::collections::VecDeque;
@@ -1277,7 +1277,3 @@ impl Drop for Buffer {
         }
     }
 }
-
-// Keep AtomicU32 import used in all cfgs.
-#[allow(dead_code)]
-fn _assert_atomic(_: &AtomicU32) {}
