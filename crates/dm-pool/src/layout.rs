@@ -99,7 +99,8 @@ pub struct HeaderAtomics {
 /// Value of `ready` once the pool is initialised.
 pub const READY: u32 = 0x5245_4459;
 
-fn fnv1a(b: &[u8]) -> u64 {
+/// FNV-1a (64-bit): the header checksum, and other small stable hashes.
+pub(crate) fn fnv1a(b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &x in b {
         h ^= x as u64;

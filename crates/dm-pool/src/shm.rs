@@ -378,11 +378,6 @@ pub fn host_id() -> u64 {
     static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *ID.get_or_init(|| {
         let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in s.trim().bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        h
+        crate::layout::fnv1a(s.trim().as_bytes())
     })
 }
