@@ -48,6 +48,10 @@ pub struct CheckReport {
     pub slots_dead: u64,
     /// Slots in the table.
     pub slots_total: u64,
+    /// Registered services.
+    pub services: u64,
+    /// Channels in use.
+    pub channels: u64,
     /// Every violation of the invariant, precisely.
     pub problems: Vec<String>,
 }
@@ -70,6 +74,10 @@ pub struct GcReport {
     pub recounted: bool,
     /// Pages whose refcount the recount corrected.
     pub pages_repaired: u64,
+    /// Registry records of dead services removed.
+    pub services_removed: u64,
+    /// Channels freed because both ends were closed or dead.
+    pub channels_freed: u64,
 }
 
 /// Counts how many descriptor entries name each page. Returns problems for
@@ -324,6 +332,23 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
                 problems.push(format!("page {p}: invalid page word {w:#x}"))
             }
             Err(e) => problems.push(format!("page {p}: {e}")),
+        }
+    }
+    for s in shm.list_services() {
+        rep.services += 1;
+        if !s.live {
+            problems.push(format!(
+                "service {:?} (record {}): its owner slot {} is gone (run gc)",
+                s.name, s.index, s.slot
+            ));
+        }
+    }
+    for (i, client, server) in shm.channels_in_use() {
+        rep.channels += 1;
+        if !shm.slot_live(client, now) && !shm.slot_live(server, now) {
+            problems.push(format!(
+                "channel {i}: both ends (slots {client} and {server}) are gone (run gc)"
+            ));
         }
     }
     rep.problems = problems;

@@ -126,6 +126,18 @@ pub enum Error {
     /// This process's lease expired (it was stopped too long) and others reclaimed it.
     #[error("this process's lease on the pool was lost; its holdings were reclaimed")]
     LeaseLost,
+    /// A service name that breaks the naming rules (or an endpoint too long).
+    #[error("invalid service name {0}")]
+    InvalidName(String),
+    /// A live process has registered that service name.
+    #[error("service {0:?} is registered by a live process")]
+    NameTaken(String),
+    /// This process has no such registration (removed, or taken over).
+    #[error("service {0:?} is not registered by this process")]
+    NotRegistered(String),
+    /// A channel that is gone or not this process's.
+    #[error("no such channel: {0}")]
+    NoChannel(String),
     /// A pool with that name or path exists.
     #[error("{0} already exists")]
     AlreadyExists(PathBuf),

@@ -1,4 +1,4 @@
-//! The pool file format (version 1): header, areas, and their validation.
+//! The pool file format (version 4): header, areas, and their validation.
 //!
 //! ```text
 //! 0        header (4 KiB): immutable part (checksummed), then shared atomics at 512
@@ -6,6 +6,8 @@
 //! st_off   stripe locks: one u64 per 64 data pages      (see pages.rs)
 //! slot_off slot table: SLOT_SIZE bytes per slot         (see slot.rs)
 //! desc_off descriptor table: DESC_SIZE bytes per desc   (see desc.rs)
+//! reg_off  service registry: SERVICE_SIZE bytes each    (see registry.rs)
+//! chan_off channels: 4 KiB + 2 * ring_size bytes each   (see channel.rs)
 //! data_off data pages, page_size each, aligned to page_size
 //! ```
 //!
@@ -17,6 +19,7 @@
 //! record or the Ref encoding bumps [`POOL_VERSION`].
 
 use crate::desc::DESC_SIZE;
+use crate::registry::SERVICE_SIZE;
 use crate::slot::SLOT_SIZE;
 use crate::sync::{AtomicU32, AtomicU64};
 
@@ -26,13 +29,15 @@ pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 ///
 /// History: 1 — first format; 2 — stripe locks (`st_off`, header offset 144);
 /// 3 — descriptors carry an `aux` word (46 inline entries), pages < 2^31,
-/// entries may be `BORROWED`, and a mapped buffer may `FLAG_INHERIT` its Ref.
-pub const POOL_VERSION: u32 = 3;
+/// entries may be `BORROWED`, and a mapped buffer may `FLAG_INHERIT` its Ref;
+/// 4 — a service registry and a channel table (header offsets 152..184) and
+/// the registry lock in the header atomics.
+pub const POOL_VERSION: u32 = 4;
 /// Bytes reserved for the header.
 pub const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.
 pub const ATOMICS_OFF: usize = 512;
-const IMMUTABLE_LEN: usize = 152;
+const IMMUTABLE_LEN: usize = 184;
 /// Smallest allowed page size.
 pub const MIN_PAGE_SIZE: u32 = 4096;
 /// Largest allowed page size.
@@ -61,6 +66,16 @@ pub struct Layout {
     pub slot_off: u64,
     /// Offset of the descriptor table.
     pub desc_off: u64,
+    /// Number of service records (registered services at once).
+    pub n_services: u32,
+    /// Offset of the service registry.
+    pub reg_off: u64,
+    /// Number of channels (connections at once).
+    pub n_channels: u32,
+    /// Bytes of each ring of a channel (a power of two).
+    pub ring_size: u32,
+    /// Offset of the channel table.
+    pub chan_off: u64,
     /// Offset of the first data page.
     pub data_off: u64,
     /// Default lease of a slot, ms.
@@ -94,6 +109,27 @@ pub struct HeaderAtomics {
     pub refs_expired: AtomicU64,
     /// Slots reclaimed after lease expiry, ever.
     pub slots_reclaimed: AtomicU64,
+    /// Registry lock: `slot + 1 | incarnation << 16` of the holder, or 0.
+    pub reg_lock: AtomicU64,
+}
+
+/// Most service records a pool may have.
+pub const MAX_SERVICES: u32 = 1 << 16;
+/// Most channels a pool may have.
+pub const MAX_CHANNELS: u32 = 1 << 16;
+/// Smallest ring.
+pub const MIN_RING: u32 = 4096;
+/// Largest ring.
+pub const MAX_RING: u32 = 16 << 20;
+
+fn valid_ring_size(r: u32) -> bool {
+    r.is_power_of_two() && (MIN_RING..=MAX_RING).contains(&r)
+}
+
+/// Bytes of one channel: a 4 KiB control page (the pool's record, then the
+/// RPC layer's ring cursors), then the two rings.
+pub fn channel_stride(ring_size: u32) -> u64 {
+    crate::channel::CONTROL_LEN as u64 + 2 * ring_size as u64
 }
 
 /// Value of `ready` once the pool is initialised.
@@ -130,6 +166,14 @@ pub struct PoolConfig {
     pub lease_ms: u64,
     /// Default TTL of a Ref in ms. Default 60000.
     pub ref_ttl_ms: u64,
+    /// Service records (services registered at once). Default 128.
+    pub services: u32,
+    /// Channels (RPC connections over shared memory at once). Default: as
+    /// many as fit in a sixteenth of the pool, between 1 and 64.
+    pub channels: Option<u32>,
+    /// Bytes of each of a channel's two rings (power of two, 4 KiB to
+    /// 16 MiB). Default 64 KiB.
+    pub ring_size: u32,
     /// Name recorded in the header.
     pub name: String,
 }
@@ -143,8 +187,21 @@ impl Default for PoolConfig {
             descs: None,
             lease_ms: 2000,
             ref_ttl_ms: 60_000,
+            services: 128,
+            channels: None,
+            ring_size: 64 << 10,
             name: String::new(),
         }
+    }
+}
+
+impl PoolConfig {
+    /// Channels this configuration gives (see [`PoolConfig::channels`]).
+    pub fn channel_count(&self) -> u32 {
+        self.channels.unwrap_or_else(|| {
+            let stride = channel_stride(self.ring_size.clamp(MIN_RING, MAX_RING));
+            (self.size / 16 / stride).clamp(1, 64) as u32
+        })
     }
 }
 
@@ -162,6 +219,17 @@ impl Layout {
         }
         if cfg.name.len() > 32 {
             return Err("pool name is longer than 32 bytes".into());
+        }
+        if cfg.services > MAX_SERVICES || cfg.channels.unwrap_or(0) > MAX_CHANNELS {
+            return Err(format!(
+                "at most {MAX_SERVICES} services and {MAX_CHANNELS} channels"
+            ));
+        }
+        if !valid_ring_size(cfg.ring_size) {
+            return Err(format!(
+                "ring size {} must be a power of two between {MIN_RING} and {MAX_RING}",
+                cfg.ring_size
+            ));
         }
         let ps64 = ps as u64;
         let mut n = (cfg.size / ps64).min(crate::pages::MAX_PAGES as u64);
@@ -196,7 +264,10 @@ impl Layout {
         let st_off = align_up(pt_off + n as u64 * 8, 64)?;
         let slot_off = align_up(st_off + crate::pages::stripes_for(n) as u64 * 8, 4096)?;
         let desc_off = align_up(slot_off + cfg.slots as u64 * SLOT_SIZE as u64, 4096)?;
-        let meta_end = desc_off.checked_add(descs as u64 * DESC_SIZE as u64)?;
+        let reg_off = align_up(desc_off.checked_add(descs as u64 * DESC_SIZE as u64)?, 4096)?;
+        let chan_off = align_up(reg_off + cfg.services as u64 * SERVICE_SIZE as u64, 4096)?;
+        let meta_end =
+            chan_off.checked_add(cfg.channel_count() as u64 * channel_stride(cfg.ring_size))?;
         let data_off = align_up(meta_end, ps as u64)?;
         Some(Layout {
             page_size: ps,
@@ -209,6 +280,11 @@ impl Layout {
             st_off,
             slot_off,
             desc_off,
+            n_services: cfg.services,
+            reg_off,
+            n_channels: cfg.channel_count(),
+            ring_size: cfg.ring_size,
+            chan_off,
             data_off,
             lease_ms: cfg.lease_ms,
             ref_ttl_ms: cfg.ref_ttl_ms,
@@ -255,6 +331,12 @@ impl Layout {
         let name = self.name.as_bytes();
         b[112..112 + name.len().min(32)].copy_from_slice(&name[..name.len().min(32)]);
         put64(&mut b, 144, self.st_off);
+        put32(&mut b, 152, self.n_services);
+        put32(&mut b, 156, self.n_channels);
+        put64(&mut b, 160, self.reg_off);
+        put64(&mut b, 168, self.chan_off);
+        put32(&mut b, 176, self.ring_size);
+        put32(&mut b, 180, 0);
         let sum = fnv1a(&b[..IMMUTABLE_LEN]);
         put64(&mut b, IMMUTABLE_LEN, sum);
         b
@@ -306,6 +388,11 @@ impl Layout {
             st_off: g64(144),
             slot_off: g64(64),
             desc_off: g64(72),
+            n_services: g32(152),
+            reg_off: g64(160),
+            n_channels: g32(156),
+            ring_size: g32(176),
+            chan_off: g64(168),
             data_off: g64(80),
             lease_ms: g64(88),
             ref_ttl_ms: g64(96),
@@ -321,6 +408,15 @@ impl Layout {
         }
         if l.n_descs == 0 || l.n_descs > crate::pages::MAX_LOCK_DESC {
             return bad(format!("descriptor count {} out of range", l.n_descs));
+        }
+        if l.n_services > MAX_SERVICES || l.n_channels > MAX_CHANNELS {
+            return bad(format!(
+                "{} services or {} channels out of range",
+                l.n_services, l.n_channels
+            ));
+        }
+        if !valid_ring_size(l.ring_size) {
+            return bad(format!("ring size {} is invalid", l.ring_size));
         }
         if l.total_len > file_len {
             return bad(format!(
@@ -348,6 +444,18 @@ impl Layout {
                 l.desc_off,
                 (l.n_descs as u64).checked_mul(DESC_SIZE as u64),
                 64,
+            ),
+            (
+                "service registry",
+                l.reg_off,
+                Some(l.n_services as u64 * SERVICE_SIZE as u64),
+                4096,
+            ),
+            (
+                "channel table",
+                l.chan_off,
+                Some(l.n_channels as u64 * channel_stride(l.ring_size)),
+                4096,
             ),
             (
                 "data",
@@ -479,7 +587,7 @@ mod tests {
         }
 
         #[test]
-        fn resealed_mutations_are_validated(at in 8usize..144, v: u8) {
+        fn resealed_mutations_are_validated(at in 8usize..IMMUTABLE_LEN, v: u8) {
             // Mutate a field and fix the checksum: the validator must still
             // accept only consistent layouts (or report why), never panic.
             let l = Layout::compute(&PoolConfig { size: 1 << 22, ..Default::default() }, 1, 1).unwrap();

@@ -32,7 +32,9 @@
 //! Layout: [`pages`] counts pages (the page table and free set), [`desc`] holds
 //! buffer and Ref records, [`slot`] leases, [`layout`] the file format,
 //! [`refs`] the Ref encoding, [`pool`] the operations, [`check`] the
-//! invariant and gc, [`mapped`] transparent load/store buffers.
+//! invariant and gc, [`mapped`] transparent load/store buffers, [`registry`]
+//! the service names and [`channel`] the per-connection memory of the RPC
+//! layer.
 
 #![cfg_attr(loom, allow(dead_code, unused_imports))]
 
@@ -42,6 +44,8 @@ pub mod refs;
 pub mod slot;
 pub mod sync;
 
+#[cfg(not(loom))]
+pub mod channel;
 #[cfg(not(loom))]
 pub mod check;
 #[cfg(not(loom))]
@@ -58,8 +62,12 @@ pub mod pool;
 #[cfg(not(loom))]
 mod reclaim;
 #[cfg(not(loom))]
+pub mod registry;
+#[cfg(not(loom))]
 pub mod shm;
 
+#[cfg(not(loom))]
+pub use channel::{ChannelId, ChannelMemory, Peer, Side};
 #[cfg(not(loom))]
 pub use check::{check_path, counters_of, gc_path, layout_of, CheckReport, Counters, GcReport};
 #[cfg(not(loom))]
@@ -71,3 +79,5 @@ pub use mapped::MappedBuffer;
 #[cfg(not(loom))]
 pub use pool::{default_path, AttachOptions, Buffer, BufferId, Pool};
 pub use refs::{Ref, RefDecodeError};
+#[cfg(not(loom))]
+pub use registry::{Endpoint, ServiceInfo};

@@ -705,7 +705,7 @@ impl Core {
     /// Fails with `LeaseLost` unless this slot is still ours: a process that
     /// was stopped past its lease has had its holdings reclaimed and must
     /// not touch them. One load of the slot word (read-mostly, shared).
-    fn live(&self) -> Result<()> {
+    pub(crate) fn live(&self) -> Result<()> {
         if !self.lost.load(Ordering::Relaxed) {
             let w = self
                 .shm

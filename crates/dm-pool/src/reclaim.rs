@@ -401,6 +401,8 @@ impl Core {
                 }
             }
         }
+        rep.services_removed = self.shm.sweep_services(self.slot, self.incarnation);
+        rep.channels_freed = self.shm.sweep_channels();
         Ok(rep)
     }
 

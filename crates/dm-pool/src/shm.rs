@@ -108,6 +108,22 @@ impl Shm {
         );
     }
 
+    /// Base address of the mapping.
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.file.base()
+    }
+
+    /// Whether slot `s` is live and still in incarnation `inc` at `now`.
+    pub fn slot_is(&self, s: u16, inc: u32, now: u64) -> bool {
+        self.slot(s).is_some_and(|slot| {
+            SlotState::decode(slot.state.load(Ordering::Acquire)).incarnation == inc
+        }) && self.slot_live(s, now)
+    }
+
+    pub(crate) fn at_off<T>(&self, off: u64) -> &T {
+        self.at(off)
+    }
+
     fn at<T>(&self, off: u64) -> &T {
         // SAFETY: callers pass offsets inside areas validated by
         // `Layout::parse` (aligned for T, inside the mapping); T is a

@@ -501,3 +501,88 @@ fn pool_on_a_regular_disk_file() {
     Pool::destroy(&path).unwrap();
     assert!(!path.exists());
 }
+
+#[test]
+fn registry_names_and_channel_lifecycle() {
+    use dm_pool::{Endpoint, Peer, Side};
+    let tp = TempPool::new(16 << 20);
+    let server = tp.attach();
+    let client = tp.attach();
+    assert!(matches!(
+        server.register("bad//name", &Endpoint::Shm),
+        Err(Error::InvalidName(_))
+    ));
+    let svc = server
+        .register("shop/images/resize", &Endpoint::Shm)
+        .unwrap();
+    let tcp = server
+        .register("shop/cart", &Endpoint::Tcp("10.0.0.1:7000".into()))
+        .unwrap();
+    assert!(matches!(
+        client.register("shop/images/resize", &Endpoint::Shm),
+        Err(Error::NameTaken(_))
+    ));
+    let found = client.lookup("shop/images/resize").unwrap().unwrap();
+    assert_eq!(found, svc);
+    assert_eq!(
+        client.lookup("shop/cart").unwrap().unwrap().endpoint,
+        Endpoint::Tcp("10.0.0.1:7000".into())
+    );
+    assert_eq!(client.lookup("shop/none").unwrap(), None);
+    assert_eq!(client.services().len(), 2);
+    assert!(matches!(
+        client.unregister(&svc),
+        Err(Error::NotRegistered(_))
+    ));
+
+    let ch = client.open_channel(&found).unwrap();
+    assert_eq!(server.pending_channels(&svc), vec![ch]);
+    server.accept_channel(ch).unwrap();
+    assert!(server.pending_channels(&svc).is_empty());
+    assert!(
+        client.accept_channel(ch).is_err(),
+        "only the server accepts"
+    );
+    assert_eq!(client.channel_peer(ch, Side::Client), Peer::Live);
+    assert_eq!(server.channel_peer(ch, Side::Server), Peer::Live);
+    let mem = client.channel_memory(ch).unwrap();
+    assert!(mem.ring_size.is_power_of_two());
+    client.close_channel(ch, Side::Client);
+    assert_eq!(server.channel_peer(ch, Side::Server), Peer::Closed);
+    assert_eq!(tp_check(&tp).channels, 1, "open until both ends close");
+    server.close_channel(ch, Side::Server);
+    assert_eq!(tp_check(&tp).channels, 0);
+    assert!(
+        client.channel_memory(ch).is_err(),
+        "a freed channel is gone"
+    );
+
+    server.unregister(&svc).unwrap();
+    server.unregister(&tcp).unwrap();
+    assert!(client.services().is_empty());
+
+    // A dead owner: its service and its end of a channel go with its lease.
+    let dying = tp.attach_with(AttachOptions {
+        heartbeat: false,
+        lease_ms: Some(30),
+        ..Default::default()
+    });
+    let svc = dying.register("svc/dying", &Endpoint::Shm).unwrap();
+    let ch = client.open_channel(&svc).unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    assert_eq!(client.channel_peer(ch, Side::Client), Peer::Dead);
+    assert!(client.lookup("svc/dying").unwrap().is_none());
+    let rep = client.maintain().unwrap();
+    assert_eq!((rep.services_removed, rep.slots_reclaimed), (1, 1));
+    assert_eq!(client.channel_peer(ch, Side::Client), Peer::Closed);
+    // The name is free again for a live process.
+    let again = server.register("svc/dying", &Endpoint::Shm).unwrap();
+    server.unregister(&again).unwrap();
+    client.close_channel(ch, Side::Client);
+    drop((dying, server, client));
+    tp.assert_clean();
+}
+
+fn tp_check(tp: &TempPool) -> dm_pool::CheckReport {
+    dm_pool::check_path(&tp.path, false).unwrap()
+}

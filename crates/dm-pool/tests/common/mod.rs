@@ -49,6 +49,8 @@ impl TempPool {
         assert_eq!(r.pages_held, 0, "pages still held: {r:?}");
         assert_eq!(r.pages_cached, 0, "pages still cached: {r:?}");
         assert_eq!(r.slots_live, 0, "slots still live: {r:?}");
+        assert_eq!(r.services, 0, "services still registered: {r:?}");
+        assert_eq!(r.channels, 0, "channels still open: {r:?}");
     }
 }
 
