@@ -32,7 +32,7 @@ test -s "$out/cow.json" && test -s "$out/cow.csv"
 
 step "loom models of the lock-free protocols"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
-  cargo test -p dm-pool --release --test loom
+  cargo test -p dm-pool -p dm-rpc --release --test loom
 
 step "unit, property, multi-process tests, and the fuzz targets over their saved corpus"
 mkdir -p target

@@ -65,6 +65,9 @@ mod reclaim;
 pub mod registry;
 #[cfg(not(loom))]
 pub mod shm;
+#[cfg(not(loom))]
+#[doc(hidden)]
+pub mod testing;
 
 #[cfg(not(loom))]
 pub use channel::{ChannelId, ChannelMemory, Peer, Side};

@@ -94,7 +94,7 @@ impl Status {
 
 /// What a frame carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Payload {
+pub enum Body {
     /// Nothing.
     None,
     /// Bytes, copied with the frame.
@@ -103,20 +103,20 @@ pub enum Payload {
     Refs(Vec<Ref>),
 }
 
-impl Payload {
+impl Body {
     fn kind(&self) -> u8 {
         match self {
-            Payload::None => 0,
-            Payload::Inline(_) => 1,
-            Payload::Refs(_) => 2,
+            Body::None => 0,
+            Body::Inline(_) => 1,
+            Body::Refs(_) => 2,
         }
     }
 
     fn len(&self) -> usize {
         match self {
-            Payload::None => 0,
-            Payload::Inline(b) => b.len(),
-            Payload::Refs(r) => r.len() * Ref::SIZE,
+            Body::None => 0,
+            Body::Inline(b) => b.len(),
+            Body::Refs(r) => r.len() * Ref::SIZE,
         }
     }
 }
@@ -134,8 +134,8 @@ pub struct Frame {
     pub deadline_us: u32,
     /// Outcome (responses; `Ok` otherwise).
     pub status: Status,
-    /// Payload.
-    pub payload: Payload,
+    /// Body.
+    pub payload: Body,
 }
 
 /// Bounds the decoder enforces on what a peer may send.
@@ -225,7 +225,7 @@ pub fn method_id(name: &str) -> u32 {
 
 impl Frame {
     /// A request.
-    pub fn request(call_id: u64, method: u32, deadline_us: u32, payload: Payload) -> Frame {
+    pub fn request(call_id: u64, method: u32, deadline_us: u32, payload: Body) -> Frame {
         Frame {
             kind: Kind::Request,
             call_id,
@@ -237,7 +237,7 @@ impl Frame {
     }
 
     /// A response.
-    pub fn response(call_id: u64, status: Status, payload: Payload) -> Frame {
+    pub fn response(call_id: u64, status: Status, payload: Body) -> Frame {
         Frame {
             kind: Kind::Response,
             call_id,
@@ -256,7 +256,7 @@ impl Frame {
             method: 0,
             deadline_us: 0,
             status: Status::Ok,
-            payload: Payload::None,
+            payload: Body::None,
         }
     }
 
@@ -265,31 +265,42 @@ impl Frame {
         HEADER_LEN + self.payload.len()
     }
 
-    /// Appends the encoding to `out`. Panics only if the payload exceeds
+    /// The fixed header of this frame. Panics only if the payload exceeds
     /// 4 GiB, which no caller can build within [`Limits`].
-    pub fn encode_into(&self, out: &mut Vec<u8>) {
+    pub fn header(&self) -> [u8; HEADER_LEN] {
         let len = u32::try_from(self.payload.len()).unwrap_or(u32::MAX);
-        out.reserve(HEADER_LEN + len as usize);
-        out.extend_from_slice(&MAGIC);
-        out.push(FRAME_VERSION);
-        out.push(self.kind as u8);
-        out.extend_from_slice(&0u16.to_le_bytes());
-        out.push(self.payload.kind());
-        out.push(self.status as u8);
-        out.extend_from_slice(&self.call_id.to_le_bytes());
-        out.extend_from_slice(&self.method.to_le_bytes());
-        out.extend_from_slice(&self.deadline_us.to_le_bytes());
-        out.extend_from_slice(&len.to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
+        let mut h = [0u8; HEADER_LEN];
+        h[0..2].copy_from_slice(&MAGIC);
+        h[2] = FRAME_VERSION;
+        h[3] = self.kind as u8;
+        h[6] = self.payload.kind();
+        h[7] = self.status as u8;
+        h[8..16].copy_from_slice(&self.call_id.to_le_bytes());
+        h[16..20].copy_from_slice(&self.method.to_le_bytes());
+        h[20..24].copy_from_slice(&self.deadline_us.to_le_bytes());
+        h[24..28].copy_from_slice(&len.to_le_bytes());
+        h
+    }
+
+    /// Calls `put` with the encoding in pieces (header, then payload), so a
+    /// transport can write a frame straight into its ring or socket buffer.
+    pub fn encode_with(&self, mut put: impl FnMut(&[u8])) {
+        put(&self.header());
         match &self.payload {
-            Payload::None => {}
-            Payload::Inline(b) => out.extend_from_slice(b),
-            Payload::Refs(rs) => {
+            Body::None => {}
+            Body::Inline(b) => put(b),
+            Body::Refs(rs) => {
                 for r in rs {
-                    out.extend_from_slice(&r.to_bytes());
+                    put(&r.to_bytes());
                 }
             }
         }
+    }
+
+    /// Appends the encoding to `out`.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.reserve(self.encoded_len());
+        self.encode_with(|b| out.extend_from_slice(b));
     }
 
     /// The encoding.
@@ -385,9 +396,9 @@ impl Frame {
             return Ok(None);
         };
         let payload = match pkind {
-            0 => Payload::None,
-            1 => Payload::Inline(body.to_vec()),
-            _ => Payload::Refs(
+            0 => Body::None,
+            1 => Body::Inline(body.to_vec()),
+            _ => Body::Refs(
                 body.chunks_exact(Ref::SIZE)
                     .enumerate()
                     .map(|(i, c)| {
@@ -455,10 +466,10 @@ mod tests {
 
     fn frames() -> impl Strategy<Value = Frame> {
         let payload = prop_oneof![
-            Just(Payload::None),
-            proptest::collection::vec(any::<u8>(), 0..300).prop_map(Payload::Inline),
+            Just(Body::None),
+            proptest::collection::vec(any::<u8>(), 0..300).prop_map(Body::Inline),
             (1usize..5, any::<u64>(), any::<u32>(), 1u64..).prop_map(|(n, tag, desc, len)| {
-                Payload::Refs(
+                Body::Refs(
                     (0..n)
                         .map(|i| Ref {
                             pool_id: 1,
@@ -530,7 +541,7 @@ mod tests {
             5,
             method_id("shop/images/resize"),
             1000,
-            Payload::Refs(vec![a_ref()]),
+            Body::Refs(vec![a_ref()]),
         )
         .encode();
         let bad = |at: usize, v: u8| {
@@ -570,7 +581,7 @@ mod tests {
             Frame::decode(&b, &l),
             Err(FrameError::Ref { index: 0, .. })
         ));
-        let many = Frame::response(1, Status::Ok, Payload::Refs(vec![a_ref(); 65])).encode();
+        let many = Frame::response(1, Status::Ok, Body::Refs(vec![a_ref(); 65])).encode();
         assert_eq!(
             Frame::decode(&many, &l),
             Err(FrameError::TooManyRefs { count: 65, max: 64 })
@@ -581,7 +592,7 @@ mod tests {
             Frame::decode(&c, &l),
             Err(FrameError::Inconsistent(_))
         ));
-        let err_refs = Frame::response(1, Status::Internal, Payload::Refs(vec![a_ref()])).encode();
+        let err_refs = Frame::response(1, Status::Internal, Body::Refs(vec![a_ref()])).encode();
         assert!(matches!(
             Frame::decode(&err_refs, &l),
             Err(FrameError::Inconsistent(_))

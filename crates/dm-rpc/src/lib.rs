@@ -1,11 +1,66 @@
 //! # dm-rpc — the RPC layer of dmrpc
 //!
-//! Where frames are parsed: [`frame`] defines the wire format every
-//! transport carries (shared-memory rings, TCP, in-memory) and its decoder,
-//! which rejects malformed bytes from a peer with a typed error and never
-//! panics. Transports, channels, services and size-aware payloads build on
-//! it (issue 3).
+//! Services call each other by name; large arguments travel as Refs to
+//! pool memory, small ones inline, behind one [`Payload`] API.
+//!
+//! * [`frame`] — where frames are parsed: the wire format every transport
+//!   carries, and its decoder (typed errors, never panics, fuzzed).
+//! * [`transport`] — shared-memory rings in the pool ([`transport::shm`]),
+//!   in-process queues ([`transport::mem`]), one API over both.
+//! * [`wait`] — the spin/yield/futex waiting policy and the doorbell.
+//! * [`payload`] — size-aware payloads.
+//! * [`node`], [`server`], [`client`] — what applications program against.
+//!
+//! ```no_run
+//! use dm_rpc::{Node, Payload};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = dm_pool::Pool::open(&dm_pool::default_path("demo"), Default::default())?;
+//! let node = Node::new(pool);
+//! let server = node
+//!     .server("shop/images/resize")
+//!     .method("len", |call| Ok(Payload::from_vec(call.payload().len().to_le_bytes().to_vec())))
+//!     .spawn()?;
+//! let client = node.connect("shop/images/resize")?;
+//! let answer = client.call("len", vec![7u8; 1 << 20])?; // travels by Ref
+//! assert_eq!(answer.to_vec()?, (1u64 << 20).to_le_bytes());
+//! server.shutdown();
+//! # Ok(()) }
+//! ```
 
+#![cfg_attr(loom, allow(dead_code, unused_imports))]
+
+// Under loom only the lock-free parts build: the ring and the doorbell.
+#[cfg(loom)]
+#[path = "transport/ring.rs"]
+pub mod ring;
+pub(crate) mod sync;
+pub mod wait;
+
+#[cfg(not(loom))]
+pub mod client;
+#[cfg(not(loom))]
+pub mod error;
+#[cfg(not(loom))]
 pub mod frame;
+#[cfg(not(loom))]
+pub mod node;
+#[cfg(not(loom))]
+pub mod payload;
+#[cfg(not(loom))]
+pub mod server;
+#[cfg(not(loom))]
+pub mod transport;
 
-pub use frame::{Frame, FrameError, Kind, Payload, Status};
+#[cfg(not(loom))]
+pub use client::{CallOptions, Client};
+#[cfg(not(loom))]
+pub use error::RpcError;
+#[cfg(not(loom))]
+pub use frame::{Body, Frame, FrameError, Kind, Status};
+#[cfg(not(loom))]
+pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX};
+#[cfg(not(loom))]
+pub use payload::Payload;
+#[cfg(not(loom))]
+pub use server::{Call, Server, ServerBuilder};
+pub use wait::WaitPolicy;

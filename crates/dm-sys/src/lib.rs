@@ -11,9 +11,11 @@
 //!   load/store path of mapped buffers).
 //! * [`fault`] — a process-wide `SIGSEGV` hook that resolves write faults in
 //!   registered windows and chains to the previous handler for everything else.
+//! * [`futex`] — cross-process wait and wake on a word in shared memory.
 //! * [`time`], [`rand`], [`proc`] — clocks for leases, random tags, liveness.
 
 pub mod fault;
+pub mod futex;
 pub mod mem;
 
 /// Wall-clock time, used for leases and Ref TTLs.

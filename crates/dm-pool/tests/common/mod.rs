@@ -1,64 +1,12 @@
 //! Shared helpers for the pool's integration tests.
 #![allow(dead_code, clippy::unwrap_used)]
 
-use dm_pool::{AttachOptions, Pool, PoolConfig};
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-static N: AtomicU32 = AtomicU32::new(0);
-
-/// A pool file under /dev/shm removed on drop.
-pub struct TempPool {
-    pub path: PathBuf,
-}
-
-impl TempPool {
-    pub fn new(size: u64) -> TempPool {
-        Self::with(PoolConfig {
-            size,
-            ..Default::default()
-        })
-    }
-
-    pub fn with(cfg: PoolConfig) -> TempPool {
-        let path = PathBuf::from(format!(
-            "/dev/shm/dmrpc-test-{}-{}.pool",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_file(&path);
-        Pool::create(&path, &cfg).unwrap();
-        TempPool { path }
-    }
-
-    pub fn attach(&self) -> Pool {
-        Pool::open(&self.path, AttachOptions::default()).unwrap()
-    }
-
-    pub fn attach_with(&self, o: AttachOptions) -> Pool {
-        Pool::open(&self.path, o).unwrap()
-    }
-
-    /// Asserts the pool invariant (deep: free pages zero) and no live slot left.
-    pub fn assert_clean(&self) {
-        let r = dm_pool::check_path(&self.path, true).unwrap();
-        assert!(r.ok(), "pool check failed: {:#?}", r.problems);
-        assert_eq!(r.pages_held, 0, "pages still held: {r:?}");
-        assert_eq!(r.pages_cached, 0, "pages still cached: {r:?}");
-        assert_eq!(r.slots_live, 0, "slots still live: {r:?}");
-        assert_eq!(r.services, 0, "services still registered: {r:?}");
-        assert_eq!(r.channels, 0, "channels still open: {r:?}");
-    }
-}
-
-impl Drop for TempPool {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
+pub use dm_pool::testing::TempPool;
 
 /// A `dm-pool-agent` child process driven line by line.
 pub struct Agent {

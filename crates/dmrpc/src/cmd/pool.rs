@@ -46,6 +46,16 @@ pub enum PoolCmd {
         /// Default time to live of a Ref (ms).
         #[arg(long, default_value_t = 60_000)]
         ref_ttl_ms: u64,
+        /// How many services may be registered at once.
+        #[arg(long, default_value_t = 128)]
+        services: u32,
+        /// How many shared-memory RPC connections may be open at once
+        /// (default: as many as fit in a sixteenth of the pool, at most 64).
+        #[arg(long)]
+        channels: Option<u32>,
+        /// Bytes of each ring of a connection (power of two, 4KiB..16MiB).
+        #[arg(long, default_value = "64KiB", value_parser = parse_size)]
+        ring_size: u64,
     },
     /// Show the pool's format and geometry.
     Info {
@@ -88,6 +98,9 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             slots,
             lease_ms,
             ref_ttl_ms,
+            services,
+            channels,
+            ring_size,
         } => {
             let path = target.path();
             let cfg = PoolConfig {
@@ -97,6 +110,9 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 descs: None,
                 lease_ms,
                 ref_ttl_ms,
+                services,
+                channels,
+                ring_size: u32::try_from(ring_size).context("ring size too large")?,
                 name: target.name.clone(),
             };
             Pool::create(&path, &cfg)

@@ -1,0 +1,66 @@
+//! Test support shared by the crates' test suites (not part of the API).
+
+use crate::{AttachOptions, Pool, PoolConfig};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+static N: AtomicU32 = AtomicU32::new(0);
+
+/// A pool file under /dev/shm, removed on drop.
+#[derive(Debug)]
+pub struct TempPool {
+    /// Its path.
+    pub path: PathBuf,
+}
+
+impl TempPool {
+    /// A pool of `size` bytes with the default configuration.
+    pub fn new(size: u64) -> TempPool {
+        Self::with(PoolConfig {
+            size,
+            ..Default::default()
+        })
+    }
+
+    /// A pool with `cfg`. Panics if it cannot be created.
+    pub fn with(cfg: PoolConfig) -> TempPool {
+        let path = PathBuf::from(format!(
+            "/dev/shm/dmrpc-test-{}-{}.pool",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_file(&path);
+        if let Err(e) = Pool::create(&path, &cfg) {
+            panic!("cannot create test pool {}: {e}", path.display());
+        }
+        TempPool { path }
+    }
+
+    /// Attaches with default options. Panics on failure.
+    pub fn attach(&self) -> Pool {
+        self.attach_with(AttachOptions::default())
+    }
+
+    /// Attaches with `o`. Panics on failure.
+    pub fn attach_with(&self, o: AttachOptions) -> Pool {
+        Pool::open(&self.path, o).unwrap_or_else(|e| panic!("attach failed: {e}"))
+    }
+
+    /// Asserts the pool invariant (deep: free pages zero) and that nothing
+    /// is left: no page held or cached, no slot, service or channel.
+    pub fn assert_clean(&self) {
+        let r = crate::check_path(&self.path, true).unwrap_or_else(|e| panic!("check: {e}"));
+        assert!(r.ok(), "pool check failed: {:#?}", r.problems);
+        assert_eq!(r.pages_held, 0, "pages still held: {r:?}");
+        assert_eq!(r.pages_cached, 0, "pages still cached: {r:?}");
+        assert_eq!(r.slots_live, 0, "slots still live: {r:?}");
+        assert_eq!(r.services, 0, "services still registered: {r:?}");
+        assert_eq!(r.channels, 0, "channels still open: {r:?}");
+    }
+}
+
+impl Drop for TempPool {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}

@@ -1,0 +1,244 @@
+//! Clients: calls to a service over one connection.
+//!
+//! A [`Client`] is cheap to clone and may be used by many threads at once:
+//! each call registers its id, sends its frame, and waits for its answer.
+//! Whichever waiting thread holds the receiving half reads answers and
+//! hands the others theirs (leader/followers), so a lone caller reads its
+//! own answer with no thread hop. A peer that dies fails every pending and
+//! future call on the connection with `Unavailable`.
+
+use crate::error::RpcError;
+use crate::frame::{method_id, Body, Frame, Kind, Status};
+use crate::node::Node;
+use crate::payload::Payload;
+use crate::transport::{Connection, FrameRx, FrameTx};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Options of one call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// How long to wait for the answer (the server also skips the call if
+    /// it is still queued when this passes). None: the node's default.
+    pub deadline: Option<Duration>,
+}
+
+impl CallOptions {
+    /// Options with a deadline.
+    pub fn deadline(d: Duration) -> Self {
+        CallOptions { deadline: Some(d) }
+    }
+}
+
+/// A connection to one service.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("service", &self.inner.name)
+            .finish()
+    }
+}
+
+struct Inner {
+    node: Node,
+    name: String,
+    tx: Mutex<Box<dyn FrameTx>>,
+    rx: Mutex<Box<dyn FrameRx>>,
+    state: Mutex<State>,
+    cv: Condvar,
+    next_id: AtomicU64,
+    max_inline: usize,
+}
+
+#[derive(Default)]
+struct State {
+    waiting: HashMap<u64, Option<Frame>>,
+    broken: Option<RpcError>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Client {
+    pub(crate) fn new(node: Node, name: &str, conn: Connection) -> Client {
+        Client {
+            inner: Arc::new(Inner {
+                node,
+                name: name.to_owned(),
+                tx: Mutex::new(conn.tx),
+                rx: Mutex::new(conn.rx),
+                state: Mutex::new(State::default()),
+                cv: Condvar::new(),
+                next_id: AtomicU64::new(1),
+                max_inline: conn.max_inline,
+            }),
+        }
+    }
+
+    /// The service this client calls.
+    pub fn service(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Calls `method` with `payload` and waits for the answer.
+    pub fn call(&self, method: &str, payload: impl Into<Payload>) -> Result<Payload, RpcError> {
+        self.call_with(method, payload.into(), CallOptions::default())
+    }
+
+    /// Calls `method` with options.
+    pub fn call_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+    ) -> Result<Payload, RpcError> {
+        let i = &*self.inner;
+        if let Some(e) = &lock(&i.state).broken {
+            return Err(e.clone());
+        }
+        let started = Instant::now();
+        let budget = opts.deadline.or(i.node.cfg.default_deadline);
+        let deadline = budget.map(|d| started + d);
+        let deadline_us = budget.map_or(0, |d| d.as_micros().clamp(1, u32::MAX as u128) as u32);
+        let inline_max = i.node.cfg.inline_max.min(i.max_inline);
+        let (body, made) = payload.into_body(&i.node.pool, inline_max, false)?;
+        let release = |made: Option<dm_pool::Ref>| {
+            if let Some(r) = made {
+                let _ = i.node.pool.release_ref(&r);
+            }
+        };
+        let id = i.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&i.state).waiting.insert(id, None);
+        let frame = Frame::request(id, method_id(method), deadline_us, body);
+        let sent = lock(&i.tx).send(&frame, deadline);
+        drop(frame);
+        match sent {
+            Ok(true) => {}
+            Ok(false) => {
+                lock(&i.state).waiting.remove(&id);
+                release(made);
+                return Err(RpcError::deadline_exceeded(format!(
+                    "no room to send to {:?} before the deadline",
+                    i.name
+                )));
+            }
+            Err(e) => {
+                let e = self.fail(e.into());
+                lock(&i.state).waiting.remove(&id);
+                release(made);
+                return Err(e);
+            }
+        }
+        let answer = self.wait_for(id, deadline);
+        release(made);
+        let f = match answer {
+            Ok(f) => f,
+            Err(e) => {
+                if e.status == Status::DeadlineExceeded {
+                    // Best effort: a queued request is then skipped.
+                    let _ = lock(&i.tx).send(&Frame::cancel(id), Some(Instant::now()));
+                }
+                return Err(e);
+            }
+        };
+        if f.status == Status::Ok {
+            return Payload::from_response_body(f.payload, &i.node.pool);
+        }
+        let message = match f.payload {
+            Body::Inline(m) => String::from_utf8_lossy(&m).into_owned(),
+            _ => String::new(),
+        };
+        Err(RpcError::new(f.status, message))
+    }
+
+    /// Marks the connection broken (every pending and future call fails).
+    fn fail(&self, e: RpcError) -> RpcError {
+        let mut st = lock(&self.inner.state);
+        let e = st.broken.get_or_insert(e).clone();
+        self.inner.cv.notify_all();
+        e
+    }
+
+    fn wait_for(&self, id: u64, deadline: Option<Instant>) -> Result<Frame, RpcError> {
+        let i = &*self.inner;
+        let mut st = lock(&i.state);
+        loop {
+            if matches!(st.waiting.get(&id), Some(Some(_))) {
+                let f = st.waiting.remove(&id).flatten();
+                if !st.waiting.is_empty() {
+                    // Someone else may need to take over reading.
+                    i.cv.notify_all();
+                }
+                return f.ok_or_else(|| RpcError::internal("answer vanished"));
+            }
+            if let Some(e) = &st.broken {
+                let e = e.clone();
+                st.waiting.remove(&id);
+                return Err(e);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                st.waiting.remove(&id);
+                return Err(RpcError::deadline_exceeded(format!(
+                    "no answer from {:?} before the deadline",
+                    i.name
+                )));
+            }
+            if let Ok(mut rx) = i.rx.try_lock() {
+                drop(st);
+                let got = rx.recv(deadline);
+                st = lock(&i.state);
+                drop(rx);
+                match got {
+                    Ok(Some(f)) if f.kind == Kind::Response => {
+                        let mine = f.call_id == id;
+                        match st.waiting.get_mut(&f.call_id) {
+                            Some(slot) => *slot = Some(f),
+                            None => self.orphan(f),
+                        }
+                        if !mine {
+                            i.cv.notify_all();
+                        }
+                    }
+                    Ok(Some(_)) => {
+                        st.broken.get_or_insert(RpcError::internal(
+                            "the server sent a frame that is not a response",
+                        ));
+                        i.cv.notify_all();
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        st.broken.get_or_insert(e.into());
+                        i.cv.notify_all();
+                    }
+                }
+            } else {
+                let wait = deadline.map_or(Duration::from_millis(50), |d| {
+                    d.saturating_duration_since(Instant::now())
+                        .min(Duration::from_millis(50))
+                });
+                st =
+                    i.cv.wait_timeout(st, wait)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+            }
+        }
+    }
+
+    /// An answer nobody waits for (its caller gave up): a Ref in it was
+    /// made for us, so release it.
+    fn orphan(&self, f: Frame) {
+        if let Body::Refs(rs) = f.payload {
+            for r in rs {
+                let _ = self.inner.node.pool.release_ref(&r);
+            }
+        }
+    }
+}

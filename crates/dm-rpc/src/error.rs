@@ -1,0 +1,112 @@
+//! The typed error every call returns: a [`Status`] and a message.
+
+use crate::frame::Status;
+use crate::transport::TransportError;
+
+/// A failed call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", status.name())]
+pub struct RpcError {
+    /// What kind of failure.
+    pub status: Status,
+    /// What happened, for people.
+    pub message: String,
+}
+
+impl RpcError {
+    /// An error with this status and message.
+    pub fn new(status: Status, message: impl Into<String>) -> Self {
+        RpcError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    /// No such service or method.
+    pub fn not_found(m: impl Into<String>) -> Self {
+        Self::new(Status::NotFound, m)
+    }
+
+    /// The arguments were rejected.
+    pub fn invalid_argument(m: impl Into<String>) -> Self {
+        Self::new(Status::InvalidArgument, m)
+    }
+
+    /// The peer is gone.
+    pub fn unavailable(m: impl Into<String>) -> Self {
+        Self::new(Status::Unavailable, m)
+    }
+
+    /// The deadline passed.
+    pub fn deadline_exceeded(m: impl Into<String>) -> Self {
+        Self::new(Status::DeadlineExceeded, m)
+    }
+
+    /// Out of pool pages, descriptors, channels or ring space.
+    pub fn resource_exhausted(m: impl Into<String>) -> Self {
+        Self::new(Status::ResourceExhausted, m)
+    }
+
+    /// A failure that is nobody's input's fault.
+    pub fn internal(m: impl Into<String>) -> Self {
+        Self::new(Status::Internal, m)
+    }
+}
+
+impl Status {
+    /// The status's name, as in error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::NotFound => "not found",
+            Status::InvalidArgument => "invalid argument",
+            Status::DeadlineExceeded => "deadline exceeded",
+            Status::Unavailable => "unavailable",
+            Status::ResourceExhausted => "resource exhausted",
+            Status::Internal => "internal",
+            Status::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl From<dm_pool::Error> for RpcError {
+    fn from(e: dm_pool::Error) -> Self {
+        use dm_pool::Error as E;
+        let status = match &e {
+            E::ResourceExhausted { .. } => Status::ResourceExhausted,
+            E::ZeroLength
+            | E::TooLarge { .. }
+            | E::OutOfBounds { .. }
+            | E::Unaligned { .. }
+            | E::DoubleFree { .. }
+            | E::NotOwner { .. }
+            | E::ForeignPool { .. }
+            | E::RefForged { .. }
+            | E::RefStale { .. }
+            | E::RefReleased { .. }
+            | E::RefExpired { .. }
+            | E::RefDecode(_)
+            | E::InvalidName(_) => Status::InvalidArgument,
+            E::LeaseLost | E::NoChannel(_) => Status::Unavailable,
+            E::NameTaken(_) | E::NotRegistered(_) => Status::InvalidArgument,
+            _ => Status::Internal,
+        };
+        RpcError::new(status, e.to_string())
+    }
+}
+
+impl From<TransportError> for RpcError {
+    fn from(e: TransportError) -> Self {
+        match e {
+            TransportError::Unavailable(m) => RpcError::unavailable(m),
+            TransportError::Malformed(f) => {
+                RpcError::internal(format!("malformed frame from peer: {f}"))
+            }
+            TransportError::Protocol(m) => RpcError::internal(format!("protocol violation: {m}")),
+            TransportError::TooLarge { len, max } => RpcError::invalid_argument(format!(
+                "frame of {len} bytes exceeds the transport's {max}"
+            )),
+            TransportError::Pool(p) => p.into(),
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! Services: handlers registered by method name under a service name, and
+//! the dispatch loop that runs them.
+//!
+//! The dispatcher is one thread per server. It takes requests from every
+//! connection in fair order, answers a request whose deadline passed while
+//! it was queued with `DeadlineExceeded` (without running the handler),
+//! drops requests the caller cancelled before they ran, and turns a
+//! handler's panic into `Internal` for that call alone. A handler may make
+//! nested calls and forward the payload it received.
+
+use crate::error::RpcError;
+use crate::frame::{method_id, Body, Frame, Kind, Status};
+use crate::node::{Node, Transport};
+use crate::payload::Payload;
+use crate::transport::{ConnId, Listener, Waker};
+use dm_pool::{Endpoint, ServiceInfo};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A method's handler.
+pub type Handler = Arc<dyn Fn(&mut Call<'_>) -> Result<Payload, RpcError> + Send + Sync>;
+
+/// One call, as a handler sees it.
+#[derive(Debug)]
+pub struct Call<'a> {
+    payload: Payload,
+    deadline: Option<Instant>,
+    method: &'a str,
+    node: &'a Node,
+}
+
+impl Call<'_> {
+    /// The request's payload.
+    pub fn payload(&self) -> &Payload {
+        &self.payload
+    }
+
+    /// Takes the payload (to keep it, or to move it into another call).
+    pub fn take_payload(&mut self) -> Payload {
+        std::mem::take(&mut self.payload)
+    }
+
+    /// When the caller stops waiting, if it set a deadline. Nested calls
+    /// should not outlive it.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// The method's name.
+    pub fn method(&self) -> &str {
+        self.method
+    }
+
+    /// This process's node, for nested calls.
+    pub fn node(&self) -> &Node {
+        self.node
+    }
+}
+
+/// Builds a server.
+pub struct ServerBuilder {
+    node: Node,
+    name: String,
+    methods: HashMap<u32, (String, Handler)>,
+    transport: Transport,
+    clash: Option<String>,
+}
+
+impl std::fmt::Debug for ServerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerBuilder")
+            .field("name", &self.name)
+            .field("methods", &self.methods.len())
+            .field("transport", &self.transport)
+            .finish()
+    }
+}
+
+impl ServerBuilder {
+    pub(crate) fn new(node: Node, name: &str) -> Self {
+        ServerBuilder {
+            node,
+            name: name.to_owned(),
+            methods: HashMap::new(),
+            transport: Transport::Shm,
+            clash: None,
+        }
+    }
+
+    /// Registers `handler` for method `name`.
+    pub fn method(
+        mut self,
+        name: &str,
+        handler: impl Fn(&mut Call<'_>) -> Result<Payload, RpcError> + Send + Sync + 'static,
+    ) -> Self {
+        let id = method_id(name);
+        if let Some((other, _)) = self.methods.get(&id) {
+            self.clash = Some(format!("methods {other:?} and {name:?} have the same id"));
+        }
+        self.methods
+            .insert(id, (name.to_owned(), Arc::new(handler)));
+        self
+    }
+
+    /// Listens on `t` (default: shared-memory channels of the pool).
+    pub fn transport(mut self, t: Transport) -> Self {
+        self.transport = t;
+        self
+    }
+
+    /// Registers the service and starts its dispatcher thread.
+    pub fn spawn(self) -> Result<Server, RpcError> {
+        if let Some(c) = self.clash {
+            return Err(RpcError::invalid_argument(c));
+        }
+        dm_pool::registry::validate_name(&self.name)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let node = self.node.clone();
+        let (listener, reg): (Box<dyn Listener>, Option<ServiceInfo>) = match self.transport {
+            Transport::Shm => {
+                let svc = node.pool.register(&self.name, &Endpoint::Shm)?;
+                match crate::transport::shm::ShmListener::new(
+                    &node.pool,
+                    svc.clone(),
+                    node.cfg.wait,
+                    stop.clone(),
+                    node.cfg.inline_max,
+                ) {
+                    Ok(l) => (Box::new(l), Some(svc)),
+                    Err(e) => {
+                        let _ = node.pool.unregister(&svc);
+                        return Err(e.into());
+                    }
+                }
+            }
+            Transport::Mem => {
+                let l = crate::transport::mem::bind(&self.name, stop.clone()).ok_or_else(|| {
+                    RpcError::invalid_argument(format!(
+                        "service {:?} is already bound in this process",
+                        self.name
+                    ))
+                })?;
+                (Box::new(l), None)
+            }
+        };
+        let waker = listener.waker();
+        let stats = Arc::new(Stats::default());
+        let d = Dispatcher {
+            node: node.clone(),
+            methods: self.methods,
+            listener,
+            stop: stop.clone(),
+            stats: stats.clone(),
+            queue: VecDeque::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("dmrpc:{}", self.name))
+            .spawn(move || d.run())
+            .map_err(|e| RpcError::internal(format!("cannot start the dispatcher: {e}")))?;
+        Ok(Server {
+            name: self.name,
+            node,
+            reg,
+            stop,
+            waker,
+            stats,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// Counters of a running server.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Requests answered (any status).
+    pub calls: AtomicU64,
+    /// Requests answered with an error status.
+    pub errors: AtomicU64,
+    /// Requests dropped because the caller cancelled them before they ran.
+    pub cancelled: AtomicU64,
+    /// Requests whose deadline passed before they ran.
+    pub expired: AtomicU64,
+}
+
+/// A running service. Stops (and unregisters) on [`shutdown`](Self::shutdown) or drop.
+pub struct Server {
+    name: String,
+    node: Node,
+    reg: Option<ServiceInfo>,
+    stop: Arc<AtomicBool>,
+    waker: Waker,
+    stats: Arc<Stats>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server").field("name", &self.name).finish()
+    }
+}
+
+impl Server {
+    /// The service name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Stops taking requests, closes every connection and unregisters.
+    pub fn shutdown(mut self) {
+        self.stop_now();
+    }
+
+    /// Blocks until the server stops (from another thread's shutdown, or
+    /// a fatal transport error).
+    pub fn wait(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        if let Some(s) = self.reg.take() {
+            let _ = self.node.pool.unregister(&s);
+        }
+        self.stop.store(true, Ordering::Release);
+        self.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+struct Pending {
+    conn: ConnId,
+    frame: Frame,
+    arrived: Instant,
+}
+
+struct Dispatcher {
+    node: Node,
+    methods: HashMap<u32, (String, Handler)>,
+    listener: Box<dyn Listener>,
+    stop: Arc<AtomicBool>,
+    stats: Arc<Stats>,
+    queue: VecDeque<Pending>,
+}
+
+impl Dispatcher {
+    fn run(mut self) {
+        while !self.stop.load(Ordering::Acquire) {
+            let p = match self.queue.pop_front() {
+                Some(p) => p,
+                None => match self.listener.next(None) {
+                    Ok(Some((conn, frame))) => Pending {
+                        conn,
+                        frame,
+                        arrived: Instant::now(),
+                    },
+                    Ok(None) => continue,
+                    Err(_) => return,
+                },
+            };
+            match p.frame.kind {
+                Kind::Request => self.serve(p),
+                // Every transport keeps a connection's frames in order, so
+                // the request of a cancel read here was served already.
+                Kind::Cancel => {}
+                // Clients do not send responses: ignore.
+                Kind::Response => {}
+            }
+        }
+    }
+
+    /// Moves every frame already waiting into the queue, applying cancels,
+    /// so that a request cancelled while queued never runs.
+    fn drain(&mut self) {
+        let now = Instant::now();
+        while let Ok(Some((conn, frame))) = self.listener.next(Some(now)) {
+            if frame.kind == Kind::Cancel {
+                let before = self.queue.len();
+                self.queue
+                    .retain(|q| !(q.conn == conn && q.frame.call_id == frame.call_id));
+                let n = (before - self.queue.len()) as u64;
+                self.stats.cancelled.fetch_add(n, Ordering::Relaxed);
+                continue;
+            }
+            self.queue.push_back(Pending {
+                conn,
+                frame,
+                arrived: now,
+            });
+            if self.queue.len() > 4096 {
+                break;
+            }
+        }
+    }
+
+    fn serve(&mut self, p: Pending) {
+        let Pending {
+            conn,
+            frame,
+            arrived,
+        } = p;
+        let id = frame.call_id;
+        let deadline = (frame.deadline_us > 0)
+            .then(|| arrived + Duration::from_micros(frame.deadline_us as u64));
+        let result = if deadline.is_some_and(|d| Instant::now() >= d) {
+            self.stats.expired.fetch_add(1, Ordering::Relaxed);
+            Err(RpcError::deadline_exceeded(
+                "the deadline passed while the request was queued",
+            ))
+        } else {
+            self.run_handler(frame.method, frame.payload, deadline)
+        };
+        let inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
+        let (status, body, made) =
+            match result.and_then(|p| p.into_body(&self.node.pool, inline_max, true)) {
+                Ok((body, made)) => (Status::Ok, body, made),
+                Err(e) => {
+                    let mut msg = e.message.into_bytes();
+                    msg.truncate(inline_max.min(4096));
+                    let body = if msg.is_empty() {
+                        Body::None
+                    } else {
+                        Body::Inline(msg)
+                    };
+                    (e.status, body, None)
+                }
+            };
+        if status != Status::Ok {
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats.calls.fetch_add(1, Ordering::Relaxed);
+        let sent = self
+            .listener
+            .reply(conn, &Frame::response(id, status, body));
+        if sent.is_err() {
+            // The caller is gone: the answer's Ref is ours to release.
+            if let Some(r) = made {
+                let _ = self.node.pool.release_ref(&r);
+            }
+        }
+        self.drain();
+    }
+
+    fn run_handler(
+        &self,
+        method: u32,
+        body: Body,
+        deadline: Option<Instant>,
+    ) -> Result<Payload, RpcError> {
+        let Some((name, h)) = self.methods.get(&method) else {
+            return Err(RpcError::not_found(format!(
+                "no method with id {method:#x}"
+            )));
+        };
+        let payload = Payload::from_request_body(body, &self.node.pool)?;
+        let mut call = Call {
+            payload,
+            deadline,
+            method: name,
+            node: &self.node,
+        };
+        let h = h.clone();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&mut call))) {
+            Ok(r) => r,
+            Err(p) => {
+                let what = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(RpcError::internal(format!(
+                    "the handler of {name:?} panicked: {what}"
+                )))
+            }
+        }
+    }
+}

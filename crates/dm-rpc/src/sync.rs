@@ -1,0 +1,34 @@
+//! Where the RPC layer's atomics and futex calls come from, so that the
+//! ring and doorbell protocols can be model-checked with loom
+//! (`RUSTFLAGS="--cfg loom" cargo test -p dm-rpc --release --test loom`).
+
+#[cfg(loom)]
+pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+#[cfg(not(loom))]
+pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+/// Sleeps while `*word == expected` (at most `timeout`).
+#[cfg(not(loom))]
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<std::time::Duration>) {
+    dm_sys::futex::wait(word, expected, timeout);
+}
+
+/// Wakes one waiter on `word`.
+#[cfg(not(loom))]
+pub fn futex_wake(word: &AtomicU32) {
+    dm_sys::futex::wake(word, 1);
+}
+
+/// The model of a futex: blocks until the word changes (no timeouts and no
+/// spurious wake-ups, so a lost wake-up is a hang loom reports).
+#[cfg(loom)]
+pub fn futex_wait(word: &AtomicU32, expected: u32, _timeout: Option<std::time::Duration>) {
+    while word.load(Ordering::SeqCst) == expected {
+        loom::thread::yield_now();
+    }
+}
+
+/// Wakes: in the model, waiters watch the word itself.
+#[cfg(loom)]
+pub fn futex_wake(_word: &AtomicU32) {}

@@ -1,0 +1,240 @@
+//! The in-memory transport: bounded queues between threads of one process,
+//! with the same semantics as the others (back-pressure, `Unavailable`
+//! when the other end is dropped). Services bound on it are found by name
+//! in a process-wide table, not in the pool's registry.
+
+use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
+use crate::frame::Frame;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Frames a queue holds before its sender waits.
+pub const QUEUE_DEPTH: usize = 256;
+/// Largest inline payload (the same bound a 64 KiB ring gives).
+pub const MAX_INLINE: usize = 32 << 10;
+
+enum Event {
+    Open(ConnId, SyncSender<Frame>),
+    Frame(ConnId, Frame),
+    Close(ConnId),
+    Wake,
+}
+
+fn table() -> &'static Mutex<HashMap<String, SyncSender<Event>>> {
+    static T: OnceLock<Mutex<HashMap<String, SyncSender<Event>>>> = OnceLock::new();
+    T.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+static IDS: AtomicU64 = AtomicU64::new(1);
+
+/// A service bound on the in-memory transport.
+#[derive(Debug)]
+pub struct MemListener {
+    name: String,
+    rx: Receiver<Event>,
+    tx: SyncSender<Event>,
+    conns: HashMap<ConnId, SyncSender<Frame>>,
+    stop: Arc<AtomicBool>,
+}
+
+/// Binds `name` in this process. `Ok(None)` if it is taken.
+pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
+    let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
+    if t.contains_key(name) {
+        return None;
+    }
+    let (tx, rx) = sync_channel(QUEUE_DEPTH);
+    t.insert(name.to_owned(), tx.clone());
+    Some(MemListener {
+        name: name.to_owned(),
+        rx,
+        tx,
+        conns: HashMap::new(),
+        stop,
+    })
+}
+
+/// Whether `name` is bound in this process.
+pub fn is_bound(name: &str) -> bool {
+    table()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains_key(name)
+}
+
+impl Drop for MemListener {
+    fn drop(&mut self) {
+        let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
+        t.remove(&self.name);
+    }
+}
+
+struct MemTx {
+    id: ConnId,
+    tx: SyncSender<Event>,
+}
+
+struct MemRx {
+    rx: Receiver<Frame>,
+}
+
+impl Drop for MemTx {
+    fn drop(&mut self) {
+        let _ = self.tx.try_send(Event::Close(self.id));
+    }
+}
+
+/// Connects to `name` in this process.
+pub fn connect(name: &str) -> Result<Connection, TransportError> {
+    let tx = table()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(name)
+        .cloned()
+        .ok_or_else(|| TransportError::Unavailable(format!("no in-process service {name:?}")))?;
+    let id = IDS.fetch_add(1, Ordering::Relaxed);
+    let (rtx, rrx) = sync_channel(QUEUE_DEPTH);
+    tx.send(Event::Open(id, rtx))
+        .map_err(|_| TransportError::Unavailable(format!("service {name:?} is gone")))?;
+    Ok(Connection {
+        tx: Box::new(MemTx { id, tx }),
+        rx: Box::new(MemRx { rx: rrx }),
+        max_inline: MAX_INLINE,
+    })
+}
+
+/// Sends with back-pressure: waits for room until `deadline`.
+fn send_bounded<T>(
+    tx: &SyncSender<T>,
+    mut v: T,
+    deadline: Option<Instant>,
+) -> Result<bool, TransportError> {
+    loop {
+        match tx.try_send(v) {
+            Ok(()) => return Ok(true),
+            Err(TrySendError::Disconnected(_)) => {
+                return Err(TransportError::Unavailable("the other end is gone".into()))
+            }
+            Err(TrySendError::Full(back)) => {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(false);
+                }
+                v = back;
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+}
+
+fn check_size(f: &Frame) -> Result<(), TransportError> {
+    let len = f.encoded_len();
+    if len > MAX_INLINE + crate::frame::HEADER_LEN {
+        return Err(TransportError::TooLarge {
+            len,
+            max: MAX_INLINE + crate::frame::HEADER_LEN,
+        });
+    }
+    Ok(())
+}
+
+impl FrameTx for MemTx {
+    fn send(&mut self, f: &Frame, deadline: Option<Instant>) -> Result<bool, TransportError> {
+        check_size(f)?;
+        send_bounded(&self.tx, Event::Frame(self.id, f.clone()), deadline)
+    }
+}
+
+impl FrameRx for MemRx {
+    fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
+        let r = match deadline {
+            None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(d) => self
+                .rx
+                .recv_timeout(d.saturating_duration_since(Instant::now())),
+        };
+        match r {
+            Ok(f) => Ok(Some(f)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(TransportError::Unavailable(
+                "the service closed the connection".into(),
+            )),
+        }
+    }
+}
+
+impl Listener for MemListener {
+    fn next(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(ConnId, Frame)>, TransportError> {
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                return Ok(None);
+            }
+            let ev = match deadline {
+                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                Some(d) => self
+                    .rx
+                    .recv_timeout(d.saturating_duration_since(Instant::now())),
+            };
+            match ev {
+                Ok(Event::Open(id, tx)) => {
+                    self.conns.insert(id, tx);
+                }
+                Ok(Event::Frame(id, f)) if self.conns.contains_key(&id) => {
+                    return Ok(Some((id, f)))
+                }
+                Ok(Event::Frame(..)) | Ok(Event::Wake) => {}
+                Ok(Event::Close(id)) => {
+                    self.conns.remove(&id);
+                }
+                Err(RecvTimeoutError::Timeout) => return Ok(None),
+                // We hold a sender ourselves, so this cannot happen.
+                Err(RecvTimeoutError::Disconnected) => return Ok(None),
+            }
+        }
+    }
+
+    fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
+        check_size(f)?;
+        let Some(tx) = self.conns.get(&conn) else {
+            return Err(TransportError::Unavailable(format!(
+                "connection {conn} is gone"
+            )));
+        };
+        // A client that does not read its answers for a second loses its
+        // connection rather than stalling the server.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        match send_bounded(tx, f.clone(), Some(deadline)) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                self.conns.remove(&conn);
+                Err(TransportError::Unavailable(format!(
+                    "connection {conn} does not read its answers"
+                )))
+            }
+            Err(e) => {
+                self.conns.remove(&conn);
+                Err(e)
+            }
+        }
+    }
+
+    fn max_inline(&self) -> usize {
+        MAX_INLINE
+    }
+
+    fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    fn waker(&self) -> Waker {
+        let tx = self.tx.clone();
+        Waker(Arc::new(move || {
+            let _ = tx.try_send(Event::Wake);
+        }))
+    }
+}

@@ -1,0 +1,524 @@
+//! The shared-memory transport: per-connection rings in the pool.
+//!
+//! A server registers its name in the pool's registry; a client opens a
+//! channel in the pool's channel table (see `dm_pool::channel`), which
+//! gives a control page and two rings. The control page after the pool's
+//! record holds (offsets from the record's end, version [`CONTROL_VERSION`]):
+//!
+//! ```text
+//! 0    magic | ring version, written by the client when it opens
+//! 64   request ring cursors  (head, tail, producer bell: 3 cache lines)
+//! 256  response ring cursors (head, tail, producer bell)
+//! 448  the client's bell (the response ring's consumer parks on it)
+//! ```
+//!
+//! The request rings of all of a service's connections share one consumer
+//! bell, the server's doorbell, in the service's registry record (word 0;
+//! word 16, on another cache line, counts connection attempts so that the
+//! server scans the channel table only when a client arrived). So one
+//! server thread waits for every client with one futex, and a client pays
+//! a syscall only when the server is parked.
+
+use super::ring::{self, Consumer, Producer, RawData, RingControl};
+use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
+use crate::frame::{Frame, Limits, HEADER_LEN};
+use crate::sync::{AtomicU32, Ordering};
+use crate::wait::{Bell, WaitPolicy};
+use dm_pool::{ChannelId, ChannelMemory, Peer, Pool, ServiceInfo, Side};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Version of the control-page layout above.
+pub const CONTROL_VERSION: u32 = 1;
+const MAGIC: u32 = 0x4443_0000 | CONTROL_VERSION << 8 | super::RING_VERSION;
+const REQ_CTL: usize = 64;
+const RESP_CTL: usize = 256;
+const CLIENT_BELL: usize = 448;
+const SERVER_BELL: usize = 0;
+const CONN_EPOCH: usize = 16;
+
+/// Largest inline payload a pool's rings carry (a frame is at most half a
+/// ring).
+pub fn ring_max_inline(pool: &Pool) -> usize {
+    ring::max_record(pool.layout().ring_size as usize) - HEADER_LEN
+}
+
+struct ChannelParts {
+    req: &'static RingControl,
+    resp: &'static RingControl,
+    client_bell: &'static AtomicU32,
+    magic: &'static AtomicU32,
+    req_data: RawData,
+    resp_data: RawData,
+}
+
+/// # Safety
+/// The returned references point into the pool mapping: the caller must keep
+/// a clone of `pool` alive at least as long as it uses them.
+unsafe fn parts(m: &ChannelMemory) -> ChannelParts {
+    // SAFETY: (for all derefs below) the control page is 4032 bytes, 64-byte
+    // aligned, inside the pool mapping, and every offset used fits in it;
+    // RingControl and AtomicU32 are valid for any bit pattern.
+    unsafe {
+        ChannelParts {
+            req: &*(m.control.add(REQ_CTL) as *const RingControl),
+            resp: &*(m.control.add(RESP_CTL) as *const RingControl),
+            client_bell: &*(m.control.add(CLIENT_BELL) as *const AtomicU32),
+            magic: &*(m.control as *const AtomicU32),
+            req_data: RawData::new(m.requests, m.ring_size),
+            resp_data: RawData::new(m.responses, m.ring_size),
+        }
+    }
+}
+
+fn service_words(pool: &Pool, svc: &ServiceInfo) -> Result<&'static [AtomicU32], TransportError> {
+    let w = pool.service_words(svc)?;
+    // SAFETY: the words live in the pool mapping; every holder of the
+    // returned slice also holds a clone of `pool`, which keeps it mapped.
+    Ok(unsafe { std::slice::from_raw_parts(w.as_ptr(), w.len()) })
+}
+
+/// What both halves of a client connection share; closes the client's end
+/// of the channel when the last half is dropped.
+struct ClientShared {
+    ch: ChannelId,
+    svc: ServiceInfo,
+    policy: WaitPolicy,
+    // Last: dropped after the rings that point into it.
+    pool: Pool,
+}
+
+impl ClientShared {
+    fn check_peer(&self) -> Result<(), TransportError> {
+        match self.pool.channel_peer(self.ch, Side::Client) {
+            Peer::Live => Ok(()),
+            Peer::Closed => Err(TransportError::Unavailable(format!(
+                "service {:?} closed the connection",
+                self.svc.name
+            ))),
+            Peer::Dead => Err(TransportError::Unavailable(format!(
+                "service {:?} (pid {}) is dead",
+                self.svc.name, self.svc.pid
+            ))),
+        }
+    }
+}
+
+impl Drop for ClientShared {
+    fn drop(&mut self) {
+        self.pool.close_channel(self.ch, Side::Client);
+        if let Ok(w) = service_words(&self.pool, &self.svc) {
+            Bell(&w[SERVER_BELL]).ring();
+        }
+    }
+}
+
+struct ShmTx {
+    prod: Producer<'static, RawData>,
+    sh: Arc<ClientShared>,
+}
+
+struct ShmRx {
+    cons: Consumer<'static, RawData>,
+    bell: &'static AtomicU32,
+    buf: Vec<u8>,
+    limits: Limits,
+    sh: Arc<ClientShared>,
+}
+
+/// Opens a connection to `svc` over a new channel of `pool`.
+pub fn connect(
+    pool: &Pool,
+    svc: &ServiceInfo,
+    policy: WaitPolicy,
+) -> Result<Connection, TransportError> {
+    let words = service_words(pool, svc)?;
+    let ch = pool.open_channel(svc)?;
+    let sh = Arc::new(ClientShared {
+        ch,
+        svc: svc.clone(),
+        policy,
+        pool: pool.clone(),
+    });
+    let m = pool.channel_memory(ch)?;
+    // SAFETY: `sh` holds the pool for as long as the halves live.
+    let p = unsafe { parts(&m) };
+    p.magic.store(MAGIC, Ordering::Release);
+    let max_inline = ring_max_inline(pool);
+    let tx = ShmTx {
+        prod: Producer::new(p.req, p.req_data, &words[SERVER_BELL]),
+        sh: sh.clone(),
+    };
+    let rx = ShmRx {
+        cons: Consumer::new(p.resp, p.resp_data),
+        bell: p.client_bell,
+        buf: Vec::new(),
+        limits: Limits {
+            max_payload: max_inline as u32,
+            ..Limits::default()
+        },
+        sh,
+    };
+    words[CONN_EPOCH].fetch_add(1, Ordering::AcqRel);
+    Bell(&words[SERVER_BELL]).ring();
+    Ok(Connection {
+        tx: Box::new(tx),
+        rx: Box::new(rx),
+        max_inline,
+    })
+}
+
+fn push(
+    prod: &mut Producer<'static, RawData>,
+    f: &Frame,
+    policy: &WaitPolicy,
+    deadline: Option<Instant>,
+    check: impl FnMut() -> Result<(), TransportError>,
+) -> Result<bool, TransportError> {
+    let len = f.encoded_len();
+    if prod.try_push(len, |put| f.encode_with(put))? {
+        return Ok(true);
+    }
+    let bell = prod.bell();
+    let room = policy.wait(bell, deadline, || prod.fits(len).then_some(()), check)?;
+    if room.is_none() {
+        return Ok(false);
+    }
+    Ok(prod.try_push(len, |put| f.encode_with(put))?)
+}
+
+impl FrameTx for ShmTx {
+    fn send(&mut self, f: &Frame, deadline: Option<Instant>) -> Result<bool, TransportError> {
+        let sh = &self.sh;
+        push(&mut self.prod, f, &sh.policy, deadline, || sh.check_peer())
+    }
+}
+
+impl FrameRx for ShmRx {
+    fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
+        let sh = &self.sh;
+        let (cons, buf) = (&mut self.cons, &mut self.buf);
+        let got = sh.policy.wait(
+            Bell(self.bell),
+            deadline,
+            || match cons.try_pop(buf) {
+                Ok(true) => Some(Ok(())),
+                Ok(false) => None,
+                Err(e) => Some(Err(e)),
+            },
+            || sh.check_peer(),
+        )?;
+        match got {
+            None => Ok(None),
+            Some(r) => {
+                r?;
+                match Frame::decode(&self.buf, &self.limits)? {
+                    Some((f, used)) if used == self.buf.len() => Ok(Some(f)),
+                    _ => Err(TransportError::Protocol(
+                        "a ring record is not exactly one frame".into(),
+                    )),
+                }
+            }
+        }
+    }
+}
+
+/// One accepted connection at the server.
+struct ServerConn {
+    id: ConnId,
+    ch: ChannelId,
+    req: Consumer<'static, RawData>,
+    resp: Producer<'static, RawData>,
+}
+
+/// The server's end: every channel opened to one registered service.
+pub struct ShmListener {
+    svc: ServiceInfo,
+    words: &'static [AtomicU32],
+    conns: Vec<ServerConn>,
+    rr: usize,
+    next_id: ConnId,
+    epoch: u32,
+    policy: WaitPolicy,
+    stop: Arc<AtomicBool>,
+    limits: Limits,
+    reserve: usize,
+    buf: Vec<u8>,
+    last_sweep: Instant,
+    // Last: dropped after the rings that point into it.
+    pool: Pool,
+}
+
+impl std::fmt::Debug for ShmListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmListener")
+            .field("service", &self.svc.name)
+            .field("connections", &self.conns.len())
+            .finish()
+    }
+}
+
+impl ShmListener {
+    /// Serves registration `svc` (made by this process, endpoint `Shm`).
+    /// `reserve_inline` is the largest inline answer the server will send:
+    /// a request is read only when its connection has room for such an
+    /// answer, so replies never wait on a client that does not read.
+    pub fn new(
+        pool: &Pool,
+        svc: ServiceInfo,
+        policy: WaitPolicy,
+        stop: Arc<AtomicBool>,
+        reserve_inline: usize,
+    ) -> Result<ShmListener, TransportError> {
+        let words = service_words(pool, &svc)?;
+        let max_inline = ring_max_inline(pool);
+        Ok(ShmListener {
+            svc,
+            words,
+            conns: Vec::new(),
+            rr: 0,
+            next_id: 1,
+            epoch: words[CONN_EPOCH].load(Ordering::Acquire).wrapping_sub(1),
+            policy,
+            stop,
+            limits: Limits {
+                max_payload: max_inline as u32,
+                ..Limits::default()
+            },
+            reserve: HEADER_LEN + reserve_inline.min(max_inline),
+            buf: Vec::new(),
+            last_sweep: Instant::now(),
+            pool: pool.clone(),
+        })
+    }
+
+    /// Accepts channels opened since the last look.
+    fn accept_new(&mut self) {
+        let e = self.words[CONN_EPOCH].load(Ordering::Acquire);
+        if e == self.epoch {
+            return;
+        }
+        self.epoch = e;
+        for ch in self.pool.pending_channels(&self.svc) {
+            let Ok(m) = self.pool.channel_memory(ch) else {
+                continue;
+            };
+            // SAFETY: `self.pool` outlives `self.conns` (field order).
+            let p = unsafe { parts(&m) };
+            if p.magic.load(Ordering::Acquire) != MAGIC || self.pool.accept_channel(ch).is_err() {
+                // Another version of the protocol, or gone: refuse it.
+                self.pool.close_channel(ch, Side::Server);
+                continue;
+            }
+            self.conns.push(ServerConn {
+                id: self.next_id,
+                ch,
+                req: Consumer::new(p.req, p.req_data),
+                resp: Producer::new(p.resp, p.resp_data, p.client_bell),
+            });
+            self.next_id += 1;
+        }
+    }
+
+    /// Drops connections whose client closed or died.
+    fn sweep(&mut self) {
+        self.last_sweep = Instant::now();
+        let pool = &self.pool;
+        self.conns.retain(|c| {
+            let keep = pool.channel_peer(c.ch, Side::Server) == Peer::Live;
+            if !keep {
+                pool.close_channel(c.ch, Side::Server);
+            }
+            keep
+        });
+    }
+
+    fn drop_conn(&mut self, k: usize) {
+        let c = self.conns.swap_remove(k);
+        self.pool.close_channel(c.ch, Side::Server);
+    }
+
+    /// Looks at each connection once, starting after the last served one.
+    fn poll(&mut self) -> Option<Result<(ConnId, usize), usize>> {
+        let n = self.conns.len();
+        for k in 0..n {
+            let i = (self.rr + k) % n;
+            let c = &mut self.conns[i];
+            if !c.req.ready() || !c.resp.fits(self.reserve) {
+                continue;
+            }
+            self.rr = i + 1;
+            return Some(match c.req.try_pop(&mut self.buf) {
+                Ok(true) => Ok((c.id, i)),
+                Ok(false) => continue,
+                Err(_) => Err(i),
+            });
+        }
+        None
+    }
+}
+
+impl Drop for ShmListener {
+    fn drop(&mut self) {
+        for c in self.conns.drain(..) {
+            self.pool.close_channel(c.ch, Side::Server);
+        }
+    }
+}
+
+impl Listener for ShmListener {
+    fn next(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(ConnId, Frame)>, TransportError> {
+        loop {
+            if self.last_sweep.elapsed() > Duration::from_millis(100) {
+                self.sweep();
+            }
+            self.accept_new();
+            let bell = Bell(&self.words[SERVER_BELL]);
+            let policy = self.policy;
+            let stop = self.stop.clone();
+            let words = self.words;
+            let got = policy.wait(
+                bell,
+                deadline,
+                || {
+                    if stop.load(Ordering::Acquire) {
+                        return Some(None);
+                    }
+                    if words[CONN_EPOCH].load(Ordering::Relaxed) != self.epoch {
+                        self.accept_new();
+                    }
+                    self.poll().map(Some)
+                },
+                // A park slice passed with nothing to do: leave the wait to
+                // drop connections whose clients are gone.
+                || Err(()),
+            );
+            let got = match got {
+                Ok(g) => g,
+                Err(()) => {
+                    self.sweep();
+                    continue;
+                }
+            };
+            let (id, i) = match got {
+                None | Some(None) => return Ok(None),
+                Some(Some(Err(i))) => {
+                    self.drop_conn(i);
+                    continue;
+                }
+                Some(Some(Ok(x))) => x,
+            };
+            match Frame::decode(&self.buf, &self.limits) {
+                Ok(Some((f, used))) if used == self.buf.len() => return Ok(Some((id, f))),
+                // A client that sends garbage loses its connection; the
+                // others are not disturbed.
+                _ => self.drop_conn(i),
+            }
+        }
+    }
+
+    fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
+        let Some(k) = self.conns.iter().position(|c| c.id == conn) else {
+            return Err(TransportError::Unavailable(format!(
+                "connection {conn} is gone"
+            )));
+        };
+        let (pool, ch) = (&self.pool, self.conns[k].ch);
+        let r = push(
+            &mut self.conns[k].resp,
+            f,
+            &self.policy,
+            None,
+            || match pool.channel_peer(ch, Side::Server) {
+                Peer::Live => Ok(()),
+                _ => Err(TransportError::Unavailable("client gone".into())),
+            },
+        );
+        if r.is_err() {
+            self.drop_conn(k);
+        }
+        r.map(|_| ())
+    }
+
+    fn max_inline(&self) -> usize {
+        ring_max_inline(&self.pool)
+    }
+
+    fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    fn waker(&self) -> Waker {
+        let (pool, words) = (self.pool.clone(), self.words);
+        Waker(Arc::new(move || {
+            let _keep = &pool;
+            Bell(&words[SERVER_BELL]).ring();
+        }))
+    }
+}
+
+/// A client connection that writes raw records into the request ring: for
+/// conformance tests and fuzzing of the server's side (malformed frames,
+/// broken cursors). Closes its end on drop.
+pub struct RawConnection {
+    prod: Producer<'static, RawData>,
+    req: &'static RingControl,
+    sh: Arc<ClientShared>,
+}
+
+impl std::fmt::Debug for RawConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawConnection")
+            .field("channel", &self.sh.ch)
+            .finish()
+    }
+}
+
+impl RawConnection {
+    /// Opens a channel to `svc` as a client would.
+    pub fn open(pool: &Pool, svc: &ServiceInfo) -> Result<RawConnection, TransportError> {
+        let words = service_words(pool, svc)?;
+        let ch = pool.open_channel(svc)?;
+        let sh = Arc::new(ClientShared {
+            ch,
+            svc: svc.clone(),
+            policy: WaitPolicy::default(),
+            pool: pool.clone(),
+        });
+        let m = pool.channel_memory(ch)?;
+        // SAFETY: `sh` holds the pool for as long as we live.
+        let p = unsafe { parts(&m) };
+        p.magic.store(MAGIC, Ordering::Release);
+        words[CONN_EPOCH].fetch_add(1, Ordering::AcqRel);
+        Ok(RawConnection {
+            prod: Producer::new(p.req, p.req_data, &words[SERVER_BELL]),
+            req: p.req,
+            sh,
+        })
+    }
+
+    /// Publishes `bytes` as one ring record (not necessarily a frame).
+    /// `false` if the ring is full.
+    pub fn push(&mut self, bytes: &[u8]) -> bool {
+        self.prod
+            .try_push(bytes.len(), |put| put(bytes))
+            .unwrap_or(false)
+    }
+
+    /// Overwrites the request ring's head cursor.
+    pub fn scribble_head(&self, v: u64) {
+        self.req.head.0.store(v, Ordering::Release);
+        if let Ok(w) = service_words(&self.sh.pool, &self.sh.svc) {
+            Bell(&w[SERVER_BELL]).ring();
+        }
+    }
+
+    /// Whether the server has closed this connection.
+    pub fn closed_by_server(&self) -> bool {
+        self.sh.check_peer().is_err()
+    }
+}

@@ -1,0 +1,394 @@
+//! The RPC contract, run over every transport: the same calls, statuses,
+//! deadlines, payload sizes and forwarding over shared-memory rings and
+//! in-process queues. Each test ends with the pool clean.
+
+#![allow(clippy::unwrap_used)]
+
+use dm_pool::testing::TempPool;
+use dm_pool::PoolConfig;
+use dm_rpc::{CallOptions, Config, Node, Payload, RpcError, Status, Transport, WaitPolicy};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+fn pool() -> TempPool {
+    TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(16),
+        ..Default::default()
+    })
+}
+
+fn unique(name: &str) -> String {
+    format!(
+        "test/{name}/{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn sum(p: &Payload) -> u64 {
+    p.segments()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s.iter())
+        .fold(0u64, |a, &b| a.wrapping_mul(31).wrapping_add(b as u64))
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))
+        .collect()
+}
+
+/// A service with the methods the tests use.
+fn spawn_svc(node: &Node, name: &str, t: &Transport) -> dm_rpc::Server {
+    node.server(name)
+        .transport(t.clone())
+        // Answers [len, in_pool, hash] of what arrived.
+        .method("inspect", |c| {
+            let p = c.payload();
+            let mut out = p.len().to_le_bytes().to_vec();
+            out.push(p.in_pool() as u8);
+            out.extend_from_slice(&sum(p).to_le_bytes());
+            Ok(Payload::from_vec(out))
+        })
+        .method("echo", |c| Ok(c.take_payload()))
+        .method("fail", |_| Err(RpcError::invalid_argument("no thanks")))
+        .method("panic", |_| panic!("handler bug"))
+        .method("sleep", |c| {
+            let ms = u64::from_le_bytes(c.payload().to_vec()?.try_into().unwrap_or([0; 8]));
+            std::thread::sleep(Duration::from_millis(ms));
+            Ok(Payload::empty())
+        })
+        .spawn()
+        .unwrap()
+}
+
+fn inspect(node: &Node, c: &dm_rpc::Client, data: Vec<u8>) -> (u64, bool, u64) {
+    let _ = node;
+    let r = c.call("inspect", data).unwrap().to_vec().unwrap();
+    (
+        u64::from_le_bytes(r[..8].try_into().unwrap()),
+        r[8] == 1,
+        u64::from_le_bytes(r[9..17].try_into().unwrap()),
+    )
+}
+
+fn contract(t: Transport) {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("contract");
+    let svc = spawn_svc(&node, &name, &t);
+    let c = node.connect(&name).unwrap();
+
+    // Size-aware: inline up to the threshold, by Ref above; same answers.
+    let th = node.config().inline_max;
+    for len in [0usize, 1, 100, th, th + 1, 1 << 20, (4 << 20) + 123] {
+        let data = pattern(len, len as u8);
+        let want = sum(&Payload::from_vec(data.clone()));
+        let (l, in_pool, h) = inspect(&node, &c, data.clone());
+        assert_eq!((l, h), (len as u64, want), "len {len}");
+        assert_eq!(in_pool, len > th, "len {len} travelled the wrong way");
+        let back = c.call("echo", data.clone()).unwrap();
+        assert_eq!(back.len(), len as u64);
+        assert_eq!(back.in_pool(), len > th);
+        assert!(
+            back.to_vec().unwrap() == data,
+            "echo of {len} bytes differs"
+        );
+    }
+    // A buffer written in the pool goes by Ref with no copy.
+    let mut b = node.pool().alloc(3 << 20).unwrap();
+    b.write(5, b"hello").unwrap();
+    let (l, in_pool, _) = {
+        let r = c.call("inspect", b).unwrap().to_vec().unwrap();
+        (
+            u64::from_le_bytes(r[..8].try_into().unwrap()),
+            r[8] == 1,
+            (),
+        )
+    };
+    assert_eq!((l, in_pool), (3 << 20, true));
+
+    // Statuses.
+    let e = c.call("nope", Payload::empty()).unwrap_err();
+    assert_eq!(e.status, Status::NotFound, "{e}");
+    let e = c.call("fail", Payload::empty()).unwrap_err();
+    assert_eq!(
+        (e.status, e.message.as_str()),
+        (Status::InvalidArgument, "no thanks")
+    );
+    let e = c.call("panic", Payload::empty()).unwrap_err();
+    assert_eq!(e.status, Status::Internal);
+    assert!(e.message.contains("handler bug"), "{e}");
+    let e = node.connect(&unique("absent")).unwrap_err();
+    assert_eq!(e.status, Status::NotFound);
+    let e = node.connect("bad//name").unwrap_err();
+    assert_eq!(e.status, Status::InvalidArgument);
+    // The connection still works after errors.
+    assert_eq!(inspect(&node, &c, vec![1, 2, 3]).0, 3);
+
+    // Deadlines: the caller stops waiting; a queued call is skipped.
+    let t0 = Instant::now();
+    let e = c
+        .call_with(
+            "sleep",
+            Payload::from_vec(300u64.to_le_bytes().to_vec()),
+            CallOptions::deadline(Duration::from_millis(50)),
+        )
+        .unwrap_err();
+    assert_eq!(e.status, Status::DeadlineExceeded);
+    assert!(
+        t0.elapsed() < Duration::from_millis(250),
+        "took {:?}",
+        t0.elapsed()
+    );
+    let e = c
+        .call_with(
+            "inspect",
+            Payload::from_vec(vec![1]),
+            CallOptions::deadline(Duration::from_millis(20)),
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.status,
+        Status::DeadlineExceeded,
+        "queued behind the sleep"
+    );
+    // After the sleep, the connection serves again (late answers dropped).
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(inspect(&node, &c, vec![9; 10]).0, 10);
+    assert!(
+        svc.stats().expired.load(Ordering::Relaxed) + svc.stats().cancelled.load(Ordering::Relaxed)
+            >= 1,
+        "the expired call was run anyway"
+    );
+
+    // Concurrent calls on one connection and on several.
+    let c2 = node.connect(&name).unwrap();
+    std::thread::scope(|s| {
+        for k in 0..4u8 {
+            let cl = if k % 2 == 0 { c.clone() } else { c2.clone() };
+            let node = &node;
+            s.spawn(move || {
+                for i in 0..200usize {
+                    let len = if i % 10 == 0 { 100_000 } else { i * 13 };
+                    let data = pattern(len, k);
+                    let want = sum(&Payload::from_vec(data.clone()));
+                    assert_eq!(inspect(node, &cl, data), (len as u64, len > th, want));
+                }
+            });
+        }
+    });
+    drop((c, c2));
+    svc.shutdown();
+    let e = node.connect(&name).unwrap_err();
+    assert_eq!(e.status, Status::NotFound, "a stopped service is gone");
+    drop(node);
+    tp.assert_clean();
+}
+
+#[test]
+fn contract_over_shm() {
+    contract(Transport::Shm);
+}
+
+#[test]
+fn contract_over_mem() {
+    contract(Transport::Mem);
+}
+
+fn nested(t: Transport) {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let base = unique("nested");
+    let hops = 6;
+    // Hop k forwards the payload it got to hop k+1 without touching it; the
+    // last one answers with its hash and the Ref it saw.
+    let mut servers = Vec::new();
+    for k in (0..hops).rev() {
+        let me = format!("{base}/h{k}");
+        let next = format!("{base}/h{}", k + 1);
+        let last = k == hops - 1;
+        let n = node.clone();
+        let next_client = std::sync::OnceLock::new();
+        let s = node
+            .server(&me)
+            .transport(t.clone())
+            .method("go", move |c| {
+                if last {
+                    let mut out = sum(c.payload()).to_le_bytes().to_vec();
+                    if let Some(r) = c.payload().as_ref_handle() {
+                        out.extend_from_slice(&r.to_bytes());
+                    }
+                    return Ok(Payload::from_vec(out));
+                }
+                let cl = next_client.get_or_init(|| n.connect(&next).unwrap());
+                cl.call("go", c.payload().forward()?)
+            })
+            .spawn()
+            .unwrap();
+        servers.push(s);
+    }
+    let c = node.connect(&format!("{base}/h0")).unwrap();
+    let data = pattern(8 << 20, 3);
+    let want = sum(&Payload::from_vec(data.clone()));
+    let mut b = node.pool().alloc(data.len() as u64).unwrap();
+    b.write(0, &data).unwrap();
+    let before = node.pool().counters();
+    let got = c.call("go", b).unwrap().to_vec().unwrap();
+    assert_eq!(u64::from_le_bytes(got[..8].try_into().unwrap()), want);
+    assert_eq!(got.len(), 8 + dm_pool::Ref::SIZE, "the last hop got a Ref");
+    let after = node.pool().counters();
+    assert_eq!(
+        after.refs_created - before.refs_created,
+        1,
+        "one Ref made by the caller, forwarded by {hops} hops"
+    );
+    assert_eq!(after.cow_copies, before.cow_copies, "nobody copied a page");
+    // Small payloads go inline through the same chain.
+    let got = c.call("go", vec![5u8; 10]).unwrap().to_vec().unwrap();
+    assert_eq!(got.len(), 8);
+    drop(c);
+    drop(servers);
+    drop(node);
+    tp.assert_clean();
+}
+
+#[test]
+fn nested_forwarding_over_shm() {
+    nested(Transport::Shm);
+}
+
+#[test]
+fn nested_forwarding_over_mem() {
+    nested(Transport::Mem);
+}
+
+#[test]
+fn idle_server_parks_and_wakes() {
+    // With a park-only policy every call needs a futex wake: calls still
+    // complete, and a parked server is woken by a client's first call.
+    let tp = pool();
+    let node = Node::with_config(
+        tp.attach(),
+        Config {
+            wait: WaitPolicy::park_only(),
+            ..Default::default()
+        },
+    );
+    let name = unique("park");
+    let svc = spawn_svc(&node, &name, &Transport::Shm);
+    std::thread::sleep(Duration::from_millis(50));
+    let c = node.connect(&name).unwrap();
+    for i in 0..200usize {
+        assert_eq!(inspect(&node, &c, vec![1; i]).0, i as u64);
+    }
+    drop(c);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
+#[test]
+fn a_client_that_stops_reading_does_not_stall_others() {
+    // The raw transport lets a client send without reading answers: its
+    // response ring fills, the server stops reading its requests
+    // (back-pressure), and serves everyone else.
+    let tp = TempPool::with(PoolConfig {
+        size: 64 << 20,
+        ring_size: 4096,
+        channels: Some(8),
+        ..Default::default()
+    });
+    let node = Node::new(tp.attach());
+    let name = unique("greedy");
+    let svc = spawn_svc(&node, &name, &Transport::Shm);
+    let info = node.pool().lookup(&name).unwrap().unwrap();
+    let mut greedy =
+        dm_rpc::transport::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
+    let frame = dm_rpc::Frame::request(
+        1,
+        dm_rpc::frame::method_id("echo"),
+        0,
+        dm_rpc::Body::Inline(vec![0; 1000]),
+    );
+    let mut sent = 0;
+    let until = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < until {
+        match greedy
+            .tx
+            .send(&frame, Some(Instant::now() + Duration::from_millis(5)))
+        {
+            Ok(true) => sent += 1,
+            Ok(false) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(sent >= 2, "the greedy client could send only {sent}");
+    let c = node.connect(&name).unwrap();
+    for i in 0..50usize {
+        assert_eq!(inspect(&node, &c, vec![1; i]).0, i as u64);
+    }
+    drop(greedy);
+    drop(c);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
+type Scribble<'a> = Box<dyn Fn(&mut dm_rpc::transport::shm::RawConnection) + 'a>;
+
+#[test]
+fn malformed_frames_drop_only_that_connection() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("garbage");
+    let svc = spawn_svc(&node, &name, &Transport::Shm);
+    let good = node.connect(&name).unwrap();
+    assert_eq!(inspect(&node, &good, vec![1; 5]).0, 5);
+    let info = node.pool().lookup(&name).unwrap().unwrap();
+    let mut frame =
+        dm_rpc::Frame::request(7, dm_rpc::frame::method_id("echo"), 0, dm_rpc::Body::None).encode();
+    frame[0] = 0; // bad magic
+    let cases: [(&str, Scribble); 4] = [
+        ("bad magic", Box::new(|r| assert!(r.push(&frame)))),
+        (
+            "truncated frame",
+            Box::new(|r| assert!(r.push(&frame[..20]))),
+        ),
+        (
+            "trailing bytes",
+            Box::new(|r| {
+                let mut f = dm_rpc::Frame::request(1, 1, 0, dm_rpc::Body::None).encode();
+                f.extend_from_slice(&[1, 2, 3]);
+                assert!(r.push(&f));
+            }),
+        ),
+        (
+            "cursor past the ring",
+            Box::new(|r| r.scribble_head(u64::MAX / 2)),
+        ),
+    ];
+    for (what, make) in cases {
+        let mut raw = dm_rpc::transport::shm::RawConnection::open(node.pool(), &info).unwrap();
+        make(&mut raw);
+        // The server drops that connection...
+        let t0 = Instant::now();
+        while !raw.closed_by_server() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{what}: connection not dropped"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // ...and keeps serving the others.
+        assert_eq!(inspect(&node, &good, vec![2; 7]).0, 7, "{what}");
+    }
+    drop(good);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
