@@ -1,0 +1,280 @@
+//! RPC across real processes over shared-memory channels: nested calls
+//! through six processes, fan-out, servers and clients killed with
+//! `kill -9` mid-call. Every test ends with `pool check` clean.
+#![allow(clippy::unwrap_used)]
+
+use dm_pool::testing::TempPool;
+use dm_pool::{AttachOptions, PoolConfig};
+use dm_rpc::{CallOptions, Node, Payload, Status};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Agent {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    out: BufReader<ChildStdout>,
+}
+
+impl Agent {
+    fn start(tp: &TempPool, args: &[&str]) -> Agent {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dm-rpc-agent"))
+            .arg(&tp.path)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Agent { child, stdin, out }
+    }
+
+    fn serve(tp: &TempPool, name: &str, extra: &[&str]) -> Agent {
+        let mut args = vec!["serve", name, "--lease", "400"];
+        args.extend_from_slice(extra);
+        let mut a = Agent::start(tp, &args);
+        assert_eq!(a.line(), "ready", "agent {name} did not start");
+        a
+    }
+
+    fn line(&mut self) -> String {
+        let mut s = String::new();
+        self.out.read_line(&mut s).unwrap();
+        s.trim_end().to_owned()
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Closes stdin: the agent shuts its server down and exits.
+    fn stop(mut self) {
+        drop(self.stdin.take());
+        let st = self.child.wait().unwrap();
+        assert!(st.success(), "agent exited with {st}");
+    }
+
+    fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn pool() -> TempPool {
+    TempPool::with(PoolConfig {
+        size: 512 << 20,
+        channels: Some(32),
+        lease_ms: 400,
+        ref_ttl_ms: 1500,
+        ..Default::default()
+    })
+}
+
+fn node(tp: &TempPool) -> Node {
+    Node::new(tp.attach_with(AttachOptions {
+        lease_ms: Some(400),
+        ..Default::default()
+    }))
+}
+
+fn hash(b: &[u8]) -> u64 {
+    b.iter()
+        .fold(0u64, |a, &x| a.wrapping_mul(31).wrapping_add(x as u64))
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 + 1) as u8).collect()
+}
+
+/// After every process left: wait out leases and TTLs, gc, check clean.
+fn settle(tp: &TempPool) {
+    std::thread::sleep(Duration::from_millis(1700));
+    dm_pool::gc_path(&tp.path).unwrap();
+    tp.assert_clean();
+}
+
+#[test]
+fn nested_calls_through_six_processes_forward_one_ref() {
+    let tp = pool();
+    let base = format!("mp/chain/{}", std::process::id());
+    let mut agents = Vec::new();
+    for k in (0..6).rev() {
+        let me = format!("{base}/h{k}");
+        let next = format!("{base}/h{}", k + 1);
+        let extra: Vec<&str> = if k == 5 {
+            vec![]
+        } else {
+            vec!["--next", &next]
+        };
+        agents.push(Agent::serve(&tp, &me, &extra));
+    }
+    let pids: Vec<u32> = agents.iter().map(Agent::pid).collect();
+    let node = node(&tp);
+    let c = node.connect(&format!("{base}/h0")).unwrap();
+    for len in [10usize, 20_000, 16 << 20] {
+        let data = pattern(len);
+        let before = node.pool().counters();
+        let mut b = node.pool().alloc(len as u64).unwrap();
+        b.write(0, &data).unwrap();
+        let got = c.call("hop", b).unwrap().to_vec().unwrap();
+        let after = node.pool().counters();
+        assert_eq!(
+            u64::from_le_bytes(got[..8].try_into().unwrap()),
+            hash(&data)
+        );
+        let last_pid = u32::from_le_bytes(got[8..12].try_into().unwrap());
+        assert_eq!(last_pid, pids[0], "the answer comes from the last hop");
+        let by_ref = len > node.config().inline_max;
+        assert_eq!(got[12] == 1, by_ref, "len {len}");
+        assert_eq!(got.len(), 13 + if by_ref { dm_pool::Ref::SIZE } else { 0 });
+        if by_ref {
+            assert_eq!(
+                after.refs_created - before.refs_created,
+                1,
+                "one Ref for six hops"
+            );
+            assert_eq!(after.cow_copies, before.cow_copies, "no hop copied a page");
+        }
+    }
+    // A deadline shorter than the work: DeadlineExceeded, on time; an
+    // unknown method: NotFound; and the chain keeps working.
+    let t0 = Instant::now();
+    let e = c
+        .call_with(
+            "sleep",
+            Payload::from_vec(600u64.to_le_bytes().to_vec()),
+            CallOptions::deadline(Duration::from_millis(100)),
+        )
+        .unwrap_err();
+    assert_eq!(e.status, Status::DeadlineExceeded);
+    assert!(
+        t0.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        t0.elapsed()
+    );
+    let e = c.call("nope", Payload::empty()).unwrap_err();
+    assert_eq!(e.status, Status::NotFound);
+    let got = c.call("hop", vec![3u8; 3]).unwrap().to_vec().unwrap();
+    assert_eq!(
+        u64::from_le_bytes(got[..8].try_into().unwrap()),
+        hash(&[3, 3, 3])
+    );
+    drop(c);
+    drop(node);
+    for a in agents {
+        a.stop();
+    }
+    settle(&tp);
+}
+
+#[test]
+fn fan_out_one_ref_to_three_processes() {
+    let tp = pool();
+    let base = format!("mp/fan/{}", std::process::id());
+    let workers: Vec<String> = (0..3).map(|k| format!("{base}/w{k}")).collect();
+    let mut agents: Vec<Agent> = workers.iter().map(|w| Agent::serve(&tp, w, &[])).collect();
+    let list = workers.join(",");
+    agents.push(Agent::serve(&tp, &format!("{base}/fan"), &["--fan", &list]));
+    let node = node(&tp);
+    let c = node.connect(&format!("{base}/fan")).unwrap();
+    let data = pattern(3 << 20);
+    let got = c.call("hop", data.clone()).unwrap().to_vec().unwrap();
+    let rec = 13 + dm_pool::Ref::SIZE;
+    assert_eq!(got.len(), 3 * rec);
+    let refs: Vec<&[u8]> = got.chunks(rec).map(|r| &r[13..]).collect();
+    for r in got.chunks(rec) {
+        assert_eq!(u64::from_le_bytes(r[..8].try_into().unwrap()), hash(&data));
+        assert_eq!(r[12], 1, "by Ref");
+    }
+    assert!(
+        refs.iter().all(|r| *r == refs[0]),
+        "every worker saw the same Ref"
+    );
+    drop(c);
+    drop(node);
+    for a in agents {
+        a.stop();
+    }
+    settle(&tp);
+}
+
+#[test]
+fn server_killed_mid_call_gives_unavailable_and_leaks_nothing() {
+    let tp = pool();
+    let name = format!("mp/victim/{}", std::process::id());
+    let server = Agent::serve(&tp, &name, &[]);
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    // Something in flight by Ref too.
+    let big = node.pool().alloc(4 << 20).unwrap();
+    let c2 = c.clone();
+    let pending = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let r = c2.call("sleep", Payload::from_vec(5000u64.to_le_bytes().to_vec()));
+        (r.map(|p| p.len()), t0.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let in_flight = c.clone();
+    let by_ref = std::thread::spawn(move || in_flight.call("hop", big).map(|p| p.len()));
+    std::thread::sleep(Duration::from_millis(100));
+    server.kill9();
+    let (r, took) = pending.join().unwrap();
+    assert_eq!(r.unwrap_err().status, Status::Unavailable);
+    assert!(took < Duration::from_secs(3), "noticed after {took:?}");
+    assert_eq!(
+        by_ref.join().unwrap().unwrap_err().status,
+        Status::Unavailable
+    );
+    // Future calls fail at once; the name goes with the lease.
+    let t0 = Instant::now();
+    assert_eq!(
+        c.call("hop", vec![1u8]).unwrap_err().status,
+        Status::Unavailable
+    );
+    assert!(t0.elapsed() < Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(600));
+    node.pool().maintain().unwrap();
+    assert_eq!(node.connect(&name).unwrap_err().status, Status::NotFound);
+    drop(c);
+    drop(node);
+    settle(&tp);
+}
+
+#[test]
+fn client_killed_mid_call_does_not_disturb_the_server() {
+    let tp = pool();
+    let name = format!("mp/survivor/{}", std::process::id());
+    let server = Agent::serve(&tp, &name, &[]);
+    let mut victim = Agent::start(&tp, &["call", &name, "sleep", "500", "--lease", "400"]);
+    assert_eq!(victim.line(), "calling");
+    std::thread::sleep(Duration::from_millis(100));
+    victim.kill9();
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    for len in [5usize, 100_000] {
+        let got = c.call("hop", pattern(len)).unwrap().to_vec().unwrap();
+        assert_eq!(
+            u64::from_le_bytes(got[..8].try_into().unwrap()),
+            hash(&pattern(len))
+        );
+    }
+    // Another client process completes normally meanwhile.
+    let mut other = Agent::start(&tp, &["call", &name, "hop", "1000000", "--lease", "400"]);
+    assert_eq!(other.line(), "calling");
+    let done = other.line();
+    assert!(done.starts_with("ok"), "{done}");
+    drop(c);
+    drop(node);
+    server.stop();
+    settle(&tp);
+}
