@@ -16,7 +16,8 @@
 //!
 //! The rest of the control page and the rings belong to the RPC layer
 //! (`dm-rpc`'s shm transport), which lays its ring cursors and futex words
-//! there. A client opens a channel to a registered service (`free → opening
+//! there. The opener zeroes all of it, so a connection never sees bytes of
+//! an earlier one. A client opens a channel to a registered service (`free → opening
 //! → open`, each a CAS, so maintenance can never free a channel under its
 //! opener); the server accepts it; each side closes its end, and the last to
 //! close frees it. A side whose slot dies is closed by the pool's
@@ -239,12 +240,17 @@ impl crate::pool::Pool {
                 Ordering::Relaxed,
             );
             c.opened_ms.store(dm_sys::time::now_ms(), Ordering::Relaxed);
+            // Zero everything after the record: the control page and both
+            // rings, so nothing of an earlier connection (records that
+            // would look ready) survives into this one.
             let off = shm.channel_off(i) as usize + RECORD_LEN;
-            // SAFETY: the control page lies inside the validated channel
-            // table, and only the opener touches it while the channel is
-            // `opening` (the server looks only at open channels).
+            let len = crate::layout::channel_stride(shm.layout.ring_size) as usize - RECORD_LEN;
+            // SAFETY: the channel lies inside the validated channel table,
+            // and only the opener touches it while the channel is `opening`
+            // (the server looks only at open channels; the previous owners
+            // closed both ends before it became free).
             unsafe {
-                std::ptr::write_bytes(shm.base().add(off), 0, CONTROL_LEN - RECORD_LEN);
+                std::ptr::write_bytes(shm.base().add(off), 0, len);
             }
             if c.state
                 .compare_exchange(

@@ -12,7 +12,6 @@ use crate::frame::{method_id, Body, Frame, Kind, Status};
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::transport::{Connection, FrameRx, FrameTx};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -57,10 +56,27 @@ struct Inner {
     max_inline: usize,
 }
 
+/// Calls waiting for answers (a short list: one entry per concurrent
+/// caller, so a scan beats hashing), and the error that broke the
+/// connection, if any.
 #[derive(Default)]
 struct State {
-    waiting: HashMap<u64, Option<Frame>>,
+    waiting: Vec<(u64, Option<Frame>)>,
     broken: Option<RpcError>,
+}
+
+impl State {
+    fn slot(&mut self, id: u64) -> Option<&mut Option<Frame>> {
+        self.waiting
+            .iter_mut()
+            .find(|(i, _)| *i == id)
+            .map(|(_, f)| f)
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Frame> {
+        let k = self.waiting.iter().position(|(i, _)| *i == id)?;
+        self.waiting.swap_remove(k).1
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -104,9 +120,8 @@ impl Client {
         if let Some(e) = &lock(&i.state).broken {
             return Err(e.clone());
         }
-        let started = Instant::now();
         let budget = opts.deadline.or(i.node.cfg.default_deadline);
-        let deadline = budget.map(|d| started + d);
+        let deadline = budget.map(|d| Instant::now() + d);
         let deadline_us = budget.map_or(0, |d| d.as_micros().clamp(1, u32::MAX as u128) as u32);
         let inline_max = i.node.cfg.inline_max.min(i.max_inline);
         let (body, made) = payload.into_body(&i.node.pool, inline_max, false)?;
@@ -116,14 +131,14 @@ impl Client {
             }
         };
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        lock(&i.state).waiting.insert(id, None);
+        lock(&i.state).waiting.push((id, None));
         let frame = Frame::request(id, method_id(method), deadline_us, body);
         let sent = lock(&i.tx).send(&frame, deadline);
         drop(frame);
         match sent {
             Ok(true) => {}
             Ok(false) => {
-                lock(&i.state).waiting.remove(&id);
+                lock(&i.state).remove(id);
                 release(made);
                 return Err(RpcError::deadline_exceeded(format!(
                     "no room to send to {:?} before the deadline",
@@ -132,7 +147,7 @@ impl Client {
             }
             Err(e) => {
                 let e = self.fail(e.into());
-                lock(&i.state).waiting.remove(&id);
+                lock(&i.state).remove(id);
                 release(made);
                 return Err(e);
             }
@@ -171,8 +186,8 @@ impl Client {
         let i = &*self.inner;
         let mut st = lock(&i.state);
         loop {
-            if matches!(st.waiting.get(&id), Some(Some(_))) {
-                let f = st.waiting.remove(&id).flatten();
+            if matches!(st.slot(id), Some(Some(_))) {
+                let f = st.remove(id);
                 if !st.waiting.is_empty() {
                     // Someone else may need to take over reading.
                     i.cv.notify_all();
@@ -181,11 +196,11 @@ impl Client {
             }
             if let Some(e) = &st.broken {
                 let e = e.clone();
-                st.waiting.remove(&id);
+                st.remove(id);
                 return Err(e);
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                st.waiting.remove(&id);
+                st.remove(id);
                 return Err(RpcError::deadline_exceeded(format!(
                     "no answer from {:?} before the deadline",
                     i.name
@@ -199,7 +214,7 @@ impl Client {
                 match got {
                     Ok(Some(f)) if f.kind == Kind::Response => {
                         let mine = f.call_id == id;
-                        match st.waiting.get_mut(&f.call_id) {
+                        match st.slot(f.call_id) {
                             Some(slot) => *slot = Some(f),
                             None => self.orphan(f),
                         }

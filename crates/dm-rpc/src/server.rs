@@ -248,7 +248,19 @@ impl Drop for Server {
 struct Pending {
     conn: ConnId,
     frame: Frame,
-    arrived: Instant,
+    /// When the caller stops waiting (from the frame's relative deadline,
+    /// counted from when the frame was read).
+    deadline: Option<Instant>,
+}
+
+fn pending(conn: ConnId, frame: Frame) -> Pending {
+    let deadline = (frame.deadline_us > 0)
+        .then(|| Instant::now() + Duration::from_micros(frame.deadline_us as u64));
+    Pending {
+        conn,
+        frame,
+        deadline,
+    }
 }
 
 struct Dispatcher {
@@ -266,11 +278,7 @@ impl Dispatcher {
             let p = match self.queue.pop_front() {
                 Some(p) => p,
                 None => match self.listener.next(None) {
-                    Ok(Some((conn, frame))) => Pending {
-                        conn,
-                        frame,
-                        arrived: Instant::now(),
-                    },
+                    Ok(Some((conn, frame))) => pending(conn, frame),
                     Ok(None) => continue,
                     Err(_) => return,
                 },
@@ -289,21 +297,26 @@ impl Dispatcher {
     /// Moves every frame already waiting into the queue, applying cancels,
     /// so that a request cancelled while queued never runs.
     fn drain(&mut self) {
-        let now = Instant::now();
-        while let Ok(Some((conn, frame))) = self.listener.next(Some(now)) {
+        while let Ok(Some((conn, frame))) = self.listener.poll() {
             if frame.kind == Kind::Cancel {
-                let before = self.queue.len();
-                self.queue
-                    .retain(|q| !(q.conn == conn && q.frame.call_id == frame.call_id));
-                let n = (before - self.queue.len()) as u64;
-                self.stats.cancelled.fetch_add(n, Ordering::Relaxed);
+                // Every request gets exactly one answer (transports count on
+                // it to bound what they owe a client): a cancelled one gets
+                // `Cancelled`, which its caller, gone, drops.
+                if let Some(k) = self
+                    .queue
+                    .iter()
+                    .position(|q| q.conn == conn && q.frame.call_id == frame.call_id)
+                {
+                    self.queue.remove(k);
+                    self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                    let _ = self.listener.reply(
+                        conn,
+                        &Frame::response(frame.call_id, Status::Cancelled, Body::None),
+                    );
+                }
                 continue;
             }
-            self.queue.push_back(Pending {
-                conn,
-                frame,
-                arrived: now,
-            });
+            self.queue.push_back(pending(conn, frame));
             if self.queue.len() > 4096 {
                 break;
             }
@@ -314,11 +327,9 @@ impl Dispatcher {
         let Pending {
             conn,
             frame,
-            arrived,
+            deadline,
         } = p;
         let id = frame.call_id;
-        let deadline = (frame.deadline_us > 0)
-            .then(|| arrived + Duration::from_micros(frame.deadline_us as u64));
         let result = if deadline.is_some_and(|d| Instant::now() >= d) {
             self.stats.expired.fetch_add(1, Ordering::Relaxed);
             Err(RpcError::deadline_exceeded(

@@ -40,6 +40,12 @@ impl RingData for &Bytes {
             *d = self.0[w].load(Ordering::Relaxed).to_le_bytes()[k];
         }
     }
+    fn store_word(&self, at: usize, v: u64) {
+        self.0[at / 8].store(v, Ordering::Release)
+    }
+    fn load_word(&self, at: usize) -> u64 {
+        self.0[at / 8].load(Ordering::Acquire)
+    }
 }
 
 /// Bounded exploration: every interleaving with up to 3 preemptions.
@@ -74,11 +80,11 @@ struct Shared {
 #[test]
 fn records_cross_in_order_with_parking_on_both_sides() {
     model(|| {
-        // 32 bytes: two 16-byte records fit, the third waits for room and
-        // the fourth wraps.
+        // 128 bytes: two 64-byte records fit; the third waits for room and
+        // is written in the ring's second lap, over the first record.
         let sh = Arc::new(Shared {
             ctl: RingControl::default(),
-            data: Bytes((0..4).map(|_| AtomicU64::new(0)).collect()),
+            data: Bytes((0..16).map(|_| AtomicU64::new(0)).collect()),
             consumer_bell: AtomicU32::new(0),
         });
         const N: u8 = 3;

@@ -368,8 +368,8 @@ fn malformed_frames_drop_only_that_connection() {
             }),
         ),
         (
-            "cursor past the ring",
-            Box::new(|r| r.scribble_head(u64::MAX / 2)),
+            "record past the ring",
+            Box::new(|r| r.scribble_header(u32::MAX / 2)),
         ),
     ];
     for (what, make) in cases {
@@ -389,6 +389,39 @@ fn malformed_frames_drop_only_that_connection() {
     }
     drop(good);
     drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
+#[test]
+fn a_reused_channel_carries_nothing_of_the_previous_connection() {
+    // Channels are reused after both ends close; records left in the rings
+    // must never be taken for the new connection's (its call ids start
+    // over, so a stale answer would match).
+    let tp = TempPool::with(PoolConfig {
+        size: 64 << 20,
+        channels: Some(1),
+        ..Default::default()
+    });
+    let node = Node::new(tp.attach());
+    for round in 0..3u8 {
+        let name = unique("reuse");
+        let svc = node
+            .server(&name)
+            .method("who", move |_| Ok(Payload::from_vec(vec![round])))
+            .spawn()
+            .unwrap();
+        let c = node.connect(&name).unwrap();
+        for _ in 0..100 {
+            assert_eq!(
+                c.call("who", Payload::empty()).unwrap().to_vec().unwrap(),
+                [round]
+            );
+        }
+        assert_eq!(svc.stats().calls.load(Ordering::Relaxed), 100);
+        drop(c);
+        svc.shutdown();
+    }
     drop(node);
     tp.assert_clean();
 }

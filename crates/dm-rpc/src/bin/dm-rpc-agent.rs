@@ -14,137 +14,149 @@
 //! ```
 #![allow(clippy::unwrap_used)]
 
-use dm_pool::{AttachOptions, Pool};
-use dm_rpc::{Client, Node, Payload, RpcError};
-use std::io::{BufRead, Write};
-use std::path::Path;
-use std::sync::OnceLock;
+#[cfg(loom)]
+fn main() {}
 
-fn hash(p: &Payload) -> Result<u64, RpcError> {
-    Ok(p.segments()?
-        .iter()
-        .flat_map(|s| s.iter())
-        .fold(0u64, |a, &b| a.wrapping_mul(31).wrapping_add(b as u64)))
-}
-
-fn arg_after(args: &[String], flag: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == flag)
-        .and_then(|i| args.get(i + 1).cloned())
-}
-
+#[cfg(not(loom))]
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.len() < 4 {
-        eprintln!("usage: dm-rpc-agent POOL serve NAME [..] | POOL call NAME METHOD LEN");
-        std::process::exit(2);
+    agent::main()
+}
+
+#[cfg(not(loom))]
+mod agent {
+
+    use dm_pool::{AttachOptions, Pool};
+    use dm_rpc::{Client, Node, Payload, RpcError};
+    use std::io::{BufRead, Write};
+    use std::path::Path;
+    use std::sync::OnceLock;
+
+    fn hash(p: &Payload) -> Result<u64, RpcError> {
+        Ok(p.segments()?
+            .iter()
+            .flat_map(|s| s.iter())
+            .fold(0u64, |a, &b| a.wrapping_mul(31).wrapping_add(b as u64)))
     }
-    let lease = arg_after(&args, "--lease").map(|s| s.parse().unwrap());
-    let pool = Pool::open(
-        Path::new(&args[1]),
-        AttachOptions {
-            lease_ms: lease,
-            name: Some("dm-rpc-agent".into()),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let node = Node::new(pool);
-    match args[2].as_str() {
-        "serve" => serve(&node, &args),
-        "call" => call(&node, &args),
-        other => {
-            eprintln!("unknown mode {other}");
+
+    fn arg_after(args: &[String], flag: &str) -> Option<String> {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1).cloned())
+    }
+
+    pub fn main() {
+        let args: Vec<String> = std::env::args().collect();
+        if args.len() < 4 {
+            eprintln!("usage: dm-rpc-agent POOL serve NAME [..] | POOL call NAME METHOD LEN");
             std::process::exit(2);
         }
-    }
-}
-
-fn serve(node: &Node, args: &[String]) {
-    let name = args[3].clone();
-    let next: Vec<String> = match (arg_after(args, "--next"), arg_after(args, "--fan")) {
-        (Some(n), _) => vec![n],
-        (None, Some(f)) => f.split(',').map(str::to_owned).collect(),
-        (None, None) => Vec::new(),
-    };
-    let clients: Vec<OnceLock<Client>> = next.iter().map(|_| OnceLock::new()).collect();
-    let n = node.clone();
-    let server = node
-        .server(&name)
-        .method("hop", move |c| {
-            if next.is_empty() {
-                let p = c.payload();
-                let mut out = hash(p)?.to_le_bytes().to_vec();
-                out.extend_from_slice(&std::process::id().to_le_bytes());
-                out.push(p.in_pool() as u8);
-                if let Some(r) = p.as_ref_handle() {
-                    out.extend_from_slice(&r.to_bytes());
-                }
-                return Ok(Payload::from_vec(out));
-            }
-            let mut answers = Vec::new();
-            std::thread::scope(|s| {
-                let hs: Vec<_> = next
-                    .iter()
-                    .zip(&clients)
-                    .map(|(to, cl)| {
-                        let fwd = c.payload().forward();
-                        let n = &n;
-                        s.spawn(move || {
-                            let cl = match cl.get() {
-                                Some(cl) => cl,
-                                None => {
-                                    let _ = cl.set(n.connect(to)?);
-                                    cl.get().ok_or_else(|| RpcError::internal("client"))?
-                                }
-                            };
-                            cl.call("hop", fwd?)?.to_vec()
-                        })
-                    })
-                    .collect();
-                for h in hs {
-                    answers.push(
-                        h.join()
-                            .unwrap_or_else(|_| Err(RpcError::internal("panic"))),
-                    );
-                }
-            });
-            let mut out = Vec::new();
-            for a in answers {
-                out.extend_from_slice(&a?);
-            }
-            Ok(Payload::from_vec(out))
-        })
-        .method("sleep", |c| {
-            let b = c.payload().to_vec()?;
-            let ms = u64::from_le_bytes(
-                b.try_into()
-                    .map_err(|_| RpcError::invalid_argument("u64 ms"))?,
-            );
-            std::thread::sleep(std::time::Duration::from_millis(ms));
-            Ok(Payload::empty())
-        })
-        .spawn()
+        let lease = arg_after(&args, "--lease").map(|s| s.parse().unwrap());
+        let pool = Pool::open(
+            Path::new(&args[1]),
+            AttachOptions {
+                lease_ms: lease,
+                name: Some("dm-rpc-agent".into()),
+                ..Default::default()
+            },
+        )
         .unwrap();
-    println!("ready");
-    std::io::stdout().flush().unwrap();
-    // Serve until the parent closes stdin.
-    for _ in std::io::stdin().lock().lines() {}
-    server.shutdown();
-}
+        let node = Node::new(pool);
+        match args[2].as_str() {
+            "serve" => serve(&node, &args),
+            "call" => call(&node, &args),
+            other => {
+                eprintln!("unknown mode {other}");
+                std::process::exit(2);
+            }
+        }
+    }
 
-fn call(node: &Node, args: &[String]) {
-    let (name, method, len) = (&args[3], &args[4], args[5].parse::<usize>().unwrap());
-    let c = node.connect(name).unwrap();
-    let payload = if method == "sleep" {
-        Payload::from_vec((len as u64).to_le_bytes().to_vec())
-    } else {
-        Payload::from_vec((0..len).map(|i| i as u8).collect())
-    };
-    println!("calling");
-    std::io::stdout().flush().unwrap();
-    match c.call(method, payload) {
-        Ok(p) => println!("ok {}", p.len()),
-        Err(e) => println!("err {:?}", e.status),
+    fn serve(node: &Node, args: &[String]) {
+        let name = args[3].clone();
+        let next: Vec<String> = match (arg_after(args, "--next"), arg_after(args, "--fan")) {
+            (Some(n), _) => vec![n],
+            (None, Some(f)) => f.split(',').map(str::to_owned).collect(),
+            (None, None) => Vec::new(),
+        };
+        let clients: Vec<OnceLock<Client>> = next.iter().map(|_| OnceLock::new()).collect();
+        let n = node.clone();
+        let server = node
+            .server(&name)
+            .method("hop", move |c| {
+                if next.is_empty() {
+                    let p = c.payload();
+                    let mut out = hash(p)?.to_le_bytes().to_vec();
+                    out.extend_from_slice(&std::process::id().to_le_bytes());
+                    out.push(p.in_pool() as u8);
+                    if let Some(r) = p.as_ref_handle() {
+                        out.extend_from_slice(&r.to_bytes());
+                    }
+                    return Ok(Payload::from_vec(out));
+                }
+                let mut answers = Vec::new();
+                std::thread::scope(|s| {
+                    let hs: Vec<_> = next
+                        .iter()
+                        .zip(&clients)
+                        .map(|(to, cl)| {
+                            let fwd = c.payload().forward();
+                            let n = &n;
+                            s.spawn(move || {
+                                let cl = match cl.get() {
+                                    Some(cl) => cl,
+                                    None => {
+                                        let _ = cl.set(n.connect(to)?);
+                                        cl.get().ok_or_else(|| RpcError::internal("client"))?
+                                    }
+                                };
+                                cl.call("hop", fwd?)?.to_vec()
+                            })
+                        })
+                        .collect();
+                    for h in hs {
+                        answers.push(
+                            h.join()
+                                .unwrap_or_else(|_| Err(RpcError::internal("panic"))),
+                        );
+                    }
+                });
+                let mut out = Vec::new();
+                for a in answers {
+                    out.extend_from_slice(&a?);
+                }
+                Ok(Payload::from_vec(out))
+            })
+            .method("sleep", |c| {
+                let b = c.payload().to_vec()?;
+                let ms = u64::from_le_bytes(
+                    b.try_into()
+                        .map_err(|_| RpcError::invalid_argument("u64 ms"))?,
+                );
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+                Ok(Payload::empty())
+            })
+            .spawn()
+            .unwrap();
+        println!("ready");
+        std::io::stdout().flush().unwrap();
+        // Serve until the parent closes stdin.
+        for _ in std::io::stdin().lock().lines() {}
+        server.shutdown();
+    }
+
+    fn call(node: &Node, args: &[String]) {
+        let (name, method, len) = (&args[3], &args[4], args[5].parse::<usize>().unwrap());
+        let c = node.connect(name).unwrap();
+        let payload = if method == "sleep" {
+            Payload::from_vec((len as u64).to_le_bytes().to_vec())
+        } else {
+            Payload::from_vec((0..len).map(|i| i as u8).collect())
+        };
+        println!("calling");
+        std::io::stdout().flush().unwrap();
+        match c.call(method, payload) {
+            Ok(p) => println!("ok {}", p.len()),
+            Err(e) => println!("err {:?}", e.status),
+        }
     }
 }

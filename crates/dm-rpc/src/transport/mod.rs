@@ -101,6 +101,10 @@ pub trait Listener: Send {
         &mut self,
         deadline: Option<Instant>,
     ) -> Result<Option<(ConnId, Frame)>, TransportError>;
+    /// The next frame already waiting, without waiting.
+    fn poll(&mut self) -> Result<Option<(ConnId, Frame)>, TransportError> {
+        self.next(Some(Instant::now()))
+    }
     /// Answers on connection `conn`. An error concerns that connection only.
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError>;
     /// Largest inline payload the transport carries.

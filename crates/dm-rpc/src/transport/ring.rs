@@ -1,20 +1,26 @@
 //! A single-producer single-consumer byte ring in shared memory: the fast
-//! path of a shared-memory connection. No locks: the producer owns `head`,
-//! the consumer owns `tail`, each on its own cache line, and each side
-//! caches the other's cursor so that a message in each direction costs one
-//! cache-line transfer per cursor.
+//! path of a shared-memory connection. No locks, and one cache-line
+//! transfer per small message: the consumer learns that a record is there
+//! from the record's own header, which sits on the same cache line as the
+//! start of its bytes, rather than from a separate head cursor.
 //!
-//! Records are 8-byte aligned: `len: u32 | !len: u32 | len bytes | pad`. A
-//! record never wraps; when the space left before the end is too small,
-//! the producer writes a wrap marker (`u32::MAX | 0`) and starts at 0. So a
+//! Records start on 64-byte boundaries: `header: u64 | len bytes | pad`.
+//! The header is `len: u32 | tag: u32` with `tag = !len ^ lap`, where `lap`
+//! is the record's cursor divided by the ring size, so a record left from
+//! an earlier lap never looks ready. The producer writes the bytes, then the
+//! header with one Release store; the consumer loads the header at its
+//! cursor with Acquire and, if the tag matches, copies the record out. A
+//! record never wraps: when the space left before the end is too small, the
+//! producer writes a wrap marker (`len = u32::MAX`) and starts at 0, so a
 //! record is at most half the ring. Cursors are byte counts that only grow
-//! (indices are `cursor & (size - 1)`).
+//! (indices are `cursor & (size - 1)`); the consumer publishes `tail` so the
+//! producer knows what space is free, and the producer publishes `head` for
+//! inspection only.
 //!
-//! The consumer never trusts the peer: a head that runs ahead of the ring,
-//! a length that does not match its complement or runs past the published
-//! head is a [`RingError::Corrupt`], and records are copied out before they
-//! are decoded, so a peer that scribbles on the ring cannot change bytes
-//! under the decoder.
+//! The consumer never trusts the peer: a ready header whose length runs
+//! past the ring or exceeds half of it is a [`RingError::Corrupt`], and
+//! records are copied out before they are decoded, so a peer that scribbles
+//! on the ring cannot change bytes under the decoder.
 //!
 //! Wake-ups follow [`crate::wait::Bell`]: after publishing, the producer
 //! rings the consumer's bell; after consuming, the consumer rings the
@@ -24,8 +30,11 @@ use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::wait::Bell;
 
 /// Ring layout version (the record format and cursor layout above).
-pub const RING_VERSION: u32 = 1;
+/// History: 1 — readiness from the head cursor, 8-byte records; 2 —
+/// readiness from lap-tagged record headers, 64-byte aligned records.
+pub const RING_VERSION: u32 = 2;
 const REC_HDR: usize = 8;
+const REC_ALIGN: usize = 64;
 const WRAP: u32 = u32::MAX;
 
 /// A value on its own cache line.
@@ -37,7 +46,7 @@ pub struct Line<T>(pub T);
 #[repr(C)]
 #[derive(Debug, Default)]
 pub struct RingControl {
-    /// Bytes ever published by the producer.
+    /// Bytes ever published by the producer (for inspection).
     pub head: Line<AtomicU64>,
     /// Bytes ever consumed by the consumer.
     pub tail: Line<AtomicU64>,
@@ -48,12 +57,16 @@ pub struct RingControl {
 
 /// The ring's bytes.
 pub trait RingData {
-    /// Size in bytes (a power of two).
+    /// Size in bytes (a power of two, at least 4 KiB in real rings).
     fn size(&self) -> usize;
     /// Copies `src` into the ring at `at` (`at + src.len() <= size`).
     fn write(&self, at: usize, src: &[u8]);
     /// Copies ring bytes at `at` into `dst` (`at + dst.len() <= size`).
     fn read(&self, at: usize, dst: &mut [u8]);
+    /// Stores the 8-byte-aligned word at `at` with Release ordering.
+    fn store_word(&self, at: usize, v: u64);
+    /// Loads the 8-byte-aligned word at `at` with Acquire ordering.
+    fn load_word(&self, at: usize) -> u64;
 }
 
 /// Ring bytes in a shared mapping.
@@ -65,15 +78,23 @@ pub struct RawData {
 
 // SAFETY: the bytes live in a shared mapping kept alive by the owner of the
 // ring; accesses are split between one producer and one consumer by the
-// cursor protocol.
+// record protocol.
 unsafe impl Send for RawData {}
 
 impl RawData {
     /// # Safety
     /// `base..base + size` must stay mapped and writable for the life of
-    /// the value, and `size` must be a power of two.
+    /// the value, `base` must be 64-byte aligned and `size` a power of two.
     pub unsafe fn new(base: *mut u8, size: usize) -> Self {
         RawData { base, size }
+    }
+
+    fn word(&self, at: usize) -> &AtomicU64 {
+        debug_assert!(at.is_multiple_of(8) && at + 8 <= self.size);
+        // SAFETY: in bounds and aligned (callers pass record starts, which
+        // are 64-byte aligned in a 64-byte aligned ring); any bits are a
+        // valid AtomicU64.
+        unsafe { &*(self.base.add(at) as *const AtomicU64) }
     }
 }
 
@@ -96,6 +117,14 @@ impl RingData for RawData {
         // consumer validates after this copy).
         unsafe { std::ptr::copy_nonoverlapping(self.base.add(at), dst.as_mut_ptr(), dst.len()) }
     }
+    #[inline]
+    fn store_word(&self, at: usize, v: u64) {
+        self.word(at).store(v, Ordering::Release)
+    }
+    #[inline]
+    fn load_word(&self, at: usize) -> u64 {
+        self.word(at).load(Ordering::Acquire)
+    }
 }
 
 /// What went wrong with a ring.
@@ -115,12 +144,18 @@ pub enum RingError {
 }
 
 fn record_len(len: usize) -> usize {
-    (REC_HDR + len + 7) & !7
+    (REC_HDR + len + REC_ALIGN - 1) & !(REC_ALIGN - 1)
 }
 
 /// The largest record payload a ring of `size` bytes takes.
 pub fn max_record(size: usize) -> usize {
     size / 2 - REC_HDR
+}
+
+/// The header of a record of `len` bytes at cursor `pos` of a ring of `size`.
+pub fn header(len: u32, pos: u64, size: usize) -> u64 {
+    let lap = (pos / size as u64) as u32;
+    len as u64 | (((!len) ^ lap) as u64) << 32
 }
 
 /// The producing end.
@@ -136,7 +171,9 @@ pub struct Producer<'a, D> {
 impl<'a, D: RingData> Producer<'a, D> {
     /// Takes the producing end of a ring whose cursors are `ctl`.
     pub fn new(ctl: &'a RingControl, data: D, consumer_bell: &'a AtomicU32) -> Self {
-        let head = ctl.head.0.load(Ordering::Relaxed);
+        // A fresh ring starts at 0; a cursor a peer scribbled is realigned
+        // so records stay aligned whatever it wrote.
+        let head = ctl.head.0.load(Ordering::Relaxed) & !(REC_ALIGN as u64 - 1);
         Producer {
             ctl,
             data,
@@ -146,6 +183,11 @@ impl<'a, D: RingData> Producer<'a, D> {
         }
     }
 
+    /// Where the next record goes (a cursor: bytes ever published).
+    pub fn position(&self) -> u64 {
+        self.head
+    }
+
     /// The producer's bell (park on it when [`try_push`](Self::try_push) says full).
     pub fn bell(&self) -> Bell<'a> {
         Bell(&self.ctl.producer_bell.0)
@@ -153,13 +195,23 @@ impl<'a, D: RingData> Producer<'a, D> {
 
     /// Whether a record of `len` bytes would fit now.
     pub fn fits(&mut self, len: usize) -> bool {
-        let size = self.data.size();
         let need = self.need(len);
         if self.free_space() >= need {
             return true;
         }
         self.tail_cache = self.ctl.tail.0.load(Ordering::Acquire);
-        self.free_space() >= need && need <= size
+        self.free_space() >= need
+    }
+
+    /// Whether `n` records of `len` bytes would fit now (counting one
+    /// more record of room for a wrap marker).
+    pub fn fits_many(&mut self, len: usize, n: usize) -> bool {
+        let need = record_len(len).saturating_mul(n.saturating_add(1));
+        if self.free_space() >= need {
+            return true;
+        }
+        self.tail_cache = self.ctl.tail.0.load(Ordering::Acquire);
+        self.free_space() >= need
     }
 
     fn free_space(&self) -> usize {
@@ -197,16 +249,10 @@ impl<'a, D: RingData> Producer<'a, D> {
         let mut idx = self.head as usize & (size - 1);
         let rec = record_len(len);
         if size - idx < rec {
-            let mut m = [0u8; REC_HDR];
-            m[..4].copy_from_slice(&WRAP.to_le_bytes());
-            self.data.write(idx, &m);
+            self.data.store_word(idx, header(WRAP, self.head, size));
             self.head += (size - idx) as u64;
             idx = 0;
         }
-        let mut h = [0u8; REC_HDR];
-        h[..4].copy_from_slice(&(len as u32).to_le_bytes());
-        h[4..].copy_from_slice(&(!(len as u32)).to_le_bytes());
-        self.data.write(idx, &h);
         let mut at = idx + REC_HDR;
         let end = at + len;
         let data = &self.data;
@@ -226,8 +272,10 @@ impl<'a, D: RingData> Producer<'a, D> {
                 at += n;
             }
         }
+        self.data
+            .store_word(idx, header(len as u32, self.head, size));
         self.head += rec as u64;
-        self.ctl.head.0.store(self.head, Ordering::Release);
+        self.ctl.head.0.store(self.head, Ordering::Relaxed);
         self.consumer_bell.ring();
         Ok(true)
     }
@@ -239,29 +287,30 @@ pub struct Consumer<'a, D> {
     ctl: &'a RingControl,
     data: D,
     tail: u64,
-    head_cache: u64,
 }
 
 impl<'a, D: RingData> Consumer<'a, D> {
     /// Takes the consuming end of a ring whose cursors are `ctl`.
     pub fn new(ctl: &'a RingControl, data: D) -> Self {
-        let tail = ctl.tail.0.load(Ordering::Relaxed);
-        Consumer {
-            ctl,
-            data,
-            tail,
-            head_cache: tail,
-        }
+        let tail = ctl.tail.0.load(Ordering::Relaxed) & !(REC_ALIGN as u64 - 1);
+        Consumer { ctl, data, tail }
     }
 
-    /// Whether a record may be waiting (one load when none is cached).
+    /// The header at the cursor, if a record (or wrap marker) of this lap
+    /// is there: `Some(len)`.
+    #[inline]
+    fn peek(&self) -> Option<u32> {
+        let size = self.data.size();
+        let idx = self.tail as usize & (size - 1);
+        let w = self.data.load_word(idx);
+        let len = w as u32;
+        (w == header(len, self.tail, size)).then_some(len)
+    }
+
+    /// Whether a record is waiting (one load of its header's line).
     #[inline]
     pub fn ready(&mut self) -> bool {
-        if self.head_cache != self.tail {
-            return true;
-        }
-        self.head_cache = self.ctl.head.0.load(Ordering::Acquire);
-        self.head_cache != self.tail
+        self.peek().is_some()
     }
 
     /// Copies the next record into `out` (replacing its contents) and frees
@@ -269,37 +318,21 @@ impl<'a, D: RingData> Consumer<'a, D> {
     pub fn try_pop(&mut self, out: &mut Vec<u8>) -> Result<bool, RingError> {
         let size = self.data.size();
         loop {
-            if !self.ready() {
+            let Some(len) = self.peek() else {
                 return Ok(false);
-            }
-            let avail = self.head_cache.wrapping_sub(self.tail);
-            if avail > size as u64 || !avail.is_multiple_of(8) {
-                return Err(RingError::Corrupt(format!(
-                    "head {} is {avail} bytes past tail {} in a ring of {size}",
-                    self.head_cache, self.tail
-                )));
-            }
+            };
             let idx = self.tail as usize & (size - 1);
-            let mut h = [0u8; REC_HDR];
-            self.data.read(idx, &mut h);
-            let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
-            let chk = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
-            if len == WRAP && chk == 0 {
-                let skip = (size - idx) as u64;
-                if skip > avail {
-                    return Err(RingError::Corrupt("wrap marker past the head".into()));
+            if len == WRAP {
+                if idx == 0 {
+                    return Err(RingError::Corrupt("wrap marker at the ring's start".into()));
                 }
-                self.tail += skip;
+                self.tail += (size - idx) as u64;
                 continue;
             }
             let rec = record_len(len as usize);
-            if chk != !len
-                || len as usize > max_record(size)
-                || rec as u64 > avail
-                || idx + rec > size
-            {
+            if len as usize > max_record(size) || idx + rec > size {
                 return Err(RingError::Corrupt(format!(
-                    "record at {idx}: length {len} (check {chk:#x}) with {avail} bytes published"
+                    "record at {idx} of {len} bytes runs past a ring of {size}"
                 )));
             }
             out.clear();
@@ -329,6 +362,14 @@ mod tests {
         fn read(&self, at: usize, dst: &mut [u8]) {
             dst.copy_from_slice(&self.0.borrow()[at..at + dst.len()]);
         }
+        fn store_word(&self, at: usize, v: u64) {
+            self.write(at, &v.to_le_bytes());
+        }
+        fn load_word(&self, at: usize) -> u64 {
+            let mut b = [0u8; 8];
+            self.read(at, &mut b);
+            u64::from_le_bytes(b)
+        }
     }
 
     fn push(p: &mut Producer<'_, &VecData>, msg: &[u8]) -> bool {
@@ -345,6 +386,12 @@ mod tests {
         }
         fn read(&self, at: usize, dst: &mut [u8]) {
             (*self).read(at, dst)
+        }
+        fn store_word(&self, at: usize, v: u64) {
+            (*self).store_word(at, v)
+        }
+        fn load_word(&self, at: usize) -> u64 {
+            (*self).load_word(at)
         }
     }
 
@@ -382,16 +429,18 @@ mod tests {
 
         /// Garbage cursors or records from a peer are errors, never panics.
         #[test]
-        fn scribbled_ring_is_rejected_not_trusted(head: u64, bytes in proptest::collection::vec(any::<u8>(), 64)) {
+        fn scribbled_ring_is_rejected_not_trusted(tail: u64, len: u32, bytes in proptest::collection::vec(any::<u8>(), 256)) {
             let ctl = RingControl::default();
-            let data = VecData(std::cell::RefCell::new(vec![0u8; 64]));
-            data.write(0, &bytes);
-            ctl.head.0.store(head, Ordering::Relaxed);
+            let data = VecData(std::cell::RefCell::new(bytes));
+            ctl.tail.0.store(tail, Ordering::Relaxed);
             let mut c = Consumer::new(&ctl, &data);
+            // Also a header that is ready for this lap, with any length.
+            let at = c.tail as usize & 255;
+            data.store_word(at, header(len, c.tail, 256));
             let mut out = Vec::new();
             for _ in 0..10 {
                 match c.try_pop(&mut out) {
-                    Ok(true) => prop_assert!(out.len() <= max_record(64)),
+                    Ok(true) => prop_assert!(out.len() <= max_record(256)),
                     Ok(false) | Err(_) => break,
                 }
             }

@@ -21,7 +21,7 @@
 
 use super::ring::{self, Consumer, Producer, RawData, RingControl};
 use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
-use crate::frame::{Frame, Limits, HEADER_LEN};
+use crate::frame::{Frame, Kind, Limits, HEADER_LEN};
 use crate::sync::{AtomicU32, Ordering};
 use crate::wait::{Bell, WaitPolicy};
 use dm_pool::{ChannelId, ChannelMemory, Peer, Pool, ServiceInfo, Side};
@@ -230,6 +230,9 @@ struct ServerConn {
     ch: ChannelId,
     req: Consumer<'static, RawData>,
     resp: Producer<'static, RawData>,
+    /// Requests taken but not answered yet: each holds room for one
+    /// answer in `resp`.
+    owed: usize,
 }
 
 /// The server's end: every channel opened to one registered service.
@@ -246,6 +249,7 @@ pub struct ShmListener {
     reserve: usize,
     buf: Vec<u8>,
     last_sweep: Instant,
+    polls: u32,
     // Last: dropped after the rings that point into it.
     pool: Pool,
 }
@@ -289,6 +293,7 @@ impl ShmListener {
             reserve: HEADER_LEN + reserve_inline.min(max_inline),
             buf: Vec::new(),
             last_sweep: Instant::now(),
+            polls: 0,
             pool: pool.clone(),
         })
     }
@@ -316,6 +321,7 @@ impl ShmListener {
                 ch,
                 req: Consumer::new(p.req, p.req_data),
                 resp: Producer::new(p.resp, p.resp_data, p.client_bell),
+                owed: 0,
             });
             self.next_id += 1;
         }
@@ -334,18 +340,35 @@ impl ShmListener {
         });
     }
 
+    /// Decodes the record just taken from connection `i`. A client that
+    /// sends garbage loses its connection; the others are not disturbed.
+    fn decode_for(&mut self, i: usize) -> Option<Frame> {
+        match Frame::decode(&self.buf, &self.limits) {
+            Ok(Some((f, used))) if used == self.buf.len() => {
+                if f.kind == Kind::Request {
+                    self.conns[i].owed += 1;
+                }
+                Some(f)
+            }
+            _ => {
+                self.drop_conn(i);
+                None
+            }
+        }
+    }
+
     fn drop_conn(&mut self, k: usize) {
         let c = self.conns.swap_remove(k);
         self.pool.close_channel(c.ch, Side::Server);
     }
 
     /// Looks at each connection once, starting after the last served one.
-    fn poll(&mut self) -> Option<Result<(ConnId, usize), usize>> {
+    fn poll_conns(&mut self) -> Option<Result<(ConnId, usize), usize>> {
         let n = self.conns.len();
         for k in 0..n {
             let i = (self.rr + k) % n;
             let c = &mut self.conns[i];
-            if !c.req.ready() || !c.resp.fits(self.reserve) {
+            if !c.req.ready() || !c.resp.fits_many(self.reserve, c.owed + 1) {
                 continue;
             }
             self.rr = i + 1;
@@ -373,7 +396,10 @@ impl Listener for ShmListener {
         deadline: Option<Instant>,
     ) -> Result<Option<(ConnId, Frame)>, TransportError> {
         loop {
-            if self.last_sweep.elapsed() > Duration::from_millis(100) {
+            self.polls = self.polls.wrapping_add(1);
+            if self.polls.is_multiple_of(4096)
+                && self.last_sweep.elapsed() > Duration::from_millis(100)
+            {
                 self.sweep();
             }
             self.accept_new();
@@ -391,7 +417,7 @@ impl Listener for ShmListener {
                     if words[CONN_EPOCH].load(Ordering::Relaxed) != self.epoch {
                         self.accept_new();
                     }
-                    self.poll().map(Some)
+                    self.poll_conns().map(Some)
                 },
                 // A park slice passed with nothing to do: leave the wait to
                 // drop connections whose clients are gone.
@@ -412,11 +438,25 @@ impl Listener for ShmListener {
                 }
                 Some(Some(Ok(x))) => x,
             };
-            match Frame::decode(&self.buf, &self.limits) {
-                Ok(Some((f, used))) if used == self.buf.len() => return Ok(Some((id, f))),
-                // A client that sends garbage loses its connection; the
-                // others are not disturbed.
-                _ => self.drop_conn(i),
+            if let Some(f) = self.decode_for(i) {
+                return Ok(Some((id, f)));
+            }
+        }
+    }
+
+    fn poll(&mut self) -> Result<Option<(ConnId, Frame)>, TransportError> {
+        loop {
+            let (id, i) = match self.poll_conns() {
+                None => return Ok(None),
+                Some(Err(i)) => {
+                    self.drop_conn(i);
+                    continue;
+                }
+                Some(Ok(x)) => x,
+            };
+            match self.decode_for(i) {
+                Some(f) => return Ok(Some((id, f))),
+                None => continue,
             }
         }
     }
@@ -427,7 +467,9 @@ impl Listener for ShmListener {
                 "connection {conn} is gone"
             )));
         };
-        let (pool, ch) = (&self.pool, self.conns[k].ch);
+        let c = &mut self.conns[k];
+        c.owed = c.owed.saturating_sub(1);
+        let (pool, ch) = (&self.pool, c.ch);
         let r = push(
             &mut self.conns[k].resp,
             f,
@@ -466,7 +508,7 @@ impl Listener for ShmListener {
 /// broken cursors). Closes its end on drop.
 pub struct RawConnection {
     prod: Producer<'static, RawData>,
-    req: &'static RingControl,
+    data: RawData,
     sh: Arc<ClientShared>,
 }
 
@@ -496,7 +538,7 @@ impl RawConnection {
         words[CONN_EPOCH].fetch_add(1, Ordering::AcqRel);
         Ok(RawConnection {
             prod: Producer::new(p.req, p.req_data, &words[SERVER_BELL]),
-            req: p.req,
+            data: p.req_data,
             sh,
         })
     }
@@ -509,9 +551,14 @@ impl RawConnection {
             .unwrap_or(false)
     }
 
-    /// Overwrites the request ring's head cursor.
-    pub fn scribble_head(&self, v: u64) {
-        self.req.head.0.store(v, Ordering::Release);
+    /// Publishes a record header claiming `len` bytes at the next record's
+    /// place, with no regard for the ring's size.
+    pub fn scribble_header(&self, len: u32) {
+        use ring::RingData;
+        let pos = self.prod.position();
+        let size = self.data.size();
+        self.data
+            .store_word(pos as usize & (size - 1), ring::header(len, pos, size));
         if let Ok(w) = service_words(&self.sh.pool, &self.sh.svc) {
             Bell(&w[SERVER_BELL]).ring();
         }

@@ -11,71 +11,38 @@
 //! Also: the cost of one copy-on-write (explicit write, and a store through
 //! a mapped buffer), and alloc/write/free throughput with 1 and 2 processes.
 
+use super::peer::{hex, median, Peer, TempFile};
 use super::serde_like::Obj;
 use super::BenchArgs;
-use anyhow::{anyhow, bail, Context, Result};
-use clap::Args;
+use anyhow::{bail, Result};
 use dm_pool::{AttachOptions, MappedBuffer, Pool, PoolConfig, Ref};
 use dmrpc::fmt_size;
 use std::hint::black_box;
-use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[derive(Args, Debug)]
-pub struct PeerArgs {
-    #[arg(long)]
-    pub path: PathBuf,
+/// The peer's `map REF` command: maps the Ref (timed), touches it, unmaps
+/// (timed). Answers `ok MAP_NS FREE_NS`.
+pub(super) fn peer_map(pool: &Pool, hex_ref: &str) -> Result<String> {
+    let b: Vec<u8> = (0..hex_ref.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex_ref.get(i..i + 2).unwrap_or("zz"), 16))
+        .collect::<Result<_, _>>()?;
+    let r = Ref::from_bytes(&b)?;
+    let t = Instant::now();
+    let m = pool.map_ref(&r)?;
+    let map_ns = t.elapsed().as_nanos();
+    black_box(m.segments(0, 1)?);
+    let t = Instant::now();
+    drop(m);
+    Ok(format!("ok {map_ns} {}", t.elapsed().as_nanos()))
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// The peer process: maps Refs (timed) and runs alloc loops on request.
-pub fn peer(a: PeerArgs) -> Result<()> {
-    let pool = Pool::open(
-        &a.path,
-        AttachOptions {
-            prefault: true,
-            name: Some("bench-peer".into()),
-            ..Default::default()
-        },
-    )?;
-    let mut out = std::io::stdout().lock();
-    println!("ready");
-    for line in std::io::stdin().lock().lines() {
-        let line = line?;
-        let mut it = line.split_whitespace();
-        match it.next() {
-            Some("map") => {
-                let h = it.next().ok_or_else(|| anyhow!("map: no ref"))?;
-                let b: Vec<u8> = (0..h.len())
-                    .step_by(2)
-                    .map(|i| u8::from_str_radix(&h[i..i + 2], 16))
-                    .collect::<Result<_, _>>()?;
-                let r = Ref::from_bytes(&b)?;
-                let t = Instant::now();
-                let m = pool.map_ref(&r)?;
-                let map_ns = t.elapsed().as_nanos();
-                black_box(m.segments(0, 1)?);
-                let t = Instant::now();
-                drop(m);
-                let free_ns = t.elapsed().as_nanos();
-                writeln!(out, "ok {map_ns} {free_ns}")?;
-            }
-            Some("alloc") => {
-                let n: u64 = it.next().and_then(|s| s.parse().ok()).unwrap_or(1000);
-                let t = Instant::now();
-                alloc_loop(&pool, n)?;
-                writeln!(out, "ok {}", t.elapsed().as_nanos())?;
-            }
-            _ => break,
-        }
-        out.flush()?;
-    }
-    Ok(())
+/// The peer's `alloc N` command. Answers `ok NS`.
+pub(super) fn peer_alloc(pool: &Pool, n: u64) -> Result<String> {
+    let t = Instant::now();
+    alloc_loop(pool, n)?;
+    Ok(format!("ok {}", t.elapsed().as_nanos()))
 }
 
 fn alloc_loop(pool: &Pool, n: u64) -> Result<()> {
@@ -87,73 +54,6 @@ fn alloc_loop(pool: &Pool, n: u64) -> Result<()> {
     Ok(())
 }
 
-struct Peer {
-    child: Child,
-    stdin: ChildStdin,
-    out: BufReader<ChildStdout>,
-}
-
-impl Peer {
-    fn spawn(path: &std::path::Path) -> Result<Peer> {
-        let mut child = Command::new(std::env::current_exe()?)
-            .arg("__bench-peer")
-            .arg("--path")
-            .arg(path)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting the peer process")?;
-        let stdin = child.stdin.take().ok_or_else(|| anyhow!("no stdin"))?;
-        let out = BufReader::new(child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?);
-        let mut p = Peer { child, stdin, out };
-        if p.line()? != "ready" {
-            bail!("peer failed to start");
-        }
-        Ok(p)
-    }
-
-    fn line(&mut self) -> Result<String> {
-        let mut s = String::new();
-        if self.out.read_line(&mut s)? == 0 {
-            bail!("the peer exited");
-        }
-        Ok(s.trim().to_string())
-    }
-
-    fn send(&mut self, cmd: &str) -> Result<()> {
-        writeln!(self.stdin, "{cmd}")?;
-        Ok(self.stdin.flush()?)
-    }
-
-    fn ok_nums(&mut self) -> Result<Vec<f64>> {
-        let l = self.line()?;
-        let mut it = l.split_whitespace();
-        if it.next() != Some("ok") {
-            bail!("peer: {l}");
-        }
-        Ok(it.filter_map(|x| x.parse().ok()).collect())
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        let _ = self.child.wait();
-    }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-struct TempPool(PathBuf);
-impl Drop for TempPool {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 pub fn run(a: &BenchArgs) -> Result<()> {
     let max = if a.quick { 16 << 20 } else { 64 << 20 };
     let budget = Duration::from_millis(if a.quick { 150 } else { 600 });
@@ -161,7 +61,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "/dev/shm/dmrpc-bench-cow-{}.pool",
         std::process::id()
     ));
-    let _guard = TempPool(path.clone());
+    let _guard = TempFile(path.clone());
     Pool::create(
         &path,
         &PoolConfig {
@@ -178,7 +78,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             ..Default::default()
         },
     )?;
-    let mut peer = Peer::spawn(&path)?;
+    let mut peer = Peer::spawn(&path, &[])?;
 
     println!("bench cow: create_ref + map_ref (in another process) vs copying the buffer");
     println!(
@@ -317,29 +217,18 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.num("cow_fault_ns", cow_fault);
     res.num("alloc_free_ops_1proc", one);
     res.num("alloc_free_ops_2proc", two);
-    let json = a.out.join("cow.json");
-    std::fs::write(&json, res.render())?;
-    let mut csv = String::from("size,copy_ns,create_ref_ns,map_ref_ns,share_total_ns,ratio\n");
-    for r in &rows {
-        let j = r.render();
-        let get = |k: &str| -> String {
-            j.split(&format!("\"{k}\":"))
-                .nth(1)
-                .and_then(|s| s.split([',', '}']).next())
-                .unwrap_or("")
-                .to_string()
-        };
-        csv += &format!(
-            "{},{},{},{},{},{}\n",
-            get("size"),
-            get("copy_ns"),
-            get("create_ref_ns"),
-            get("map_ref_ns"),
-            get("share_total_ns"),
-            get("ratio_copy_over_share")
-        );
-    }
-    std::fs::write(a.out.join("cow.csv"), csv)?;
-    println!("results: {}", json.display());
-    Ok(())
+    super::write_results(
+        a,
+        "cow",
+        &res,
+        &rows,
+        &[
+            "size",
+            "copy_ns",
+            "create_ref_ns",
+            "map_ref_ns",
+            "share_total_ns",
+            "ratio_copy_over_share",
+        ],
+    )
 }

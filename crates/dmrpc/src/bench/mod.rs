@@ -3,6 +3,8 @@
 //! within one run). Results go to `--out` as JSON and CSV.
 
 mod cow;
+mod peer;
+mod rtt;
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -10,7 +12,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// Which benchmark: `cow` (create_ref + map_ref vs copying), or `all`.
+    /// Which benchmark: `cow` (create_ref + map_ref vs copying), `rtt`
+    /// (no-op round trip vs the raw shared-memory floor), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -20,13 +23,18 @@ pub struct BenchArgs {
     pub out: PathBuf,
 }
 
-pub use cow::{peer, PeerArgs};
+pub use peer::{peer, PeerArgs};
 
 pub fn run(a: BenchArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out)?;
     match a.name.as_str() {
-        "cow" | "all" => cow::run(&a),
-        n => bail!("unknown benchmark {n:?} (available: cow, all)"),
+        "cow" => cow::run(&a),
+        "rtt" => rtt::run(&a),
+        "all" => {
+            cow::run(&a)?;
+            rtt::run(&a)
+        }
+        n => bail!("unknown benchmark {n:?} (available: cow, rtt, all)"),
     }
 }
 
@@ -88,6 +96,10 @@ pub mod serde_like {
             let items: Vec<String> = v.iter().map(|o| o.render()).collect();
             self.0.push((k.into(), format!("[{}]", items.join(","))));
         }
+        /// The rendered value of field `k`.
+        pub fn get(&self, k: &str) -> Option<&str> {
+            self.0.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str())
+        }
         pub fn render(&self) -> String {
             let f: Vec<String> = self
                 .0
@@ -97,4 +109,25 @@ pub mod serde_like {
             format!("{{{}}}", f.join(","))
         }
     }
+}
+
+/// Writes `NAME.json` (the whole result) and `NAME.csv` (one line per row,
+/// the given columns) under the output directory.
+pub fn write_results(
+    a: &BenchArgs,
+    name: &str,
+    res: &serde_like::Obj,
+    rows: &[serde_like::Obj],
+    columns: &[&str],
+) -> Result<()> {
+    let json = a.out.join(format!("{name}.json"));
+    std::fs::write(&json, res.render())?;
+    let mut csv = columns.join(",") + "\n";
+    for r in rows {
+        let line: Vec<&str> = columns.iter().map(|c| r.get(c).unwrap_or("")).collect();
+        csv += &(line.join(",") + "\n");
+    }
+    std::fs::write(a.out.join(format!("{name}.csv")), csv)?;
+    println!("results: {}", json.display());
+    Ok(())
 }

@@ -1,0 +1,74 @@
+//! A no-op call loop between two processes, for profiling the round trip
+//! (`perf record -a -- target/release/examples/noop_loop 2000000`).
+#![allow(clippy::unwrap_used)]
+
+#[cfg(loom)]
+fn main() {}
+
+#[cfg(not(loom))]
+fn main() {
+    use dm_pool::{AttachOptions, Pool, PoolConfig};
+    use dm_rpc::{Node, Payload};
+    use std::time::Instant;
+    let args: Vec<String> = std::env::args().collect();
+    let wait = match std::env::var("POLICY").as_deref() {
+        Ok("spin") => dm_rpc::WaitPolicy::spin_only(),
+        Ok("park") => dm_rpc::WaitPolicy::park_only(),
+        _ => dm_rpc::WaitPolicy::default(),
+    };
+    let cfg = dm_rpc::Config {
+        wait,
+        ..Default::default()
+    };
+    if args.get(1).map(String::as_str) == Some("serve") {
+        let pool = Pool::open(args[2].as_ref(), AttachOptions::default()).unwrap();
+        let node = Node::with_config(pool, cfg);
+        let s = node
+            .server("profile/noop")
+            .method("noop", |_| Ok(Payload::empty()))
+            .spawn()
+            .unwrap();
+        println!("ready");
+        let mut l = String::new();
+        let _ = std::io::stdin().read_line(&mut l);
+        s.shutdown();
+        return;
+    }
+    let n: u64 = args
+        .get(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000_000);
+    let path = format!("/dev/shm/dmrpc-noop-loop-{}.pool", std::process::id());
+    Pool::create(
+        path.as_ref(),
+        &PoolConfig {
+            size: 64 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["serve", &path])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut l = String::new();
+    std::io::BufRead::read_line(&mut out, &mut l).unwrap();
+    let node = Node::with_config(
+        Pool::open(path.as_ref(), AttachOptions::default()).unwrap(),
+        cfg,
+    );
+    let c = node.connect("profile/noop").unwrap();
+    let t = Instant::now();
+    for _ in 0..n {
+        c.call("noop", Payload::empty()).unwrap();
+    }
+    let per = t.elapsed().as_nanos() as f64 / n as f64;
+    println!("{per:.0} ns per no-op round trip");
+    drop(c);
+    drop(child.stdin.take());
+    child.wait().unwrap();
+    let _ = std::fs::remove_file(&path);
+}

@@ -1,0 +1,224 @@
+//! The other process of the benchmarks (`dmrpc __bench-peer`), driven line
+//! by line over stdin/stdout, and the helpers the benchmarks share.
+//!
+//! Commands: `map REF` and `alloc N` (bench cow), `pong FILE` (the raw
+//! shared-memory ping-pong floor of bench rtt), `serve NAME POLICY` and
+//! `unserve` (a no-op RPC service), `quit`.
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use dm_pool::{AttachOptions, Pool};
+use dm_rpc::{Config, Node, Payload, WaitPolicy};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+#[derive(Args, Debug)]
+pub struct PeerArgs {
+    #[arg(long)]
+    pub path: PathBuf,
+}
+
+/// A waiting policy by name: `default`, `spin`, `park`.
+pub fn policy(name: &str) -> Result<WaitPolicy> {
+    Ok(match name {
+        "default" => WaitPolicy::default(),
+        "spin" => WaitPolicy::spin_only(),
+        "park" => WaitPolicy::park_only(),
+        p => bail!("unknown policy {p:?} (default, spin, park)"),
+    })
+}
+
+/// The peer process.
+pub fn peer(a: PeerArgs) -> Result<()> {
+    let pool = Pool::open(
+        &a.path,
+        AttachOptions {
+            prefault: true,
+            name: Some("bench-peer".into()),
+            ..Default::default()
+        },
+    )?;
+    let mut servers = Vec::new();
+    let mut out = std::io::stdout().lock();
+    println!("ready");
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let mut it = line.split_whitespace();
+        let answer = match (it.next(), it.next(), it.next()) {
+            (Some("map"), Some(r), _) => super::cow::peer_map(&pool, r)?,
+            (Some("alloc"), n, _) => {
+                super::cow::peer_alloc(&pool, n.and_then(|s| s.parse().ok()).unwrap_or(1000))?
+            }
+            (Some("pong"), Some(file), _) => pong(Path::new(file))?,
+            (Some("serve"), Some(name), Some(pol)) => {
+                let node = Node::with_config(
+                    pool.clone(),
+                    Config {
+                        wait: policy(pol)?,
+                        ..Default::default()
+                    },
+                );
+                servers.push(
+                    node.server(name)
+                        .method("noop", |_| Ok(Payload::empty()))
+                        .method("echo", |c| Ok(c.take_payload()))
+                        .spawn()?,
+                );
+                "ok".into()
+            }
+            (Some("unserve"), _, _) => {
+                servers.clear();
+                "ok".into()
+            }
+            _ => break,
+        };
+        writeln!(out, "{answer}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// The two words of the ping-pong file, on separate cache lines.
+pub struct PingPong {
+    file: dm_sys::mem::SharedFile,
+}
+
+impl PingPong {
+    pub fn create(path: &Path) -> Result<PingPong> {
+        Ok(PingPong {
+            file: dm_sys::mem::SharedFile::create(path, 4096)?,
+        })
+    }
+
+    pub fn open(path: &Path) -> Result<PingPong> {
+        Ok(PingPong {
+            file: dm_sys::mem::SharedFile::open(path, None)?,
+        })
+    }
+
+    fn word(&self, line: usize) -> &AtomicU64 {
+        // SAFETY: the file is 4096 bytes, mapped shared for our lifetime;
+        // lines 0 and 1 are 64-byte aligned u64s, valid for any bits.
+        unsafe { &*(self.file.base().add(line * 64) as *const AtomicU64) }
+    }
+
+    pub fn ping(&self) -> &AtomicU64 {
+        self.word(0)
+    }
+
+    pub fn pong(&self) -> &AtomicU64 {
+        self.word(1)
+    }
+}
+
+/// Echoes every new ping value into pong until ping is `u64::MAX`.
+fn pong(path: &Path) -> Result<String> {
+    let pp = PingPong::open(path)?;
+    // The file starts zeroed; the client may have pinged already.
+    let mut last = 0;
+    loop {
+        let v = pp.ping().load(Ordering::Acquire);
+        if v == last {
+            std::hint::spin_loop();
+            continue;
+        }
+        if v == u64::MAX {
+            return Ok("ok".into());
+        }
+        pp.pong().store(v, Ordering::Release);
+        last = v;
+    }
+}
+
+/// A running peer process.
+pub struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    out: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    pub fn spawn(path: &Path, env: &[(&str, &str)]) -> Result<Peer> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("__bench-peer")
+            .arg("--path")
+            .arg(path)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the peer process")?;
+        let stdin = child.stdin.take().ok_or_else(|| anyhow!("no stdin"))?;
+        let out = BufReader::new(child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?);
+        let mut p = Peer { child, stdin, out };
+        if p.line()? != "ready" {
+            bail!("peer failed to start");
+        }
+        Ok(p)
+    }
+
+    pub fn line(&mut self) -> Result<String> {
+        let mut s = String::new();
+        if self.out.read_line(&mut s)? == 0 {
+            bail!("the peer exited");
+        }
+        Ok(s.trim().to_string())
+    }
+
+    pub fn send(&mut self, cmd: &str) -> Result<()> {
+        writeln!(self.stdin, "{cmd}")?;
+        Ok(self.stdin.flush()?)
+    }
+
+    pub fn ok_nums(&mut self) -> Result<Vec<f64>> {
+        let l = self.line()?;
+        let mut it = l.split_whitespace();
+        if it.next() != Some("ok") {
+            bail!("peer: {l}");
+        }
+        Ok(it.filter_map(|x| x.parse().ok()).collect())
+    }
+
+    /// Sends a command and expects `ok`.
+    pub fn cmd(&mut self, cmd: &str) -> Result<Vec<f64>> {
+        self.send(cmd)?;
+        self.ok_nums()
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.child.wait();
+    }
+}
+
+/// Median (sorts in place).
+pub fn median(v: &mut [f64]) -> f64 {
+    percentile(v, 0.5)
+}
+
+/// The `q` quantile (0..=1) of `v` (sorts in place); NaN if empty.
+pub fn percentile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() - 1) as f64 * q).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A file removed on drop.
+pub struct TempFile(pub PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}

@@ -1,0 +1,209 @@
+//! `dmrpc bench rtt` — no-op round trips between two processes.
+//!
+//! In one run, with the client here and the server in a peer process:
+//! * **floor**: a raw shared-memory ping-pong (one word each way, both
+//!   sides spinning) — the physical cost of a round trip on this machine;
+//! * **shm**: a no-op dmrpc call over a shared-memory channel, for each
+//!   waiting policy (default, spin-only, park-only);
+//! * **echo**: 64 B .. 1 MiB payloads echoed over the shm channel, inline
+//!   below the threshold and by Ref above it.
+//!
+//! Every round trip is timed on its own; the table shows p50/p99/p999 and
+//! the throughput of one caller, and the ratio of each p50 to the floor.
+
+use super::peer::{percentile, policy, Peer, PingPong, TempFile};
+use super::serde_like::Obj;
+use super::BenchArgs;
+use anyhow::{bail, Result};
+use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_rpc::{Config, Node, Payload};
+use dmrpc::fmt_size;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+struct Dist {
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    per_sec: f64,
+}
+
+fn dist(mut v: Vec<f64>, wall: Duration) -> Dist {
+    let n = v.len() as f64;
+    Dist {
+        p50: percentile(&mut v, 0.5),
+        p99: percentile(&mut v, 0.99),
+        p999: percentile(&mut v, 0.999),
+        per_sec: n / wall.as_secs_f64(),
+    }
+}
+
+fn row(what: &str, size: u64, d: &Dist, floor: f64) -> Obj {
+    println!(
+        "{:<22} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>12.0} {:>8.2}x",
+        what,
+        fmt_size(size),
+        d.p50 / 1e3,
+        d.p99 / 1e3,
+        d.p999 / 1e3,
+        d.per_sec,
+        d.p50 / floor
+    );
+    let mut o = Obj::default();
+    o.str("transport", what);
+    o.num("size", size as f64);
+    o.num("p50_ns", d.p50);
+    o.num("p99_ns", d.p99);
+    o.num("p999_ns", d.p999);
+    o.num("calls_per_s", d.per_sec);
+    o.num("p50_over_floor", d.p50 / floor);
+    o
+}
+
+fn timed(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, Duration)> {
+    // Warm up (page faults, caches, the peer's first wake-up).
+    for _ in 0..(n / 10).max(100) {
+        f()?;
+    }
+    let mut v = Vec::with_capacity(n);
+    let start = Instant::now();
+    for _ in 0..n {
+        let t = Instant::now();
+        f()?;
+        v.push(t.elapsed().as_nanos() as f64);
+    }
+    Ok((v, start.elapsed()))
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let n = if a.quick { 20_000 } else { 200_000 };
+    let id = std::process::id();
+    let path = PathBuf::from(format!("/dev/shm/dmrpc-bench-rtt-{id}.pool"));
+    let _g = TempFile(path.clone());
+    Pool::create(
+        &path,
+        &PoolConfig {
+            size: 256 << 20,
+            channels: Some(8),
+            ring_size: 4 << 20,
+            name: "bench-rtt".into(),
+            ..Default::default()
+        },
+    )?;
+    let pool = Pool::open(
+        &path,
+        AttachOptions {
+            prefault: true,
+            ..Default::default()
+        },
+    )?;
+    let mut peer = Peer::spawn(&path, &[])?;
+
+    println!("bench rtt: round trips between two processes ({n} per row)");
+    println!(
+        "{:<22} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9}",
+        "transport", "payload", "p50 us", "p99 us", "p999 us", "calls/s", "p50/floor"
+    );
+    let mut rows = Vec::new();
+
+    // The floor: raw ping-pong through two words of shared memory.
+    let pp_path = PathBuf::from(format!("/dev/shm/dmrpc-bench-pingpong-{id}"));
+    let _g2 = TempFile(pp_path.clone());
+    let pp = PingPong::create(&pp_path)?;
+    peer.send(&format!("pong {}", pp_path.display()))?;
+    let mut seq = 0u64;
+    let (v, wall) = timed(n, || {
+        seq += 1;
+        pp.ping().store(seq, Ordering::Release);
+        while pp.pong().load(Ordering::Acquire) != seq {
+            std::hint::spin_loop();
+        }
+        Ok(())
+    })?;
+    pp.ping().store(u64::MAX, Ordering::Release);
+    peer.ok_nums()?;
+    let floor = dist(v, wall);
+    let f50 = floor.p50;
+    rows.push(row("raw ping-pong (floor)", 8, &floor, f50));
+
+    // dmrpc no-op calls over a shm channel, per waiting policy.
+    for pol in ["default", "spin", "park"] {
+        let name = format!("bench/rtt/{id}/{pol}");
+        peer.cmd(&format!("serve {name} {pol}"))?;
+        let node = Node::with_config(
+            pool.clone(),
+            Config {
+                wait: policy(pol)?,
+                ..Default::default()
+            },
+        );
+        let c = node.connect(&name)?;
+        let calls = if pol == "park" { n / 10 } else { n };
+        let (v, wall) = timed(calls, || {
+            c.call("noop", Payload::empty())?;
+            Ok(())
+        })?;
+        let d = dist(v, wall);
+        rows.push(row(&format!("dmrpc shm ({pol})"), 0, &d, f50));
+        drop(c);
+        peer.cmd("unserve")?;
+    }
+
+    // Echo of growing payloads (default policy): inline, then by Ref.
+    let name = format!("bench/rtt/{id}/echo");
+    peer.cmd(&format!("serve {name} default"))?;
+    let node = Node::new(pool.clone());
+    let c = node.connect(&name)?;
+    let mut size = 64u64;
+    while size <= 1 << 20 {
+        let data = vec![7u8; size as usize];
+        let calls = (n / 4).min(((4u64 << 30) / size.max(1)) as usize).max(1000);
+        let (v, wall) = timed(calls, || {
+            let back = c.call("echo", Payload::from(data.as_slice()))?;
+            if back.len() != size {
+                bail!("echo returned {} bytes", back.len());
+            }
+            Ok(())
+        })?;
+        let how = if size as usize > node.config().inline_max {
+            "dmrpc shm echo (Ref)"
+        } else {
+            "dmrpc shm echo (inline)"
+        };
+        rows.push(row(how, size, &dist(v, wall), f50));
+        size *= 4;
+    }
+    drop(c);
+    peer.cmd("unserve")?;
+    drop(peer);
+    let rep = pool.check();
+    if !rep.ok() {
+        bail!("pool check failed after the benchmark: {:?}", rep.problems);
+    }
+
+    let mut res = Obj::default();
+    res.str("benchmark", "rtt");
+    res.str(
+        "method",
+        "client here, server in a peer process; each round trip timed; floor = raw ping-pong of one shared word each way, both spinning",
+    );
+    res.obj("machine", &super::machine());
+    res.num("floor_p50_ns", f50);
+    res.arr("rows", &rows);
+    super::write_results(
+        a,
+        "rtt",
+        &res,
+        &rows,
+        &[
+            "transport",
+            "size",
+            "p50_ns",
+            "p99_ns",
+            "p999_ns",
+            "calls_per_s",
+            "p50_over_floor",
+        ],
+    )
+}
