@@ -178,6 +178,21 @@ impl Shm {
         freed
     }
 
+    /// Open channels of registration `index`/`generation` (its connections).
+    pub fn channels_of(&self, index: u32, generation: u32) -> usize {
+        let want = index as u64 | ((generation as u64) << 32);
+        (0..self.layout.n_channels)
+            .filter(|&i| {
+                self.channel(i).is_some_and(|c| {
+                    let (_, kind, flags) = unst(c.state.load(Ordering::Acquire));
+                    kind == OPEN
+                        && flags & (CLIENT_CLOSED | SERVER_CLOSED) == 0
+                        && c.service.load(Ordering::Relaxed) == want
+                })
+            })
+            .count()
+    }
+
     /// Channels in use (opening or open): for `check` and `stats`.
     pub fn channels_in_use(&self) -> Vec<(u32, u16, u16)> {
         (0..self.layout.n_channels)

@@ -54,6 +54,7 @@ struct Inner {
     cv: Condvar,
     next_id: AtomicU64,
     max_inline: usize,
+    refs: bool,
 }
 
 /// Calls waiting for answers (a short list: one entry per concurrent
@@ -95,6 +96,7 @@ impl Client {
                 cv: Condvar::new(),
                 next_id: AtomicU64::new(1),
                 max_inline: conn.max_inline,
+                refs: conn.refs,
             }),
         }
     }
@@ -124,7 +126,7 @@ impl Client {
         let deadline = budget.map(|d| Instant::now() + d);
         let deadline_us = budget.map_or(0, |d| d.as_micros().clamp(1, u32::MAX as u128) as u32);
         let inline_max = i.node.cfg.inline_max.min(i.max_inline);
-        let (body, made) = payload.into_body(&i.node.pool, inline_max, false)?;
+        let (body, made) = payload.into_body(&i.node.pool, inline_max, false, i.refs)?;
         let release = |made: Option<dm_pool::Ref>| {
             if let Some(r) = made {
                 let _ = i.node.pool.release_ref(&r);

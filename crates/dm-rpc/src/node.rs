@@ -44,6 +44,9 @@ impl Default for Config {
 pub enum Transport {
     /// Rings in the pool (clients attached to the same pool).
     Shm,
+    /// TCP on this address (`host:port`; port 0 picks one), registered in
+    /// the pool's registry under the service name.
+    Tcp(String),
     /// Queues inside this process (tests, co-located components).
     Mem,
 }
@@ -97,9 +100,19 @@ impl Node {
                 let conn = crate::transport::shm::connect(&self.pool, &svc, self.cfg.wait)?;
                 Ok(Client::new(self.clone(), name, conn))
             }
-            Endpoint::Tcp(addr) => Err(RpcError::unavailable(format!(
-                "service {name:?} listens on TCP {addr}, and this build has no TCP transport yet"
-            ))),
+            Endpoint::Tcp(addr) => self.connect_tcp_as(name, addr),
         }
+    }
+
+    /// Connects to a service by TCP address (`host:port`), for servers
+    /// whose registry this process cannot see (another host). Refs travel
+    /// only if the server is attached to this node's pool.
+    pub fn connect_tcp(&self, addr: &str) -> Result<Client, RpcError> {
+        self.connect_tcp_as(addr, addr)
+    }
+
+    fn connect_tcp_as(&self, name: &str, addr: &str) -> Result<Client, RpcError> {
+        let conn = crate::transport::tcp::connect(addr, self.pool.id(), Duration::from_secs(5))?;
+        Ok(Client::new(self.clone(), name, conn))
     }
 }

@@ -242,18 +242,29 @@ impl Payload {
     /// the call completes (a forwarded Ref is not ours to release). An
     /// answer's Ref belongs to the caller, who releases it: so an answer
     /// never passes on a Ref it received, but shares the data anew.
+    ///
+    /// `refs` says whether the peer shares the pool: if not, everything goes
+    /// inline (by value), whatever its size.
     pub(crate) fn into_body(
         self,
         pool: &Pool,
         inline_max: usize,
         answer: bool,
+        refs: bool,
     ) -> Result<(Body, Option<Ref>), RpcError> {
         let len = self.len();
+        if !refs {
+            return Ok(match self.repr {
+                Repr::Empty => (Body::None, None),
+                Repr::Bytes(v) => (Body::Inline(v), None),
+                _ => (Body::Inline(self.to_vec()?), None),
+            });
+        }
         if answer && matches!(self.repr, Repr::Ref(_)) {
             let kept = self
                 .keep()?
                 .map_or_else(Payload::empty, Payload::from_buffer);
-            return kept.into_body(pool, inline_max, answer);
+            return kept.into_body(pool, inline_max, answer, refs);
         }
         Ok(match self.repr {
             Repr::Empty => (Body::None, None),

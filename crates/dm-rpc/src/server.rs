@@ -119,7 +119,8 @@ impl ServerBuilder {
         dm_pool::registry::validate_name(&self.name)?;
         let stop = Arc::new(AtomicBool::new(false));
         let node = self.node.clone();
-        let (listener, reg): (Box<dyn Listener>, Option<ServiceInfo>) = match self.transport {
+        let mut endpoint = None;
+        let (listener, reg): (Box<dyn Listener>, Option<ServiceInfo>) = match &self.transport {
             Transport::Shm => {
                 let svc = node.pool.register(&self.name, &Endpoint::Shm)?;
                 match crate::transport::shm::ShmListener::new(
@@ -135,6 +136,14 @@ impl ServerBuilder {
                         return Err(e.into());
                     }
                 }
+            }
+            Transport::Tcp(addr) => {
+                let l =
+                    crate::transport::tcp::TcpListener::bind(addr, node.pool.id(), stop.clone())?;
+                let at = l.local_addr().to_string();
+                let svc = node.pool.register(&self.name, &Endpoint::Tcp(at.clone()))?;
+                endpoint = Some(at);
+                (Box::new(l), Some(svc))
             }
             Transport::Mem => {
                 let l = crate::transport::mem::bind(&self.name, stop.clone()).ok_or_else(|| {
@@ -161,6 +170,7 @@ impl ServerBuilder {
             .spawn(move || d.run())
             .map_err(|e| RpcError::internal(format!("cannot start the dispatcher: {e}")))?;
         Ok(Server {
+            endpoint,
             name: self.name,
             node,
             reg,
@@ -187,6 +197,7 @@ pub struct Stats {
 
 /// A running service. Stops (and unregisters) on [`shutdown`](Self::shutdown) or drop.
 pub struct Server {
+    endpoint: Option<String>,
     name: String,
     node: Node,
     reg: Option<ServiceInfo>,
@@ -206,6 +217,11 @@ impl Server {
     /// The service name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The address a TCP server listens on (with the port it was given).
+    pub fn tcp_addr(&self) -> Option<&str> {
+        self.endpoint.as_deref()
     }
 
     /// Live counters.
@@ -339,8 +355,9 @@ impl Dispatcher {
             self.run_handler(frame.method, frame.payload, deadline)
         };
         let inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
+        let refs = self.listener.refs(conn);
         let (status, body, made) =
-            match result.and_then(|p| p.into_body(&self.node.pool, inline_max, true)) {
+            match result.and_then(|p| p.into_body(&self.node.pool, inline_max, true, refs)) {
                 Ok((body, made)) => (Status::Ok, body, made),
                 Err(e) => {
                     let mut msg = e.message.into_bytes();

@@ -210,9 +210,18 @@ fn fan_out_one_ref_to_three_processes() {
 
 #[test]
 fn server_killed_mid_call_gives_unavailable_and_leaks_nothing() {
+    server_killed(&[]);
+}
+
+#[test]
+fn tcp_server_killed_mid_call_gives_unavailable_and_leaks_nothing() {
+    server_killed(&["--tcp"]);
+}
+
+fn server_killed(transport: &[&str]) {
     let tp = pool();
-    let name = format!("mp/victim/{}", std::process::id());
-    let server = Agent::serve(&tp, &name, &[]);
+    let name = format!("mp/victim/{}/{}", std::process::id(), transport.len());
+    let server = Agent::serve(&tp, &name, transport);
     let node = node(&tp);
     let c = node.connect(&name).unwrap();
     // Something in flight by Ref too.

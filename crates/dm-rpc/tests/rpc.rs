@@ -200,6 +200,11 @@ fn contract_over_mem() {
     contract(Transport::Mem);
 }
 
+#[test]
+fn contract_over_tcp() {
+    contract(Transport::Tcp("127.0.0.1:0".into()));
+}
+
 fn nested(t: Transport) {
     let tp = pool();
     let node = Node::new(tp.attach());
@@ -265,6 +270,100 @@ fn nested_forwarding_over_shm() {
 #[test]
 fn nested_forwarding_over_mem() {
     nested(Transport::Mem);
+}
+
+#[test]
+fn nested_forwarding_over_tcp() {
+    nested(Transport::Tcp("127.0.0.1:0".into()));
+}
+
+#[test]
+fn tcp_between_pools_passes_by_value() {
+    // A client attached to another pool (another host, in effect): every
+    // payload travels inline, by value, both ways, whatever its size.
+    let server_pool = pool();
+    let client_pool = pool();
+    let snode = Node::new(server_pool.attach());
+    let name = unique("by-value");
+    let svc = spawn_svc(&snode, &name, &Transport::Tcp("127.0.0.1:0".into()));
+    let addr = svc.tcp_addr().unwrap().to_owned();
+    let cnode = Node::new(client_pool.attach());
+    assert_eq!(
+        cnode.connect(&name).unwrap_err().status,
+        Status::NotFound,
+        "not in this pool's registry"
+    );
+    let c = cnode.connect_tcp(&addr).unwrap();
+    for len in [10usize, 1 << 20] {
+        let data = pattern(len, 9);
+        let (l, in_pool, h) = inspect(&cnode, &c, data.clone());
+        assert_eq!(
+            (l, in_pool, h),
+            (len as u64, false, sum(&Payload::from_vec(data.clone())))
+        );
+        let back = c.call("echo", data.clone()).unwrap();
+        assert!(!back.in_pool());
+        assert!(back.to_vec().unwrap() == data);
+    }
+    // A buffer built in the client's pool is sent by value too.
+    let mut b = cnode.pool().alloc(100_000).unwrap();
+    b.write(0, &[1; 100_000]).unwrap();
+    assert!(!inspect_payload(&c, Payload::from_buffer(b)).1, "sent by value");
+    drop(c);
+    drop(svc);
+    drop((snode, cnode));
+    server_pool.assert_clean();
+    client_pool.assert_clean();
+}
+
+fn inspect_payload(c: &dm_rpc::Client, p: Payload) -> (u64, bool) {
+    let r = c.call("inspect", p).unwrap().to_vec().unwrap();
+    (u64::from_le_bytes(r[..8].try_into().unwrap()), r[8] == 1)
+}
+
+#[test]
+fn malformed_bytes_on_tcp_drop_only_that_connection() {
+    use std::io::{Read, Write};
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("tcp-garbage");
+    let svc = spawn_svc(&node, &name, &Transport::Tcp("127.0.0.1:0".into()));
+    let addr = svc.tcp_addr().unwrap().to_owned();
+    let good = node.connect(&name).unwrap();
+    let mut hello = b"DMRPCTCP".to_vec();
+    hello.extend_from_slice(&0u64.to_le_bytes());
+    let mut bad_frame = dm_rpc::Frame::request(1, 1, 0, dm_rpc::Body::None).encode();
+    bad_frame[2] = 99; // unknown version
+    let mut oversized = dm_rpc::Frame::request(1, 1, 0, dm_rpc::Body::Inline(vec![1])).encode();
+    oversized[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
+    let cases: [(&str, Vec<u8>); 4] = [
+        ("bad hello", b"GET / HTTP/1.1\r\n\r\n".to_vec()),
+        ("bad version", [hello.clone(), bad_frame].concat()),
+        ("oversized length", [hello.clone(), oversized].concat()),
+        (
+            "random bytes",
+            [hello.clone(), (0..255u8).collect()].concat(),
+        ),
+    ];
+    for (what, bytes) in cases {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(&bytes).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        // The server answers the hello (if any) and then closes.
+        let mut sink = Vec::new();
+        let r = s.read_to_end(&mut sink);
+        // Closed (EOF), or reset because it left our bytes unread.
+        let closed = match &r {
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        };
+        assert!(closed, "{what}: connection not closed: {r:?}");
+        assert_eq!(inspect(&node, &good, vec![4; 4]).0, 4, "{what}");
+    }
+    drop(good);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
 }
 
 #[test]

@@ -26,6 +26,8 @@ enum Cmd {
     Pool(cmd::pool::PoolCmd),
     /// Hand a large buffer down a chain of processes by Ref and by value.
     Demo(cmd::demo::DemoArgs),
+    /// List the services registered in a pool.
+    Ls(cmd::ls::LsArgs),
     /// Run a benchmark against its baseline (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
     #[command(name = "__hop", hide = true)]
@@ -39,6 +41,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Pool(c) => cmd::pool::run(c),
         Cmd::Demo(a) => cmd::demo::run(a),
+        Cmd::Ls(a) => cmd::ls::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Hop(a) => cmd::demo::hop(a),
         Cmd::BenchPeer(a) => bench::peer(a),

@@ -2,7 +2,7 @@
 //! smoke checks.
 //!
 //! ```text
-//! dm-rpc-agent POOL serve NAME [--next NAME] [--fan NAME,NAME..] [--lease MS]
+//! dm-rpc-agent POOL serve NAME [--next NAME] [--fan NAME,NAME..] [--lease MS] [--tcp]
 //!     methods: hop   — forwards the payload by Ref to --next (or to every
 //!                      --fan service) and answers theirs; without either,
 //!                      answers hash (8) | pid (4) | in_pool (1) | Ref (40?)
@@ -80,8 +80,14 @@ mod agent {
         };
         let clients: Vec<OnceLock<Client>> = next.iter().map(|_| OnceLock::new()).collect();
         let n = node.clone();
+        let transport = if args.iter().any(|a| a == "--tcp") {
+            dm_rpc::Transport::Tcp("127.0.0.1:0".into())
+        } else {
+            dm_rpc::Transport::Shm
+        };
         let server = node
             .server(&name)
+            .transport(transport)
             .method("hop", move |c| {
                 if next.is_empty() {
                     let p = c.payload();

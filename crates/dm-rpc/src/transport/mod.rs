@@ -5,6 +5,8 @@
 //!
 //! * [`shm`] — rings in the pool's channel table, for processes attached to
 //!   the same pool (the fast path);
+//! * [`tcp`] — frames over TCP, for peers on other hosts (by value unless
+//!   both ends share a pool);
 //! * [`mem`] — in-process queues, for tests and for services in one process.
 //!
 //! Every transport enforces back-pressure (bounded queues; a server stops
@@ -17,6 +19,7 @@ use std::time::Instant;
 pub mod mem;
 pub mod ring;
 pub mod shm;
+pub mod tcp;
 
 pub use ring::{RingError, RING_VERSION};
 
@@ -81,6 +84,9 @@ pub struct Connection {
     pub rx: Box<dyn FrameRx>,
     /// Largest inline payload the transport carries.
     pub max_inline: usize,
+    /// Whether the server shares this process's pool, so Refs may travel
+    /// (false: every payload goes inline, by value).
+    pub refs: bool,
 }
 
 impl std::fmt::Debug for Connection {
@@ -109,6 +115,11 @@ pub trait Listener: Send {
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError>;
     /// Largest inline payload the transport carries.
     fn max_inline(&self) -> usize;
+    /// Whether connection `conn`'s client shares the server's pool (so an
+    /// answer may travel by Ref).
+    fn refs(&self, _conn: ConnId) -> bool {
+        true
+    }
     /// Connections currently open.
     fn connections(&self) -> usize;
     /// A handle that makes a blocked [`next`](Self::next) return promptly.

@@ -346,6 +346,60 @@ impl<'a, D: RingData> Consumer<'a, D> {
     }
 }
 
+/// Fuzzing entry: `data` is a peer's view of a 1 KiB request ring (8 bytes
+/// of consumer cursor, then the ring's bytes); the consumer takes records
+/// and decodes each as a frame, as the server does. Must never panic.
+#[doc(hidden)]
+#[cfg(not(loom))]
+pub fn fuzz_consume(data: &[u8]) {
+    use std::cell::RefCell;
+    struct Mem(RefCell<[u8; 1024]>);
+    impl RingData for &Mem {
+        fn size(&self) -> usize {
+            1024
+        }
+        fn write(&self, at: usize, src: &[u8]) {
+            self.0.borrow_mut()[at..at + src.len()].copy_from_slice(src);
+        }
+        fn read(&self, at: usize, dst: &mut [u8]) {
+            dst.copy_from_slice(&self.0.borrow()[at..at + dst.len()]);
+        }
+        fn store_word(&self, at: usize, v: u64) {
+            self.write(at, &v.to_le_bytes());
+        }
+        fn load_word(&self, at: usize) -> u64 {
+            let mut b = [0u8; 8];
+            self.read(at, &mut b);
+            u64::from_le_bytes(b)
+        }
+    }
+    let mut cur = [0u8; 8];
+    let n = data.len().min(8);
+    cur[..n].copy_from_slice(&data[..n]);
+    let mut ring = [0u8; 1024];
+    let rest = data.get(8..).unwrap_or(&[]);
+    let m = rest.len().min(1024);
+    ring[..m].copy_from_slice(&rest[..m]);
+    let mem = Mem(RefCell::new(ring));
+    let ctl = RingControl::default();
+    ctl.tail.0.store(u64::from_le_bytes(cur), Ordering::Relaxed);
+    let mut c = Consumer::new(&ctl, &mem);
+    let limits = crate::frame::Limits {
+        max_payload: max_record(1024) as u32,
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    for _ in 0..64 {
+        match c.try_pop(&mut out) {
+            Ok(true) => {
+                assert!(out.len() <= max_record(1024));
+                let _ = crate::frame::Frame::decode(&out, &limits);
+            }
+            Ok(false) | Err(_) => break,
+        }
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;

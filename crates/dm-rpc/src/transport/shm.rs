@@ -166,6 +166,7 @@ pub fn connect(
         tx: Box::new(tx),
         rx: Box::new(rx),
         max_inline,
+        refs: true,
     })
 }
 

@@ -5,6 +5,7 @@
 mod cow;
 mod peer;
 mod rtt;
+mod threshold;
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -13,7 +14,8 @@ use std::path::PathBuf;
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Which benchmark: `cow` (create_ref + map_ref vs copying), `rtt`
-    /// (no-op round trip vs the raw shared-memory floor), or `all`.
+    /// (no-op round trip vs the raw shared-memory floor), `threshold`
+    /// (inline vs by-Ref arguments: the size-aware crossover), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -30,11 +32,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     match a.name.as_str() {
         "cow" => cow::run(&a),
         "rtt" => rtt::run(&a),
+        "threshold" => threshold::run(&a),
         "all" => {
             cow::run(&a)?;
-            rtt::run(&a)
+            rtt::run(&a)?;
+            threshold::run(&a)
         }
-        n => bail!("unknown benchmark {n:?} (available: cow, rtt, all)"),
+        n => bail!("unknown benchmark {n:?} (available: cow, rtt, threshold, all)"),
     }
 }
 

@@ -64,6 +64,15 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                     node.server(name)
                         .method("noop", |_| Ok(Payload::empty()))
                         .method("echo", |c| Ok(c.take_payload()))
+                        // Reads every byte (what a real callee does with
+                        // an argument) and answers an 8-byte checksum.
+                        .method("sum", |c| {
+                            let mut h = 0u64;
+                            for s in c.payload().segments()? {
+                                h = s.iter().fold(h, |a, &b| a.wrapping_add(b as u64));
+                            }
+                            Ok(Payload::from_vec(h.to_le_bytes().to_vec()))
+                        })
                         .spawn()?,
                 );
                 "ok".into()

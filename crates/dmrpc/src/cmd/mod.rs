@@ -1,4 +1,5 @@
 //! The subcommands of the `dmrpc` tool.
 
 pub mod demo;
+pub mod ls;
 pub mod pool;

@@ -1,0 +1,474 @@
+//! The TCP transport: the same frames over a stream socket, for peers that
+//! do not share a pool (other hosts) or cannot map it.
+//!
+//! Frames are self-delimiting (the fixed header carries the payload
+//! length), so the stream is a plain sequence of frames; the decoder
+//! enforces [`Limits`] before it buffers a payload. Nagle is off on both
+//! ends. A connection starts with a 16-byte hello each way: `DMRPCTCP`
+//! then the sender's pool id (0 if none). When both ids are equal the two
+//! ends share a pool and may pass Refs; otherwise every payload travels
+//! inline (by value, up to [`MAX_INLINE`]).
+//!
+//! The server side runs on a tokio runtime of its own (one thread: accept
+//! and socket I/O for every connection), and hands frames to the service's
+//! dispatcher through a bounded queue; a connection whose queue is full
+//! stops being read (back-pressure through TCP). The blocking client uses
+//! the socket directly from the calling thread.
+
+use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
+use crate::frame::{Frame, Limits};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Version of the hello exchange.
+pub const HELLO: [u8; 8] = *b"DMRPCTCP";
+/// Largest inline payload over TCP.
+pub const MAX_INLINE: usize = 16 << 20;
+/// Frames queued per direction before the sender waits.
+pub const QUEUE_DEPTH: usize = 256;
+/// How long a new connection may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn limits() -> Limits {
+    Limits {
+        max_payload: MAX_INLINE as u32,
+        ..Limits::default()
+    }
+}
+
+fn hello(pool_id: u64) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[..8].copy_from_slice(&HELLO);
+    h[8..].copy_from_slice(&pool_id.to_le_bytes());
+    h
+}
+
+fn parse_hello(h: &[u8; 16]) -> Result<u64, TransportError> {
+    if h[..8] != HELLO {
+        return Err(TransportError::Protocol(
+            "the peer does not speak dmrpc over TCP (bad hello)".into(),
+        ));
+    }
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&h[8..]);
+    Ok(u64::from_le_bytes(id))
+}
+
+fn unavailable(e: std::io::Error) -> TransportError {
+    TransportError::Unavailable(format!("TCP: {e}"))
+}
+
+/// Connects to `addr`. `pool_id` is this process's pool (0 for none):
+/// Refs are allowed on the connection only if the server's is the same.
+pub fn connect(addr: &str, pool_id: u64, timeout: Duration) -> Result<Connection, TransportError> {
+    let sa: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| TransportError::Unavailable(format!("cannot resolve {addr:?}: {e}")))?
+        .collect();
+    let mut last = None;
+    for a in sa {
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => return handshake(s, pool_id),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map_or_else(
+        || TransportError::Unavailable(format!("{addr:?} has no address")),
+        unavailable,
+    ))
+}
+
+fn handshake(mut s: TcpStream, pool_id: u64) -> Result<Connection, TransportError> {
+    s.set_nodelay(true).map_err(unavailable)?;
+    s.set_read_timeout(Some(HELLO_TIMEOUT))
+        .map_err(unavailable)?;
+    s.write_all(&hello(pool_id)).map_err(unavailable)?;
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).map_err(unavailable)?;
+    let theirs = parse_hello(&h)?;
+    let refs = pool_id != 0 && theirs == pool_id;
+    let r = s.try_clone().map_err(unavailable)?;
+    Ok(Connection {
+        tx: Box::new(TcpTx { s }),
+        rx: Box::new(TcpRx {
+            s: r,
+            buf: Vec::with_capacity(64 << 10),
+            start: 0,
+        }),
+        max_inline: MAX_INLINE,
+        refs,
+    })
+}
+
+struct TcpTx {
+    s: TcpStream,
+}
+
+impl FrameTx for TcpTx {
+    fn send(&mut self, f: &Frame, deadline: Option<Instant>) -> Result<bool, TransportError> {
+        let len = f.encoded_len();
+        if len > MAX_INLINE + crate::frame::HEADER_LEN {
+            return Err(TransportError::TooLarge {
+                len,
+                max: MAX_INLINE + crate::frame::HEADER_LEN,
+            });
+        }
+        // A deadline that has passed still gets one short attempt (a
+        // cancel is sent that way), as the other transports try once.
+        let wait = deadline.map(|d| {
+            d.saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        });
+        self.s.set_write_timeout(wait).map_err(unavailable)?;
+        let bytes = f.encode();
+        match self.s.write_all(&bytes) {
+            Ok(()) => Ok(true),
+            // A partial write leaves the stream mid-frame: the connection
+            // cannot be used again, so a timeout here is fatal too.
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+}
+
+struct TcpRx {
+    s: TcpStream,
+    buf: Vec<u8>,
+    start: usize,
+}
+
+impl FrameRx for TcpRx {
+    fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
+        loop {
+            if let Some((f, used)) = Frame::decode(&self.buf[self.start..], &limits())? {
+                self.start += used;
+                if self.start == self.buf.len() {
+                    self.buf.clear();
+                    self.start = 0;
+                }
+                return Ok(Some(f));
+            }
+            if self.start > 0 {
+                self.buf.drain(..self.start);
+                self.start = 0;
+            }
+            let wait = match deadline {
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(w) if !w.is_zero() => Some(w),
+                    _ => return Ok(None),
+                },
+                None => None,
+            };
+            self.s.set_read_timeout(wait).map_err(unavailable)?;
+            let at = self.buf.len();
+            self.buf.resize(at + (64 << 10), 0);
+            let r = self.s.read(&mut self.buf[at..]);
+            match r {
+                Ok(0) => {
+                    self.buf.truncate(at);
+                    return Err(TransportError::Unavailable(
+                        "the server closed the TCP connection".into(),
+                    ));
+                }
+                Ok(n) => self.buf.truncate(at + n),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    self.buf.truncate(at);
+                    return Ok(None);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => self.buf.truncate(at),
+                Err(e) => {
+                    self.buf.truncate(at);
+                    return Err(unavailable(e));
+                }
+            }
+        }
+    }
+}
+
+enum Event {
+    Open(ConnId, tokio::sync::mpsc::Sender<Vec<u8>>, bool),
+    Frame(ConnId, Frame),
+    Close(ConnId),
+    Wake,
+}
+
+/// A service listening on TCP.
+pub struct TcpListener {
+    addr: SocketAddr,
+    events: Receiver<Event>,
+    wake: SyncSender<Event>,
+    conns: HashMap<ConnId, (tokio::sync::mpsc::Sender<Vec<u8>>, bool)>,
+    stop: Arc<AtomicBool>,
+    io: Option<std::thread::JoinHandle<()>>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl std::fmt::Debug for TcpListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpListener")
+            .field("addr", &self.addr)
+            .field("connections", &self.conns.len())
+            .finish()
+    }
+}
+
+impl TcpListener {
+    /// Binds `addr` (`host:port`, port 0 for any) and starts the I/O thread.
+    /// `pool_id` is told to clients in the hello (0: none).
+    pub fn bind(
+        addr: &str,
+        pool_id: u64,
+        stop: Arc<AtomicBool>,
+    ) -> Result<TcpListener, TransportError> {
+        let std_l = std::net::TcpListener::bind(addr)
+            .map_err(|e| TransportError::Unavailable(format!("cannot listen on {addr}: {e}")))?;
+        std_l.set_nonblocking(true).map_err(unavailable)?;
+        let local = std_l.local_addr().map_err(unavailable)?;
+        let (tx, rx) = sync_channel(QUEUE_DEPTH);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+        let events = tx.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(unavailable)?;
+        let io = std::thread::Builder::new()
+            .name(format!("dmrpc-tcp:{}", local.port()))
+            .spawn(move || rt.block_on(accept_loop(std_l, events, pool_id, stop_rx)))
+            .map_err(unavailable)?;
+        Ok(TcpListener {
+            addr: local,
+            events: rx,
+            wake: tx,
+            conns: HashMap::new(),
+            stop,
+            io: Some(io),
+            shutdown: Some(stop_tx),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for TcpListener {
+    fn drop(&mut self) {
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        self.conns.clear();
+        if let Some(t) = self.io.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+async fn accept_loop(
+    l: std::net::TcpListener,
+    events: SyncSender<Event>,
+    pool_id: u64,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let Ok(l) = tokio::net::TcpListener::from_std(l) else {
+        return;
+    };
+    let mut next_id: ConnId = 1;
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            a = l.accept() => {
+                let Ok((s, _)) = a else { continue };
+                let id = next_id;
+                next_id += 1;
+                tokio::spawn(serve_conn(s, id, events.clone(), pool_id));
+            }
+        }
+    }
+}
+
+/// Queues an event for the dispatcher without blocking the I/O thread:
+/// while the queue is full the connection is not read (back-pressure).
+async fn deliver(events: &SyncSender<Event>, mut ev: Event) -> bool {
+    loop {
+        match events.try_send(ev) {
+            Ok(()) => return true,
+            Err(TrySendError::Disconnected(_)) => return false,
+            Err(TrySendError::Full(back)) => {
+                ev = back;
+                tokio::time::sleep(Duration::from_micros(100)).await;
+            }
+        }
+    }
+}
+
+async fn serve_conn(
+    mut s: tokio::net::TcpStream,
+    id: ConnId,
+    events: SyncSender<Event>,
+    pool_id: u64,
+) {
+    let _ = s.set_nodelay(true);
+    let mut h = [0u8; 16];
+    let said = tokio::time::timeout(HELLO_TIMEOUT, s.read_exact(&mut h)).await;
+    let Ok(Ok(_)) = said else { return };
+    let Ok(theirs) = parse_hello(&h) else { return };
+    if s.write_all(&hello(pool_id)).await.is_err() {
+        return;
+    }
+    let refs = pool_id != 0 && theirs == pool_id;
+    let (mut rd, mut wr) = s.into_split();
+    let (wtx, mut wrx) = tokio::sync::mpsc::channel::<Vec<u8>>(QUEUE_DEPTH);
+    if !deliver(&events, Event::Open(id, wtx, refs)).await {
+        return;
+    }
+    let writer = tokio::spawn(async move {
+        while let Some(b) = wrx.recv().await {
+            if wr.write_all(&b).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
+    let mut start = 0;
+    'read: loop {
+        loop {
+            match Frame::decode(&buf[start..], &limits()) {
+                Ok(Some((f, used))) => {
+                    start += used;
+                    if !deliver(&events, Event::Frame(id, f)).await {
+                        break 'read;
+                    }
+                }
+                Ok(None) => break,
+                // A client that sends garbage loses its connection.
+                Err(_) => break 'read,
+            }
+        }
+        buf.drain(..start);
+        start = 0;
+        let at = buf.len();
+        buf.resize(at + (64 << 10), 0);
+        match rd.read(&mut buf[at..]).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => buf.truncate(at + n),
+        }
+    }
+    writer.abort();
+    let _ = deliver(&events, Event::Close(id)).await;
+}
+
+impl Listener for TcpListener {
+    fn next(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(ConnId, Frame)>, TransportError> {
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                return Ok(None);
+            }
+            let ev = match deadline {
+                None => self
+                    .events
+                    .recv()
+                    .map_err(|_| RecvTimeoutError::Disconnected),
+                Some(d) => self
+                    .events
+                    .recv_timeout(d.saturating_duration_since(Instant::now())),
+            };
+            match ev {
+                Ok(Event::Open(id, w, refs)) => {
+                    self.conns.insert(id, (w, refs));
+                }
+                Ok(Event::Frame(id, f)) if self.conns.contains_key(&id) => {
+                    return Ok(Some((id, f)))
+                }
+                Ok(Event::Frame(..)) | Ok(Event::Wake) => {}
+                Ok(Event::Close(id)) => {
+                    self.conns.remove(&id);
+                }
+                Err(RecvTimeoutError::Timeout) => return Ok(None),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(TransportError::Unavailable(
+                        "the TCP I/O thread stopped".into(),
+                    ))
+                }
+            }
+        }
+    }
+
+    fn poll(&mut self) -> Result<Option<(ConnId, Frame)>, TransportError> {
+        loop {
+            match self.events.try_recv() {
+                Ok(Event::Open(id, w, refs)) => {
+                    self.conns.insert(id, (w, refs));
+                }
+                Ok(Event::Frame(id, f)) if self.conns.contains_key(&id) => {
+                    return Ok(Some((id, f)))
+                }
+                Ok(Event::Close(id)) => {
+                    self.conns.remove(&id);
+                }
+                Ok(_) => {}
+                Err(_) => return Ok(None),
+            }
+        }
+    }
+
+    fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
+        let Some((w, _)) = self.conns.get(&conn) else {
+            return Err(TransportError::Unavailable(format!(
+                "connection {conn} is gone"
+            )));
+        };
+        let mut bytes = f.encode();
+        // A client that does not read its answers for a second loses its
+        // connection rather than stalling the server.
+        let until = Instant::now() + Duration::from_secs(1);
+        loop {
+            match w.try_send(bytes) {
+                Ok(()) => return Ok(()),
+                Err(tokio::sync::mpsc::error::TrySendError::Full(b)) if Instant::now() < until => {
+                    bytes = b;
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                Err(_) => {
+                    self.conns.remove(&conn);
+                    return Err(TransportError::Unavailable(format!(
+                        "connection {conn} is gone or does not read"
+                    )));
+                }
+            }
+        }
+    }
+
+    fn max_inline(&self) -> usize {
+        MAX_INLINE
+    }
+
+    fn refs(&self, conn: ConnId) -> bool {
+        self.conns.get(&conn).is_some_and(|c| c.1)
+    }
+
+    fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    fn waker(&self) -> Waker {
+        let w = self.wake.clone();
+        Waker(Arc::new(move || {
+            let _ = w.try_send(Event::Wake);
+        }))
+    }
+}

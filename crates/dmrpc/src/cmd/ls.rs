@@ -1,0 +1,49 @@
+//! `dmrpc ls`: the services registered in a pool.
+
+use super::pool::Target;
+use anyhow::Result;
+use clap::Args;
+use dm_pool::shm::Shm;
+use dm_pool::Endpoint;
+
+#[derive(Args, Debug)]
+pub struct LsArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Only services whose name starts with this prefix (`shop/`).
+    #[arg(long)]
+    pub prefix: Option<String>,
+}
+
+pub fn run(a: LsArgs) -> Result<()> {
+    let shm = Shm::open(&a.target.path())?;
+    let now = dm_sys::time::now_ms();
+    let mut services = shm.list_services();
+    services.retain(|s| a.prefix.as_deref().is_none_or(|p| s.name.starts_with(p)));
+    services.sort_by(|x, y| x.name.cmp(&y.name));
+    if services.is_empty() {
+        println!("no services registered in {}", a.target.path().display());
+        return Ok(());
+    }
+    println!(
+        "{:<40} {:<22} {:>8} {:>6} {:>5} {:>10}",
+        "service", "endpoint", "pid", "conns", "live", "up"
+    );
+    for s in services {
+        let ep = match &s.endpoint {
+            Endpoint::Shm => "shm".to_string(),
+            Endpoint::Tcp(addr) => format!("tcp {addr}"),
+        };
+        let up = now.saturating_sub(s.registered_ms) as f64 / 1000.0;
+        println!(
+            "{:<40} {:<22} {:>8} {:>6} {:>5} {:>9.1}s",
+            s.name,
+            ep,
+            s.pid,
+            shm.channels_of(s.index, s.generation),
+            if s.live { "yes" } else { "DEAD" },
+            up
+        );
+    }
+    Ok(())
+}
