@@ -20,15 +20,17 @@ cargo build --release -p dmrpc
 step "demo (smoke run on its own pool)"
 pool="ci-demo-$$"
 trap 'rm -f "/dev/shm/dmrpc-$pool.pool"' EXIT
-./target/release/dmrpc demo --pool "$pool" --size 4MiB --calls 3
+./target/release/dmrpc demo --pool "$pool" --size 256KiB --calls 20
 ./target/release/dmrpc pool check "$pool" --deep
 ./target/release/dmrpc pool destroy "$pool"
 
-step "bench cow --quick (checks it runs and writes its results, not its speed)"
+step "bench all --quick (checks each runs and writes its results, not its speed)"
 out=target/bench-smoke
 rm -rf "$out"
-./target/release/dmrpc bench cow --quick --out "$out"
-test -s "$out/cow.json" && test -s "$out/cow.csv"
+./target/release/dmrpc bench all --quick --out "$out"
+for b in cow rtt threshold chain; do
+  test -s "$out/$b.json" && test -s "$out/$b.csv" || { echo "bench $b wrote no results"; exit 1; }
+done
 
 step "loom models of the lock-free protocols"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \

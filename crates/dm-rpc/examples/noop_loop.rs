@@ -25,7 +25,13 @@ fn main() {
         let node = Node::with_config(pool, cfg);
         let s = node
             .server("profile/noop")
-            .method("noop", |_| Ok(Payload::empty()))
+            .method("noop", |c| {
+                // Touch what arrived, as a callee would.
+                for s in c.payload().segments()? {
+                    std::hint::black_box(s.first());
+                }
+                Ok(Payload::empty())
+            })
             .spawn()
             .unwrap();
         println!("ready");
@@ -61,12 +67,28 @@ fn main() {
         cfg,
     );
     let c = node.connect("profile/noop").unwrap();
+    // SIZE bytes per call (0: none), BYREF=1 to build it in the pool.
+    let size: usize = std::env::var("SIZE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let by_ref = std::env::var("BYREF").is_ok_and(|v| v == "1");
+    let data = vec![5u8; size];
     let t = Instant::now();
     for _ in 0..n {
-        c.call("noop", Payload::empty()).unwrap();
+        let p = if size == 0 {
+            Payload::empty()
+        } else if by_ref {
+            let mut b = node.pool().alloc(size as u64).unwrap();
+            b.write(0, &data).unwrap();
+            Payload::from_buffer(b)
+        } else {
+            Payload::from_vec(data.clone())
+        };
+        c.call("noop", p).unwrap();
     }
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    println!("{per:.0} ns per no-op round trip");
+    println!("{per:.0} ns per round trip ({size} bytes, by_ref {by_ref})");
     drop(c);
     drop(child.stdin.take());
     child.wait().unwrap();

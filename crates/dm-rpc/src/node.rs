@@ -22,7 +22,7 @@ pub struct Config {
     /// Payloads up to this many bytes go inline; larger by Ref. Capped by
     /// what the transport carries inline.
     pub inline_max: usize,
-    /// How waiters spin, yield and park.
+    /// How waiters spin, yield and park (default: [`WaitPolicy::from_env`]).
     pub wait: WaitPolicy,
     /// Deadline applied to calls that set none (None: wait for the answer
     /// or for the peer's death).
@@ -33,7 +33,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             inline_max: DEFAULT_INLINE_MAX,
-            wait: WaitPolicy::default(),
+            wait: WaitPolicy::from_env(),
             default_deadline: None,
         }
     }

@@ -63,87 +63,191 @@ impl Bell<'_> {
     }
 }
 
-/// How a waiter waits: `spin` checks with a pause between them, then
-/// `yields` checks with `sched_yield` between them, then parks on the futex
-/// for at most `park_slice` at a time (between slices it checks that the
-/// peer is alive, so a dead peer is noticed within a slice of its lease).
+/// How a waiter waits: it checks while spinning for up to `spin`, then
+/// checks between `sched_yield`s for up to `yield_for`, then parks on the
+/// futex for at most `park_slice` at a time (between slices it checks that
+/// the peer is alive, so a dead peer is noticed within a slice of its
+/// lease).
+///
+/// With `adaptive` on, each [`Waiter`] tunes its spin to what it sees:
+/// waits that end while spinning keep the full spin (a hot peer on another
+/// core answers in about a microsecond), waits that outlast it halve it
+/// down to [`MIN_SPIN`], so a process waiting on a long chain of others
+/// hands its core to them at once instead of burning it — on 2 cores, a
+/// chain of 8 processes only moves if the waiting ones step aside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WaitPolicy {
-    /// Checks while spinning.
-    pub spin: u32,
-    /// Checks while yielding.
-    pub yields: u32,
+    /// Longest spin before yielding.
+    pub spin: Duration,
+    /// How long to keep yielding before parking.
+    pub yield_for: Duration,
     /// Longest single park.
     pub park_slice: Duration,
+    /// Tune the spin to the waits seen.
+    pub adaptive: bool,
 }
 
+/// The shortest spin an adaptive waiter keeps.
+pub const MIN_SPIN: Duration = Duration::from_nanos(500);
+
 impl Default for WaitPolicy {
-    /// Measured on the 2-core test machine (`dmrpc bench rtt` prints the
-    /// policies side by side; BENCHMARKS.md records the choice): a short
-    /// spin covers a hot peer's answer (a round trip is ~0.3 us), yields
-    /// hand the core to a peer that shares it (~1 us each), and parking
-    /// keeps idle services at zero CPU.
+    /// Measured on the 2-core test machine (`dmrpc bench rtt` for two
+    /// processes, `dmrpc bench chain` for eight; BENCHMARKS.md): spin up to
+    /// 20 us, adaptively; yield for up to 2 ms (a sched_yield hand-off is
+    /// about 1 us, a futex wake-up 25 us); then park, so an idle service
+    /// uses no CPU.
     fn default() -> Self {
         WaitPolicy {
-            spin: 2000,
-            yields: 50,
+            spin: Duration::from_micros(20),
+            yield_for: Duration::from_millis(2),
             park_slice: Duration::from_millis(20),
+            adaptive: true,
         }
     }
 }
 
 impl WaitPolicy {
-    /// Never parks early: spins, then yields until the deadline (for
-    /// benchmarks with a dedicated core per process).
+    /// Spins until the answer or the deadline (for benchmarks with a
+    /// dedicated core per process).
     pub fn spin_only() -> Self {
         WaitPolicy {
-            spin: u32::MAX,
-            yields: 0,
+            spin: Duration::from_secs(3600),
+            yield_for: Duration::ZERO,
             park_slice: Duration::from_millis(20),
+            adaptive: false,
         }
     }
 
-    /// Parks at once (lowest CPU use, each wake-up costs a futex call).
+    /// Parks at once (lowest CPU use; each wake-up costs a futex call).
     pub fn park_only() -> Self {
         WaitPolicy {
-            spin: 0,
-            yields: 0,
+            spin: Duration::ZERO,
+            yield_for: Duration::ZERO,
             park_slice: Duration::from_millis(20),
+            adaptive: false,
         }
+    }
+
+    /// The default policy, or the one in the environment variable
+    /// `DMRPC_WAIT` = `SPIN_US,YIELD_US,PARK_MS[,fixed]` (for tuning a
+    /// deployment without rebuilding; `fixed` turns adaptation off).
+    /// A malformed value is ignored.
+    pub fn from_env() -> Self {
+        std::env::var("DMRPC_WAIT")
+            .ok()
+            .and_then(|v| Self::parse(&v))
+            .unwrap_or_default()
+    }
+
+    /// Parses `SPIN_US,YIELD_US,PARK_MS[,fixed]`.
+    pub fn parse(v: &str) -> Option<Self> {
+        let f: Vec<&str> = v.split(',').map(str::trim).collect();
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok());
+        Some(WaitPolicy {
+            spin: Duration::from_micros(num(0)?),
+            yield_for: Duration::from_micros(num(1)?),
+            park_slice: Duration::from_millis(num(2)?.max(1)),
+            adaptive: match f.get(3) {
+                None => true,
+                Some(&"fixed") => false,
+                Some(_) => return None,
+            },
+        })
+    }
+
+    /// A waiter following this policy.
+    pub fn waiter(&self) -> Waiter {
+        Waiter {
+            policy: *self,
+            spin: self.spin,
+        }
+    }
+}
+
+/// One waiting party (a connection end, a server): the policy and the
+/// spin it has adapted to.
+#[derive(Debug, Clone)]
+pub struct Waiter {
+    policy: WaitPolicy,
+    spin: Duration,
+}
+
+impl Waiter {
+    /// The spin this waiter uses now.
+    pub fn spin(&self) -> Duration {
+        self.spin
     }
 
     /// Waits until `ready` gives a value, `deadline` passes (`Ok(None)`), or
-    /// `idle` (run between park slices, e.g. a peer liveness check) fails.
+    /// `idle` (run between park slices, and about every millisecond of
+    /// spinning or yielding, e.g. a peer liveness check) fails.
     pub fn wait<T, E>(
-        &self,
+        &mut self,
         bell: Bell<'_>,
         deadline: Option<Instant>,
         mut ready: impl FnMut() -> Option<T>,
         mut idle: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<T>, E> {
-        if deadline.is_some_and(|d| d <= Instant::now()) {
-            return Ok(ready());
+        if let Some(x) = ready() {
+            return Ok(Some(x));
         }
-        for i in 0..self.spin {
+        let start = Instant::now();
+        if deadline.is_some_and(|d| d <= start) {
+            return Ok(None);
+        }
+        let p = self.policy;
+        let mut last_idle = start;
+        // Spin.
+        let mut i = 0u32;
+        while !self.spin.is_zero() {
             if let Some(x) = ready() {
                 return Ok(Some(x));
             }
             std::hint::spin_loop();
-            if i & 1023 == 1023 {
-                if past(deadline) {
+            i = i.wrapping_add(1);
+            if i.is_multiple_of(32) {
+                let now = Instant::now();
+                if now - start >= self.spin {
+                    break;
+                }
+                if deadline.is_some_and(|d| now >= d) {
                     return Ok(None);
                 }
-                if i & 0xF_FFFF == 0xF_FFFF {
+                if now - last_idle >= Duration::from_millis(1) {
+                    last_idle = now;
                     idle()?;
                 }
             }
         }
-        for _ in 0..self.yields {
+        // The answer outlasted the spin: spin less next time.
+        let spun = self.spin;
+        if p.adaptive {
+            self.spin = (self.spin / 2).max(MIN_SPIN);
+        }
+        // Yield.
+        let yield_until = Instant::now() + p.yield_for;
+        loop {
             if let Some(x) = ready() {
+                if p.adaptive && start.elapsed() < spun * 2 + MIN_SPIN {
+                    // Just missed: spin longer next time.
+                    self.spin = (spun * 2).clamp(MIN_SPIN, p.spin);
+                }
                 return Ok(Some(x));
+            }
+            let now = Instant::now();
+            if now >= yield_until {
+                break;
+            }
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(None);
+            }
+            if now - last_idle >= Duration::from_millis(1) {
+                last_idle = now;
+                idle()?;
             }
             dm_sys::sched_yield();
         }
+        // Park.
         loop {
             if let Some(x) = ready() {
                 return Ok(Some(x));
@@ -151,8 +255,8 @@ impl WaitPolicy {
             let now = Instant::now();
             let slice = match deadline {
                 Some(d) if d <= now => return Ok(None),
-                Some(d) => (d - now).min(self.park_slice),
-                None => self.park_slice,
+                Some(d) => (d - now).min(p.park_slice),
+                None => p.park_slice,
             };
             bell.prepare();
             if let Some(x) = ready() {
@@ -168,8 +272,4 @@ impl WaitPolicy {
             }
         }
     }
-}
-
-fn past(deadline: Option<Instant>) -> bool {
-    deadline.is_some_and(|d| Instant::now() >= d)
 }

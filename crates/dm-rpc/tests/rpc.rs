@@ -308,7 +308,10 @@ fn tcp_between_pools_passes_by_value() {
     // A buffer built in the client's pool is sent by value too.
     let mut b = cnode.pool().alloc(100_000).unwrap();
     b.write(0, &[1; 100_000]).unwrap();
-    assert!(!inspect_payload(&c, Payload::from_buffer(b)).1, "sent by value");
+    assert!(
+        !inspect_payload(&c, Payload::from_buffer(b)).1,
+        "sent by value"
+    );
     drop(c);
     drop(svc);
     drop((snode, cnode));

@@ -5,10 +5,13 @@
 //!
 //! * [`pool`] — the shared-memory pool backend (`dm-pool`): buffers, Refs,
 //!   page-granular copy-on-write, leases, check and gc.
+//! * [`rpc`] — the RPC layer (`dm-rpc`): services, clients, transports
+//!   (shared-memory rings, TCP, in-process), size-aware payloads.
 //!
 //! The `dmrpc` binary (`src/main.rs`) is the command-line tool.
 
 pub use dm_pool as pool;
+pub use dm_rpc as rpc;
 
 /// Parses a size such as `4096`, `4KiB`, `64MiB`, `1GiB`, `1G`, `512M`.
 pub fn parse_size(s: &str) -> Result<u64, String> {

@@ -24,14 +24,14 @@ enum Cmd {
     /// Create, inspect, check, collect and destroy memory pools.
     #[command(subcommand)]
     Pool(cmd::pool::PoolCmd),
-    /// Hand a large buffer down a chain of processes by Ref and by value.
+    /// A client, a load balancer and two workers as processes: by Ref vs by value.
     Demo(cmd::demo::DemoArgs),
     /// List the services registered in a pool.
     Ls(cmd::ls::LsArgs),
     /// Run a benchmark against its baseline (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
-    #[command(name = "__hop", hide = true)]
-    Hop(cmd::demo::HopArgs),
+    #[command(name = "__demo-service", hide = true)]
+    DemoService(cmd::demo::ServiceArgs),
     #[command(name = "__bench-peer", hide = true)]
     BenchPeer(bench::PeerArgs),
 }
@@ -43,7 +43,7 @@ fn main() {
         Cmd::Demo(a) => cmd::demo::run(a),
         Cmd::Ls(a) => cmd::ls::run(a),
         Cmd::Bench(a) => bench::run(a),
-        Cmd::Hop(a) => cmd::demo::hop(a),
+        Cmd::DemoService(a) => cmd::demo::service(a),
         Cmd::BenchPeer(a) => bench::peer(a),
     };
     if let Err(e) = r {

@@ -250,7 +250,7 @@ impl<'a, D: RingData> Producer<'a, D> {
         let rec = record_len(len);
         if size - idx < rec {
             self.data.store_word(idx, header(WRAP, self.head, size));
-            self.head += (size - idx) as u64;
+            self.head = self.head.wrapping_add((size - idx) as u64);
             idx = 0;
         }
         let mut at = idx + REC_HDR;
@@ -274,7 +274,7 @@ impl<'a, D: RingData> Producer<'a, D> {
         }
         self.data
             .store_word(idx, header(len as u32, self.head, size));
-        self.head += rec as u64;
+        self.head = self.head.wrapping_add(rec as u64);
         self.ctl.head.0.store(self.head, Ordering::Relaxed);
         self.consumer_bell.ring();
         Ok(true)
@@ -326,7 +326,7 @@ impl<'a, D: RingData> Consumer<'a, D> {
                 if idx == 0 {
                     return Err(RingError::Corrupt("wrap marker at the ring's start".into()));
                 }
-                self.tail += (size - idx) as u64;
+                self.tail = self.tail.wrapping_add((size - idx) as u64);
                 continue;
             }
             let rec = record_len(len as usize);
@@ -338,7 +338,7 @@ impl<'a, D: RingData> Consumer<'a, D> {
             out.clear();
             out.resize(len as usize, 0);
             self.data.read(idx + REC_HDR, out);
-            self.tail += rec as u64;
+            self.tail = self.tail.wrapping_add(rec as u64);
             self.ctl.tail.0.store(self.tail, Ordering::Release);
             Bell(&self.ctl.producer_bell.0).ring();
             return Ok(true);

@@ -23,7 +23,7 @@ use super::ring::{self, Consumer, Producer, RawData, RingControl};
 use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
 use crate::frame::{Frame, Kind, Limits, HEADER_LEN};
 use crate::sync::{AtomicU32, Ordering};
-use crate::wait::{Bell, WaitPolicy};
+use crate::wait::{Bell, WaitPolicy, Waiter};
 use dm_pool::{ChannelId, ChannelMemory, Peer, Pool, ServiceInfo, Side};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -84,7 +84,6 @@ fn service_words(pool: &Pool, svc: &ServiceInfo) -> Result<&'static [AtomicU32],
 struct ClientShared {
     ch: ChannelId,
     svc: ServiceInfo,
-    policy: WaitPolicy,
     // Last: dropped after the rings that point into it.
     pool: Pool,
 }
@@ -116,11 +115,13 @@ impl Drop for ClientShared {
 
 struct ShmTx {
     prod: Producer<'static, RawData>,
+    waiter: Waiter,
     sh: Arc<ClientShared>,
 }
 
 struct ShmRx {
     cons: Consumer<'static, RawData>,
+    waiter: Waiter,
     bell: &'static AtomicU32,
     buf: Vec<u8>,
     limits: Limits,
@@ -138,7 +139,6 @@ pub fn connect(
     let sh = Arc::new(ClientShared {
         ch,
         svc: svc.clone(),
-        policy,
         pool: pool.clone(),
     });
     let m = pool.channel_memory(ch)?;
@@ -148,10 +148,12 @@ pub fn connect(
     let max_inline = ring_max_inline(pool);
     let tx = ShmTx {
         prod: Producer::new(p.req, p.req_data, &words[SERVER_BELL]),
+        waiter: policy.waiter(),
         sh: sh.clone(),
     };
     let rx = ShmRx {
         cons: Consumer::new(p.resp, p.resp_data),
+        waiter: policy.waiter(),
         bell: p.client_bell,
         buf: Vec::new(),
         limits: Limits {
@@ -173,7 +175,7 @@ pub fn connect(
 fn push(
     prod: &mut Producer<'static, RawData>,
     f: &Frame,
-    policy: &WaitPolicy,
+    waiter: &mut Waiter,
     deadline: Option<Instant>,
     check: impl FnMut() -> Result<(), TransportError>,
 ) -> Result<bool, TransportError> {
@@ -182,7 +184,7 @@ fn push(
         return Ok(true);
     }
     let bell = prod.bell();
-    let room = policy.wait(bell, deadline, || prod.fits(len).then_some(()), check)?;
+    let room = waiter.wait(bell, deadline, || prod.fits(len).then_some(()), check)?;
     if room.is_none() {
         return Ok(false);
     }
@@ -192,7 +194,9 @@ fn push(
 impl FrameTx for ShmTx {
     fn send(&mut self, f: &Frame, deadline: Option<Instant>) -> Result<bool, TransportError> {
         let sh = &self.sh;
-        push(&mut self.prod, f, &sh.policy, deadline, || sh.check_peer())
+        push(&mut self.prod, f, &mut self.waiter, deadline, || {
+            sh.check_peer()
+        })
     }
 }
 
@@ -200,7 +204,7 @@ impl FrameRx for ShmRx {
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         let sh = &self.sh;
         let (cons, buf) = (&mut self.cons, &mut self.buf);
-        let got = sh.policy.wait(
+        let got = self.waiter.wait(
             Bell(self.bell),
             deadline,
             || match cons.try_pop(buf) {
@@ -244,7 +248,8 @@ pub struct ShmListener {
     rr: usize,
     next_id: ConnId,
     epoch: u32,
-    policy: WaitPolicy,
+    waiter: Waiter,
+    reply_waiter: Waiter,
     stop: Arc<AtomicBool>,
     limits: Limits,
     reserve: usize,
@@ -285,7 +290,8 @@ impl ShmListener {
             rr: 0,
             next_id: 1,
             epoch: words[CONN_EPOCH].load(Ordering::Acquire).wrapping_sub(1),
-            policy,
+            waiter: policy.waiter(),
+            reply_waiter: policy.waiter(),
             stop,
             limits: Limits {
                 max_payload: max_inline as u32,
@@ -405,32 +411,34 @@ impl Listener for ShmListener {
             }
             self.accept_new();
             let bell = Bell(&self.words[SERVER_BELL]);
-            let policy = self.policy;
+            let mut waiter = self.waiter.clone();
             let stop = self.stop.clone();
             let words = self.words;
-            let got = policy.wait(
+            // Set between park slices (and about every millisecond while
+            // spinning or yielding): drop connections whose clients are
+            // gone, from inside the wait.
+            let sweep_due = std::cell::Cell::new(false);
+            let got = waiter.wait(
                 bell,
                 deadline,
                 || {
                     if stop.load(Ordering::Acquire) {
                         return Some(None);
                     }
+                    if sweep_due.take() {
+                        self.sweep();
+                    }
                     if words[CONN_EPOCH].load(Ordering::Relaxed) != self.epoch {
                         self.accept_new();
                     }
                     self.poll_conns().map(Some)
                 },
-                // A park slice passed with nothing to do: leave the wait to
-                // drop connections whose clients are gone.
-                || Err(()),
-            );
-            let got = match got {
-                Ok(g) => g,
-                Err(()) => {
-                    self.sweep();
-                    continue;
-                }
-            };
+                || {
+                    sweep_due.set(true);
+                    Ok::<(), TransportError>(())
+                },
+            )?;
+            self.waiter = waiter;
             let (id, i) = match got {
                 None | Some(None) => return Ok(None),
                 Some(Some(Err(i))) => {
@@ -474,7 +482,7 @@ impl Listener for ShmListener {
         let r = push(
             &mut self.conns[k].resp,
             f,
-            &self.policy,
+            &mut self.reply_waiter,
             None,
             || match pool.channel_peer(ch, Side::Server) {
                 Peer::Live => Ok(()),
@@ -529,7 +537,6 @@ impl RawConnection {
         let sh = Arc::new(ClientShared {
             ch,
             svc: svc.clone(),
-            policy: WaitPolicy::default(),
             pool: pool.clone(),
         });
         let m = pool.channel_memory(ch)?;

@@ -2,6 +2,7 @@
 //! invocation and report ratios (the machine is shared and noisy: compare
 //! within one run). Results go to `--out` as JSON and CSV.
 
+mod chain;
 mod cow;
 mod peer;
 mod rtt;
@@ -15,7 +16,8 @@ use std::path::PathBuf;
 pub struct BenchArgs {
     /// Which benchmark: `cow` (create_ref + map_ref vs copying), `rtt`
     /// (no-op round trip vs the raw shared-memory floor), `threshold`
-    /// (inline vs by-Ref arguments: the size-aware crossover), or `all`.
+    /// (inline vs by-Ref arguments: the size-aware crossover), `chain`
+    /// (nested calls through 1-7 processes, by Ref vs by value), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -33,12 +35,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "cow" => cow::run(&a),
         "rtt" => rtt::run(&a),
         "threshold" => threshold::run(&a),
+        "chain" => chain::run(&a),
         "all" => {
             cow::run(&a)?;
             rtt::run(&a)?;
-            threshold::run(&a)
+            threshold::run(&a)?;
+            chain::run(&a)
         }
-        n => bail!("unknown benchmark {n:?} (available: cow, rtt, threshold, all)"),
+        n => bail!("unknown benchmark {n:?} (available: cow, rtt, threshold, chain, all)"),
     }
 }
 

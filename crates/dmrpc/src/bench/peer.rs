@@ -2,13 +2,14 @@
 //! by line over stdin/stdout, and the helpers the benchmarks share.
 //!
 //! Commands: `map REF` and `alloc N` (bench cow), `pong FILE` (the raw
-//! shared-memory ping-pong floor of bench rtt), `serve NAME POLICY` and
-//! `unserve` (a no-op RPC service), `quit`.
+//! shared-memory ping-pong floor of bench rtt), `serve NAME POLICY [tcp]` and
+//! `unserve` (a no-op RPC service), `chain NAME NEXT|- ref|value` (a tier
+//! of bench chain), `quit`.
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use dm_pool::{AttachOptions, Pool};
-use dm_rpc::{Config, Node, Payload, WaitPolicy};
+use dm_rpc::{Config, Node, Payload, Transport, WaitPolicy};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -46,6 +47,7 @@ pub fn peer(a: PeerArgs) -> Result<()> {
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         let mut it = line.split_whitespace();
+        let fourth = line.split_whitespace().nth(3).map(str::to_owned);
         let answer = match (it.next(), it.next(), it.next()) {
             (Some("map"), Some(r), _) => super::cow::peer_map(&pool, r)?,
             (Some("alloc"), n, _) => {
@@ -60,21 +62,27 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                         ..Default::default()
                     },
                 );
+                let transport = match fourth.as_deref() {
+                    Some("tcp") => Transport::Tcp("127.0.0.1:0".into()),
+                    _ => Transport::Shm,
+                };
                 servers.push(
                     node.server(name)
+                        .transport(transport)
                         .method("noop", |_| Ok(Payload::empty()))
                         .method("echo", |c| Ok(c.take_payload()))
                         // Reads every byte (what a real callee does with
                         // an argument) and answers an 8-byte checksum.
                         .method("sum", |c| {
-                            let mut h = 0u64;
-                            for s in c.payload().segments()? {
-                                h = s.iter().fold(h, |a, &b| a.wrapping_add(b as u64));
-                            }
+                            let h = sum(&c.payload().segments()?);
                             Ok(Payload::from_vec(h.to_le_bytes().to_vec()))
                         })
                         .spawn()?,
                 );
+                "ok".into()
+            }
+            (Some("chain"), Some(name), Some(next)) => {
+                servers.push(chain_tier(&pool, name, next, fourth.as_deref())?);
                 "ok".into()
             }
             (Some("unserve"), _, _) => {
@@ -87,6 +95,64 @@ pub fn peer(a: PeerArgs) -> Result<()> {
         out.flush()?;
     }
     Ok(())
+}
+
+/// A tier of bench chain: forwards `go` to `next` (`-` for none: then it
+/// reads every byte and answers an 8-byte checksum). `mode` is `value`
+/// (every payload inline) or `ref` (size-aware, the default).
+fn chain_tier(pool: &Pool, name: &str, next: &str, mode: Option<&str>) -> Result<dm_rpc::Server> {
+    let cfg = match mode {
+        Some("value") => Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+        _ => Config::default(),
+    };
+    let node = Node::with_config(pool.clone(), cfg);
+    let next = (next != "-").then(|| next.to_owned());
+    let client = std::sync::OnceLock::new();
+    let n = node.clone();
+    Ok(node
+        .server(name)
+        .method("go", move |c| match &next {
+            Some(to) => {
+                let cl = match client.get() {
+                    Some(cl) => cl,
+                    None => {
+                        let _ = client.set(n.connect(to)?);
+                        client
+                            .get()
+                            .ok_or_else(|| dm_rpc::RpcError::internal("next tier"))?
+                    }
+                };
+                cl.call("go", c.payload().forward()?)
+            }
+            None => {
+                let h = sum(&c.payload().segments()?);
+                Ok(Payload::from_vec(h.to_le_bytes().to_vec()))
+            }
+        })
+        .spawn()?)
+}
+
+/// What a callee does with an argument in the benchmarks: reads every
+/// byte, as a wrapping sum of little-endian u64 words (the tail bytes
+/// added one by one). Vectorizes, so it runs at memory speed.
+pub fn sum(segs: &[&[u8]]) -> u64 {
+    let mut h = 0u64;
+    for s in segs {
+        let mut words = s.chunks_exact(8);
+        h = words.by_ref().fold(h, |a, w| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(w);
+            a.wrapping_add(u64::from_le_bytes(x))
+        });
+        h = words
+            .remainder()
+            .iter()
+            .fold(h, |a, &b| a.wrapping_add(b as u64));
+    }
+    h
 }
 
 /// The two words of the ping-pong file, on separate cache lines.

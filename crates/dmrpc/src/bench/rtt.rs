@@ -5,6 +5,7 @@
 //!   sides spinning) — the physical cost of a round trip on this machine;
 //! * **shm**: a no-op dmrpc call over a shared-memory channel, for each
 //!   waiting policy (default, spin-only, park-only);
+//! * **tcp**: the same call over the TCP transport on loopback;
 //! * **echo**: 64 B .. 1 MiB payloads echoed over the shm channel, inline
 //!   below the threshold and by Ref above it.
 //!
@@ -149,6 +150,19 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         drop(c);
         peer.cmd("unserve")?;
     }
+
+    // The TCP transport over loopback (same frames, same service code).
+    let name = format!("bench/rtt/{id}/tcp");
+    peer.cmd(&format!("serve {name} default tcp"))?;
+    let c = Node::new(pool.clone()).connect(&name)?;
+    let (v, wall) = timed(n / 4, || {
+        c.call("noop", Payload::empty())?;
+        Ok(())
+    })?;
+    let tcp = dist(v, wall);
+    rows.push(row("dmrpc tcp (loopback)", 0, &tcp, f50));
+    drop(c);
+    peer.cmd("unserve")?;
 
     // Echo of growing payloads (default policy): inline, then by Ref.
     let name = format!("bench/rtt/{id}/echo");

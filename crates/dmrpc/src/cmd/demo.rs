@@ -1,235 +1,256 @@
-//! `dmrpc demo`: a large buffer handed down a chain of real processes.
+//! `dmrpc demo`: a client, a load balancer and two workers, as four
+//! processes calling each other over shared-memory channels.
 //!
-//! The client writes a buffer into the pool and sends it through a chain of
-//! `--hops` processes connected by pipes (the control channel). Two modes,
-//! same processes, same pipes:
+//! The client sends requests of `--size` bytes to the load balancer
+//! (`demo/lb`), which forwards each, round robin, to one of two workers
+//! (`demo/worker/0`, `demo/worker/1`). A worker reads every byte
+//! (checksum), transforms the data (rewrites its first 4 KiB) and answers
+//! with the transformed data. Two modes, same processes, same code:
 //!
-//! * **by reference** — only the 40-byte Ref travels; forwarding hops check
-//!   it and pass it on without touching the data; the last hop maps it,
-//!   reads all of it and writes 4 KiB (copy-on-write copies one page, the
-//!   client's buffer is untouched).
-//! * **by value** — every hop copies the data into a buffer of its own (what
-//!   RPC does when arguments are values), then passes that on.
+//! * **by reference** — the client writes the request into the pool and a
+//!   40-byte Ref travels; the load balancer forwards the Ref without
+//!   touching the data; the worker maps it, reads it, and its write copies
+//!   just the one page it changes (copy-on-write): the client's data stays
+//!   intact; the answer travels back by Ref too.
+//! * **by value** — every payload travels inline in the frames (the bytes
+//!   are copied into each ring and out of it, at every hop, both ways):
+//!   what an RPC framework without a shared pool does.
 //!
-//! The table compares the two; the pool is checked at the end.
+//! It prints latency and throughput of both modes, checks every answer,
+//! shuts the services down and ends with `pool check --deep`.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use dm_pool::{AttachOptions, Pool, PoolConfig, Ref};
+use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_rpc::{Client, Config, Node, Payload, RpcError};
 use dmrpc::{fmt_size, parse_size};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::time::Instant;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
-    /// Pool name (reused if it exists; created under /dev/shm otherwise).
+    /// Pool name (created under /dev/shm; replaced if it is too small and
+    /// nobody is attached).
     #[arg(long, default_value = "demo")]
     pub pool: String,
-    /// Size of the buffer passed down the chain.
-    #[arg(long, default_value = "16MiB", value_parser = parse_size)]
+    /// Size of each request.
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
     pub size: u64,
-    /// Processes in the chain (the last one reads and writes the data).
-    #[arg(long, default_value_t = 4)]
-    pub hops: usize,
     /// Calls per mode.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 300)]
     pub calls: usize,
 }
 
-/// The hidden worker: one process of the chain.
+/// A hidden service process of the demo (`dmrpc __demo-service`).
 #[derive(Args, Debug)]
-pub struct HopArgs {
+pub struct ServiceArgs {
     #[arg(long)]
     pub path: PathBuf,
-    /// The last process: map, read, write, reply.
+    /// `lb` or `worker`.
     #[arg(long)]
-    pub last: bool,
+    pub role: String,
+    /// Service name (the by-value twin is NAME/v).
+    #[arg(long)]
+    pub name: String,
+    /// For the load balancer: the workers, comma separated.
+    #[arg(long, default_value = "")]
+    pub workers: String,
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
+const EDIT: usize = 4096;
 
-fn unhex(s: &str) -> Result<Vec<u8>> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| {
-            s.get(i..i + 2)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| anyhow!("bad hex"))
-        })
-        .collect()
-}
-
-/// A checksum over every byte of a view, 8 bytes at a time (the "real
-/// work" of the last hop: it reads all the data).
+/// The worker's "real work": a checksum over every byte (four independent
+/// lanes of 64-bit words, so it runs at memory speed).
 fn checksum(segs: &[&[u8]]) -> u64 {
-    let mut h = 0u64;
-    let mut pos = 0u64;
+    let mut lanes = [0u64; 4];
+    let mut tail = 0u64;
     for s in segs {
-        let mut chunks = s.chunks_exact(8);
+        let mut chunks = s.chunks_exact(32);
         for c in &mut chunks {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(c);
-            h = h.rotate_left(5) ^ u64::from_le_bytes(w).wrapping_add(pos);
-            pos += 1;
+            for (k, l) in lanes.iter_mut().enumerate() {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(&c[k * 8..k * 8 + 8]);
+                *l = l.rotate_left(1) ^ u64::from_le_bytes(w);
+            }
         }
         for &b in chunks.remainder() {
-            h = h.rotate_left(5) ^ (b as u64).wrapping_add(pos);
-            pos += 1;
+            tail = tail.rotate_left(7) ^ b as u64;
         }
     }
-    h
+    lanes
+        .iter()
+        .fold(tail, |h, &l| (h ^ l).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Runs one hop: `<mode> <ref-hex>` lines in, the same (or a reply) out.
-pub fn hop(args: HopArgs) -> Result<()> {
+/// The transformation a worker applies: the first 4 KiB inverted.
+fn transform_head(b: &mut [u8]) {
+    for x in b.iter_mut().take(EDIT) {
+        *x = !*x;
+    }
+}
+
+fn ring_for(size: u64) -> u32 {
+    // By value, a request and its frame must fit half a ring.
+    ((size + 4096) * 2)
+        .next_power_of_two()
+        .clamp(64 << 10, 16 << 20) as u32
+}
+
+fn node_pair(pool: &Pool) -> (Node, Node) {
+    let by_ref = Node::new(pool.clone());
+    let by_value = Node::with_config(
+        pool.clone(),
+        Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+    );
+    (by_ref, by_value)
+}
+
+/// One service process: serves NAME by reference and NAME/v by value.
+pub fn service(a: ServiceArgs) -> Result<()> {
     let pool = Pool::open(
-        &args.path,
+        &a.path,
         AttachOptions {
-            name: Some("dmrpc-demo-hop".into()),
+            name: Some(format!("demo-{}", a.role)),
             ..Default::default()
         },
     )?;
-    let stdin = std::io::stdin();
-    let mut out = std::io::stdout().lock();
-    for line in stdin.lock().lines() {
-        let line = line?;
-        let mut it = line.split_whitespace();
-        let (Some(mode), Some(rh)) = (it.next(), it.next()) else {
-            break;
-        };
-        let r = Ref::from_bytes(&unhex(rh)?)?;
-        let fwd = match mode {
-            // Forward without touching the data: check the capability, pass it on.
-            "ref" => {
-                pool.ref_len(&r)?;
-                r
-            }
-            // Copy into a buffer of our own, pass that on.
-            "value" => {
-                let src = pool.map_ref(&r)?;
-                let mut own = pool.alloc(r.len)?;
-                let mut at = 0;
-                for s in src.segments(0, r.len)? {
-                    own.write(at, s)?;
-                    at += s.len() as u64;
+    let (by_ref, by_value) = node_pair(&pool);
+    let mut servers = Vec::new();
+    for (node, suffix) in [(&by_ref, ""), (&by_value, "/v")] {
+        let name = format!("{}{suffix}", a.name);
+        let b = node.server(&name);
+        let s = match a.role.as_str() {
+            "worker" => b.method("transform", |c| {
+                let p = c.take_payload();
+                // Read every byte.
+                std::hint::black_box(checksum(&p.segments()?));
+                if p.in_pool() {
+                    // By Ref: keep the pages (own shares) and write: only
+                    // the page written is copied; the caller's stay intact.
+                    let Some(mut buf) = p.keep()? else {
+                        return Err(RpcError::internal("a pool payload without pages"));
+                    };
+                    let mut head = vec![0u8; EDIT.min(buf.len() as usize)];
+                    buf.read(0, &mut head)?;
+                    transform_head(&mut head);
+                    buf.write(0, &head)?;
+                    Ok(Payload::from_buffer(buf))
+                } else {
+                    // By value: the bytes are already ours.
+                    let mut v = p.into_vec()?;
+                    transform_head(&mut v);
+                    Ok(Payload::from_vec(v))
                 }
-                drop(src);
-                pool.release_ref(&r)?;
-                let copy = own.share()?;
-                drop(own); // the Ref keeps the pages
-                copy
+            }),
+            "lb" => {
+                let workers: Vec<String> = a
+                    .workers
+                    .split(',')
+                    .filter(|w| !w.is_empty())
+                    .map(|w| format!("{w}{suffix}"))
+                    .collect();
+                if workers.is_empty() {
+                    bail!("the load balancer needs --workers");
+                }
+                let clients: Vec<OnceLock<Client>> =
+                    workers.iter().map(|_| OnceLock::new()).collect();
+                let next = AtomicUsize::new(0);
+                let copied = AtomicU64::new(0);
+                let n = node.clone();
+                b.method("transform", move |c| {
+                    let k = next.fetch_add(1, Ordering::Relaxed) % workers.len();
+                    let cl = match clients[k].get() {
+                        Some(cl) => cl,
+                        None => {
+                            let _ = clients[k].set(n.connect(&workers[k])?);
+                            clients[k]
+                                .get()
+                                .ok_or_else(|| RpcError::internal("worker client"))?
+                        }
+                    };
+                    // Forwarding by Ref touches nothing; inline bytes are
+                    // copied into the next frame (counted for the report).
+                    if !c.payload().in_pool() {
+                        copied.fetch_add(c.payload().len(), Ordering::Relaxed);
+                    }
+                    cl.call("transform", c.payload().forward()?)
+                })
             }
-            m => bail!("unknown mode {m}"),
+            r => bail!("unknown role {r}"),
         };
-        if args.last {
-            let mut mine = pool.map_ref(&fwd)?;
-            let sum = checksum(&mine.segments(0, mine.len())?);
-            mine.write(0, &[0xAB; 4096])?; // copy-on-write: one page
-            let mut head = [0u8; 4096];
-            mine.read(0, &mut head)?;
-            let after = head.iter().all(|&b| b == 0xAB);
-            drop(mine);
-            if mode == "value" {
-                pool.release_ref(&fwd)?;
-            }
-            writeln!(out, "ok {sum} {after}")?;
-        } else {
-            writeln!(out, "{mode} {}", hex(&fwd.to_bytes()))?;
-        }
-        out.flush()?;
+        servers.push(s.spawn()?);
     }
+    println!("ready");
+    // Serve until the demo closes our stdin.
+    for _ in std::io::stdin().lock().lines() {}
+    drop(servers);
     Ok(())
 }
 
-struct Chain {
-    children: Vec<Child>,
-    head: ChildStdin,
-    tail: BufReader<ChildStdout>,
+struct Proc {
+    child: Child,
+    stdin: Option<ChildStdin>,
 }
 
-impl Chain {
-    fn spawn(path: &Path, hops: usize) -> Result<Chain> {
-        let exe = std::env::current_exe()?;
-        let mut children: Vec<Child> = Vec::new();
-        let mut prev: Option<ChildStdout> = None;
-        let mut head = None;
-        for i in 0..hops {
-            let mut cmd = Command::new(&exe);
-            cmd.arg("__hop").arg("--path").arg(path);
-            if i + 1 == hops {
-                cmd.arg("--last");
-            }
-            cmd.stdout(Stdio::piped());
-            match prev.take() {
-                Some(o) => {
-                    cmd.stdin(Stdio::from(o));
-                }
-                None => {
-                    cmd.stdin(Stdio::piped());
-                }
-            }
-            let mut c = cmd.spawn().context("starting a hop process")?;
-            if i == 0 {
-                head = c.stdin.take();
-            }
-            prev = c.stdout.take();
-            children.push(c);
-        }
-        Ok(Chain {
-            children,
-            head: head.ok_or_else(|| anyhow!("no chain"))?,
-            tail: BufReader::new(prev.ok_or_else(|| anyhow!("no chain"))?),
-        })
-    }
-
-    fn call(&mut self, mode: &str, r: &Ref) -> Result<(u64, bool)> {
-        writeln!(self.head, "{mode} {}", hex(&r.to_bytes()))?;
-        self.head.flush()?;
+impl Proc {
+    fn spawn(path: &Path, role: &str, name: &str, workers: &str) -> Result<Proc> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("__demo-service")
+            .arg("--path")
+            .arg(path)
+            .args(["--role", role, "--name", name, "--workers", workers])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        let stdin = child.stdin.take();
         let mut line = String::new();
-        if self.tail.read_line(&mut line)? == 0 {
-            bail!("the chain closed (a hop failed)");
+        if let Some(out) = child.stdout.take() {
+            BufReader::new(out).read_line(&mut line)?;
         }
-        let mut it = line.split_whitespace();
-        match (it.next(), it.next(), it.next()) {
-            (Some("ok"), Some(sum), Some(w)) => Ok((sum.parse()?, w == "true")),
-            _ => bail!("unexpected reply {line:?}"),
+        if line.trim() != "ready" {
+            bail!("{name} failed to start");
         }
+        Ok(Proc { child, stdin })
     }
 
-    fn close(self) -> Result<()> {
-        drop(self.head);
-        for mut c in self.children {
-            let st = c.wait()?;
-            if !st.success() {
-                bail!("a hop exited with {st}");
-            }
+    fn stop(mut self) -> Result<()> {
+        drop(self.stdin.take());
+        let st = self.child.wait()?;
+        if !st.success() {
+            bail!("a demo service exited with {st}");
         }
         Ok(())
     }
 }
 
-struct Row {
-    mode: &'static str,
-    p50_ms: f64,
-    mean_ms: f64,
-    gib_s: f64,
-    copied: u64,
-    cow: u64,
+impl Drop for Proc {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        if let Ok(None) = self.child.try_wait() {
+            std::thread::sleep(Duration::from_millis(200));
+            if let Ok(None) = self.child.try_wait() {
+                let _ = self.child.kill();
+            }
+            let _ = self.child.wait();
+        }
+    }
 }
 
-pub fn run(args: DemoArgs) -> Result<()> {
-    if args.hops == 0 || args.calls == 0 {
-        bail!("--hops and --calls must be at least 1");
-    }
+fn open_pool(args: &DemoArgs) -> Result<(PathBuf, Pool)> {
     let path = dm_pool::default_path(&args.pool);
-    // Room for the client's buffer, a copy per hop in flight, and slack.
-    let need = args.size * (args.hops as u64 + 3) + (64 << 20);
+    let ring = ring_for(args.size);
     let cfg = PoolConfig {
-        size: need.max(256 << 20),
+        size: (args.size * 16 + (256 << 20)).max(1 << 30),
+        channels: Some(16),
+        ring_size: ring,
         name: args.pool.clone(),
         ..Default::default()
     };
@@ -237,124 +258,154 @@ pub fn run(args: DemoArgs) -> Result<()> {
         name: Some("dmrpc-demo".into()),
         ..Default::default()
     };
-    let pool = match Pool::open_or_create(&path, &cfg, opts.clone()) {
-        // The demo's own pool, left by a build with another pool format:
-        // replace it (nothing can be attached to a pool this build cannot read).
-        Err(dm_pool::Error::VersionMismatch { found, supported }) => {
-            println!(
-                "replacing {} (pool format {found}; this build uses {supported})",
-                path.display()
-            );
+    // A demo pool left by an earlier run or build may be of another format
+    // or too small: replace it if nobody uses it.
+    if path.exists() {
+        let fits = dm_pool::layout_of(&path)
+            .map(|l| {
+                l.ring_size >= ring
+                    && l.n_channels >= 8
+                    && l.n_pages as u64 * l.page_size as u64 >= args.size * 8
+            })
+            .unwrap_or(false);
+        if !fits {
+            let busy = dm_pool::check_path(&path, false).is_ok_and(|r| r.slots_live > 0);
+            if busy {
+                bail!(
+                    "pool {} is in use and too small for this demo; pick another --pool",
+                    path.display()
+                );
+            }
+            println!("replacing {} (another format or too small)", path.display());
             std::fs::remove_file(&path)?;
-            Pool::open_or_create(&path, &cfg, opts)
         }
-        r => r,
     }
-    .with_context(|| format!("opening pool {}", path.display()))?;
-    if args.size > pool.max_len() {
-        bail!(
-            "--size {} exceeds this pool's largest buffer {}",
-            fmt_size(args.size),
-            fmt_size(pool.max_len())
-        );
-    }
-    println!(
-        "dmrpc demo: a {} buffer through {} processes ({} forwarding, 1 reading and writing), {} calls per mode",
-        fmt_size(args.size),
-        args.hops,
-        args.hops - 1,
-        args.calls
-    );
-    println!(
-        "pool {} ({})",
-        path.display(),
-        fmt_size(pool.layout().total_len)
-    );
+    let pool = Pool::open_or_create(&path, &cfg, opts)
+        .with_context(|| format!("opening pool {}", path.display()))?;
+    Ok((path, pool))
+}
 
-    let mut buf = pool.alloc(args.size)?;
+pub fn run(args: DemoArgs) -> Result<()> {
+    if args.calls == 0 || args.size < 8 {
+        bail!("--calls must be at least 1 and --size at least 8 bytes");
+    }
+    if args.size > 4 << 20 {
+        bail!("--size is at most 4MiB (by value, a request must fit a ring)");
+    }
+    let (path, pool) = open_pool(&args)?;
+    println!(
+        "dmrpc demo: client -> load balancer -> 2 workers, 4 processes over shared-memory channels"
+    );
+    println!(
+        "{} requests, {} calls per mode; pool {}",
+        fmt_size(args.size),
+        args.calls,
+        path.display()
+    );
+    let id = std::process::id();
+    let base = format!("demo/{id}");
+    let workers: Vec<String> = (0..2).map(|k| format!("{base}/worker/{k}")).collect();
+    let mut procs = Vec::new();
+    for w in &workers {
+        procs.push(Proc::spawn(&path, "worker", w, "")?);
+    }
+    let lb = format!("{base}/lb");
+    procs.push(Proc::spawn(&path, "lb", &lb, &workers.join(","))?);
+
     let data: Vec<u8> = (0..args.size)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
-    buf.write(0, &data)?;
-    let want = checksum(&[&data]);
-    let mut chain = Chain::spawn(&path, args.hops)?;
-    let mut rows = Vec::new();
-    for mode in ["ref", "value"] {
+    let mut expect = data.clone();
+    transform_head(&mut expect);
+    let want = checksum(&[&expect]);
+    let (by_ref, by_value) = node_pair(&pool);
+    let mut results = Vec::new();
+    for (mode, node, name) in [
+        ("by reference", &by_ref, lb.clone()),
+        ("by value", &by_value, format!("{lb}/v")),
+    ] {
+        let c = node.connect(&name)?;
         let cow0 = pool.counters().cow_copies;
-        let mut lat = Vec::with_capacity(args.calls);
-        for _ in 0..args.calls + 1 {
-            let t = Instant::now();
-            let r = buf.share()?;
-            let (sum, wrote) = chain.call(mode, &r)?;
-            if mode == "ref" {
-                pool.release_ref(&r)?;
+        // Each call builds its request from the client's bytes: written into
+        // a pool buffer (by Ref: one copy, then only the Ref travels), or
+        // into the frame's bytes (by value: copied again at every hop).
+        let one = |c: &Client| -> Result<()> {
+            let p = if mode == "by reference" {
+                let mut b = pool.alloc(args.size)?;
+                b.write(0, &data)?;
+                Payload::from_buffer(b)
+            } else {
+                Payload::from_vec(data.clone())
+            };
+            let answer = c.call("transform", p)?;
+            if checksum(&answer.segments()?) != want {
+                bail!("{mode}: wrong answer");
             }
+            Ok(())
+        };
+        for _ in 0..(args.calls / 10).max(3) {
+            one(&c)?;
+        }
+        let mut lat = Vec::with_capacity(args.calls);
+        let t0 = Instant::now();
+        for _ in 0..args.calls {
+            let t = Instant::now();
+            one(&c)?;
             lat.push(t.elapsed().as_secs_f64() * 1e3);
-            if sum != want || !wrote {
-                bail!("the last hop read the wrong data ({mode})");
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        if mode == "by reference" {
+            // Copy-on-write: the worker wrote into what it received; the
+            // client's own buffer (shared with it) must be unchanged.
+            let mut mine = pool.alloc(args.size)?;
+            mine.write(0, &data)?;
+            let r = mine.share()?;
+            c.call("transform", Payload::from_buffer(pool.map_ref(&r)?))?;
+            pool.release_ref(&r)?;
+            if mine.to_vec()? != data {
+                bail!("the client's data changed under copy-on-write");
             }
         }
-        lat.remove(0); // warm-up
         lat.sort_by(|a, b| a.total_cmp(b));
         let p50 = lat[lat.len() / 2];
-        let mean = lat.iter().sum::<f64>() / lat.len() as f64;
-        let cow = (pool.counters().cow_copies - cow0) / (args.calls as u64 + 1);
-        let ps = pool.page_size() as u64;
-        rows.push(Row {
-            mode: if mode == "ref" {
-                "by reference"
-            } else {
-                "by value"
-            },
-            p50_ms: p50,
-            mean_ms: mean,
-            gib_s: args.size as f64 / (p50 / 1e3) / (1u64 << 30) as f64,
-            copied: if mode == "ref" {
-                cow * ps
-            } else {
-                args.size * args.hops as u64 + cow * ps
-            },
-            cow,
-        });
+        let p99 = lat[((lat.len() - 1) as f64 * 0.99) as usize];
+        let per_s = args.calls as f64 / wall;
+        let cow = pool.counters().cow_copies - cow0;
+        results.push((mode, p50, p99, per_s, cow as f64 / args.calls as f64));
+        drop(c);
     }
-    chain.close()?;
-    if buf.to_vec()? != data {
-        bail!("the client's buffer changed: copy-on-write failed");
-    }
-    drop(buf);
-
-    println!();
     println!(
-        "{:<14} {:>12} {:>12} {:>13} {:>16} {:>10}",
-        "mode", "p50", "mean", "throughput", "copied/call", "CoW pages"
+        "{:<14} {:>9} {:>9} {:>10} {:>10} {:>16}",
+        "mode", "p50 ms", "p99 ms", "calls/s", "MiB/s", "CoW pages/call"
     );
-    for r in &rows {
+    for (mode, p50, p99, per_s, cow) in &results {
         println!(
-            "{:<14} {:>9.3} ms {:>9.3} ms {:>8.2} GiB/s {:>16} {:>10}",
-            r.mode,
-            r.p50_ms,
-            r.mean_ms,
-            r.gib_s,
-            fmt_size(r.copied),
-            r.cow
+            "{:<14} {:>9.3} {:>9.3} {:>10.0} {:>10.0} {:>16.1}",
+            mode,
+            p50,
+            p99,
+            per_s,
+            per_s * args.size as f64 / (1 << 20) as f64,
+            cow
         );
     }
     println!(
-        "\nby reference: {:.1}x lower latency than copying at every hop; the client's buffer is intact (CoW).",
-        rows[1].p50_ms / rows[0].p50_ms
+        "by reference: {:.1}x the throughput of by value, {:.1}x lower p50",
+        results[0].3 / results[1].3,
+        results[1].1 / results[0].1
     );
+    for p in procs {
+        p.stop()?;
+    }
+    drop((by_ref, by_value));
     drop(pool);
     let rep = dm_pool::check_path(&path, true)?;
-    if !rep.ok() || rep.pages_held != 0 {
-        eprintln!("pool check FAILED:");
-        for p in &rep.problems {
-            eprintln!("  - {p}");
-        }
-        bail!("pool check failed ({} pages still held)", rep.pages_held);
+    if !rep.ok() {
+        bail!("pool check failed: {:?}", rep.problems);
     }
     println!(
-        "pool check passed: {} pages free, 0 held, no live slots left (free pages verified zero).",
-        rep.pages_free
+        "pool check --deep: ok ({} pages held, {} services, {} channels left)",
+        rep.pages_held, rep.services, rep.channels
     );
     Ok(())
 }

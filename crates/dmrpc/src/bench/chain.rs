@@ -1,0 +1,173 @@
+//! `dmrpc bench chain` — DmRPC's nested-RPC experiment: a request passes
+//! through 1 to 7 tiers, each a separate process forwarding it to the next;
+//! the last tier reads every byte and answers 8 bytes.
+//!
+//! Two modes over the same shared-memory transport, in the same run:
+//! * **by Ref** — the client writes the request into the pool once; each
+//!   tier forwards the 40-byte Ref without touching the data;
+//! * **by value** — the request travels inline: copied into and out of a
+//!   ring at every tier (what RPC does with value arguments).
+//!
+//! Sequential calls from one client: latency p50 and calls per second.
+//! By-Ref throughput should stay nearly flat as tiers grow.
+
+use super::peer::{percentile, Peer, TempFile};
+use super::serde_like::Obj;
+use super::BenchArgs;
+use anyhow::{bail, Result};
+use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_rpc::{Config, Node, Payload};
+use dmrpc::fmt_size;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const TIERS: usize = 7;
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let sizes: &[usize] = if a.quick {
+        &[4 << 10, 64 << 10]
+    } else {
+        &[4 << 10, 64 << 10, 256 << 10, 1 << 20]
+    };
+    let tiers: &[usize] = if a.quick {
+        &[1, 3, 7]
+    } else {
+        &[1, 2, 3, 4, 5, 6, 7]
+    };
+    let budget = Duration::from_millis(if a.quick { 300 } else { 1500 });
+    let id = std::process::id();
+    let path = PathBuf::from(format!("/dev/shm/dmrpc-bench-chain-{id}.pool"));
+    let _g = TempFile(path.clone());
+    Pool::create(
+        &path,
+        &PoolConfig {
+            size: 1 << 30,
+            channels: Some(40),
+            ring_size: 4 << 20,
+            name: "bench-chain".into(),
+            ..Default::default()
+        },
+    )?;
+    let pool = Pool::open(
+        &path,
+        AttachOptions {
+            prefault: true,
+            ..Default::default()
+        },
+    )?;
+    // One process per tier, each serving its tier in both modes.
+    let name = |mode: &str, k: usize| format!("bench/chain/{id}/{mode}/{k}");
+    let mut peers = Vec::new();
+    for k in 0..TIERS {
+        let mut p = Peer::spawn(&path, &[])?;
+        for mode in ["ref", "value"] {
+            let next = if k + 1 < TIERS {
+                name(mode, k + 1)
+            } else {
+                "-".into()
+            };
+            p.cmd(&format!("chain {} {next} {mode}", name(mode, k)))?;
+        }
+        peers.push(p);
+    }
+    let by_ref = Node::new(pool.clone());
+    let by_value = Node::with_config(
+        pool.clone(),
+        Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+    );
+    println!("bench chain: a request through N tiers (processes), by Ref vs by value, {TIERS} tier processes");
+    println!(
+        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
+        "size", "tiers", "Ref p50 us", "value p50 us", "Ref calls/s", "value calls/s", "ratio"
+    );
+    let mut rows = Vec::new();
+    for &size in sizes {
+        let data: Vec<u8> = (0..size).map(|i| (i * 13) as u8).collect();
+        let want = super::peer::sum(&[&data]);
+        for &t in tiers {
+            let entry = TIERS - t;
+            let mut res = Vec::new();
+            for (mode, node) in [("ref", &by_ref), ("value", &by_value)] {
+                let c = node.connect(&name(mode, entry))?;
+                let call = || -> Result<()> {
+                    let p = if mode == "ref" {
+                        let mut b = pool.alloc(size as u64)?;
+                        b.write(0, &data)?;
+                        Payload::from_buffer(b)
+                    } else {
+                        Payload::from_vec(data.clone())
+                    };
+                    let got = c.call("go", p)?.to_vec()?;
+                    if got != want.to_le_bytes() {
+                        bail!("tier answer is wrong");
+                    }
+                    Ok(())
+                };
+                for _ in 0..20 {
+                    call()?;
+                }
+                let mut v = Vec::new();
+                let t0 = Instant::now();
+                while v.len() < 20 || (t0.elapsed() < budget && v.len() < 100_000) {
+                    let t = Instant::now();
+                    call()?;
+                    v.push(t.elapsed().as_nanos() as f64);
+                }
+                let per_s = v.len() as f64 / t0.elapsed().as_secs_f64();
+                res.push((percentile(&mut v, 0.5), per_s));
+            }
+            let ratio = res[0].1 / res[1].1;
+            println!(
+                "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x",
+                fmt_size(size as u64),
+                t,
+                res[0].0 / 1e3,
+                res[1].0 / 1e3,
+                res[0].1,
+                res[1].1,
+                ratio
+            );
+            let mut o = Obj::default();
+            o.num("size", size as f64);
+            o.num("tiers", t as f64);
+            o.num("ref_p50_ns", res[0].0);
+            o.num("value_p50_ns", res[1].0);
+            o.num("ref_calls_per_s", res[0].1);
+            o.num("value_calls_per_s", res[1].1);
+            o.num("ref_over_value_throughput", ratio);
+            rows.push(o);
+        }
+    }
+    drop(peers);
+    drop((by_ref, by_value));
+    let rep = pool.check();
+    if !rep.ok() {
+        bail!("pool check failed after the benchmark: {:?}", rep.problems);
+    }
+    let mut res = Obj::default();
+    res.str("benchmark", "chain");
+    res.str(
+        "method",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop",
+    );
+    res.obj("machine", &super::machine());
+    res.arr("rows", &rows);
+    super::write_results(
+        a,
+        "chain",
+        &res,
+        &rows,
+        &[
+            "size",
+            "tiers",
+            "ref_p50_ns",
+            "value_p50_ns",
+            "ref_calls_per_s",
+            "value_calls_per_s",
+            "ref_over_value_throughput",
+        ],
+    )
+}
