@@ -169,10 +169,12 @@ pub struct PoolConfig {
     /// Service records (services registered at once). Default 128.
     pub services: u32,
     /// Channels (RPC connections over shared memory at once). Default: as
-    /// many as fit in a sixteenth of the pool, between 1 and 64.
+    /// many as fit in a sixteenth of the pool, at most 64 (none in a pool
+    /// too small for one).
     pub channels: Option<u32>,
     /// Bytes of each of a channel's two rings (power of two, 4 KiB to
-    /// 16 MiB). Default 64 KiB.
+    /// 16 MiB). Default 256 KiB (the RPC layer's default inline threshold,
+    /// 64 KiB, needs a frame of that size to fit twice in half a ring).
     pub ring_size: u32,
     /// Name recorded in the header.
     pub name: String,
@@ -189,7 +191,7 @@ impl Default for PoolConfig {
             ref_ttl_ms: 60_000,
             services: 128,
             channels: None,
-            ring_size: 64 << 10,
+            ring_size: 256 << 10,
             name: String::new(),
         }
     }
@@ -200,7 +202,7 @@ impl PoolConfig {
     pub fn channel_count(&self) -> u32 {
         self.channels.unwrap_or_else(|| {
             let stride = channel_stride(self.ring_size.clamp(MIN_RING, MAX_RING));
-            (self.size / 16 / stride).clamp(1, 64) as u32
+            (self.size / 16 / stride).min(64) as u32
         })
     }
 }

@@ -9,6 +9,7 @@
 //!   in-process queues ([`transport::mem`]), one API over both.
 //! * [`wait`] — the spin/yield/futex waiting policy and the doorbell.
 //! * [`payload`] — size-aware payloads.
+//! * [`registry`] — names to endpoints: the trait, and its home in the pool.
 //! * [`node`], [`server`], [`client`] — what applications program against.
 //!
 //! ```no_run
@@ -47,6 +48,8 @@ pub mod node;
 #[cfg(not(loom))]
 pub mod payload;
 #[cfg(not(loom))]
+pub mod registry;
+#[cfg(not(loom))]
 pub mod server;
 #[cfg(not(loom))]
 pub mod transport;
@@ -61,6 +64,8 @@ pub use frame::{Body, Frame, FrameError, Kind, Status};
 pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX};
 #[cfg(not(loom))]
 pub use payload::Payload;
+#[cfg(not(loom))]
+pub use registry::{PoolRegistry, Registry, ServiceEntry};
 #[cfg(not(loom))]
 pub use server::{Call, Server, ServerBuilder};
 pub use wait::WaitPolicy;

@@ -4,17 +4,24 @@
 
 use crate::client::Client;
 use crate::error::RpcError;
+use crate::registry::{PoolRegistry, Registry, ServiceEntry};
 use crate::server::ServerBuilder;
 use crate::wait::WaitPolicy;
 use dm_pool::{Endpoint, Pool};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The default size-aware threshold: payloads up to this many bytes travel
-/// inline, larger ones by Ref. Chosen from the measured crossover on the
-/// 2-core test machine (`dmrpc bench threshold`, BENCHMARKS.md): below it
-/// copying the bytes through the ring costs less than writing them to the
-/// pool and creating, mapping and releasing a Ref.
-pub const DEFAULT_INLINE_MAX: usize = 16 << 10;
+/// inline, larger ones by Ref. From the measured crossover on the 2-core
+/// test machine (`dmrpc bench threshold`, BENCHMARKS.md): for an argument
+/// the callee reads, inline is faster up to 64 KiB (by 13% there) and the
+/// two cost the same at 128 KiB; by Ref wins from there on (2.3x at 256
+/// KiB). Sharing has a fixed cost of about 4.5 us (descriptor claims and
+/// page counts on both sides) that copying through a ring only exceeds for
+/// large payloads. The largest power of two below the crossover is chosen.
+/// (A forwarded payload pays the copy at every hop, so chains of services
+/// may want a lower threshold: `Config::inline_max`.)
+pub const DEFAULT_INLINE_MAX: usize = 64 << 10;
 
 /// How a node's calls behave.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +63,7 @@ pub enum Transport {
 pub struct Node {
     pub(crate) pool: Pool,
     pub(crate) cfg: Config,
+    pub(crate) registry: Arc<dyn Registry>,
 }
 
 impl Node {
@@ -66,7 +74,24 @@ impl Node {
 
     /// A node with `cfg`.
     pub fn with_config(pool: Pool, cfg: Config) -> Node {
-        Node { pool, cfg }
+        let registry = Arc::new(PoolRegistry::new(pool.clone()));
+        Node {
+            pool,
+            cfg,
+            registry,
+        }
+    }
+
+    /// This node with another registry for TCP services (the pool's own
+    /// registry still names its shared-memory services).
+    pub fn with_registry(mut self, registry: Arc<dyn Registry>) -> Node {
+        self.registry = registry;
+        self
+    }
+
+    /// The registry TCP services are published in and looked up from.
+    pub fn registry(&self) -> &Arc<dyn Registry> {
+        &self.registry
     }
 
     /// The pool.
@@ -85,11 +110,19 @@ impl Node {
     }
 
     /// Connects to service `name`: a service of this process bound on the
-    /// in-memory transport, else the pool's registry.
+    /// in-memory transport, else a TCP service in the node's registry, else
+    /// a service in the pool's registry.
     pub fn connect(&self, name: &str) -> Result<Client, RpcError> {
         if crate::transport::mem::is_bound(name) {
             let conn = crate::transport::mem::connect(name)?;
             return Ok(Client::new(self.clone(), name, conn));
+        }
+        if let Some(ServiceEntry {
+            endpoint: Endpoint::Tcp(addr),
+            ..
+        }) = self.registry.lookup(name)?
+        {
+            return self.connect_tcp_as(name, &addr);
         }
         let svc = self
             .pool

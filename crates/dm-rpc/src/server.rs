@@ -120,7 +120,7 @@ impl ServerBuilder {
         let stop = Arc::new(AtomicBool::new(false));
         let node = self.node.clone();
         let mut endpoint = None;
-        let (listener, reg): (Box<dyn Listener>, Option<ServiceInfo>) = match &self.transport {
+        let (listener, reg): (Box<dyn Listener>, Option<Reg>) = match &self.transport {
             Transport::Shm => {
                 let svc = node.pool.register(&self.name, &Endpoint::Shm)?;
                 match crate::transport::shm::ShmListener::new(
@@ -130,7 +130,7 @@ impl ServerBuilder {
                     stop.clone(),
                     node.cfg.inline_max,
                 ) {
-                    Ok(l) => (Box::new(l), Some(svc)),
+                    Ok(l) => (Box::new(l), Some(Reg::Pool(svc))),
                     Err(e) => {
                         let _ = node.pool.unregister(&svc);
                         return Err(e.into());
@@ -141,9 +141,11 @@ impl ServerBuilder {
                 let l =
                     crate::transport::tcp::TcpListener::bind(addr, node.pool.id(), stop.clone())?;
                 let at = l.local_addr().to_string();
-                let svc = node.pool.register(&self.name, &Endpoint::Tcp(at.clone()))?;
+                let r = node
+                    .registry
+                    .register(&self.name, &Endpoint::Tcp(at.clone()))?;
                 endpoint = Some(at);
-                (Box::new(l), Some(svc))
+                (Box::new(l), Some(Reg::Registry(r)))
             }
             Transport::Mem => {
                 let l = crate::transport::mem::bind(&self.name, stop.clone()).ok_or_else(|| {
@@ -195,12 +197,20 @@ pub struct Stats {
     pub expired: AtomicU64,
 }
 
+/// Where a server's name is registered.
+enum Reg {
+    /// In the pool (shared-memory services).
+    Pool(ServiceInfo),
+    /// In the node's registry (TCP services).
+    Registry(crate::registry::Registration),
+}
+
 /// A running service. Stops (and unregisters) on [`shutdown`](Self::shutdown) or drop.
 pub struct Server {
     endpoint: Option<String>,
     name: String,
     node: Node,
-    reg: Option<ServiceInfo>,
+    reg: Option<Reg>,
     stop: Arc<AtomicBool>,
     waker: Waker,
     stats: Arc<Stats>,
@@ -244,8 +254,14 @@ impl Server {
     }
 
     fn stop_now(&mut self) {
-        if let Some(s) = self.reg.take() {
-            let _ = self.node.pool.unregister(&s);
+        match self.reg.take() {
+            Some(Reg::Pool(s)) => {
+                let _ = self.node.pool.unregister(&s);
+            }
+            Some(Reg::Registry(r)) => {
+                let _ = self.node.registry.unregister(&r);
+            }
+            None => {}
         }
         self.stop.store(true, Ordering::Release);
         self.waker.wake();

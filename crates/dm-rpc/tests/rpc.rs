@@ -527,3 +527,85 @@ fn a_reused_channel_carries_nothing_of_the_previous_connection() {
     drop(node);
     tp.assert_clean();
 }
+
+/// A registry outside any pool (what etcd will be): one map shared by the
+/// nodes of two pools, standing for two hosts.
+#[derive(Debug, Default)]
+struct MapRegistry(std::sync::Mutex<std::collections::HashMap<String, dm_pool::Endpoint>>);
+
+impl dm_rpc::Registry for MapRegistry {
+    fn register(
+        &self,
+        name: &str,
+        endpoint: &dm_pool::Endpoint,
+    ) -> Result<dm_rpc::registry::Registration, RpcError> {
+        let mut m = self.0.lock().unwrap();
+        if m.contains_key(name) {
+            return Err(RpcError::invalid_argument("taken"));
+        }
+        m.insert(name.to_owned(), endpoint.clone());
+        Ok(dm_rpc::registry::Registration {
+            name: name.to_owned(),
+            handle: 0,
+        })
+    }
+    fn unregister(&self, r: &dm_rpc::registry::Registration) -> Result<(), RpcError> {
+        self.0.lock().unwrap().remove(&r.name);
+        Ok(())
+    }
+    fn lookup(&self, name: &str) -> Result<Option<dm_rpc::ServiceEntry>, RpcError> {
+        Ok(self
+            .0
+            .lock()
+            .unwrap()
+            .get(name)
+            .map(|e| dm_rpc::ServiceEntry {
+                name: name.to_owned(),
+                endpoint: e.clone(),
+                owner: "test".into(),
+                live: true,
+            }))
+    }
+    fn list(&self) -> Result<Vec<dm_rpc::ServiceEntry>, RpcError> {
+        let names: Vec<String> = self.0.lock().unwrap().keys().cloned().collect();
+        Ok(names
+            .iter()
+            .filter_map(|n| self.lookup(n).ok().flatten())
+            .collect())
+    }
+}
+
+#[test]
+fn a_registry_outside_the_pool_finds_tcp_services_across_pools() {
+    let reg: std::sync::Arc<dyn dm_rpc::Registry> = std::sync::Arc::new(MapRegistry::default());
+    let (pa, pb) = (pool(), pool());
+    let server_node = Node::new(pa.attach()).with_registry(reg.clone());
+    let client_node = Node::new(pb.attach()).with_registry(reg.clone());
+    let name = unique("elsewhere");
+    let svc = spawn_svc(&server_node, &name, &Transport::Tcp("127.0.0.1:0".into()));
+    assert!(
+        server_node.pool().lookup(&name).unwrap().is_none(),
+        "a TCP service goes to the node's registry"
+    );
+    let entry = reg.lookup(&name).unwrap().unwrap();
+    assert_eq!(
+        entry.endpoint,
+        dm_pool::Endpoint::Tcp(svc.tcp_addr().unwrap().into())
+    );
+    let c = client_node.connect(&name).unwrap();
+    let (len, in_pool, _) = inspect(&client_node, &c, vec![1; 50_000]);
+    assert_eq!((len, in_pool), (50_000, false), "between pools: by value");
+    drop(c);
+    svc.shutdown();
+    assert!(
+        reg.lookup(&name).unwrap().is_none(),
+        "unregistered on shutdown"
+    );
+    assert_eq!(
+        client_node.connect(&name).unwrap_err().status,
+        Status::NotFound
+    );
+    drop((server_node, client_node));
+    pa.assert_clean();
+    pb.assert_clean();
+}

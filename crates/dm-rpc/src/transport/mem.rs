@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 /// Frames a queue holds before its sender waits.
 pub const QUEUE_DEPTH: usize = 256;
-/// Largest inline payload (the same bound a 64 KiB ring gives).
-pub const MAX_INLINE: usize = 32 << 10;
+/// Largest inline payload (about what a default 256 KiB ring carries).
+pub const MAX_INLINE: usize = 128 << 10;
 
 enum Event {
     Open(ConnId, SyncSender<Frame>),

@@ -101,13 +101,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     for size in [
         256usize,
         1 << 10,
-        2 << 10,
         4 << 10,
-        8 << 10,
         16 << 10,
         32 << 10,
         64 << 10,
+        96 << 10,
         128 << 10,
+        192 << 10,
         256 << 10,
     ] {
         let data: Vec<u8> = (0..size).map(|i| i as u8).collect();

@@ -54,7 +54,7 @@ pub enum PoolCmd {
         #[arg(long)]
         channels: Option<u32>,
         /// Bytes of each ring of a connection (power of two, 4KiB..16MiB).
-        #[arg(long, default_value = "64KiB", value_parser = parse_size)]
+        #[arg(long, default_value = "256KiB", value_parser = parse_size)]
         ring_size: u64,
     },
     /// Show the pool's format and geometry.

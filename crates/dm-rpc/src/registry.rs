@@ -1,0 +1,103 @@
+//! Naming and discovery: the [`Registry`] trait, and its implementation in
+//! the pool ([`PoolRegistry`], the default).
+//!
+//! A registry maps hierarchical service names to endpoints with liveness.
+//! On one host (or one CXL domain) it lives in the pool (`dm_pool::registry`):
+//! no daemon, and a crashed service disappears with its lease. Services
+//! spread over hosts need a registry every host can reach; that is a
+//! second implementation of this trait (etcd, a later issue), given to
+//! [`Node::with_registry`](crate::Node::with_registry). Shared-memory
+//! endpoints are always found in the pool (only processes attached to it
+//! can use them); TCP endpoints are registered in, and looked up from, the
+//! node's registry.
+
+use crate::error::RpcError;
+use dm_pool::{Endpoint, Pool};
+
+/// A registered service as a registry reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceEntry {
+    /// The hierarchical name.
+    pub name: String,
+    /// Where it is reached.
+    pub endpoint: Endpoint,
+    /// Who registered it, for people (`pid 1234`, `host:pid`).
+    pub owner: String,
+    /// Whether the registry still considers it alive.
+    pub live: bool,
+}
+
+/// What a registration returns, to remove it later.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// The name registered.
+    pub name: String,
+    /// The registry's handle for it (opaque outside the registry).
+    pub handle: u64,
+}
+
+/// Names to endpoints, with liveness.
+pub trait Registry: Send + Sync + std::fmt::Debug {
+    /// Registers `name` at `endpoint` for as long as this process lives (or
+    /// until [`unregister`](Self::unregister)). A name held by a live
+    /// process is refused with `InvalidArgument`.
+    fn register(&self, name: &str, endpoint: &Endpoint) -> Result<Registration, RpcError>;
+    /// Removes a registration made through this registry.
+    fn unregister(&self, r: &Registration) -> Result<(), RpcError>;
+    /// The live registration of `name`, if any.
+    fn lookup(&self, name: &str) -> Result<Option<ServiceEntry>, RpcError>;
+    /// Every registration (live or not yet removed), by name.
+    fn list(&self) -> Result<Vec<ServiceEntry>, RpcError>;
+}
+
+/// The registry embedded in the pool.
+#[derive(Debug, Clone)]
+pub struct PoolRegistry {
+    pool: Pool,
+}
+
+impl PoolRegistry {
+    /// The registry of `pool`.
+    pub fn new(pool: Pool) -> Self {
+        PoolRegistry { pool }
+    }
+}
+
+fn entry(s: dm_pool::ServiceInfo) -> ServiceEntry {
+    ServiceEntry {
+        owner: format!("pid {}", s.pid),
+        name: s.name,
+        endpoint: s.endpoint,
+        live: s.live,
+    }
+}
+
+impl Registry for PoolRegistry {
+    fn register(&self, name: &str, endpoint: &Endpoint) -> Result<Registration, RpcError> {
+        let s = self.pool.register(name, endpoint)?;
+        Ok(Registration {
+            name: s.name,
+            handle: s.index as u64 | (s.generation as u64) << 32,
+        })
+    }
+
+    fn unregister(&self, r: &Registration) -> Result<(), RpcError> {
+        let info = self
+            .pool
+            .services()
+            .into_iter()
+            .find(|s| s.index as u64 | (s.generation as u64) << 32 == r.handle)
+            .ok_or_else(|| RpcError::not_found(format!("{:?} is not registered", r.name)))?;
+        Ok(self.pool.unregister(&info)?)
+    }
+
+    fn lookup(&self, name: &str) -> Result<Option<ServiceEntry>, RpcError> {
+        Ok(self.pool.lookup(name)?.map(entry))
+    }
+
+    fn list(&self) -> Result<Vec<ServiceEntry>, RpcError> {
+        let mut v: Vec<_> = self.pool.services().into_iter().map(entry).collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(v)
+    }
+}
