@@ -28,7 +28,7 @@ step "bench all --quick (checks each runs and writes its results, not its speed)
 out=target/bench-smoke
 rm -rf "$out"
 ./target/release/dmrpc bench all --quick --out "$out"
-for b in cow rtt threshold chain; do
+for b in cow rtt threshold chain lb; do
   test -s "$out/$b.json" && test -s "$out/$b.csv" || { echo "bench $b wrote no results"; exit 1; }
 done
 

@@ -134,6 +134,7 @@ impl Client {
         };
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         lock(&i.state).waiting.push((id, None));
+        crate::stats::count(&body, true);
         let frame = Frame::request(id, method_id(method), deadline_us, body);
         let sent = lock(&i.tx).send(&frame, deadline);
         drop(frame);
@@ -166,6 +167,7 @@ impl Client {
                 return Err(e);
             }
         };
+        crate::stats::count(&f.payload, false);
         if f.status == Status::Ok {
             return Payload::from_response_body(f.payload, &i.node.pool);
         }

@@ -52,6 +52,8 @@ pub mod registry;
 #[cfg(not(loom))]
 pub mod server;
 #[cfg(not(loom))]
+pub mod stats;
+#[cfg(not(loom))]
 pub mod transport;
 
 #[cfg(not(loom))]

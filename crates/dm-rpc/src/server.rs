@@ -390,6 +390,7 @@ impl Dispatcher {
             self.stats.errors.fetch_add(1, Ordering::Relaxed);
         }
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
+        crate::stats::count(&body, true);
         let sent = self
             .listener
             .reply(conn, &Frame::response(id, status, body));
@@ -413,6 +414,7 @@ impl Dispatcher {
                 "no method with id {method:#x}"
             )));
         };
+        crate::stats::count(&body, false);
         let payload = Payload::from_request_body(body, &self.node.pool)?;
         let mut call = Call {
             payload,

@@ -4,6 +4,7 @@
 
 mod chain;
 mod cow;
+mod lb;
 mod peer;
 mod rtt;
 mod threshold;
@@ -17,7 +18,8 @@ pub struct BenchArgs {
     /// Which benchmark: `cow` (create_ref + map_ref vs copying), `rtt`
     /// (no-op round trip vs the raw shared-memory floor), `threshold`
     /// (inline vs by-Ref arguments: the size-aware crossover), `chain`
-    /// (nested calls through 1-7 processes, by Ref vs by value), or `all`.
+    /// (nested calls through 1-7 processes, by Ref vs by value), `lb`
+    /// (clients -> load balancer -> workers), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -36,13 +38,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "rtt" => rtt::run(&a),
         "threshold" => threshold::run(&a),
         "chain" => chain::run(&a),
+        "lb" => lb::run(&a),
         "all" => {
             cow::run(&a)?;
             rtt::run(&a)?;
             threshold::run(&a)?;
-            chain::run(&a)
+            chain::run(&a)?;
+            lb::run(&a)
         }
-        n => bail!("unknown benchmark {n:?} (available: cow, rtt, threshold, chain, all)"),
+        n => bail!("unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, all)"),
     }
 }
 

@@ -4,7 +4,7 @@
 //! Commands: `map REF` and `alloc N` (bench cow), `pong FILE` (the raw
 //! shared-memory ping-pong floor of bench rtt), `serve NAME POLICY [tcp]` and
 //! `unserve` (a no-op RPC service), `chain NAME NEXT|- ref|value` (a tier
-//! of bench chain), `quit`.
+//! of bench chain), `lb NAME W1,W2 ref|value` (bench lb's balancer), `quit`.
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
@@ -85,6 +85,10 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 servers.push(chain_tier(&pool, name, next, fourth.as_deref())?);
                 "ok".into()
             }
+            (Some("lb"), Some(name), Some(workers)) => {
+                servers.push(lb(&pool, name, workers, fourth.as_deref())?);
+                "ok".into()
+            }
             (Some("unserve"), _, _) => {
                 servers.clear();
                 "ok".into()
@@ -131,6 +135,52 @@ fn chain_tier(pool: &Pool, name: &str, next: &str, mode: Option<&str>) -> Result
                 let h = sum(&c.payload().segments()?);
                 Ok(Payload::from_vec(h.to_le_bytes().to_vec()))
             }
+        })
+        .spawn()?)
+}
+
+/// The load balancer of bench lb: forwards `go` round robin to `workers`
+/// (comma separated) and answers `stats` with this process's transport
+/// counters (inline bytes in, out, Refs in, out: four u64).
+fn lb(pool: &Pool, name: &str, workers: &str, mode: Option<&str>) -> Result<dm_rpc::Server> {
+    let cfg = match mode {
+        Some("value") => Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+        _ => Config {
+            inline_max: 0,
+            ..Default::default()
+        },
+    };
+    let node = Node::with_config(pool.clone(), cfg);
+    let workers: Vec<String> = workers.split(',').map(str::to_owned).collect();
+    let clients: Vec<std::sync::OnceLock<dm_rpc::Client>> =
+        workers.iter().map(|_| std::sync::OnceLock::new()).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let n = node.clone();
+    Ok(node
+        .server(name)
+        .method("go", move |c| {
+            let k = next.fetch_add(1, Ordering::Relaxed) % workers.len();
+            let cl = match clients[k].get() {
+                Some(cl) => cl,
+                None => {
+                    let _ = clients[k].set(n.connect(&workers[k])?);
+                    clients[k]
+                        .get()
+                        .ok_or_else(|| dm_rpc::RpcError::internal("worker"))?
+                }
+            };
+            cl.call("go", c.payload().forward()?)
+        })
+        .method("stats", |_| {
+            let k = dm_rpc::stats::counters();
+            let mut v = Vec::new();
+            for x in [k.inline_in, k.inline_out, k.refs_in, k.refs_out] {
+                v.extend_from_slice(&x.to_le_bytes());
+            }
+            Ok(Payload::from_vec(v))
         })
         .spawn()?)
 }

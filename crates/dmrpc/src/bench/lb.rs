@@ -1,0 +1,173 @@
+//! `dmrpc bench lb` — the load-balancer experiment: clients send requests
+//! of 4–32 KiB to a load balancer (its own process), which forwards each,
+//! round robin, to one of two workers (processes) that read every byte.
+//!
+//! Two modes in the same run: **by Ref** (requests built in the pool; the
+//! balancer forwards the Ref) and **by value** (requests inline; the
+//! balancer copies each out of one ring and into another). Reported:
+//! throughput with two client threads, and the payload bytes the balancer
+//! process copied per request (from its own transport counters).
+
+use super::peer::{Peer, TempFile};
+use super::serde_like::Obj;
+use super::BenchArgs;
+use anyhow::{bail, Result};
+use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_rpc::{Config, Node, Payload};
+use dmrpc::fmt_size;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const CLIENTS: usize = 2;
+
+fn lb_copied(node: &Node, lb: &str) -> Result<u64> {
+    let v = node
+        .connect(lb)?
+        .call("stats", Payload::empty())?
+        .to_vec()?;
+    let w = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&v[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(b)
+    };
+    if v.len() != 32 {
+        bail!("bad stats answer");
+    }
+    Ok(w(0) + w(1))
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let budget = Duration::from_millis(if a.quick { 300 } else { 2000 });
+    let id = std::process::id();
+    let path = PathBuf::from(format!("/dev/shm/dmrpc-bench-lb-{id}.pool"));
+    let _g = TempFile(path.clone());
+    Pool::create(
+        &path,
+        &PoolConfig {
+            size: 512 << 20,
+            channels: Some(32),
+            name: "bench-lb".into(),
+            ..Default::default()
+        },
+    )?;
+    let pool = Pool::open(
+        &path,
+        AttachOptions {
+            prefault: true,
+            ..Default::default()
+        },
+    )?;
+    let base = format!("bench/lb/{id}");
+    let mut peers = Vec::new();
+    for k in 0..2 {
+        let mut p = Peer::spawn(&path, &[])?;
+        for mode in ["ref", "value"] {
+            p.cmd(&format!("chain {base}/{mode}/w{k} - {mode}"))?;
+        }
+        peers.push(p);
+    }
+    let mut lb_peer = Peer::spawn(&path, &[])?;
+    for mode in ["ref", "value"] {
+        lb_peer.cmd(&format!(
+            "lb {base}/{mode}/lb {base}/{mode}/w0,{base}/{mode}/w1 {mode}"
+        ))?;
+    }
+    println!("bench lb: {CLIENTS} client threads -> load balancer -> 2 workers (3 processes besides this one)");
+    println!(
+        "{:>8} {:>13} {:>13} {:>8} {:>16} {:>16}",
+        "size", "Ref calls/s", "value calls/s", "ratio", "LB copies (Ref)", "LB copies (value)"
+    );
+    let mut rows = Vec::new();
+    for size in [4usize << 10, 8 << 10, 16 << 10, 32 << 10] {
+        let data: Vec<u8> = (0..size).map(|i| i as u8).collect();
+        let mut res = Vec::new();
+        for mode in ["ref", "value"] {
+            let node = Node::with_config(
+                pool.clone(),
+                Config {
+                    inline_max: if mode == "ref" { 0 } else { usize::MAX },
+                    ..Default::default()
+                },
+            );
+            let lb = format!("{base}/{mode}/lb");
+            let before = lb_copied(&node, &lb)?;
+            let t0 = Instant::now();
+            let calls: Vec<usize> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..CLIENTS)
+                    .map(|_| {
+                        let (node, lb, data, pool) = (&node, &lb, &data, &pool);
+                        s.spawn(move || -> Result<usize> {
+                            let c = node.connect(lb)?;
+                            let mut n = 0;
+                            while t0.elapsed() < budget {
+                                let p = if mode == "ref" {
+                                    let mut b = pool.alloc(size as u64)?;
+                                    b.write(0, data)?;
+                                    Payload::from_buffer(b)
+                                } else {
+                                    Payload::from_vec(data.clone())
+                                };
+                                c.call("go", p)?;
+                                n += 1;
+                            }
+                            Ok(n)
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Ok(0)).unwrap_or(0))
+                    .collect()
+            });
+            let wall = t0.elapsed().as_secs_f64();
+            let n: usize = calls.iter().sum();
+            if n == 0 {
+                bail!("{mode}: no call completed");
+            }
+            let copied = (lb_copied(&node, &lb)? - before) as f64 / n as f64;
+            res.push((n as f64 / wall, copied));
+        }
+        let ratio = res[0].0 / res[1].0;
+        println!(
+            "{:>8} {:>13.0} {:>13.0} {:>7.1}x {:>14.0} B {:>14.0} B",
+            fmt_size(size as u64),
+            res[0].0,
+            res[1].0,
+            ratio,
+            res[0].1,
+            res[1].1
+        );
+        let mut o = Obj::default();
+        o.num("size", size as f64);
+        o.num("ref_calls_per_s", res[0].0);
+        o.num("value_calls_per_s", res[1].0);
+        o.num("ref_over_value", ratio);
+        o.num("lb_bytes_copied_per_request_ref", res[0].1);
+        o.num("lb_bytes_copied_per_request_value", res[1].1);
+        rows.push(o);
+    }
+    drop(lb_peer);
+    drop(peers);
+    let rep = pool.check();
+    if !rep.ok() {
+        bail!("pool check failed after the benchmark: {:?}", rep.problems);
+    }
+    let mut res = Obj::default();
+    res.str("benchmark", "lb");
+    res.str("method", "2 client threads here; load balancer and 2 workers each in its own process over shm channels; LB copies = inline payload bytes through the LB's transports per request");
+    res.obj("machine", &super::machine());
+    res.arr("rows", &rows);
+    super::write_results(
+        a,
+        "lb",
+        &res,
+        &rows,
+        &[
+            "size",
+            "ref_calls_per_s",
+            "value_calls_per_s",
+            "ref_over_value",
+            "lb_bytes_copied_per_request_ref",
+            "lb_bytes_copied_per_request_value",
+        ],
+    )
+}
