@@ -10,7 +10,8 @@
 //! * [`wait`] — the spin/yield/futex waiting policy and the doorbell.
 //! * [`payload`] — size-aware payloads.
 //! * [`registry`] — names to endpoints: the trait, and its home in the pool.
-//! * [`node`], [`server`], [`client`] — what applications program against.
+//! * [`node`], [`server`], [`client`], [`async_client`] — what applications
+//!   program against (blocking and tokio).
 //!
 //! ```no_run
 //! use dm_rpc::{Node, Payload};
@@ -38,6 +39,8 @@ pub(crate) mod sync;
 pub mod wait;
 
 #[cfg(not(loom))]
+pub mod async_client;
+#[cfg(not(loom))]
 pub mod client;
 #[cfg(not(loom))]
 pub mod error;
@@ -56,6 +59,8 @@ pub mod stats;
 #[cfg(not(loom))]
 pub mod transport;
 
+#[cfg(not(loom))]
+pub use async_client::AsyncClient;
 #[cfg(not(loom))]
 pub use client::{CallOptions, Client};
 #[cfg(not(loom))]

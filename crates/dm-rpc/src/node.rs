@@ -2,10 +2,12 @@
 //! attached to, the size-aware threshold and the waiting policy. Servers
 //! are built from it and clients connect through it.
 
+use crate::async_client::AsyncClient;
 use crate::client::Client;
 use crate::error::RpcError;
 use crate::registry::{PoolRegistry, Registry, ServiceEntry};
 use crate::server::ServerBuilder;
+use crate::transport::Connection;
 use crate::wait::WaitPolicy;
 use dm_pool::{Endpoint, Pool};
 use std::sync::Arc;
@@ -113,39 +115,53 @@ impl Node {
     /// in-memory transport, else a TCP service in the node's registry, else
     /// a service in the pool's registry.
     pub fn connect(&self, name: &str) -> Result<Client, RpcError> {
+        Ok(Client::new(self.clone(), name, self.open(name)?))
+    }
+
+    /// Like [`connect`](Self::connect), for async callers: calls are
+    /// futures, any number may be outstanding on the connection.
+    pub fn connect_async(&self, name: &str) -> Result<AsyncClient, RpcError> {
+        AsyncClient::new(self.clone(), name, self.open(name)?)
+    }
+
+    /// Resolves `name` and opens a transport connection to it.
+    fn open(&self, name: &str) -> Result<Connection, RpcError> {
         if crate::transport::mem::is_bound(name) {
-            let conn = crate::transport::mem::connect(name)?;
-            return Ok(Client::new(self.clone(), name, conn));
+            return Ok(crate::transport::mem::connect(name)?);
         }
         if let Some(ServiceEntry {
             endpoint: Endpoint::Tcp(addr),
             ..
         }) = self.registry.lookup(name)?
         {
-            return self.connect_tcp_as(name, &addr);
+            return self.open_tcp(&addr);
         }
         let svc = self
             .pool
             .lookup(name)?
             .ok_or_else(|| RpcError::not_found(format!("no service named {name:?}")))?;
         match &svc.endpoint {
-            Endpoint::Shm => {
-                let conn = crate::transport::shm::connect(&self.pool, &svc, self.cfg.wait)?;
-                Ok(Client::new(self.clone(), name, conn))
-            }
-            Endpoint::Tcp(addr) => self.connect_tcp_as(name, addr),
+            Endpoint::Shm => Ok(crate::transport::shm::connect(
+                &self.pool,
+                &svc,
+                self.cfg.wait,
+            )?),
+            Endpoint::Tcp(addr) => self.open_tcp(addr),
         }
+    }
+
+    fn open_tcp(&self, addr: &str) -> Result<Connection, RpcError> {
+        Ok(crate::transport::tcp::connect(
+            addr,
+            self.pool.id(),
+            Duration::from_secs(5),
+        )?)
     }
 
     /// Connects to a service by TCP address (`host:port`), for servers
     /// whose registry this process cannot see (another host). Refs travel
     /// only if the server is attached to this node's pool.
     pub fn connect_tcp(&self, addr: &str) -> Result<Client, RpcError> {
-        self.connect_tcp_as(addr, addr)
-    }
-
-    fn connect_tcp_as(&self, name: &str, addr: &str) -> Result<Client, RpcError> {
-        let conn = crate::transport::tcp::connect(addr, self.pool.id(), Duration::from_secs(5))?;
-        Ok(Client::new(self.clone(), name, conn))
+        Ok(Client::new(self.clone(), addr, self.open_tcp(addr)?))
     }
 }
