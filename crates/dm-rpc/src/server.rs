@@ -23,6 +23,36 @@ use std::time::{Duration, Instant};
 /// A method's handler.
 pub type Handler = Arc<dyn Fn(&mut Call<'_>) -> Result<Payload, RpcError> + Send + Sync>;
 
+/// The future an async handler returns.
+pub type HandlerFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Payload, RpcError>> + Send>>;
+
+/// An async method's handler.
+pub type AsyncHandler = Arc<dyn Fn(AsyncCall) -> HandlerFuture + Send + Sync>;
+
+/// A registered method.
+#[derive(Clone)]
+enum Method {
+    /// Runs on the dispatcher thread, one call at a time.
+    Blocking(Handler),
+    /// Runs as a task on the server's runtime; many at once.
+    Async(AsyncHandler),
+}
+
+/// One call, as an async handler sees it (owned, so it can be held across
+/// awaits).
+#[derive(Debug)]
+pub struct AsyncCall {
+    /// The request's payload.
+    pub payload: Payload,
+    /// When the caller stops waiting, if it set a deadline.
+    pub deadline: Option<Instant>,
+    /// The method's name.
+    pub method: String,
+    /// This process's node, for nested calls.
+    pub node: Node,
+}
+
 /// One call, as a handler sees it.
 #[derive(Debug)]
 pub struct Call<'a> {
@@ -64,7 +94,7 @@ impl Call<'_> {
 pub struct ServerBuilder {
     node: Node,
     name: String,
-    methods: HashMap<u32, (String, Handler)>,
+    methods: HashMap<u32, (String, Method)>,
     transport: Transport,
     clash: Option<String>,
 }
@@ -92,16 +122,33 @@ impl ServerBuilder {
 
     /// Registers `handler` for method `name`.
     pub fn method(
-        mut self,
+        self,
         name: &str,
         handler: impl Fn(&mut Call<'_>) -> Result<Payload, RpcError> + Send + Sync + 'static,
     ) -> Self {
+        self.add(name, Method::Blocking(Arc::new(handler)))
+    }
+
+    /// Registers an async `handler` for method `name`: its calls run as
+    /// tasks on a tokio runtime of the server's, many at once (a handler
+    /// awaiting a nested call does not hold up the others).
+    pub fn method_async<F, Fut>(self, name: &str, handler: F) -> Self
+    where
+        F: Fn(AsyncCall) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Payload, RpcError>> + Send + 'static,
+    {
+        self.add(
+            name,
+            Method::Async(Arc::new(move |c| Box::pin(handler(c)) as HandlerFuture)),
+        )
+    }
+
+    fn add(mut self, name: &str, m: Method) -> Self {
         let id = method_id(name);
         if let Some((other, _)) = self.methods.get(&id) {
             self.clash = Some(format!("methods {other:?} and {name:?} have the same id"));
         }
-        self.methods
-            .insert(id, (name.to_owned(), Arc::new(handler)));
+        self.methods.insert(id, (name.to_owned(), m));
         self
     }
 
@@ -159,6 +206,23 @@ impl ServerBuilder {
         };
         let waker = listener.waker();
         let stats = Arc::new(Stats::default());
+        let rt = if self
+            .methods
+            .values()
+            .any(|(_, m)| matches!(m, Method::Async(_)))
+        {
+            Some(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name(format!("dmrpc-async:{}", self.name))
+                    .enable_all()
+                    .build()
+                    .map_err(|e| RpcError::internal(format!("cannot start the runtime: {e}")))?,
+            )
+        } else {
+            None
+        };
+        let (done_tx, done) = std::sync::mpsc::channel();
         let d = Dispatcher {
             node: node.clone(),
             methods: self.methods,
@@ -166,6 +230,10 @@ impl ServerBuilder {
             stop: stop.clone(),
             stats: stats.clone(),
             queue: VecDeque::new(),
+            rt,
+            done_tx,
+            done,
+            waker: waker.clone(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("dmrpc:{}", self.name))
@@ -297,16 +365,26 @@ fn pending(conn: ConnId, frame: Frame) -> Pending {
 
 struct Dispatcher {
     node: Node,
-    methods: HashMap<u32, (String, Handler)>,
+    methods: HashMap<u32, (String, Method)>,
     listener: Box<dyn Listener>,
     stop: Arc<AtomicBool>,
     stats: Arc<Stats>,
     queue: VecDeque<Pending>,
+    /// Runs async handlers (only if the server has some).
+    rt: Option<tokio::runtime::Runtime>,
+    /// Answers of async handlers, for the dispatcher to send.
+    done_tx: std::sync::mpsc::Sender<(ConnId, u64, Result<Payload, RpcError>)>,
+    done: std::sync::mpsc::Receiver<(ConnId, u64, Result<Payload, RpcError>)>,
+    /// Wakes the dispatcher when an async answer is ready.
+    waker: Waker,
 }
 
 impl Dispatcher {
     fn run(mut self) {
         while !self.stop.load(Ordering::Acquire) {
+            while let Ok((conn, id, r)) = self.done.try_recv() {
+                self.answer(conn, id, r);
+            }
             let p = match self.queue.pop_front() {
                 Some(p) => p,
                 None => match self.listener.next(None) {
@@ -368,8 +446,47 @@ impl Dispatcher {
                 "the deadline passed while the request was queued",
             ))
         } else {
-            self.run_handler(frame.method, frame.payload, deadline)
+            match self.methods.get(&frame.method) {
+                Some((name, Method::Async(h))) => {
+                    match Payload::from_request_body(frame.payload, &self.node.pool) {
+                        Ok(payload) => {
+                            let call = AsyncCall {
+                                payload,
+                                deadline,
+                                method: name.clone(),
+                                node: self.node.clone(),
+                            };
+                            self.spawn_async(conn, id, h(call));
+                            self.drain();
+                            return;
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+                _ => self.run_handler(frame.method, frame.payload, deadline),
+            }
         };
+        self.answer(conn, id, result);
+    }
+
+    /// Runs an async handler's future; its answer comes back through
+    /// `done` and wakes the dispatcher. A panic becomes `Internal`.
+    fn spawn_async(&self, conn: ConnId, id: u64, fut: HandlerFuture) {
+        let Some(rt) = &self.rt else { return };
+        let (tx, waker) = (self.done_tx.clone(), self.waker.clone());
+        let task = rt.spawn(fut);
+        rt.spawn(async move {
+            let r = match task.await {
+                Ok(r) => r,
+                Err(e) => Err(RpcError::internal(format!("an async handler failed: {e}"))),
+            };
+            let _ = tx.send((conn, id, r));
+            waker.wake();
+        });
+    }
+
+    /// Sends the answer to call `id` on `conn`.
+    fn answer(&mut self, conn: ConnId, id: u64, result: Result<Payload, RpcError>) {
         let inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
         let refs = self.listener.refs(conn);
         let (status, body, made) =
@@ -409,7 +526,7 @@ impl Dispatcher {
         body: Body,
         deadline: Option<Instant>,
     ) -> Result<Payload, RpcError> {
-        let Some((name, h)) = self.methods.get(&method) else {
+        let Some((name, Method::Blocking(h))) = self.methods.get(&method) else {
             return Err(RpcError::not_found(format!(
                 "no method with id {method:#x}"
             )));

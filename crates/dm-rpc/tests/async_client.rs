@@ -114,3 +114,97 @@ fn async_over_tcp() {
 fn async_over_mem() {
     suite(Transport::Mem, "mem");
 }
+
+/// Async handlers run concurrently: twenty calls that each await 200 ms
+/// finish together, and a handler can await a nested async call.
+fn async_handlers(t: Transport, tag: &str) {
+    let tp = TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(8),
+        ..Default::default()
+    });
+    // A small threshold: many answers may be owed on one connection.
+    let node = Node::with_config(
+        tp.attach(),
+        dm_rpc::Config {
+            inline_max: 4096,
+            ..Default::default()
+        },
+    );
+    let leaf = format!("async-h/{tag}/leaf/{}", std::process::id());
+    let front = format!("async-h/{tag}/front/{}", std::process::id());
+    let leaf_svc = node
+        .server(&leaf)
+        .transport(t.clone())
+        .method_async("slow", |c| async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Ok(Payload::from_vec(c.payload.len().to_le_bytes().to_vec()))
+        })
+        .spawn()
+        .unwrap();
+    let leaf_name = leaf.clone();
+    let next: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let front_svc = node
+        .server(&front)
+        .transport(t)
+        .method_async("via", move |c| {
+            let (next, leaf) = (next.clone(), leaf_name.clone());
+            async move {
+                let cl = match next.get() {
+                    Some(cl) => cl.clone(),
+                    None => {
+                        let cl = c.node.connect_async(&leaf)?;
+                        let _ = next.set(cl.clone());
+                        cl
+                    }
+                };
+                cl.call("slow", c.payload.forward()?).await
+            }
+        })
+        .method_async("boom", |_| async { panic!("async handler bug") })
+        .spawn()
+        .unwrap();
+    let c = node.connect_async(&front).unwrap();
+    rt().block_on(async {
+        let t0 = std::time::Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..20usize {
+            let c = c.clone();
+            set.spawn(async move {
+                let got = c.call("via", vec![7u8; i * 100]).await.unwrap();
+                assert_eq!(got.to_vec().unwrap(), ((i * 100) as u64).to_le_bytes());
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_millis(1500),
+            "calls were not concurrent: {took:?}"
+        );
+        let e = c.call("boom", Payload::empty()).await.unwrap_err();
+        assert_eq!(e.status, Status::Internal, "{e}");
+    });
+    drop(c);
+    front_svc.shutdown();
+    leaf_svc.shutdown();
+    drop(node);
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}
+
+#[test]
+fn async_handlers_over_shm() {
+    async_handlers(Transport::Shm, "shm");
+}
+
+#[test]
+fn async_handlers_over_tcp() {
+    async_handlers(Transport::Tcp("127.0.0.1:0".into()), "tcp");
+}
+
+#[test]
+fn async_handlers_over_mem() {
+    async_handlers(Transport::Mem, "mem");
+}

@@ -122,7 +122,8 @@ pub trait Listener: Send {
     }
     /// Connections currently open.
     fn connections(&self) -> usize;
-    /// A handle that makes a blocked [`next`](Self::next) return promptly.
+    /// A handle that makes a blocked [`next`](Self::next) return promptly
+    /// (with `Ok(None)` if no frame is waiting).
     fn waker(&self) -> Waker;
 }
 

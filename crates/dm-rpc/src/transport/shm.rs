@@ -256,6 +256,8 @@ pub struct ShmListener {
     buf: Vec<u8>,
     last_sweep: Instant,
     polls: u32,
+    /// Set by the waker: `next` returns even without a frame.
+    poked: Arc<AtomicBool>,
     // Last: dropped after the rings that point into it.
     pool: Pool,
 }
@@ -301,6 +303,7 @@ impl ShmListener {
             buf: Vec::new(),
             last_sweep: Instant::now(),
             polls: 0,
+            poked: Arc::new(AtomicBool::new(false)),
             pool: pool.clone(),
         })
     }
@@ -413,6 +416,7 @@ impl Listener for ShmListener {
             let bell = Bell(&self.words[SERVER_BELL]);
             let mut waiter = self.waiter.clone();
             let stop = self.stop.clone();
+            let poked = self.poked.clone();
             let words = self.words;
             // Set between park slices (and about every millisecond while
             // spinning or yielding): drop connections whose clients are
@@ -422,7 +426,7 @@ impl Listener for ShmListener {
                 bell,
                 deadline,
                 || {
-                    if stop.load(Ordering::Acquire) {
+                    if stop.load(Ordering::Acquire) || poked.swap(false, Ordering::AcqRel) {
                         return Some(None);
                     }
                     if sweep_due.take() {
@@ -504,9 +508,10 @@ impl Listener for ShmListener {
     }
 
     fn waker(&self) -> Waker {
-        let (pool, words) = (self.pool.clone(), self.words);
+        let (pool, words, poked) = (self.pool.clone(), self.words, self.poked.clone());
         Waker(Arc::new(move || {
             let _keep = &pool;
+            poked.store(true, Ordering::Release);
             Bell(&words[SERVER_BELL]).ring();
         }))
     }

@@ -394,7 +394,8 @@ impl Listener for TcpListener {
                 Ok(Event::Frame(id, f)) if self.conns.contains_key(&id) => {
                     return Ok(Some((id, f)))
                 }
-                Ok(Event::Frame(..)) | Ok(Event::Wake) => {}
+                Ok(Event::Frame(..)) => {}
+                Ok(Event::Wake) => return Ok(None),
                 Ok(Event::Close(id)) => {
                     self.conns.remove(&id);
                 }
