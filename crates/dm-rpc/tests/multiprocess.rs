@@ -287,3 +287,37 @@ fn client_killed_mid_call_does_not_disturb_the_server() {
     server.stop();
     settle(&tp);
 }
+
+/// CPU time (user + system) of process `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which is in parentheses).
+    let rest = &s[s.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn an_idle_server_uses_no_cpu() {
+    let tp = pool();
+    let name = format!("mp/idle/{}", std::process::id());
+    let server = Agent::serve(&tp, &name, &[]);
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    // Busy for a moment, then idle: the server must park.
+    for _ in 0..1000 {
+        c.call("hop", vec![1u8; 16]).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let before = cpu_ticks(server.pid());
+    std::thread::sleep(Duration::from_secs(1));
+    let used = cpu_ticks(server.pid()) - before;
+    // 100 ticks a second: allow 5 (the lease thread, a park slice's checks).
+    assert!(used <= 5, "an idle server used {used} ticks of CPU in 1 s");
+    // And it still answers at once.
+    c.call("hop", vec![1u8; 16]).unwrap();
+    drop(c);
+    drop(node);
+    server.stop();
+    settle(&tp);
+}
