@@ -9,8 +9,9 @@
 //! future call with `Unavailable`; a deadline fails the call with
 //! `DeadlineExceeded` and sends a cancel, as the blocking client does.
 
+use crate::client::{answer, orphan, outgoing, release};
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, Status};
+use crate::frame::{method_id, Frame, Kind};
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::transport::{Connection, FrameRx, FrameTx};
@@ -101,18 +102,11 @@ impl AsyncClient {
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
         let i = &*self.inner;
-        let budget = opts.deadline.or(i.node.cfg.default_deadline);
-        let deadline = budget.map(|d| Instant::now() + d);
-        let deadline_us = budget.map_or(0, |d| d.as_micros().clamp(1, u32::MAX as u128) as u32);
-        let inline_max = i.node.cfg.inline_max.min(i.max_inline);
-        let (body, made) = payload.into_body(&i.node.pool, inline_max, false, i.refs)?;
-        let release = |made: Option<dm_pool::Ref>| {
-            if let Some(r) = made {
-                let _ = i.node.pool.release_ref(&r);
-            }
-        };
+        let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
+        let (deadline, made) = (out.deadline, out.made);
+        let release = |made| release(&i.node, made);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        let (reply, answer) = oneshot::channel();
+        let (reply, waiting) = oneshot::channel();
         {
             let mut st = lock(&i.state);
             if let Some(e) = &st.broken {
@@ -123,8 +117,7 @@ impl AsyncClient {
             }
             st.pending.insert(id, reply);
         }
-        crate::stats::count(&body, true);
-        let frame = Frame::request(id, method_id(method), deadline_us, body);
+        let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
         let sent = lock(&i.tx).send(&frame, deadline);
         drop(frame);
         let fail = |e: RpcError| {
@@ -145,8 +138,8 @@ impl AsyncClient {
             }
         }
         let got = match deadline {
-            None => answer.await,
-            Some(d) => match tokio::time::timeout_at(d.into(), answer).await {
+            None => waiting.await,
+            Some(d) => match tokio::time::timeout_at(d.into(), waiting).await {
                 Ok(r) => r,
                 Err(_) => {
                     lock(&i.state).pending.remove(&id);
@@ -165,15 +158,7 @@ impl AsyncClient {
             Ok(Err(e)) => return Err(e),
             Err(_) => return Err(RpcError::unavailable("the connection closed")),
         };
-        crate::stats::count(&f.payload, false);
-        if f.status == Status::Ok {
-            return Payload::from_response_body(f.payload, &i.node.pool);
-        }
-        let message = match f.payload {
-            Body::Inline(m) => String::from_utf8_lossy(&m).into_owned(),
-            _ => String::new(),
-        };
-        Err(RpcError::new(f.status, message))
+        answer(&i.node, f)
     }
 }
 
@@ -217,14 +202,5 @@ fn break_all(state: &Mutex<State>, e: RpcError) {
     st.broken.get_or_insert(e.clone());
     for (_, w) in st.pending.drain() {
         let _ = w.send(Err(e.clone()));
-    }
-}
-
-/// An answer nobody waits for: a Ref in it was made for us.
-fn orphan(node: &Node, f: Frame) {
-    if let Body::Refs(rs) = f.payload {
-        for r in rs {
-            let _ = node.pool.release_ref(&r);
-        }
     }
 }

@@ -84,6 +84,66 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A request ready to send: what both clients compute from a call.
+pub(crate) struct Outgoing {
+    pub(crate) body: Body,
+    /// The Ref the framework made for the argument: released when the
+    /// call completes, whatever its outcome.
+    pub(crate) made: Option<dm_pool::Ref>,
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) deadline_us: u32,
+}
+
+/// Applies the size-aware rule and the deadline to a call.
+pub(crate) fn outgoing(
+    node: &Node,
+    max_inline: usize,
+    refs: bool,
+    payload: Payload,
+    opts: CallOptions,
+) -> Result<Outgoing, RpcError> {
+    let budget = opts.deadline.or(node.cfg.default_deadline);
+    let inline_max = node.cfg.inline_max.min(max_inline);
+    let (body, made) = payload.into_body(&node.pool, inline_max, false, refs)?;
+    crate::stats::count(&body, true);
+    Ok(Outgoing {
+        body,
+        made,
+        deadline: budget.map(|d| Instant::now() + d),
+        deadline_us: budget.map_or(0, |d| d.as_micros().clamp(1, u32::MAX as u128) as u32),
+    })
+}
+
+/// Releases the Ref the framework made for a call's argument, if any.
+pub(crate) fn release(node: &Node, made: Option<dm_pool::Ref>) {
+    if let Some(r) = made {
+        let _ = node.pool.release_ref(&r);
+    }
+}
+
+/// Turns an answer frame into the call's result.
+pub(crate) fn answer(node: &Node, f: Frame) -> Result<Payload, RpcError> {
+    crate::stats::count(&f.payload, false);
+    if f.status == Status::Ok {
+        return Payload::from_response_body(f.payload, &node.pool);
+    }
+    let message = match f.payload {
+        Body::Inline(m) => String::from_utf8_lossy(&m).into_owned(),
+        _ => String::new(),
+    };
+    Err(RpcError::new(f.status, message))
+}
+
+/// An answer nobody waits for (its caller gave up): a Ref in it was made
+/// for us, so release it.
+pub(crate) fn orphan(node: &Node, f: Frame) {
+    if let Body::Refs(rs) = f.payload {
+        for r in rs {
+            let _ = node.pool.release_ref(&r);
+        }
+    }
+}
+
 impl Client {
     pub(crate) fn new(node: Node, name: &str, conn: Connection) -> Client {
         Client {
@@ -122,27 +182,18 @@ impl Client {
         if let Some(e) = &lock(&i.state).broken {
             return Err(e.clone());
         }
-        let budget = opts.deadline.or(i.node.cfg.default_deadline);
-        let deadline = budget.map(|d| Instant::now() + d);
-        let deadline_us = budget.map_or(0, |d| d.as_micros().clamp(1, u32::MAX as u128) as u32);
-        let inline_max = i.node.cfg.inline_max.min(i.max_inline);
-        let (body, made) = payload.into_body(&i.node.pool, inline_max, false, i.refs)?;
-        let release = |made: Option<dm_pool::Ref>| {
-            if let Some(r) = made {
-                let _ = i.node.pool.release_ref(&r);
-            }
-        };
+        let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
+        let (deadline, made) = (out.deadline, out.made);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         lock(&i.state).waiting.push((id, None));
-        crate::stats::count(&body, true);
-        let frame = Frame::request(id, method_id(method), deadline_us, body);
+        let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
         let sent = lock(&i.tx).send(&frame, deadline);
         drop(frame);
         match sent {
             Ok(true) => {}
             Ok(false) => {
                 lock(&i.state).remove(id);
-                release(made);
+                release(&i.node, made);
                 return Err(RpcError::deadline_exceeded(format!(
                     "no room to send to {:?} before the deadline",
                     i.name
@@ -151,13 +202,13 @@ impl Client {
             Err(e) => {
                 let e = self.fail(e.into());
                 lock(&i.state).remove(id);
-                release(made);
+                release(&i.node, made);
                 return Err(e);
             }
         }
-        let answer = self.wait_for(id, deadline);
-        release(made);
-        let f = match answer {
+        let got = self.wait_for(id, deadline);
+        release(&i.node, made);
+        let f = match got {
             Ok(f) => f,
             Err(e) => {
                 if e.status == Status::DeadlineExceeded {
@@ -167,15 +218,7 @@ impl Client {
                 return Err(e);
             }
         };
-        crate::stats::count(&f.payload, false);
-        if f.status == Status::Ok {
-            return Payload::from_response_body(f.payload, &i.node.pool);
-        }
-        let message = match f.payload {
-            Body::Inline(m) => String::from_utf8_lossy(&m).into_owned(),
-            _ => String::new(),
-        };
-        Err(RpcError::new(f.status, message))
+        answer(&i.node, f)
     }
 
     /// Marks the connection broken (every pending and future call fails).
@@ -220,7 +263,7 @@ impl Client {
                         let mine = f.call_id == id;
                         match st.slot(f.call_id) {
                             Some(slot) => *slot = Some(f),
-                            None => self.orphan(f),
+                            None => orphan(&i.node, f),
                         }
                         if !mine {
                             i.cv.notify_all();
@@ -247,16 +290,6 @@ impl Client {
                     i.cv.wait_timeout(st, wait)
                         .unwrap_or_else(|e| e.into_inner())
                         .0;
-            }
-        }
-    }
-
-    /// An answer nobody waits for (its caller gave up): a Ref in it was
-    /// made for us, so release it.
-    fn orphan(&self, f: Frame) {
-        if let Body::Refs(rs) = f.payload {
-            for r in rs {
-                let _ = self.inner.node.pool.release_ref(&r);
             }
         }
     }

@@ -128,12 +128,13 @@ struct ShmRx {
     sh: Arc<ClientShared>,
 }
 
-/// Opens a connection to `svc` over a new channel of `pool`.
-pub fn connect(
+/// Opens a channel to `svc` as its client: the shared part (which closes
+/// the client's end when dropped), the channel's memory with the magic
+/// written, and the service's words.
+fn open_client(
     pool: &Pool,
     svc: &ServiceInfo,
-    policy: WaitPolicy,
-) -> Result<Connection, TransportError> {
+) -> Result<(Arc<ClientShared>, ChannelParts, &'static [AtomicU32]), TransportError> {
     let words = service_words(pool, svc)?;
     let ch = pool.open_channel(svc)?;
     let sh = Arc::new(ClientShared {
@@ -142,9 +143,19 @@ pub fn connect(
         pool: pool.clone(),
     });
     let m = pool.channel_memory(ch)?;
-    // SAFETY: `sh` holds the pool for as long as the halves live.
+    // SAFETY: `sh` holds the pool; every user of the parts holds `sh`.
     let p = unsafe { parts(&m) };
     p.magic.store(MAGIC, Ordering::Release);
+    Ok((sh, p, words))
+}
+
+/// Opens a connection to `svc` over a new channel of `pool`.
+pub fn connect(
+    pool: &Pool,
+    svc: &ServiceInfo,
+    policy: WaitPolicy,
+) -> Result<Connection, TransportError> {
+    let (sh, p, words) = open_client(pool, svc)?;
     let max_inline = ring_max_inline(pool);
     let tx = ShmTx {
         prod: Producer::new(p.req, p.req_data, &words[SERVER_BELL]),
@@ -537,17 +548,7 @@ impl std::fmt::Debug for RawConnection {
 impl RawConnection {
     /// Opens a channel to `svc` as a client would.
     pub fn open(pool: &Pool, svc: &ServiceInfo) -> Result<RawConnection, TransportError> {
-        let words = service_words(pool, svc)?;
-        let ch = pool.open_channel(svc)?;
-        let sh = Arc::new(ClientShared {
-            ch,
-            svc: svc.clone(),
-            pool: pool.clone(),
-        });
-        let m = pool.channel_memory(ch)?;
-        // SAFETY: `sh` holds the pool for as long as we live.
-        let p = unsafe { parts(&m) };
-        p.magic.store(MAGIC, Ordering::Release);
+        let (sh, p, words) = open_client(pool, svc)?;
         words[CONN_EPOCH].fetch_add(1, Ordering::AcqRel);
         Ok(RawConnection {
             prod: Producer::new(p.req, p.req_data, &words[SERVER_BELL]),

@@ -11,14 +11,13 @@
 //! Sequential calls from one client: latency p50 and calls per second.
 //! By-Ref throughput should stay nearly flat as tiers grow.
 
-use super::peer::{percentile, Peer, TempFile};
+use super::peer::{percentile, BenchPool, Peer};
 use super::serde_like::Obj;
 use super::BenchArgs;
 use anyhow::{bail, Result};
-use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
 use dmrpc::fmt_size;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const TIERS: usize = 7;
@@ -36,30 +35,21 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     };
     let budget = Duration::from_millis(if a.quick { 300 } else { 1500 });
     let id = std::process::id();
-    let path = PathBuf::from(format!("/dev/shm/dmrpc-bench-chain-{id}.pool"));
-    let _g = TempFile(path.clone());
-    Pool::create(
-        &path,
-        &PoolConfig {
+    let bp = BenchPool::create(
+        "chain",
+        PoolConfig {
             size: 1 << 30,
             channels: Some(40),
             ring_size: 4 << 20,
-            name: "bench-chain".into(),
             ..Default::default()
         },
     )?;
-    let pool = Pool::open(
-        &path,
-        AttachOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )?;
+    let (pool, path) = (&bp.pool, &bp.path);
     // One process per tier, each serving its tier in both modes.
     let name = |mode: &str, k: usize| format!("bench/chain/{id}/{mode}/{k}");
     let mut peers = Vec::new();
     for k in 0..TIERS {
-        let mut p = Peer::spawn(&path, &[])?;
+        let mut p = Peer::spawn(path, &[])?;
         for mode in ["ref", "value"] {
             let next = if k + 1 < TIERS {
                 name(mode, k + 1)
@@ -143,10 +133,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
     drop(peers);
     drop((by_ref, by_value));
-    let rep = pool.check();
-    if !rep.ok() {
-        bail!("pool check failed after the benchmark: {:?}", rep.problems);
-    }
+    bp.check()?;
     let mut res = Obj::default();
     res.str("benchmark", "chain");
     res.str(

@@ -8,14 +8,13 @@
 //! throughput with two client threads, and the payload bytes the balancer
 //! process copied per request (from its own transport counters).
 
-use super::peer::{Peer, TempFile};
+use super::peer::{BenchPool, Peer};
 use super::serde_like::Obj;
 use super::BenchArgs;
 use anyhow::{bail, Result};
-use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
 use dmrpc::fmt_size;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const CLIENTS: usize = 2;
@@ -39,34 +38,25 @@ fn lb_copied(node: &Node, lb: &str) -> Result<u64> {
 pub fn run(a: &BenchArgs) -> Result<()> {
     let budget = Duration::from_millis(if a.quick { 300 } else { 2000 });
     let id = std::process::id();
-    let path = PathBuf::from(format!("/dev/shm/dmrpc-bench-lb-{id}.pool"));
-    let _g = TempFile(path.clone());
-    Pool::create(
-        &path,
-        &PoolConfig {
+    let bp = BenchPool::create(
+        "lb",
+        PoolConfig {
             size: 512 << 20,
             channels: Some(32),
-            name: "bench-lb".into(),
             ..Default::default()
         },
     )?;
-    let pool = Pool::open(
-        &path,
-        AttachOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )?;
+    let (pool, path) = (&bp.pool, &bp.path);
     let base = format!("bench/lb/{id}");
     let mut peers = Vec::new();
     for k in 0..2 {
-        let mut p = Peer::spawn(&path, &[])?;
+        let mut p = Peer::spawn(path, &[])?;
         for mode in ["ref", "value"] {
             p.cmd(&format!("chain {base}/{mode}/w{k} - {mode}"))?;
         }
         peers.push(p);
     }
-    let mut lb_peer = Peer::spawn(&path, &[])?;
+    let mut lb_peer = Peer::spawn(path, &[])?;
     for mode in ["ref", "value"] {
         lb_peer.cmd(&format!(
             "lb {base}/{mode}/lb {base}/{mode}/w0,{base}/{mode}/w1 {mode}"
@@ -147,10 +137,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
     drop(lb_peer);
     drop(peers);
-    let rep = pool.check();
-    if !rep.ok() {
-        bail!("pool check failed after the benchmark: {:?}", rep.problems);
-    }
+    bp.check()?;
     let mut res = Obj::default();
     res.str("benchmark", "lb");
     res.str("method", "2 client threads here; load balancer and 2 workers each in its own process over shm channels; LB copies = inline payload bytes through the LB's transports per request");

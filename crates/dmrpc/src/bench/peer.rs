@@ -8,7 +8,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use dm_pool::{AttachOptions, Pool};
+use dm_pool::{AttachOptions, Pool, PoolConfig};
 use dm_rpc::{Config, Node, Payload, Transport, WaitPolicy};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -337,6 +337,55 @@ pub fn percentile(v: &mut [f64], q: f64) -> f64 {
 
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A pool of its own for one benchmark run, removed when the run ends:
+/// `/dev/shm/dmrpc-bench-NAME-PID.pool` with `cfg`, attached here with
+/// every page pre-faulted (so no first touch is timed).
+pub struct BenchPool {
+    /// The attached pool.
+    pub pool: Pool,
+    /// Its path (for peer processes).
+    pub path: PathBuf,
+    _file: TempFile,
+}
+
+impl BenchPool {
+    pub fn create(name: &str, cfg: PoolConfig) -> Result<BenchPool> {
+        let path = PathBuf::from(format!(
+            "/dev/shm/dmrpc-bench-{name}-{}.pool",
+            std::process::id()
+        ));
+        let file = TempFile(path.clone());
+        Pool::create(
+            &path,
+            &PoolConfig {
+                name: format!("bench-{name}"),
+                ..cfg
+            },
+        )?;
+        let pool = Pool::open(
+            &path,
+            AttachOptions {
+                prefault: true,
+                ..Default::default()
+            },
+        )?;
+        Ok(BenchPool {
+            pool,
+            path,
+            _file: file,
+        })
+    }
+
+    /// Fails if the pool's invariant does not hold (after a benchmark).
+    pub fn check(&self) -> Result<()> {
+        let rep = self.pool.check();
+        if !rep.ok() {
+            bail!("pool check failed after the benchmark: {:?}", rep.problems);
+        }
+        Ok(())
+    }
 }
 
 /// A file removed on drop.

@@ -12,11 +12,11 @@
 //! Every round trip is timed on its own; the table shows p50/p99/p999 and
 //! the throughput of one caller, and the ratio of each p50 to the floor.
 
-use super::peer::{percentile, policy, Peer, PingPong, TempFile};
+use super::peer::{percentile, policy, BenchPool, Peer, PingPong, TempFile};
 use super::serde_like::Obj;
 use super::BenchArgs;
 use anyhow::{bail, Result};
-use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
 use dmrpc::fmt_size;
 use std::path::PathBuf;
@@ -80,26 +80,17 @@ fn timed(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, Durat
 pub fn run(a: &BenchArgs) -> Result<()> {
     let n = if a.quick { 20_000 } else { 200_000 };
     let id = std::process::id();
-    let path = PathBuf::from(format!("/dev/shm/dmrpc-bench-rtt-{id}.pool"));
-    let _g = TempFile(path.clone());
-    Pool::create(
-        &path,
-        &PoolConfig {
+    let bp = BenchPool::create(
+        "rtt",
+        PoolConfig {
             size: 256 << 20,
             channels: Some(8),
             ring_size: 4 << 20,
-            name: "bench-rtt".into(),
             ..Default::default()
         },
     )?;
-    let pool = Pool::open(
-        &path,
-        AttachOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )?;
-    let mut peer = Peer::spawn(&path, &[])?;
+    let (pool, path) = (&bp.pool, &bp.path);
+    let mut peer = Peer::spawn(path, &[])?;
 
     println!("bench rtt: round trips between two processes ({n} per row)");
     println!(
@@ -191,10 +182,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     drop(c);
     peer.cmd("unserve")?;
     drop(peer);
-    let rep = pool.check();
-    if !rep.ok() {
-        bail!("pool check failed after the benchmark: {:?}", rep.problems);
-    }
+    bp.check()?;
 
     let mut res = Obj::default();
     res.str("benchmark", "rtt");

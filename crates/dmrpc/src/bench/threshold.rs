@@ -11,14 +11,13 @@
 //! copy of the source (into the frame's vector, or into the pool buffer).
 //! The crossover is the smallest size from which Ref is faster at p50.
 
-use super::peer::{percentile, Peer, TempFile};
+use super::peer::{percentile, BenchPool, Peer};
 use super::serde_like::Obj;
 use super::BenchArgs;
 use anyhow::{bail, Result};
-use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
 use dmrpc::fmt_size;
-use std::path::PathBuf;
 use std::time::Instant;
 
 fn measure(node: &Node, name: &str, data: &[u8], n: usize, by_ref: bool) -> Result<f64> {
@@ -52,26 +51,17 @@ fn measure(node: &Node, name: &str, data: &[u8], n: usize, by_ref: bool) -> Resu
 pub fn run(a: &BenchArgs) -> Result<()> {
     let n = if a.quick { 2_000 } else { 20_000 };
     let id = std::process::id();
-    let path = PathBuf::from(format!("/dev/shm/dmrpc-bench-threshold-{id}.pool"));
-    let _g = TempFile(path.clone());
-    Pool::create(
-        &path,
-        &PoolConfig {
+    let bp = BenchPool::create(
+        "threshold",
+        PoolConfig {
             size: 512 << 20,
             channels: Some(8),
             ring_size: 4 << 20,
-            name: "bench-threshold".into(),
             ..Default::default()
         },
     )?;
-    let pool = Pool::open(
-        &path,
-        AttachOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )?;
-    let mut peer = Peer::spawn(&path, &[])?;
+    let (pool, path) = (&bp.pool, &bp.path);
+    let mut peer = Peer::spawn(path, &[])?;
     let name = format!("bench/threshold/{id}");
     peer.cmd(&format!("serve {name} default"))?;
     // Inline as far as the ring allows / always by Ref.
@@ -143,10 +133,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ),
         None => println!("no crossover up to 256 KiB in this run"),
     }
-    let rep = pool.check();
-    if !rep.ok() {
-        bail!("pool check failed after the benchmark: {:?}", rep.problems);
-    }
+    bp.check()?;
     let mut res = Obj::default();
     res.str("benchmark", "threshold");
     res.str(
