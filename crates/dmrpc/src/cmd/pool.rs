@@ -147,6 +147,12 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             );
             println!("slots       {}", l.n_slots);
             println!("descriptors {}", l.n_descs);
+            println!("services    {}", l.n_services);
+            println!(
+                "channels    {} (rings of {} each way)",
+                l.n_channels,
+                fmt_size(l.ring_size as u64)
+            );
             println!("max buffer  {}", fmt_size(l.max_len()));
             println!("lease       {} ms", l.lease_ms);
             println!("Ref TTL     {} ms", l.ref_ttl_ms);
@@ -178,6 +184,10 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 r.slots_live, r.slots_dead, r.slots_total, counters.slots_reclaimed
             );
             println!("cow     pages copied {}", counters.cow_copies);
+            println!(
+                "rpc     services {}  channels open {}  (dmrpc ls for the list)",
+                r.services, r.channels
+            );
         }
         PoolCmd::Check { target, deep } => {
             let path = target.path();
@@ -185,8 +195,8 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 .with_context(|| format!("opening {}", path.display()))?;
             if r.ok() {
                 println!(
-                    "pool check passed: {} pages ({} free, {} cached, {} held), {} refs, {} buffers, {} live slots",
-                    r.pages_total, r.pages_free, r.pages_cached, r.pages_held, r.refs_live, r.buffers, r.slots_live
+                    "pool check passed: {} pages ({} free, {} cached, {} held), {} refs, {} buffers, {} live slots, {} services, {} channels",
+                    r.pages_total, r.pages_free, r.pages_cached, r.pages_held, r.refs_live, r.buffers, r.slots_live, r.services, r.channels
                 );
             } else {
                 eprintln!("pool check FAILED: {} problem(s)", r.problems.len());
