@@ -27,7 +27,7 @@ use dmrpc::{fmt_size, parse_size};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -162,7 +162,6 @@ pub fn service(a: ServiceArgs) -> Result<()> {
                 let clients: Vec<OnceLock<Client>> =
                     workers.iter().map(|_| OnceLock::new()).collect();
                 let next = AtomicUsize::new(0);
-                let copied = AtomicU64::new(0);
                 let n = node.clone();
                 b.method("transform", move |c| {
                     let k = next.fetch_add(1, Ordering::Relaxed) % workers.len();
@@ -175,12 +174,14 @@ pub fn service(a: ServiceArgs) -> Result<()> {
                                 .ok_or_else(|| RpcError::internal("worker client"))?
                         }
                     };
-                    // Forwarding by Ref touches nothing; inline bytes are
-                    // copied into the next frame (counted for the report).
-                    if !c.payload().in_pool() {
-                        copied.fetch_add(c.payload().len(), Ordering::Relaxed);
-                    }
+                    // By Ref the Ref is forwarded untouched; inline bytes
+                    // are copied into the next frame.
                     cl.call("transform", c.payload().forward()?)
+                })
+                // This process's transport counters: what it copied.
+                .method("stats", |_| {
+                    let k = dm_rpc::stats::counters();
+                    Ok(Payload::from_vec(k.bytes_copied().to_le_bytes().to_vec()))
                 })
             }
             r => bail!("unknown role {r}"),
@@ -325,6 +326,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
         ("by value", &by_value, format!("{lb}/v")),
     ] {
         let c = node.connect(&name)?;
+        let lb_copied = || -> Result<u64> {
+            let v = c.call("stats", Payload::empty())?.to_vec()?;
+            Ok(u64::from_le_bytes(
+                v.try_into().map_err(|_| anyhow::anyhow!("bad stats"))?,
+            ))
+        };
         let cow0 = pool.counters().cow_copies;
         // Each call builds its request from the client's bytes: written into
         // a pool buffer (by Ref: one copy, then only the Ref travels), or
@@ -346,6 +353,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         for _ in 0..(args.calls / 10).max(3) {
             one(&c)?;
         }
+        let copied0 = lb_copied()?;
         let mut lat = Vec::with_capacity(args.calls);
         let t0 = Instant::now();
         for _ in 0..args.calls {
@@ -354,6 +362,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
             lat.push(t.elapsed().as_secs_f64() * 1e3);
         }
         let wall = t0.elapsed().as_secs_f64();
+        // The first stats call's own 8-byte answer is in the difference.
+        let copied = (lb_copied()? - copied0).saturating_sub(8) as f64 / args.calls as f64;
         if mode == "by reference" {
             // Copy-on-write: the worker wrote into what it received; the
             // client's own buffer (shared with it) must be unchanged.
@@ -371,21 +381,29 @@ pub fn run(args: DemoArgs) -> Result<()> {
         let p99 = lat[((lat.len() - 1) as f64 * 0.99) as usize];
         let per_s = args.calls as f64 / wall;
         let cow = pool.counters().cow_copies - cow0;
-        results.push((mode, p50, p99, per_s, cow as f64 / args.calls as f64));
+        results.push((
+            mode,
+            p50,
+            p99,
+            per_s,
+            cow as f64 / args.calls as f64,
+            copied,
+        ));
         drop(c);
     }
     println!(
-        "{:<14} {:>9} {:>9} {:>10} {:>10} {:>16}",
-        "mode", "p50 ms", "p99 ms", "calls/s", "MiB/s", "CoW pages/call"
+        "{:<14} {:>9} {:>9} {:>10} {:>10} {:>15} {:>16}",
+        "mode", "p50 ms", "p99 ms", "calls/s", "MiB/s", "LB copied/call", "CoW pages/call"
     );
-    for (mode, p50, p99, per_s, cow) in &results {
+    for (mode, p50, p99, per_s, cow, copied) in &results {
         println!(
-            "{:<14} {:>9.3} {:>9.3} {:>10.0} {:>10.0} {:>16.1}",
+            "{:<14} {:>9.3} {:>9.3} {:>10.0} {:>10.0} {:>15} {:>16.1}",
             mode,
             p50,
             p99,
             per_s,
             per_s * args.size as f64 / (1 << 20) as f64,
+            fmt_size(*copied as u64),
             cow
         );
     }
