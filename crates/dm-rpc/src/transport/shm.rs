@@ -426,8 +426,6 @@ impl Listener for ShmListener {
             self.accept_new();
             let bell = Bell(&self.words[SERVER_BELL]);
             let mut waiter = self.waiter.clone();
-            let stop = self.stop.clone();
-            let poked = self.poked.clone();
             let words = self.words;
             // Set between park slices (and about every millisecond while
             // spinning or yielding): drop connections whose clients are
@@ -437,7 +435,10 @@ impl Listener for ShmListener {
                 bell,
                 deadline,
                 || {
-                    if stop.load(Ordering::Acquire) || poked.swap(false, Ordering::AcqRel) {
+                    if self.stop.load(Ordering::Acquire)
+                        || (self.poked.load(Ordering::Relaxed)
+                            && self.poked.swap(false, Ordering::AcqRel))
+                    {
                         return Some(None);
                     }
                     if sweep_due.take() {
