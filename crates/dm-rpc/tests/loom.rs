@@ -80,14 +80,15 @@ struct Shared {
 #[test]
 fn records_cross_in_order_with_parking_on_both_sides() {
     model(|| {
-        // 128 bytes: two 64-byte records fit; the third waits for room and
-        // is written in the ring's second lap, over the first record.
+        // 256 bytes: four 64-byte slots, one always kept free, so three
+        // records fit; the fourth waits for room, and its cleared next slot
+        // is the first slot of the ring's second lap.
         let sh = Arc::new(Shared {
             ctl: RingControl::default(),
-            data: Bytes((0..16).map(|_| AtomicU64::new(0)).collect()),
+            data: Bytes((0..32).map(|_| AtomicU64::new(0)).collect()),
             consumer_bell: AtomicU32::new(0),
         });
-        const N: u8 = 3;
+        const N: u8 = 4;
         let s2 = sh.clone();
         let producer = thread::spawn(move || {
             let mut p = Producer::new(&s2.ctl, &s2.data, &s2.consumer_bell);
