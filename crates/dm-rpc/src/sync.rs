@@ -20,10 +20,15 @@ pub fn futex_wake(word: &AtomicU32) {
     dm_sys::futex::wake(word, 1);
 }
 
-/// The model of a futex: blocks until the word changes (no timeouts and no
-/// spurious wake-ups, so a lost wake-up is a hang loom reports).
+/// The model of a futex: without a timeout, blocks until the word changes
+/// (no spurious wake-ups, so a lost wake-up is a hang loom reports); with
+/// one, it may also return at once (the timeout passing).
 #[cfg(loom)]
-pub fn futex_wait(word: &AtomicU32, expected: u32, _timeout: Option<std::time::Duration>) {
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<std::time::Duration>) {
+    if timeout.is_some() {
+        loom::thread::yield_now();
+        return;
+    }
     while word.load(Ordering::SeqCst) == expected {
         loom::thread::yield_now();
     }

@@ -51,6 +51,19 @@ impl Bell<'_> {
         self.0.store(AWAKE, Ordering::Relaxed);
     }
 
+    /// Wakes the waiter if it is seen parked, without the fence: a waiter
+    /// that parks at this very moment may be missed, so such a waiter must
+    /// park with a timeout (which bounds the delay). For waits that are
+    /// rare (a full ring), where a fence on every message would cost more.
+    #[inline]
+    pub fn ring_lazy(&self) {
+        if self.0.load(Ordering::Relaxed) == ASLEEP
+            && self.0.swap(AWAKE, Ordering::SeqCst) == ASLEEP
+        {
+            futex_wake(self.0);
+        }
+    }
+
     /// Wakes the waiter if it is parked. Call after publishing.
     #[inline]
     pub fn ring(&self) {

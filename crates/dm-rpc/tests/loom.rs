@@ -55,8 +55,10 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     b.check(f);
 }
 
-/// The park phase of `WaitPolicy::wait`: announce, re-check, sleep.
-fn wait_until(bell: &AtomicU32, mut ready: impl FnMut() -> bool) {
+/// The park phase of `Waiter::wait`: announce, re-check, sleep (in
+/// slices if `timed`, as a producer on a full ring does, whose bell is
+/// rung lazily; untimed waits must never miss a wake-up).
+fn wait_until(bell: &AtomicU32, timed: bool, mut ready: impl FnMut() -> bool) {
     loop {
         if ready() {
             return;
@@ -67,7 +69,7 @@ fn wait_until(bell: &AtomicU32, mut ready: impl FnMut() -> bool) {
             b.cancel();
             return;
         }
-        b.sleep(None);
+        b.sleep(timed.then(|| std::time::Duration::from_millis(1)));
     }
 }
 
@@ -80,29 +82,29 @@ struct Shared {
 #[test]
 fn records_cross_in_order_with_parking_on_both_sides() {
     model(|| {
-        // 256 bytes: four 64-byte slots, one always kept free, so three
-        // records fit; the fourth waits for room, and its cleared next slot
-        // is the first slot of the ring's second lap.
+        // 256 bytes: four 64-byte slots; the fifth record waits for room
+        // and goes into the ring's second lap, over a slot the consumer
+        // zeroed.
         let sh = Arc::new(Shared {
             ctl: RingControl::default(),
             data: Bytes((0..32).map(|_| AtomicU64::new(0)).collect()),
             consumer_bell: AtomicU32::new(0),
         });
-        const N: u8 = 4;
+        const N: u8 = 5;
         let s2 = sh.clone();
         let producer = thread::spawn(move || {
             let mut p = Producer::new(&s2.ctl, &s2.data, &s2.consumer_bell);
             for i in 0..N {
                 let msg = [i + 1; 3];
                 let bell = p.bell();
-                wait_until(bell.0, || p.fits(msg.len()));
+                wait_until(bell.0, true, || p.fits(msg.len()));
                 assert!(p.try_push(msg.len(), |put| put(&msg)).unwrap());
             }
         });
         let mut c = Consumer::new(&sh.ctl, &sh.data);
         let mut out = Vec::new();
         for i in 0..N {
-            wait_until(&sh.consumer_bell, || c.ready());
+            wait_until(&sh.consumer_bell, false, || c.ready());
             assert!(c.try_pop(&mut out).unwrap(), "ready but empty");
             assert_eq!(out, [i + 1; 3], "record {i}");
         }
@@ -126,7 +128,7 @@ fn a_doorbell_with_two_ringers_never_loses_a_wake_up() {
             })
             .collect();
         // The waiter needs both units of work; each ringer rings once.
-        wait_until(&bell, || work.load(Ordering::Acquire) == 2);
+        wait_until(&bell, false, || work.load(Ordering::Acquire) == 2);
         for r in ringers {
             r.join().unwrap();
         }

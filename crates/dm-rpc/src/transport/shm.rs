@@ -128,6 +128,15 @@ struct ShmRx {
     sh: Arc<ClientShared>,
 }
 
+/// The policy of a producer waiting for room in a full ring: the consumer
+/// rings its bell without a fence (see `ring`), so it parks in short slices.
+fn full_ring(policy: WaitPolicy) -> WaitPolicy {
+    WaitPolicy {
+        park_slice: policy.park_slice.min(Duration::from_millis(1)),
+        ..policy
+    }
+}
+
 /// Opens a channel to `svc` as its client: the shared part (which closes
 /// the client's end when dropped), the channel's memory with the magic
 /// written, and the service's words.
@@ -159,7 +168,7 @@ pub fn connect(
     let max_inline = ring_max_inline(pool);
     let tx = ShmTx {
         prod: Producer::new(p.req, p.req_data, &words[SERVER_BELL]),
-        waiter: policy.waiter(),
+        waiter: full_ring(policy).waiter(),
         sh: sh.clone(),
     };
     let rx = ShmRx {
@@ -304,7 +313,7 @@ impl ShmListener {
             next_id: 1,
             epoch: words[CONN_EPOCH].load(Ordering::Acquire).wrapping_sub(1),
             waiter: policy.waiter(),
-            reply_waiter: policy.waiter(),
+            reply_waiter: full_ring(policy).waiter(),
             stop,
             limits: Limits {
                 max_payload: max_inline as u32,
