@@ -179,13 +179,20 @@ impl Client {
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
         let i = &*self.inner;
-        if let Some(e) = &lock(&i.state).broken {
-            return Err(e.clone());
-        }
         let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
         let (deadline, made) = (out.deadline, out.made);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        lock(&i.state).waiting.push((id, None));
+        {
+            // One lock for both: a broken connection fails the call at once.
+            let mut st = lock(&i.state);
+            if let Some(e) = &st.broken {
+                let e = e.clone();
+                drop(st);
+                release(&i.node, made);
+                return Err(e);
+            }
+            st.waiting.push((id, None));
+        }
         let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
         let sent = lock(&i.tx).send(&frame, deadline);
         drop(frame);

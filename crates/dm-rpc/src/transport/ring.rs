@@ -371,41 +371,55 @@ impl<'a, D: RingData> Consumer<'a, D> {
     }
 }
 
+/// Ring bytes in ordinary memory, for tests and fuzzing of one thread.
+#[doc(hidden)]
+#[cfg(not(loom))]
+#[derive(Debug)]
+pub struct HeapRing(std::cell::RefCell<Vec<u8>>);
+
+#[cfg(not(loom))]
+impl HeapRing {
+    /// A ring over `bytes` (its length a power of two).
+    pub fn new(bytes: Vec<u8>) -> Self {
+        HeapRing(std::cell::RefCell::new(bytes))
+    }
+}
+
+#[cfg(not(loom))]
+impl RingData for &HeapRing {
+    fn size(&self) -> usize {
+        self.0.borrow().len()
+    }
+    fn write(&self, at: usize, src: &[u8]) {
+        self.0.borrow_mut()[at..at + src.len()].copy_from_slice(src);
+    }
+    fn read(&self, at: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.0.borrow()[at..at + dst.len()]);
+    }
+    fn store_word(&self, at: usize, v: u64) {
+        self.write(at, &v.to_le_bytes());
+    }
+    fn load_word(&self, at: usize) -> u64 {
+        let mut b = [0u8; 8];
+        self.read(at, &mut b);
+        u64::from_le_bytes(b)
+    }
+}
+
 /// Fuzzing entry: `data` is a peer's view of a 1 KiB request ring (8 bytes
 /// of consumer cursor, then the ring's bytes); the consumer takes records
 /// and decodes each as a frame, as the server does. Must never panic.
 #[doc(hidden)]
 #[cfg(not(loom))]
 pub fn fuzz_consume(data: &[u8]) {
-    use std::cell::RefCell;
-    struct Mem(RefCell<[u8; 1024]>);
-    impl RingData for &Mem {
-        fn size(&self) -> usize {
-            1024
-        }
-        fn write(&self, at: usize, src: &[u8]) {
-            self.0.borrow_mut()[at..at + src.len()].copy_from_slice(src);
-        }
-        fn read(&self, at: usize, dst: &mut [u8]) {
-            dst.copy_from_slice(&self.0.borrow()[at..at + dst.len()]);
-        }
-        fn store_word(&self, at: usize, v: u64) {
-            self.write(at, &v.to_le_bytes());
-        }
-        fn load_word(&self, at: usize) -> u64 {
-            let mut b = [0u8; 8];
-            self.read(at, &mut b);
-            u64::from_le_bytes(b)
-        }
-    }
     let mut cur = [0u8; 8];
     let n = data.len().min(8);
     cur[..n].copy_from_slice(&data[..n]);
-    let mut ring = [0u8; 1024];
+    let mut ring = vec![0u8; 1024];
     let rest = data.get(8..).unwrap_or(&[]);
     let m = rest.len().min(1024);
     ring[..m].copy_from_slice(&rest[..m]);
-    let mem = Mem(RefCell::new(ring));
+    let mem = HeapRing::new(ring);
     let ctl = RingControl::default();
     ctl.tail.0.store(u64::from_le_bytes(cur), Ordering::Relaxed);
     let mut c = Consumer::new(&ctl, &mem);
@@ -430,48 +444,9 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    struct VecData(std::cell::RefCell<Vec<u8>>);
-    impl RingData for VecData {
-        fn size(&self) -> usize {
-            self.0.borrow().len()
-        }
-        fn write(&self, at: usize, src: &[u8]) {
-            self.0.borrow_mut()[at..at + src.len()].copy_from_slice(src);
-        }
-        fn read(&self, at: usize, dst: &mut [u8]) {
-            dst.copy_from_slice(&self.0.borrow()[at..at + dst.len()]);
-        }
-        fn store_word(&self, at: usize, v: u64) {
-            self.write(at, &v.to_le_bytes());
-        }
-        fn load_word(&self, at: usize) -> u64 {
-            let mut b = [0u8; 8];
-            self.read(at, &mut b);
-            u64::from_le_bytes(b)
-        }
-    }
-
-    fn push(p: &mut Producer<'_, &VecData>, msg: &[u8]) -> bool {
+    fn push(p: &mut Producer<'_, &HeapRing>, msg: &[u8]) -> bool {
         p.try_push(msg.len(), |put| put(msg))
             .expect("fits half the ring")
-    }
-
-    impl RingData for &VecData {
-        fn size(&self) -> usize {
-            (*self).size()
-        }
-        fn write(&self, at: usize, src: &[u8]) {
-            (*self).write(at, src)
-        }
-        fn read(&self, at: usize, dst: &mut [u8]) {
-            (*self).read(at, dst)
-        }
-        fn store_word(&self, at: usize, v: u64) {
-            (*self).store_word(at, v)
-        }
-        fn load_word(&self, at: usize) -> u64 {
-            (*self).load_word(at)
-        }
     }
 
     proptest! {
@@ -481,7 +456,7 @@ mod tests {
         fn fifo_in_order(ops in proptest::collection::vec((any::<bool>(), 0usize..249), 1..300)) {
             let ctl = RingControl::default();
             let bell = AtomicU32::new(0);
-            let data = VecData(std::cell::RefCell::new(vec![0u8; 512]));
+            let data = HeapRing::new(vec![0u8; 512]);
             let mut p = Producer::new(&ctl, &data, &bell);
             let mut c = Consumer::new(&ctl, &data);
             let mut model = std::collections::VecDeque::new();
@@ -510,12 +485,12 @@ mod tests {
         #[test]
         fn scribbled_ring_is_rejected_not_trusted(tail: u64, len: u32, bytes in proptest::collection::vec(any::<u8>(), 256)) {
             let ctl = RingControl::default();
-            let data = VecData(std::cell::RefCell::new(bytes));
+            let data = HeapRing::new(bytes);
             ctl.tail.0.store(tail, Ordering::Relaxed);
             let mut c = Consumer::new(&ctl, &data);
             // Also a header that is ready for this lap, with any length.
             let at = c.tail as usize & 255;
-            data.store_word(at, header(len, c.tail, 256));
+            (&data).store_word(at, header(len, c.tail, 256));
             let mut out = Vec::new();
             for _ in 0..10 {
                 match c.try_pop(&mut out) {
@@ -619,7 +594,7 @@ mod tests {
         ];
         let ctl = RingControl::default();
         let bell = AtomicU32::new(0);
-        let data = VecData(std::cell::RefCell::new(vec![0u8; 512]));
+        let data = HeapRing::new(vec![0u8; 512]);
         let mut p = Producer::new(&ctl, &data, &bell);
         let mut c = Consumer::new(&ctl, &data);
         let mut model = std::collections::VecDeque::new();
@@ -644,7 +619,7 @@ mod tests {
     fn too_large_and_wrap() {
         let ctl = RingControl::default();
         let bell = AtomicU32::new(0);
-        let data = VecData(std::cell::RefCell::new(vec![0u8; 256]));
+        let data = HeapRing::new(vec![0u8; 256]);
         let mut p = Producer::new(&ctl, &data, &bell);
         let mut c = Consumer::new(&ctl, &data);
         assert!(matches!(
