@@ -23,11 +23,16 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("serve") {
         let pool = Pool::open(args[2].as_ref(), AttachOptions::default()).unwrap();
         let node = Node::with_config(pool, cfg);
+        let every = std::env::var("SUM").is_ok_and(|v| v == "1");
         let s = node
             .server("profile/noop")
-            .method("noop", |c| {
-                // Touch what arrived, as a callee would.
+            .method("noop", move |c| {
+                // Touch what arrived, as a callee would (SUM=1: read
+                // every byte).
                 for s in c.payload().segments()? {
+                    if every {
+                        std::hint::black_box(s.iter().fold(0u8, |a, &b| a ^ b));
+                    }
                     std::hint::black_box(s.first());
                 }
                 Ok(Payload::empty())
@@ -62,9 +67,14 @@ fn main() {
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut l = String::new();
     std::io::BufRead::read_line(&mut out, &mut l).unwrap();
+    // INLINE_MAX=N: the client's threshold (0 forces Refs).
+    let inline_max = std::env::var("INLINE_MAX")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(dm_rpc::DEFAULT_INLINE_MAX);
     let node = Node::with_config(
         Pool::open(path.as_ref(), AttachOptions::default()).unwrap(),
-        cfg,
+        dm_rpc::Config { inline_max, ..cfg },
     );
     let c = node.connect("profile/noop").unwrap();
     // SIZE bytes per call (0: none), BYREF=1 to build it in the pool.

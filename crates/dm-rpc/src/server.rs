@@ -30,6 +30,31 @@ pub type HandlerFuture =
 /// An async method's handler.
 pub type AsyncHandler = Arc<dyn Fn(AsyncCall) -> HandlerFuture + Send + Sync>;
 
+/// Methods by id. The ids are FNV-1a hashes of the names already
+/// ([`method_id`]), so the map uses them as they are instead of hashing
+/// them again on every request.
+type Methods = HashMap<u32, (String, Method), std::hash::BuildHasherDefault<IdHasher>>;
+
+/// A hasher for keys that are hashes: the `u32` itself.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | b as u64;
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = n as u64;
+    }
+}
+
 /// A registered method.
 #[derive(Clone)]
 enum Method {
@@ -94,7 +119,7 @@ impl Call<'_> {
 pub struct ServerBuilder {
     node: Node,
     name: String,
-    methods: HashMap<u32, (String, Method)>,
+    methods: Methods,
     transport: Transport,
     clash: Option<String>,
 }
@@ -114,7 +139,7 @@ impl ServerBuilder {
         ServerBuilder {
             node,
             name: name.to_owned(),
-            methods: HashMap::new(),
+            methods: Methods::default(),
             transport: Transport::Shm,
             clash: None,
         }
@@ -365,7 +390,7 @@ fn pending(conn: ConnId, frame: Frame) -> Pending {
 
 struct Dispatcher {
     node: Node,
-    methods: HashMap<u32, (String, Method)>,
+    methods: Methods,
     listener: Box<dyn Listener>,
     stop: Arc<AtomicBool>,
     stats: Arc<Stats>,
@@ -382,8 +407,10 @@ struct Dispatcher {
 impl Dispatcher {
     fn run(mut self) {
         while !self.stop.load(Ordering::Acquire) {
-            while let Ok((conn, id, r)) = self.done.try_recv() {
-                self.answer(conn, id, r);
+            if self.rt.is_some() {
+                while let Ok((conn, id, r)) = self.done.try_recv() {
+                    self.answer(conn, id, r);
+                }
             }
             let p = match self.queue.pop_front() {
                 Some(p) => p,

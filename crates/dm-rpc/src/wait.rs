@@ -100,6 +100,10 @@ pub struct WaitPolicy {
     pub adaptive: bool,
 }
 
+/// A `sched_yield` that takes this long ran another task: the core is
+/// crowded. (An empty yield takes well under a microsecond.)
+const CROWDED_YIELD: Duration = Duration::from_micros(3);
+
 /// The shortest spin an adaptive waiter keeps.
 pub const MIN_SPIN: Duration = Duration::from_nanos(500);
 
@@ -173,6 +177,7 @@ impl WaitPolicy {
         Waiter {
             policy: *self,
             spin: self.spin,
+            crowded: false,
         }
     }
 }
@@ -183,6 +188,10 @@ impl WaitPolicy {
 pub struct Waiter {
     policy: WaitPolicy,
     spin: Duration,
+    /// The last `sched_yield` ran another task (this core is shared by
+    /// more runnable tasks than cores): spinning only delays the one that
+    /// has work, so an adaptive waiter goes straight to yielding.
+    crowded: bool,
 }
 
 impl Waiter {
@@ -210,9 +219,10 @@ impl Waiter {
         }
         let p = self.policy;
         let mut last_idle = start;
-        // Spin.
+        // Spin (not on a crowded core).
         let mut i = 0u32;
-        while !self.spin.is_zero() {
+        let skip = p.adaptive && self.crowded;
+        while !self.spin.is_zero() && !skip {
             if let Some(x) = ready() {
                 return Ok(Some(x));
             }
@@ -259,6 +269,8 @@ impl Waiter {
                 idle()?;
             }
             dm_sys::sched_yield();
+            // A yield that took a while ran someone else.
+            self.crowded = now.elapsed() >= CROWDED_YIELD;
         }
         // Park.
         loop {

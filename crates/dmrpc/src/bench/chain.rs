@@ -11,7 +11,7 @@
 //! Sequential calls from one client: latency p50 and calls per second.
 //! By-Ref throughput should stay nearly flat as tiers grow.
 
-use super::peer::{percentile, BenchPool, Peer};
+use super::peer::{percentile, yield_until, BenchPool, Peer, PingPong, TempFile};
 use super::serde_like::Obj;
 use super::BenchArgs;
 use anyhow::{bail, Result};
@@ -60,7 +60,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         peers.push(p);
     }
-    let by_ref = Node::new(pool.clone());
+    // By Ref is forced (threshold 0) on the client: under the default
+    // threshold a 64 KiB request would travel inline, i.e. by value.
+    // The tiers keep the default: they forward the Ref they got as it is.
+    let by_ref = Node::with_config(
+        pool.clone(),
+        Config {
+            inline_max: 0,
+            ..Default::default()
+        },
+    );
     let by_value = Node::with_config(
         pool.clone(),
         Config {
@@ -70,14 +79,33 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     println!("bench chain: a request through N tiers (processes), by Ref vs by value, {TIERS} tier processes");
     println!(
-        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
-        "size", "tiers", "Ref p50 us", "value p50 us", "Ref calls/s", "value calls/s", "ratio"
+        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8} {:>9} {:>9}",
+        "size",
+        "tiers",
+        "Ref p50 us",
+        "value p50 us",
+        "Ref calls/s",
+        "value calls/s",
+        "ratio",
+        "floor us",
+        "Ref/floor"
     );
     let mut rows = Vec::new();
+    // The floor per chain length: the raw relay through the same processes.
+    let relay_path = std::path::PathBuf::from(format!("/dev/shm/dmrpc-bench-relay-{id}"));
+    let _g = TempFile(relay_path.clone());
+    let mut floors = Vec::new();
+    for &t in tiers {
+        floors.push(relay_floor(
+            &relay_path,
+            &mut peers[TIERS - t..],
+            budget / 4,
+        )?);
+    }
     for &size in sizes {
         let data: Vec<u8> = (0..size).map(|i| (i * 13) as u8).collect();
         let want = super::peer::sum(&[&data]);
-        for &t in tiers {
+        for (&t, &floor) in tiers.iter().zip(&floors) {
             let entry = TIERS - t;
             let mut res = Vec::new();
             for (mode, node) in [("ref", &by_ref), ("value", &by_value)] {
@@ -111,14 +139,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             }
             let ratio = res[0].1 / res[1].1;
             println!(
-                "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x",
+                "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x {:>9.1} {:>8.1}x",
                 fmt_size(size as u64),
                 t,
                 res[0].0 / 1e3,
                 res[1].0 / 1e3,
                 res[0].1,
                 res[1].1,
-                ratio
+                ratio,
+                floor / 1e3,
+                res[0].0 / floor,
             );
             let mut o = Obj::default();
             o.num("size", size as f64);
@@ -128,6 +158,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             o.num("ref_calls_per_s", res[0].1);
             o.num("value_calls_per_s", res[1].1);
             o.num("ref_over_value_throughput", ratio);
+            o.num("relay_floor_p50_ns", floor);
+            o.num("ref_p50_over_floor", res[0].0 / floor);
             rows.push(o);
         }
     }
@@ -138,7 +170,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits",
     );
     res.obj("machine", &super::machine());
     res.arr("rows", &rows);
@@ -155,6 +187,36 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "ref_calls_per_s",
             "value_calls_per_s",
             "ref_over_value_throughput",
+            "relay_floor_p50_ns",
+            "ref_p50_over_floor",
         ],
     )
+}
+
+/// The p50 of a raw relay round (client down through `tiers` and back up,
+/// no RPC at all): the scheduling floor of a chain of that many processes
+/// on this machine, measured through the same processes.
+fn relay_floor(path: &std::path::Path, tiers: &mut [Peer], budget: Duration) -> Result<f64> {
+    let _ = std::fs::remove_file(path);
+    let pp = PingPong::create(path)?;
+    let last = tiers.len();
+    for (i, p) in tiers.iter_mut().enumerate() {
+        p.send(&format!("relay {} {} {last}", path.display(), i + 1))?;
+    }
+    let (down1, up0) = (pp.word(2), pp.word(1));
+    let mut v = Vec::new();
+    let t0 = Instant::now();
+    let mut k = 0u64;
+    while v.len() < 20 || (t0.elapsed() < budget && v.len() < 100_000) {
+        k += 1;
+        let t = Instant::now();
+        down1.store(k, std::sync::atomic::Ordering::Release);
+        yield_until(up0, k);
+        v.push(t.elapsed().as_nanos() as f64);
+    }
+    down1.store(u64::MAX, std::sync::atomic::Ordering::Release);
+    for p in tiers.iter_mut() {
+        p.ok_nums()?;
+    }
+    Ok(percentile(&mut v, 0.5))
 }

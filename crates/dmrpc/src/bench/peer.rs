@@ -2,7 +2,8 @@
 //! by line over stdin/stdout, and the helpers the benchmarks share.
 //!
 //! Commands: `map REF` and `alloc N` (bench cow), `pong FILE` (the raw
-//! shared-memory ping-pong floor of bench rtt), `serve NAME POLICY [tcp]` and
+//! shared-memory ping-pong floor of bench rtt), `relay FILE IDX LAST` (the
+//! raw relay floor of bench chain), `serve NAME POLICY [tcp]` and
 //! `unserve` (a no-op RPC service), `chain NAME NEXT|- ref|value` (a tier
 //! of bench chain), `lb NAME W1,W2 ref|value` (bench lb's balancer), `quit`.
 
@@ -54,6 +55,11 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 super::cow::peer_alloc(&pool, n.and_then(|s| s.parse().ok()).unwrap_or(1000))?
             }
             (Some("pong"), Some(file), _) => pong(Path::new(file))?,
+            (Some("relay"), Some(file), Some(idx)) => {
+                let last = fourth.as_deref().unwrap_or("").parse()?;
+                relay(&PingPong::open(Path::new(file))?, idx.parse()?, last);
+                "ok".into()
+            }
             (Some("serve"), Some(name), Some(pol)) => {
                 let node = Node::with_config(
                     pool.clone(),
@@ -223,9 +229,12 @@ impl PingPong {
         })
     }
 
-    fn word(&self, line: usize) -> &AtomicU64 {
+    /// The word on cache line `line` (< 64).
+    pub fn word(&self, line: usize) -> &AtomicU64 {
+        assert!(line < 64, "the file has 64 cache lines");
         // SAFETY: the file is 4096 bytes, mapped shared for our lifetime;
-        // lines 0 and 1 are 64-byte aligned u64s, valid for any bits.
+        // each of its 64 lines starts with a 64-byte aligned u64, valid for
+        // any bits.
         unsafe { &*(self.file.base().add(line * 64) as *const AtomicU64) }
     }
 
@@ -254,6 +263,44 @@ fn pong(path: &Path) -> Result<String> {
         }
         pp.pong().store(v, Ordering::Release);
         last = v;
+    }
+}
+
+/// Waits, yielding the core between looks, until `w` holds `want` or
+/// `u64::MAX` (the end); says whether it was `want`.
+pub fn yield_until(w: &AtomicU64, want: u64) -> bool {
+    loop {
+        match w.load(Ordering::Acquire) {
+            v if v == want => return true,
+            u64::MAX => return false,
+            _ => dm_sys::sched_yield(),
+        }
+    }
+}
+
+/// Participant `idx` (1..=`last`) of the raw relay, the floor of bench
+/// chain: a token goes down from participant 0 through `last` and back up,
+/// each participant yielding its core while it waits (the cheapest hand-off
+/// when processes outnumber cores). Participant `i` waits on line `2i`
+/// (down) and `2i + 1` (up). Ends when the token is `u64::MAX`.
+pub fn relay(pp: &PingPong, idx: usize, last: usize) {
+    let (down, up) = (|i: usize| pp.word(2 * i), |i: usize| pp.word(2 * i + 1));
+    let mut k = 1;
+    loop {
+        if !yield_until(down(idx), k) {
+            if idx < last {
+                down(idx + 1).store(u64::MAX, Ordering::Release);
+            }
+            return;
+        }
+        if idx < last {
+            down(idx + 1).store(k, Ordering::Release);
+            if !yield_until(up(idx), k) {
+                return;
+            }
+        }
+        up(idx - 1).store(k, Ordering::Release);
+        k += 1;
     }
 }
 

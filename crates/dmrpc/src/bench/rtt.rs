@@ -77,6 +77,31 @@ fn timed(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, Durat
     Ok((v, start.elapsed()))
 }
 
+/// `n` timed raw ping-pongs with the peer (which echoes until told to
+/// stop), from a zeroed file.
+fn ping_pong(
+    peer: &mut Peer,
+    path: &std::path::Path,
+    pp: &PingPong,
+    n: usize,
+) -> Result<(Vec<f64>, Duration)> {
+    pp.ping().store(0, Ordering::Release);
+    pp.pong().store(0, Ordering::Release);
+    peer.send(&format!("pong {}", path.display()))?;
+    let mut seq = 0u64;
+    let r = timed(n, || {
+        seq += 1;
+        pp.ping().store(seq, Ordering::Release);
+        while pp.pong().load(Ordering::Acquire) != seq {
+            std::hint::spin_loop();
+        }
+        Ok(())
+    });
+    pp.ping().store(u64::MAX, Ordering::Release);
+    peer.ok_nums()?;
+    r
+}
+
 pub fn run(a: &BenchArgs) -> Result<()> {
     let n = if a.quick { 20_000 } else { 200_000 };
     let id = std::process::id();
@@ -103,18 +128,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let pp_path = PathBuf::from(format!("/dev/shm/dmrpc-bench-pingpong-{id}"));
     let _g2 = TempFile(pp_path.clone());
     let pp = PingPong::create(&pp_path)?;
-    peer.send(&format!("pong {}", pp_path.display()))?;
-    let mut seq = 0u64;
-    let (v, wall) = timed(n, || {
-        seq += 1;
-        pp.ping().store(seq, Ordering::Release);
-        while pp.pong().load(Ordering::Acquire) != seq {
-            std::hint::spin_loop();
-        }
-        Ok(())
-    })?;
-    pp.ping().store(u64::MAX, Ordering::Release);
-    peer.ok_nums()?;
+    let (v, wall) = ping_pong(&mut peer, &pp_path, &pp, n)?;
     let floor = dist(v, wall);
     let f50 = floor.p50;
     rows.push(row("raw ping-pong (floor)", 8, &floor, f50));
@@ -141,6 +155,36 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         drop(c);
         peer.cmd("unserve")?;
     }
+
+    // Paired rounds: the floor and the default policy alternate in short
+    // batches, so both see the same placement of the VM's cores (which
+    // drifts during a run and moves the floor by 2-5x); the ratio is the
+    // median over rounds of the two p50s' quotient.
+    let name = format!("bench/rtt/{id}/paired");
+    peer.cmd(&format!("serve {name} default"))?;
+    let node = Node::new(pool.clone());
+    let c = node.connect(&name)?;
+    let mut ratios = Vec::new();
+    let rounds = 10;
+    for _ in 0..rounds {
+        // Let the idle server park, so it does not compete with the pong.
+        std::thread::sleep(Duration::from_millis(5));
+        let (v, _) = ping_pong(&mut peer, &pp_path, &pp, n / rounds)?;
+        let f = dist(v, Duration::from_secs(1)).p50;
+        let (v, _) = timed(n / rounds, || {
+            c.call("noop", Payload::empty())?;
+            Ok(())
+        })?;
+        ratios.push(dist(v, Duration::from_secs(1)).p50 / f);
+    }
+    drop(c);
+    peer.cmd("unserve")?;
+    let paired = percentile(&mut ratios.clone(), 0.5);
+    println!(
+        "paired rounds: dmrpc shm (default) p50 / floor p50 = {paired:.2}x (median of {rounds}; range {:.2}-{:.2}x)",
+        ratios.iter().copied().fold(f64::MAX, f64::min),
+        ratios.iter().copied().fold(0.0, f64::max),
+    );
 
     // The TCP transport over loopback (same frames, same service code).
     let name = format!("bench/rtt/{id}/tcp");
@@ -192,6 +236,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     res.obj("machine", &super::machine());
     res.num("floor_p50_ns", f50);
+    res.num("paired_p50_over_floor", paired);
     res.arr("rows", &rows);
     super::write_results(
         a,
