@@ -141,6 +141,13 @@ pub enum Error {
     /// A pool with that name or path exists.
     #[error("{0} already exists")]
     AlreadyExists(PathBuf),
+    /// A memory server is unreachable, or its connection broke (it died,
+    /// or it dropped this client).
+    #[error("memory server unavailable: {0}")]
+    Unavailable(String),
+    /// A peer sent bytes that break the protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
     /// The OS refused (open, map, size).
     #[error(transparent)]
     Sys(#[from] dm_sys::mem::SysError),

@@ -49,6 +49,11 @@ pub mod channel;
 #[cfg(not(loom))]
 pub mod check;
 #[cfg(not(loom))]
+#[doc(hidden)]
+pub mod conformance;
+#[cfg(not(loom))]
+pub mod contract;
+#[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
 #[doc(hidden)]
@@ -73,6 +78,8 @@ pub mod testing;
 pub use channel::{ChannelId, ChannelMemory, Peer, Side};
 #[cfg(not(loom))]
 pub use check::{check_path, counters_of, gc_path, layout_of, CheckReport, Counters, GcReport};
+#[cfg(not(loom))]
+pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]
 pub use error::{Error, Result};
 #[cfg(not(loom))]

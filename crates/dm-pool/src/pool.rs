@@ -464,6 +464,7 @@ impl Pool {
             .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
         Ok(Ref {
+            backend: crate::refs::BACKEND_POOL,
             pool_id: self.id(),
             desc: ridx,
             generation: rgen,
@@ -475,7 +476,7 @@ impl Pool {
     /// Checks a Ref against its descriptor; returns the descriptor state word.
     fn validate(&self, r: &Ref) -> Result<(&Desc, u64)> {
         let i = &self.inner;
-        if r.pool_id != self.id() {
+        if r.pool_id != self.id() || r.backend != crate::refs::BACKEND_POOL {
             return Err(Error::ForeignPool {
                 expected: self.id(),
                 found: r.pool_id,

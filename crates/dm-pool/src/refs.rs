@@ -6,10 +6,10 @@
 //! | bytes  | field       | notes                                           |
 //! |--------|-------------|-------------------------------------------------|
 //! | 0      | version     | `REF_VERSION` (1)                               |
-//! | 1      | backend     | 0 = shared pool (memory servers get their own)  |
+//! | 1      | backend     | 0 = shared pool, 1 = memory server              |
 //! | 2..4   | reserved    | must be zero                                    |
 //! | 4..8   | descriptor  | index in the pool's descriptor table            |
-//! | 8..16  | pool id     | random id chosen when the pool was created      |
+//! | 8..16  | pool id     | random id of the pool (or the memory server)    |
 //! | 16..24 | tag         | 64 random bits chosen when the Ref was created  |
 //! | 24..28 | generation  | the descriptor's generation when created        |
 //! | 28..32 | reserved    | must be zero                                    |
@@ -23,11 +23,15 @@
 pub const REF_VERSION: u8 = 1;
 /// Backend byte of a shared-pool Ref.
 pub const BACKEND_POOL: u8 = 0;
+/// Backend byte of a memory server's Ref (`pool_id` is the server's id).
+pub const BACKEND_MEMSERVER: u8 = 1;
 
 /// A capability naming a frozen snapshot of a buffer range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Ref {
-    /// Pool id.
+    /// Which backend made it ([`BACKEND_POOL`] or [`BACKEND_MEMSERVER`]).
+    pub backend: u8,
+    /// Pool id (or memory server id).
     pub pool_id: u64,
     /// Descriptor index.
     pub desc: u32,
@@ -72,7 +76,7 @@ impl Ref {
     pub fn to_bytes(&self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         b[0] = REF_VERSION;
-        b[1] = BACKEND_POOL;
+        b[1] = self.backend;
         b[4..8].copy_from_slice(&self.desc.to_le_bytes());
         b[8..16].copy_from_slice(&self.pool_id.to_le_bytes());
         b[16..24].copy_from_slice(&self.tag.to_le_bytes());
@@ -92,7 +96,7 @@ impl Ref {
         if b[0] != REF_VERSION {
             return Err(RefDecodeError::Version(b[0]));
         }
-        if b[1] != BACKEND_POOL {
+        if b[1] != BACKEND_POOL && b[1] != BACKEND_MEMSERVER {
             return Err(RefDecodeError::Backend(b[1]));
         }
         if b[2..4] != [0, 0] || b[28..32] != [0, 0, 0, 0] {
@@ -105,6 +109,7 @@ impl Ref {
             u64::from_le_bytes(x)
         };
         let r = Ref {
+            backend: b[1],
             desc: u32_at(4),
             pool_id: u64_at(8),
             tag: u64_at(16),
@@ -125,8 +130,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn roundtrip(pool_id: u64, desc: u32, generation: u32, tag: u64, len in 1u64..) {
-            let r = Ref { pool_id, desc, generation, tag, len };
+        fn roundtrip(backend in 0u8..2, pool_id: u64, desc: u32, generation: u32, tag: u64, len in 1u64..) {
+            let r = Ref { backend, pool_id, desc, generation, tag, len };
             prop_assert_eq!(Ref::from_bytes(&r.to_bytes()), Ok(r));
         }
 
@@ -139,6 +144,7 @@ mod tests {
     #[test]
     fn rejects_malformed() {
         let r = Ref {
+            backend: BACKEND_POOL,
             pool_id: 1,
             desc: 2,
             generation: 3,
@@ -154,8 +160,8 @@ mod tests {
         b[0] = 9;
         assert_eq!(Ref::from_bytes(&b), Err(RefDecodeError::Version(9)));
         let mut b = good;
-        b[1] = 1;
-        assert_eq!(Ref::from_bytes(&b), Err(RefDecodeError::Backend(1)));
+        b[1] = 2;
+        assert_eq!(Ref::from_bytes(&b), Err(RefDecodeError::Backend(2)));
         let mut b = good;
         b[30] = 1;
         assert_eq!(Ref::from_bytes(&b), Err(RefDecodeError::Reserved));

@@ -7,59 +7,16 @@ use common::TempPool;
 use dm_pool::{AttachOptions, Error, MappedBuffer, Pool, PoolConfig, Ref};
 use std::time::Duration;
 
+/// The conformance suite every backend runs (the memory server runs it
+/// too), on two attachments of one pool plus a foreign pool. The tests
+/// below are the pool's own: its layout, files, faults and limits.
 #[test]
-fn alloc_write_read_and_lazy_zero() {
-    let tp = TempPool::new(8 << 20);
-    let pool = tp.attach();
-    let mut b = pool.alloc(3 * 4096 + 17).unwrap();
-    assert_eq!(b.to_vec().unwrap(), vec![0u8; 3 * 4096 + 17]);
-    assert_eq!(pool.check().pages_held, 0, "alloc backs no page");
-    b.write(4090, b"across a page boundary").unwrap();
-    let mut out = vec![0u8; 22];
-    b.read(4090, &mut out).unwrap();
-    assert_eq!(&out, b"across a page boundary");
-    assert_eq!(pool.check().pages_held, 2, "only written pages are backed");
-    drop(b);
-    drop(pool);
+fn conformance_suite() {
+    let tp = TempPool::new(16 << 20);
+    let tp2 = TempPool::new(8 << 20);
+    dm_pool::conformance::run_all(&|| tp.attach(), &|| tp2.attach());
     tp.assert_clean();
-}
-
-#[test]
-fn refs_snapshot_and_cow_both_ways() {
-    let tp = TempPool::new(8 << 20);
-    let pool = tp.attach();
-    let mut a = pool.alloc(5 * 4096).unwrap();
-    a.write(0, &vec![1u8; 5 * 4096]).unwrap();
-    let r = a.share().unwrap();
-    let copies0 = pool.check().pages_shared;
-    assert_eq!(copies0, 5, "all pages shared, none copied");
-    let mut m1 = pool.map_ref(&r).unwrap();
-    let m2 = pool.map_ref(&r).unwrap(); // fan-out
-    a.write(4096, &[2u8; 10]).unwrap(); // writer copies one page
-    assert_eq!(
-        m1.to_vec().unwrap(),
-        vec![1u8; 5 * 4096],
-        "holders keep the snapshot"
-    );
-    m1.write(2 * 4096 + 5, &[3u8; 3]).unwrap(); // a mapper copies its page too
-    assert_eq!(m2.to_vec().unwrap(), vec![1u8; 5 * 4096]);
-    let mut want_a = vec![1u8; 5 * 4096];
-    want_a[4096..4106].fill(2);
-    assert_eq!(a.to_vec().unwrap(), want_a);
-    let mut want_m1 = vec![1u8; 5 * 4096];
-    want_m1[2 * 4096 + 5..2 * 4096 + 8].fill(3);
-    assert_eq!(m1.to_vec().unwrap(), want_m1);
-    let rep = pool.check();
-    assert!(rep.ok(), "{:?}", rep.problems);
-    assert_eq!(
-        rep.pages_held,
-        5 + 2,
-        "exactly the two written pages were copied"
-    );
-    pool.release_ref(&r).unwrap();
-    drop((a, m1, m2));
-    drop(pool);
-    tp.assert_clean();
+    tp2.assert_clean();
 }
 
 #[test]
@@ -79,55 +36,6 @@ fn partial_ref_at_odd_offset_and_segments() {
     assert_eq!(m.segments(0, 9000).unwrap().len(), 1);
     pool.release_ref(&r).unwrap();
     drop((a, m, pool));
-    tp.assert_clean();
-}
-
-#[test]
-fn large_buffers_use_list_pages() {
-    let tp = TempPool::new(64 << 20);
-    let pool = tp.attach();
-    let len = 300 * 4096 + 3;
-    let mut a = pool.alloc(len).unwrap();
-    a.write(len - 10, b"0123456789").unwrap();
-    a.write(0, b"start").unwrap();
-    let r = a.share().unwrap();
-    let mut m = pool.map_ref(&r).unwrap();
-    m.write(100 * 4096, b"x").unwrap();
-    let v = m.to_vec().unwrap();
-    assert_eq!(&v[..5], b"start");
-    assert_eq!(&v[len as usize - 10..], b"0123456789");
-    assert_eq!(v[100 * 4096], b'x');
-    assert_eq!(a.to_vec().unwrap()[100 * 4096], 0);
-    let rep = pool.check();
-    assert!(rep.ok(), "{:?}", rep.problems);
-    pool.release_ref(&r).unwrap();
-    drop((a, m, pool));
-    tp.assert_clean();
-}
-
-#[test]
-fn bad_lengths_and_bounds() {
-    let tp = TempPool::new(8 << 20);
-    let pool = tp.attach();
-    assert!(matches!(pool.alloc(0), Err(Error::ZeroLength)));
-    assert!(matches!(pool.alloc(u64::MAX), Err(Error::TooLarge { .. })));
-    let mut b = pool.alloc(100).unwrap();
-    assert!(matches!(b.write(99, b"ab"), Err(Error::OutOfBounds { .. })));
-    assert!(matches!(
-        b.write(u64::MAX, b"a"),
-        Err(Error::OutOfBounds { .. })
-    ));
-    let mut out = [0u8; 2];
-    assert!(matches!(
-        b.read(99, &mut out),
-        Err(Error::OutOfBounds { .. })
-    ));
-    assert!(matches!(b.create_ref(0, 0), Err(Error::ZeroLength)));
-    assert!(matches!(
-        b.create_ref(50, 51),
-        Err(Error::OutOfBounds { .. })
-    ));
-    drop((b, pool));
     tp.assert_clean();
 }
 
@@ -162,53 +70,15 @@ fn double_free_and_foreign_buffers() {
     tp2.assert_clean();
 }
 
+/// Pool-specific: a buffer's descriptor presented as a Ref (the generic
+/// forged/stale/foreign cases are in the conformance suite).
 #[test]
-fn forged_stale_released_and_foreign_refs() {
+fn buffer_descriptor_as_ref() {
     let tp = TempPool::new(8 << 20);
-    let tp2 = TempPool::new(8 << 20);
     let pool = tp.attach();
-    let other = tp2.attach();
     let mut b = pool.alloc(8192).unwrap();
     b.write(0, b"secret").unwrap();
     let r = b.share().unwrap();
-
-    let forged = Ref {
-        tag: r.tag ^ 1,
-        ..r
-    };
-    assert!(matches!(
-        pool.map_ref(&forged),
-        Err(Error::RefForged { .. })
-    ));
-    assert!(matches!(
-        pool.release_ref(&forged),
-        Err(Error::RefForged { .. })
-    ));
-    let longer = Ref {
-        len: r.len + 1,
-        ..r
-    };
-    assert!(matches!(
-        pool.map_ref(&longer),
-        Err(Error::RefForged { .. })
-    ));
-    let out_of_range = Ref {
-        desc: u32::MAX - 1,
-        ..r
-    };
-    assert!(matches!(
-        pool.map_ref(&out_of_range),
-        Err(Error::RefForged { .. })
-    ));
-    let stale_gen = Ref {
-        generation: r.generation.wrapping_sub(1),
-        ..r
-    };
-    assert!(matches!(
-        pool.map_ref(&stale_gen),
-        Err(Error::RefStale { .. })
-    ));
-    assert!(matches!(other.map_ref(&r), Err(Error::ForeignPool { .. })));
     let buf_as_ref = Ref {
         desc: b.id().desc,
         generation: b.id().generation,
@@ -218,17 +88,10 @@ fn forged_stale_released_and_foreign_refs() {
         pool.map_ref(&buf_as_ref),
         Err(Error::RefForged { .. }) | Err(Error::RefStale { .. })
     ));
-
     pool.release_ref(&r).unwrap();
-    assert!(
-        matches!(pool.release_ref(&r), Err(Error::RefReleased { .. })),
-        "double release"
-    );
-    assert!(matches!(pool.map_ref(&r), Err(Error::RefReleased { .. })));
     assert!(pool.check().ok());
-    drop((b, pool, other));
+    drop((b, pool));
     tp.assert_clean();
-    tp2.assert_clean();
 }
 
 #[test]
@@ -262,34 +125,6 @@ fn stale_ref_after_descriptor_reuse() {
         pool.release_ref(o).unwrap();
     }
     drop((b, pool));
-    tp.assert_clean();
-}
-
-#[test]
-fn ref_ttl_expires_and_is_reclaimed() {
-    let tp = TempPool::new(8 << 20);
-    let pool = tp.attach();
-    let mut b = pool.alloc(3 * 4096).unwrap();
-    b.write(0, &[7u8; 3 * 4096]).unwrap();
-    let r = pool
-        .create_ref_ttl(&b, 0, 3 * 4096, Duration::from_millis(30))
-        .unwrap();
-    drop(b);
-    assert_eq!(pool.check().pages_held, 3, "the Ref keeps its pages");
-    std::thread::sleep(Duration::from_millis(60));
-    assert!(matches!(pool.map_ref(&r), Err(Error::RefExpired { .. })));
-    let rep = pool.maintain().unwrap();
-    assert_eq!(rep.refs_expired, 1);
-    assert_eq!(
-        pool.check().pages_held,
-        0,
-        "an unreleased Ref does not leak"
-    );
-    assert!(matches!(
-        pool.release_ref(&r),
-        Err(Error::RefExpired { .. })
-    ));
-    drop(pool);
     tp.assert_clean();
 }
 

@@ -456,6 +456,7 @@ mod tests {
 
     fn a_ref() -> Ref {
         Ref {
+            backend: 0,
             pool_id: 7,
             desc: 3,
             generation: 2,
@@ -472,6 +473,7 @@ mod tests {
                 Body::Refs(
                     (0..n)
                         .map(|i| Ref {
+                            backend: (i % 2) as u8,
                             pool_id: 1,
                             desc: desc ^ i as u32,
                             generation: 1,
