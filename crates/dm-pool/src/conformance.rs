@@ -111,7 +111,7 @@ pub fn refs_snapshot_and_cow_both_ways<D: Dm>(d: &D, other: &D) {
 
 /// A Ref to an unaligned range; a partial-page write keeps the rest.
 pub fn partial_ref_at_odd_offset<D: Dm>(d: &D, other: &D) {
-    let ps = d.page_size() as usize;
+    let ps = d.page_size();
     let base = d.usage().unwrap();
     let mut a = d.alloc(4 * ps as u64).unwrap();
     let data: Vec<u8> = (0..4 * ps).map(|i| (i % 251) as u8).collect();
