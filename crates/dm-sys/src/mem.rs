@@ -408,3 +408,74 @@ impl Drop for Reservation {
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
 }
+
+/// Private anonymous memory, read-write, touched at creation and locked in
+/// RAM where the limits allow (a memory server's pinned region). Unmapped
+/// on drop.
+#[derive(Debug)]
+pub struct PinnedRegion {
+    base: *mut u8,
+    len: usize,
+    locked: bool,
+}
+
+// SAFETY: plain memory; access discipline is the caller's.
+unsafe impl Send for PinnedRegion {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedRegion {}
+
+impl PinnedRegion {
+    /// Maps `len` bytes (populated: every page faulted in now, so no
+    /// request pays a first-touch fault) and tries to `mlock` them.
+    pub fn new(len: usize) -> Result<Self, SysError> {
+        // SAFETY: a fresh private anonymous mapping at a kernel-chosen address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(last("mmap(region)"));
+        }
+        // SAFETY: the range was just mapped by us.
+        let locked = unsafe { libc::mlock(p, len.max(1)) } == 0;
+        Ok(Self {
+            base: p.cast(),
+            len: len.max(1),
+            locked,
+        })
+    }
+
+    /// Base address.
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never empty (at least one byte is mapped).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Whether `mlock` succeeded (else the pages are populated but may be
+    /// swapped out under memory pressure).
+    pub fn locked(&self) -> bool {
+        self.locked
+    }
+}
+
+impl Drop for PinnedRegion {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}

@@ -1,0 +1,27 @@
+//! A memory server for tests: `dm-memserver [--size BYTES] [--lease-ms MS]`
+//! listens on 127.0.0.1 (a free port), prints `listening ADDR ID` and
+//! serves until SIGTERM. (`dmrpc memserver` is the daemon users run.)
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let mut cfg = dm_memserver::Config {
+        size: arg("--size").unwrap_or(64 << 20),
+        ..Default::default()
+    };
+    if let Some(ms) = arg("--lease-ms") {
+        cfg.default_lease = std::time::Duration::from_millis(ms);
+    }
+    let r = dm_memserver::server::run(cfg, |s| {
+        println!("listening {} {}", s.addr(), s.state().id);
+    });
+    if let Err(e) = r {
+        eprintln!("dm-memserver: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,707 @@
+//! The memory-server wire protocol, version 1.
+//!
+//! Every message is a frame: a `u32` length (of what follows, at most
+//! [`MAX_FRAME`]), then a 12-byte header and a body. All integers
+//! little-endian.
+//!
+//! ```text
+//! request:  len u32 | version u8 | op u8     | reserved u16 (0) | id u64 | body
+//! response: len u32 | version u8 | status u8 | reserved u16 (0) | id u64 | body
+//! ```
+//!
+//! | op | request body | answer body |
+//! |---|---|---|
+//! | 1 hello | lease_ms u32 | server_id u64, page_size u32, max_len u64 |
+//! | 2 alloc | len u64 | addr u64 |
+//! | 3 free | addr u64 | — |
+//! | 4 read | addr u64, offset u64, len u32 | the bytes |
+//! | 5 write | addr u64, offset u64, data (the rest) | — |
+//! | 6 create_ref | addr u64, offset u64, len u64, ttl_ms u32 (0: default) | Ref (40 bytes) |
+//! | 7 map_ref | Ref (40 bytes) | addr u64, len u64 |
+//! | 8 release_ref | Ref (40 bytes) | — |
+//! | 9 usage | — | pages_held, pages_shared, refs, pages_free (u64 each) |
+//! | 10 check | — | problems, UTF-8, one per line |
+//! | 11 ping | — | — |
+//! | 12 maintain | — | — |
+//!
+//! A request's `id` is the client's; the answer carries it back (a client
+//! pipelines many requests on one connection; a connection's answers come
+//! in request order). Status 0 is success; any other status is an error
+//! ([`ErrorCode`]) whose body is three `u64` fields and a UTF-8 message,
+//! from which the client rebuilds the same typed [`dm_pool::Error`] the
+//! pool backend returns. The decoders never panic (fuzz target
+//! `memserver_request`).
+
+use dm_pool::{Error, Ref};
+
+/// Protocol version.
+pub const VERSION: u8 = 1;
+/// Header bytes after the length prefix.
+pub const HEADER: usize = 12;
+/// Largest frame (after the length prefix): 16 MiB of data plus headers.
+pub const MAX_FRAME: usize = (16 << 20) + 64;
+/// Largest read or write in one request.
+pub const MAX_IO: usize = 16 << 20;
+
+/// A request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// Opens a session with a lease.
+    Hello {
+        /// The client's lease: silence longer than this ends the session.
+        lease_ms: u32,
+    },
+    /// A zero-filled buffer.
+    Alloc {
+        /// Bytes.
+        len: u64,
+    },
+    /// Frees a buffer.
+    Free {
+        /// Its address.
+        addr: u64,
+    },
+    /// Reads bytes.
+    Read {
+        /// Buffer address.
+        addr: u64,
+        /// Offset in the buffer.
+        offset: u64,
+        /// Bytes (at most [`MAX_IO`]).
+        len: u32,
+    },
+    /// Writes bytes (CoW on shared pages).
+    Write {
+        /// Buffer address.
+        addr: u64,
+        /// Offset in the buffer.
+        offset: u64,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// A Ref to a range of a buffer.
+    CreateRef {
+        /// Buffer address.
+        addr: u64,
+        /// Offset in the buffer.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// Time to live in ms (0: the server's default).
+        ttl_ms: u32,
+    },
+    /// Maps a Ref as a new buffer.
+    MapRef(Ref),
+    /// Releases a Ref.
+    ReleaseRef(Ref),
+    /// The server's page counts.
+    Usage,
+    /// The server's invariant check.
+    Check,
+    /// Keeps the session alive.
+    Ping,
+    /// Reclaims expired Refs now.
+    Maintain,
+}
+
+/// Operation codes.
+mod op {
+    pub const HELLO: u8 = 1;
+    pub const ALLOC: u8 = 2;
+    pub const FREE: u8 = 3;
+    pub const READ: u8 = 4;
+    pub const WRITE: u8 = 5;
+    pub const CREATE_REF: u8 = 6;
+    pub const MAP_REF: u8 = 7;
+    pub const RELEASE_REF: u8 = 8;
+    pub const USAGE: u8 = 9;
+    pub const CHECK: u8 = 10;
+    pub const PING: u8 = 11;
+    pub const MAINTAIN: u8 = 12;
+}
+
+/// Number of operation codes (for per-op counters), index = op - 1.
+pub const OPS: usize = 12;
+
+/// Names of the operations, index = op - 1.
+pub const OP_NAMES: [&str; OPS] = [
+    "hello",
+    "alloc",
+    "free",
+    "read",
+    "write",
+    "create_ref",
+    "map_ref",
+    "release_ref",
+    "usage",
+    "check",
+    "ping",
+    "maintain",
+];
+
+/// Why bytes are not a valid frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtoError {
+    /// Fewer bytes than the header or the operation needs.
+    #[error("truncated frame: {need} bytes needed, {got} given")]
+    Truncated {
+        /// Needed.
+        need: usize,
+        /// Given.
+        got: usize,
+    },
+    /// Bytes after the operation's body.
+    #[error("{0} trailing bytes after the body")]
+    Trailing(usize),
+    /// A frame longer than [`MAX_FRAME`].
+    #[error("frame of {0} bytes exceeds the maximum {MAX_FRAME}")]
+    TooLong(usize),
+    /// Another protocol version.
+    #[error("protocol version {0} (this build speaks {VERSION})")]
+    Version(u8),
+    /// Reserved bits set.
+    #[error("reserved header bits are not zero")]
+    Reserved,
+    /// Unknown operation.
+    #[error("unknown operation {0}")]
+    Op(u8),
+    /// A read longer than [`MAX_IO`].
+    #[error("read of {0} bytes exceeds the maximum {MAX_IO}")]
+    ReadTooLong(u32),
+    /// A malformed Ref.
+    #[error("malformed Ref: {0}")]
+    Ref(#[from] dm_pool::RefDecodeError),
+    /// An unknown status code in an answer.
+    #[error("unknown status {0}")]
+    Status(u8),
+}
+
+/// A little-endian reader that reports truncation instead of panicking.
+struct Rd<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Rd<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ProtoError> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
+        let Some(end) = end else {
+            return Err(ProtoError::Truncated {
+                need: self.at.saturating_add(n),
+                got: self.b.len(),
+            });
+        };
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u32(&mut self) -> Result<u32, ProtoError> {
+        let s = self.take(4)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+
+    fn u64(&mut self) -> Result<u64, ProtoError> {
+        let s = self.take(8)?;
+        let mut x = [0u8; 8];
+        x.copy_from_slice(s);
+        Ok(u64::from_le_bytes(x))
+    }
+
+    fn reference(&mut self) -> Result<Ref, ProtoError> {
+        Ok(Ref::from_bytes(self.take(Ref::SIZE)?)?)
+    }
+
+    fn rest(&mut self) -> &'a [u8] {
+        let s = &self.b[self.at..];
+        self.at = self.b.len();
+        s
+    }
+
+    fn end(&self) -> Result<(), ProtoError> {
+        match self.b.len() - self.at {
+            0 => Ok(()),
+            n => Err(ProtoError::Trailing(n)),
+        }
+    }
+}
+
+/// Reads the header of a frame (without its length prefix): the code
+/// (op or status), the id and the body.
+fn header(frame: &[u8]) -> Result<(u8, u64, Rd<'_>), ProtoError> {
+    if frame.len() > MAX_FRAME {
+        return Err(ProtoError::TooLong(frame.len()));
+    }
+    let mut r = Rd { b: frame, at: 0 };
+    let h = r.take(4)?;
+    if h[0] != VERSION {
+        return Err(ProtoError::Version(h[0]));
+    }
+    if h[2] != 0 || h[3] != 0 {
+        return Err(ProtoError::Reserved);
+    }
+    let id = r.u64()?;
+    Ok((h[1], id, r))
+}
+
+/// Starts a frame: the length prefix (patched by [`finish`]) and header.
+fn start(out: &mut Vec<u8>, code: u8, id: u64) -> usize {
+    let at = out.len();
+    out.extend_from_slice(&[0u8; 4]);
+    out.extend_from_slice(&[VERSION, code, 0, 0]);
+    out.extend_from_slice(&id.to_le_bytes());
+    at
+}
+
+fn finish(out: &mut [u8], at: usize) {
+    let len = (out.len() - at - 4) as u32;
+    out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+}
+
+impl Request {
+    /// The operation code.
+    pub fn op(&self) -> u8 {
+        match self {
+            Request::Hello { .. } => op::HELLO,
+            Request::Alloc { .. } => op::ALLOC,
+            Request::Free { .. } => op::FREE,
+            Request::Read { .. } => op::READ,
+            Request::Write { .. } => op::WRITE,
+            Request::CreateRef { .. } => op::CREATE_REF,
+            Request::MapRef(_) => op::MAP_REF,
+            Request::ReleaseRef(_) => op::RELEASE_REF,
+            Request::Usage => op::USAGE,
+            Request::Check => op::CHECK,
+            Request::Ping => op::PING,
+            Request::Maintain => op::MAINTAIN,
+        }
+    }
+
+    /// Appends the frame of this request (with its length prefix).
+    pub fn encode(&self, id: u64, out: &mut Vec<u8>) {
+        let at = start(out, self.op(), id);
+        match self {
+            Request::Hello { lease_ms } => out.extend_from_slice(&lease_ms.to_le_bytes()),
+            Request::Alloc { len } => out.extend_from_slice(&len.to_le_bytes()),
+            Request::Free { addr } => out.extend_from_slice(&addr.to_le_bytes()),
+            Request::Read { addr, offset, len } => {
+                out.extend_from_slice(&addr.to_le_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
+            Request::Write { addr, offset, data } => {
+                out.extend_from_slice(&addr.to_le_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+                out.extend_from_slice(data);
+            }
+            Request::CreateRef {
+                addr,
+                offset,
+                len,
+                ttl_ms,
+            } => {
+                out.extend_from_slice(&addr.to_le_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+                out.extend_from_slice(&ttl_ms.to_le_bytes());
+            }
+            Request::MapRef(r) | Request::ReleaseRef(r) => out.extend_from_slice(&r.to_bytes()),
+            Request::Usage | Request::Check | Request::Ping | Request::Maintain => {}
+        }
+        finish(out, at);
+    }
+
+    /// Decodes a request frame (without its length prefix): its id and the
+    /// request. Never panics; an error carries the id when the header was
+    /// readable, so the answer can name the request.
+    pub fn decode(frame: &[u8]) -> Result<(u64, Request), (Option<u64>, ProtoError)> {
+        let (code, id, mut r) = header(frame).map_err(|e| (None, e))?;
+        let req = (|| {
+            let req = match code {
+                op::HELLO => Request::Hello { lease_ms: r.u32()? },
+                op::ALLOC => Request::Alloc { len: r.u64()? },
+                op::FREE => Request::Free { addr: r.u64()? },
+                op::READ => {
+                    let (addr, offset, len) = (r.u64()?, r.u64()?, r.u32()?);
+                    if len as usize > MAX_IO {
+                        return Err(ProtoError::ReadTooLong(len));
+                    }
+                    Request::Read { addr, offset, len }
+                }
+                op::WRITE => Request::Write {
+                    addr: r.u64()?,
+                    offset: r.u64()?,
+                    data: r.rest().to_vec(),
+                },
+                op::CREATE_REF => Request::CreateRef {
+                    addr: r.u64()?,
+                    offset: r.u64()?,
+                    len: r.u64()?,
+                    ttl_ms: r.u32()?,
+                },
+                op::MAP_REF => Request::MapRef(r.reference()?),
+                op::RELEASE_REF => Request::ReleaseRef(r.reference()?),
+                op::USAGE => Request::Usage,
+                op::CHECK => Request::Check,
+                op::PING => Request::Ping,
+                op::MAINTAIN => Request::Maintain,
+                other => return Err(ProtoError::Op(other)),
+            };
+            r.end()?;
+            Ok(req)
+        })()
+        .map_err(|e| (Some(id), e))?;
+        Ok((id, req))
+    }
+}
+
+/// Error codes of answers (status byte).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ErrorCode {
+    /// `Error::ZeroLength`.
+    ZeroLength = 1,
+    /// `Error::TooLarge { len, max }`.
+    TooLarge = 2,
+    /// `Error::OutOfBounds { offset, len, size }`.
+    OutOfBounds = 3,
+    /// `Error::ResourceExhausted { what }` (field 0: 0 pages, 1 refs, 2 buffers).
+    Exhausted = 4,
+    /// `Error::DoubleFree { desc, generation }`.
+    DoubleFree = 5,
+    /// `Error::NotOwner { desc }`.
+    NotOwner = 6,
+    /// `Error::ForeignPool { expected, found }`.
+    ForeignPool = 7,
+    /// `Error::RefForged { desc }`.
+    RefForged = 8,
+    /// `Error::RefStale { desc, generation, current }`.
+    RefStale = 9,
+    /// `Error::RefReleased { desc, generation }`.
+    RefReleased = 10,
+    /// `Error::RefExpired { desc, generation }`.
+    RefExpired = 11,
+    /// `Error::Protocol(message)`: the request was malformed.
+    Protocol = 12,
+    /// `Error::Unavailable(message)`: the server is shutting down.
+    Unavailable = 13,
+    /// Anything else (`Error::Corrupt(message)`).
+    Internal = 14,
+}
+
+const EXHAUSTED: [&str; 3] = ["pages", "refs", "buffers"];
+
+/// Encodes a typed error as (code, three fields, message).
+pub fn error_parts(e: &Error) -> (ErrorCode, [u64; 3], String) {
+    use ErrorCode as C;
+    let (c, f) = match e {
+        Error::ZeroLength => (C::ZeroLength, [0; 3]),
+        Error::TooLarge { len, max } => (C::TooLarge, [*len, *max, 0]),
+        Error::OutOfBounds { offset, len, size } => (C::OutOfBounds, [*offset, *len, *size]),
+        Error::ResourceExhausted { what } => (
+            C::Exhausted,
+            [
+                EXHAUSTED.iter().position(|w| w == what).unwrap_or(0) as u64,
+                0,
+                0,
+            ],
+        ),
+        Error::DoubleFree { desc, generation } => {
+            (C::DoubleFree, [*desc as u64, *generation as u64, 0])
+        }
+        Error::NotOwner { desc } => (C::NotOwner, [*desc as u64, 0, 0]),
+        Error::ForeignPool { expected, found } => (C::ForeignPool, [*expected, *found, 0]),
+        Error::RefForged { desc } => (C::RefForged, [*desc as u64, 0, 0]),
+        Error::RefStale {
+            desc,
+            generation,
+            current,
+        } => (
+            C::RefStale,
+            [*desc as u64, *generation as u64, *current as u64],
+        ),
+        Error::RefReleased { desc, generation } => {
+            (C::RefReleased, [*desc as u64, *generation as u64, 0])
+        }
+        Error::RefExpired { desc, generation } => {
+            (C::RefExpired, [*desc as u64, *generation as u64, 0])
+        }
+        Error::Protocol(_) | Error::RefDecode(_) => (C::Protocol, [0; 3]),
+        Error::Unavailable(_) => (C::Unavailable, [0; 3]),
+        _ => (C::Internal, [0; 3]),
+    };
+    let msg = match e {
+        Error::Protocol(m) | Error::Unavailable(m) | Error::Corrupt(m) => m.clone(),
+        _ => e.to_string(),
+    };
+    (c, f, msg)
+}
+
+/// Rebuilds the typed error from an answer's status and body.
+pub fn error_from(status: u8, body: &[u8]) -> Result<Error, ProtoError> {
+    let mut r = Rd { b: body, at: 0 };
+    let f = [r.u64()?, r.u64()?, r.u64()?];
+    let msg = String::from_utf8_lossy(r.rest()).into_owned();
+    let u32_of = |x: u64| x as u32;
+    Ok(match status {
+        1 => Error::ZeroLength,
+        2 => Error::TooLarge {
+            len: f[0],
+            max: f[1],
+        },
+        3 => Error::OutOfBounds {
+            offset: f[0],
+            len: f[1],
+            size: f[2],
+        },
+        4 => Error::ResourceExhausted {
+            what: EXHAUSTED.get(f[0] as usize).copied().unwrap_or("pages"),
+        },
+        5 => Error::DoubleFree {
+            desc: u32_of(f[0]),
+            generation: u32_of(f[1]),
+        },
+        6 => Error::NotOwner { desc: u32_of(f[0]) },
+        7 => Error::ForeignPool {
+            expected: f[0],
+            found: f[1],
+        },
+        8 => Error::RefForged { desc: u32_of(f[0]) },
+        9 => Error::RefStale {
+            desc: u32_of(f[0]),
+            generation: u32_of(f[1]),
+            current: u32_of(f[2]),
+        },
+        10 => Error::RefReleased {
+            desc: u32_of(f[0]),
+            generation: u32_of(f[1]),
+        },
+        11 => Error::RefExpired {
+            desc: u32_of(f[0]),
+            generation: u32_of(f[1]),
+        },
+        12 => Error::Protocol(msg),
+        13 => Error::Unavailable(msg),
+        14 => Error::Corrupt(msg),
+        s => return Err(ProtoError::Status(s)),
+    })
+}
+
+/// Appends a success answer: `body` written by the closure.
+pub fn encode_ok(id: u64, out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
+    let at = start(out, 0, id);
+    body(out);
+    finish(out, at);
+}
+
+/// Appends an error answer.
+pub fn encode_err(id: u64, e: &Error, out: &mut Vec<u8>) {
+    let (code, f, msg) = error_parts(e);
+    let at = start(out, code as u8, id);
+    for x in f {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    let m = msg.as_bytes();
+    out.extend_from_slice(&m[..m.len().min(1024)]);
+    finish(out, at);
+}
+
+/// A decoded answer: its id and either its body or the typed error.
+pub fn decode_answer(frame: &[u8]) -> Result<(u64, Result<&[u8], Error>), ProtoError> {
+    let (status, id, mut r) = header(frame)?;
+    let body = r.rest();
+    if status == 0 {
+        Ok((id, Ok(body)))
+    } else {
+        Ok((id, Err(error_from(status, body)?)))
+    }
+}
+
+/// Reads fixed `u64`s from an answer body (exactly `N`).
+pub fn u64s<const N: usize>(body: &[u8]) -> Result<[u64; N], ProtoError> {
+    let mut r = Rd { b: body, at: 0 };
+    let mut v = [0u64; N];
+    for x in &mut v {
+        *x = r.u64()?;
+    }
+    r.end()?;
+    Ok(v)
+}
+
+/// The hello answer: server id, page size, largest buffer.
+pub fn decode_hello(body: &[u8]) -> Result<(u64, u32, u64), ProtoError> {
+    let mut r = Rd { b: body, at: 0 };
+    let v = (r.u64()?, r.u32()?, r.u64()?);
+    r.end()?;
+    Ok(v)
+}
+
+/// A Ref in an answer body.
+pub fn decode_ref(body: &[u8]) -> Result<Ref, ProtoError> {
+    let mut r = Rd { b: body, at: 0 };
+    let x = r.reference()?;
+    r.end()?;
+    Ok(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn a_ref() -> Ref {
+        Ref {
+            backend: dm_pool::refs::BACKEND_MEMSERVER,
+            pool_id: 9,
+            desc: 3,
+            generation: 1,
+            tag: 77,
+            len: 5000,
+        }
+    }
+
+    fn requests() -> impl Strategy<Value = Request> {
+        prop_oneof![
+            any::<u32>().prop_map(|lease_ms| Request::Hello { lease_ms }),
+            any::<u64>().prop_map(|len| Request::Alloc { len }),
+            any::<u64>().prop_map(|addr| Request::Free { addr }),
+            (any::<u64>(), any::<u64>(), 0u32..=MAX_IO as u32)
+                .prop_map(|(addr, offset, len)| Request::Read { addr, offset, len }),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                proptest::collection::vec(any::<u8>(), 0..200)
+            )
+                .prop_map(|(addr, offset, data)| Request::Write { addr, offset, data }),
+            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>()).prop_map(
+                |(addr, offset, len, ttl_ms)| Request::CreateRef {
+                    addr,
+                    offset,
+                    len,
+                    ttl_ms
+                }
+            ),
+            Just(Request::MapRef(a_ref())),
+            Just(Request::ReleaseRef(a_ref())),
+            Just(Request::Usage),
+            Just(Request::Check),
+            Just(Request::Ping),
+            Just(Request::Maintain),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn requests_roundtrip(req in requests(), id: u64) {
+            let mut b = Vec::new();
+            req.encode(id, &mut b);
+            let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+            prop_assert_eq!(len, b.len() - 4);
+            prop_assert_eq!(Request::decode(&b[4..]), Ok((id, req)));
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..100)) {
+            let _ = Request::decode(&b);
+            let _ = decode_answer(&b);
+        }
+
+        #[test]
+        fn truncations_are_errors(req in requests(), cut in 0usize..60) {
+            let mut b = Vec::new();
+            req.encode(1, &mut b);
+            let body = &b[4..];
+            if cut < body.len() && !matches!(req, Request::Write { .. }) {
+                prop_assert!(Request::decode(&body[..cut]).is_err());
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_headers_and_bodies() {
+        let mut b = Vec::new();
+        Request::Alloc { len: 5 }.encode(42, &mut b);
+        let f = &b[4..];
+        let mut v = f.to_vec();
+        v[0] = 2;
+        assert_eq!(Request::decode(&v), Err((None, ProtoError::Version(2))));
+        let mut v = f.to_vec();
+        v[3] = 1;
+        assert_eq!(Request::decode(&v), Err((None, ProtoError::Reserved)));
+        let mut v = f.to_vec();
+        v[1] = 99;
+        assert_eq!(Request::decode(&v), Err((Some(42), ProtoError::Op(99))));
+        let mut v = f.to_vec();
+        v.push(0);
+        assert_eq!(
+            Request::decode(&v),
+            Err((Some(42), ProtoError::Trailing(1)))
+        );
+        let mut b = Vec::new();
+        Request::Read {
+            addr: 1,
+            offset: 0,
+            len: MAX_IO as u32 + 1,
+        }
+        .encode(7, &mut b);
+        assert!(matches!(
+            Request::decode(&b[4..]),
+            Err((Some(7), ProtoError::ReadTooLong(_)))
+        ));
+        let mut b = Vec::new();
+        Request::MapRef(a_ref()).encode(8, &mut b);
+        let n = b.len();
+        b[n - 40] = 9; // Ref version
+        assert!(matches!(
+            Request::decode(&b[4..]),
+            Err((Some(8), ProtoError::Ref(_)))
+        ));
+    }
+
+    #[test]
+    fn every_error_roundtrips() {
+        let errors = [
+            Error::ZeroLength,
+            Error::TooLarge { len: 5, max: 4 },
+            Error::OutOfBounds {
+                offset: 1,
+                len: 2,
+                size: 3,
+            },
+            Error::ResourceExhausted { what: "refs" },
+            Error::DoubleFree {
+                desc: 4,
+                generation: 0,
+            },
+            Error::NotOwner { desc: 6 },
+            Error::ForeignPool {
+                expected: 1,
+                found: 2,
+            },
+            Error::RefForged { desc: 8 },
+            Error::RefStale {
+                desc: 1,
+                generation: 2,
+                current: 3,
+            },
+            Error::RefReleased {
+                desc: 1,
+                generation: 2,
+            },
+            Error::RefExpired {
+                desc: 3,
+                generation: 4,
+            },
+            Error::Protocol("bad".into()),
+            Error::Unavailable("bye".into()),
+        ];
+        for e in errors {
+            let mut b = Vec::new();
+            encode_err(5, &e, &mut b);
+            let (id, got) = decode_answer(&b[4..]).unwrap();
+            assert_eq!(id, 5);
+            let got = got.unwrap_err();
+            assert_eq!(got.to_string(), e.to_string());
+        }
+    }
+}

@@ -1,0 +1,561 @@
+//! The memory server: a pinned region served over TCP (tokio), one session
+//! per connection.
+//!
+//! State is split so that threads serving different clients share no lock
+//! on the fast path: each session owns its address space (`space.rs`,
+//! locked only by its own task and by the invariant check), page counts
+//! are atomics, the free FIFOs and the Ref table are sharded
+//! (`pages.rs`, `refs.rs`). A session ends when its connection closes or
+//! its lease passes in silence; everything its buffers held is released.
+//! Refs outlive sessions (they are in flight to other clients) until
+//! released or expired by their TTL.
+
+pub mod metrics;
+pub mod pages;
+pub mod refs;
+pub mod space;
+
+use crate::proto::{self, encode_err, encode_ok, Request, MAX_FRAME};
+use dm_pool::{Error, Result, Usage};
+use metrics::{Gauges, Metrics};
+use pages::{lock, Pages};
+use refs::Refs;
+use space::Space;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// How a server runs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Address to listen on (`127.0.0.1:0` picks a port).
+    pub listen: String,
+    /// Bytes of memory to serve (pinned at start).
+    pub size: u64,
+    /// Page size.
+    pub page_size: usize,
+    /// Worker threads.
+    pub threads: usize,
+    /// Address of the Prometheus metrics endpoint, if any.
+    pub metrics: Option<String>,
+    /// TTL of a Ref created without one.
+    pub default_ttl: Duration,
+    /// Live Refs at most (default: one per page).
+    pub max_refs: Option<usize>,
+    /// Buffers per session at most.
+    pub max_buffers: usize,
+    /// A session silent this long (without a hello saying otherwise) ends.
+    pub default_lease: Duration,
+    /// How often expired Refs are swept.
+    pub sweep_every: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "127.0.0.1:0".into(),
+            size: 64 << 20,
+            page_size: 4096,
+            threads: 2,
+            metrics: None,
+            default_ttl: Duration::from_secs(60),
+            max_refs: None,
+            max_buffers: 1 << 20,
+            default_lease: Duration::from_secs(10),
+            sweep_every: Duration::from_millis(250),
+        }
+    }
+}
+
+/// The shared state of a server.
+#[derive(Debug)]
+pub struct State {
+    /// This server's id (in its Refs).
+    pub id: u64,
+    cfg: Config,
+    pages: Pages,
+    refs: Refs,
+    sessions: Mutex<HashMap<u64, Arc<Mutex<Space>>>>,
+    next_session: AtomicU64,
+    /// Held by the sweeper and the check (so the check sees no change).
+    sweeping: Mutex<()>,
+    /// Counters.
+    pub metrics: Metrics,
+}
+
+impl State {
+    /// A server's state: pins the region.
+    pub fn new(cfg: Config) -> Result<State> {
+        let shards = (cfg.threads * 2).max(2);
+        let pages = Pages::new(cfg.size, cfg.page_size, shards)?;
+        let id = loop {
+            let x = dm_sys::rand::random_u64();
+            if x != 0 {
+                break x;
+            }
+        };
+        let max_refs = cfg.max_refs.unwrap_or(pages.total() as usize);
+        Ok(State {
+            id,
+            refs: Refs::new(id, max_refs),
+            pages,
+            cfg,
+            sessions: Mutex::new(HashMap::new()),
+            next_session: AtomicU64::new(1),
+            sweeping: Mutex::new(()),
+            metrics: Metrics::default(),
+        })
+    }
+
+    /// The largest buffer: the whole region.
+    pub fn max_len(&self) -> u64 {
+        self.pages.total() as u64 * self.pages.page_size() as u64
+    }
+
+    /// Page counts.
+    pub fn usage(&self) -> Usage {
+        let free = self.pages.free_count();
+        Usage {
+            pages_held: self.pages.total() as u64 - free,
+            pages_shared: self.pages.shared(),
+            refs: self.refs.live(),
+            pages_free: free,
+        }
+    }
+
+    /// Expires Refs past their TTL now.
+    pub fn maintain(&self) -> u64 {
+        let _g = lock(&self.sweeping);
+        let n = self.refs.sweep(&self.pages, Instant::now());
+        self.metrics.refs_expired.fetch_add(n, Ordering::Relaxed);
+        n
+    }
+
+    /// The invariant check: every page's count equals its holders (buffers
+    /// of all sessions and live Refs), free pages are on the free lists
+    /// once and (with `deep`) zero. Stops every change while it runs.
+    pub fn check(&self, deep: bool) -> Vec<String> {
+        let _g = lock(&self.sweeping);
+        let sessions = lock(&self.sessions);
+        let mut ids: Vec<&u64> = sessions.keys().collect();
+        ids.sort();
+        let guards: Vec<_> = ids.iter().map(|k| lock(&sessions[*k])).collect();
+        let mut counts = vec![0u32; self.pages.total() as usize];
+        let mut problems = Vec::new();
+        for g in &guards {
+            g.count_holdings(&mut counts, &mut problems);
+        }
+        self.refs.count_holdings(&mut counts, &mut problems);
+        self.pages.check(&counts, deep, &mut problems);
+        problems
+    }
+
+    fn gauges(&self) -> Gauges {
+        let u = self.usage();
+        Gauges {
+            pages_free: u.pages_free,
+            pages_held: u.pages_held,
+            refs: u.refs,
+            refs_created: self.refs.created.load(Ordering::Relaxed),
+            cow_copies: self.pages.cow_copies.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The metrics text.
+    pub fn render_metrics(&self) -> String {
+        self.metrics.render(self.gauges())
+    }
+
+    fn open_session(&self) -> (u64, Arc<Mutex<Space>>) {
+        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let space = Arc::new(Mutex::new(Space::new(id as usize, self.cfg.max_buffers)));
+        lock(&self.sessions).insert(id, space.clone());
+        self.metrics.clients.fetch_add(1, Ordering::Relaxed);
+        (id, space)
+    }
+
+    fn close_session(&self, id: u64, space: &Mutex<Space>) {
+        lock(space).clear(&self.pages);
+        lock(&self.sessions).remove(&id);
+        self.metrics.clients.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Serves one request of a session, appending its answer to `out`.
+    /// Returns whether it succeeded.
+    pub fn serve(&self, space: &Mutex<Space>, id: u64, req: Request, out: &mut Vec<u8>) -> bool {
+        let mark = out.len();
+        let r = self.apply(space, id, req, out);
+        if let Err(e) = &r {
+            out.truncate(mark);
+            encode_err(id, e, out);
+        }
+        r.is_ok()
+    }
+
+    fn apply(&self, space: &Mutex<Space>, id: u64, req: Request, out: &mut Vec<u8>) -> Result<()> {
+        let ok = |out: &mut Vec<u8>, vals: &[u64]| {
+            encode_ok(id, out, |o| {
+                for v in vals {
+                    o.extend_from_slice(&v.to_le_bytes());
+                }
+            })
+        };
+        // Operations on the whole server first: they take no session lock.
+        match req {
+            Request::Hello { .. } => {
+                encode_ok(id, out, |o| {
+                    o.extend_from_slice(&self.id.to_le_bytes());
+                    o.extend_from_slice(&(self.pages.page_size() as u32).to_le_bytes());
+                    o.extend_from_slice(&self.max_len().to_le_bytes());
+                });
+                return Ok(());
+            }
+            Request::Usage => {
+                let u = self.usage();
+                ok(out, &[u.pages_held, u.pages_shared, u.refs, u.pages_free]);
+                return Ok(());
+            }
+            Request::Check => {
+                let problems = self.check(true).join("\n");
+                encode_ok(id, out, |o| o.extend_from_slice(problems.as_bytes()));
+                return Ok(());
+            }
+            Request::Maintain => {
+                self.maintain();
+                ok(out, &[]);
+                return Ok(());
+            }
+            Request::Ping => {
+                ok(out, &[]);
+                return Ok(());
+            }
+            _ => {}
+        }
+        let pages = &self.pages;
+        let mut sp = lock(space);
+        match req {
+            Request::Alloc { len } => {
+                let a = sp.alloc(pages, len, self.max_len())?;
+                ok(out, &[a]);
+            }
+            Request::Free { addr } => {
+                sp.free(pages, addr)?;
+                ok(out, &[]);
+            }
+            Request::Read { addr, offset, len } => {
+                let mut res = Ok(());
+                encode_ok(id, out, |o| {
+                    let at = o.len();
+                    o.resize(at + len as usize, 0);
+                    res = sp.read(pages, addr, offset, &mut o[at..]);
+                });
+                res?;
+            }
+            Request::Write { addr, offset, data } => {
+                sp.write(pages, addr, offset, &data)?;
+                ok(out, &[]);
+            }
+            Request::CreateRef {
+                addr,
+                offset,
+                len,
+                ttl_ms,
+            } => {
+                let ttl = if ttl_ms == 0 {
+                    self.cfg.default_ttl
+                } else {
+                    Duration::from_millis(ttl_ms as u64)
+                };
+                let r =
+                    sp.create_ref(pages, &self.refs, addr, offset, len, Instant::now() + ttl)?;
+                encode_ok(id, out, |o| o.extend_from_slice(&r.to_bytes()));
+            }
+            Request::MapRef(r) => {
+                let (a, len) = sp.map_ref(pages, &self.refs, &r)?;
+                ok(out, &[a, len]);
+            }
+            Request::ReleaseRef(r) => {
+                self.refs.release(pages, sp.hint, &r)?;
+                ok(out, &[]);
+            }
+            Request::Hello { .. }
+            | Request::Usage
+            | Request::Check
+            | Request::Maintain
+            | Request::Ping => {}
+        }
+        Ok(())
+    }
+}
+
+/// Serves one connection until it closes, its lease passes in silence,
+/// it breaks the framing, or the server stops.
+async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver<bool>) {
+    let _ = stream.set_nodelay(true);
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "?".into(), |a| a.to_string());
+    let (sid, space) = state.open_session();
+    tracing::debug!(session = sid, %peer, "session opened");
+    let (rd, wr) = stream.into_split();
+    let mut rd = BufReader::with_capacity(1 << 16, rd);
+    let mut wr = BufWriter::with_capacity(1 << 16, wr);
+    let mut lease = state.cfg.default_lease;
+    let mut frame = Vec::new();
+    let mut out = Vec::new();
+    let why = loop {
+        let mut len = [0u8; 4];
+        let got = tokio::select! {
+            r = tokio::time::timeout(lease, rd.read_exact(&mut len)) => r,
+            _ = stop.changed() => break "server stopping",
+        };
+        match got {
+            Err(_) => {
+                state.metrics.leases_expired.fetch_add(1, Ordering::Relaxed);
+                break "lease expired";
+            }
+            Ok(Err(_)) => break "closed",
+            Ok(Ok(_)) => {}
+        }
+        let n = u32::from_le_bytes(len) as usize;
+        out.clear();
+        if n > MAX_FRAME {
+            // The stream cannot be followed past this: answer and close.
+            state.metrics.malformed();
+            encode_err(
+                0,
+                &Error::Protocol(proto::ProtoError::TooLong(n).to_string()),
+                &mut out,
+            );
+            let _ = wr.write_all(&out).await;
+            let _ = wr.flush().await;
+            break "oversized frame";
+        }
+        frame.resize(n, 0);
+        match tokio::time::timeout(lease, rd.read_exact(&mut frame)).await {
+            Ok(Ok(_)) => {}
+            _ => break "truncated frame",
+        }
+        let t = Instant::now();
+        let (op, ok) = match Request::decode(&frame) {
+            Ok((id, req)) => {
+                if let Request::Hello { lease_ms } = req {
+                    lease = Duration::from_millis(lease_ms.clamp(100, 3_600_000) as u64);
+                }
+                let op = req.op();
+                let st = state.clone();
+                let sp = space.clone();
+                let mut o = std::mem::take(&mut out);
+                // Page copies can take a while: off the I/O workers.
+                let (ok, o) = if matches!(req, Request::Read { len, .. } if len > 1 << 20)
+                    || matches!(&req, Request::Write { data, .. } if data.len() > 1 << 20)
+                {
+                    match tokio::task::spawn_blocking(move || {
+                        let ok = st.serve(&sp, id, req, &mut o);
+                        (ok, o)
+                    })
+                    .await
+                    {
+                        Ok(x) => x,
+                        Err(_) => break "request panicked",
+                    }
+                } else {
+                    let ok = st.serve(&sp, id, req, &mut o);
+                    (ok, o)
+                };
+                out = o;
+                (op, ok)
+            }
+            Err((id, e)) => {
+                state.metrics.malformed();
+                tracing::warn!(session = sid, %peer, error = %e, "malformed request");
+                encode_err(id.unwrap_or(0), &Error::Protocol(e.to_string()), &mut out);
+                (0, false)
+            }
+        };
+        state.metrics.request(op, t.elapsed(), ok);
+        if wr.write_all(&out).await.is_err() {
+            break "write failed";
+        }
+        if rd.buffer().is_empty() && wr.flush().await.is_err() {
+            break "write failed";
+        }
+    };
+    state.close_session(sid, &space);
+    tracing::debug!(session = sid, %peer, why, "session closed");
+}
+
+/// Answers every HTTP request on `l` with the metrics.
+async fn serve_metrics(state: Arc<State>, l: TcpListener, mut stop: watch::Receiver<bool>) {
+    loop {
+        let (mut s, _) = tokio::select! {
+            r = l.accept() => match r { Ok(x) => x, Err(_) => continue },
+            _ = stop.changed() => return,
+        };
+        let st = state.clone();
+        tokio::spawn(async move {
+            let mut req = vec![0u8; 8192];
+            let mut n = 0;
+            while n < req.len() {
+                match tokio::time::timeout(Duration::from_secs(5), s.read(&mut req[n..])).await {
+                    Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return,
+                    Ok(Ok(k)) => n += k,
+                }
+                if req[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            let body = st.render_metrics();
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = s.write_all(head.as_bytes()).await;
+            let _ = s.write_all(body.as_bytes()).await;
+            let _ = s.shutdown().await;
+        });
+    }
+}
+
+/// A running server (in its own threads).
+#[derive(Debug)]
+pub struct Server {
+    addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    state: Arc<State>,
+    stop: watch::Sender<bool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Pins the region, binds, and starts serving.
+    pub fn start(cfg: Config) -> Result<Server> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(cfg.threads.max(1))
+            .thread_name("dm-memserver")
+            .enable_all()
+            .build()?;
+        let listener = rt.block_on(TcpListener::bind(&cfg.listen))?;
+        let addr = listener.local_addr()?;
+        let metrics = match &cfg.metrics {
+            Some(a) => Some(rt.block_on(TcpListener::bind(a))?),
+            None => None,
+        };
+        let metrics_addr = metrics.as_ref().and_then(|l| l.local_addr().ok());
+        let state = Arc::new(State::new(cfg)?);
+        if !state.pages.locked() {
+            tracing::warn!("could not lock the region in RAM (RLIMIT_MEMLOCK); it is populated but may be swapped");
+        }
+        let (stop, stop_rx) = watch::channel(false);
+        let st = state.clone();
+        let thread = std::thread::Builder::new()
+            .name("dm-memserver-main".into())
+            .spawn(move || {
+                rt.block_on(async move {
+                    if let Some(l) = metrics {
+                        tokio::spawn(serve_metrics(st.clone(), l, stop_rx.clone()));
+                    }
+                    let sw = st.clone();
+                    let mut sw_stop = stop_rx.clone();
+                    tokio::spawn(async move {
+                        let mut tick = tokio::time::interval(sw.cfg.sweep_every);
+                        loop {
+                            tokio::select! {
+                                _ = tick.tick() => { sw.maintain(); }
+                                _ = sw_stop.changed() => return,
+                            }
+                        }
+                    });
+                    let mut tasks = tokio::task::JoinSet::new();
+                    let mut stop_accept = stop_rx.clone();
+                    loop {
+                        tokio::select! {
+                            r = listener.accept() => {
+                                if let Ok((s, _)) = r {
+                                    tasks.spawn(session(st.clone(), s, stop_rx.clone()));
+                                }
+                            }
+                            _ = stop_accept.changed() => break,
+                        }
+                        while tasks.try_join_next().is_some() {}
+                    }
+                    drop(listener);
+                    // Sessions see the stop and release their holdings.
+                    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                        while tasks.join_next().await.is_some() {}
+                    })
+                    .await;
+                });
+                rt.shutdown_timeout(Duration::from_secs(1));
+            })?;
+        tracing::info!(%addr, id = state.id, "memory server listening");
+        Ok(Server {
+            addr,
+            metrics_addr,
+            state,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The metrics endpoint's address.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The server's state (counts, check, metrics).
+    pub fn state(&self) -> &Arc<State> {
+        &self.state
+    }
+
+    /// Stops: closes every session (releasing its buffers) and joins.
+    pub fn shutdown(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+/// Runs a server until SIGTERM or SIGINT, then shuts it down cleanly.
+pub fn run(cfg: Config, on_ready: impl FnOnce(&Server)) -> Result<()> {
+    let server = Server::start(cfg)?;
+    on_ready(&server);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        Ok::<(), std::io::Error>(())
+    })?;
+    tracing::info!("shutting down");
+    server.shutdown();
+    Ok(())
+}

@@ -1,0 +1,304 @@
+//! The page manager: the pinned region cut into pages, a reference count
+//! per page, and free FIFOs (sharded so that threads serving different
+//! clients do not share a lock) of zeroed pages.
+//!
+//! A page's count is the number of holders: buffers of clients and Refs.
+//! A page with count 1 is written in place by its one holder; a page with
+//! a higher count is frozen (whoever writes copies it first, see
+//! `space.rs`). When the count falls to zero the page is zeroed and goes
+//! to the back of a free FIFO, so a recycled page never shows old data.
+
+use dm_pool::{Error, Result};
+use dm_sys::mem::PinnedRegion;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// A page index that names no page: an unwritten page, which reads zero.
+pub const NONE: u32 = u32::MAX;
+
+/// The pages of a server.
+#[derive(Debug)]
+pub struct Pages {
+    region: PinnedRegion,
+    page_size: usize,
+    n: u32,
+    rc: Box<[AtomicU32]>,
+    free: Box<[Mutex<VecDeque<u32>>]>,
+    /// Pages in the FIFOs (reserved ones excluded).
+    free_count: AtomicU64,
+    /// Pages copied on write, since start.
+    pub cow_copies: AtomicU64,
+}
+
+/// Locks a mutex, ignoring poisoning (every critical section here leaves
+/// its data consistent before anything that can panic).
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Pages {
+    /// `size` bytes of pinned memory in pages of `page_size`, free lists in
+    /// `shards` shards.
+    pub fn new(size: u64, page_size: usize, shards: usize) -> Result<Pages> {
+        if !page_size.is_power_of_two() || page_size < 512 {
+            return Err(Error::Protocol(format!(
+                "page size {page_size} is not a power of two of at least 512"
+            )));
+        }
+        let n = (size / page_size as u64).min(NONE as u64 - 1) as u32;
+        if n == 0 {
+            return Err(Error::ResourceExhausted { what: "pages" });
+        }
+        let region = PinnedRegion::new(n as usize * page_size)?;
+        let shards = shards.max(1);
+        let mut free: Vec<VecDeque<u32>> = (0..shards).map(|_| VecDeque::new()).collect();
+        for p in 0..n {
+            free[p as usize % shards].push_back(p);
+        }
+        Ok(Pages {
+            region,
+            page_size,
+            n,
+            rc: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            free: free.into_iter().map(Mutex::new).collect(),
+            free_count: AtomicU64::new(n as u64),
+            cow_copies: AtomicU64::new(0),
+        })
+    }
+
+    /// Page size in bytes.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Number of pages.
+    pub fn total(&self) -> u32 {
+        self.n
+    }
+
+    /// Pages free now.
+    pub fn free_count(&self) -> u64 {
+        self.free_count.load(Ordering::Relaxed)
+    }
+
+    /// Whether the region is locked in RAM.
+    pub fn locked(&self) -> bool {
+        self.region.locked()
+    }
+
+    /// A page's count.
+    pub fn rc(&self, p: u32) -> u32 {
+        self.rc
+            .get(p as usize)
+            .map_or(0, |c| c.load(Ordering::Acquire))
+    }
+
+    /// Takes `n` zeroed pages (count 1 each) into `out`, all or none,
+    /// preferring free list `hint`.
+    pub fn take(&self, hint: usize, n: usize, out: &mut Vec<u32>) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        // Reserve first: the FIFOs then hold at least `n` pages for us.
+        let mut cur = self.free_count.load(Ordering::Relaxed);
+        loop {
+            if cur < n as u64 {
+                return Err(Error::ResourceExhausted { what: "pages" });
+            }
+            match self.free_count.compare_exchange_weak(
+                cur,
+                cur - n as u64,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(c) => cur = c,
+            }
+        }
+        let shards = self.free.len();
+        let mut got = 0;
+        let mut k = hint % shards;
+        while got < n {
+            {
+                let mut f = lock(&self.free[k]);
+                while got < n {
+                    let Some(p) = f.pop_front() else { break };
+                    self.rc[p as usize].store(1, Ordering::Release);
+                    out.push(p);
+                    got += 1;
+                }
+            }
+            // A page given back after our reservation may still be on its
+            // way into a FIFO: keep going round until we have all.
+            k = (k + 1) % shards;
+        }
+        Ok(())
+    }
+
+    /// One more holder of page `p`.
+    pub fn share(&self, p: u32) {
+        if p != NONE {
+            self.rc[p as usize].fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// One holder fewer; the last one's page is zeroed and freed.
+    pub fn unshare(&self, hint: usize, p: u32) {
+        if p == NONE {
+            return;
+        }
+        if self.rc[p as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
+            // SAFETY: the count reached zero: nobody holds the page, so no
+            // one reads or writes it while we zero it.
+            unsafe { std::ptr::write_bytes(self.ptr(p), 0, self.page_size) };
+            lock(&self.free[hint % self.free.len()]).push_back(p);
+            self.free_count.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// Start of page `p` (in range, checked by the caller's invariants).
+    fn ptr(&self, p: u32) -> *mut u8 {
+        assert!(p < self.n, "page {p} out of range");
+        // SAFETY: p < n, so the offset lies inside the region.
+        unsafe { self.region.base().add(p as usize * self.page_size) }
+    }
+
+    /// Copies bytes `off..off + out.len()` of page `p` (zeros for
+    /// [`NONE`]). The caller holds the page (count >= 1), so nobody frees
+    /// it meanwhile; if the count is above 1 nobody writes it.
+    pub fn read(&self, p: u32, off: usize, out: &mut [u8]) {
+        if p == NONE {
+            out.fill(0);
+            return;
+        }
+        assert!(off + out.len() <= self.page_size);
+        // SAFETY: in range (asserted); the page is held and not written by
+        // anyone else (see above); `out` is ours.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr(p).add(off), out.as_mut_ptr(), out.len()) }
+    }
+
+    /// Writes `data` at `off` of page `p`, which the caller holds alone
+    /// (count 1).
+    pub fn write(&self, p: u32, off: usize, data: &[u8]) {
+        assert!(off + data.len() <= self.page_size);
+        debug_assert_eq!(self.rc(p), 1, "writes go to exclusive pages");
+        // SAFETY: in range (asserted); the caller is the page's only holder,
+        // so nobody else reads or writes it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr(p).add(off), data.len()) }
+    }
+
+    /// Copies page `from` (held, frozen) into page `to` (held alone).
+    pub fn copy(&self, from: u32, to: u32) {
+        debug_assert_eq!(self.rc(to), 1);
+        // SAFETY: both in range; `from` is only read (frozen), `to` is ours
+        // alone, and they differ (`to` was just taken from a free list).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr(from), self.ptr(to), self.page_size) };
+        self.cow_copies.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Pages with more than one holder (a scan).
+    pub fn shared(&self) -> u64 {
+        self.rc
+            .iter()
+            .filter(|c| c.load(Ordering::Relaxed) > 1)
+            .count() as u64
+    }
+
+    /// Checks the page table against `expected` counts (from every holder):
+    /// every count matches, every free page is in exactly one FIFO with
+    /// count 0 and reads zero (with `deep`). The caller has stopped every
+    /// change (see `State::check`).
+    pub fn check(&self, expected: &[u32], deep: bool, problems: &mut Vec<String>) {
+        let mut in_fifo = vec![false; self.n as usize];
+        let mut listed = 0u64;
+        for f in self.free.iter() {
+            for &p in lock(f).iter() {
+                listed += 1;
+                match in_fifo.get_mut(p as usize) {
+                    None => problems.push(format!("free list holds page {p}, out of range")),
+                    Some(true) => problems.push(format!("page {p} is on the free lists twice")),
+                    Some(seen) => *seen = true,
+                }
+            }
+        }
+        if listed != self.free_count() {
+            problems.push(format!(
+                "{listed} pages on the free lists, the counter says {}",
+                self.free_count()
+            ));
+        }
+        let zero = vec![0u8; self.page_size];
+        let mut buf = vec![0u8; self.page_size];
+        for p in 0..self.n {
+            let rc = self.rc(p);
+            let want = expected.get(p as usize).copied().unwrap_or(0);
+            if rc != want {
+                problems.push(format!("page {p}: count {rc}, {want} holders"));
+            }
+            if in_fifo[p as usize] && rc != 0 {
+                problems.push(format!("page {p} is free with count {rc}"));
+            }
+            if !in_fifo[p as usize] && rc == 0 {
+                problems.push(format!("page {p} is lost: count 0, not on a free list"));
+            }
+            if deep && in_fifo[p as usize] {
+                // SAFETY: a free page: nobody holds it (changes are stopped).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.ptr(p), buf.as_mut_ptr(), self.page_size)
+                };
+                if buf != zero {
+                    problems.push(format!("free page {p} is not zeroed"));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn take_is_all_or_nothing_and_recycles_zeroed() {
+        let pages = Pages::new(8 * 4096, 4096, 3).unwrap();
+        let mut v = Vec::new();
+        pages.take(1, 6, &mut v).unwrap();
+        assert_eq!(v.len(), 6);
+        let mut w = Vec::new();
+        assert!(matches!(
+            pages.take(0, 3, &mut w),
+            Err(Error::ResourceExhausted { what: "pages" })
+        ));
+        assert!(w.is_empty(), "nothing taken on failure");
+        assert_eq!(pages.free_count(), 2);
+        pages.write(v[0], 10, b"old data");
+        pages.share(v[0]);
+        pages.unshare(0, v[0]);
+        assert_eq!(pages.rc(v[0]), 1, "still held once");
+        for &p in &v {
+            pages.unshare(2, p);
+        }
+        assert_eq!(pages.free_count(), 8);
+        let mut expected = vec![0u32; 8];
+        let mut problems = Vec::new();
+        pages.check(&expected, true, &mut problems);
+        assert!(problems.is_empty(), "{problems:?}");
+        // Everything comes back zeroed.
+        let mut all = Vec::new();
+        pages.take(0, 8, &mut all).unwrap();
+        for &p in &all {
+            let mut b = [1u8; 4096];
+            pages.read(p, 0, &mut b);
+            assert_eq!(b, [0u8; 4096]);
+        }
+        expected.fill(1);
+        let mut problems = Vec::new();
+        pages.check(&expected, true, &mut problems);
+        assert!(problems.is_empty(), "{problems:?}");
+        expected[3] = 2;
+        let mut problems = Vec::new();
+        pages.check(&expected, true, &mut problems);
+        assert_eq!(problems.len(), 1, "a wrong count is reported");
+    }
+}

@@ -1,0 +1,275 @@
+//! The Ref table: frozen snapshots of buffer ranges, named by unforgeable
+//! Refs (a random tag and a generation per slot), sharded so that threads
+//! do not share one lock.
+//!
+//! A Ref's descriptor number is `slot * SHARDS + shard`. A released or
+//! expired slot keeps its generation as a tombstone (so a second release
+//! says "released", not "stale") until it is reused, oldest first, with
+//! the next generation.
+
+use super::pages::{lock, Pages};
+use dm_pool::{refs::BACKEND_MEMSERVER, Error, Ref, Result};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// Number of shards.
+pub const SHARDS: usize = 16;
+
+/// What a live Ref holds: a share of each of its pages.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Bytes.
+    pub len: u64,
+    /// Offset of the first byte in the first page.
+    pub head: u32,
+    /// The pages ([`super::pages::NONE`] for unwritten ones).
+    pub pages: Vec<u32>,
+}
+
+#[derive(Debug)]
+enum State {
+    Live {
+        tag: u64,
+        snap: Snapshot,
+        expires: Instant,
+    },
+    Released,
+    Expired,
+}
+
+#[derive(Debug)]
+struct Slot {
+    generation: u32,
+    state: State,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    slots: Vec<Slot>,
+    /// Tombstoned slots, oldest first.
+    reuse: VecDeque<u32>,
+}
+
+/// The Ref table of one server.
+#[derive(Debug)]
+pub struct Refs {
+    server_id: u64,
+    shards: Box<[Mutex<Shard>]>,
+    per_shard: usize,
+    next_shard: AtomicUsize,
+    live: AtomicU64,
+    /// Refs created since start.
+    pub created: AtomicU64,
+}
+
+impl Refs {
+    /// A table for server `server_id` with room for `capacity` live Refs.
+    pub fn new(server_id: u64, capacity: usize) -> Refs {
+        Refs {
+            server_id,
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            per_shard: capacity.div_ceil(SHARDS).max(1),
+            next_shard: AtomicUsize::new(0),
+            live: AtomicU64::new(0),
+            created: AtomicU64::new(0),
+        }
+    }
+
+    /// Live Refs now.
+    pub fn live(&self) -> u64 {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// Records a snapshot (whose page shares the caller took) as a new Ref.
+    /// On failure the caller still owns the shares.
+    pub fn insert(&self, snap: Snapshot, expires: Instant) -> Result<Ref> {
+        let tag = dm_sys::rand::random_u64();
+        let start = self.next_shard.fetch_add(1, Ordering::Relaxed);
+        for k in 0..SHARDS {
+            let si = (start + k) % SHARDS;
+            let mut sh = lock(&self.shards[si]);
+            let (idx, generation) = if let Some(i) = sh.reuse.pop_front() {
+                let s = &mut sh.slots[i as usize];
+                s.generation = s.generation.wrapping_add(1).max(1);
+                (i, s.generation)
+            } else if sh.slots.len() < self.per_shard {
+                sh.slots.push(Slot {
+                    generation: 1,
+                    state: State::Released,
+                });
+                ((sh.slots.len() - 1) as u32, 1)
+            } else {
+                continue;
+            };
+            let len = snap.len;
+            sh.slots[idx as usize].state = State::Live { tag, snap, expires };
+            self.live.fetch_add(1, Ordering::Relaxed);
+            self.created.fetch_add(1, Ordering::Relaxed);
+            return Ok(Ref {
+                backend: BACKEND_MEMSERVER,
+                pool_id: self.server_id,
+                desc: idx * SHARDS as u32 + si as u32,
+                generation,
+                tag,
+                len,
+            });
+        }
+        Err(Error::ResourceExhausted { what: "refs" })
+    }
+
+    /// Validates `r` and runs `f` on its live snapshot, under its shard's
+    /// lock. A Ref past its TTL is expired on the spot (its pages freed).
+    fn with_live<T>(
+        &self,
+        pages: &Pages,
+        hint: usize,
+        r: &Ref,
+        f: impl FnOnce(&Snapshot) -> T,
+    ) -> Result<T> {
+        if r.backend != BACKEND_MEMSERVER || r.pool_id != self.server_id {
+            return Err(Error::ForeignPool {
+                expected: self.server_id,
+                found: r.pool_id,
+            });
+        }
+        let si = r.desc as usize % SHARDS;
+        let idx = r.desc as usize / SHARDS;
+        let mut sh = lock(&self.shards[si]);
+        let forged = Error::RefForged { desc: r.desc };
+        let slot = sh
+            .slots
+            .get_mut(idx)
+            .ok_or(Error::RefForged { desc: r.desc })?;
+        if slot.generation != r.generation {
+            return Err(Error::RefStale {
+                desc: r.desc,
+                generation: r.generation,
+                current: slot.generation,
+            });
+        }
+        let (desc, generation) = (r.desc, r.generation);
+        match &slot.state {
+            State::Released => Err(Error::RefReleased { desc, generation }),
+            State::Expired => Err(Error::RefExpired { desc, generation }),
+            State::Live { tag, snap, .. } if *tag != r.tag || snap.len != r.len => Err(forged),
+            State::Live { expires, .. } if *expires <= Instant::now() => {
+                let old = std::mem::replace(&mut slot.state, State::Expired);
+                sh.reuse.push_back(idx as u32);
+                drop(sh);
+                self.drop_snapshot(pages, hint, old);
+                Err(Error::RefExpired { desc, generation })
+            }
+            State::Live { snap, .. } => Ok(f(snap)),
+        }
+    }
+
+    fn drop_snapshot(&self, pages: &Pages, hint: usize, st: State) {
+        if let State::Live { snap, .. } = st {
+            self.live.fetch_sub(1, Ordering::Relaxed);
+            for p in snap.pages {
+                pages.unshare(hint, p);
+            }
+        }
+    }
+
+    /// The snapshot of `r`, with one more share of each of its pages for
+    /// the caller (a new mapping).
+    pub fn map(&self, pages: &Pages, hint: usize, r: &Ref) -> Result<Snapshot> {
+        self.with_live(pages, hint, r, |s| {
+            for &p in &s.pages {
+                pages.share(p);
+            }
+            s.clone()
+        })
+    }
+
+    /// Releases `r`: its shares are dropped (mappings keep their own).
+    pub fn release(&self, pages: &Pages, hint: usize, r: &Ref) -> Result<()> {
+        self.with_live(pages, hint, r, |_| ())?;
+        let si = r.desc as usize % SHARDS;
+        let idx = r.desc as usize / SHARDS;
+        let mut sh = lock(&self.shards[si]);
+        // Still ours: with_live checked it and only a release or an expiry
+        // (both under this lock) changes a live slot; re-check for a
+        // concurrent one.
+        let slot = &mut sh.slots[idx];
+        if slot.generation != r.generation || !matches!(slot.state, State::Live { .. }) {
+            return Err(Error::RefReleased {
+                desc: r.desc,
+                generation: r.generation,
+            });
+        }
+        let old = std::mem::replace(&mut slot.state, State::Released);
+        sh.reuse.push_back(idx as u32);
+        drop(sh);
+        self.drop_snapshot(pages, hint, old);
+        Ok(())
+    }
+
+    /// Expires every Ref past its TTL; returns how many.
+    pub fn sweep(&self, pages: &Pages, now: Instant) -> u64 {
+        let mut n = 0;
+        for (si, m) in self.shards.iter().enumerate() {
+            let mut dropped = Vec::new();
+            {
+                let mut sh = lock(m);
+                let Shard { slots, reuse } = &mut *sh;
+                for (i, s) in slots.iter_mut().enumerate() {
+                    if matches!(s.state, State::Live { expires, .. } if expires <= now) {
+                        dropped.push(std::mem::replace(&mut s.state, State::Expired));
+                        reuse.push_back(i as u32);
+                    }
+                }
+            }
+            n += dropped.len() as u64;
+            for st in dropped {
+                self.drop_snapshot(pages, si, st);
+            }
+        }
+        n
+    }
+
+    /// Adds the shares held by live Refs to `counts` (for the check).
+    pub fn count_holdings(&self, counts: &mut [u32], problems: &mut Vec<String>) {
+        let mut live = 0;
+        for m in self.shards.iter() {
+            for s in lock(m).slots.iter() {
+                if let State::Live { snap, .. } = &s.state {
+                    live += 1;
+                    for &p in &snap.pages {
+                        if p != super::pages::NONE {
+                            match counts.get_mut(p as usize) {
+                                Some(c) => *c += 1,
+                                None => {
+                                    problems.push(format!("a Ref holds page {p}, out of range"))
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if live != self.live() {
+            problems.push(format!(
+                "{live} live Refs, the counter says {}",
+                self.live()
+            ));
+        }
+    }
+
+    /// Frees everything (at shutdown).
+    pub fn clear(&self, pages: &Pages) {
+        for (si, m) in self.shards.iter().enumerate() {
+            let old: Vec<State> = lock(m)
+                .slots
+                .iter_mut()
+                .map(|s| std::mem::replace(&mut s.state, State::Released))
+                .collect();
+            for st in old {
+                self.drop_snapshot(pages, si, st);
+            }
+        }
+    }
+}

@@ -1,0 +1,299 @@
+//! One client's address space: an ordered map from DM addresses to its
+//! buffers, and in each buffer the translation of its pages to the
+//! server's pages. Reads, writes (with copy-on-write), Refs and mappings.
+//!
+//! Addresses are never reused within a session: each buffer starts at the
+//! next free address, with a guard page after it, so an address below the
+//! next one that maps nothing was freed already (a double free), and an
+//! address inside no buffer is reported as such.
+
+use super::pages::{Pages, NONE};
+use super::refs::{Refs, Snapshot};
+use dm_pool::{Error, Ref, Result};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// Where addresses start (0 is never a buffer).
+const BASE: u64 = 1 << 32;
+
+/// A buffer: `len` bytes from byte `head` of its first page.
+#[derive(Debug)]
+struct Buffer {
+    len: u64,
+    head: u32,
+    pages: Vec<u32>,
+}
+
+/// A client's address space.
+#[derive(Debug)]
+pub struct Space {
+    /// Free-list shard this client prefers.
+    pub hint: usize,
+    maps: BTreeMap<u64, Buffer>,
+    next: u64,
+    max_buffers: usize,
+}
+
+/// A buffer's number for errors: its address in pages.
+fn desc_of(addr: u64, ps: usize) -> u32 {
+    ((addr - BASE.min(addr)) / ps as u64) as u32
+}
+
+impl Space {
+    /// An empty space.
+    pub fn new(hint: usize, max_buffers: usize) -> Space {
+        Space {
+            hint,
+            maps: BTreeMap::new(),
+            next: BASE,
+            max_buffers,
+        }
+    }
+
+    /// Number of buffers.
+    pub fn buffers(&self) -> usize {
+        self.maps.len()
+    }
+
+    fn add(&mut self, ps: usize, b: Buffer) -> Result<u64> {
+        if self.maps.len() >= self.max_buffers {
+            return Err(Error::ResourceExhausted { what: "buffers" });
+        }
+        let span = (b.head as u64 + b.len).div_ceil(ps as u64) * ps as u64 + ps as u64;
+        let addr = self.next;
+        self.next = addr
+            .checked_add(span)
+            .ok_or(Error::ResourceExhausted { what: "buffers" })?;
+        self.maps.insert(addr, b);
+        Ok(addr)
+    }
+
+    /// The buffer containing `addr`, as (its base address, it).
+    fn find(&self, addr: u64, ps: usize) -> Result<(u64, &Buffer)> {
+        match self.maps.range(..=addr).next_back() {
+            Some((&base, b)) if addr - base < b.len.max(1) => Ok((base, b)),
+            _ => Err(Error::NotOwner {
+                desc: desc_of(addr, ps),
+            }),
+        }
+    }
+
+    /// The range `offset..offset+len` of the buffer at `addr`, as absolute
+    /// byte positions from the start of its first page.
+    fn range(&self, addr: u64, offset: u64, len: u64, ps: usize) -> Result<(u64, u64)> {
+        let (base, b) = self.find(addr, ps)?;
+        let off = (addr - base)
+            .checked_add(offset)
+            .ok_or(Error::OutOfBounds {
+                offset,
+                len,
+                size: b.len,
+            })?;
+        match off.checked_add(len) {
+            Some(end) if end <= b.len => Ok((b.head as u64 + off, b.head as u64 + end)),
+            _ => Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: b.len,
+            }),
+        }
+    }
+
+    /// A zero-filled buffer (no page backed yet).
+    pub fn alloc(&mut self, pages: &Pages, len: u64, max_len: u64) -> Result<u64> {
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        if len > max_len {
+            return Err(Error::TooLarge { len, max: max_len });
+        }
+        let n = len.div_ceil(pages.page_size() as u64) as usize;
+        self.add(
+            pages.page_size(),
+            Buffer {
+                len,
+                head: 0,
+                pages: vec![NONE; n],
+            },
+        )
+    }
+
+    /// Frees the buffer at `addr` (its exact start).
+    pub fn free(&mut self, pages: &Pages, addr: u64) -> Result<()> {
+        let ps = pages.page_size();
+        match self.maps.remove(&addr) {
+            Some(b) => {
+                for p in b.pages {
+                    pages.unshare(self.hint, p);
+                }
+                Ok(())
+            }
+            None if (BASE..self.next).contains(&addr) && self.find(addr, ps).is_err() => {
+                Err(Error::DoubleFree {
+                    desc: desc_of(addr, ps),
+                    generation: 0,
+                })
+            }
+            None => Err(Error::NotOwner {
+                desc: desc_of(addr, ps),
+            }),
+        }
+    }
+
+    /// Reads `out.len()` bytes at `offset` of the buffer at `addr`.
+    pub fn read(&self, pages: &Pages, addr: u64, offset: u64, out: &mut [u8]) -> Result<()> {
+        let ps = pages.page_size();
+        let (start, _) = self.range(addr, offset, out.len() as u64, ps)?;
+        let (base, b) = self.find(addr, ps)?;
+        let _ = base;
+        let mut pos = start;
+        let mut done = 0;
+        while done < out.len() {
+            let (pi, po) = ((pos / ps as u64) as usize, (pos % ps as u64) as usize);
+            let n = (ps - po).min(out.len() - done);
+            pages.read(b.pages[pi], po, &mut out[done..done + n]);
+            done += n;
+            pos += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` of the buffer at `addr`: unwritten pages
+    /// get a zeroed page, shared pages are copied first (then written), all
+    /// pages needed are taken before anything changes (all or nothing).
+    pub fn write(&mut self, pages: &Pages, addr: u64, offset: u64, data: &[u8]) -> Result<()> {
+        let ps = pages.page_size();
+        let (start, end) = self.range(addr, offset, data.len() as u64, ps)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let base = self.find(addr, ps)?.0;
+        let hint = self.hint;
+        let Some(b) = self.maps.get_mut(&base) else {
+            return Err(Error::NotOwner {
+                desc: desc_of(addr, ps),
+            });
+        };
+        let (first, last) = (
+            (start / ps as u64) as usize,
+            ((end - 1) / ps as u64) as usize,
+        );
+        let need = b.pages[first..=last]
+            .iter()
+            .filter(|&&p| p == NONE || pages.rc(p) > 1)
+            .count();
+        let mut fresh = Vec::with_capacity(need);
+        pages.take(hint, need, &mut fresh)?;
+        let mut fresh = fresh.into_iter();
+        let mut pos = start;
+        let mut done = 0;
+        for pi in first..=last {
+            let old = b.pages[pi];
+            if old == NONE || pages.rc(old) > 1 {
+                let Some(new) = fresh.next() else {
+                    // Counted above; cannot run short.
+                    return Err(Error::Corrupt("page reservation ran short".into()));
+                };
+                if old != NONE {
+                    // Copy the whole page first, so a partial write keeps
+                    // the rest of it; then drop our share of the old one.
+                    pages.copy(old, new);
+                    pages.unshare(hint, old);
+                }
+                b.pages[pi] = new;
+            }
+            let po = (pos % ps as u64) as usize;
+            let n = (ps - po).min(data.len() - done);
+            pages.write(b.pages[pi], po, &data[done..done + n]);
+            done += n;
+            pos += n as u64;
+        }
+        // A page can become shared by nobody else between the count and
+        // the loop (a Ref released meanwhile): give back what we did not use.
+        for p in fresh {
+            pages.unshare(hint, p);
+        }
+        Ok(())
+    }
+
+    /// A Ref to `len` bytes at `offset` of the buffer at `addr`: one more
+    /// share of each page in the range, held by the Ref.
+    pub fn create_ref(
+        &self,
+        pages: &Pages,
+        refs: &Refs,
+        addr: u64,
+        offset: u64,
+        len: u64,
+        expires: Instant,
+    ) -> Result<Ref> {
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        let ps = pages.page_size();
+        let (start, end) = self.range(addr, offset, len, ps)?;
+        let (_, b) = self.find(addr, ps)?;
+        let (first, last) = (
+            (start / ps as u64) as usize,
+            ((end - 1) / ps as u64) as usize,
+        );
+        let snap = Snapshot {
+            len,
+            head: (start % ps as u64) as u32,
+            pages: b.pages[first..=last].to_vec(),
+        };
+        for &p in &snap.pages {
+            pages.share(p);
+        }
+        let held = snap.pages.clone();
+        refs.insert(snap, expires).inspect_err(|_| {
+            for p in held {
+                pages.unshare(self.hint, p);
+            }
+        })
+    }
+
+    /// Maps `r` as a new buffer; returns its address and length.
+    pub fn map_ref(&mut self, pages: &Pages, refs: &Refs, r: &Ref) -> Result<(u64, u64)> {
+        let s = refs.map(pages, self.hint, r)?;
+        let len = s.len;
+        let held = s.pages.clone();
+        self.add(
+            pages.page_size(),
+            Buffer {
+                len,
+                head: s.head,
+                pages: s.pages,
+            },
+        )
+        .map(|a| (a, len))
+        .inspect_err(|_| {
+            for p in held {
+                pages.unshare(self.hint, p);
+            }
+        })
+    }
+
+    /// Frees every buffer (the session ended).
+    pub fn clear(&mut self, pages: &Pages) {
+        for (_, b) in std::mem::take(&mut self.maps) {
+            for p in b.pages {
+                pages.unshare(self.hint, p);
+            }
+        }
+    }
+
+    /// Adds this space's page shares to `counts` (for the check).
+    pub fn count_holdings(&self, counts: &mut [u32], problems: &mut Vec<String>) {
+        for b in self.maps.values() {
+            for &p in &b.pages {
+                if p != NONE {
+                    match counts.get_mut(p as usize) {
+                        Some(c) => *c += 1,
+                        None => problems.push(format!("a buffer holds page {p}, out of range")),
+                    }
+                }
+            }
+        }
+    }
+}
