@@ -544,6 +544,34 @@ pub fn decode_ref(body: &[u8]) -> Result<Ref, ProtoError> {
     Ok(x)
 }
 
+/// The fuzz target `memserver_request`: `data` read as a stream of
+/// length-prefixed frames, as the server reads a connection. Each frame is
+/// decoded as a request (and, if it decodes, re-encoded to the same
+/// bytes) and as an answer. Panics only on a decoder bug.
+#[doc(hidden)]
+pub fn fuzz_decode(data: &[u8]) {
+    let mut rest = data;
+    while rest.len() >= 4 {
+        let n = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+        let body = &rest[4..];
+        let frame = &body[..n.min(body.len())];
+        if let Ok((id, req)) = Request::decode(frame) {
+            let mut again = Vec::new();
+            req.encode(id, &mut again);
+            assert_eq!(
+                &again[4..],
+                frame,
+                "a decoded request re-encodes to its bytes"
+            );
+        }
+        let _ = decode_answer(frame);
+        let _ = u64s::<2>(frame);
+        let _ = decode_hello(frame);
+        let _ = decode_ref(frame);
+        rest = &body[frame.len()..];
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

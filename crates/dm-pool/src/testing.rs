@@ -64,3 +64,22 @@ impl Drop for TempPool {
         let _ = std::fs::remove_file(&self.path);
     }
 }
+
+/// Runs `run` on every input of the saved fuzz corpus of `target`
+/// (`fuzz/corpus/TARGET` from the workspace root), so every test run
+/// covers what fuzzing found without nightly or cargo-fuzz. Panics if the
+/// corpus is missing or empty.
+pub fn replay_corpus(target: &str, run: impl Fn(&[u8])) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/corpus")
+        .join(target);
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .path();
+        run(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())));
+        n += 1;
+    }
+    assert!(n > 0, "empty corpus in {}", dir.display());
+}

@@ -28,6 +28,8 @@ enum Cmd {
     Demo(cmd::demo::DemoArgs),
     /// List the services registered in a pool.
     Ls(cmd::ls::LsArgs),
+    /// Serve disaggregated memory over TCP (a memory server, DmRPC-net).
+    Memserver(cmd::memserver::MemserverArgs),
     /// Run a benchmark against its baseline (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
     #[command(name = "__demo-service", hide = true)]
@@ -42,6 +44,7 @@ fn main() {
         Cmd::Pool(c) => cmd::pool::run(c),
         Cmd::Demo(a) => cmd::demo::run(a),
         Cmd::Ls(a) => cmd::ls::run(a),
+        Cmd::Memserver(a) => cmd::memserver::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::DemoService(a) => cmd::demo::service(a),
         Cmd::BenchPeer(a) => bench::peer(a),

@@ -1,4 +1,4 @@
-//! A memory server for tests: `dm-memserver [--size BYTES] [--lease-ms MS]`
+//! A memory server for tests: `dm-memserver [--size BYTES] [--lease-ms MS] [--ttl-ms MS]`
 //! listens on 127.0.0.1 (a free port), prints `listening ADDR ID` and
 //! serves until SIGTERM. (`dmrpc memserver` is the daemon users run.)
 
@@ -16,6 +16,9 @@ fn main() {
     };
     if let Some(ms) = arg("--lease-ms") {
         cfg.default_lease = std::time::Duration::from_millis(ms);
+    }
+    if let Some(ms) = arg("--ttl-ms") {
+        cfg.default_ttl = std::time::Duration::from_millis(ms);
     }
     let r = dm_memserver::server::run(cfg, |s| {
         println!("listening {} {}", s.addr(), s.state().id);

@@ -559,3 +559,61 @@ pub fn run(cfg: Config, on_ready: impl FnOnce(&Server)) -> Result<()> {
     server.shutdown();
     Ok(())
 }
+
+/// The fuzz target `memserver_serve`: `data` read as a stream of request
+/// frames and served, in order, by one session of a small server (a Ref
+/// whose tag is zero stands for the last Ref the session created, so
+/// mapping and releasing get past the capability check); then the session
+/// ends, every Ref is dropped, and the server must hold nothing and pass
+/// its deep check. Panics on a violated invariant.
+#[doc(hidden)]
+pub fn fuzz_serve(data: &[u8]) {
+    thread_local! {
+        static STATE: State = State::new(Config {
+            size: 64 * 4096,
+            threads: 1,
+            max_refs: Some(32),
+            max_buffers: 64,
+            ..Default::default()
+        })
+        .expect("a small server");
+    }
+    STATE.with(|st| {
+        let (sid, space) = st.open_session();
+        let mut last = None;
+        let mut out = Vec::new();
+        let mut rest = data;
+        while rest.len() >= 4 {
+            let n = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+            let body = &rest[4..];
+            let frame = &body[..n.min(body.len())];
+            rest = &body[frame.len()..];
+            let Ok((id, mut req)) = Request::decode(frame) else {
+                continue;
+            };
+            if let Request::MapRef(r) | Request::ReleaseRef(r) = &mut req {
+                if let (0, Some(l)) = (r.tag, last) {
+                    *r = l;
+                }
+            }
+            // The whole-server operations are exercised by the check below.
+            if matches!(req, Request::Check | Request::Hello { .. }) {
+                continue;
+            }
+            out.clear();
+            let was_ref = matches!(req, Request::CreateRef { .. });
+            let ok = st.serve(&space, id, req, &mut out);
+            let (aid, a) = proto::decode_answer(&out[4..]).expect("the server's answers decode");
+            assert_eq!(aid, id);
+            assert_eq!(a.is_ok(), ok);
+            if was_ref && ok {
+                last = a.ok().and_then(|b| proto::decode_ref(b).ok());
+            }
+        }
+        st.close_session(sid, &space);
+        st.refs.clear(&st.pages);
+        let problems = st.check(true);
+        assert!(problems.is_empty(), "{problems:#?}");
+        assert_eq!(st.usage().pages_held, 0, "pages left held");
+    });
+}

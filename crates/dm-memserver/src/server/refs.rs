@@ -259,14 +259,20 @@ impl Refs {
         }
     }
 
-    /// Frees everything (at shutdown).
+    /// Releases every live Ref.
     pub fn clear(&self, pages: &Pages) {
         for (si, m) in self.shards.iter().enumerate() {
-            let old: Vec<State> = lock(m)
-                .slots
-                .iter_mut()
-                .map(|s| std::mem::replace(&mut s.state, State::Released))
-                .collect();
+            let mut old = Vec::new();
+            {
+                let mut sh = lock(m);
+                let Shard { slots, reuse } = &mut *sh;
+                for (i, s) in slots.iter_mut().enumerate() {
+                    if matches!(s.state, State::Live { .. }) {
+                        old.push(std::mem::replace(&mut s.state, State::Released));
+                        reuse.push_back(i as u32);
+                    }
+                }
+            }
             for st in old {
                 self.drop_snapshot(pages, si, st);
             }

@@ -2,4 +2,5 @@
 
 pub mod demo;
 pub mod ls;
+pub mod memserver;
 pub mod pool;

@@ -1,0 +1,52 @@
+//! A memory-server client process for the multi-process tests:
+//!
+//! * `dm-memclient ADDR cow HEXREF` maps the Ref, prints `read SUM`, writes
+//!   0xFF over bytes 4096..4196 of its mapping (a CoW copy), prints
+//!   `after SUM` (of its mapping), frees it and exits;
+//! * `dm-memclient ADDR churn` prints `started`, then allocates, writes,
+//!   shares, maps and frees in a loop until killed.
+
+use dm_memserver::MemPool;
+use dm_pool::{Dm, DmBuffer, Ref};
+
+fn sum(v: &[u8]) -> u64 {
+    v.iter().map(|&b| b as u64).sum()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(addr), Some(cmd)) = (args.get(1), args.get(2)) else {
+        return Err("usage: dm-memclient ADDR cow HEXREF | churn".into());
+    };
+    let pool = MemPool::connect(&[addr])?;
+    match cmd.as_str() {
+        "cow" => {
+            let hex = args.get(3).ok_or("cow needs a Ref")?;
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
+                .collect::<Result<_, _>>()?;
+            let r = Ref::from_bytes(&bytes)?;
+            let mut m = pool.map_ref(&r)?;
+            println!("read {}", sum(&m.to_vec()?));
+            m.write(4096, &[0xFF; 100])?;
+            println!("after {}", sum(&m.to_vec()?));
+            pool.free(m)?;
+        }
+        "churn" => {
+            println!("started");
+            let data = vec![3u8; 64 << 10];
+            loop {
+                let mut b = pool.alloc(data.len() as u64)?;
+                b.write(0, &data)?;
+                let r = pool.create_ref(&b, 0, data.len() as u64)?;
+                let mut m = pool.map_ref(&r)?;
+                m.write(0, b"x")?;
+                pool.release_ref(&r)?;
+                drop((b, m));
+            }
+        }
+        other => return Err(format!("unknown command {other}").into()),
+    }
+    Ok(())
+}

@@ -1,0 +1,161 @@
+//! The memory server in this process: metrics, an exhausted server,
+//! concurrent clients on a multi-threaded server, pipelined large I/O.
+#![allow(clippy::unwrap_used)]
+
+use dm_memserver::{Config, MemPool, Server};
+use dm_pool::{Dm, DmBuffer, Error};
+use std::io::{Read, Write};
+use std::time::Duration;
+
+fn settle(s: &Server) {
+    // Sessions of dropped pools end asynchronously.
+    for _ in 0..100 {
+        if s.state().usage().pages_held == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let problems = s.state().check(true);
+    assert!(problems.is_empty(), "{problems:#?}");
+    assert_eq!(s.state().usage().pages_held, 0);
+}
+
+#[test]
+fn metrics_endpoint_counts_requests_cow_and_pages() {
+    let s = Server::start(Config {
+        metrics: Some("127.0.0.1:0".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let mut b = p.alloc(3 * 4096).unwrap();
+    b.write(0, &[1u8; 3 * 4096]).unwrap();
+    let r = p.create_ref(&b, 0, 3 * 4096).unwrap();
+    b.write(0, b"cow").unwrap();
+    let mut http = std::net::TcpStream::connect(s.metrics_addr().unwrap()).unwrap();
+    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    http.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(value("dmrpc_memserver_requests_total{op=\"alloc\"}"), 1.0);
+    assert_eq!(value("dmrpc_memserver_requests_total{op=\"write\"}"), 2.0);
+    assert_eq!(value("dmrpc_memserver_cow_copies_total"), 1.0);
+    assert_eq!(value("dmrpc_memserver_pages_held"), 4.0);
+    assert_eq!(value("dmrpc_memserver_refs"), 1.0);
+    assert_eq!(value("dmrpc_memserver_clients"), 1.0);
+    assert!(value("dmrpc_memserver_request_seconds_count") >= 5.0);
+    p.release_ref(&r).unwrap();
+    drop((b, p));
+    settle(&s);
+}
+
+#[test]
+fn an_exhausted_server_says_so_and_keeps_serving() {
+    let s = Server::start(Config {
+        size: 8 * 4096,
+        ..Default::default()
+    })
+    .unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let mut a = p.alloc(6 * 4096).unwrap();
+    a.write(0, &[1u8; 6 * 4096]).unwrap();
+    let mut b = p.alloc(6 * 4096).unwrap();
+    let e = b.write(0, &[2u8; 6 * 4096]).unwrap_err();
+    assert!(
+        matches!(e, Error::ResourceExhausted { what: "pages" }),
+        "{e}"
+    );
+    // All or nothing: the failed write took no page.
+    assert_eq!(p.usage().unwrap().pages_held, 6);
+    assert_eq!(b.to_vec().unwrap(), vec![0u8; 6 * 4096]);
+    // A Ref needs no page; writing through a mapping needs a copy, which
+    // fails cleanly too.
+    let r = p.create_ref(&a, 0, 4096 * 6).unwrap();
+    let mut m = p.map_ref(&r).unwrap();
+    m.write(0, &[3u8; 4096]).unwrap();
+    m.write(4096, &[3u8; 4096]).unwrap();
+    assert!(matches!(
+        m.write(2 * 4096, &[3u8; 4096]),
+        Err(Error::ResourceExhausted { .. })
+    ));
+    p.release_ref(&r).unwrap();
+    drop((a, m));
+    b.write(0, &[2u8; 6 * 4096]).unwrap();
+    drop((b, p));
+    settle(&s);
+}
+
+#[test]
+fn concurrent_clients_on_a_multithreaded_server() {
+    let s = Server::start(Config {
+        size: 64 << 20,
+        threads: 4,
+        ..Default::default()
+    })
+    .unwrap();
+    let addr = s.addr().to_string();
+    let shared = MemPool::connect(&[&addr]).unwrap();
+    let mut src = shared.alloc(16 * 4096).unwrap();
+    src.write(0, &vec![7u8; 16 * 4096]).unwrap();
+    let r = shared.create_ref(&src, 0, 16 * 4096).unwrap();
+    std::thread::scope(|sc| {
+        for t in 0..4u8 {
+            let addr = &addr;
+            sc.spawn(move || {
+                let p = MemPool::connect(&[addr]).unwrap();
+                for i in 0..150usize {
+                    let len = 4096 * (1 + i % 5) + i;
+                    let mut b = p.alloc(len as u64).unwrap();
+                    b.write(0, &vec![t; len]).unwrap();
+                    let own = p.create_ref(&b, 1, (len - 1) as u64).unwrap();
+                    let mut m = p.map_ref(&own).unwrap();
+                    m.write(0, &[t ^ 0xFF]).unwrap();
+                    let mut x = p.map_ref(&r).unwrap(); // everyone maps one Ref
+                    x.write((i % 16 * 4096) as u64, &[t]).unwrap();
+                    assert_eq!(b.to_vec().unwrap(), vec![t; len]);
+                    let mut want = vec![t; len - 1];
+                    want[0] = t ^ 0xFF;
+                    assert_eq!(m.to_vec().unwrap(), want);
+                    let mut one = [0u8; 2];
+                    x.read((i % 16 * 4096) as u64, &mut one).unwrap();
+                    assert_eq!(one, [t, 7]);
+                    p.release_ref(&own).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(src.to_vec().unwrap(), vec![7u8; 16 * 4096]);
+    shared.release_ref(&r).unwrap();
+    drop((src, shared));
+    settle(&s);
+}
+
+#[test]
+fn large_reads_and_writes_are_pipelined_in_chunks() {
+    let s = Server::start(Config {
+        size: 64 << 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let n = 9 << 20; // several write and read chunks
+    let data: Vec<u8> = (0..n).map(|i| (i * 31 % 253) as u8).collect();
+    let mut b = p.alloc(n as u64).unwrap();
+    b.write(0, &data).unwrap();
+    assert_eq!(b.to_vec().unwrap(), data);
+    let writes = s.state().metrics.requests_of("write");
+    assert!(writes >= 9, "{writes} write requests");
+    drop((b, p));
+    settle(&s);
+}

@@ -1,0 +1,59 @@
+//! `dmrpc memserver`: the memory-server daemon (DmRPC-net).
+
+use anyhow::Result;
+use clap::Args;
+use dmrpc::parse_size;
+use std::time::Duration;
+
+#[derive(Args, Debug)]
+pub struct MemserverArgs {
+    /// Address to listen on, e.g. 0.0.0.0:7070.
+    #[arg(long)]
+    pub listen: String,
+    /// Memory to serve, pinned at start (e.g. 1GiB).
+    #[arg(long, value_parser = parse_size)]
+    pub size: u64,
+    /// Worker threads.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Serve Prometheus metrics over HTTP at this address.
+    #[arg(long)]
+    pub metrics: Option<String>,
+    /// Page size (a power of two).
+    #[arg(long, default_value = "4096", value_parser = parse_size)]
+    pub page_size: u64,
+    /// Time to live of a Ref created without one, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub ref_ttl_secs: u64,
+    /// A session silent this long ends (clients renew it; seconds).
+    #[arg(long, default_value_t = 10)]
+    pub lease_secs: u64,
+}
+
+pub fn run(a: MemserverArgs) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = dm_memserver::Config {
+        listen: a.listen,
+        size: a.size,
+        page_size: usize::try_from(a.page_size)?,
+        threads: a.threads.max(1),
+        metrics: a.metrics,
+        default_ttl: Duration::from_secs(a.ref_ttl_secs.max(1)),
+        default_lease: Duration::from_secs(a.lease_secs.max(1)),
+        ..Default::default()
+    };
+    dm_memserver::server::run(cfg, |s| {
+        // One line on stdout for scripts: where it listens and its id.
+        println!("listening {} id {:#018x}", s.addr(), s.state().id);
+        if let Some(m) = s.metrics_addr() {
+            println!("metrics http://{m}/metrics");
+        }
+    })?;
+    Ok(())
+}
