@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, the demo and a benchmark smoke run,
 # the loom models, then every unit, property, multi-process and fuzz-corpus
-# test. Needs only a Rust toolchain (stable; the loom step uses stable too).
+# test. Needs a Rust toolchain (stable; the loom step uses stable too);
+# scripts/deps.sh installs the rest (redis-server for the memory-server
+# bench's peer) from the distribution's packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 
 step() { printf '\n== %s\n' "$*"; }
+
+step "dependencies (scripts/deps.sh)"
+./scripts/deps.sh
 
 step "rustfmt"
 cargo fmt --all -- --check
@@ -28,7 +33,7 @@ step "bench all --quick (checks each runs and writes its results, not its speed)
 out=target/bench-smoke
 rm -rf "$out"
 ./target/release/dmrpc bench all --quick --out "$out"
-for b in cow rtt threshold chain lb; do
+for b in cow rtt threshold chain lb memserver; do
   test -s "$out/$b.json" && test -s "$out/$b.csv" || { echo "bench $b wrote no results"; exit 1; }
 done
 

@@ -1,10 +1,11 @@
 //! The memory-server client: one or several servers as one pool, behind
 //! the same DM contract ([`dm_pool::Dm`]) as the shared pool.
 //!
-//! Each server gets one TCP connection with a reader thread that hands
-//! every answer to the caller waiting for its id, so any number of
-//! requests are in flight at once (pipelining): a large read or write is
-//! cut into chunks sent back to back. Allocations go to the servers round
+//! Each server gets one TCP connection. Callers read answers themselves
+//! (one at a time leads and hands the others their answers by id), so any
+//! number of requests are in flight at once (pipelining: a large read or
+//! write is cut into chunks sent back to back) and a lone caller pays no
+//! thread hand-off. Allocations go to the servers round
 //! robin; a Ref names its server (by id), and any client connected to that
 //! server can map it. A keep-alive thread pings each server well within
 //! the session's lease. A server that dies or drops the connection turns
@@ -13,13 +14,12 @@
 
 use crate::proto::{self, Request, MAX_FRAME};
 use dm_pool::{contract::Usage, refs::BACKEND_MEMSERVER, Dm, DmBuffer, Error, Ref, Result};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 /// Bytes per write request when a large write is cut into pipelined chunks.
 pub const WRITE_CHUNK: usize = 1 << 20;
@@ -53,7 +53,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One server's connection.
+/// How long the reading caller blocks in one read before it looks at its
+/// deadline again.
+const READ_SLICE: Duration = Duration::from_millis(100);
+
+/// One server's connection. There is no reader thread: the caller that
+/// finds nobody reading becomes the reader (the leader), reads answers
+/// until its own arrives, and hands the others to their callers (the
+/// followers, waiting on the condition variable), so a lone caller gets
+/// its answer without a thread hand-off.
 #[derive(Debug)]
 struct Conn {
     addr: String,
@@ -61,15 +69,83 @@ struct Conn {
     page_size: u32,
     max_len: u64,
     out: Mutex<TcpStream>,
-    waiting: Arc<Mutex<Waiting>>,
+    rx: Mutex<Rx>,
+    state: Mutex<Pending>,
+    cv: Condvar,
     next_id: AtomicU64,
 }
 
 #[derive(Debug, Default)]
-struct Waiting {
-    by_id: HashMap<u64, SyncSender<Answer>>,
+struct Pending {
+    /// Ids of requests whose callers wait.
+    waiting: HashSet<u64>,
+    /// Answers read by a leader for their callers.
+    answers: HashMap<u64, Answer>,
+    /// Someone is reading.
+    leader: bool,
     /// Why the connection is gone, once it is.
     dead: Option<String>,
+}
+
+/// The read side: bytes received and not yet consumed as frames, in
+/// `buf[start..end]` (the buffer is zeroed once, when it grows).
+#[derive(Debug)]
+struct Rx {
+    s: TcpStream,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Rx {
+    /// The next answer frame: `Ok(None)` if none arrived within a read
+    /// slice (partial bytes are kept), an error if the connection broke.
+    fn frame(&mut self) -> std::result::Result<Option<(u64, Answer)>, String> {
+        loop {
+            let have = &self.buf[self.start..self.end];
+            let mut need = 4;
+            if have.len() >= 4 {
+                let n = u32::from_le_bytes([have[0], have[1], have[2], have[3]]) as usize;
+                if n > MAX_FRAME {
+                    return Err(format!("answer of {n} bytes exceeds the maximum"));
+                }
+                need = 4 + n;
+                if have.len() >= need {
+                    let (id, a) = proto::decode_answer(&have[4..need])
+                        .map_err(|e| format!("malformed answer: {e}"))?;
+                    let a = a.map(<[u8]>::to_vec);
+                    self.start += need;
+                    if self.start == self.end {
+                        (self.start, self.end) = (0, 0);
+                    }
+                    return Ok(Some((id, a)));
+                }
+            }
+            // Room for the rest of this frame and a good read.
+            if self.buf.len() - self.start < need.max(64 << 10) {
+                self.buf.copy_within(self.start..self.end, 0);
+                (self.start, self.end) = (0, self.end - self.start);
+                if self.buf.len() < need.max(64 << 10) {
+                    self.buf.resize(need.max(256 << 10), 0);
+                }
+            }
+            match self.s.read(&mut self.buf[self.end..]) {
+                Ok(0) => return Err("connection closed by the server".into()),
+                Ok(k) => self.end += k,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    return Ok(None)
+                }
+                Err(e) => return Err(format!("connection lost ({e})")),
+            }
+        }
+    }
 }
 
 impl Conn {
@@ -83,20 +159,21 @@ impl Conn {
         let s = TcpStream::connect_timeout(&sa, cfg.connect_timeout).map_err(unavailable)?;
         s.set_nodelay(true).map_err(unavailable)?;
         let rd = s.try_clone().map_err(unavailable)?;
-        let waiting = Arc::new(Mutex::new(Waiting::default()));
-        let w = waiting.clone();
-        let name = addr.to_owned();
-        std::thread::Builder::new()
-            .name("dm-memclient-rx".into())
-            .spawn(move || reader(rd, w, name))
-            .map_err(unavailable)?;
+        rd.set_read_timeout(Some(READ_SLICE)).map_err(unavailable)?;
         let mut c = Conn {
             addr: addr.to_owned(),
             server_id: 0,
             page_size: 0,
             max_len: 0,
             out: Mutex::new(s),
-            waiting,
+            rx: Mutex::new(Rx {
+                s: rd,
+                buf: vec![0u8; 256 << 10],
+                start: 0,
+                end: 0,
+            }),
+            state: Mutex::new(Pending::default()),
+            cv: Condvar::new(),
             next_id: AtomicU64::new(1),
         };
         let lease_ms = cfg.lease.as_millis().min(u32::MAX as u128) as u32;
@@ -109,48 +186,104 @@ impl Conn {
         Ok(c)
     }
 
+    fn unavailable(&self, why: &str) -> Error {
+        Error::Unavailable(format!("{}: {why}", self.addr))
+    }
+
     /// Sends `reqs` back to back and waits for all their answers.
     fn call_many(&self, reqs: &[Request], timeout: Duration) -> Vec<Answer> {
-        let mut rx: Vec<Receiver<Answer>> = Vec::with_capacity(reqs.len());
         let mut bytes = Vec::new();
         let mut ids = Vec::with_capacity(reqs.len());
         {
-            let mut w = lock(&self.waiting);
-            if let Some(why) = &w.dead {
-                let e = Error::Unavailable(format!("{}: {why}", self.addr));
-                return reqs.iter().map(|_| Err(clone_err(&e))).collect();
+            let mut st = lock(&self.state);
+            if let Some(why) = &st.dead {
+                let why = why.clone();
+                return reqs.iter().map(|_| Err(self.unavailable(&why))).collect();
             }
             for r in reqs {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                let (tx, rx1) = sync_channel(1);
-                w.by_id.insert(id, tx);
-                rx.push(rx1);
+                st.waiting.insert(id);
                 ids.push(id);
                 r.encode(id, &mut bytes);
             }
         }
-        let sent = lock(&self.out).write_all(&bytes);
-        if let Err(e) = sent {
-            let mut w = lock(&self.waiting);
+        if let Err(e) = lock(&self.out).write_all(&bytes) {
+            let mut st = lock(&self.state);
             for id in &ids {
-                w.by_id.remove(id);
+                st.waiting.remove(id);
             }
-            let e = Error::Unavailable(format!("{}: {e}", self.addr));
-            return reqs.iter().map(|_| Err(clone_err(&e))).collect();
+            let why = e.to_string();
+            return reqs.iter().map(|_| Err(self.unavailable(&why))).collect();
         }
-        rx.into_iter()
-            .zip(ids)
-            .map(|(r, id)| match r.recv_timeout(timeout) {
-                Ok(a) => a,
-                Err(_) => {
-                    lock(&self.waiting).by_id.remove(&id);
-                    Err(Error::Unavailable(format!(
-                        "{}: no answer within {timeout:?}",
-                        self.addr
-                    )))
-                }
-            })
+        let deadline = Instant::now() + timeout;
+        ids.into_iter()
+            .map(|id| self.wait_for(id, deadline))
             .collect()
+    }
+
+    /// Waits for the answer to `id`, reading as the leader when nobody is.
+    fn wait_for(&self, id: u64, deadline: Instant) -> Answer {
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(a) = st.answers.remove(&id) {
+                st.waiting.remove(&id);
+                return a;
+            }
+            if let Some(why) = &st.dead {
+                let e = self.unavailable(why);
+                st.waiting.remove(&id);
+                return Err(e);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                st.waiting.remove(&id);
+                return Err(self.unavailable("no answer in time"));
+            }
+            if st.leader {
+                st = self
+                    .cv
+                    .wait_timeout(st, deadline - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+                continue;
+            }
+            // Lead: read until our answer comes (or the connection breaks).
+            st.leader = true;
+            drop(st);
+            let got = self.lead(id, deadline);
+            st = lock(&self.state);
+            st.leader = false;
+            match got {
+                Ok(Some(a)) => {
+                    st.waiting.remove(&id);
+                    self.cv.notify_all();
+                    return a;
+                }
+                Ok(None) => {}
+                Err(why) => st.dead = Some(why),
+            }
+            self.cv.notify_all();
+        }
+    }
+
+    /// Reads answers, handing the others' over, until `id`'s (`Some`) or
+    /// the deadline (`None`).
+    fn lead(&self, id: u64, deadline: Instant) -> std::result::Result<Option<Answer>, String> {
+        let mut rx = lock(&self.rx);
+        loop {
+            match rx.frame()? {
+                Some((aid, a)) if aid == id => return Ok(Some(a)),
+                Some((aid, a)) => {
+                    let mut st = lock(&self.state);
+                    if st.waiting.contains(&aid) {
+                        st.answers.insert(aid, a);
+                        self.cv.notify_all();
+                    }
+                }
+                None if Instant::now() >= deadline => return Ok(None),
+                None => {}
+            }
+        }
     }
 
     fn call(&self, req: &Request, timeout: Duration) -> Answer {
@@ -162,53 +295,9 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        // Ends the reader thread (and the server's session).
+        // Ends the server's session.
         let _ = lock(&self.out).shutdown(Shutdown::Both);
     }
-}
-
-/// Errors are not `Clone` (they may carry an `io::Error`); the ones a
-/// connection reports to many callers are strings.
-fn clone_err(e: &Error) -> Error {
-    match e {
-        Error::Unavailable(m) => Error::Unavailable(m.clone()),
-        other => Error::Unavailable(other.to_string()),
-    }
-}
-
-/// Reads answers and hands each to its caller; on EOF or garbage, fails
-/// every waiting caller and marks the connection dead.
-fn reader(mut s: TcpStream, waiting: Arc<Mutex<Waiting>>, addr: String) {
-    let mut frame = Vec::new();
-    let why = loop {
-        let mut len = [0u8; 4];
-        if let Err(e) = s.read_exact(&mut len) {
-            break format!("connection lost ({e})");
-        }
-        let n = u32::from_le_bytes(len) as usize;
-        if n > MAX_FRAME {
-            break format!("answer of {n} bytes exceeds the maximum");
-        }
-        frame.resize(n, 0);
-        if let Err(e) = s.read_exact(&mut frame) {
-            break format!("connection lost ({e})");
-        }
-        match proto::decode_answer(&frame) {
-            Ok((id, a)) => {
-                let tx = lock(&waiting).by_id.remove(&id);
-                if let Some(tx) = tx {
-                    let _ = tx.send(a.map(<[u8]>::to_vec));
-                }
-            }
-            Err(e) => break format!("malformed answer: {e}"),
-        }
-    };
-    let _ = s.shutdown(Shutdown::Both);
-    let mut w = lock(&waiting);
-    for (_, tx) in w.by_id.drain() {
-        let _ = tx.send(Err(Error::Unavailable(format!("{addr}: {why}"))));
-    }
-    w.dead = Some(why);
 }
 
 #[derive(Debug)]

@@ -430,17 +430,18 @@ pub struct Server {
     metrics_addr: Option<SocketAddr>,
     state: Arc<State>,
     stop: watch::Sender<bool>,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl Server {
     /// Pins the region, binds, and starts serving.
     pub fn start(cfg: Config) -> Result<Server> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cfg.threads.max(1))
-            .thread_name("dm-memserver")
-            .enable_all()
-            .build()?;
+        let current = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+        };
+        let rt = current()?;
         let listener = rt.block_on(TcpListener::bind(&cfg.listen))?;
         let addr = listener.local_addr()?;
         let metrics = match &cfg.metrics {
@@ -448,59 +449,98 @@ impl Server {
             None => None,
         };
         let metrics_addr = metrics.as_ref().and_then(|l| l.local_addr().ok());
+        let nworkers = cfg.threads.max(1);
         let state = Arc::new(State::new(cfg)?);
         if !state.pages.locked() {
             tracing::warn!("could not lock the region in RAM (RLIMIT_MEMLOCK); it is populated but may be swapped");
         }
         let (stop, stop_rx) = watch::channel(false);
+        let mut threads = Vec::new();
+        // Workers: one single-threaded runtime each (thread per core, as an
+        // event loop like Redis's): a session lives on one worker, so
+        // serving it never hands work between threads.
+        let mut to_workers = Vec::new();
+        for k in 0..nworkers {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<std::net::TcpStream>();
+            to_workers.push(tx);
+            let wrt = current()?;
+            let st = state.clone();
+            let mut stop_w = stop_rx.clone();
+            let stop_s = stop_rx.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("dm-memserver-{k}"))
+                    .spawn(move || {
+                        wrt.block_on(async move {
+                            let mut tasks = tokio::task::JoinSet::new();
+                            loop {
+                                tokio::select! {
+                                    c = rx.recv() => match c {
+                                        Some(c) => {
+                                            if let Ok(c) = TcpStream::from_std(c) {
+                                                tasks.spawn(session(st.clone(), c, stop_s.clone()));
+                                            }
+                                        }
+                                        None => break,
+                                    },
+                                    _ = stop_w.changed() => break,
+                                }
+                                while tasks.try_join_next().is_some() {}
+                            }
+                            // Sessions see the stop and release their holdings.
+                            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                                while tasks.join_next().await.is_some() {}
+                            })
+                            .await;
+                        });
+                        wrt.shutdown_timeout(Duration::from_secs(1));
+                    })?,
+            );
+        }
         let st = state.clone();
-        let thread = std::thread::Builder::new()
-            .name("dm-memserver-main".into())
-            .spawn(move || {
-                rt.block_on(async move {
-                    if let Some(l) = metrics {
-                        tokio::spawn(serve_metrics(st.clone(), l, stop_rx.clone()));
-                    }
-                    let sw = st.clone();
-                    let mut sw_stop = stop_rx.clone();
-                    tokio::spawn(async move {
-                        let mut tick = tokio::time::interval(sw.cfg.sweep_every);
+        threads.push(
+            std::thread::Builder::new()
+                .name("dm-memserver-accept".into())
+                .spawn(move || {
+                    rt.block_on(async move {
+                        if let Some(l) = metrics {
+                            tokio::spawn(serve_metrics(st.clone(), l, stop_rx.clone()));
+                        }
+                        let sw = st.clone();
+                        let mut sw_stop = stop_rx.clone();
+                        tokio::spawn(async move {
+                            let mut tick = tokio::time::interval(sw.cfg.sweep_every);
+                            loop {
+                                tokio::select! {
+                                    _ = tick.tick() => { sw.maintain(); }
+                                    _ = sw_stop.changed() => return,
+                                }
+                            }
+                        });
+                        let mut stop_accept = stop_rx.clone();
+                        let mut next = 0usize;
                         loop {
                             tokio::select! {
-                                _ = tick.tick() => { sw.maintain(); }
-                                _ = sw_stop.changed() => return,
+                                r = listener.accept() => {
+                                    if let Ok(c) = r.and_then(|(s, _)| s.into_std()) {
+                                        let _ = to_workers[next % to_workers.len()].send(c);
+                                        next += 1;
+                                    }
+                                }
+                                _ = stop_accept.changed() => break,
                             }
                         }
                     });
-                    let mut tasks = tokio::task::JoinSet::new();
-                    let mut stop_accept = stop_rx.clone();
-                    loop {
-                        tokio::select! {
-                            r = listener.accept() => {
-                                if let Ok((s, _)) = r {
-                                    tasks.spawn(session(st.clone(), s, stop_rx.clone()));
-                                }
-                            }
-                            _ = stop_accept.changed() => break,
-                        }
-                        while tasks.try_join_next().is_some() {}
-                    }
-                    drop(listener);
-                    // Sessions see the stop and release their holdings.
-                    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                        while tasks.join_next().await.is_some() {}
-                    })
-                    .await;
-                });
-                rt.shutdown_timeout(Duration::from_secs(1));
-            })?;
-        tracing::info!(%addr, id = state.id, "memory server listening");
+                    rt.shutdown_timeout(Duration::from_secs(1));
+                })?,
+        );
+        tracing::info!(%addr, id = state.id, workers = nworkers, "memory server listening");
         Ok(Server {
             addr,
             metrics_addr,
             state,
             stop,
-            thread: Some(thread),
+            threads,
         })
     }
 
@@ -526,7 +566,7 @@ impl Server {
 
     fn stop_now(&mut self) {
         let _ = self.stop.send(true);
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }

@@ -5,6 +5,7 @@
 mod chain;
 mod cow;
 mod lb;
+mod memserver;
 mod peer;
 mod rtt;
 mod threshold;
@@ -19,7 +20,8 @@ pub struct BenchArgs {
     /// (no-op round trip vs the raw shared-memory floor), `threshold`
     /// (inline vs by-Ref arguments: the size-aware crossover), `chain`
     /// (nested calls through 1-7 processes, by Ref vs by value), `lb`
-    /// (clients -> load balancer -> workers), or `all`.
+    /// (clients -> load balancer -> workers), `memserver` (4 KiB reads and
+    /// writes on a memory server vs Redis), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -39,14 +41,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "threshold" => threshold::run(&a),
         "chain" => chain::run(&a),
         "lb" => lb::run(&a),
+        "memserver" => memserver::run(&a),
         "all" => {
             cow::run(&a)?;
             rtt::run(&a)?;
             threshold::run(&a)?;
             chain::run(&a)?;
-            lb::run(&a)
+            lb::run(&a)?;
+            memserver::run(&a)
         }
-        n => bail!("unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, all)"),
+        n => bail!(
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, all)"
+        ),
     }
 }
 

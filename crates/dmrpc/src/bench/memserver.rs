@@ -1,0 +1,354 @@
+//! `dmrpc bench memserver` — 4 KiB reads and writes on a memory server
+//! against `redis-server` doing GET/SET of 4 KiB values, same run, same
+//! loopback, at 1, 4 and 16 connections.
+//!
+//! Both servers are their own processes (the memory server is `dmrpc
+//! memserver`, two worker threads; Redis with persistence off). Each
+//! connection is a client thread doing one request at a time (a closed
+//! loop) over 256 keys or buffers of its own, every request timed. The
+//! table gives p50/p99 latency and the total throughput, and the ratio of
+//! throughputs (memory server / Redis). Redis comes from the distribution
+//! (`scripts/deps.sh` installs it); without it the bench says so and fails.
+
+use super::peer::percentile;
+use super::serde_like::Obj;
+use super::BenchArgs;
+use anyhow::{anyhow, bail, Context, Result};
+use dm_memserver::MemPool;
+use dm_pool::{Dm, DmBuffer};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const VALUE: usize = 4096;
+const KEYS: usize = 256;
+
+/// A child process killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_memserver() -> Result<(Proc, String)> {
+    let mut c = Command::new(std::env::current_exe()?)
+        .args([
+            "memserver",
+            "--listen",
+            "127.0.0.1:0",
+            "--size",
+            "256MiB",
+            "--threads",
+            "2",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting dmrpc memserver")?;
+    let mut line = String::new();
+    BufReader::new(c.stdout.take().ok_or_else(|| anyhow!("no stdout"))?).read_line(&mut line)?;
+    let addr = line
+        .split_whitespace()
+        .nth(1)
+        .ok_or_else(|| anyhow!("memserver said {line:?}"))?
+        .to_owned();
+    Ok((Proc(c), addr))
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn start_redis() -> Result<(Proc, String)> {
+    let port = free_port()?;
+    let c = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| {
+            anyhow!("cannot run redis-server ({e}): install it with scripts/deps.sh (apt package redis-server)")
+        })?;
+    let p = Proc(c);
+    let addr = format!("127.0.0.1:{port}");
+    let t = Instant::now();
+    loop {
+        if let Ok(mut r) = Redis::connect(&addr) {
+            if r.ping().is_ok() {
+                break;
+            }
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            bail!("redis-server did not start");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((p, addr))
+}
+
+/// A minimal RESP client: PING, SET and GET, one request at a time.
+struct Redis {
+    w: TcpStream,
+    r: BufReader<TcpStream>,
+    line: String,
+}
+
+impl Redis {
+    fn connect(addr: &str) -> Result<Redis> {
+        let s = TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        Ok(Redis {
+            r: BufReader::new(s.try_clone()?),
+            w: s,
+            line: String::new(),
+        })
+    }
+
+    fn cmd(&mut self, parts: &[&[u8]]) -> Result<()> {
+        let mut b = format!("*{}\r\n", parts.len()).into_bytes();
+        for p in parts {
+            b.extend_from_slice(format!("${}\r\n", p.len()).as_bytes());
+            b.extend_from_slice(p);
+            b.extend_from_slice(b"\r\n");
+        }
+        Ok(self.w.write_all(&b)?)
+    }
+
+    fn reply_line(&mut self) -> Result<&str> {
+        self.line.clear();
+        self.r.read_line(&mut self.line)?;
+        Ok(self.line.trim_end())
+    }
+
+    fn ping(&mut self) -> Result<()> {
+        self.cmd(&[b"PING"])?;
+        match self.reply_line()? {
+            "+PONG" => Ok(()),
+            l => bail!("redis: {l}"),
+        }
+    }
+
+    fn set(&mut self, k: &[u8], v: &[u8]) -> Result<()> {
+        self.cmd(&[b"SET", k, v])?;
+        match self.reply_line()? {
+            "+OK" => Ok(()),
+            l => bail!("redis: {l}"),
+        }
+    }
+
+    fn get(&mut self, k: &[u8], out: &mut [u8]) -> Result<()> {
+        self.cmd(&[b"GET", k])?;
+        let n: usize = self
+            .reply_line()?
+            .strip_prefix('$')
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| anyhow!("redis: unexpected GET reply"))?;
+        if n != out.len() {
+            bail!("redis: value of {n} bytes");
+        }
+        self.r.read_exact(out)?;
+        let mut crlf = [0u8; 2];
+        self.r.read_exact(&mut crlf)?;
+        Ok(())
+    }
+}
+
+/// One client connection's work: `op(i)` for key `i` round robin.
+trait Conn: Send {
+    fn write(&mut self, i: usize, v: &[u8]) -> Result<()>;
+    fn read(&mut self, i: usize, out: &mut [u8]) -> Result<()>;
+}
+
+struct MemConn {
+    _pool: MemPool,
+    bufs: Vec<dm_memserver::MemBuffer>,
+}
+
+impl Conn for MemConn {
+    fn write(&mut self, i: usize, v: &[u8]) -> Result<()> {
+        Ok(self.bufs[i].write(0, v)?)
+    }
+    fn read(&mut self, i: usize, out: &mut [u8]) -> Result<()> {
+        Ok(self.bufs[i].read(0, out)?)
+    }
+}
+
+struct RedisConn {
+    r: Redis,
+    tag: usize,
+}
+
+impl Conn for RedisConn {
+    fn write(&mut self, i: usize, v: &[u8]) -> Result<()> {
+        self.r.set(format!("k{}:{i}", self.tag).as_bytes(), v)
+    }
+    fn read(&mut self, i: usize, out: &mut [u8]) -> Result<()> {
+        self.r.get(format!("k{}:{i}", self.tag).as_bytes(), out)
+    }
+}
+
+struct Cell {
+    p50: f64,
+    p99: f64,
+    ops: f64,
+}
+
+/// Runs `conns` closed loops for `budget`: writes or reads.
+fn drive(mut conns: Vec<Box<dyn Conn>>, write: bool, budget: Duration) -> Result<Cell> {
+    let value = vec![0x5au8; VALUE];
+    // Fill every key first (reads need something to read).
+    for c in conns.iter_mut() {
+        for i in 0..KEYS {
+            c.write(i, &value)?;
+        }
+    }
+    let t0 = Instant::now();
+    let results: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = conns
+            .into_iter()
+            .map(|mut c| {
+                let value = &value;
+                s.spawn(move || -> Result<Vec<f64>> {
+                    let mut out = vec![0u8; VALUE];
+                    let mut v = Vec::new();
+                    let mut i = 0;
+                    while t0.elapsed() < budget {
+                        let t = Instant::now();
+                        if write {
+                            c.write(i % KEYS, value)?;
+                        } else {
+                            c.read(i % KEYS, &mut out)?;
+                        }
+                        v.push(t.elapsed().as_nanos() as f64);
+                        i += 1;
+                    }
+                    Ok(v)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("a client thread panicked")))
+            })
+            .collect()
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    let n = all.len() as f64;
+    Ok(Cell {
+        p50: percentile(&mut all, 0.5),
+        p99: percentile(&mut all, 0.99),
+        ops: n / wall,
+    })
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let budget = Duration::from_millis(if a.quick { 300 } else { 2000 });
+    let (_ms, ms_addr) = start_memserver()?;
+    let (_redis, redis_addr) = start_redis()?;
+    println!("bench memserver: 4 KiB values, closed loop per connection; memory server vs redis-server (same run, loopback)");
+    println!(
+        "{:>5} {:>6} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>8}",
+        "op",
+        "conns",
+        "ms p50 us",
+        "ms p99 us",
+        "ms ops/s",
+        "redis p50",
+        "redis p99",
+        "redis ops/s",
+        "ratio"
+    );
+    let mut rows = Vec::new();
+    for write in [false, true] {
+        for conns in [1usize, 4, 16] {
+            let mut mem: Vec<Box<dyn Conn>> = Vec::new();
+            for _ in 0..conns {
+                let pool = MemPool::connect(&[&ms_addr])?;
+                let bufs = (0..KEYS)
+                    .map(|_| pool.alloc(VALUE as u64))
+                    .collect::<dm_pool::Result<Vec<_>>>()?;
+                mem.push(Box::new(MemConn { _pool: pool, bufs }));
+            }
+            let m = drive(mem, write, budget)?;
+            let mut red: Vec<Box<dyn Conn>> = Vec::new();
+            for tag in 0..conns {
+                red.push(Box::new(RedisConn {
+                    r: Redis::connect(&redis_addr)?,
+                    tag,
+                }));
+            }
+            let r = drive(red, write, budget)?;
+            let op = if write { "write" } else { "read" };
+            let ratio = m.ops / r.ops;
+            println!(
+                "{:>5} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.1} {:>12.1} {:>12.0} {:>7.2}x",
+                op,
+                conns,
+                m.p50 / 1e3,
+                m.p99 / 1e3,
+                m.ops,
+                r.p50 / 1e3,
+                r.p99 / 1e3,
+                r.ops,
+                ratio
+            );
+            let mut o = Obj::default();
+            o.str("op", op);
+            o.num("connections", conns as f64);
+            o.num("memserver_p50_ns", m.p50);
+            o.num("memserver_p99_ns", m.p99);
+            o.num("memserver_ops_per_s", m.ops);
+            o.num("redis_p50_ns", r.p50);
+            o.num("redis_p99_ns", r.p99);
+            o.num("redis_ops_per_s", r.ops);
+            o.num("throughput_ratio", ratio);
+            rows.push(o);
+        }
+    }
+    let mut res = Obj::default();
+    res.str("benchmark", "memserver");
+    res.str(
+        "method",
+        "4 KiB reads/writes on dmrpc memserver (2 threads) vs redis-server GET/SET of 4 KiB values, both separate processes on loopback; one closed-loop client thread per connection over 256 keys; every request timed",
+    );
+    res.obj("machine", &super::machine());
+    res.arr("rows", &rows);
+    super::write_results(
+        a,
+        "memserver",
+        &res,
+        &rows,
+        &[
+            "op",
+            "connections",
+            "memserver_p50_ns",
+            "memserver_p99_ns",
+            "memserver_ops_per_s",
+            "redis_p50_ns",
+            "redis_p99_ns",
+            "redis_ops_per_s",
+            "throughput_ratio",
+        ],
+    )
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what the test suite and the benchmarks need beyond a Rust
+# toolchain, from the distribution's packages, if missing:
+#   redis-server  the peer of `dmrpc bench memserver`
+#   iproute2      `ip netns`, for the memory-server test across namespaces
+# Needs root (or sudo) and the package registries; idempotent.
+set -euo pipefail
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+[ ${#need[@]} -eq 0 ] && exit 0
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "installing: ${need[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get install -y --no-install-recommends "${need[@]}" >/dev/null 2>&1 \
+  || { $sudo apt-get update >/dev/null && $sudo apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; }
