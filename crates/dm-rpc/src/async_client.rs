@@ -45,7 +45,7 @@ struct Inner {
     state: Arc<Mutex<State>>,
     next_id: AtomicU64,
     max_inline: usize,
-    refs: bool,
+    refs: crate::transport::Sharing,
 }
 
 #[derive(Default)]

@@ -54,7 +54,7 @@ struct Inner {
     cv: Condvar,
     next_id: AtomicU64,
     max_inline: usize,
-    refs: bool,
+    refs: crate::transport::Sharing,
 }
 
 /// Calls waiting for answers (a short list: one entry per concurrent
@@ -98,13 +98,13 @@ pub(crate) struct Outgoing {
 pub(crate) fn outgoing(
     node: &Node,
     max_inline: usize,
-    refs: bool,
+    refs: crate::transport::Sharing,
     payload: Payload,
     opts: CallOptions,
 ) -> Result<Outgoing, RpcError> {
     let budget = opts.deadline.or(node.cfg.default_deadline);
     let inline_max = node.cfg.inline_max.min(max_inline);
-    let (body, made) = payload.into_body(&node.pool, inline_max, false, refs)?;
+    let (body, made) = payload.into_body(node, inline_max, false, refs)?;
     crate::stats::count(&body, true);
     Ok(Outgoing {
         body,
@@ -117,7 +117,7 @@ pub(crate) fn outgoing(
 /// Releases the Ref the framework made for a call's argument, if any.
 pub(crate) fn release(node: &Node, made: Option<dm_pool::Ref>) {
     if let Some(r) = made {
-        let _ = node.pool.release_ref(&r);
+        let _ = node.release_ref(&r);
     }
 }
 
@@ -125,7 +125,7 @@ pub(crate) fn release(node: &Node, made: Option<dm_pool::Ref>) {
 pub(crate) fn answer(node: &Node, f: Frame) -> Result<Payload, RpcError> {
     crate::stats::count(&f.payload, false);
     if f.status == Status::Ok {
-        return Payload::from_response_body(f.payload, &node.pool);
+        return Payload::from_response_body(f.payload, node);
     }
     let message = match f.payload {
         Body::Inline(m) => String::from_utf8_lossy(&m).into_owned(),

@@ -1,6 +1,7 @@
 //! A [`Node`]: this process's handle on the RPC layer — the pool it is
-//! attached to, the size-aware threshold and the waiting policy. Servers
-//! are built from it and clients connect through it.
+//! attached to, the memory servers it may use, the size-aware threshold
+//! and the waiting policy. Servers are built from it and clients connect
+//! through it.
 
 use crate::async_client::AsyncClient;
 use crate::client::Client;
@@ -9,7 +10,8 @@ use crate::registry::{PoolRegistry, Registry, ServiceEntry};
 use crate::server::ServerBuilder;
 use crate::transport::Connection;
 use crate::wait::WaitPolicy;
-use dm_pool::{Endpoint, Pool};
+use dm_memserver::MemPool;
+use dm_pool::{Endpoint, Pool, Ref};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -66,6 +68,7 @@ pub struct Node {
     pub(crate) pool: Pool,
     pub(crate) cfg: Config,
     pub(crate) registry: Arc<dyn Registry>,
+    pub(crate) remote: Option<MemPool>,
 }
 
 impl Node {
@@ -81,6 +84,51 @@ impl Node {
             pool,
             cfg,
             registry,
+            remote: None,
+        }
+    }
+
+    /// This node with memory servers (DmRPC-net): a payload above the
+    /// threshold bound for a peer that does not share the pool but uses
+    /// the same memory servers is written there and travels as a Ref; Refs
+    /// of those servers that arrive are read from them.
+    pub fn with_memserver(mut self, remote: MemPool) -> Node {
+        self.remote = Some(remote);
+        self
+    }
+
+    /// The memory servers, if any.
+    pub fn memserver(&self) -> Option<&MemPool> {
+        self.remote.as_ref()
+    }
+
+    /// A digest of the memory servers this node uses (0: none): two nodes
+    /// with the same digest can pass each other memory-server Refs.
+    pub fn remote_domain(&self) -> u64 {
+        let Some(m) = &self.remote else { return 0 };
+        let mut ids = m.server_ids();
+        ids.sort_unstable();
+        let h = ids.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, id| {
+            id.to_le_bytes()
+                .iter()
+                .fold(h, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
+        });
+        h.max(1)
+    }
+
+    /// What this node says about itself in a TCP hello.
+    pub(crate) fn identity(&self) -> crate::transport::tcp::Identity {
+        crate::transport::tcp::Identity {
+            pool: self.pool.id(),
+            remote: self.remote_domain(),
+        }
+    }
+
+    /// Releases a Ref of the pool or of a memory server.
+    pub(crate) fn release_ref(&self, r: &Ref) -> Result<(), RpcError> {
+        match (&self.remote, r.backend) {
+            (Some(m), dm_pool::refs::BACKEND_MEMSERVER) => Ok(dm_pool::Dm::release_ref(m, r)?),
+            _ => Ok(self.pool.release_ref(r)?),
         }
     }
 
@@ -153,7 +201,7 @@ impl Node {
     fn open_tcp(&self, addr: &str) -> Result<Connection, RpcError> {
         Ok(crate::transport::tcp::connect(
             addr,
-            self.pool.id(),
+            self.identity(),
             Duration::from_secs(5),
         )?)
     }

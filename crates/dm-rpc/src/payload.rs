@@ -18,6 +18,11 @@
 //! is valid until the caller's call completes: a handler that keeps the
 //! data past its return calls [`keep`], which takes its own shares.
 //!
+//! Between nodes that do not share a pool but use the same memory servers
+//! ([`Node::with_memserver`]), a large payload is written to a memory
+//! server and its Ref travels instead (DmRPC-net); the receiver reads it
+//! from the server on first access, through the same API.
+//!
 //! [`bytes`]: Payload::bytes
 //! [`segments`]: Payload::segments
 //! [`read`]: Payload::read
@@ -27,7 +32,11 @@
 
 use crate::error::RpcError;
 use crate::frame::Body;
-use dm_pool::{Buffer, Pool, Ref};
+use crate::node::Node;
+use crate::transport::Sharing;
+use dm_memserver::{MemBuffer, MemPool};
+use dm_pool::refs::BACKEND_MEMSERVER;
+use dm_pool::{Buffer, Dm, DmBuffer, Pool, Ref};
 use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
@@ -44,6 +53,26 @@ enum Repr {
     Bytes(Vec<u8>),
     Buffer(Buffer),
     Ref(Arc<Received>),
+    /// A buffer on a memory server (the sender's), with its bytes once read.
+    MemBuffer(MemBuffer, OnceLock<Result<Vec<u8>, RpcError>>),
+    /// A memory-server Ref that arrived.
+    Remote(Arc<RemoteReceived>),
+}
+
+/// A payload that arrived as a memory server's Ref: read from the server
+/// on first access (one map, one read, one free), then kept here.
+#[derive(Debug)]
+struct RemoteReceived {
+    pool: MemPool,
+    r: Ref,
+    data: OnceLock<Result<Vec<u8>, RpcError>>,
+}
+
+fn fetch(pool: &MemPool, r: &Ref) -> Result<Vec<u8>, RpcError> {
+    let b = pool.map_ref(r)?;
+    let v = b.to_vec()?;
+    pool.free(b)?;
+    Ok(v)
 }
 
 /// A payload that arrived by Ref (or is being forwarded by Ref).
@@ -106,6 +135,14 @@ impl Payload {
         }
     }
 
+    /// A buffer written on a memory server: sent by its Ref to peers that
+    /// use the same servers (inline when small, or to others).
+    pub fn from_mem_buffer(b: MemBuffer) -> Payload {
+        Payload {
+            repr: Repr::MemBuffer(b, OnceLock::new()),
+        }
+    }
+
     /// Bytes of data.
     pub fn len(&self) -> u64 {
         match &self.repr {
@@ -113,7 +150,27 @@ impl Payload {
             Repr::Bytes(v) => v.len() as u64,
             Repr::Buffer(b) => b.len(),
             Repr::Ref(r) => r.r.len,
+            Repr::MemBuffer(b, _) => DmBuffer::len(b),
+            Repr::Remote(r) => r.r.len,
         }
+    }
+
+    /// Whether the data lives on a memory server (arrived by its Ref, or
+    /// built there).
+    pub fn is_remote(&self) -> bool {
+        matches!(self.repr, Repr::MemBuffer(..) | Repr::Remote(_))
+    }
+
+    /// The bytes of remote data, read once.
+    fn remote_bytes(&self) -> Result<Option<&[u8]>, RpcError> {
+        let cell = match &self.repr {
+            Repr::MemBuffer(b, c) => c.get_or_init(|| Ok(b.to_vec()?)),
+            Repr::Remote(r) => r.data.get_or_init(|| fetch(&r.pool, &r.r)),
+            _ => return Ok(None),
+        };
+        cell.as_ref()
+            .map(|v| Some(v.as_slice()))
+            .map_err(Clone::clone)
     }
 
     /// Whether there is no data.
@@ -130,6 +187,7 @@ impl Payload {
     pub fn as_ref_handle(&self) -> Option<&Ref> {
         match &self.repr {
             Repr::Ref(r) => Some(&r.r),
+            Repr::Remote(r) => Some(&r.r),
             _ => None,
         }
     }
@@ -145,6 +203,9 @@ impl Payload {
     /// The data as zero-copy views: one slice for inline data, one per run
     /// of contiguous pages for pool data.
     pub fn segments(&self) -> Result<Vec<&[u8]>, RpcError> {
+        if let Some(v) = self.remote_bytes()? {
+            return Ok(vec![v]);
+        }
         Ok(match (&self.repr, self.buffer()?) {
             (Repr::Bytes(v), _) => vec![v.as_slice()],
             (_, Some(b)) => b.segments(0, b.len())?,
@@ -165,24 +226,28 @@ impl Payload {
 
     /// Copies `out.len()` bytes at `offset` into `out`.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), RpcError> {
-        match (&self.repr, self.buffer()?) {
-            (Repr::Bytes(v), _) => {
-                let s = usize::try_from(offset)
-                    .ok()
-                    .and_then(|o| v.get(o..o.checked_add(out.len())?))
-                    .ok_or_else(|| {
-                        RpcError::invalid_argument(format!(
-                            "read of {} bytes at {offset} outside a payload of {}",
-                            out.len(),
-                            v.len()
-                        ))
-                    })?;
-                out.copy_from_slice(s);
-                Ok(())
-            }
-            (_, Some(b)) => Ok(b.read(offset, out)?),
-            _ if out.is_empty() && offset == 0 => Ok(()),
-            _ => Err(RpcError::invalid_argument("read from an empty payload")),
+        let flat: Option<&[u8]> = match &self.repr {
+            Repr::Bytes(v) => Some(v),
+            _ => self.remote_bytes()?,
+        };
+        if let Some(v) = flat {
+            let s = usize::try_from(offset)
+                .ok()
+                .and_then(|o| v.get(o..o.checked_add(out.len())?))
+                .ok_or_else(|| {
+                    RpcError::invalid_argument(format!(
+                        "read of {} bytes at {offset} outside a payload of {}",
+                        out.len(),
+                        v.len()
+                    ))
+                })?;
+            out.copy_from_slice(s);
+            return Ok(());
+        }
+        match self.buffer()? {
+            Some(b) => Ok(b.read(offset, out)?),
+            None if out.is_empty() && offset == 0 => Ok(()),
+            None => Err(RpcError::invalid_argument("read from an empty payload")),
         }
     }
 
@@ -201,7 +266,8 @@ impl Payload {
                 Repr::Empty => Repr::Empty,
                 Repr::Bytes(v) => Repr::Bytes(v.clone()),
                 Repr::Ref(r) => Repr::Ref(r.clone()),
-                Repr::Buffer(_) => {
+                Repr::Remote(r) => Repr::Remote(r.clone()),
+                Repr::Buffer(_) | Repr::MemBuffer(..) => {
                     return Err(RpcError::invalid_argument(
                         "a buffer payload is forwarded by moving it into the call",
                     ))
@@ -225,6 +291,20 @@ impl Payload {
                 },
                 Err(shared) => Ok(Some(shared.pool.map_ref(&shared.r)?)),
             },
+            Repr::MemBuffer(..) | Repr::Remote(_) => Err(RpcError::invalid_argument(
+                "memory-server data is kept with keep_remote",
+            )),
+            _ => Ok(None),
+        }
+    }
+
+    /// Keeps memory-server data beyond the call that delivered it: a
+    /// buffer of this node's on the server, with its own shares (CoW).
+    /// `Ok(None)` for data that is not on a memory server.
+    pub fn keep_remote(self) -> Result<Option<MemBuffer>, RpcError> {
+        match self.repr {
+            Repr::MemBuffer(b, _) => Ok(Some(b)),
+            Repr::Remote(r) => Ok(Some(r.pool.map_ref(&r.r)?)),
             _ => Ok(None),
         }
     }
@@ -238,56 +318,56 @@ impl Payload {
     }
 
     /// Turns the payload into a frame body, putting data above `inline_max`
-    /// in the pool. Returns the Ref the framework created, to release when
-    /// the call completes (a forwarded Ref is not ours to release). An
-    /// answer's Ref belongs to the caller, who releases it: so an answer
-    /// never passes on a Ref it received, but shares the data anew.
+    /// in the pool (or on the memory servers). Returns the Ref the
+    /// framework created, to release when the call completes (a forwarded
+    /// Ref is not ours to release). An answer's Ref belongs to the caller,
+    /// who releases it: so an answer never passes on a Ref it received,
+    /// but shares the data anew.
     ///
-    /// `refs` says whether the peer shares the pool: if not, everything goes
-    /// inline (by value), whatever its size.
+    /// `refs` says which Refs the peer can use: with neither the pool nor
+    /// the memory servers in common, everything goes inline (by value),
+    /// whatever its size.
     pub(crate) fn into_body(
         self,
-        pool: &Pool,
+        node: &Node,
         inline_max: usize,
         answer: bool,
-        refs: bool,
+        refs: Sharing,
     ) -> Result<(Body, Option<Ref>), RpcError> {
-        let len = self.len();
-        if !refs {
-            return Ok(match self.repr {
-                Repr::Empty => (Body::None, None),
-                Repr::Bytes(v) => (Body::Inline(v), None),
-                _ => (Body::Inline(self.to_vec()?), None),
-            });
-        }
-        if answer && matches!(self.repr, Repr::Ref(_)) {
+        let len = self.len() as usize;
+        if answer && matches!(self.repr, Repr::Ref(_)) && refs.pool {
             let kept = self
                 .keep()?
                 .map_or_else(Payload::empty, Payload::from_buffer);
-            return kept.into_body(pool, inline_max, answer, refs);
+            return kept.into_body(node, inline_max, answer, refs);
         }
+        let remote = refs.remote && node.remote.is_some();
         Ok(match self.repr {
             Repr::Empty => (Body::None, None),
-            Repr::Bytes(v) if v.len() <= inline_max => (Body::Inline(v), None),
-            Repr::Bytes(v) => {
-                let mut b = pool.alloc(v.len() as u64)?;
-                b.write(0, &v)?;
+            Repr::Bytes(v) => bytes_body(v, node, inline_max, refs)?,
+            Repr::Buffer(b) if len > inline_max && refs.pool => {
                 let r = b.share()?;
-                pool.free(b)?;
+                node.pool.free(b)?;
                 (Body::Refs(vec![r]), Some(r))
             }
-            Repr::Buffer(b) if len as usize <= inline_max => (Body::Inline(b.to_vec()?), None),
-            Repr::Buffer(b) => {
-                let r = b.share()?;
-                pool.free(b)?;
+            Repr::Ref(rec) if refs.pool => (Body::Refs(vec![rec.r]), None),
+            Repr::MemBuffer(b, _) if len > inline_max && remote => {
+                let m = node
+                    .remote
+                    .as_ref()
+                    .ok_or_else(|| RpcError::internal("no memory server"))?;
+                let r = m.create_ref(&b, 0, len as u64)?;
+                m.free(b)?;
                 (Body::Refs(vec![r]), Some(r))
             }
-            Repr::Ref(rec) => (Body::Refs(vec![rec.r]), None),
+            Repr::Remote(rec) if remote && !answer => (Body::Refs(vec![rec.r]), None),
+            _ => bytes_body(self.to_vec()?, node, inline_max, refs)?,
         })
     }
 
     /// A received request body. A Ref stays unmapped until read.
-    pub(crate) fn from_request_body(body: Body, pool: &Pool) -> Result<Payload, RpcError> {
+    pub(crate) fn from_request_body(body: Body, node: &Node) -> Result<Payload, RpcError> {
+        let pool = &node.pool;
         Ok(match body {
             Body::None => Payload::empty(),
             Body::Inline(v) => Payload::from_vec(v),
@@ -298,6 +378,25 @@ impl Payload {
                         rs.len()
                     )));
                 };
+                if r.backend == BACKEND_MEMSERVER {
+                    let m = node
+                        .remote
+                        .as_ref()
+                        .filter(|m| m.server_ids().contains(&r.pool_id))
+                        .ok_or_else(|| {
+                            RpcError::invalid_argument(format!(
+                                "a Ref of memory server {:#x}, which this node does not use",
+                                r.pool_id
+                            ))
+                        })?;
+                    return Ok(Payload {
+                        repr: Repr::Remote(Arc::new(RemoteReceived {
+                            pool: m.clone(),
+                            r: *r,
+                            data: OnceLock::new(),
+                        })),
+                    });
+                }
                 if r.pool_id != pool.id() {
                     return Err(RpcError::invalid_argument(format!(
                         "a Ref of pool {:#x}, not of this pool {:#x}",
@@ -318,8 +417,25 @@ impl Payload {
 
     /// A received response body: a Ref is mapped and released at once (the
     /// answer's Ref was made for this caller alone).
-    pub(crate) fn from_response_body(body: Body, pool: &Pool) -> Result<Payload, RpcError> {
+    pub(crate) fn from_response_body(body: Body, node: &Node) -> Result<Payload, RpcError> {
+        let pool = &node.pool;
         Ok(match body {
+            Body::Refs(rs) if rs.first().is_some_and(|r| r.backend == BACKEND_MEMSERVER) => {
+                let [r] = rs.as_slice() else {
+                    return Err(RpcError::internal(format!(
+                        "an answer with {} Refs (this version sends one)",
+                        rs.len()
+                    )));
+                };
+                let m = node.remote.as_ref().ok_or_else(|| {
+                    RpcError::internal("a memory-server Ref, and no memory server")
+                })?;
+                let v = fetch(m, r);
+                let rel = m.release_ref(r);
+                let v = v?;
+                rel?;
+                Payload::from_vec(v)
+            }
             Body::Refs(rs) => {
                 let mut first = None;
                 for r in &rs {
@@ -338,7 +454,40 @@ impl Payload {
                     }
                 }
             }
-            other => Payload::from_request_body(other, pool)?,
+            other => Payload::from_request_body(other, node)?,
         })
     }
+}
+
+/// Bytes as a body: inline up to `inline_max`, else by a new Ref in the
+/// pool (if the peer shares it) or on the memory servers (if it uses them),
+/// else inline.
+fn bytes_body(
+    v: Vec<u8>,
+    node: &Node,
+    inline_max: usize,
+    refs: Sharing,
+) -> Result<(Body, Option<Ref>), RpcError> {
+    if v.is_empty() {
+        return Ok((Body::None, None));
+    }
+    if v.len() <= inline_max {
+        return Ok((Body::Inline(v), None));
+    }
+    if refs.pool {
+        let pool: &Pool = &node.pool;
+        let mut b = pool.alloc(v.len() as u64)?;
+        b.write(0, &v)?;
+        let r = b.share()?;
+        pool.free(b)?;
+        return Ok((Body::Refs(vec![r]), Some(r)));
+    }
+    if let (true, Some(m)) = (refs.remote, &node.remote) {
+        let mut b = m.alloc(v.len() as u64)?;
+        b.write(0, &v)?;
+        let r = m.create_ref(&b, 0, v.len() as u64)?;
+        m.free(b)?;
+        return Ok((Body::Refs(vec![r]), Some(r)));
+    }
+    Ok((Body::Inline(v), None))
 }

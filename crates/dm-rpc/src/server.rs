@@ -211,7 +211,7 @@ impl ServerBuilder {
             }
             Transport::Tcp(addr) => {
                 let l =
-                    crate::transport::tcp::TcpListener::bind(addr, node.pool.id(), stop.clone())?;
+                    crate::transport::tcp::TcpListener::bind(addr, node.identity(), stop.clone())?;
                 let at = l.local_addr().to_string();
                 let r = node
                     .registry
@@ -475,7 +475,7 @@ impl Dispatcher {
         } else {
             match self.methods.get(&frame.method) {
                 Some((name, Method::Async(h))) => {
-                    match Payload::from_request_body(frame.payload, &self.node.pool) {
+                    match Payload::from_request_body(frame.payload, &self.node) {
                         Ok(payload) => {
                             let call = AsyncCall {
                                 payload,
@@ -517,7 +517,7 @@ impl Dispatcher {
         let inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
         let refs = self.listener.refs(conn);
         let (status, body, made) =
-            match result.and_then(|p| p.into_body(&self.node.pool, inline_max, true, refs)) {
+            match result.and_then(|p| p.into_body(&self.node, inline_max, true, refs)) {
                 Ok((body, made)) => (Status::Ok, body, made),
                 Err(e) => {
                     let mut msg = e.message.into_bytes();
@@ -541,7 +541,7 @@ impl Dispatcher {
         if sent.is_err() {
             // The caller is gone: the answer's Ref is ours to release.
             if let Some(r) = made {
-                let _ = self.node.pool.release_ref(&r);
+                let _ = self.node.release_ref(&r);
             }
         }
         self.drain();
@@ -559,7 +559,7 @@ impl Dispatcher {
             )));
         };
         crate::stats::count(&body, false);
-        let payload = Payload::from_request_body(body, &self.node.pool)?;
+        let payload = Payload::from_request_body(body, &self.node)?;
         let mut call = Call {
             payload,
             deadline,

@@ -103,7 +103,7 @@ pub fn connect(name: &str) -> Result<Connection, TransportError> {
         tx: Box::new(MemTx { id, tx }),
         rx: Box::new(MemRx { rx: rrx }),
         max_inline: MAX_INLINE,
-        refs: true,
+        refs: super::Sharing::ALL,
     })
 }
 

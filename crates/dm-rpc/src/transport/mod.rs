@@ -84,9 +84,31 @@ pub struct Connection {
     pub rx: Box<dyn FrameRx>,
     /// Largest inline payload the transport carries.
     pub max_inline: usize,
-    /// Whether the server shares this process's pool, so Refs may travel
-    /// (false: every payload goes inline, by value).
-    pub refs: bool,
+    /// Which Refs may travel to the server (none: every payload goes
+    /// inline, by value).
+    pub refs: Sharing,
+}
+
+/// Which Refs a connection's two ends can both use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sharing {
+    /// Both ends are attached to the same pool: pool Refs.
+    pub pool: bool,
+    /// Both ends are clients of the same memory servers: their Refs.
+    pub remote: bool,
+}
+
+impl Sharing {
+    /// Both kinds (ends in one pool and one process).
+    pub const ALL: Sharing = Sharing {
+        pool: true,
+        remote: true,
+    };
+    /// Pool Refs only.
+    pub const POOL: Sharing = Sharing {
+        pool: true,
+        remote: false,
+    };
 }
 
 impl std::fmt::Debug for Connection {
@@ -115,10 +137,9 @@ pub trait Listener: Send {
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError>;
     /// Largest inline payload the transport carries.
     fn max_inline(&self) -> usize;
-    /// Whether connection `conn`'s client shares the server's pool (so an
-    /// answer may travel by Ref).
-    fn refs(&self, _conn: ConnId) -> bool {
-        true
+    /// Which Refs connection `conn`'s client can use (for answers).
+    fn refs(&self, _conn: ConnId) -> Sharing {
+        Sharing::POOL
     }
     /// Connections currently open.
     fn connections(&self) -> usize;

@@ -188,7 +188,7 @@ pub fn connect(
         tx: Box::new(tx),
         rx: Box::new(rx),
         max_inline,
-        refs: true,
+        refs: super::Sharing::POOL,
     })
 }
 

@@ -4,10 +4,13 @@
 //! Frames are self-delimiting (the fixed header carries the payload
 //! length), so the stream is a plain sequence of frames; the decoder
 //! enforces [`Limits`] before it buffers a payload. Nagle is off on both
-//! ends. A connection starts with a 16-byte hello each way: `DMRPCTCP`
-//! then the sender's pool id (0 if none). When both ids are equal the two
-//! ends share a pool and may pass Refs; otherwise every payload travels
-//! inline (by value, up to [`MAX_INLINE`]).
+//! ends. A connection starts with a 24-byte hello each way (version 2):
+//! `DMRPCTC2`, the sender's pool id and its memory-server domain (a digest
+//! of the memory servers it is a client of), each 0 if none. When the pool
+//! ids are equal the two ends share a pool and may pass pool Refs; when the
+//! domains are equal they may pass memory-server Refs; otherwise every
+//! payload travels inline (by value, up to [`MAX_INLINE`]). (Version 1's
+//! hello was `DMRPCTCP` and the pool id: a version-1 peer is refused.)
 //!
 //! The server side runs on a tokio runtime of its own (one thread: accept
 //! and socket I/O for every connection), and hands frames to the service's
@@ -15,7 +18,7 @@
 //! stops being read (back-pressure through TCP). The blocking client uses
 //! the socket directly from the calling thread.
 
-use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
+use super::{ConnId, Connection, FrameRx, FrameTx, Listener, Sharing, TransportError, Waker};
 use crate::frame::{Frame, Limits};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -26,8 +29,30 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Version of the hello exchange.
-pub const HELLO: [u8; 8] = *b"DMRPCTCP";
+/// Magic and version of the hello exchange.
+pub const HELLO: [u8; 8] = *b"DMRPCTC2";
+/// Bytes of a hello.
+const HELLO_LEN: usize = 24;
+
+/// What an end says about itself in the hello: the pool it is attached to
+/// and the memory servers it uses (0: none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Identity {
+    /// Pool id.
+    pub pool: u64,
+    /// Memory-server domain ([`crate::Node::remote_domain`]).
+    pub remote: u64,
+}
+
+impl Identity {
+    /// Which Refs both ends can use.
+    fn sharing(self, theirs: Identity) -> Sharing {
+        Sharing {
+            pool: self.pool != 0 && self.pool == theirs.pool,
+            remote: self.remote != 0 && self.remote == theirs.remote,
+        }
+    }
+}
 /// Largest inline payload over TCP.
 pub const MAX_INLINE: usize = 16 << 20;
 /// Frames queued per direction before the sender waits.
@@ -42,31 +67,38 @@ fn limits() -> Limits {
     }
 }
 
-fn hello(pool_id: u64) -> [u8; 16] {
-    let mut h = [0u8; 16];
+fn hello(me: Identity) -> [u8; HELLO_LEN] {
+    let mut h = [0u8; HELLO_LEN];
     h[..8].copy_from_slice(&HELLO);
-    h[8..].copy_from_slice(&pool_id.to_le_bytes());
+    h[8..16].copy_from_slice(&me.pool.to_le_bytes());
+    h[16..].copy_from_slice(&me.remote.to_le_bytes());
     h
 }
 
-fn parse_hello(h: &[u8; 16]) -> Result<u64, TransportError> {
+fn parse_hello(h: &[u8; HELLO_LEN]) -> Result<Identity, TransportError> {
     if h[..8] != HELLO {
         return Err(TransportError::Protocol(
-            "the peer does not speak dmrpc over TCP (bad hello)".into(),
+            "the peer does not speak dmrpc over TCP version 2 (bad hello)".into(),
         ));
     }
-    let mut id = [0u8; 8];
-    id.copy_from_slice(&h[8..]);
-    Ok(u64::from_le_bytes(id))
+    let at = |i: usize| {
+        let mut x = [0u8; 8];
+        x.copy_from_slice(&h[i..i + 8]);
+        u64::from_le_bytes(x)
+    };
+    Ok(Identity {
+        pool: at(8),
+        remote: at(16),
+    })
 }
 
 fn unavailable(e: std::io::Error) -> TransportError {
     TransportError::Unavailable(format!("TCP: {e}"))
 }
 
-/// Connects to `addr`. `pool_id` is this process's pool (0 for none):
-/// Refs are allowed on the connection only if the server's is the same.
-pub fn connect(addr: &str, pool_id: u64, timeout: Duration) -> Result<Connection, TransportError> {
+/// Connects to `addr` as `me`: Refs are allowed on the connection only
+/// if the server shares the pool (or the memory servers).
+pub fn connect(addr: &str, me: Identity, timeout: Duration) -> Result<Connection, TransportError> {
     let sa: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| TransportError::Unavailable(format!("cannot resolve {addr:?}: {e}")))?
@@ -74,7 +106,7 @@ pub fn connect(addr: &str, pool_id: u64, timeout: Duration) -> Result<Connection
     let mut last = None;
     for a in sa {
         match TcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => return handshake(s, pool_id),
+            Ok(s) => return handshake(s, me),
             Err(e) => last = Some(e),
         }
     }
@@ -84,15 +116,14 @@ pub fn connect(addr: &str, pool_id: u64, timeout: Duration) -> Result<Connection
     ))
 }
 
-fn handshake(mut s: TcpStream, pool_id: u64) -> Result<Connection, TransportError> {
+fn handshake(mut s: TcpStream, me: Identity) -> Result<Connection, TransportError> {
     s.set_nodelay(true).map_err(unavailable)?;
     s.set_read_timeout(Some(HELLO_TIMEOUT))
         .map_err(unavailable)?;
-    s.write_all(&hello(pool_id)).map_err(unavailable)?;
-    let mut h = [0u8; 16];
+    s.write_all(&hello(me)).map_err(unavailable)?;
+    let mut h = [0u8; HELLO_LEN];
     s.read_exact(&mut h).map_err(unavailable)?;
-    let theirs = parse_hello(&h)?;
-    let refs = pool_id != 0 && theirs == pool_id;
+    let refs = me.sharing(parse_hello(&h)?);
     let r = s.try_clone().map_err(unavailable)?;
     Ok(Connection {
         tx: Box::new(TcpTx { s }),
@@ -196,7 +227,7 @@ impl FrameRx for TcpRx {
 }
 
 enum Event {
-    Open(ConnId, tokio::sync::mpsc::Sender<Vec<u8>>, bool),
+    Open(ConnId, tokio::sync::mpsc::Sender<Vec<u8>>, Sharing),
     Frame(ConnId, Frame),
     Close(ConnId),
     Wake,
@@ -207,7 +238,7 @@ pub struct TcpListener {
     addr: SocketAddr,
     events: Receiver<Event>,
     wake: SyncSender<Event>,
-    conns: HashMap<ConnId, (tokio::sync::mpsc::Sender<Vec<u8>>, bool)>,
+    conns: HashMap<ConnId, (tokio::sync::mpsc::Sender<Vec<u8>>, Sharing)>,
     stop: Arc<AtomicBool>,
     io: Option<std::thread::JoinHandle<()>>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
@@ -224,10 +255,10 @@ impl std::fmt::Debug for TcpListener {
 
 impl TcpListener {
     /// Binds `addr` (`host:port`, port 0 for any) and starts the I/O thread.
-    /// `pool_id` is told to clients in the hello (0: none).
+    /// `me` is told to clients in the hello.
     pub fn bind(
         addr: &str,
-        pool_id: u64,
+        me: Identity,
         stop: Arc<AtomicBool>,
     ) -> Result<TcpListener, TransportError> {
         let std_l = std::net::TcpListener::bind(addr)
@@ -244,7 +275,7 @@ impl TcpListener {
             .map_err(unavailable)?;
         let io = std::thread::Builder::new()
             .name(format!("dmrpc-tcp:{}", local.port()))
-            .spawn(move || rt.block_on(accept_loop(std_l, events, pool_id, stop_rx)))
+            .spawn(move || rt.block_on(accept_loop(std_l, events, me, stop_rx)))
             .map_err(unavailable)?;
         Ok(TcpListener {
             addr: local,
@@ -278,7 +309,7 @@ impl Drop for TcpListener {
 async fn accept_loop(
     l: std::net::TcpListener,
     events: SyncSender<Event>,
-    pool_id: u64,
+    me: Identity,
     mut stop: tokio::sync::oneshot::Receiver<()>,
 ) {
     let Ok(l) = tokio::net::TcpListener::from_std(l) else {
@@ -292,7 +323,7 @@ async fn accept_loop(
                 let Ok((s, _)) = a else { continue };
                 let id = next_id;
                 next_id += 1;
-                tokio::spawn(serve_conn(s, id, events.clone(), pool_id));
+                tokio::spawn(serve_conn(s, id, events.clone(), me));
             }
         }
     }
@@ -317,17 +348,17 @@ async fn serve_conn(
     mut s: tokio::net::TcpStream,
     id: ConnId,
     events: SyncSender<Event>,
-    pool_id: u64,
+    me: Identity,
 ) {
     let _ = s.set_nodelay(true);
-    let mut h = [0u8; 16];
+    let mut h = [0u8; HELLO_LEN];
     let said = tokio::time::timeout(HELLO_TIMEOUT, s.read_exact(&mut h)).await;
     let Ok(Ok(_)) = said else { return };
     let Ok(theirs) = parse_hello(&h) else { return };
-    if s.write_all(&hello(pool_id)).await.is_err() {
+    if s.write_all(&hello(me)).await.is_err() {
         return;
     }
-    let refs = pool_id != 0 && theirs == pool_id;
+    let refs = me.sharing(theirs);
     let (mut rd, mut wr) = s.into_split();
     let (wtx, mut wrx) = tokio::sync::mpsc::channel::<Vec<u8>>(QUEUE_DEPTH);
     if !deliver(&events, Event::Open(id, wtx, refs)).await {
@@ -458,8 +489,8 @@ impl Listener for TcpListener {
         MAX_INLINE
     }
 
-    fn refs(&self, conn: ConnId) -> bool {
-        self.conns.get(&conn).is_some_and(|c| c.1)
+    fn refs(&self, conn: ConnId) -> Sharing {
+        self.conns.get(&conn).map(|c| c.1).unwrap_or_default()
     }
 
     fn connections(&self) -> usize {

@@ -1,0 +1,151 @@
+//! RPC between nodes in different pools that use the same memory servers
+//! (DmRPC-net): large arguments and answers travel as memory-server Refs
+//! over TCP, are forwarded untouched through a middle tier, and everything
+//! is released when the calls complete.
+#![allow(clippy::unwrap_used)]
+
+use dm_memserver::{Config as MsConfig, MemPool, Server as MemServer};
+use dm_pool::testing::TempPool;
+use dm_pool::{Dm, DmBuffer};
+use dm_rpc::{Node, Payload, Transport};
+
+fn node(tp: &TempPool, ms: &[&MemServer]) -> Node {
+    let addrs: Vec<String> = ms.iter().map(|s| s.addr().to_string()).collect();
+    Node::new(tp.attach()).with_memserver(MemPool::connect(&addrs).unwrap())
+}
+
+fn sum(p: &Payload) -> u64 {
+    p.segments()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s.iter())
+        .map(|&b| b as u64)
+        .sum()
+}
+
+fn settled(ms: &MemServer) {
+    for _ in 0..200 {
+        let u = ms.state().usage();
+        if u.pages_held == 0 && u.refs == 0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let problems = ms.state().check(true);
+    assert!(problems.is_empty(), "{problems:#?}");
+    let u = ms.state().usage();
+    assert_eq!((u.pages_held, u.refs), (0, 0), "{u:?}");
+}
+
+#[test]
+fn large_payloads_travel_as_memory_server_refs_and_are_released() {
+    let ms = MemServer::start(MsConfig {
+        size: 64 << 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let (pa, pb, pc) = (
+        TempPool::new(16 << 20),
+        TempPool::new(16 << 20),
+        TempPool::new(16 << 20),
+    );
+    // C, the last tier: reads every byte, answers with the sum and, for
+    // `echo`, the data itself.
+    let nc = node(&pc, &[&ms]);
+    let sc = nc
+        .server("net/last")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("sum", |c| {
+            let remote = c.payload().is_remote() as u8;
+            let mut v = sum(c.payload()).to_le_bytes().to_vec();
+            v.push(remote);
+            Ok(Payload::from_vec(v))
+        })
+        .method("echo", |c| Ok(c.take_payload()))
+        .spawn()
+        .unwrap();
+    let c_addr = sc.tcp_addr().unwrap().to_owned();
+    // B, the middle tier: forwards without touching the data.
+    let nb = node(&pb, &[&ms]);
+    let to_c = nb.connect_tcp(&c_addr).unwrap();
+    let sb = nb
+        .server("net/middle")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("sum", move |c| {
+            let large = c.payload().len() > dm_rpc::DEFAULT_INLINE_MAX as u64;
+            assert_eq!(c.payload().is_remote(), large, "large ones arrive by Ref");
+            to_c.call("sum", c.payload().forward()?)
+        })
+        .spawn()
+        .unwrap();
+    let na = node(&pa, &[&ms]);
+    let to_b = na.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
+    let data: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    let want: u64 = data.iter().map(|&b| b as u64).sum();
+    let refs0 = ms.state().metrics.requests_of("create_ref");
+    for _ in 0..3 {
+        let r = to_b.call("sum", Payload::from_vec(data.clone())).unwrap();
+        let v = r.to_vec().unwrap();
+        assert_eq!(u64::from_le_bytes(v[..8].try_into().unwrap()), want);
+        assert_eq!(v[8], 1, "the last tier got a memory-server Ref");
+    }
+    assert_eq!(
+        ms.state().metrics.requests_of("create_ref") - refs0,
+        3,
+        "one Ref per call, none at the forwarding hop"
+    );
+    // A buffer built on the memory server goes by its Ref, no copy.
+    let m = na.memserver().unwrap();
+    let mut b = m.alloc(300_000).unwrap();
+    b.write(0, &vec![2u8; 300_000]).unwrap();
+    let r = to_b.call("sum", Payload::from_mem_buffer(b)).unwrap();
+    assert_eq!(
+        u64::from_le_bytes(r.to_vec().unwrap()[..8].try_into().unwrap()),
+        600_000
+    );
+    // A large answer comes back by Ref too (and is released by the caller).
+    let to_c = na.connect_tcp(&c_addr).unwrap();
+    let back = to_c.call("echo", Payload::from_vec(data.clone())).unwrap();
+    assert!(back.to_vec().unwrap() == data);
+    // Small payloads stay inline.
+    let r = to_b.call("sum", Payload::from_vec(vec![1u8; 100])).unwrap();
+    assert_eq!(r.to_vec().unwrap()[..9], [100, 0, 0, 0, 0, 0, 0, 0, 0]);
+    drop((to_b, to_c, sb, sc));
+    settled(&ms);
+    drop((na, nb, nc));
+    pa.assert_clean();
+    pb.assert_clean();
+    pc.assert_clean();
+}
+
+#[test]
+fn a_peer_without_the_memory_servers_gets_values() {
+    let ms = MemServer::start(MsConfig::default()).unwrap();
+    let (pa, pb) = (TempPool::new(16 << 20), TempPool::new(16 << 20));
+    // The server uses no memory server; the client does.
+    let nb = Node::new(pb.attach());
+    let sb = nb
+        .server("net/plain")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("sum", |c| {
+            let remote = c.payload().is_remote() as u8;
+            let mut v = sum(c.payload()).to_le_bytes().to_vec();
+            v.push(remote);
+            Ok(Payload::from_vec(v))
+        })
+        .spawn()
+        .unwrap();
+    let na = node(&pa, &[&ms]);
+    let c = na.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
+    let r = c
+        .call("sum", Payload::from_vec(vec![3u8; 500_000]))
+        .unwrap();
+    let v = r.to_vec().unwrap();
+    assert_eq!(u64::from_le_bytes(v[..8].try_into().unwrap()), 1_500_000);
+    assert_eq!(v[8], 0, "sent by value");
+    assert_eq!(ms.state().metrics.requests_of("create_ref"), 0);
+    drop((c, sb, na, nb));
+    settled(&ms);
+    pa.assert_clean();
+    pb.assert_clean();
+}
