@@ -12,6 +12,7 @@
 //! every pending and later request on it into `Unavailable`, never a hang
 //! (requests also time out).
 
+use crate::cache::{key_of, CacheStats, PageCache, RefKey};
 use crate::proto::{self, Request, MAX_FRAME};
 use dm_pool::{contract::Usage, refs::BACKEND_MEMSERVER, Dm, DmBuffer, Error, Ref, Result};
 use std::collections::{HashMap, HashSet};
@@ -35,6 +36,9 @@ pub struct ClientConfig {
     pub timeout: Duration,
     /// Time to connect to each server.
     pub connect_timeout: Duration,
+    /// Bytes of the cache of immutable pages read through mapped Refs
+    /// (0: no cache).
+    pub cache_bytes: u64,
 }
 
 impl Default for ClientConfig {
@@ -43,6 +47,7 @@ impl Default for ClientConfig {
             lease: Duration::from_secs(10),
             timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
+            cache_bytes: 32 << 20,
         }
     }
 }
@@ -303,6 +308,7 @@ impl Drop for Conn {
 #[derive(Debug)]
 struct Inner {
     conns: Vec<Conn>,
+    cache: Option<Mutex<PageCache>>,
     cfg: ClientConfig,
     next: AtomicUsize,
     closed: AtomicBool,
@@ -358,6 +364,7 @@ impl MemPool {
         }
         let inner = Arc::new(Inner {
             conns,
+            cache: (cfg.cache_bytes > 0).then(|| Mutex::new(PageCache::new(cfg.cache_bytes))),
             cfg,
             next: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
@@ -392,7 +399,17 @@ impl MemPool {
             addr,
             len,
             freed: false,
+            origin: None,
         })
+    }
+
+    /// The counters of the page cache (zeros without one).
+    pub fn cache_stats(&self) -> CacheStats {
+        self.inner
+            .cache
+            .as_ref()
+            .map(|c| lock(c).stats())
+            .unwrap_or_default()
     }
 
     /// Every server's invariant problems (none: consistent).
@@ -445,6 +462,9 @@ pub struct MemBuffer {
     addr: u64,
     len: u64,
     freed: bool,
+    /// The Ref this buffer maps (its chunks are cacheable), and the chunks
+    /// this client has written since (its own copies: never cached).
+    origin: Option<(RefKey, Vec<bool>)>,
 }
 
 impl MemBuffer {
@@ -481,6 +501,96 @@ impl DmBuffer for MemBuffer {
 
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check_range(offset, out.len() as u64)?;
+        match (&self.origin, &self.inner.cache) {
+            (Some((key, dirty)), Some(cache)) if !out.is_empty() => {
+                self.read_cached(*key, dirty, cache, offset, out)
+            }
+            _ => self.read_server(offset, out),
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        if let Some((_, dirty)) = &mut self.origin {
+            if !data.is_empty() {
+                let ps = self.inner.conns[0].page_size as u64;
+                let (a, b) = (offset / ps, (offset + data.len() as u64 - 1) / ps);
+                for d in &mut dirty[a as usize..=b as usize] {
+                    *d = true;
+                }
+            }
+        }
+        let reqs: Vec<Request> = data
+            .chunks(WRITE_CHUNK)
+            .enumerate()
+            .map(|(i, d)| Request::Write {
+                addr: self.addr,
+                offset: offset + (i * WRITE_CHUNK) as u64,
+                data: d.to_vec(),
+            })
+            .collect();
+        let c = &self.inner.conns[self.server];
+        Self::all(c.call_many(&reqs, self.inner.cfg.timeout)).map(|_| ())
+    }
+}
+
+impl MemBuffer {
+    /// Reads through the cache: chunks of the Ref this client has not
+    /// written come from the cache when there; the span of the missing
+    /// ones is read from the server in one go and cached.
+    fn read_cached(
+        &self,
+        key: RefKey,
+        dirty: &[bool],
+        cache: &Mutex<PageCache>,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let ps = self.inner.conns[0].page_size as u64;
+        let (first, last) = (offset / ps, (offset + out.len() as u64 - 1) / ps);
+        let mut got: Vec<Option<Arc<[u8]>>> = Vec::with_capacity((last - first + 1) as usize);
+        {
+            let mut c = lock(cache);
+            for k in first..=last {
+                got.push(if dirty[k as usize] {
+                    None
+                } else {
+                    c.get(key, k)
+                });
+            }
+        }
+        let missing: Vec<u64> = (first..=last)
+            .filter(|k| got[(k - first) as usize].is_none())
+            .collect();
+        if let (Some(&lo), Some(&hi)) = (missing.first(), missing.last()) {
+            let start = lo * ps;
+            let end = ((hi + 1) * ps).min(self.len);
+            let mut span = vec![0u8; (end - start) as usize];
+            self.read_server(start, &mut span)?;
+            let mut c = lock(cache);
+            for k in lo..=hi {
+                let s = ((k - lo) * ps) as usize;
+                let e = (s + ps as usize).min(span.len());
+                let chunk: Arc<[u8]> = Arc::from(&span[s..e]);
+                if !dirty[k as usize] {
+                    c.put(key, k, &chunk);
+                }
+                got[(k - first) as usize] = Some(chunk);
+            }
+        }
+        for (i, k) in (first..=last).enumerate() {
+            let Some(chunk) = &got[i] else {
+                return Err(Error::Corrupt("a chunk went missing".into()));
+            };
+            let cs = k * ps;
+            let (from, to) = (offset.max(cs), (offset + out.len() as u64).min(cs + ps));
+            out[(from - offset) as usize..(to - offset) as usize]
+                .copy_from_slice(&chunk[(from - cs) as usize..(to - cs) as usize]);
+        }
+        Ok(())
+    }
+
+    fn read_server(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         let reqs: Vec<Request> = (0..out.len())
             .step_by(READ_CHUNK)
             .map(|at| Request::Read {
@@ -504,21 +614,6 @@ impl DmBuffer for MemBuffer {
             return Err(Error::Protocol("a read answered too few bytes".into()));
         }
         Ok(())
-    }
-
-    fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        self.check_range(offset, data.len() as u64)?;
-        let reqs: Vec<Request> = data
-            .chunks(WRITE_CHUNK)
-            .enumerate()
-            .map(|(i, d)| Request::Write {
-                addr: self.addr,
-                offset: offset + (i * WRITE_CHUNK) as u64,
-                data: d.to_vec(),
-            })
-            .collect();
-        let c = &self.inner.conns[self.server];
-        Self::all(c.call_many(&reqs, self.inner.cfg.timeout)).map(|_| ())
     }
 }
 
@@ -571,12 +666,18 @@ impl Dm for MemPool {
             .unwrap_or(0);
         let a = self.inner.call(server, &Request::MapRef(*r))?;
         let [addr, len] = proto::u64s::<2>(&a).map_err(|e| Error::Protocol(e.to_string()))?;
+        let chunks = len.div_ceil(self.page_size() as u64) as usize;
         Ok(MemBuffer {
             inner: self.inner.clone(),
             server,
             addr,
             len,
             freed: false,
+            origin: self
+                .inner
+                .cache
+                .is_some()
+                .then(|| (key_of(r), vec![false; chunks])),
         })
     }
 

@@ -9,11 +9,14 @@
 //! Layout: [`proto`] is the wire format (where request frames are parsed),
 //! [`server`] the daemon (its `pages` module counts pages, `space` holds
 //! each client's address map, `refs` the Ref table, `metrics` the
-//! Prometheus counters), [`client`] the client.
+//! Prometheus counters), [`client`] the client and [`cache`] its cache of
+//! immutable pages.
 
+pub mod cache;
 pub mod client;
 pub mod proto;
 pub mod server;
 
+pub use cache::CacheStats;
 pub use client::{ClientConfig, MemBuffer, MemPool};
 pub use server::{Config, Server};

@@ -159,3 +159,54 @@ fn large_reads_and_writes_are_pipelined_in_chunks() {
     drop((b, p));
     settle(&s);
 }
+
+#[test]
+fn the_page_cache_serves_frozen_pages_and_never_a_clients_own_writes() {
+    let s = Server::start(Config::default()).unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let data: Vec<u8> = (0..8 * 4096).map(|i| (i % 249) as u8).collect();
+    let mut b = p.alloc(data.len() as u64).unwrap();
+    b.write(0, &data).unwrap();
+    let r = p.create_ref(&b, 100, 5 * 4096).unwrap(); // unaligned
+    let want = &data[100..100 + 5 * 4096];
+    let reads0 = s.state().metrics.requests_of("read");
+    let m1 = p.map_ref(&r).unwrap();
+    assert_eq!(m1.to_vec().unwrap(), want);
+    let st = p.cache_stats();
+    assert_eq!((st.hits, st.misses), (0, 5));
+    // Another mapping of the same Ref: every chunk from the cache.
+    let mut m2 = p.map_ref(&r).unwrap();
+    assert_eq!(m2.to_vec().unwrap(), want);
+    let mut part = [0u8; 10];
+    m2.read(4090, &mut part).unwrap(); // across two chunks
+    assert_eq!(&part, &want[4090..4100]);
+    assert_eq!(p.cache_stats().hits, 7);
+    assert_eq!(
+        s.state().metrics.requests_of("read") - reads0,
+        1,
+        "one read request for the first mapping, none after"
+    );
+    // The creator writes its buffer: the Ref, and so the cache, keep the snapshot.
+    b.write(100, &[0xEE; 4096]).unwrap();
+    assert_eq!(p.map_ref(&r).unwrap().to_vec().unwrap(), want);
+    // A mapping's own write is its own: read from the server, not cached.
+    m2.write(4096 + 1, b"mine").unwrap();
+    let mut got = [0u8; 4];
+    m2.read(4096 + 1, &mut got).unwrap();
+    assert_eq!(&got, b"mine");
+    assert_eq!(m1.to_vec().unwrap(), want, "the other mapping is untouched");
+    // Without a cache, every read goes to the server.
+    let q = MemPool::connect_with(
+        &[s.addr().to_string()],
+        dm_memserver::ClientConfig {
+            cache_bytes: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(q.map_ref(&r).unwrap().to_vec().unwrap(), want);
+    assert_eq!(q.cache_stats().hits + q.cache_stats().misses, 0);
+    p.release_ref(&r).unwrap();
+    drop((b, m1, m2, p, q));
+    settle(&s);
+}

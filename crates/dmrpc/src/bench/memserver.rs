@@ -9,6 +9,11 @@
 //! table gives p50/p99 latency and the total throughput, and the ratio of
 //! throughputs (memory server / Redis). Redis comes from the distribution
 //! (`scripts/deps.sh` installs it); without it the bench says so and fails.
+//!
+//! Then the client's page cache: 64 Refs of 64 KiB (4 MiB), each call maps
+//! one (80% of calls go to the hottest 20% of the Refs), reads all of it
+//! and frees the mapping, with a 2 MiB cache and with none: hit rate and
+//! latency.
 
 use super::peer::percentile;
 use super::serde_like::Obj;
@@ -326,8 +331,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             rows.push(o);
         }
     }
+    // The page cache: Refs read through fresh mappings, with and without.
+    let cache_rows = cache_bench(&ms_addr, budget)?;
     let mut res = Obj::default();
     res.str("benchmark", "memserver");
+    res.arr("cache", &cache_rows);
     res.str(
         "method",
         "4 KiB reads/writes on dmrpc memserver (2 threads) vs redis-server GET/SET of 4 KiB values, both separate processes on loopback; one closed-loop client thread per connection over 256 keys; every request timed",
@@ -351,4 +359,88 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "throughput_ratio",
         ],
     )
+}
+
+/// The cache experiment: (cache bytes, hit rate, p50, p99, calls/s) rows.
+fn cache_bench(addr: &str, budget: Duration) -> Result<Vec<Obj>> {
+    const REFS: usize = 64;
+    const LEN: usize = 64 << 10;
+    let owner = MemPool::connect(&[addr])?;
+    let mut refs = Vec::new();
+    let mut bufs = Vec::new();
+    for i in 0..REFS {
+        let mut b = owner.alloc(LEN as u64)?;
+        b.write(0, &vec![i as u8; LEN])?;
+        refs.push(owner.create_ref(&b, 0, LEN as u64)?);
+        bufs.push(b);
+    }
+    println!(
+        "page cache: {REFS} Refs of {} KiB, 80% of reads on 20% of them, each read maps, reads all, frees",
+        LEN >> 10
+    );
+    println!(
+        "{:>12} {:>9} {:>10} {:>10} {:>10}",
+        "cache", "hit rate", "p50 us", "p99 us", "reads/s"
+    );
+    let mut rows = Vec::new();
+    for cache in [2u64 << 20, 0] {
+        let p = MemPool::connect_with(
+            &[addr],
+            dm_memserver::ClientConfig {
+                cache_bytes: cache,
+                ..Default::default()
+            },
+        )?;
+        let mut out = vec![0u8; LEN];
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut v = Vec::new();
+        let t0 = Instant::now();
+        while t0.elapsed() < budget {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let hot = seed % 10 < 8;
+            let i = if hot {
+                (seed >> 8) as usize % (REFS / 5)
+            } else {
+                REFS / 5 + (seed >> 8) as usize % (REFS - REFS / 5)
+            };
+            let t = Instant::now();
+            let m = p.map_ref(&refs[i])?;
+            m.read(0, &mut out)?;
+            p.free(m)?;
+            v.push(t.elapsed().as_nanos() as f64);
+            if out[LEN - 1] != i as u8 {
+                bail!("the cache served wrong data");
+            }
+        }
+        let n = v.len() as f64;
+        let per_s = n / t0.elapsed().as_secs_f64();
+        let hit = p.cache_stats().hit_rate();
+        let (p50, p99) = (percentile(&mut v, 0.5), percentile(&mut v, 0.99));
+        println!(
+            "{:>12} {:>8.0}% {:>10.1} {:>10.1} {:>10.0}",
+            if cache == 0 {
+                "none".to_string()
+            } else {
+                format!("{} MiB", cache >> 20)
+            },
+            hit * 100.0,
+            p50 / 1e3,
+            p99 / 1e3,
+            per_s
+        );
+        let mut o = Obj::default();
+        o.num("cache_bytes", cache as f64);
+        o.num("hit_rate", hit);
+        o.num("p50_ns", p50);
+        o.num("p99_ns", p99);
+        o.num("reads_per_s", per_s);
+        rows.push(o);
+    }
+    for r in &refs {
+        owner.release_ref(r)?;
+    }
+    drop(bufs);
+    Ok(rows)
 }
