@@ -47,11 +47,14 @@ impl CacheStats {
     }
 }
 
+/// A cached chunk and when it was last used.
+type Entry = (Arc<[u8]>, u64);
+
 /// A bounded LRU of immutable chunks.
 #[derive(Debug)]
 pub struct PageCache {
     capacity: u64,
-    map: HashMap<(RefKey, u64), (Arc<[u8]>, u64)>,
+    map: HashMap<(RefKey, u64), Entry>,
     lru: BTreeMap<u64, (RefKey, u64)>,
     tick: u64,
     stats: CacheStats,
