@@ -13,7 +13,7 @@
 //! (requests also time out).
 
 use crate::cache::{key_of, CacheStats, PageCache, RefKey};
-use crate::proto::{self, Request, MAX_FRAME};
+use crate::proto::{self, Request, MAX_FRAME, MAX_IO};
 use dm_pool::{contract::Usage, refs::BACKEND_MEMSERVER, Dm, DmBuffer, Error, Ref, Result};
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -403,6 +403,90 @@ impl MemPool {
         })
     }
 
+    /// Stores `data` on a server (round robin) as a new Ref, in one round
+    /// trip (alloc, write, create_ref and free on the server). `ttl` 0:
+    /// the server's default.
+    pub fn put(&self, data: &[u8], ttl: Duration) -> Result<Ref> {
+        let n = self.inner.conns.len();
+        let k = self.inner.next.fetch_add(1, Ordering::Relaxed) % n;
+        if data.len() > MAX_IO {
+            // Too large for one request: the long way, pipelined.
+            let mut b = self.alloc_on(k, data.len() as u64)?;
+            b.write(0, data)?;
+            let r = self.create_ref_ttl(&b, 0, data.len() as u64, ttl)?;
+            self.free(b)?;
+            return Ok(r);
+        }
+        let ttl_ms = ttl.as_millis().min(u32::MAX as u128) as u32;
+        let a = self.inner.call(
+            k,
+            &Request::Put {
+                ttl_ms,
+                data: data.to_vec(),
+            },
+        )?;
+        proto::decode_ref(&a).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    /// Reads `out.len()` bytes at `offset` of `r`'s snapshot without
+    /// mapping it (one round trip per [`READ_CHUNK`], through the page
+    /// cache). Chunks this client read before come from its cache even if
+    /// the Ref was released since: the data is immutable and was readable
+    /// to this client; chunks not cached need the Ref live.
+    pub fn read_ref(&self, r: &Ref, offset: u64, out: &mut [u8]) -> Result<()> {
+        let c = self.inner.conn_of(r)?;
+        if offset
+            .checked_add(out.len() as u64)
+            .is_none_or(|e| e > r.len)
+        {
+            return Err(Error::OutOfBounds {
+                offset,
+                len: out.len() as u64,
+                size: r.len,
+            });
+        }
+        let fetch = |off: u64, buf: &mut [u8]| -> Result<()> {
+            let reqs: Vec<Request> = (0..buf.len())
+                .step_by(READ_CHUNK)
+                .map(|at| Request::ReadRef {
+                    r: *r,
+                    offset: off + at as u64,
+                    len: READ_CHUNK.min(buf.len() - at) as u32,
+                })
+                .collect();
+            fill(buf, c.call_many(&reqs, self.inner.cfg.timeout))
+        };
+        match &self.inner.cache {
+            Some(cache) if !out.is_empty() => {
+                let chunks = r.len.div_ceil(self.page_size() as u64) as usize;
+                read_through(
+                    cache,
+                    key_of(r),
+                    &vec![false; chunks],
+                    self.page_size() as u64,
+                    r.len,
+                    offset,
+                    out,
+                    fetch,
+                )
+            }
+            _ => fetch(offset, out),
+        }
+    }
+
+    /// Releases `r` without waiting for the answer (a Ref the framework
+    /// made for a call, released when the call completes: a failure would
+    /// change nothing for the caller, and the TTL reclaims it anyway).
+    pub fn release_ref_nowait(&self, r: &Ref) -> Result<()> {
+        let c = self.inner.conn_of(r)?;
+        let id = c.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut b = Vec::new();
+        Request::ReleaseRef(*r).encode(id, &mut b);
+        lock(&c.out)
+            .write_all(&b)
+            .map_err(|e| c.unavailable(&e.to_string()))
+    }
+
     /// The counters of the page cache (zeros without one).
     pub fn cache_stats(&self) -> CacheStats {
         self.inner
@@ -502,9 +586,16 @@ impl DmBuffer for MemBuffer {
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check_range(offset, out.len() as u64)?;
         match (&self.origin, &self.inner.cache) {
-            (Some((key, dirty)), Some(cache)) if !out.is_empty() => {
-                self.read_cached(*key, dirty, cache, offset, out)
-            }
+            (Some((key, dirty)), Some(cache)) if !out.is_empty() => read_through(
+                cache,
+                *key,
+                dirty,
+                self.inner.conns[0].page_size as u64,
+                self.len,
+                offset,
+                out,
+                |off, buf| self.read_server(off, buf),
+            ),
             _ => self.read_server(offset, out),
         }
     }
@@ -535,61 +626,6 @@ impl DmBuffer for MemBuffer {
 }
 
 impl MemBuffer {
-    /// Reads through the cache: chunks of the Ref this client has not
-    /// written come from the cache when there; the span of the missing
-    /// ones is read from the server in one go and cached.
-    fn read_cached(
-        &self,
-        key: RefKey,
-        dirty: &[bool],
-        cache: &Mutex<PageCache>,
-        offset: u64,
-        out: &mut [u8],
-    ) -> Result<()> {
-        let ps = self.inner.conns[0].page_size as u64;
-        let (first, last) = (offset / ps, (offset + out.len() as u64 - 1) / ps);
-        let mut got: Vec<Option<Arc<[u8]>>> = Vec::with_capacity((last - first + 1) as usize);
-        {
-            let mut c = lock(cache);
-            for k in first..=last {
-                got.push(if dirty[k as usize] {
-                    None
-                } else {
-                    c.get(key, k)
-                });
-            }
-        }
-        let missing: Vec<u64> = (first..=last)
-            .filter(|k| got[(k - first) as usize].is_none())
-            .collect();
-        if let (Some(&lo), Some(&hi)) = (missing.first(), missing.last()) {
-            let start = lo * ps;
-            let end = ((hi + 1) * ps).min(self.len);
-            let mut span = vec![0u8; (end - start) as usize];
-            self.read_server(start, &mut span)?;
-            let mut c = lock(cache);
-            for k in lo..=hi {
-                let s = ((k - lo) * ps) as usize;
-                let e = (s + ps as usize).min(span.len());
-                let chunk: Arc<[u8]> = Arc::from(&span[s..e]);
-                if !dirty[k as usize] {
-                    c.put(key, k, &chunk);
-                }
-                got[(k - first) as usize] = Some(chunk);
-            }
-        }
-        for (i, k) in (first..=last).enumerate() {
-            let Some(chunk) = &got[i] else {
-                return Err(Error::Corrupt("a chunk went missing".into()));
-            };
-            let cs = k * ps;
-            let (from, to) = (offset.max(cs), (offset + out.len() as u64).min(cs + ps));
-            out[(from - offset) as usize..(to - offset) as usize]
-                .copy_from_slice(&chunk[(from - cs) as usize..(to - cs) as usize]);
-        }
-        Ok(())
-    }
-
     fn read_server(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         let reqs: Vec<Request> = (0..out.len())
             .step_by(READ_CHUNK)
@@ -600,20 +636,7 @@ impl MemBuffer {
             })
             .collect();
         let c = &self.inner.conns[self.server];
-        let got = Self::all(c.call_many(&reqs, self.inner.cfg.timeout))?;
-        let mut at = 0;
-        for g in got {
-            let end = at + g.len();
-            if end > out.len() {
-                return Err(Error::Protocol("a read answered too many bytes".into()));
-            }
-            out[at..end].copy_from_slice(&g);
-            at = end;
-        }
-        if at != out.len() {
-            return Err(Error::Protocol("a read answered too few bytes".into()));
-        }
-        Ok(())
+        fill(out, c.call_many(&reqs, self.inner.cfg.timeout))
     }
 }
 
@@ -728,4 +751,79 @@ impl MemPool {
         )?;
         proto::decode_ref(&b).map_err(|e| Error::Protocol(e.to_string()))
     }
+}
+
+/// Copies the answers of pipelined reads into `out`, in order.
+fn fill(out: &mut [u8], answers: Vec<Answer>) -> Result<()> {
+    let mut at = 0;
+    for g in answers {
+        let g = g?;
+        let end = at + g.len();
+        if end > out.len() {
+            return Err(Error::Protocol("a read answered too many bytes".into()));
+        }
+        out[at..end].copy_from_slice(&g);
+        at = end;
+    }
+    if at != out.len() {
+        return Err(Error::Protocol("a read answered too few bytes".into()));
+    }
+    Ok(())
+}
+
+/// Reads through the cache: chunks of Ref `key` not in `dirty` come from
+/// the cache when there; the span of the missing ones is read with
+/// `fetch` in one go and cached (except dirty ones).
+#[allow(clippy::too_many_arguments)]
+fn read_through(
+    cache: &Mutex<PageCache>,
+    key: RefKey,
+    dirty: &[bool],
+    ps: u64,
+    len: u64,
+    offset: u64,
+    out: &mut [u8],
+    fetch: impl Fn(u64, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let (first, last) = (offset / ps, (offset + out.len() as u64 - 1) / ps);
+    let mut got: Vec<Option<Arc<[u8]>>> = Vec::with_capacity((last - first + 1) as usize);
+    {
+        let mut c = lock(cache);
+        for k in first..=last {
+            got.push(if dirty[k as usize] {
+                None
+            } else {
+                c.get(key, k)
+            });
+        }
+    }
+    let missing: Vec<u64> = (first..=last)
+        .filter(|k| got[(k - first) as usize].is_none())
+        .collect();
+    if let (Some(&lo), Some(&hi)) = (missing.first(), missing.last()) {
+        let start = lo * ps;
+        let end = ((hi + 1) * ps).min(len);
+        let mut span = vec![0u8; (end - start) as usize];
+        fetch(start, &mut span)?;
+        let mut c = lock(cache);
+        for k in lo..=hi {
+            let s = ((k - lo) * ps) as usize;
+            let e = (s + ps as usize).min(span.len());
+            let chunk: Arc<[u8]> = Arc::from(&span[s..e]);
+            if !dirty[k as usize] {
+                c.put(key, k, &chunk);
+            }
+            got[(k - first) as usize] = Some(chunk);
+        }
+    }
+    for (i, k) in (first..=last).enumerate() {
+        let Some(chunk) = &got[i] else {
+            return Err(Error::Corrupt("a chunk went missing".into()));
+        };
+        let cs = k * ps;
+        let (from, to) = (offset.max(cs), (offset + out.len() as u64).min(cs + ps));
+        out[(from - offset) as usize..(to - offset) as usize]
+            .copy_from_slice(&chunk[(from - cs) as usize..(to - cs) as usize]);
+    }
+    Ok(())
 }

@@ -23,6 +23,14 @@
 //! | 10 check | — | problems, UTF-8, one per line |
 //! | 11 ping | — | — |
 //! | 12 maintain | — | — |
+//! | 13 put | ttl_ms u32 (0: default), data (the rest) | Ref (40 bytes) |
+//! | 14 read_ref | Ref (40 bytes), offset u64, len u32 | the bytes |
+//!
+//! `put` is alloc + write + create_ref + free in one request (a sender's
+//! by-Ref argument in one round trip); `read_ref` reads a Ref's snapshot
+//! without mapping it (a receiver's read in one round trip). Both were
+//! added within version 1: a server without them answers "unknown
+//! operation".
 //!
 //! A request's `id` is the client's; the answer carries it back (a client
 //! pipelines many requests on one connection; a connection's answers come
@@ -102,6 +110,22 @@ pub enum Request {
     Ping,
     /// Reclaims expired Refs now.
     Maintain,
+    /// Stores `data` as a new Ref's snapshot.
+    Put {
+        /// Time to live in ms (0: the server's default).
+        ttl_ms: u32,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Reads a Ref's snapshot.
+    ReadRef {
+        /// The Ref.
+        r: Ref,
+        /// Offset in the snapshot.
+        offset: u64,
+        /// Bytes (at most [`MAX_IO`]).
+        len: u32,
+    },
 }
 
 /// Operation codes.
@@ -118,10 +142,12 @@ mod op {
     pub const CHECK: u8 = 10;
     pub const PING: u8 = 11;
     pub const MAINTAIN: u8 = 12;
+    pub const PUT: u8 = 13;
+    pub const READ_REF: u8 = 14;
 }
 
 /// Number of operation codes (for per-op counters), index = op - 1.
-pub const OPS: usize = 12;
+pub const OPS: usize = 14;
 
 /// Names of the operations, index = op - 1.
 pub const OP_NAMES: [&str; OPS] = [
@@ -137,6 +163,8 @@ pub const OP_NAMES: [&str; OPS] = [
     "check",
     "ping",
     "maintain",
+    "put",
+    "read_ref",
 ];
 
 /// Why bytes are not a valid frame.
@@ -274,6 +302,8 @@ impl Request {
             Request::Check => op::CHECK,
             Request::Ping => op::PING,
             Request::Maintain => op::MAINTAIN,
+            Request::Put { .. } => op::PUT,
+            Request::ReadRef { .. } => op::READ_REF,
         }
     }
 
@@ -307,6 +337,15 @@ impl Request {
             }
             Request::MapRef(r) | Request::ReleaseRef(r) => out.extend_from_slice(&r.to_bytes()),
             Request::Usage | Request::Check | Request::Ping | Request::Maintain => {}
+            Request::Put { ttl_ms, data } => {
+                out.extend_from_slice(&ttl_ms.to_le_bytes());
+                out.extend_from_slice(data);
+            }
+            Request::ReadRef { r, offset, len } => {
+                out.extend_from_slice(&r.to_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
         }
         finish(out, at);
     }
@@ -345,6 +384,17 @@ impl Request {
                 op::CHECK => Request::Check,
                 op::PING => Request::Ping,
                 op::MAINTAIN => Request::Maintain,
+                op::PUT => Request::Put {
+                    ttl_ms: r.u32()?,
+                    data: r.rest().to_vec(),
+                },
+                op::READ_REF => {
+                    let (rf, offset, len) = (r.reference()?, r.u64()?, r.u32()?);
+                    if len as usize > MAX_IO {
+                        return Err(ProtoError::ReadTooLong(len));
+                    }
+                    Request::ReadRef { r: rf, offset, len }
+                }
                 other => return Err(ProtoError::Op(other)),
             };
             r.end()?;
@@ -615,6 +665,13 @@ mod tests {
             Just(Request::Check),
             Just(Request::Ping),
             Just(Request::Maintain),
+            (any::<u32>(), proptest::collection::vec(any::<u8>(), 0..200))
+                .prop_map(|(ttl_ms, data)| Request::Put { ttl_ms, data }),
+            (any::<u64>(), 0u32..=MAX_IO as u32).prop_map(|(offset, len)| Request::ReadRef {
+                r: a_ref(),
+                offset,
+                len
+            }),
         ]
     }
 
@@ -639,7 +696,7 @@ mod tests {
             let mut b = Vec::new();
             req.encode(1, &mut b);
             let body = &b[4..];
-            if cut < body.len() && !matches!(req, Request::Write { .. }) {
+            if cut < body.len() && !matches!(req, Request::Write { .. } | Request::Put { .. }) {
                 prop_assert!(Request::decode(&body[..cut]).is_err());
             }
         }

@@ -210,3 +210,50 @@ fn the_page_cache_serves_frozen_pages_and_never_a_clients_own_writes() {
     drop((b, m1, m2, p, q));
     settle(&s);
 }
+
+#[test]
+fn put_and_read_ref_in_one_round_trip_each() {
+    let s = Server::start(Config::default()).unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let data: Vec<u8> = (0..10_000).map(|i| (i % 13) as u8).collect();
+    let r = p.put(&data, Duration::ZERO).unwrap();
+    assert_eq!(r.len, 10_000);
+    let mut out = vec![0u8; 5000];
+    p.read_ref(&r, 3000, &mut out).unwrap();
+    assert_eq!(out, data[3000..8000]);
+    assert!(matches!(
+        p.read_ref(&r, 9000, &mut out),
+        Err(Error::OutOfBounds { .. })
+    ));
+    let other = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    assert_eq!(other.map_ref(&r).unwrap().to_vec().unwrap(), data);
+    assert_eq!(
+        s.state().usage().pages_held,
+        3,
+        "put leaves only the Ref's pages"
+    );
+    let forged = dm_pool::Ref {
+        tag: r.tag ^ 1,
+        ..r
+    };
+    let mut one = [0u8; 1];
+    assert!(matches!(
+        other.read_ref(&forged, 0, &mut one),
+        Err(Error::RefForged { .. })
+    ));
+    assert!(matches!(p.put(&[], Duration::ZERO), Err(Error::ZeroLength)));
+    p.release_ref_nowait(&r).unwrap();
+    p.usage().unwrap(); // served after the release, on the same connection
+                        // A client without a cached copy reads nothing through a released Ref;
+                        // one that read it before keeps what it cached (immutable data it had).
+    let fresh = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    assert!(matches!(
+        fresh.read_ref(&r, 0, &mut one),
+        Err(Error::RefReleased { .. })
+    ));
+    other.read_ref(&r, 0, &mut one).unwrap();
+    assert_eq!(one[0], data[0]);
+    drop(fresh);
+    drop((p, other));
+    settle(&s);
+}

@@ -127,7 +127,7 @@ impl Node {
     /// Releases a Ref of the pool or of a memory server.
     pub(crate) fn release_ref(&self, r: &Ref) -> Result<(), RpcError> {
         match (&self.remote, r.backend) {
-            (Some(m), dm_pool::refs::BACKEND_MEMSERVER) => Ok(dm_pool::Dm::release_ref(m, r)?),
+            (Some(m), dm_pool::refs::BACKEND_MEMSERVER) => Ok(m.release_ref_nowait(r)?),
             _ => Ok(self.pool.release_ref(r)?),
         }
     }

@@ -60,7 +60,8 @@ enum Repr {
 }
 
 /// A payload that arrived as a memory server's Ref: read from the server
-/// on first access (one map, one read, one free), then kept here.
+/// on first access (one `read_ref`, through the client's page cache),
+/// then kept here.
 #[derive(Debug)]
 struct RemoteReceived {
     pool: MemPool,
@@ -69,9 +70,8 @@ struct RemoteReceived {
 }
 
 fn fetch(pool: &MemPool, r: &Ref) -> Result<Vec<u8>, RpcError> {
-    let b = pool.map_ref(r)?;
-    let v = b.to_vec()?;
-    pool.free(b)?;
+    let mut v = vec![0u8; r.len as usize];
+    pool.read_ref(r, 0, &mut v)?;
     Ok(v)
 }
 
@@ -431,7 +431,8 @@ impl Payload {
                     RpcError::internal("a memory-server Ref, and no memory server")
                 })?;
                 let v = fetch(m, r);
-                let rel = m.release_ref(r);
+                // The answer's Ref was made for this caller alone.
+                let rel = m.release_ref_nowait(r);
                 let v = v?;
                 rel?;
                 Payload::from_vec(v)
@@ -483,10 +484,7 @@ fn bytes_body(
         return Ok((Body::Refs(vec![r]), Some(r)));
     }
     if let (true, Some(m)) = (refs.remote, &node.remote) {
-        let mut b = m.alloc(v.len() as u64)?;
-        b.write(0, &v)?;
-        let r = m.create_ref(&b, 0, v.len() as u64)?;
-        m.free(b)?;
+        let r = m.put(&v, std::time::Duration::ZERO)?;
         return Ok((Body::Refs(vec![r]), Some(r)));
     }
     Ok((Body::Inline(v), None))

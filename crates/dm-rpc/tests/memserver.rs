@@ -82,7 +82,7 @@ fn large_payloads_travel_as_memory_server_refs_and_are_released() {
     let to_b = na.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
     let data: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
     let want: u64 = data.iter().map(|&b| b as u64).sum();
-    let refs0 = ms.state().metrics.requests_of("create_ref");
+    let refs0 = ms.state().metrics.requests_of("put");
     for _ in 0..3 {
         let r = to_b.call("sum", Payload::from_vec(data.clone())).unwrap();
         let v = r.to_vec().unwrap();
@@ -90,9 +90,9 @@ fn large_payloads_travel_as_memory_server_refs_and_are_released() {
         assert_eq!(v[8], 1, "the last tier got a memory-server Ref");
     }
     assert_eq!(
-        ms.state().metrics.requests_of("create_ref") - refs0,
+        ms.state().metrics.requests_of("put") - refs0,
         3,
-        "one Ref per call, none at the forwarding hop"
+        "one Ref per call (one put), none at the forwarding hop"
     );
     // A buffer built on the memory server goes by its Ref, no copy.
     let m = na.memserver().unwrap();
@@ -143,6 +143,7 @@ fn a_peer_without_the_memory_servers_gets_values() {
     let v = r.to_vec().unwrap();
     assert_eq!(u64::from_le_bytes(v[..8].try_into().unwrap()), 1_500_000);
     assert_eq!(v[8], 0, "sent by value");
+    assert_eq!(ms.state().metrics.requests_of("put"), 0);
     assert_eq!(ms.state().metrics.requests_of("create_ref"), 0);
     drop((c, sb, na, nb));
     settled(&ms);

@@ -186,6 +186,14 @@ impl State {
         self.metrics.clients.fetch_sub(1, Ordering::Relaxed);
     }
 
+    fn ttl(&self, ttl_ms: u32) -> Duration {
+        if ttl_ms == 0 {
+            self.cfg.default_ttl
+        } else {
+            Duration::from_millis(ttl_ms as u64)
+        }
+    }
+
     /// Serves one request of a session, appending its answer to `out`.
     /// Returns whether it succeeded.
     pub fn serve(&self, space: &Mutex<Space>, id: u64, req: Request, out: &mut Vec<u8>) -> bool {
@@ -267,13 +275,8 @@ impl State {
                 len,
                 ttl_ms,
             } => {
-                let ttl = if ttl_ms == 0 {
-                    self.cfg.default_ttl
-                } else {
-                    Duration::from_millis(ttl_ms as u64)
-                };
-                let r =
-                    sp.create_ref(pages, &self.refs, addr, offset, len, Instant::now() + ttl)?;
+                let expires = Instant::now() + self.ttl(ttl_ms);
+                let r = sp.create_ref(pages, &self.refs, addr, offset, len, expires)?;
                 encode_ok(id, out, |o| o.extend_from_slice(&r.to_bytes()));
             }
             Request::MapRef(r) => {
@@ -283,6 +286,27 @@ impl State {
             Request::ReleaseRef(r) => {
                 self.refs.release(pages, sp.hint, &r)?;
                 ok(out, &[]);
+            }
+            Request::Put { ttl_ms, data } => {
+                let len = data.len() as u64;
+                let a = sp.alloc(pages, len, self.max_len())?;
+                let r = sp.write(pages, a, 0, &data).and_then(|()| {
+                    let expires = Instant::now() + self.ttl(ttl_ms);
+                    sp.create_ref(pages, &self.refs, a, 0, len, expires)
+                });
+                sp.free(pages, a)?;
+                let r = r?;
+                encode_ok(id, out, |o| o.extend_from_slice(&r.to_bytes()));
+            }
+            Request::ReadRef { r, offset, len } => {
+                let mut res = Ok(());
+                let hint = sp.hint;
+                encode_ok(id, out, |o| {
+                    let at = o.len();
+                    o.resize(at + len as usize, 0);
+                    res = self.refs.read(pages, hint, &r, offset, &mut o[at..]);
+                });
+                res?;
             }
             Request::Hello { .. }
             | Request::Usage
@@ -353,8 +377,8 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
                 let sp = space.clone();
                 let mut o = std::mem::take(&mut out);
                 // Page copies can take a while: off the I/O workers.
-                let (ok, o) = if matches!(req, Request::Read { len, .. } if len > 1 << 20)
-                    || matches!(&req, Request::Write { data, .. } if data.len() > 1 << 20)
+                let (ok, o) = if matches!(req, Request::Read { len, .. } | Request::ReadRef { len, .. } if len > 1 << 20)
+                    || matches!(&req, Request::Write { data, .. } | Request::Put { data, .. } if data.len() > 1 << 20)
                 {
                     match tokio::task::spawn_blocking(move || {
                         let ok = st.serve(&sp, id, req, &mut o);

@@ -8,6 +8,11 @@
 //! * **by value** — the request travels inline: copied into and out of a
 //!   ring at every tier (what RPC does with value arguments).
 //!
+//! Then the network variant (DmRPC-net): every tier a process with a pool
+//! of its own, tiers linked by TCP; by Ref = the client writes the request
+//! to a memory server once and its Ref travels, by value = inline in every
+//! TCP frame.
+//!
 //! Sequential calls from one client: latency p50 and calls per second.
 //! By-Ref throughput should stay nearly flat as tiers grow.
 
@@ -166,6 +171,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     drop(peers);
     drop((by_ref, by_value));
     bp.check()?;
+    let net_rows = network(a, budget)?;
     let mut res = Obj::default();
     res.str("benchmark", "chain");
     res.str(
@@ -174,6 +180,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     res.obj("machine", &super::machine());
     res.arr("rows", &rows);
+    res.arr("network", &net_rows);
     super::write_results(
         a,
         "chain",
@@ -219,4 +226,119 @@ fn relay_floor(path: &std::path::Path, tiers: &mut [Peer], budget: Duration) -> 
         p.ok_nums()?;
     }
     Ok(percentile(&mut v, 0.5))
+}
+
+/// The chain over TCP between processes in different pools: memory-server
+/// Refs vs values.
+fn network(a: &BenchArgs, budget: Duration) -> Result<Vec<Obj>> {
+    let sizes: &[usize] = if a.quick {
+        &[64 << 10]
+    } else {
+        &[64 << 10, 1 << 20]
+    };
+    let tiers: &[usize] = if a.quick { &[1, 3] } else { &[1, 3, 5, 7] };
+    let (_ms, ms_addr) = super::net::start_memserver("512MiB")?;
+    let id = std::process::id();
+    let small = || PoolConfig {
+        size: 16 << 20,
+        ..Default::default()
+    };
+    let mut pools = Vec::new();
+    let mut peers = Vec::new();
+    for k in 0..TIERS {
+        let bp = BenchPool::create(&format!("chainnet{k}"), small())?;
+        peers.push(Peer::spawn(&bp.path, &[])?);
+        pools.push(bp);
+    }
+    // Each mode's tiers, last first (each needs the next one's address).
+    let mut addrs = vec![vec![String::new(); TIERS]; 2];
+    for (m, mode) in ["ref", "value"].iter().enumerate() {
+        let mut next = "-".to_string();
+        for k in (0..TIERS).rev() {
+            let port = peers[k].cmd(&format!(
+                "chainnet bench/chainnet/{id}/{mode}/{k} {next} {mode} {ms_addr}"
+            ))?;
+            next = format!("127.0.0.1:{}", port.first().copied().unwrap_or(0.0));
+            addrs[m][k] = next.clone();
+        }
+    }
+    let cp = BenchPool::create("chainnet-client", small())?;
+    let by_ref = Node::with_config(
+        cp.pool.clone(),
+        Config {
+            inline_max: 0,
+            ..Default::default()
+        },
+    )
+    .with_memserver(dm_memserver::MemPool::connect(&[&ms_addr])?);
+    let by_value = Node::with_config(
+        cp.pool.clone(),
+        Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+    );
+    println!("\nnetwork variant: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline");
+    println!(
+        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
+        "size", "tiers", "Ref p50 us", "value p50 us", "Ref calls/s", "value calls/s", "ratio"
+    );
+    let mut rows = Vec::new();
+    for &size in sizes {
+        let data: Vec<u8> = (0..size).map(|i| (i * 7) as u8).collect();
+        let want = super::peer::sum(&[&data]);
+        for &t in tiers {
+            let mut res = Vec::new();
+            for (m, node) in [&by_ref, &by_value].into_iter().enumerate() {
+                let c = node.connect_tcp(&addrs[m][TIERS - t])?;
+                let call = || -> Result<()> {
+                    let got = c.call("go", Payload::from_vec(data.clone()))?.to_vec()?;
+                    if got != want.to_le_bytes() {
+                        bail!("tier answer is wrong");
+                    }
+                    Ok(())
+                };
+                for _ in 0..5 {
+                    call()?;
+                }
+                let mut v = Vec::new();
+                let t0 = Instant::now();
+                while v.len() < 10 || (t0.elapsed() < budget && v.len() < 100_000) {
+                    let t = Instant::now();
+                    call()?;
+                    v.push(t.elapsed().as_nanos() as f64);
+                }
+                let per_s = v.len() as f64 / t0.elapsed().as_secs_f64();
+                res.push((percentile(&mut v, 0.5), per_s));
+            }
+            let ratio = res[0].1 / res[1].1;
+            println!(
+                "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x",
+                fmt_size(size as u64),
+                t,
+                res[0].0 / 1e3,
+                res[1].0 / 1e3,
+                res[0].1,
+                res[1].1,
+                ratio
+            );
+            let mut o = Obj::default();
+            o.num("size", size as f64);
+            o.num("tiers", t as f64);
+            o.num("ref_p50_ns", res[0].0);
+            o.num("value_p50_ns", res[1].0);
+            o.num("ref_calls_per_s", res[0].1);
+            o.num("value_calls_per_s", res[1].1);
+            o.num("ref_over_value_throughput", ratio);
+            rows.push(o);
+        }
+    }
+    drop(peers);
+    if let Some(m) = by_ref.memserver() {
+        let u = dm_pool::Dm::usage(m)?;
+        if u.refs != 0 {
+            bail!("the chain left {} Refs on the memory server", u.refs);
+        }
+    }
+    Ok(rows)
 }

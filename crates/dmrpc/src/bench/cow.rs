@@ -8,6 +8,9 @@
 //!   between the two processes are not counted: they are the RPC layer's
 //!   cost, measured by `bench rtt`.
 //!
+//! Then the same on the network backend (a memory server process): see
+//! `net::cow`.
+//!
 //! Also: the cost of one copy-on-write (explicit write, and a store through
 //! a mapped buffer), and alloc/write/free throughput with 1 and 2 processes.
 
@@ -208,8 +211,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         bail!("pool check failed after the benchmark: {:?}", rep.problems);
     }
 
+    let net_rows = super::net::cow(if a.quick { 1 << 20 } else { 16 << 20 }, budget)?;
+
     let mut res = Obj::default();
     res.str("benchmark", "cow");
+    res.arr("network", &net_rows);
     res.str("method", "median; copy = memcpy into a pre-faulted private buffer; share = create_ref + map_ref and unmap in another process + release_ref");
     res.obj("machine", &super::machine());
     res.arr("sizes", &rows);

@@ -15,54 +15,20 @@
 //! and frees the mapping, with a 2 MiB cache and with none: hit rate and
 //! latency.
 
+use super::net::Proc;
 use super::peer::percentile;
 use super::serde_like::Obj;
 use super::BenchArgs;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use dm_memserver::MemPool;
 use dm_pool::{Dm, DmBuffer};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const VALUE: usize = 4096;
 const KEYS: usize = 256;
-
-/// A child process killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_memserver() -> Result<(Proc, String)> {
-    let mut c = Command::new(std::env::current_exe()?)
-        .args([
-            "memserver",
-            "--listen",
-            "127.0.0.1:0",
-            "--size",
-            "256MiB",
-            "--threads",
-            "2",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting dmrpc memserver")?;
-    let mut line = String::new();
-    BufReader::new(c.stdout.take().ok_or_else(|| anyhow!("no stdout"))?).read_line(&mut line)?;
-    let addr = line
-        .split_whitespace()
-        .nth(1)
-        .ok_or_else(|| anyhow!("memserver said {line:?}"))?
-        .to_owned();
-    Ok((Proc(c), addr))
-}
 
 fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
@@ -269,7 +235,7 @@ fn drive(mut conns: Vec<Box<dyn Conn>>, write: bool, budget: Duration) -> Result
 
 pub fn run(a: &BenchArgs) -> Result<()> {
     let budget = Duration::from_millis(if a.quick { 300 } else { 2000 });
-    let (_ms, ms_addr) = start_memserver()?;
+    let (_ms, ms_addr) = super::net::start_memserver("256MiB")?;
     let (_redis, redis_addr) = start_redis()?;
     println!("bench memserver: 4 KiB values, closed loop per connection; memory server vs redis-server (same run, loopback)");
     println!(

@@ -6,6 +6,7 @@ mod chain;
 mod cow;
 mod lb;
 mod memserver;
+mod net;
 mod peer;
 mod rtt;
 mod threshold;

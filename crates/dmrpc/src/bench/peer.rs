@@ -91,6 +91,17 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 servers.push(chain_tier(&pool, name, next, fourth.as_deref())?);
                 "ok".into()
             }
+            (Some("chainnet"), Some(name), Some(next)) => {
+                let ms = line.split_whitespace().nth(4);
+                let s = chain_net_tier(&pool, name, next, fourth.as_deref(), ms)?;
+                let port = s
+                    .tcp_addr()
+                    .and_then(|a| a.rsplit(':').next())
+                    .unwrap_or("0")
+                    .to_owned();
+                servers.push(s);
+                format!("ok {port}")
+            }
             (Some("lb"), Some(name), Some(workers)) => {
                 servers.push(lb(&pool, name, workers, fourth.as_deref())?);
                 "ok".into()
@@ -120,28 +131,66 @@ fn chain_tier(pool: &Pool, name: &str, next: &str, mode: Option<&str>) -> Result
     };
     let node = Node::with_config(pool.clone(), cfg);
     let next = (next != "-").then(|| next.to_owned());
-    let client = std::sync::OnceLock::new();
-    let n = node.clone();
     Ok(node
         .server(name)
-        .method("go", move |c| match &next {
-            Some(to) => {
-                let cl = match client.get() {
-                    Some(cl) => cl,
-                    None => {
-                        let _ = client.set(n.connect(to)?);
-                        client
-                            .get()
-                            .ok_or_else(|| dm_rpc::RpcError::internal("next tier"))?
-                    }
-                };
-                cl.call("go", c.payload().forward()?)
-            }
-            None => {
-                let h = sum(&c.payload().segments()?);
-                Ok(Payload::from_vec(h.to_le_bytes().to_vec()))
-            }
-        })
+        .method("go", tier(node.clone(), next, false))
+        .spawn()?)
+}
+
+/// The handler of a chain tier: forwards the payload untouched to the
+/// tier `next` (a service name, or a TCP address with `tcp`), or, in the
+/// last tier, reads every byte and answers an 8-byte checksum.
+fn tier(
+    n: Node,
+    next: Option<String>,
+    tcp: bool,
+) -> impl Fn(&mut dm_rpc::Call<'_>) -> Result<Payload, dm_rpc::RpcError> + Send + Sync + 'static {
+    let client = std::sync::OnceLock::new();
+    move |c| match &next {
+        Some(to) => {
+            let cl = match client.get() {
+                Some(cl) => cl,
+                None => {
+                    let _ = client.set(if tcp {
+                        n.connect_tcp(to)?
+                    } else {
+                        n.connect(to)?
+                    });
+                    client
+                        .get()
+                        .ok_or_else(|| dm_rpc::RpcError::internal("next tier"))?
+                }
+            };
+            cl.call("go", c.payload().forward()?)
+        }
+        None => {
+            let h = sum(&c.payload().segments()?);
+            Ok(Payload::from_vec(h.to_le_bytes().to_vec()))
+        }
+    }
+}
+
+/// A tier of bench chain's network variant: a TCP service in this peer's
+/// own pool, forwarding `go` to the tier at `next` (`host:port`, `-` for
+/// none: then it reads every byte). `ref` mode uses the memory server at
+/// `ms` (large payloads travel as its Refs), `value` mode none (inline).
+fn chain_net_tier(
+    pool: &Pool,
+    name: &str,
+    next: &str,
+    mode: Option<&str>,
+    ms: Option<&str>,
+) -> Result<dm_rpc::Server> {
+    let mut node = Node::new(pool.clone());
+    if mode == Some("ref") {
+        let addr = ms.ok_or_else(|| anyhow!("ref mode needs a memory server"))?;
+        node = node.with_memserver(dm_memserver::MemPool::connect(&[addr])?);
+    }
+    let next = (next != "-").then(|| next.to_owned());
+    Ok(node
+        .server(name)
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("go", tier(node.clone(), next, true))
         .spawn()?)
 }
 
