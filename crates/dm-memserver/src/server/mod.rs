@@ -655,7 +655,9 @@ pub fn fuzz_serve(data: &[u8]) {
             let Ok((id, mut req)) = Request::decode(frame) else {
                 continue;
             };
-            if let Request::MapRef(r) | Request::ReleaseRef(r) = &mut req {
+            if let Request::MapRef(r) | Request::ReleaseRef(r) | Request::ReadRef { r, .. } =
+                &mut req
+            {
                 if let (0, Some(l)) = (r.tag, last) {
                     *r = l;
                 }
@@ -665,7 +667,7 @@ pub fn fuzz_serve(data: &[u8]) {
                 continue;
             }
             out.clear();
-            let was_ref = matches!(req, Request::CreateRef { .. });
+            let was_ref = matches!(req, Request::CreateRef { .. } | Request::Put { .. });
             let ok = st.serve(&space, id, req, &mut out);
             let (aid, a) = proto::decode_answer(&out[4..]).expect("the server's answers decode");
             assert_eq!(aid, id);
