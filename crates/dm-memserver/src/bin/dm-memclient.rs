@@ -3,6 +3,8 @@
 //! * `dm-memclient ADDR cow HEXREF` maps the Ref, prints `read SUM`, writes
 //!   0xFF over bytes 4096..4196 of its mapping (a CoW copy), prints
 //!   `after SUM` (of its mapping), frees it and exits;
+//! * `dm-memclient ADDR share LEN` writes LEN bytes, prints `ref HEXREF
+//!   SUM`, and releases the Ref when a line arrives on stdin;
 //! * `dm-memclient ADDR churn` prints `started`, then allocates, writes,
 //!   shares, maps and frees in a loop until killed.
 
@@ -32,6 +34,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             m.write(4096, &[0xFF; 100])?;
             println!("after {}", sum(&m.to_vec()?));
             pool.free(m)?;
+        }
+        "share" => {
+            let len: usize = args.get(3).ok_or("share needs a length")?.parse()?;
+            let data: Vec<u8> = (0..len).map(|i| (i % 7) as u8).collect();
+            let mut b = pool.alloc(len as u64)?;
+            b.write(0, &data)?;
+            let r = pool.create_ref(&b, 0, len as u64)?;
+            let hex: String = r.to_bytes().iter().map(|x| format!("{x:02x}")).collect();
+            println!("ref {hex} {}", sum(&data));
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line)?;
+            pool.release_ref(&r)?;
+            pool.free(b)?;
         }
         "churn" => {
             println!("started");

@@ -1,5 +1,5 @@
-//! A memory server for tests: `dm-memserver [--size BYTES] [--lease-ms MS] [--ttl-ms MS]`
-//! listens on 127.0.0.1 (a free port), prints `listening ADDR ID` and
+//! A memory server for tests: `dm-memserver [--listen ADDR] [--size BYTES]
+//! [--lease-ms MS] [--ttl-ms MS]` listens on ADDR (default 127.0.0.1, a free port), prints `listening ADDR ID` and
 //! serves until SIGTERM. (`dmrpc memserver` is the daemon users run.)
 
 fn main() {
@@ -14,6 +14,11 @@ fn main() {
         size: arg("--size").unwrap_or(64 << 20),
         ..Default::default()
     };
+    if let Some(i) = args.iter().position(|a| a == "--listen") {
+        if let Some(l) = args.get(i + 1) {
+            cfg.listen = l.clone();
+        }
+    }
     if let Some(ms) = arg("--lease-ms") {
         cfg.default_lease = std::time::Duration::from_millis(ms);
     }
