@@ -9,15 +9,26 @@ use std::time::Duration;
 /// Upper bounds of the latency histogram's buckets, in microseconds.
 pub const BUCKETS_US: [u64; 12] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000, 20000];
 
-/// Counters updated by the request path (relaxed atomics, one per field).
+/// Shards of the per-request counters: sessions update their own shard,
+/// so threads serving different sessions do not bounce one cache line.
+const SHARDS: usize = 8;
+
+/// The per-request counters of one shard, on cache lines of their own.
 #[derive(Debug, Default)]
-pub struct Metrics {
+#[repr(align(128))]
+struct Shard {
     requests: [AtomicU64; OPS],
     errors: AtomicU64,
-    malformed: AtomicU64,
     buckets: [AtomicU64; BUCKETS_US.len()],
     sum_ns: AtomicU64,
     count: AtomicU64,
+}
+
+/// Counters updated by the request path (relaxed atomics).
+#[derive(Debug, Default)]
+pub struct Metrics {
+    shards: [Shard; SHARDS],
+    malformed: AtomicU64,
     /// Sessions open now.
     pub clients: AtomicU64,
     /// Sessions ended by lease expiry.
@@ -42,21 +53,30 @@ pub struct Gauges {
 }
 
 impl Metrics {
-    /// Counts a request of operation `op` (1-based) that took `t`.
-    pub fn request(&self, op: u8, t: Duration, ok: bool) {
-        if let Some(c) = self.requests.get((op as usize).wrapping_sub(1)) {
+    /// Counts a request of operation `op` (1-based) of session `session`
+    /// that took `t`.
+    pub fn request(&self, session: usize, op: u8, t: Duration, ok: bool) {
+        let s = &self.shards[session % SHARDS];
+        if let Some(c) = s.requests.get((op as usize).wrapping_sub(1)) {
             c.fetch_add(1, Ordering::Relaxed);
         }
         if !ok {
-            self.errors.fetch_add(1, Ordering::Relaxed);
+            s.errors.fetch_add(1, Ordering::Relaxed);
         }
         let us = t.as_micros() as u64;
         if let Some(i) = BUCKETS_US.iter().position(|&b| us <= b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+            s.buckets[i].fetch_add(1, Ordering::Relaxed);
         }
-        self.sum_ns
-            .fetch_add(t.as_nanos() as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
+        s.sum_ns.fetch_add(t.as_nanos() as u64, Ordering::Relaxed);
+        s.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A counter summed over the shards.
+    fn total(&self, f: impl Fn(&Shard) -> &AtomicU64) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| f(s).load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Counts a malformed frame.
@@ -69,7 +89,7 @@ impl Metrics {
         OP_NAMES
             .iter()
             .position(|n| *n == name)
-            .map_or(0, |i| self.requests[i].load(Ordering::Relaxed))
+            .map_or(0, |i| self.total(|s| &s.requests[i]))
     }
 
     /// The Prometheus text exposition.
@@ -125,7 +145,7 @@ impl Metrics {
             "dmrpc_memserver_errors_total",
             "counter",
             "Requests answered with an error.",
-            self.errors.load(Ordering::Relaxed),
+            self.total(|s| &s.errors),
         );
         metric(
             "dmrpc_memserver_malformed_total",
@@ -141,7 +161,7 @@ impl Metrics {
             let _ = writeln!(
                 s,
                 "dmrpc_memserver_requests_total{{op=\"{name}\"}} {}",
-                self.requests[i].load(Ordering::Relaxed)
+                self.total(|s| &s.requests[i])
             );
         }
         let _ = writeln!(
@@ -150,18 +170,18 @@ impl Metrics {
         );
         let mut cum = 0;
         for (i, b) in BUCKETS_US.iter().enumerate() {
-            cum += self.buckets[i].load(Ordering::Relaxed);
+            cum += self.total(|s| &s.buckets[i]);
             let _ = writeln!(
                 s,
                 "dmrpc_memserver_request_seconds_bucket{{le=\"{}\"}} {cum}",
                 *b as f64 / 1e6
             );
         }
-        let count = self.count.load(Ordering::Relaxed);
+        let count = self.total(|s| &s.count);
         let _ = writeln!(
             s,
             "dmrpc_memserver_request_seconds_bucket{{le=\"+Inf\"}} {count}\ndmrpc_memserver_request_seconds_sum {}\ndmrpc_memserver_request_seconds_count {count}",
-            self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9
+            self.total(|s| &s.sum_ns) as f64 / 1e9
         );
         s
     }

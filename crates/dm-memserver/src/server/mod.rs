@@ -373,27 +373,28 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
                     lease = Duration::from_millis(lease_ms.clamp(100, 3_600_000) as u64);
                 }
                 let op = req.op();
-                let st = state.clone();
-                let sp = space.clone();
-                let mut o = std::mem::take(&mut out);
-                // Page copies can take a while: off the I/O workers.
-                let (ok, o) = if matches!(req, Request::Read { len, .. } | Request::ReadRef { len, .. } if len > 1 << 20)
+                // Page copies can take a while: large ones off the I/O
+                // workers. (Small ones here: no shared counter touched.)
+                let ok = if matches!(req, Request::Read { len, .. } | Request::ReadRef { len, .. } if len > 1 << 20)
                     || matches!(&req, Request::Write { data, .. } | Request::Put { data, .. } if data.len() > 1 << 20)
                 {
+                    let (st, sp) = (state.clone(), space.clone());
+                    let mut o = std::mem::take(&mut out);
                     match tokio::task::spawn_blocking(move || {
                         let ok = st.serve(&sp, id, req, &mut o);
                         (ok, o)
                     })
                     .await
                     {
-                        Ok(x) => x,
+                        Ok((ok, o)) => {
+                            out = o;
+                            ok
+                        }
                         Err(_) => break "request panicked",
                     }
                 } else {
-                    let ok = st.serve(&sp, id, req, &mut o);
-                    (ok, o)
+                    state.serve(&space, id, req, &mut out)
                 };
-                out = o;
                 (op, ok)
             }
             Err((id, e)) => {
@@ -403,7 +404,7 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
                 (0, false)
             }
         };
-        state.metrics.request(op, t.elapsed(), ok);
+        state.metrics.request(sid as usize, op, t.elapsed(), ok);
         if wr.write_all(&out).await.is_err() {
             break "write failed";
         }
