@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -333,19 +333,48 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
     let mut lease = state.cfg.default_lease;
     let mut frame = Vec::new();
     let mut out = Vec::new();
+    // The lease: a tick every tenth of it; a session that read nothing
+    // for a whole lease ends. (No timer per request: the tick persists.)
+    let mut tick = tokio::time::interval(lease / 10);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut idle_since: Option<Instant> = None;
+    let mut active = true;
     let why = loop {
-        let mut len = [0u8; 4];
-        let got = tokio::select! {
-            r = tokio::time::timeout(lease, rd.read_exact(&mut len)) => r,
+        // Wait for bytes without consuming any (cancel-safe), so the
+        // lease tick and the stop can interrupt the wait, never a frame.
+        let avail = tokio::select! {
+            biased;
+            r = rd.fill_buf() => match r {
+                Ok([]) => break "closed",
+                Ok(b) => {
+                    let n = (b.len() >= 4).then(|| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+                    (b.len(), n)
+                }
+                Err(_) => break "closed",
+            },
+            _ = tick.tick() => {
+                if std::mem::take(&mut active) {
+                    idle_since = None;
+                } else if idle_since.get_or_insert_with(Instant::now).elapsed() >= lease {
+                    state.metrics.leases_expired.fetch_add(1, Ordering::Relaxed);
+                    break "lease expired";
+                }
+                continue;
+            }
             _ = stop.changed() => break "server stopping",
         };
-        match got {
-            Err(_) => {
-                state.metrics.leases_expired.fetch_add(1, Ordering::Relaxed);
-                break "lease expired";
+        active = true;
+        let mut len = [0u8; 4];
+        if avail.0 >= 4 {
+            // Buffered: completes at once.
+            if rd.read_exact(&mut len).await.is_err() {
+                break "closed";
             }
-            Ok(Err(_)) => break "closed",
-            Ok(Ok(_)) => {}
+        } else {
+            match tokio::time::timeout(lease, rd.read_exact(&mut len)).await {
+                Ok(Ok(_)) => {}
+                _ => break "truncated frame",
+            }
         }
         let n = u32::from_le_bytes(len) as usize;
         out.clear();
@@ -362,15 +391,25 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
             break "oversized frame";
         }
         frame.resize(n, 0);
-        match tokio::time::timeout(lease, rd.read_exact(&mut frame)).await {
-            Ok(Ok(_)) => {}
-            _ => break "truncated frame",
+        let whole = avail.1 == Some(n) && avail.0 >= 4 + n;
+        let got = if whole {
+            rd.read_exact(&mut frame).await.map_err(|_| ())
+        } else {
+            match tokio::time::timeout(lease, rd.read_exact(&mut frame)).await {
+                Ok(Ok(_)) => Ok(0),
+                _ => Err(()),
+            }
+        };
+        if got.is_err() {
+            break "truncated frame";
         }
         let t = Instant::now();
         let (op, ok) = match Request::decode(&frame) {
             Ok((id, req)) => {
                 if let Request::Hello { lease_ms } = req {
                     lease = Duration::from_millis(lease_ms.clamp(100, 3_600_000) as u64);
+                    tick = tokio::time::interval(lease / 10);
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 }
                 let op = req.op();
                 // Page copies can take a while: large ones off the I/O
