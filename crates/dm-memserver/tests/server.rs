@@ -257,3 +257,32 @@ fn put_and_read_ref_in_one_round_trip_each() {
     drop((p, other));
     settle(&s);
 }
+
+#[test]
+fn threads_sharing_one_client_pipeline_on_one_connection() {
+    // Many callers on one MemPool (one connection per server): whoever
+    // finds nobody reading reads for all and hands out the answers.
+    let s = Server::start(Config::default()).unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    std::thread::scope(|sc| {
+        for t in 0..6u8 {
+            let p = &p;
+            sc.spawn(move || {
+                for i in 0..200usize {
+                    let len = 100 + i * 37;
+                    let mut b = p.alloc(len as u64).unwrap();
+                    b.write(0, &vec![t; len]).unwrap();
+                    let r = p.create_ref(&b, 0, len as u64).unwrap();
+                    let mut out = vec![0u8; len];
+                    p.read_ref(&r, 0, &mut out).unwrap();
+                    assert_eq!(out, vec![t; len], "thread {t} call {i} got another's answer");
+                    p.release_ref(&r).unwrap();
+                    p.free(b).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(s.state().metrics.requests_of("hello"), 1, "one connection");
+    drop(p);
+    settle(&s);
+}
