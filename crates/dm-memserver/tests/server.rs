@@ -275,7 +275,11 @@ fn threads_sharing_one_client_pipeline_on_one_connection() {
                     let r = p.create_ref(&b, 0, len as u64).unwrap();
                     let mut out = vec![0u8; len];
                     p.read_ref(&r, 0, &mut out).unwrap();
-                    assert_eq!(out, vec![t; len], "thread {t} call {i} got another's answer");
+                    assert_eq!(
+                        out,
+                        vec![t; len],
+                        "thread {t} call {i} got another's answer"
+                    );
                     p.release_ref(&r).unwrap();
                     p.free(b).unwrap();
                 }
