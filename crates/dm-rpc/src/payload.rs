@@ -21,7 +21,9 @@
 //! Between nodes that do not share a pool but use the same memory servers
 //! ([`Node::with_memserver`]), a large payload is written to a memory
 //! server and its Ref travels instead (DmRPC-net); the receiver reads it
-//! from the server on first access, through the same API.
+//! from the server on first access, through the same API. An answer that
+//! arrives as a memory-server Ref keeps it until the payload is dropped
+//! (then releases it), so it too is read only if and when it is used.
 //!
 //! [`bytes`]: Payload::bytes
 //! [`segments`]: Payload::segments
@@ -67,6 +69,17 @@ struct RemoteReceived {
     pool: MemPool,
     r: Ref,
     data: OnceLock<Result<Vec<u8>, RpcError>>,
+    /// The Ref is ours to release when the payload goes (an answer's Ref,
+    /// made for this caller); a request's belongs to the caller.
+    owned: bool,
+}
+
+impl Drop for RemoteReceived {
+    fn drop(&mut self) {
+        if self.owned {
+            let _ = self.pool.release_ref_nowait(&self.r);
+        }
+    }
 }
 
 fn fetch(pool: &MemPool, r: &Ref) -> Result<Vec<u8>, RpcError> {
@@ -394,6 +407,7 @@ impl Payload {
                             pool: m.clone(),
                             r: *r,
                             data: OnceLock::new(),
+                            owned: false,
                         })),
                     });
                 }
@@ -430,12 +444,16 @@ impl Payload {
                 let m = node.remote.as_ref().ok_or_else(|| {
                     RpcError::internal("a memory-server Ref, and no memory server")
                 })?;
-                let v = fetch(m, r);
-                // The answer's Ref was made for this caller alone.
-                let rel = m.release_ref_nowait(r);
-                let v = v?;
-                rel?;
-                Payload::from_vec(v)
+                // The answer's Ref was made for this caller alone: read on
+                // first access, released when the payload goes.
+                Payload {
+                    repr: Repr::Remote(Arc::new(RemoteReceived {
+                        pool: m.clone(),
+                        r: *r,
+                        data: OnceLock::new(),
+                        owned: true,
+                    })),
+                }
             }
             Body::Refs(rs) => {
                 let mut first = None;

@@ -110,6 +110,7 @@ fn large_payloads_travel_as_memory_server_refs_and_are_released() {
     // Small payloads stay inline.
     let r = to_b.call("sum", Payload::from_vec(vec![1u8; 100])).unwrap();
     assert_eq!(r.to_vec().unwrap()[..9], [100, 0, 0, 0, 0, 0, 0, 0, 0]);
+    drop(back); // an answer's Ref lives as long as the answer
     drop((to_b, to_c, sb, sc));
     settled(&ms);
     drop((na, nb, nc));

@@ -50,7 +50,8 @@ fn spawn_svc(node: &Node, name: &str, t: &Transport) -> dm_rpc::Server {
         .method("inspect", |c| {
             let p = c.payload();
             let mut out = p.len().to_le_bytes().to_vec();
-            out.push(p.in_pool() as u8);
+            // By Ref: in the pool, or on a memory server.
+            out.push((p.in_pool() || p.is_remote()) as u8);
             out.extend_from_slice(&sum(p).to_le_bytes());
             Ok(Payload::from_vec(out))
         })
@@ -79,9 +80,23 @@ fn inspect(node: &Node, c: &dm_rpc::Client, data: Vec<u8>) -> (u64, bool, u64) {
 fn contract(t: Transport) {
     let tp = pool();
     let node = Node::new(tp.attach());
+    run_contract(&node, &node, &t, false);
+    drop(node);
+    tp.assert_clean();
+}
+
+/// The contract between a server on `snode` and clients on `node` (the
+/// same node, or one in another pool reaching the server by its TCP
+/// address when `direct`).
+fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool) {
     let name = unique("contract");
-    let svc = spawn_svc(&node, &name, &t);
-    let c = node.connect(&name).unwrap();
+    let svc = spawn_svc(snode, &name, t);
+    let addr = svc.tcp_addr().map(str::to_owned);
+    let connect = || match (direct, &addr) {
+        (true, Some(a)) => node.connect_tcp(a),
+        _ => node.connect(&name),
+    };
+    let c = connect().unwrap();
 
     // Size-aware: inline up to the threshold, by Ref above; same answers.
     let th = node.config().inline_max;
@@ -93,7 +108,7 @@ fn contract(t: Transport) {
         assert_eq!(in_pool, len > th, "len {len} travelled the wrong way");
         let back = c.call("echo", data.clone()).unwrap();
         assert_eq!(back.len(), len as u64);
-        assert_eq!(back.in_pool(), len > th);
+        assert_eq!(back.in_pool() || back.is_remote(), len > th);
         assert!(
             back.to_vec().unwrap() == data,
             "echo of {len} bytes differs"
@@ -167,7 +182,7 @@ fn contract(t: Transport) {
     );
 
     // Concurrent calls on one connection and on several.
-    let c2 = node.connect(&name).unwrap();
+    let c2 = connect().unwrap();
     std::thread::scope(|s| {
         for k in 0..4u8 {
             let cl = if k % 2 == 0 { c.clone() } else { c2.clone() };
@@ -184,10 +199,45 @@ fn contract(t: Transport) {
     });
     drop((c, c2));
     svc.shutdown();
-    let e = node.connect(&name).unwrap_err();
-    assert_eq!(e.status, Status::NotFound, "a stopped service is gone");
-    drop(node);
-    tp.assert_clean();
+    let e = connect().unwrap_err();
+    let gone = if direct {
+        Status::Unavailable
+    } else {
+        Status::NotFound
+    };
+    assert_eq!(e.status, gone, "a stopped service is gone");
+}
+
+#[test]
+fn contract_over_tcp_between_pools_with_a_memory_server() {
+    // Two pools (two hosts, in effect) and one memory server: payloads
+    // above the threshold travel as memory-server Refs, both ways.
+    let ms = dm_memserver::Server::start(dm_memserver::Config::default()).unwrap();
+    let mem = || dm_memserver::MemPool::connect(&[ms.addr().to_string()]).unwrap();
+    let (ps, pc) = (pool(), pool());
+    let snode = Node::new(ps.attach()).with_memserver(mem());
+    let cnode = Node::new(pc.attach()).with_memserver(mem());
+    run_contract(&snode, &cnode, &Transport::Tcp("127.0.0.1:0".into()), true);
+    drop((snode, cnode));
+    for _ in 0..200 {
+        if ms.state().usage().refs == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let u = ms.state().usage();
+    assert_eq!(
+        (u.refs, u.pages_held),
+        (0, 0),
+        "Refs left on the memory server: {u:?}"
+    );
+    assert!(ms.state().check(true).is_empty());
+    assert!(
+        ms.state().metrics.requests_of("put") > 0,
+        "nothing went by Ref"
+    );
+    ps.assert_clean();
+    pc.assert_clean();
 }
 
 #[test]
