@@ -103,7 +103,7 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool) {
     for len in [0usize, 1, 100, th, th + 1, 1 << 20, (4 << 20) + 123] {
         let data = pattern(len, len as u8);
         let want = sum(&Payload::from_vec(data.clone()));
-        let (l, in_pool, h) = inspect(&node, &c, data.clone());
+        let (l, in_pool, h) = inspect(node, &c, data.clone());
         assert_eq!((l, h), (len as u64, want), "len {len}");
         assert_eq!(in_pool, len > th, "len {len} travelled the wrong way");
         let back = c.call("echo", data.clone()).unwrap();
@@ -143,7 +143,7 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool) {
     let e = node.connect("bad//name").unwrap_err();
     assert_eq!(e.status, Status::InvalidArgument);
     // The connection still works after errors.
-    assert_eq!(inspect(&node, &c, vec![1, 2, 3]).0, 3);
+    assert_eq!(inspect(node, &c, vec![1, 2, 3]).0, 3);
 
     // Deadlines: the caller stops waiting; a queued call is skipped.
     let t0 = Instant::now();
@@ -174,7 +174,7 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool) {
     );
     // After the sleep, the connection serves again (late answers dropped).
     std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(inspect(&node, &c, vec![9; 10]).0, 10);
+    assert_eq!(inspect(node, &c, vec![9; 10]).0, 10);
     assert!(
         svc.stats().expired.load(Ordering::Relaxed) + svc.stats().cancelled.load(Ordering::Relaxed)
             >= 1,
