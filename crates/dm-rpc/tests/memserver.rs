@@ -23,6 +23,13 @@ fn sum(p: &Payload) -> u64 {
         .sum()
 }
 
+/// Answers the sum of what arrived and whether it came by memory-server Ref.
+fn sum_and_how(c: &mut dm_rpc::Call<'_>) -> Result<Payload, dm_rpc::RpcError> {
+    let mut v = sum(c.payload()).to_le_bytes().to_vec();
+    v.push(c.payload().is_remote() as u8);
+    Ok(Payload::from_vec(v))
+}
+
 fn settled(ms: &MemServer) {
     for _ in 0..200 {
         let u = ms.state().usage();
@@ -55,12 +62,7 @@ fn large_payloads_travel_as_memory_server_refs_and_are_released() {
     let sc = nc
         .server("net/last")
         .transport(Transport::Tcp("127.0.0.1:0".into()))
-        .method("sum", |c| {
-            let remote = c.payload().is_remote() as u8;
-            let mut v = sum(c.payload()).to_le_bytes().to_vec();
-            v.push(remote);
-            Ok(Payload::from_vec(v))
-        })
+        .method("sum", sum_and_how)
         .method("echo", |c| Ok(c.take_payload()))
         .spawn()
         .unwrap();
@@ -128,12 +130,7 @@ fn a_peer_without_the_memory_servers_gets_values() {
     let sb = nb
         .server("net/plain")
         .transport(Transport::Tcp("127.0.0.1:0".into()))
-        .method("sum", |c| {
-            let remote = c.payload().is_remote() as u8;
-            let mut v = sum(c.payload()).to_le_bytes().to_vec();
-            v.push(remote);
-            Ok(Payload::from_vec(v))
-        })
+        .method("sum", sum_and_how)
         .spawn()
         .unwrap();
     let na = node(&pa, &[&ms]);

@@ -123,24 +123,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     } else {
                         Payload::from_vec(data.clone())
                     };
-                    let got = c.call("go", p)?.to_vec()?;
-                    if got != want.to_le_bytes() {
-                        bail!("tier answer is wrong");
-                    }
-                    Ok(())
+                    check(c.call("go", p)?.to_vec()?, want)
                 };
-                for _ in 0..20 {
-                    call()?;
-                }
-                let mut v = Vec::new();
-                let t0 = Instant::now();
-                while v.len() < 20 || (t0.elapsed() < budget && v.len() < 100_000) {
-                    let t = Instant::now();
-                    call()?;
-                    v.push(t.elapsed().as_nanos() as f64);
-                }
-                let per_s = v.len() as f64 / t0.elapsed().as_secs_f64();
-                res.push((percentile(&mut v, 0.5), per_s));
+                res.push(measure(call, 20, budget)?);
             }
             let ratio = res[0].1 / res[1].1;
             println!(
@@ -291,25 +276,13 @@ fn network(a: &BenchArgs, budget: Duration) -> Result<Vec<Obj>> {
             let mut res = Vec::new();
             for (m, node) in [&by_ref, &by_value].into_iter().enumerate() {
                 let c = node.connect_tcp(&addrs[m][TIERS - t])?;
-                let call = || -> Result<()> {
-                    let got = c.call("go", Payload::from_vec(data.clone()))?.to_vec()?;
-                    if got != want.to_le_bytes() {
-                        bail!("tier answer is wrong");
-                    }
-                    Ok(())
+                let call = || {
+                    check(
+                        c.call("go", Payload::from_vec(data.clone()))?.to_vec()?,
+                        want,
+                    )
                 };
-                for _ in 0..5 {
-                    call()?;
-                }
-                let mut v = Vec::new();
-                let t0 = Instant::now();
-                while v.len() < 10 || (t0.elapsed() < budget && v.len() < 100_000) {
-                    let t = Instant::now();
-                    call()?;
-                    v.push(t.elapsed().as_nanos() as f64);
-                }
-                let per_s = v.len() as f64 / t0.elapsed().as_secs_f64();
-                res.push((percentile(&mut v, 0.5), per_s));
+                res.push(measure(call, 5, budget)?);
             }
             let ratio = res[0].1 / res[1].1;
             println!(
@@ -341,4 +314,29 @@ fn network(a: &BenchArgs, budget: Duration) -> Result<Vec<Obj>> {
         }
     }
     Ok(rows)
+}
+
+/// Checks a tier's answer: the checksum of the request.
+fn check(got: Vec<u8>, want: u64) -> Result<()> {
+    if got != want.to_le_bytes() {
+        bail!("tier answer is wrong");
+    }
+    Ok(())
+}
+
+/// Runs `call` `warm` times, then for `budget` (at least `warm` times
+/// more): the p50 latency and the calls per second.
+fn measure(call: impl Fn() -> Result<()>, warm: usize, budget: Duration) -> Result<(f64, f64)> {
+    for _ in 0..warm {
+        call()?;
+    }
+    let mut v = Vec::new();
+    let t0 = Instant::now();
+    while v.len() < warm || (t0.elapsed() < budget && v.len() < 100_000) {
+        let t = Instant::now();
+        call()?;
+        v.push(t.elapsed().as_nanos() as f64);
+    }
+    let per_s = v.len() as f64 / t0.elapsed().as_secs_f64();
+    Ok((percentile(&mut v, 0.5), per_s))
 }
