@@ -422,7 +422,7 @@ impl MemPool {
             k,
             &Request::Put {
                 ttl_ms,
-                data: data.to_vec(),
+                data: data.into(),
             },
         )?;
         proto::decode_ref(&a).map_err(|e| Error::Protocol(e.to_string()))
@@ -617,7 +617,7 @@ impl DmBuffer for MemBuffer {
             .map(|(i, d)| Request::Write {
                 addr: self.addr,
                 offset: offset + (i * WRITE_CHUNK) as u64,
-                data: d.to_vec(),
+                data: d.into(),
             })
             .collect();
         let c = &self.inner.conns[self.server];

@@ -41,6 +41,7 @@
 //! `memserver_request`).
 
 use dm_pool::{Error, Ref};
+use std::borrow::Cow;
 
 /// Protocol version.
 pub const VERSION: u8 = 1;
@@ -51,9 +52,11 @@ pub const MAX_FRAME: usize = (16 << 20) + 64;
 /// Largest read or write in one request.
 pub const MAX_IO: usize = 16 << 20;
 
-/// A request.
+/// A request. Its data (of a write or a put) is borrowed from the frame it
+/// was decoded from, or from the caller's slice it will be encoded from:
+/// no copy on either side.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Request {
+pub enum Request<'a> {
     /// Opens a session with a lease.
     Hello {
         /// The client's lease: silence longer than this ends the session.
@@ -85,7 +88,7 @@ pub enum Request {
         /// Offset in the buffer.
         offset: u64,
         /// The bytes.
-        data: Vec<u8>,
+        data: Cow<'a, [u8]>,
     },
     /// A Ref to a range of a buffer.
     CreateRef {
@@ -115,7 +118,7 @@ pub enum Request {
         /// Time to live in ms (0: the server's default).
         ttl_ms: u32,
         /// The bytes.
-        data: Vec<u8>,
+        data: Cow<'a, [u8]>,
     },
     /// Reads a Ref's snapshot.
     ReadRef {
@@ -286,7 +289,44 @@ fn finish(out: &mut [u8], at: usize) {
     out[at..at + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-impl Request {
+impl<'a> Request<'a> {
+    /// The same request, owning its data.
+    pub fn into_owned(self) -> Request<'static> {
+        match self {
+            Request::Write { addr, offset, data } => Request::Write {
+                addr,
+                offset,
+                data: Cow::Owned(data.into_owned()),
+            },
+            Request::Put { ttl_ms, data } => Request::Put {
+                ttl_ms,
+                data: Cow::Owned(data.into_owned()),
+            },
+            Request::Hello { lease_ms } => Request::Hello { lease_ms },
+            Request::Alloc { len } => Request::Alloc { len },
+            Request::Free { addr } => Request::Free { addr },
+            Request::Read { addr, offset, len } => Request::Read { addr, offset, len },
+            Request::CreateRef {
+                addr,
+                offset,
+                len,
+                ttl_ms,
+            } => Request::CreateRef {
+                addr,
+                offset,
+                len,
+                ttl_ms,
+            },
+            Request::MapRef(r) => Request::MapRef(r),
+            Request::ReleaseRef(r) => Request::ReleaseRef(r),
+            Request::Usage => Request::Usage,
+            Request::Check => Request::Check,
+            Request::Ping => Request::Ping,
+            Request::Maintain => Request::Maintain,
+            Request::ReadRef { r, offset, len } => Request::ReadRef { r, offset, len },
+        }
+    }
+
     /// The operation code.
     pub fn op(&self) -> u8 {
         match self {
@@ -353,7 +393,7 @@ impl Request {
     /// Decodes a request frame (without its length prefix): its id and the
     /// request. Never panics; an error carries the id when the header was
     /// readable, so the answer can name the request.
-    pub fn decode(frame: &[u8]) -> Result<(u64, Request), (Option<u64>, ProtoError)> {
+    pub fn decode(frame: &'a [u8]) -> Result<(u64, Request<'a>), (Option<u64>, ProtoError)> {
         let (code, id, mut r) = header(frame).map_err(|e| (None, e))?;
         let req = (|| {
             let req = match code {
@@ -370,7 +410,7 @@ impl Request {
                 op::WRITE => Request::Write {
                     addr: r.u64()?,
                     offset: r.u64()?,
-                    data: r.rest().to_vec(),
+                    data: Cow::Borrowed(r.rest()),
                 },
                 op::CREATE_REF => Request::CreateRef {
                     addr: r.u64()?,
@@ -386,7 +426,7 @@ impl Request {
                 op::MAINTAIN => Request::Maintain,
                 op::PUT => Request::Put {
                     ttl_ms: r.u32()?,
-                    data: r.rest().to_vec(),
+                    data: Cow::Borrowed(r.rest()),
                 },
                 op::READ_REF => {
                     let (rf, offset, len) = (r.reference()?, r.u64()?, r.u32()?);
@@ -638,7 +678,7 @@ mod tests {
         }
     }
 
-    fn requests() -> impl Strategy<Value = Request> {
+    fn requests() -> impl Strategy<Value = Request<'static>> {
         prop_oneof![
             any::<u32>().prop_map(|lease_ms| Request::Hello { lease_ms }),
             any::<u64>().prop_map(|len| Request::Alloc { len }),
@@ -650,7 +690,11 @@ mod tests {
                 any::<u64>(),
                 proptest::collection::vec(any::<u8>(), 0..200)
             )
-                .prop_map(|(addr, offset, data)| Request::Write { addr, offset, data }),
+                .prop_map(|(addr, offset, data)| Request::Write {
+                    addr,
+                    offset,
+                    data: data.into()
+                }),
             (any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>()).prop_map(
                 |(addr, offset, len, ttl_ms)| Request::CreateRef {
                     addr,
@@ -665,8 +709,12 @@ mod tests {
             Just(Request::Check),
             Just(Request::Ping),
             Just(Request::Maintain),
-            (any::<u32>(), proptest::collection::vec(any::<u8>(), 0..200))
-                .prop_map(|(ttl_ms, data)| Request::Put { ttl_ms, data }),
+            (any::<u32>(), proptest::collection::vec(any::<u8>(), 0..200)).prop_map(
+                |(ttl_ms, data)| Request::Put {
+                    ttl_ms,
+                    data: data.into()
+                }
+            ),
             (any::<u64>(), 0u32..=MAX_IO as u32).prop_map(|(offset, len)| Request::ReadRef {
                 r: a_ref(),
                 offset,

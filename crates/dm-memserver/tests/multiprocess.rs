@@ -252,7 +252,7 @@ fn a_silent_client_loses_its_session_at_lease_expiry() {
     Request::Write {
         addr,
         offset: 0,
-        data: vec![1u8; 8192],
+        data: vec![1u8; 8192].into(),
     }
     .encode(3, &mut f);
     s.write_all(&f).unwrap();

@@ -196,7 +196,13 @@ impl State {
 
     /// Serves one request of a session, appending its answer to `out`.
     /// Returns whether it succeeded.
-    pub fn serve(&self, space: &Mutex<Space>, id: u64, req: Request, out: &mut Vec<u8>) -> bool {
+    pub fn serve(
+        &self,
+        space: &Mutex<Space>,
+        id: u64,
+        req: Request<'_>,
+        out: &mut Vec<u8>,
+    ) -> bool {
         let mark = out.len();
         let r = self.apply(space, id, req, out);
         if let Err(e) = &r {
@@ -206,7 +212,13 @@ impl State {
         r.is_ok()
     }
 
-    fn apply(&self, space: &Mutex<Space>, id: u64, req: Request, out: &mut Vec<u8>) -> Result<()> {
+    fn apply(
+        &self,
+        space: &Mutex<Space>,
+        id: u64,
+        req: Request<'_>,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
         let ok = |out: &mut Vec<u8>, vals: &[u64]| {
             encode_ok(id, out, |o| {
                 for v in vals {
@@ -418,6 +430,7 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
                     || matches!(&req, Request::Write { data, .. } | Request::Put { data, .. } if data.len() > 1 << 20)
                 {
                     let (st, sp) = (state.clone(), space.clone());
+                    let req = req.into_owned();
                     let mut o = std::mem::take(&mut out);
                     match tokio::task::spawn_blocking(move || {
                         let ok = st.serve(&sp, id, req, &mut o);
