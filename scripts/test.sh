@@ -15,9 +15,11 @@ step "dependencies (scripts/deps.sh)"
 
 step "rustfmt"
 cargo fmt --all -- --check
+cargo fmt --manifest-path crates/dmrpc-py/Cargo.toml -- --check
 
 step "clippy -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
+CARGO_TARGET_DIR=target/py cargo clippy --manifest-path crates/dmrpc-py/Cargo.toml --release -- -D warnings
 
 step "build (release)"
 cargo build --release -p dmrpc
@@ -45,6 +47,10 @@ step "unit, property, multi-process tests, and the fuzz targets over their saved
 mkdir -p target
 cargo test --workspace 2>&1 | tee target/test-output.log
 
+step "Python bindings: build with maturin, pytest (scripts/python.sh)"
+./scripts/python.sh 2>&1 | tee -a target/test-output.log
+
 # One closing line with the totals of every test binary above.
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
+     / passed in / && !/^test result/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      END { printf "\ntests: %d passed, %d failed\n", p, f }' target/test-output.log

@@ -1,0 +1,88 @@
+//! The exceptions, in one place: `dmrpc.Error` and one subclass per typed
+//! status of the RPC layer, each carrying `.status` (the status name).
+
+use dm_rpc::{RpcError, Status};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(
+    _native,
+    Error,
+    PyException,
+    "Base of dmrpc's errors; `.status` names the status."
+);
+create_exception!(
+    _native,
+    NotFound,
+    Error,
+    "No such service, method or object."
+);
+create_exception!(
+    _native,
+    InvalidArgument,
+    Error,
+    "Bad input: a wrong size, a forged, stale or released Ref, a double free, a closed pool."
+);
+create_exception!(
+    _native,
+    DeadlineExceeded,
+    Error,
+    "The call's deadline passed."
+);
+create_exception!(_native, Unavailable, Error, "The peer or server is gone.");
+create_exception!(
+    _native,
+    ResourceExhausted,
+    Error,
+    "The pool (or server) is full."
+);
+create_exception!(
+    _native,
+    Internal,
+    Error,
+    "A bug or a handler's panic on the other side."
+);
+create_exception!(_native, Cancelled, Error, "The call was cancelled.");
+
+/// The Python exception for a typed RPC error.
+pub fn to_py(e: RpcError) -> PyErr {
+    let (msg, status) = (e.message.clone(), e.status);
+    let err = match status {
+        Status::NotFound => NotFound::new_err(msg),
+        Status::InvalidArgument => InvalidArgument::new_err(msg),
+        Status::DeadlineExceeded => DeadlineExceeded::new_err(msg),
+        Status::Unavailable => Unavailable::new_err(msg),
+        Status::ResourceExhausted => ResourceExhausted::new_err(msg),
+        Status::Cancelled => Cancelled::new_err(msg),
+        _ => Internal::new_err(msg),
+    };
+    Python::with_gil(|py| {
+        let _ = err.value(py).setattr("status", format!("{status:?}"));
+    });
+    err
+}
+
+/// The Python exception for a pool error (through its RPC status).
+pub fn pool_err(e: dm_pool::Error) -> PyErr {
+    to_py(RpcError::from(e))
+}
+
+/// Raised for an operation on a closed pool.
+pub fn closed() -> PyErr {
+    to_py(RpcError::invalid_argument("the pool is closed"))
+}
+
+/// Adds the exceptions to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("NotFound", py.get_type::<NotFound>())?;
+    m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
+    m.add("DeadlineExceeded", py.get_type::<DeadlineExceeded>())?;
+    m.add("Unavailable", py.get_type::<Unavailable>())?;
+    m.add("ResourceExhausted", py.get_type::<ResourceExhausted>())?;
+    m.add("Internal", py.get_type::<Internal>())?;
+    m.add("Cancelled", py.get_type::<Cancelled>())?;
+    Ok(())
+}

@@ -1,0 +1,19 @@
+//! The `dmrpc` Python package's native module (`dmrpc._native`): one
+//! module per wrapped concept — [`pool`], [`buffer`], [`refs`] — and the
+//! exceptions in [`errors`].
+
+mod buffer;
+mod errors;
+mod pool;
+mod refs;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<pool::PyPool>()?;
+    m.add_class::<buffer::PyBuffer>()?;
+    m.add_class::<refs::PyRef>()?;
+    errors::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds the Python package (crates/dmrpc-py, PyO3 + maturin) into a
+# virtualenv of the project's (target/pyenv, made and filled from PyPI on
+# first use: maturin, numpy, pytest) and runs its pytest suite.
+# Usage: scripts/python.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+venv="$root/target/pyenv"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c "import maturin, numpy, pytest" >/dev/null 2>&1; then
+  "$venv/bin/pip" install -q "maturin>=1.5,<2" numpy pytest
+fi
+(cd crates/dmrpc-py && VIRTUAL_ENV="$venv" CARGO_TARGET_DIR="$root/target/py" \
+  "$venv/bin/maturin" develop --release -q)
+"$venv/bin/pytest" -q crates/dmrpc-py/tests "$@"
