@@ -15,4 +15,6 @@ if ! "$venv/bin/python" -c "import maturin, numpy, pytest" >/dev/null 2>&1; then
 fi
 (cd crates/dmrpc-py && VIRTUAL_ENV="$venv" CARGO_TARGET_DIR="$root/target/py" \
   "$venv/bin/maturin" develop --release -q)
-"$venv/bin/pytest" -q crates/dmrpc-py/tests "$@"
+# The Rust peer of the Python<->Rust tests.
+cargo build --release -q -p dm-rpc --bin dm-rpc-agent
+DMRPC_AGENT="$root/target/release/dm-rpc-agent" "$venv/bin/pytest" -q crates/dmrpc-py/tests "$@"

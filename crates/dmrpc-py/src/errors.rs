@@ -30,7 +30,7 @@ create_exception!(
     Error,
     "The call's deadline passed."
 );
-create_exception!(_native, Unavailable, Error, "The peer or server is gone.");
+create_exception!(dmrpc, Unavailable, Error, "The peer or server is gone.");
 create_exception!(
     _native,
     ResourceExhausted,
@@ -43,7 +43,7 @@ create_exception!(
     Error,
     "A bug or a handler's panic on the other side."
 );
-create_exception!(_native, Cancelled, Error, "The call was cancelled.");
+create_exception!(dmrpc, Cancelled, Error, "The call was cancelled.");
 
 /// The Python exception for a typed RPC error.
 pub fn to_py(e: RpcError) -> PyErr {
@@ -84,5 +84,19 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ResourceExhausted", py.get_type::<ResourceExhausted>())?;
     m.add("Internal", py.get_type::<Internal>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;
+    // Every class says its status, so that an exception a Python handler
+    // raises carries it back to the caller too.
+    for (t, s) in [
+        (py.get_type::<Error>(), "Internal"),
+        (py.get_type::<NotFound>(), "NotFound"),
+        (py.get_type::<InvalidArgument>(), "InvalidArgument"),
+        (py.get_type::<DeadlineExceeded>(), "DeadlineExceeded"),
+        (py.get_type::<Unavailable>(), "Unavailable"),
+        (py.get_type::<ResourceExhausted>(), "ResourceExhausted"),
+        (py.get_type::<Internal>(), "Internal"),
+        (py.get_type::<Cancelled>(), "Cancelled"),
+    ] {
+        t.setattr("status", s)?;
+    }
     Ok(())
 }
