@@ -435,16 +435,7 @@ impl MemPool {
     /// to this client; chunks not cached need the Ref live.
     pub fn read_ref(&self, r: &Ref, offset: u64, out: &mut [u8]) -> Result<()> {
         let c = self.inner.conn_of(r)?;
-        if offset
-            .checked_add(out.len() as u64)
-            .is_none_or(|e| e > r.len)
-        {
-            return Err(Error::OutOfBounds {
-                offset,
-                len: out.len() as u64,
-                size: r.len,
-            });
-        }
+        dm_pool::error::check_range(offset, out.len() as u64, r.len)?;
         let fetch = |off: u64, buf: &mut [u8]| -> Result<()> {
             let reqs: Vec<Request> = (0..buf.len())
                 .step_by(READ_CHUNK)
@@ -563,14 +554,7 @@ impl MemBuffer {
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(e) if e <= self.len => Ok(()),
-            _ => Err(Error::OutOfBounds {
-                offset,
-                len,
-                size: self.len,
-            }),
-        }
+        dm_pool::error::check_range(offset, len, self.len)
     }
 
     fn all(answers: Vec<Answer>) -> Result<Vec<Vec<u8>>> {

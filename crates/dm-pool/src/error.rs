@@ -162,5 +162,14 @@ impl From<PageError> for Error {
     }
 }
 
+/// `Ok` if `len` bytes at `offset` lie inside `size` bytes, else
+/// [`Error::OutOfBounds`] (overflow included).
+pub fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(e) if e <= size => Ok(()),
+        _ => Err(Error::OutOfBounds { offset, len, size }),
+    }
+}
+
 /// Result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

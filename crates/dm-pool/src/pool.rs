@@ -1002,14 +1002,7 @@ impl Buffer {
     }
 
     fn bounds(&self, offset: u64, len: u64) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(e) if e <= self.len => Ok(()),
-            _ => Err(Error::OutOfBounds {
-                offset,
-                len,
-                size: self.len,
-            }),
-        }
+        crate::error::check_range(offset, len, self.len)
     }
 
     fn d(&self) -> Result<&Desc> {

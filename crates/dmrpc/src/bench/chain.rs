@@ -127,30 +127,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 };
                 res.push(measure(call, 20, budget)?);
             }
-            let ratio = res[0].1 / res[1].1;
-            println!(
-                "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x {:>9.1} {:>8.1}x",
-                fmt_size(size as u64),
-                t,
-                res[0].0 / 1e3,
-                res[1].0 / 1e3,
-                res[0].1,
-                res[1].1,
-                ratio,
-                floor / 1e3,
-                res[0].0 / floor,
-            );
-            let mut o = Obj::default();
-            o.num("size", size as f64);
-            o.num("tiers", t as f64);
-            o.num("ref_p50_ns", res[0].0);
-            o.num("value_p50_ns", res[1].0);
-            o.num("ref_calls_per_s", res[0].1);
-            o.num("value_calls_per_s", res[1].1);
-            o.num("ref_over_value_throughput", ratio);
-            o.num("relay_floor_p50_ns", floor);
-            o.num("ref_p50_over_floor", res[0].0 / floor);
-            rows.push(o);
+            rows.push(row(size, t, &res, Some(floor)));
         }
     }
     drop(peers);
@@ -284,26 +261,7 @@ fn network(a: &BenchArgs, budget: Duration) -> Result<Vec<Obj>> {
                 };
                 res.push(measure(call, 5, budget)?);
             }
-            let ratio = res[0].1 / res[1].1;
-            println!(
-                "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x",
-                fmt_size(size as u64),
-                t,
-                res[0].0 / 1e3,
-                res[1].0 / 1e3,
-                res[0].1,
-                res[1].1,
-                ratio
-            );
-            let mut o = Obj::default();
-            o.num("size", size as f64);
-            o.num("tiers", t as f64);
-            o.num("ref_p50_ns", res[0].0);
-            o.num("value_p50_ns", res[1].0);
-            o.num("ref_calls_per_s", res[0].1);
-            o.num("value_calls_per_s", res[1].1);
-            o.num("ref_over_value_throughput", ratio);
-            rows.push(o);
+            rows.push(row(size, t, &res, None));
         }
     }
     drop(peers);
@@ -339,4 +297,35 @@ fn measure(call: impl Fn() -> Result<()>, warm: usize, budget: Duration) -> Resu
     }
     let per_s = v.len() as f64 / t0.elapsed().as_secs_f64();
     Ok((percentile(&mut v, 0.5), per_s))
+}
+
+/// Prints a row (by Ref and by value: p50 ns and calls/s; the relay
+/// floor's p50 if measured) and returns it for the results.
+fn row(size: usize, tiers: usize, res: &[(f64, f64)], floor: Option<f64>) -> Obj {
+    let ratio = res[0].1 / res[1].1;
+    let mut line = format!(
+        "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x",
+        fmt_size(size as u64),
+        tiers,
+        res[0].0 / 1e3,
+        res[1].0 / 1e3,
+        res[0].1,
+        res[1].1,
+        ratio
+    );
+    let mut o = Obj::default();
+    o.num("size", size as f64);
+    o.num("tiers", tiers as f64);
+    o.num("ref_p50_ns", res[0].0);
+    o.num("value_p50_ns", res[1].0);
+    o.num("ref_calls_per_s", res[0].1);
+    o.num("value_calls_per_s", res[1].1);
+    o.num("ref_over_value_throughput", ratio);
+    if let Some(f) = floor {
+        line += &format!(" {:>9.1} {:>8.1}x", f / 1e3, res[0].0 / f);
+        o.num("relay_floor_p50_ns", f);
+        o.num("ref_p50_over_floor", res[0].0 / f);
+    }
+    println!("{line}");
+    o
 }
