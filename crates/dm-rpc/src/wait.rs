@@ -264,13 +264,15 @@ impl Waiter {
             if deadline.is_some_and(|d| now >= d) {
                 return Ok(None);
             }
+            let mut before = now;
             if now - last_idle >= Duration::from_millis(1) {
                 last_idle = now;
                 idle()?;
+                before = Instant::now();
             }
             dm_sys::sched_yield();
             // A yield that took a while ran someone else.
-            self.crowded = now.elapsed() >= CROWDED_YIELD;
+            self.crowded = before.elapsed() >= CROWDED_YIELD;
         }
         // Park.
         loop {

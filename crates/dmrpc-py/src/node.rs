@@ -3,7 +3,8 @@
 //! thread (taking the GIL for the call); a blocking call releases the GIL
 //! while it waits. Payloads are bytes-like objects (bytes, bytearray,
 //! memoryview, NumPy arrays): copied once into the call, then sent inline
-//! or by Ref by the size-aware rule; what arrives is given as `bytes`.
+//! or by Ref by the size-aware rule; what arrives is given as `bytes`
+//! (copied once, from the pool or the frame).
 
 use crate::errors::{to_py, Error as PyDmError};
 use crate::pool::PyPool;
@@ -91,9 +92,14 @@ impl PyNode {
             let method: String = k.extract()?;
             let f: Py<PyAny> = v.unbind();
             b = b.method(&method, move |call| {
-                let data = call.payload().to_vec()?;
+                let p = call.payload();
                 Python::with_gil(|py| {
-                    let arg = PyBytes::new(py, &data);
+                    // One copy, straight from the pool (or frame) into the
+                    // Python object.
+                    let arg = PyBytes::new_with(py, p.len() as usize, |buf| {
+                        p.read(0, buf).map_err(to_py)
+                    })
+                    .map_err(|e| to_rpc(py, e))?;
                     match f.call1(py, (arg,)) {
                         Ok(r) => bytes_of(py, Some(r.bind(py)))
                             .map(Payload::from_vec)

@@ -78,27 +78,34 @@ impl Space {
         }
     }
 
-    /// The range `offset..offset+len` of the buffer at `addr`, as absolute
-    /// byte positions from the start of its first page.
-    fn range(&self, addr: u64, offset: u64, len: u64, ps: usize) -> Result<(u64, u64)> {
-        let (base, b) = self.find(addr, ps)?;
-        let off = (addr - base)
-            .checked_add(offset)
-            .ok_or(Error::OutOfBounds {
-                offset,
-                len,
-                size: b.len,
-            })?;
-        match off.checked_add(len) {
-            Some(end) if end <= b.len => Ok((b.head as u64 + off, b.head as u64 + end)),
-            _ => Err(Error::OutOfBounds {
-                offset,
-                len,
-                size: b.len,
+    /// The buffer containing `addr`, writable, as (its base address, it).
+    fn find_mut(&mut self, addr: u64, ps: usize) -> Result<(u64, &mut Buffer)> {
+        match self.maps.range_mut(..=addr).next_back() {
+            Some((&base, b)) if addr - base < b.len.max(1) => Ok((base, b)),
+            _ => Err(Error::NotOwner {
+                desc: desc_of(addr, ps),
             }),
         }
     }
+}
 
+/// The range `offset..offset+len` from `addr` in buffer `b` (at `base`), as
+/// absolute byte positions from the start of its first page.
+fn span(base: u64, b: &Buffer, addr: u64, offset: u64, len: u64) -> Result<(u64, u64)> {
+    let oob = || Error::OutOfBounds {
+        offset,
+        len,
+        size: b.len,
+    };
+    let off = (addr - base).checked_add(offset).ok_or_else(oob)?;
+    let end = off
+        .checked_add(len)
+        .filter(|&e| e <= b.len)
+        .ok_or_else(oob)?;
+    Ok((b.head as u64 + off, b.head as u64 + end))
+}
+
+impl Space {
     /// A zero-filled buffer (no page backed yet).
     pub fn alloc(&mut self, pages: &Pages, len: u64, max_len: u64) -> Result<u64> {
         if len == 0 {
@@ -143,9 +150,8 @@ impl Space {
     /// Reads `out.len()` bytes at `offset` of the buffer at `addr`.
     pub fn read(&self, pages: &Pages, addr: u64, offset: u64, out: &mut [u8]) -> Result<()> {
         let ps = pages.page_size();
-        let (start, _) = self.range(addr, offset, out.len() as u64, ps)?;
         let (base, b) = self.find(addr, ps)?;
-        let _ = base;
+        let (start, _) = span(base, b, addr, offset, out.len() as u64)?;
         let mut pos = start;
         let mut done = 0;
         while done < out.len() {
@@ -163,17 +169,12 @@ impl Space {
     /// pages needed are taken before anything changes (all or nothing).
     pub fn write(&mut self, pages: &Pages, addr: u64, offset: u64, data: &[u8]) -> Result<()> {
         let ps = pages.page_size();
-        let (start, end) = self.range(addr, offset, data.len() as u64, ps)?;
+        let hint = self.hint;
+        let (base, b) = self.find_mut(addr, ps)?;
+        let (start, end) = span(base, b, addr, offset, data.len() as u64)?;
         if data.is_empty() {
             return Ok(());
         }
-        let base = self.find(addr, ps)?.0;
-        let hint = self.hint;
-        let Some(b) = self.maps.get_mut(&base) else {
-            return Err(Error::NotOwner {
-                desc: desc_of(addr, ps),
-            });
-        };
         let (first, last) = (
             (start / ps as u64) as usize,
             ((end - 1) / ps as u64) as usize,
@@ -231,8 +232,8 @@ impl Space {
             return Err(Error::ZeroLength);
         }
         let ps = pages.page_size();
-        let (start, end) = self.range(addr, offset, len, ps)?;
-        let (_, b) = self.find(addr, ps)?;
+        let (base, b) = self.find(addr, ps)?;
+        let (start, end) = span(base, b, addr, offset, len)?;
         let (first, last) = (
             (start / ps as u64) as usize,
             ((end - 1) / ps as u64) as usize,
