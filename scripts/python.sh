@@ -15,6 +15,7 @@ if ! "$venv/bin/python" -c "import maturin, numpy, pytest" >/dev/null 2>&1; then
 fi
 (cd crates/dmrpc-py && VIRTUAL_ENV="$venv" CARGO_TARGET_DIR="$root/target/py" \
   "$venv/bin/maturin" develop --release -q)
-# The Rust peer of the Python<->Rust tests.
-cargo build --release -q -p dm-rpc --bin dm-rpc-agent
-DMRPC_AGENT="$root/target/release/dm-rpc-agent" "$venv/bin/pytest" -q crates/dmrpc-py/tests "$@"
+# The Rust peers of the tests: a service/client agent and a memory server.
+cargo build --release -q -p dm-rpc --bin dm-rpc-agent -p dm-memserver --bin dm-memserver
+DMRPC_AGENT="$root/target/release/dm-rpc-agent" DMRPC_MEMSERVER="$root/target/release/dm-memserver" \
+  "$venv/bin/pytest" -q crates/dmrpc-py/tests "$@"

@@ -271,8 +271,10 @@ impl Payload {
 
     /// The same data, to pass on in another call without touching it: a
     /// payload that arrived by Ref forwards the Ref (no mapping, no copy).
-    /// Only received payloads and inline bytes can be forwarded while kept;
-    /// a buffer you built is sent by moving the payload itself.
+    /// A pool buffer (an answer, or one you built) is duplicated by sharing
+    /// its pages (a Ref made, mapped and released: no copy, and the pages
+    /// become copy-on-write). A memory-server buffer you built is sent by
+    /// moving the payload itself.
     pub fn forward(&self) -> Result<Payload, RpcError> {
         Ok(Payload {
             repr: match &self.repr {
@@ -280,9 +282,10 @@ impl Payload {
                 Repr::Bytes(v) => Repr::Bytes(v.clone()),
                 Repr::Ref(r) => Repr::Ref(r.clone()),
                 Repr::Remote(r) => Repr::Remote(r.clone()),
-                Repr::Buffer(_) | Repr::MemBuffer(..) => {
+                Repr::Buffer(b) => Repr::Buffer(dup(b)?),
+                Repr::MemBuffer(..) => {
                     return Err(RpcError::invalid_argument(
-                        "a buffer payload is forwarded by moving it into the call",
+                        "a memory-server buffer payload is forwarded by moving it into the call",
                     ))
                 }
             },
@@ -476,6 +479,18 @@ impl Payload {
             other => Payload::from_request_body(other, node)?,
         })
     }
+}
+
+/// A second buffer over the same pages as `b` (each page +1 share, no
+/// copy): writes to either copy only the pages written.
+fn dup(b: &Buffer) -> Result<Buffer, RpcError> {
+    let pool = b.pool();
+    let r = b.share()?;
+    let mapped = pool.map_ref(&r);
+    let released = pool.release_ref(&r);
+    let d = mapped?;
+    released?;
+    Ok(d)
 }
 
 /// Bytes as a body: inline up to `inline_max`, else by a new Ref in the

@@ -327,6 +327,37 @@ fn nested_forwarding_over_tcp() {
     nested(Transport::Tcp("127.0.0.1:0".into()));
 }
 
+/// A pool buffer (here an answer that arrived by Ref) forwarded into
+/// another call: its pages are shared again, not copied, and the original
+/// stays readable.
+#[test]
+fn an_answer_is_forwarded_by_sharing_its_pages() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("fwd-answer");
+    let svc = spawn_svc(&node, &name, &Transport::Shm);
+    let c = node.connect(&name).unwrap();
+    let data = pattern(1 << 20, 9);
+    let want = sum(&Payload::from_vec(data.clone()));
+    let answer = c.call("echo", data).unwrap();
+    assert!(answer.in_pool(), "a 1 MiB answer arrives by Ref");
+    let before = node.pool().counters();
+    let (len, by_ref, hash) = {
+        let r = c.call("inspect", answer.forward().unwrap()).unwrap();
+        let r = r.to_vec().unwrap();
+        (
+            u64::from_le_bytes(r[..8].try_into().unwrap()),
+            r[8] == 1,
+            u64::from_le_bytes(r[9..17].try_into().unwrap()),
+        )
+    };
+    assert_eq!((len, by_ref, hash), (1 << 20, true, want));
+    assert_eq!(node.pool().counters().cow_copies, before.cow_copies);
+    assert_eq!(sum(&answer), want, "the forwarded answer is unchanged");
+    drop((answer, c, svc, node));
+    tp.assert_clean();
+}
+
 #[test]
 fn tcp_between_pools_passes_by_value() {
     // A client attached to another pool (another host, in effect): every

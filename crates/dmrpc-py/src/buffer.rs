@@ -6,7 +6,7 @@
 use crate::errors::{pool_err, to_py};
 use crate::refs::PyRef;
 use dm_pool::MappedBuffer;
-use dm_rpc::RpcError;
+use dm_rpc::{Payload, RpcError};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -56,6 +56,22 @@ impl PyBuffer {
                 "double free: the buffer was freed already",
             ))),
         }
+    }
+
+    /// The buffer's data as a call's payload, by its pages: shared (the
+    /// range becomes copy-on-write: one `mprotect`), and a second buffer
+    /// over them handed to the call. The caller keeps its buffer; later
+    /// writes to it copy only the pages written.
+    pub fn to_payload(&self) -> PyResult<Payload> {
+        self.with(|m| {
+            let r = m.share().map_err(pool_err)?;
+            let pool = m.buffer().pool();
+            let mapped = pool.map_ref(&r);
+            let released = pool.release_ref(&r);
+            let b = mapped.map_err(pool_err)?;
+            released.map_err(pool_err)?;
+            Ok(Payload::from_buffer(b))
+        })
     }
 
     pub fn create_ref(&self, offset: u64, length: Option<u64>) -> PyResult<PyRef> {

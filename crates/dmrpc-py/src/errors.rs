@@ -7,38 +7,33 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 create_exception!(
-    _native,
+    dmrpc,
     Error,
     PyException,
     "Base of dmrpc's errors; `.status` names the status."
 );
+create_exception!(dmrpc, NotFound, Error, "No such service, method or object.");
 create_exception!(
-    _native,
-    NotFound,
-    Error,
-    "No such service, method or object."
-);
-create_exception!(
-    _native,
+    dmrpc,
     InvalidArgument,
     Error,
     "Bad input: a wrong size, a forged, stale or released Ref, a double free, a closed pool."
 );
 create_exception!(
-    _native,
+    dmrpc,
     DeadlineExceeded,
     Error,
     "The call's deadline passed."
 );
 create_exception!(dmrpc, Unavailable, Error, "The peer or server is gone.");
 create_exception!(
-    _native,
+    dmrpc,
     ResourceExhausted,
     Error,
     "The pool (or server) is full."
 );
 create_exception!(
-    _native,
+    dmrpc,
     Internal,
     Error,
     "A bug or a handler's panic on the other side."

@@ -1,11 +1,14 @@
 //! The `dmrpc` Python package's native module (`dmrpc._native`): one
 //! module per wrapped concept — [`pool`], [`buffer`], [`refs`], [`node`]
-//! (services and clients) — and the
+//! (services and clients), [`payload`] (what calls carry), [`mem`] (memory
+//! servers) — and the
 //! exceptions in [`errors`].
 
 mod buffer;
 mod errors;
+mod mem;
 mod node;
+mod payload;
 mod pool;
 mod refs;
 
@@ -19,6 +22,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::PyNode>()?;
     m.add_class::<node::PyServer>()?;
     m.add_class::<node::PyClient>()?;
+    m.add_class::<payload::PyPayload>()?;
+    m.add_class::<mem::PyMemPool>()?;
+    m.add_class::<mem::PyMemBuffer>()?;
+    m.add("DEFAULT_INLINE_MAX", dm_rpc::DEFAULT_INLINE_MAX)?;
     errors::register(m)?;
     Ok(())
 }

@@ -1,37 +1,21 @@
 //! `dmrpc.Node`, `dmrpc.Server`, `dmrpc.Client`: services and clients from
 //! Python. Handlers are Python callables run on the service's dispatcher
 //! thread (taking the GIL for the call); a blocking call releases the GIL
-//! while it waits. Payloads are bytes-like objects (bytes, bytearray,
-//! memoryview, NumPy arrays): copied once into the call, then sent inline
-//! or by Ref by the size-aware rule; what arrives is given as `bytes`
-//! (copied once, from the pool or the frame).
+//! while it waits. Arguments and results are bytes-like objects (copied
+//! once), pool buffers (sent by their pages) or payloads (forwarded
+//! untouched), sent inline or by Ref by the size-aware rule; what arrives
+//! is a `dmrpc.Payload`, a read-only view with no copy (see
+//! [`crate::payload`]).
 
 use crate::errors::{to_py, Error as PyDmError};
+use crate::mem::PyMemPool;
+use crate::payload::{to_payload, PyPayload};
 use crate::pool::PyPool;
-use dm_rpc::{CallOptions, Client, Node, Payload, RpcError, Server, Status};
-use pyo3::buffer::PyBuffer as PyBuf;
+use dm_rpc::{CallOptions, Client, Config, Node, RpcError, Server, Status, Transport};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
 use std::sync::Mutex;
 use std::time::Duration;
-
-/// The bytes of a bytes-like object (None: empty).
-fn bytes_of(py: Python<'_>, data: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
-    let Some(d) = data else { return Ok(Vec::new()) };
-    if d.is_none() {
-        return Ok(Vec::new());
-    }
-    let b = PyBuf::<u8>::get(d).or_else(|_| -> PyResult<PyBuf<u8>> {
-        // Any contiguous buffer, read as bytes (e.g. a float array).
-        let mv = py
-            .import("builtins")?
-            .getattr("memoryview")?
-            .call1((d,))?
-            .call_method1("cast", ("B",))?;
-        PyBuf::<u8>::get(&mv)
-    })?;
-    b.to_vec(py)
-}
 
 /// A Python exception raised by a handler, as a typed RPC error: a
 /// `dmrpc.Error` keeps its status, anything else is `Internal`.
@@ -71,41 +55,55 @@ pub struct PyNode {
 
 #[pymethods]
 impl PyNode {
+    /// A node on `pool`. With `memservers`, large payloads to nodes of
+    /// other pools that use the same memory servers travel by their Refs.
+    /// `inline_max`: payloads up to this many bytes go inline, larger ones
+    /// by Ref (default: `dmrpc.DEFAULT_INLINE_MAX`).
     #[new]
-    fn new(pool: &PyPool) -> PyResult<PyNode> {
-        Ok(PyNode {
-            node: Node::new(pool.get()?),
-        })
+    #[pyo3(signature = (pool, memservers=None, inline_max=None))]
+    fn new(
+        pool: &PyPool,
+        memservers: Option<&PyMemPool>,
+        inline_max: Option<usize>,
+    ) -> PyResult<PyNode> {
+        let mut cfg = Config::default();
+        if let Some(m) = inline_max {
+            cfg.inline_max = m;
+        }
+        let mut node = Node::with_config(pool.get()?, cfg);
+        if let Some(m) = memservers {
+            node = node.with_memserver(m.get()?);
+        }
+        Ok(PyNode { node })
     }
 
-    /// Registers service `name` with `handlers` ({method: callable}); each
-    /// callable takes the payload (`bytes`) and returns a bytes-like
-    /// object or None.
+    /// Registers service `name` with `handlers` ({method: callable}) on the
+    /// pool's shared-memory rings, or on TCP at `tcp` (`host:port`, port 0
+    /// picks one; still listed in the pool's registry). Each callable
+    /// takes the `Payload` that arrived and returns None, a bytes-like
+    /// object, a `Buffer`, or a `Payload` (forwarded untouched).
+    #[pyo3(signature = (name, handlers, tcp=None))]
     fn serve(
         &self,
         py: Python<'_>,
         name: &str,
         handlers: &Bound<'_, PyDict>,
+        tcp: Option<String>,
     ) -> PyResult<PyServer> {
         let mut b = self.node.server(name);
+        if let Some(addr) = tcp {
+            b = b.transport(Transport::Tcp(addr));
+        }
         for (k, v) in handlers.iter() {
             let method: String = k.extract()?;
             let f: Py<PyAny> = v.unbind();
             b = b.method(&method, move |call| {
-                let p = call.payload();
+                let node = call.node().clone();
+                let arg = PyPayload::new(call.take_payload(), node.pool().clone());
                 Python::with_gil(|py| {
-                    // One copy, straight from the pool (or frame) into the
-                    // Python object.
-                    let arg = PyBytes::new_with(py, p.len() as usize, |buf| {
-                        p.read(0, buf).map_err(to_py)
-                    })
-                    .map_err(|e| to_rpc(py, e))?;
-                    match f.call1(py, (arg,)) {
-                        Ok(r) => bytes_of(py, Some(r.bind(py)))
-                            .map(Payload::from_vec)
-                            .map_err(|e| to_rpc(py, e)),
-                        Err(e) => Err(to_rpc(py, e)),
-                    }
+                    f.call1(py, (arg,))
+                        .and_then(|r| to_payload(py, &node, Some(r.bind(py))))
+                        .map_err(|e| to_rpc(py, e))
                 })
             });
         }
@@ -115,12 +113,27 @@ impl PyNode {
         })
     }
 
-    /// Connects to service `name`.
+    /// Connects to service `name` (found in the pool's registry).
     fn connect(&self, py: Python<'_>, name: &str) -> PyResult<PyClient> {
         let client = py
             .allow_threads(|| self.node.connect(name))
             .map_err(to_py)?;
-        Ok(PyClient { client })
+        Ok(PyClient {
+            client,
+            node: self.node.clone(),
+        })
+    }
+
+    /// Connects to a service by TCP address (`host:port`), for a server
+    /// whose pool this process is not attached to.
+    fn connect_tcp(&self, py: Python<'_>, addr: &str) -> PyResult<PyClient> {
+        let client = py
+            .allow_threads(|| self.node.connect_tcp(addr))
+            .map_err(to_py)?;
+        Ok(PyClient {
+            client,
+            node: self.node.clone(),
+        })
     }
 }
 
@@ -132,6 +145,13 @@ pub struct PyServer {
 
 #[pymethods]
 impl PyServer {
+    /// The TCP address the service listens on (None on shared memory).
+    #[getter]
+    fn tcp_addr(&self) -> Option<String> {
+        let g = self.server.lock().ok()?;
+        g.as_ref()?.tcp_addr().map(str::to_owned)
+    }
+
     /// Stops taking calls and unregisters.
     fn shutdown(&self, py: Python<'_>) {
         let s = self.server.lock().ok().and_then(|mut g| g.take());
@@ -153,12 +173,14 @@ impl Drop for PyServer {
 #[pyclass(module = "dmrpc._native", name = "Client", frozen)]
 pub struct PyClient {
     client: Client,
+    node: Node,
 }
 
 #[pymethods]
 impl PyClient {
-    /// Calls `method` with `data` (any bytes-like object); returns the
-    /// answer's bytes. `timeout` in seconds.
+    /// Calls `method` with `data` (None, a bytes-like object, a `Buffer`
+    /// or a `Payload`); returns the answer as a `Payload`. `timeout` in
+    /// seconds.
     #[pyo3(signature = (method, data=None, timeout=None))]
     fn call<'py>(
         &self,
@@ -166,8 +188,8 @@ impl PyClient {
         method: &str,
         data: Option<&Bound<'py, PyAny>>,
         timeout: Option<f64>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let v = bytes_of(py, data)?;
+    ) -> PyResult<PyPayload> {
+        let p = to_payload(py, &self.node, data)?;
         let opts = match timeout {
             Some(t) if t.is_finite() && t >= 0.0 => {
                 CallOptions::deadline(Duration::from_secs_f64(t))
@@ -180,12 +202,8 @@ impl PyClient {
             None => CallOptions::default(),
         };
         let out = py
-            .allow_threads(|| {
-                self.client
-                    .call_with(method, Payload::from_vec(v), opts)
-                    .and_then(|p| p.into_vec())
-            })
+            .allow_threads(|| self.client.call_with(method, p, opts))
             .map_err(to_py)?;
-        Ok(PyBytes::new(py, &out))
+        Ok(PyPayload::new(out, self.node.pool().clone()))
     }
 }

@@ -50,7 +50,8 @@ def test_python_service_and_client_in_one_process(pool):
     name = f"py/echo/{os.getpid()}/{next(_N)}"
 
     def upper(b):
-        return b.upper()
+        assert isinstance(b, dmrpc.Payload) and not b.by_ref
+        return bytes(b).upper()
 
     def boom(b):
         raise ValueError("bad value")
@@ -60,7 +61,7 @@ def test_python_service_and_client_in_one_process(pool):
 
     srv = node.serve(name, {"upper": upper, "boom": boom, "refuse": refuse, "sum": lambda b: np.frombuffer(b, dtype=np.uint8).sum().tobytes()})
     c = node.connect(name)
-    assert c.call("upper", b"hello") == b"HELLO"
+    assert bytes(c.call("upper", b"hello")) == b"HELLO"
     big = np.arange(1 << 20, dtype=np.uint8)  # above the threshold: by Ref
     got = np.frombuffer(c.call("sum", big), dtype=np.uint64)[0]
     assert got == int(big.sum())
@@ -86,7 +87,7 @@ SERVER = textwrap.dedent(
     import sys, dmrpc
     p = dmrpc.Pool(sys.argv[1])
     node = dmrpc.Node(p)
-    srv = node.serve(sys.argv[2], {"rev": lambda b: b[::-1], "len": lambda b: str(len(b)).encode()})
+    srv = node.serve(sys.argv[2], {"rev": lambda b: bytes(b)[::-1], "len": lambda b: str(len(b)).encode()})
     print("ready", flush=True)
     sys.stdin.readline()
     srv.shutdown()
@@ -101,8 +102,8 @@ def test_python_client_and_server_in_two_processes(pool):
     try:
         assert child.stdout.readline().strip() == "ready"
         c = dmrpc.Node(p).connect(name)
-        assert c.call("rev", b"abc") == b"cba"
-        assert c.call("len", bytes(3 << 20)) == str(3 << 20).encode()
+        assert bytes(c.call("rev", b"abc")) == b"cba"
+        assert bytes(c.call("len", bytes(3 << 20))) == str(3 << 20).encode()
         del c
     finally:
         child.stdin.write("\n")
@@ -119,7 +120,7 @@ def test_python_calls_rust_and_rust_calls_python(pool):
         assert srv.stdout.readline().strip() == "ready"
         c = dmrpc.Node(p).connect(rust)
         data = bytes(range(256)) * 4096  # 1 MiB, by Ref
-        out = c.call("hop", data)  # answers hash (8) | pid (4) | in_pool (1)
+        out = bytes(c.call("hop", data))  # answers hash (8) | pid (4) | in_pool (1)
         assert len(out) >= 13
         assert out[12] == 1, "the Rust service got the payload by Ref (in the pool)"
         del c
@@ -135,3 +136,240 @@ def test_python_calls_rust_and_rust_calls_python(pool):
     assert "ok" in r.stdout, r.stdout + r.stderr
     assert seen == [200_000]
     srv.shutdown()
+
+
+def test_a_payload_is_a_read_only_view_of_the_pool_with_no_copy(pool):
+    p, _ = pool
+    node = dmrpc.Node(p)
+    name = f"py/view/{os.getpid()}/{next(_N)}"
+    seen = {}
+
+    def look(pl):
+        a = np.frombuffer(pl, dtype=np.uint8)
+        b = np.frombuffer(pl, dtype=np.uint8)
+        seen["by_ref"] = pl.by_ref
+        seen["ref"] = pl.ref
+        seen["same"] = a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        seen["readonly"] = not a.flags.writeable
+        with pytest.raises(TypeError):
+            memoryview(pl)[0:1] = b"x"
+        with pytest.raises((TypeError, BufferError)):
+            import ctypes
+
+            ctypes.c_char.from_buffer(pl)  # asks for a writable view: refused
+        # keep(): a writable copy-on-write buffer; one page written, one copied.
+        k = pl.keep()
+        held = p.check()["pages_held"]
+        kv = np.frombuffer(k, dtype=np.uint8)
+        kv[5000] ^= 0xFF
+        seen["copied"] = p.check()["pages_held"] - held
+        seen["orig_kept"] = a[5000] != kv[5000]
+        del kv, a, b
+        k.free()
+        return int(np.frombuffer(pl, dtype=np.uint8).astype(np.uint64).sum()).to_bytes(8, "little")
+
+    srv = node.serve(name, {"look": look})
+    c = node.connect(name)
+    data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    out = c.call("look", data)
+    assert int.from_bytes(bytes(out), "little") == int(data.astype(np.uint64).sum())
+    assert seen["by_ref"] and seen["ref"] is not None and len(seen["ref"]) == 1 << 20
+    assert seen["same"] and seen["readonly"]
+    assert seen["copied"] == 1, "only the page written was copied"
+    assert seen["orig_kept"], "the payload did not change"
+    # An answer is a payload too: large answers arrive by Ref.
+    srv2 = node.serve(name + "/echo", {"echo": lambda pl: pl})
+    c2 = node.connect(name + "/echo")
+    ans = c2.call("echo", data)
+    assert ans.by_ref and len(ans) == len(data)
+    assert np.array_equal(np.frombuffer(ans, dtype=np.uint8), data)
+    small = c2.call("echo", b"tiny")
+    assert not small.by_ref and bytes(small) == b"tiny" and small.tobytes() == b"tiny"
+    del ans, small, c, c2
+    srv.shutdown()
+    srv2.shutdown()
+
+
+def test_a_pool_buffer_is_sent_by_its_pages_and_stays_the_callers(pool):
+    p, _ = pool
+    node = dmrpc.Node(p)
+    name = f"py/buf/{os.getpid()}/{next(_N)}"
+    got = []
+    srv = node.serve(name, {"get": lambda pl: got.append((pl.by_ref, bytes(memoryview(pl)[:4])))})
+    c = node.connect(name)
+    buf = p.alloc(256 << 10)
+    a = np.frombuffer(buf, dtype=np.uint8)
+    a[:] = 3
+    c.call("get", buf)
+    a[0] = 9  # after the call the caller writes on: copy-on-write
+    assert got == [(True, b"\x03" * 4)]
+    assert a[0] == 9 and buf.read(0, 2) == b"\x09\x03"
+    del a, c
+    buf.free()
+    srv.shutdown()
+
+
+FORWARDER = textwrap.dedent(
+    """
+    import sys, dmrpc
+    p = dmrpc.Pool(sys.argv[1])
+    node = dmrpc.Node(p)
+    nxt = node.connect(sys.argv[3]) if len(sys.argv) > 3 else None
+
+    def hop(pl):
+        mine = pl.ref.to_bytes() if pl.ref is not None else b"-" * 40
+        if nxt is None:  # the worker: the Ref it saw, then its sum of the data
+            import numpy as np
+            total = int(np.frombuffer(pl, dtype=np.uint8).astype(np.uint64).sum())
+            return mine + total.to_bytes(8, "little")
+        return mine + bytes(nxt.call("hop", pl))  # forwarded untouched
+
+    srv = node.serve(sys.argv[2], {"hop": hop})
+    print("ready", flush=True)
+    sys.stdin.readline()
+    srv.shutdown()
+    """
+)
+
+
+def test_a_payload_is_forwarded_by_ref_through_python_processes(pool):
+    p, path = pool
+    base = f"py/chain/{os.getpid()}/{next(_N)}"
+    hops = [f"{base}/{i}" for i in range(3)]
+    procs = []
+    try:
+        for i in reversed(range(3)):
+            args = [sys.executable, "-c", FORWARDER, path, hops[i]] + ([hops[i + 1]] if i < 2 else [])
+            procs.append(subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            assert procs[-1].stdout.readline().strip() == "ready"
+        c = dmrpc.Node(p).connect(hops[0])
+        data = np.arange(2 << 20, dtype=np.uint32).astype(np.uint8)
+        out = bytes(c.call("hop", data))
+        refs = [out[i * 40:(i + 1) * 40] for i in range(3)]
+        assert refs[0] != b"-" * 40, "the first hop got a Ref"
+        assert refs[0] == refs[1] == refs[2], "every hop saw the same Ref: nobody copied"
+        assert int.from_bytes(out[120:128], "little") == int(data.astype(np.uint64).sum())
+        # Small payloads go inline through the same chain.
+        out = bytes(c.call("hop", b"abc"))
+        assert out[:120] == b"-" * 120 and int.from_bytes(out[120:], "little") == 97 + 98 + 99
+        del c
+    finally:
+        for pr in procs:
+            pr.stdin.write("\n")
+            pr.stdin.flush()
+        for pr in procs:
+            assert pr.wait(timeout=10) == 0
+
+
+def test_rust_forwards_a_python_clients_payload_to_a_python_service(pool):
+    p, path = pool
+    bin = agent()
+    node = dmrpc.Node(p)
+    base = f"py/mixed/{os.getpid()}/{next(_N)}"
+    seen = []
+    srv = node.serve(base + "/py", {"hop": lambda pl: (seen.append((pl.by_ref, len(pl))), b"\x00" * 13)[1]})
+    rust = subprocess.Popen([bin, path, "serve", base + "/rust", "--next", base + "/py"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert rust.stdout.readline().strip() == "ready"
+        c = node.connect(base + "/rust")
+        c.call("hop", bytes(1 << 20))
+        assert seen == [(True, 1 << 20)], "Python -> Rust -> Python, by Ref"
+        del c
+    finally:
+        rust.stdin.close()
+        assert rust.wait(timeout=10) == 0
+    srv.shutdown()
+
+
+@pytest.fixture
+def memserver():
+    path = os.environ.get("DMRPC_MEMSERVER") or os.path.join(ROOT, "target", "release", "dm-memserver")
+    if not os.path.exists(path):
+        pytest.skip(f"no dm-memserver at {path} (scripts/python.sh builds it)")
+    proc = subprocess.Popen([path, "--size", str(64 << 20)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        assert line[0] == "listening", line
+        yield line[1]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+
+
+def test_memory_server_contract_from_python(memserver):
+    with dmrpc.MemPool([memserver]) as m:
+        b = m.alloc(3 * 4096)
+        assert len(b) == 3 * 4096 and b.read(0, 8) == bytes(8)
+        b.write(b"\x01" * (3 * 4096))
+        r = b.share()
+        assert isinstance(r, dmrpc.Ref) and len(r) == 3 * 4096
+        other = m.map_ref(r)
+        other.write(b"\x09", 4096)  # copy-on-write: only this client's copy changes
+        assert b.read(4096, 1) == b"\x01" and other.read(4096, 2) == b"\x09\x01"
+        assert m.read_ref(r, 4095, 2) == b"\x01\x01"
+        r2 = m.put(b"hello")
+        assert m.read_ref(r2) == b"hello"
+        with pytest.raises(dmrpc.InvalidArgument):
+            b.read(3 * 4096 - 1, 2)
+        with pytest.raises(dmrpc.InvalidArgument):
+            m.read_ref(r2, 0, 6)
+        m.release_ref(r2)
+        with pytest.raises(dmrpc.InvalidArgument):
+            m.release_ref(r2)  # double release
+        with pytest.raises(dmrpc.InvalidArgument):
+            m.map_ref(dmrpc.Ref.from_bytes(bytes(r)[:-1] + bytes([bytes(r)[-1] ^ 1])))  # forged
+        m.release_ref(r)
+        other.free()
+        b.free()
+        with pytest.raises(dmrpc.InvalidArgument):
+            b.free()  # double free
+        assert m.check() == []
+        u = m.usage()
+        assert u["pages_held"] == 0 and u["refs"] == 0, u
+    with pytest.raises(dmrpc.InvalidArgument):
+        m.alloc(10)  # closed
+    with pytest.raises(dmrpc.Unavailable):
+        dmrpc.MemPool(["127.0.0.1:1"], timeout=1.0)
+
+
+def test_services_in_two_pools_pass_payloads_by_memory_server_ref(memserver, tmp_path):
+    pools = []
+    for i in range(2):
+        path = f"/dev/shm/dmrpc-pytest-ms-{os.getpid()}-{next(_N)}.pool"
+        pools.append((dmrpc.Pool(path, size=32 << 20), path))
+    try:
+        ms = [dmrpc.MemPool([memserver]) for _ in range(2)]
+        server_node = dmrpc.Node(pools[0][0], memservers=ms[0])
+        client_node = dmrpc.Node(pools[1][0], memservers=ms[1])
+        seen = []
+
+        def work(pl):
+            seen.append(pl.by_ref)
+            return np.frombuffer(pl, dtype=np.uint8)[::-1].copy()  # answer 1 MiB: by Ref too
+
+        srv = server_node.serve(f"py/ms/{os.getpid()}/{next(_N)}", {"work": work}, tcp="127.0.0.1:0")
+        assert srv.tcp_addr.startswith("127.0.0.1:")
+        c = client_node.connect_tcp(srv.tcp_addr)
+        data = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+        ans = c.call("work", data)
+        assert seen == [True], "the request came by memory-server Ref"
+        assert ans.by_ref and np.array_equal(np.frombuffer(ans, dtype=np.uint8), data[::-1])
+        assert bytes(c.call("work", b"ab")) == b"ba" and seen[-1] is False
+        # A memory-server buffer as an argument: sent by its pages.
+        b = ms[1].alloc(200_000)
+        b.write(b"\x07" * 200_000)
+        assert bytes(c.call("work", b))[:3] == b"\x07" * 3 and seen[-1] is True
+        b.free()
+        del ans, c
+        srv.shutdown()
+        for m in ms:
+            for _ in range(100):
+                if m.usage()["pages_held"] == 0:
+                    break
+                time.sleep(0.05)
+        assert ms[0].usage()["pages_held"] == 0 and ms[0].usage()["refs"] == 0, ms[0].usage()
+        assert ms[0].check() == []
+    finally:
+        for p, path in pools:
+            p.close()
+            os.unlink(path)
