@@ -1,11 +1,22 @@
-//! `dmrpc.Buffer`: pool memory exposed through the buffer protocol, so
-//! `memoryview` and `numpy.frombuffer` see the pool's pages with no copy.
-//! Stores through a writable view follow copy-on-write: the first store to
-//! a shared page copies that page (a write fault resolved by the pool).
+//! `dmrpc.Buffer`: pool memory, of one of two kinds.
+//!
+//! - **Mapped** (the default): the pages are mapped at a private range of
+//!   addresses, and the buffer protocol gives a writable view, so
+//!   `memoryview` and `numpy.frombuffer` see the pool's pages with no copy.
+//!   Stores through the view follow copy-on-write: the first store to a
+//!   shared page copies that page (a write fault resolved by the pool).
+//!   Mapping costs page-table work (`mmap`, faults) at creation and on the
+//!   first write to each shared page.
+//! - **Explicit** (`mapped=False`): no mapping and no page-table work at
+//!   all. `write()` copies shared pages in software (only the pages it
+//!   touches); the buffer protocol gives a read-only view of the pages
+//!   when they are consecutive in the pool, and `write()` is refused while
+//!   such views exist (a copy-on-write would leave them on the old page).
+//!   The fast path for a callee that changes part of what it received.
 
 use crate::errors::{pool_err, to_py};
 use crate::refs::PyRef;
-use dm_pool::MappedBuffer;
+use dm_pool::{Buffer, MappedBuffer};
 use dm_rpc::{Payload, RpcError};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
@@ -15,10 +26,38 @@ use std::os::raw::c_int;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+/// The memory behind a `dmrpc.Buffer`.
+pub enum Kind {
+    Mapped(MappedBuffer),
+    Explicit(Buffer),
+}
+
+impl Kind {
+    fn buffer(&self) -> &Buffer {
+        match self {
+            Kind::Mapped(m) => m.buffer(),
+            Kind::Explicit(b) => b,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.buffer().len() as usize
+    }
+
+    /// The bytes as one slice: always for a mapped buffer, for an explicit
+    /// one when its pages are consecutive in the pool.
+    fn slice(&self) -> PyResult<Option<&[u8]>> {
+        match self {
+            Kind::Mapped(m) => Ok(Some(m.as_slice())),
+            Kind::Explicit(b) => b.as_slice().map_err(pool_err),
+        }
+    }
+}
+
 /// A buffer of pool memory.
 #[pyclass(module = "dmrpc._native", name = "Buffer", frozen)]
 pub struct PyBuffer {
-    m: Mutex<Option<MappedBuffer>>,
+    m: Mutex<Option<Kind>>,
     /// Views exported through the buffer protocol and not yet released.
     exports: AtomicUsize,
 }
@@ -27,15 +66,27 @@ fn freed() -> PyErr {
     to_py(RpcError::invalid_argument("the buffer was freed"))
 }
 
+fn outside(offset: usize, len: usize, size: usize) -> PyErr {
+    to_py(RpcError::invalid_argument(format!(
+        "range {offset}+{len} outside a buffer of {size} bytes"
+    )))
+}
+
 impl PyBuffer {
-    pub fn new(m: MappedBuffer) -> PyBuffer {
-        PyBuffer {
-            m: Mutex::new(Some(m)),
+    /// A mapped buffer over `b`'s pages, or `b` itself (explicit).
+    pub fn of(b: Buffer, mapped: bool) -> PyResult<PyBuffer> {
+        let kind = if mapped {
+            Kind::Mapped(MappedBuffer::from_buffer(b).map_err(pool_err)?)
+        } else {
+            Kind::Explicit(b)
+        };
+        Ok(PyBuffer {
+            m: Mutex::new(Some(kind)),
             exports: AtomicUsize::new(0),
-        }
+        })
     }
 
-    fn with<T>(&self, f: impl FnOnce(&mut MappedBuffer) -> PyResult<T>) -> PyResult<T> {
+    fn with<T>(&self, f: impl FnOnce(&mut Kind) -> PyResult<T>) -> PyResult<T> {
         let mut g = self.m.lock().map_err(|_| freed())?;
         f(g.as_mut().ok_or_else(freed)?)
     }
@@ -48,24 +99,30 @@ impl PyBuffer {
             ));
         }
         match g.take() {
-            Some(m) => {
+            Some(Kind::Mapped(m)) => {
                 drop(m);
                 Ok(())
             }
+            Some(Kind::Explicit(b)) => b.pool().clone().free(b).map_err(pool_err),
             None => Err(to_py(RpcError::invalid_argument(
                 "double free: the buffer was freed already",
             ))),
         }
     }
 
-    /// The buffer's data as a call's payload, by its pages: shared (the
-    /// range becomes copy-on-write: one `mprotect`), and a second buffer
-    /// over them handed to the call. The caller keeps its buffer; later
-    /// writes to it copy only the pages written.
+    /// The buffer's data as a call's payload, by its pages: a second
+    /// buffer over them handed to the call (a Ref made, mapped and
+    /// released: no copy). A mapped buffer's range becomes copy-on-write
+    /// first (one `mprotect`). The caller keeps its buffer; later writes
+    /// to it copy only the pages written.
     pub fn to_payload(&self) -> PyResult<Payload> {
-        self.with(|m| {
-            let r = m.share().map_err(pool_err)?;
-            let pool = m.buffer().pool();
+        self.with(|k| {
+            let r = match k {
+                Kind::Mapped(m) => m.share(),
+                Kind::Explicit(b) => b.share(),
+            }
+            .map_err(pool_err)?;
+            let pool = k.buffer().pool();
             let mapped = pool.map_ref(&r);
             let released = pool.release_ref(&r);
             let b = mapped.map_err(pool_err)?;
@@ -75,10 +132,14 @@ impl PyBuffer {
     }
 
     pub fn create_ref(&self, offset: u64, length: Option<u64>) -> PyResult<PyRef> {
-        self.with(|m| {
-            let len = length.unwrap_or_else(|| (m.len() as u64).saturating_sub(offset));
+        self.with(|k| {
+            let len = length.unwrap_or_else(|| (k.len() as u64).saturating_sub(offset));
+            let r = match k {
+                Kind::Mapped(m) => m.create_ref(offset, len),
+                Kind::Explicit(b) => b.create_ref(offset, len),
+            };
             Ok(PyRef {
-                r: m.create_ref(offset, len).map_err(pool_err)?,
+                r: r.map_err(pool_err)?,
             })
         })
     }
@@ -87,13 +148,25 @@ impl PyBuffer {
 #[pymethods]
 impl PyBuffer {
     fn __len__(&self) -> PyResult<usize> {
-        self.with(|m| Ok(m.len()))
+        self.with(|k| Ok(k.len()))
     }
 
-    /// The address of the first byte (the same memory numpy sees).
+    /// Whether the buffer is mapped (a writable view) or explicit.
+    #[getter]
+    fn mapped(&self) -> PyResult<bool> {
+        self.with(|k| Ok(matches!(k, Kind::Mapped(_))))
+    }
+
+    /// The address of the first byte (the same memory numpy sees); for an
+    /// explicit buffer, only when its pages are consecutive.
     #[getter]
     fn address(&self) -> PyResult<usize> {
-        self.with(|m| Ok(m.as_slice().as_ptr() as usize))
+        self.with(|k| match k.slice()? {
+            Some(s) => Ok(s.as_ptr() as usize),
+            None => Err(PyBufferError::new_err(
+                "the buffer's pages are not consecutive: it has no single address",
+            )),
+        })
     }
 
     /// A copy of `length` bytes at `offset` (default: to the end).
@@ -104,35 +177,43 @@ impl PyBuffer {
         offset: usize,
         length: Option<usize>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        self.with(|m| {
-            let s = m.as_slice();
-            let end = length.map_or(Some(s.len()), |l| offset.checked_add(l));
-            match end {
-                Some(e) if offset <= e && e <= s.len() => Ok(PyBytes::new(py, &s[offset..e])),
-                _ => Err(to_py(RpcError::invalid_argument(format!(
-                    "range {offset}+{length:?} outside a buffer of {} bytes",
-                    s.len()
-                )))),
+        self.with(|k| {
+            let size = k.len();
+            let len = length.unwrap_or(size.saturating_sub(offset));
+            if offset.checked_add(len).is_none_or(|e| e > size) {
+                return Err(outside(offset, len, size));
+            }
+            match k {
+                Kind::Mapped(m) => Ok(PyBytes::new(py, &m.as_slice()[offset..offset + len])),
+                Kind::Explicit(b) => {
+                    PyBytes::new_with(py, len, |out| b.read(offset as u64, out).map_err(pool_err))
+                }
             }
         })
     }
 
     /// Writes `data` (any bytes-like object) at `offset`; shared pages are
-    /// copied first.
+    /// copied first (only those written).
     #[pyo3(signature = (data, offset=0))]
     fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
-        self.with(|m| {
-            let s = m.as_mut_slice();
-            match offset.checked_add(data.len()) {
-                Some(e) if e <= s.len() => {
-                    s[offset..e].copy_from_slice(data);
+        self.with(|k| {
+            let size = k.len();
+            if offset.checked_add(data.len()).is_none_or(|e| e > size) {
+                return Err(outside(offset, data.len(), size));
+            }
+            match k {
+                Kind::Mapped(m) => {
+                    m.as_mut_slice()[offset..offset + data.len()].copy_from_slice(data);
                     Ok(())
                 }
-                _ => Err(to_py(RpcError::invalid_argument(format!(
-                    "a write of {} bytes at {offset} outside a buffer of {} bytes",
-                    data.len(),
-                    s.len()
-                )))),
+                Kind::Explicit(b) => {
+                    if self.exports.load(Ordering::Acquire) > 0 {
+                        return Err(PyBufferError::new_err(
+                            "an explicit buffer with live views cannot be written: release them first",
+                        ));
+                    }
+                    b.write(offset as u64, data).map_err(pool_err)
+                }
             }
         })
     }
@@ -157,18 +238,29 @@ impl PyBuffer {
     ) -> PyResult<()> {
         let me = slf.get();
         let g = me.m.lock().map_err(|_| freed())?;
-        let m = g.as_ref().ok_or_else(freed)?;
-        let (ptr, len) = (m.as_slice().as_ptr(), m.len());
+        let k = g.as_ref().ok_or_else(freed)?;
+        let readonly = matches!(k, Kind::Explicit(_));
+        if readonly && flags & ffi::PyBUF_WRITABLE != 0 {
+            return Err(PyBufferError::new_err(
+                "an explicit buffer's view is read-only: write() to it, or use a mapped buffer",
+            ));
+        }
+        let s = k.slice()?.ok_or_else(|| {
+            PyBufferError::new_err(
+                "the buffer's pages are not consecutive in the pool: read() it, or use a mapped buffer",
+            )
+        })?;
         // SAFETY: `view` is valid (Python's contract); the memory stays
-        // mapped while the view exists: `free` refuses while exports > 0,
-        // and the view holds a reference to this object.
+        // where it is while the view exists: `free` (and, for an explicit
+        // buffer, `write`) refuse while exports > 0, and the view holds a
+        // reference to this object.
         let rc = unsafe {
             ffi::PyBuffer_FillInfo(
                 view,
                 slf.as_ptr(),
-                ptr as *mut std::os::raw::c_void,
-                len as ffi::Py_ssize_t,
-                0,
+                s.as_ptr() as *mut std::os::raw::c_void,
+                s.len() as ffi::Py_ssize_t,
+                readonly as c_int,
                 flags,
             )
         };
@@ -186,8 +278,10 @@ impl PyBuffer {
     }
 
     fn __repr__(&self) -> String {
-        match self.m.lock().ok().and_then(|g| g.as_ref().map(|m| m.len())) {
-            Some(n) => format!("Buffer({n} bytes)"),
+        let g = self.m.lock().ok();
+        match g.as_ref().and_then(|g| g.as_ref()) {
+            Some(Kind::Mapped(m)) => format!("Buffer({} bytes, mapped)", m.len()),
+            Some(Kind::Explicit(b)) => format!("Buffer({} bytes, explicit)", b.len()),
             None => "Buffer(freed)".into(),
         }
     }

@@ -204,7 +204,7 @@ fn freed() -> PyErr {
 }
 
 impl PyMemBuffer {
-    fn new(pool: MemPool, b: MemBuffer) -> PyMemBuffer {
+    pub fn new(pool: MemPool, b: MemBuffer) -> PyMemBuffer {
         PyMemBuffer {
             pool,
             len: DmBuffer::len(&b),

@@ -13,8 +13,9 @@
 
 use crate::buffer::PyBuffer;
 use crate::errors::{pool_err, to_py};
+use crate::mem::PyMemBuffer;
 use crate::refs::PyRef;
-use dm_pool::{MappedBuffer, Pool};
+use dm_pool::Buffer;
 use dm_rpc::{Node, Payload, RpcError};
 use pyo3::buffer::PyBuffer as PyBuf;
 use pyo3::exceptions::PyBufferError;
@@ -28,18 +29,18 @@ use std::sync::OnceLock;
 #[pyclass(module = "dmrpc._native", name = "Payload", frozen)]
 pub struct PyPayload {
     p: Payload,
-    /// The pool of the node it arrived at (where `keep` puts inline data).
-    pool: Pool,
+    /// The node it arrived at (whose pool `keep` puts inline data in).
+    node: Node,
     /// The data made contiguous, for pool data whose pages are not (one
     /// copy, made on the first view that needs it).
     flat: OnceLock<Vec<u8>>,
 }
 
 impl PyPayload {
-    pub fn new(p: Payload, pool: Pool) -> PyPayload {
+    pub fn new(p: Payload, node: Node) -> PyPayload {
         PyPayload {
             p,
-            pool,
+            node,
             flat: OnceLock::new(),
         }
     }
@@ -87,29 +88,51 @@ impl PyPayload {
         self.__bytes__(py)
     }
 
-    /// A writable buffer with the same data that this process keeps: for
-    /// pool data its own shares of the pages (copy-on-write, only the pages
-    /// written are copied), valid after the call that delivered it ends.
-    fn keep(&self, py: Python<'_>) -> PyResult<PyBuffer> {
-        let pool = &self.pool;
-        let m = py
-            .allow_threads(|| -> Result<MappedBuffer, RpcError> {
-                let kept = match self.p.forward() {
-                    Ok(f) => f.keep()?,
-                    Err(_) => None,
-                };
-                Ok(match kept {
-                    Some(b) => MappedBuffer::from_buffer(b)?,
+    /// A writable buffer with the same data, that this process keeps
+    /// beyond the call that delivered it: for pool data its own shares of
+    /// the pages (copy-on-write: only the pages written are copied) —
+    /// mapped (a writable view) or explicit (`mapped=False`: no page-table
+    /// work, writes through `write()`); for data on a memory server a
+    /// `MemBuffer` there (mapped on the server, CoW); inline data is
+    /// copied into the pool.
+    #[pyo3(signature = (mapped=true))]
+    fn keep(&self, py: Python<'_>, mapped: bool) -> PyResult<Py<PyAny>> {
+        let kept = self.p.forward().map_err(to_py)?;
+        if kept.is_remote() {
+            let m = self
+                .node
+                .memserver()
+                .ok_or_else(|| {
+                    to_py(RpcError::internal(
+                        "memory-server data, and no memory server",
+                    ))
+                })?
+                .clone();
+            let b = py.allow_threads(|| kept.keep_remote()).map_err(to_py)?;
+            let b = b.ok_or_else(|| to_py(RpcError::internal("memory-server data went")))?;
+            return Ok(PyMemBuffer::new(m, b)
+                .into_pyobject(py)?
+                .into_any()
+                .unbind());
+        }
+        let pool = self.node.pool();
+        let b = py
+            .allow_threads(|| -> Result<Buffer, RpcError> {
+                Ok(match kept.keep()? {
+                    Some(b) => b,
                     None => {
                         let v = self.p.to_vec()?;
-                        let mut m = MappedBuffer::alloc(pool, v.len().max(1) as u64)?;
-                        m.as_mut_slice()[..v.len()].copy_from_slice(&v);
-                        m
+                        let mut b = pool.alloc(v.len() as u64)?;
+                        b.write(0, &v)?;
+                        b
                     }
                 })
             })
             .map_err(to_py)?;
-        Ok(PyBuffer::new(m))
+        Ok(PyBuffer::of(b, mapped)?
+            .into_pyobject(py)?
+            .into_any()
+            .unbind())
     }
 
     /// # Safety

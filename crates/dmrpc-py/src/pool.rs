@@ -3,7 +3,7 @@
 use crate::buffer::PyBuffer;
 use crate::errors::{closed, pool_err};
 use crate::refs::PyRef;
-use dm_pool::{AttachOptions, MappedBuffer, Pool, PoolConfig};
+use dm_pool::{AttachOptions, Pool, PoolConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::RwLock;
@@ -65,11 +65,13 @@ impl PyPool {
         Ok(self.get()?.page_size())
     }
 
-    /// A zero-filled buffer of `size` bytes (pages are backed on first write).
-    fn alloc(&self, size: u64) -> PyResult<PyBuffer> {
+    /// A zero-filled buffer of `size` bytes (pages are backed on first
+    /// write): mapped (a writable view), or explicit (`mapped=False`: no
+    /// page-table work, writes through `write()`).
+    #[pyo3(signature = (size, mapped=true))]
+    fn alloc(&self, size: u64, mapped: bool) -> PyResult<PyBuffer> {
         let pool = self.get()?;
-        let m = MappedBuffer::alloc(&pool, size).map_err(pool_err)?;
-        Ok(PyBuffer::new(m))
+        PyBuffer::of(pool.alloc(size).map_err(pool_err)?, mapped)
     }
 
     /// Frees a buffer (raises BufferError while views of it exist).
@@ -85,11 +87,12 @@ impl PyPool {
         buf.create_ref(offset, length)
     }
 
-    /// Maps a Ref as a new buffer: no copy; writes copy the pages they touch.
-    fn map_ref(&self, r: &PyRef) -> PyResult<PyBuffer> {
+    /// Maps a Ref as a new buffer (mapped, or explicit with
+    /// `mapped=False`): no copy; writes copy the pages they touch.
+    #[pyo3(signature = (r, mapped=true))]
+    fn map_ref(&self, r: &PyRef, mapped: bool) -> PyResult<PyBuffer> {
         let pool = self.get()?;
-        let m = MappedBuffer::map_ref(&pool, &r.r).map_err(pool_err)?;
-        Ok(PyBuffer::new(m))
+        PyBuffer::of(pool.map_ref(&r.r).map_err(pool_err)?, mapped)
     }
 
     /// Releases a Ref (a second release raises InvalidArgument).

@@ -213,3 +213,38 @@ def test_a_killed_python_process_leaves_the_pool_clean(pool):
     rep = p.check()
     assert rep["ok"], rep["problems"]
     assert rep["buffers"] == 0, rep
+
+
+def test_explicit_buffers_copy_on_write_without_mapping(pool):
+    p, _ = pool
+    b = p.alloc(4 * 4096, mapped=False)
+    assert not b.mapped
+    b.write(b"\x02" * (4 * 4096))
+    r = b.share()
+    m = p.map_ref(r, mapped=False)
+    held = p.check()["pages_held"]
+    m.write(b"\x07" * 10, 4096 + 5)  # one shared page: copied in software
+    assert p.check()["pages_held"] == held + 1, "only the page written was copied"
+    assert b.read(4096 + 5, 1) == b"\x02" and m.read(4096 + 5, 1) == b"\x07"
+    # A read-only view when the pages are consecutive; no writes while it lives.
+    try:
+        v = memoryview(m)
+    except BufferError:
+        v = None  # pages not consecutive: no single view, read() instead
+    if v is not None:
+        assert v.readonly and bytes(v[4096 + 5:4096 + 6]) == b"\x07"
+        with pytest.raises(BufferError):
+            m.write(b"x")
+        with pytest.raises(TypeError):
+            v[0:1] = b"x"
+        v.release()
+    m.write(b"x")
+    with pytest.raises(dmrpc.InvalidArgument):
+        m.write(b"xy", 4 * 4096 - 1)
+    with pytest.raises(dmrpc.InvalidArgument):
+        m.read(4 * 4096, 1)
+    p.release_ref(r)
+    m.free()
+    b.free()
+    with pytest.raises(dmrpc.InvalidArgument):
+        b.free()

@@ -166,6 +166,14 @@ def test_a_payload_is_a_read_only_view_of_the_pool_with_no_copy(pool):
         seen["orig_kept"] = a[5000] != kv[5000]
         del kv, a, b
         k.free()
+        # keep(mapped=False): no mapping; write() copies the pages it touches.
+        e = pl.keep(mapped=False)
+        e.write(bytes(memoryview(pl)[:1]))  # the first write also gives the buffer its own page list
+        held = p.check()["pages_held"]
+        e.write(b"\xff" * 3, 3 * 4096 - 1)
+        seen["explicit_copied"] = p.check()["pages_held"] - held
+        seen["explicit_read"] = e.read(3 * 4096 - 2, 5)
+        e.free()
         return int(np.frombuffer(pl, dtype=np.uint8).astype(np.uint64).sum()).to_bytes(8, "little")
 
     srv = node.serve(name, {"look": look})
@@ -177,6 +185,8 @@ def test_a_payload_is_a_read_only_view_of_the_pool_with_no_copy(pool):
     assert seen["same"] and seen["readonly"]
     assert seen["copied"] == 1, "only the page written was copied"
     assert seen["orig_kept"], "the payload did not change"
+    assert seen["explicit_copied"] == 2, "a write across a page boundary copies two pages"
+    assert seen["explicit_read"] == bytes(data[3 * 4096 - 2:3 * 4096 - 1]) + b"\xff" * 3 + bytes(data[3 * 4096 + 2:3 * 4096 + 3])
     # An answer is a payload too: large answers arrive by Ref.
     srv2 = node.serve(name + "/echo", {"echo": lambda pl: pl})
     c2 = node.connect(name + "/echo")
@@ -345,6 +355,12 @@ def test_services_in_two_pools_pass_payloads_by_memory_server_ref(memserver, tmp
 
         def work(pl):
             seen.append(pl.by_ref)
+            if pl.by_ref:  # a memory server's data is kept there
+                k = pl.keep()
+                assert isinstance(k, dmrpc.MemBuffer) and len(k) == len(pl)
+                k.write(b"\x00")
+                assert k.read(0, 1) == b"\x00"
+                k.free()
             return np.frombuffer(pl, dtype=np.uint8)[::-1].copy()  # answer 1 MiB: by Ref too
 
         srv = server_node.serve(f"py/ms/{os.getpid()}/{next(_N)}", {"work": work}, tcp="127.0.0.1:0")
