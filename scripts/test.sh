@@ -3,7 +3,8 @@
 # the loom models, then every unit, property, multi-process and fuzz-corpus
 # test. Needs a Rust toolchain (stable; the loom step uses stable too);
 # scripts/deps.sh installs the rest (redis-server for the memory-server
-# bench's peer) from the distribution's packages.
+# bench's peer) from the distribution's packages, scripts/python.sh the
+# Python package and its PyPI dependencies (Ray for `bench ray`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -21,8 +22,9 @@ step "clippy -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 CARGO_TARGET_DIR=target/py cargo clippy --manifest-path crates/dmrpc-py/Cargo.toml --release -- -D warnings
 
-step "build (release)"
+step "build (release), and the Python package with its PyPI dependencies (scripts/python.sh setup)"
 cargo build --release -p dmrpc
+./scripts/python.sh setup
 
 step "demo (smoke run on its own pool)"
 pool="ci-demo-$$"
@@ -35,7 +37,7 @@ step "bench all --quick (checks each runs and writes its results, not its speed)
 out=target/bench-smoke
 rm -rf "$out"
 ./target/release/dmrpc bench all --quick --out "$out"
-for b in cow rtt threshold chain lb memserver; do
+for b in cow rtt threshold chain lb memserver ray; do
   test -s "$out/$b.json" && test -s "$out/$b.csv" || { echo "bench $b wrote no results"; exit 1; }
 done
 

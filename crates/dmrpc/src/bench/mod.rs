@@ -8,6 +8,7 @@ mod lb;
 mod memserver;
 mod net;
 mod peer;
+mod ray;
 mod rtt;
 mod threshold;
 
@@ -22,7 +23,8 @@ pub struct BenchArgs {
     /// (inline vs by-Ref arguments: the size-aware crossover), `chain`
     /// (nested calls through 1-7 processes, by Ref vs by value), `lb`
     /// (clients -> load balancer -> workers), `memserver` (4 KiB reads and
-    /// writes on a memory server vs Redis), or `all`.
+    /// writes on a memory server vs Redis), `ray` (DmRPC's Figure 8 from
+    /// Python, against Ray), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -43,16 +45,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "chain" => chain::run(&a),
         "lb" => lb::run(&a),
         "memserver" => memserver::run(&a),
+        "ray" => ray::run(&a),
         "all" => {
             cow::run(&a)?;
             rtt::run(&a)?;
             threshold::run(&a)?;
             chain::run(&a)?;
             lb::run(&a)?;
-            memserver::run(&a)
+            memserver::run(&a)?;
+            ray::run(&a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, all)"
         ),
     }
 }
@@ -118,6 +122,10 @@ pub mod serde_like {
         /// The rendered value of field `k`.
         pub fn get(&self, k: &str) -> Option<&str> {
             self.0.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str())
+        }
+        /// Field `k` as text: a string's contents (unquoted), or a number.
+        pub fn text(&self, k: &str) -> Option<&str> {
+            self.get(k).map(|v| v.trim_matches('"'))
         }
         pub fn render(&self) -> String {
             let f: Vec<String> = self
