@@ -19,8 +19,10 @@ setup() {
   fi
   (cd crates/dmrpc-py && VIRTUAL_ENV="$venv" CARGO_TARGET_DIR="$root/target/py" \
     "$venv/bin/maturin" develop --release -q)
-  # The Rust peers of the tests: a service/client agent and a memory server.
-  cargo build --release -q -p dm-rpc --bin dm-rpc-agent -p dm-memserver --bin dm-memserver
+  # The Rust peers of the tests and examples: a service/client agent, a
+  # memory server, the Rust half of examples/rust_interop.py.
+  cargo build --release -q -p dm-rpc --bin dm-rpc-agent --example py_interop \
+    -p dm-memserver --bin dm-memserver
 }
 
 if [ "${1:-}" = setup ]; then
