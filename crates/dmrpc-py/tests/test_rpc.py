@@ -389,3 +389,44 @@ def test_services_in_two_pools_pass_payloads_by_memory_server_ref(memserver, tmp
         for p, path in pools:
             p.close()
             os.unlink(path)
+
+
+def test_asyncio_client_does_not_block_the_loop(pool):
+    import asyncio
+
+    import dmrpc.aio
+
+    p, path = pool
+    bin = agent()
+    name = f"rust/aio/{os.getpid()}/{next(_N)}"
+    srv = subprocess.Popen([bin, path, "serve", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout.readline().strip() == "ready"
+        node = dmrpc.Node(p)
+
+        async def main():
+            ticks = 0
+
+            async def ticker():
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            t = asyncio.create_task(ticker())
+            async with dmrpc.aio.connect(node, name) as c:
+                # sleep: the Rust service waits the u64 ms in the payload.
+                await c.call("sleep", (300).to_bytes(8, "little"))
+                assert ticks >= 10, f"the loop ran during the call ({ticks} ticks)"
+                outs = await asyncio.gather(*(c.call("hop", bytes([i]) * (100_000 + i)) for i in range(20)))
+                assert all(len(o) >= 13 and o.tobytes()[12] == 1 for o in outs), "each went by Ref"
+                with pytest.raises(dmrpc.DeadlineExceeded):
+                    await c.call("sleep", (2000).to_bytes(8, "little"), timeout=0.05)
+                with pytest.raises(dmrpc.NotFound):
+                    await c.call("absent")
+            t.cancel()
+
+        asyncio.run(main())
+    finally:
+        srv.stdin.close()
+        assert srv.wait(timeout=10) == 0
