@@ -3,11 +3,13 @@
 # toolchain, from the distribution's packages, if missing:
 #   redis-server  the peer of `dmrpc bench memserver`
 #   iproute2      `ip netns`, for the memory-server test across namespaces
+#   fonts-dejavu-core  the font of the benchmarks' PNG plots
 # Needs root (or sudo) and the package registries; idempotent.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 [ ${#need[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -38,7 +38,9 @@ out=target/bench-smoke
 rm -rf "$out"
 ./target/release/dmrpc bench all --quick --out "$out"
 for b in cow rtt threshold chain lb memserver ray; do
-  test -s "$out/$b.json" && test -s "$out/$b.csv" || { echo "bench $b wrote no results"; exit 1; }
+  for ext in json csv png; do
+    test -s "$out/$b.$ext" || { echo "bench $b wrote no $b.$ext"; exit 1; }
+  done
 done
 
 step "loom models of the lock-free protocols"

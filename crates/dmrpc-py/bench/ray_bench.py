@@ -21,7 +21,7 @@ timed.
   objects are immutable, so the actor copies the array to write to it.
 
 Usage: ray_bench.py --pool PATH --rust-service NAME [--memserver ADDR]
-       [--quick]   (and, internally, `callee-pool` / `callee-mem`)
+       [--quick] [--verbose]   (and, internally, `callee-pool` / `callee-mem`)
 """
 
 import argparse
@@ -38,8 +38,13 @@ SIZE = 32 << 10
 FRACTIONS = (0, 25, 50, 75, 100)
 
 
+VERBOSE = "--verbose" in sys.argv
+
+
 def log(*a):
-    print(*a, file=sys.stderr, flush=True)
+    """Progress on stderr, with --verbose (`dmrpc bench ray` draws a bar)."""
+    if VERBOSE:
+        print(*a, file=sys.stderr, flush=True)
 
 
 def writer(frac):
@@ -174,6 +179,7 @@ def main():
     ap.add_argument("--rust-service", required=True)
     ap.add_argument("--memserver")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     budget = 0.4 if a.quick else 3.0
     pool = dmrpc.Pool(a.pool)

@@ -14,6 +14,7 @@
 //!   such views exist (a copy-on-write would leave them on the old page).
 //!   The fast path for a callee that changes part of what it received.
 
+use crate::bytes::BytesLike;
 use crate::errors::{pool_err, to_py};
 use crate::refs::PyRef;
 use dm_pool::{Buffer, MappedBuffer};
@@ -52,6 +53,36 @@ impl Kind {
             Kind::Explicit(b) => b.as_slice().map_err(pool_err),
         }
     }
+}
+
+/// Fills `view` for the buffer protocol with `s`, owned by `obj`.
+///
+/// # Safety
+/// `view` must be valid, and `s` must stay where it is, unchanged through
+/// any other path when `readonly`, for as long as the view exists (the
+/// view holds a reference to `obj`).
+pub unsafe fn fill_view(
+    obj: &Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    s: &[u8],
+    readonly: bool,
+    flags: c_int,
+) -> PyResult<()> {
+    // SAFETY: as the caller promises.
+    let rc = unsafe {
+        ffi::PyBuffer_FillInfo(
+            view,
+            obj.as_ptr(),
+            s.as_ptr() as *mut std::os::raw::c_void,
+            s.len() as ffi::Py_ssize_t,
+            readonly as c_int,
+            flags,
+        )
+    };
+    if rc != 0 {
+        return Err(PyErr::fetch(obj.py()));
+    }
+    Ok(())
 }
 
 /// A buffer of pool memory.
@@ -138,9 +169,7 @@ impl PyBuffer {
                 Kind::Mapped(m) => m.create_ref(offset, len),
                 Kind::Explicit(b) => b.create_ref(offset, len),
             };
-            Ok(PyRef {
-                r: r.map_err(pool_err)?,
-            })
+            Ok(PyRef::new(r.map_err(pool_err)?))
         })
     }
 }
@@ -195,7 +224,8 @@ impl PyBuffer {
     /// Writes `data` (any bytes-like object) at `offset`; shared pages are
     /// copied first (only those written).
     #[pyo3(signature = (data, offset=0))]
-    fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
+    fn write(&self, data: BytesLike, offset: usize) -> PyResult<()> {
+        let data = data.as_slice();
         self.with(|k| {
             let size = k.len();
             if offset.checked_add(data.len()).is_none_or(|e| e > size) {
@@ -254,19 +284,7 @@ impl PyBuffer {
         // where it is while the view exists: `free` (and, for an explicit
         // buffer, `write`) refuse while exports > 0, and the view holds a
         // reference to this object.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                s.as_ptr() as *mut std::os::raw::c_void,
-                s.len() as ffi::Py_ssize_t,
-                readonly as c_int,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
+        unsafe { fill_view(slf.as_any(), view, s, readonly, flags)? };
         me.exports.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }

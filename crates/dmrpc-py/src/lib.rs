@@ -1,10 +1,11 @@
 //! The `dmrpc` Python package's native module (`dmrpc._native`): one
 //! module per wrapped concept — [`pool`], [`buffer`], [`refs`], [`node`]
 //! (services and clients), [`payload`] (what calls carry), [`mem`] (memory
-//! servers) — and the
-//! exceptions in [`errors`].
+//! servers) — the exceptions in [`errors`], and how bytes-like arguments
+//! are read ([`bytes`]).
 
 mod buffer;
+mod bytes;
 mod errors;
 mod mem;
 mod node;

@@ -5,6 +5,7 @@
 //! given to a `Node` carries large payloads between nodes in different
 //! pools by memory-server Ref.
 
+use crate::bytes::BytesLike;
 use crate::errors::{closed, pool_err, to_py};
 use crate::refs::PyRef;
 use dm_memserver::{ClientConfig, MemBuffer, MemPool};
@@ -128,12 +129,13 @@ impl PyMemPool {
     }
 
     /// Stores `data` and returns a Ref to it, in one round trip.
-    fn put(&self, py: Python<'_>, data: &[u8]) -> PyResult<PyRef> {
+    fn put(&self, py: Python<'_>, data: BytesLike) -> PyResult<PyRef> {
         let pool = self.get()?;
+        let data = data.as_slice();
         let r = py
             .allow_threads(|| pool.put(data, Duration::ZERO))
             .map_err(pool_err)?;
-        Ok(PyRef { r })
+        Ok(PyRef::new(r))
     }
 
     /// Reads `length` bytes at `offset` of what a Ref names (default: all
@@ -239,7 +241,7 @@ impl PyMemBuffer {
     fn create_ref(&self, py: Python<'_>, offset: u64, length: Option<u64>) -> PyResult<PyRef> {
         let len = range(offset, length, self.len)?;
         let r = self.with(py, |pool, b| pool.create_ref(b, offset, len))?;
-        Ok(PyRef { r })
+        Ok(PyRef::new(r))
     }
 
     /// The buffer's data as a call's payload: a second buffer over the
@@ -281,7 +283,8 @@ impl PyMemBuffer {
     /// Writes `data` (any bytes-like object) at `offset`; shared pages are
     /// copied first (on the server).
     #[pyo3(signature = (data, offset=0))]
-    fn write(&self, py: Python<'_>, data: &[u8], offset: u64) -> PyResult<()> {
+    fn write(&self, py: Python<'_>, data: BytesLike, offset: u64) -> PyResult<()> {
+        let data = data.as_slice();
         self.with(py, |_, b| b.write(offset, data))
     }
 

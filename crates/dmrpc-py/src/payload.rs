@@ -12,12 +12,12 @@
 //! pages, `dmrpc.Payload`s are forwarded.
 
 use crate::buffer::PyBuffer;
+use crate::bytes::BytesLike;
 use crate::errors::{pool_err, to_py};
 use crate::mem::PyMemBuffer;
 use crate::refs::PyRef;
 use dm_pool::Buffer;
 use dm_rpc::{Node, Payload, RpcError};
-use pyo3::buffer::PyBuffer as PyBuf;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -75,7 +75,7 @@ impl PyPayload {
     /// The Ref the data arrived by (None for inline data and answers).
     #[getter]
     fn r#ref(&self) -> Option<PyRef> {
-        self.p.as_ref_handle().map(|r| PyRef { r: *r })
+        self.p.as_ref_handle().map(|r| PyRef::new(*r))
     }
 
     /// A copy of the data.
@@ -152,20 +152,7 @@ impl PyPayload {
         // to the payload (its frame bytes, its mapping of the pool's pages,
         // or its flattened copy), which never changes and lives as long as
         // this object, which the view holds a reference to.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                s.as_ptr() as *mut std::os::raw::c_void,
-                s.len() as ffi::Py_ssize_t,
-                1,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        unsafe { crate::buffer::fill_view(slf.as_any(), view, s, true, flags) }
     }
 
     /// # Safety
@@ -200,24 +187,8 @@ pub fn to_payload(
     if let Ok(b) = d.downcast::<crate::mem::PyMemBuffer>() {
         return b.get().to_payload(py);
     }
-    let buf = match PyBuf::<u8>::get(d) {
-        Ok(b) if b.is_c_contiguous() => b,
-        _ => {
-            // Any other buffer (a float array, a strided view), as bytes.
-            let mv = py.import("builtins")?.getattr("memoryview")?.call1((d,))?;
-            let mv = if mv.getattr("c_contiguous")?.extract::<bool>()? {
-                mv
-            } else {
-                py.import("builtins")?
-                    .getattr("memoryview")?
-                    .call1((mv.call_method0("tobytes")?,))?
-            };
-            PyBuf::<u8>::get(&mv.call_method1("cast", ("B",))?)?
-        }
-    };
-    // SAFETY: the buffer is C-contiguous and pinned by `buf` (an exported
-    // view) for as long as the slice is used, all under the GIL.
-    let s = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+    let bytes = BytesLike::get(d)?;
+    let s = bytes.as_slice();
     if s.len() > node.config().inline_max {
         // Straight into the pool: one copy whether it then travels by Ref
         // or (to a peer that does not share the pool) by value.

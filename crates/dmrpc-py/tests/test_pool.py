@@ -118,6 +118,10 @@ def test_refs_are_bytes_like_and_pickle(pool):
     r = p.create_ref(buf, 1000, 3000)
     assert len(r) == 3000 and len(bytes(r)) == 40
     assert dmrpc.Ref.from_bytes(r.to_bytes()) == r
+    v = memoryview(r)  # the buffer protocol gives the 40-byte encoding
+    assert v.readonly and v.nbytes == 40 and bytes(v) == r.to_bytes()
+    assert dmrpc.Ref.from_bytes(v) == r and b"".join([r]) == r.to_bytes()
+    v.release()
     assert pickle.loads(pickle.dumps(r)) == r
     assert hash(pickle.loads(pickle.dumps(r))) == hash(r)
     p.release_ref(r)
@@ -239,6 +243,12 @@ def test_explicit_buffers_copy_on_write_without_mapping(pool):
             v[0:1] = b"x"
         v.release()
     m.write(b"x")
+    m.write(bytearray(b"ab"), 1)  # any bytes-like object
+    m.write(np.array([0x0403, 0x0605], dtype="<u2"), 3)
+    m.write(np.arange(8, dtype=np.uint8)[::2], 7)  # strided: copied to contiguous first
+    assert m.read(0, 11) == b"xab\x03\x04\x05\x06\x00\x02\x04\x06"
+    with pytest.raises(TypeError):
+        m.write(12)
     with pytest.raises(dmrpc.InvalidArgument):
         m.write(b"xy", 4 * 4096 - 1)
     with pytest.raises(dmrpc.InvalidArgument):

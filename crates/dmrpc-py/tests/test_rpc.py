@@ -317,7 +317,7 @@ def test_memory_server_contract_from_python(memserver):
         other.write(b"\x09", 4096)  # copy-on-write: only this client's copy changes
         assert b.read(4096, 1) == b"\x01" and other.read(4096, 2) == b"\x09\x01"
         assert m.read_ref(r, 4095, 2) == b"\x01\x01"
-        r2 = m.put(b"hello")
+        r2 = m.put(memoryview(b"hello"))
         assert m.read_ref(r2) == b"hello"
         with pytest.raises(dmrpc.InvalidArgument):
             b.read(3 * 4096 - 1, 2)

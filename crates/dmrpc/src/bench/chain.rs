@@ -17,8 +17,10 @@
 //! By-Ref throughput should stay nearly flat as tiers grow.
 
 use super::peer::{percentile, yield_until, BenchPool, Peer, PingPong, TempFile};
+use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::say;
 use anyhow::{bail, Result};
 use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
@@ -39,6 +41,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         &[1, 2, 3, 4, 5, 6, 7]
     };
     let budget = Duration::from_millis(if a.quick { 300 } else { 1500 });
+    let net_cells = if a.quick { 2 } else { 8 };
+    super::progress::start("chain", (sizes.len() * tiers.len() + net_cells) as u64);
     let id = std::process::id();
     let bp = BenchPool::create(
         "chain",
@@ -82,8 +86,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             ..Default::default()
         },
     );
-    println!("bench chain: a request through N tiers (processes), by Ref vs by value, {TIERS} tier processes");
-    println!(
+    say!("bench chain: a request through N tiers (processes), by Ref vs by value, {TIERS} tier processes");
+    say!(
         "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8} {:>9} {:>9}",
         "size",
         "tiers",
@@ -146,6 +150,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     super::write_results(
         a,
         "chain",
+        &Chart {
+            title: "bench chain: throughput by Ref over by value",
+            x: "tiers",
+            ys: &["ref_over_value_throughput"],
+            by: Some("payload"),
+            y_label: "by Ref / by value (x)",
+            log_x: false,
+            log_y: false,
+        },
         &res,
         &rows,
         &[
@@ -240,10 +253,16 @@ fn network(a: &BenchArgs, budget: Duration) -> Result<Vec<Obj>> {
             ..Default::default()
         },
     );
-    println!("\nnetwork variant: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline");
-    println!(
+    say!("\nnetwork variant: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline");
+    say!(
         "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
-        "size", "tiers", "Ref p50 us", "value p50 us", "Ref calls/s", "value calls/s", "ratio"
+        "size",
+        "tiers",
+        "Ref p50 us",
+        "value p50 us",
+        "Ref calls/s",
+        "value calls/s",
+        "ratio"
     );
     let mut rows = Vec::new();
     for &size in sizes {
@@ -302,6 +321,7 @@ fn measure(call: impl Fn() -> Result<()>, warm: usize, budget: Duration) -> Resu
 /// Prints a row (by Ref and by value: p50 ns and calls/s; the relay
 /// floor's p50 if measured) and returns it for the results.
 fn row(size: usize, tiers: usize, res: &[(f64, f64)], floor: Option<f64>) -> Obj {
+    super::progress::tick(format!("{} through {tiers} tiers", fmt_size(size as u64)));
     let ratio = res[0].1 / res[1].1;
     let mut line = format!(
         "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x",
@@ -315,6 +335,7 @@ fn row(size: usize, tiers: usize, res: &[(f64, f64)], floor: Option<f64>) -> Obj
     );
     let mut o = Obj::default();
     o.num("size", size as f64);
+    o.str("payload", &fmt_size(size as u64));
     o.num("tiers", tiers as f64);
     o.num("ref_p50_ns", res[0].0);
     o.num("value_p50_ns", res[1].0);
@@ -326,6 +347,6 @@ fn row(size: usize, tiers: usize, res: &[(f64, f64)], floor: Option<f64>) -> Obj
         o.num("relay_floor_p50_ns", f);
         o.num("ref_p50_over_floor", res[0].0 / f);
     }
-    println!("{line}");
+    say!("{line}");
     o
 }

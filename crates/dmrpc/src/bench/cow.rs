@@ -15,8 +15,10 @@
 //! a mapped buffer), and alloc/write/free throughput with 1 and 2 processes.
 
 use super::peer::{hex, median, Peer, TempFile};
+use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::say;
 use anyhow::{bail, Result};
 use dm_pool::{AttachOptions, MappedBuffer, Pool, PoolConfig, Ref};
 use dmrpc::fmt_size;
@@ -83,10 +85,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     )?;
     let mut peer = Peer::spawn(&path, &[])?;
 
-    println!("bench cow: create_ref + map_ref (in another process) vs copying the buffer");
-    println!(
+    say!("bench cow: create_ref + map_ref (in another process) vs copying the buffer");
+    say!(
         "{:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>8}",
-        "size", "copy", "create_ref", "map_ref", "share total", "per page", "ratio"
+        "size",
+        "copy",
+        "create_ref",
+        "map_ref",
+        "share total",
+        "per page",
+        "ratio"
     );
     let mut rows = Vec::new();
     let mut size = 4096u64;
@@ -138,7 +146,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         );
         let pages = size.div_ceil(pool.page_size() as u64) as f64;
         let ratio = copy_ns / share_ns;
-        println!(
+        say!(
             "{:>9} {:>8.1} us {:>8.1} us {:>8.1} us {:>8.1} us {:>8.1} ns {:>7.1}x",
             fmt_size(size),
             copy_ns / 1e3,
@@ -187,7 +195,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let cow_fault = t.elapsed().as_nanos() as f64 / n as f64;
     pool.release_ref(&r)?;
     drop(m);
-    println!("\ncopy-on-write of one 4 KiB page: explicit write {:.2} us, store through a mapped buffer (fault) {:.2} us", cow_explicit / 1e3, cow_fault / 1e3);
+    say!("\ncopy-on-write of one 4 KiB page: explicit write {:.2} us, store through a mapped buffer (fault) {:.2} us", cow_explicit / 1e3, cow_fault / 1e3);
 
     // alloc + 1-byte write + free throughput, 1 and 2 processes.
     let loops = if a.quick { 20_000 } else { 200_000 };
@@ -200,7 +208,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let mine = t.elapsed().as_secs_f64();
     let theirs = peer.ok_nums()?.first().copied().unwrap_or(f64::NAN) / 1e9;
     let two = loops as f64 / mine + loops as f64 / theirs;
-    println!(
+    say!(
         "alloc + write + free: {:.2} M ops/s with 1 process, {:.2} M ops/s with 2 processes",
         one / 1e6,
         two / 1e6
@@ -226,6 +234,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     super::write_results(
         a,
         "cow",
+        &Chart {
+            title: "bench cow: copying vs create_ref + map_ref",
+            x: "size",
+            ys: &["copy_ns", "share_total_ns"],
+            by: None,
+            y_label: "ns (p50)",
+            log_x: true,
+            log_y: true,
+        },
         &res,
         &rows,
         &[

@@ -9,8 +9,10 @@
 //! process copied per request (from its own transport counters).
 
 use super::peer::{BenchPool, Peer};
+use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::say;
 use anyhow::{bail, Result};
 use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
@@ -62,12 +64,18 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "lb {base}/{mode}/lb {base}/{mode}/w0,{base}/{mode}/w1 {mode}"
         ))?;
     }
-    println!("bench lb: {CLIENTS} client threads -> load balancer -> 2 workers (3 processes besides this one)");
-    println!(
+    say!("bench lb: {CLIENTS} client threads -> load balancer -> 2 workers (3 processes besides this one)");
+    say!(
         "{:>8} {:>13} {:>13} {:>8} {:>16} {:>16}",
-        "size", "Ref calls/s", "value calls/s", "ratio", "LB copies (Ref)", "LB copies (value)"
+        "size",
+        "Ref calls/s",
+        "value calls/s",
+        "ratio",
+        "LB copies (Ref)",
+        "LB copies (value)"
     );
     let mut rows = Vec::new();
+    super::progress::start("lb", 4);
     for size in [4usize << 10, 8 << 10, 16 << 10, 32 << 10] {
         let data: Vec<u8> = (0..size).map(|i| i as u8).collect();
         let mut res = Vec::new();
@@ -117,7 +125,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             res.push((n as f64 / wall, copied));
         }
         let ratio = res[0].0 / res[1].0;
-        println!(
+        say!(
             "{:>8} {:>13.0} {:>13.0} {:>7.1}x {:>14.0} B {:>14.0} B",
             fmt_size(size as u64),
             res[0].0,
@@ -134,6 +142,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         o.num("lb_bytes_copied_per_request_ref", res[0].1);
         o.num("lb_bytes_copied_per_request_value", res[1].1);
         rows.push(o);
+        super::progress::tick(format!("{size} bytes"));
     }
     drop(lb_peer);
     drop(peers);
@@ -146,6 +155,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     super::write_results(
         a,
         "lb",
+        &Chart {
+            title: "bench lb: client -> load balancer -> 2 workers",
+            x: "size",
+            ys: &["ref_calls_per_s", "value_calls_per_s"],
+            by: None,
+            y_label: "calls/s",
+            log_x: true,
+            log_y: false,
+        },
         &res,
         &rows,
         &[

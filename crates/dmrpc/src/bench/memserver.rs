@@ -17,8 +17,10 @@
 
 use super::net::Proc;
 use super::peer::percentile;
+use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::say;
 use anyhow::{anyhow, bail, Result};
 use dm_memserver::MemPool;
 use dm_pool::{Dm, DmBuffer};
@@ -237,8 +239,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let budget = Duration::from_millis(if a.quick { 300 } else { 2000 });
     let (_ms, ms_addr) = super::net::start_memserver("256MiB")?;
     let (_redis, redis_addr) = start_redis()?;
-    println!("bench memserver: 4 KiB values, closed loop per connection; memory server vs redis-server (same run, loopback)");
-    println!(
+    say!("bench memserver: 4 KiB values, closed loop per connection; memory server vs redis-server (same run, loopback)");
+    say!(
         "{:>5} {:>6} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>8}",
         "op",
         "conns",
@@ -251,6 +253,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "ratio"
     );
     let mut rows = Vec::new();
+    super::progress::start("memserver", 7);
     for write in [false, true] {
         for conns in [1usize, 4, 16] {
             let mut mem: Vec<Box<dyn Conn>> = Vec::new();
@@ -272,7 +275,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             let r = drive(red, write, budget)?;
             let op = if write { "write" } else { "read" };
             let ratio = m.ops / r.ops;
-            println!(
+            say!(
                 "{:>5} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.1} {:>12.1} {:>12.0} {:>7.2}x",
                 op,
                 conns,
@@ -295,6 +298,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             o.num("redis_ops_per_s", r.ops);
             o.num("throughput_ratio", ratio);
             rows.push(o);
+            super::progress::tick(format!("{op} x{conns}"));
         }
     }
     // The page cache: Refs read through fresh mappings, with and without.
@@ -311,6 +315,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     super::write_results(
         a,
         "memserver",
+        &Chart {
+            title: "bench memserver: 4 KiB operations, memory server vs Redis",
+            x: "connections",
+            ys: &["memserver_ops_per_s", "redis_ops_per_s"],
+            by: Some("op"),
+            y_label: "ops/s",
+            log_x: true,
+            log_y: false,
+        },
         &res,
         &rows,
         &[
@@ -340,13 +353,17 @@ fn cache_bench(addr: &str, budget: Duration) -> Result<Vec<Obj>> {
         refs.push(owner.create_ref(&b, 0, LEN as u64)?);
         bufs.push(b);
     }
-    println!(
+    say!(
         "page cache: {REFS} Refs of {} KiB, 80% of reads on 20% of them, each read maps, reads all, frees",
         LEN >> 10
     );
-    println!(
+    say!(
         "{:>12} {:>9} {:>10} {:>10} {:>10}",
-        "cache", "hit rate", "p50 us", "p99 us", "reads/s"
+        "cache",
+        "hit rate",
+        "p50 us",
+        "p99 us",
+        "reads/s"
     );
     let mut rows = Vec::new();
     for cache in [2u64 << 20, 0] {
@@ -384,7 +401,7 @@ fn cache_bench(addr: &str, budget: Duration) -> Result<Vec<Obj>> {
         let per_s = n / t0.elapsed().as_secs_f64();
         let hit = p.cache_stats().hit_rate();
         let (p50, p99) = (percentile(&mut v, 0.5), percentile(&mut v, 0.99));
-        println!(
+        say!(
             "{:>12} {:>8.0}% {:>10.1} {:>10.1} {:>10.0}",
             if cache == 0 {
                 "none".to_string()

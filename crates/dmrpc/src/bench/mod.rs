@@ -1,6 +1,7 @@
 //! `dmrpc bench NAME`: benchmarks that run their baseline in the same
 //! invocation and report ratios (the machine is shared and noisy: compare
-//! within one run). Results go to `--out` as JSON and CSV.
+//! within one run). Results go to `--out` as JSON, CSV and a PNG plot
+//! ([`plot`]).
 
 mod chain;
 mod cow;
@@ -8,6 +9,7 @@ mod lb;
 mod memserver;
 mod net;
 mod peer;
+mod plot;
 mod ray;
 mod rtt;
 mod threshold;
@@ -29,7 +31,7 @@ pub struct BenchArgs {
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
     pub quick: bool,
-    /// Directory for the JSON and CSV results.
+    /// Directory for the JSON, CSV and PNG results.
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,
 }
@@ -38,27 +40,91 @@ pub use peer::{peer, PeerArgs};
 
 pub fn run(a: BenchArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out)?;
+    let r = run_named(&a);
+    progress::finish();
+    r
+}
+
+fn run_named(a: &BenchArgs) -> Result<()> {
     match a.name.as_str() {
-        "cow" => cow::run(&a),
-        "rtt" => rtt::run(&a),
-        "threshold" => threshold::run(&a),
-        "chain" => chain::run(&a),
-        "lb" => lb::run(&a),
-        "memserver" => memserver::run(&a),
-        "ray" => ray::run(&a),
+        "cow" => cow::run(a),
+        "rtt" => rtt::run(a),
+        "threshold" => threshold::run(a),
+        "chain" => chain::run(a),
+        "lb" => lb::run(a),
+        "memserver" => memserver::run(a),
+        "ray" => ray::run(a),
         "all" => {
-            cow::run(&a)?;
-            rtt::run(&a)?;
-            threshold::run(&a)?;
-            chain::run(&a)?;
-            lb::run(&a)?;
-            memserver::run(&a)?;
-            ray::run(&a)
+            cow::run(a)?;
+            rtt::run(a)?;
+            threshold::run(a)?;
+            chain::run(a)?;
+            lb::run(a)?;
+            memserver::run(a)?;
+            ray::run(a)
         }
         n => bail!(
             "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, all)"
         ),
     }
+}
+
+/// The progress bar of the benchmark running (on stderr, drawn only on a
+/// terminal), and printing that keeps it intact: benchmarks print their
+/// tables with [`say!`](crate::say), which lifts the bar while a line goes
+/// out.
+pub mod progress {
+    use indicatif::{ProgressBar, ProgressStyle};
+    use std::sync::{Mutex, MutexGuard};
+
+    static BAR: Mutex<Option<ProgressBar>> = Mutex::new(None);
+
+    fn bar() -> MutexGuard<'static, Option<ProgressBar>> {
+        BAR.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts a bar of `cells` steps for benchmark `name`.
+    pub fn start(name: &str, cells: u64) {
+        let pb = ProgressBar::new(cells).with_prefix(name.to_owned());
+        if let Ok(style) =
+            ProgressStyle::with_template("{prefix:>10} [{bar:32}] {pos}/{len} {msg} ({elapsed})")
+        {
+            pb.set_style(style.progress_chars("=> "));
+        }
+        if let Some(old) = bar().replace(pb) {
+            old.finish_and_clear();
+        }
+    }
+
+    /// One step done; `msg` says what comes next.
+    pub fn tick(msg: impl Into<String>) {
+        if let Some(pb) = bar().as_ref() {
+            pb.set_message(msg.into());
+            pb.inc(1);
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish() {
+        if let Some(pb) = bar().take() {
+            pb.finish_and_clear();
+        }
+    }
+
+    /// Prints a line to stdout, lifting the bar while it does.
+    pub fn print(line: &str) {
+        match bar().as_ref() {
+            Some(pb) => pb.suspend(|| println!("{line}")),
+            None => println!("{line}"),
+        }
+    }
+}
+
+/// `println!` for benchmarks: keeps the progress bar intact.
+#[macro_export]
+macro_rules! say {
+    () => { $crate::bench::progress::print("") };
+    ($($t:tt)*) => { $crate::bench::progress::print(&format!($($t)*)) };
 }
 
 /// A machine description recorded with every result.
@@ -138,11 +204,13 @@ pub mod serde_like {
     }
 }
 
-/// Writes `NAME.json` (the whole result) and `NAME.csv` (one line per row,
-/// the given columns) under the output directory.
+/// Writes `NAME.json` (the whole result), `NAME.csv` (one line per row,
+/// the given columns) and `NAME.png` (`chart` of the rows) under the
+/// output directory.
 pub fn write_results(
     a: &BenchArgs,
     name: &str,
+    chart: &plot::Chart,
     res: &serde_like::Obj,
     rows: &[serde_like::Obj],
     columns: &[&str],
@@ -155,6 +223,7 @@ pub fn write_results(
         csv += &(line.join(",") + "\n");
     }
     std::fs::write(a.out.join(format!("{name}.csv")), csv)?;
-    println!("results: {}", json.display());
+    plot::draw(&a.out.join(format!("{name}.png")), chart, rows)?;
+    println!("results: {} (and .csv, .png)", json.display());
     Ok(())
 }

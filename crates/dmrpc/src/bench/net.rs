@@ -3,6 +3,7 @@
 
 use super::peer::median;
 use super::serde_like::Obj;
+use crate::say;
 use anyhow::{anyhow, Context, Result};
 use dm_memserver::MemPool;
 use dm_pool::{Dm, DmBuffer};
@@ -55,10 +56,14 @@ pub fn cow(max: u64, budget: Duration) -> Result<Vec<Obj>> {
     let (_ms, addr) = start_memserver(&format!("{}", max * 4 + (64 << 20)))?;
     let caller = MemPool::connect(&[&addr])?;
     let callee = MemPool::connect(&[&addr])?;
-    println!("\nnetwork backend (a memory server on loopback): value transfer vs create_ref + map_ref by another client");
-    println!(
+    say!("\nnetwork backend (a memory server on loopback): value transfer vs create_ref + map_ref by another client");
+    say!(
         "{:>9} {:>11} {:>11} {:>11} {:>8}",
-        "size", "copy", "create_ref", "share total", "ratio"
+        "size",
+        "copy",
+        "create_ref",
+        "share total",
+        "ratio"
     );
     let mut rows = Vec::new();
     let mut size = 4096u64;
@@ -90,7 +95,7 @@ pub fn cow(max: u64, budget: Duration) -> Result<Vec<Obj>> {
         let (copy_ns, create_ns, share_ns) =
             (median(&mut copy), median(&mut create), median(&mut total));
         let ratio = copy_ns / share_ns;
-        println!(
+        say!(
             "{:>9} {:>8.1} us {:>8.1} us {:>8.1} us {:>7.1}x",
             fmt_size(size),
             copy_ns / 1e3,

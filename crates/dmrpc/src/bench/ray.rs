@@ -18,8 +18,10 @@
 
 use super::net::start_memserver;
 use super::peer::{percentile, BenchPool, Peer};
+use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::say;
 use anyhow::{anyhow, bail, Context, Result};
 use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
@@ -121,7 +123,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     peer.cmd(&format!("serve {rust_svc} default"))?;
     let (_ms, ms_addr) = start_memserver("256M")?;
 
-    println!("bench ray: the Python binding's overhead, then DmRPC's Figure 8 against Ray");
+    say!("bench ray: the Python binding's overhead, then DmRPC's Figure 8 against Ray");
     let node = Node::with_config(
         bp.pool.clone(),
         Config {
@@ -132,6 +134,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let c = node.connect(&rust_svc)?;
     let data = vec![1u8; SIZE];
     let mut overhead = Vec::new();
+    // 2 Rust cells, then the driver's rows: 4 overhead, 5 fractions x 4 systems.
+    super::progress::start("ray", 2 + 4 + 20);
     for method in ["noop", "sum"] {
         let mut o = measure(
             || {
@@ -149,6 +153,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         o.str("service", "rust");
         o.str("method", method);
         overhead.push(o);
+        super::progress::tick(format!("rust {method}"));
     }
     drop(c);
 
@@ -166,8 +171,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         match parse_row(&line?) {
             Some((k, o)) if k == "overhead" => overhead.push(o),
             Some((k, o)) if k == "fig8" => fig8.push(o),
-            _ => {}
+            _ => continue,
         }
+        super::progress::tick("python driver");
     }
     if !child.wait()?.success() {
         bail!("the Python driver failed");
@@ -175,10 +181,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     peer.cmd("unserve")?;
     drop(peer);
 
-    println!("\nper-call overhead (32 KiB `sum` travels by Ref):");
-    println!(
+    say!("\nper-call overhead (32 KiB `sum` travels by Ref):");
+    say!(
         "{:<8} {:<8} {:<6} {:>10} {:>10} {:>12} {:>14}",
-        "client", "service", "method", "p50 us", "p99 us", "calls/s", "p50 vs Rust"
+        "client",
+        "service",
+        "method",
+        "p50 us",
+        "p99 us",
+        "calls/s",
+        "p50 vs Rust"
     );
     for o in &overhead {
         let method = o.text("method").unwrap_or("");
@@ -186,7 +198,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             .iter()
             .find(|r| r.text("client") == Some("rust") && r.text("method") == Some(method))
             .map_or(f64::NAN, |r| num(r, "p50_us"));
-        println!(
+        say!(
             "{:<8} {:<8} {:<6} {:>10.2} {:>10.2} {:>12.0} {:>13.2}x",
             o.text("client").unwrap_or(""),
             o.text("service").unwrap_or(""),
@@ -198,10 +210,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         );
     }
 
-    println!("\nFigure 8: 32 KiB array by reference, callee writes a fraction of it:");
-    println!(
+    say!("\nFigure 8: 32 KiB array by reference, callee writes a fraction of it:");
+    say!(
         "{:<18} {:>5} {:>10} {:>10} {:>10} {:>10}",
-        "system", "write", "calls/s", "p50 us", "p99 us", "vs Ray"
+        "system",
+        "write",
+        "calls/s",
+        "p50 us",
+        "p99 us",
+        "vs Ray"
     );
     let ray: Vec<(f64, f64)> = fig8
         .iter()
@@ -217,7 +234,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         if o.text("system") == Some("dmrpc-pool") {
             min_pool_ratio = min_pool_ratio.min(ratio);
         }
-        println!(
+        say!(
             "{:<18} {:>4}% {:>10.0} {:>10.1} {:>10.1} {:>9.1}x",
             o.text("system").unwrap_or(""),
             f,
@@ -227,7 +244,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             ratio
         );
     }
-    println!("dmrpc pool over Ray: at least {min_pool_ratio:.0}x at every fraction (target: 100x)");
+    say!("dmrpc pool over Ray: at least {min_pool_ratio:.0}x at every fraction (target: 100x)");
     bp.check()?;
 
     let mut res = Obj::default();
@@ -243,6 +260,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     super::write_results(
         a,
         "ray",
+        &Chart {
+            title: "bench ray: 32 KiB by reference, callee writes a fraction",
+            x: "fraction",
+            ys: &["calls_s"],
+            by: Some("system"),
+            y_label: "calls/s",
+            log_x: false,
+            log_y: true,
+        },
         &res,
         &fig8,
         &[

@@ -13,8 +13,10 @@
 //! the throughput of one caller, and the ratio of each p50 to the floor.
 
 use super::peer::{percentile, policy, BenchPool, Peer, PingPong, TempFile};
+use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::say;
 use anyhow::{bail, Result};
 use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
@@ -41,7 +43,7 @@ fn dist(mut v: Vec<f64>, wall: Duration) -> Dist {
 }
 
 fn row(what: &str, size: u64, d: &Dist, floor: f64) -> Obj {
-    println!(
+    say!(
         "{:<22} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>12.0} {:>8.2}x",
         what,
         fmt_size(size),
@@ -117,10 +119,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let (pool, path) = (&bp.pool, &bp.path);
     let mut peer = Peer::spawn(path, &[])?;
 
-    println!("bench rtt: round trips between two processes ({n} per row)");
-    println!(
+    say!("bench rtt: round trips between two processes ({n} per row)");
+    say!(
         "{:<22} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9}",
-        "transport", "payload", "p50 us", "p99 us", "p999 us", "calls/s", "p50/floor"
+        "transport",
+        "payload",
+        "p50 us",
+        "p99 us",
+        "p999 us",
+        "calls/s",
+        "p50/floor"
     );
     let mut rows = Vec::new();
 
@@ -180,7 +188,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     drop(c);
     peer.cmd("unserve")?;
     let paired = percentile(&mut ratios.clone(), 0.5);
-    println!(
+    say!(
         "paired rounds: dmrpc shm (default) p50 / floor p50 = {paired:.2}x (median of {rounds}; range {:.2}-{:.2}x)",
         ratios.iter().copied().fold(f64::MAX, f64::min),
         ratios.iter().copied().fold(0.0, f64::max),
@@ -241,6 +249,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     super::write_results(
         a,
         "rtt",
+        &Chart {
+            title: "bench rtt: round trip between two processes",
+            x: "transport",
+            ys: &["p50_ns", "p99_ns"],
+            by: None,
+            y_label: "ns",
+            log_x: false,
+            log_y: true,
+        },
         &res,
         &rows,
         &[

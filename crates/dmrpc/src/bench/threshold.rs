@@ -12,8 +12,10 @@
 //! The crossover is the smallest size from which Ref is faster at p50.
 
 use super::peer::{percentile, BenchPool, Peer};
+use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::say;
 use anyhow::{bail, Result};
 use dm_pool::PoolConfig;
 use dm_rpc::{Config, Node, Payload};
@@ -79,15 +81,17 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             ..Default::default()
         },
     );
-    println!(
-        "bench threshold: an argument the callee reads, inline vs by Ref (p50, {n} calls each)"
-    );
-    println!(
+    say!("bench threshold: an argument the callee reads, inline vs by Ref (p50, {n} calls each)");
+    say!(
         "{:>9} {:>12} {:>12} {:>12}",
-        "size", "inline us", "by Ref us", "inline/Ref"
+        "size",
+        "inline us",
+        "by Ref us",
+        "inline/Ref"
     );
     let mut rows = Vec::new();
     let mut crossover = None;
+    super::progress::start("threshold", 10);
     for size in [
         256usize,
         1 << 10,
@@ -109,7 +113,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         } else if ratio <= 1.0 {
             crossover = None;
         }
-        println!(
+        say!(
             "{:>9} {:>12.2} {:>12.2} {:>11.2}x",
             fmt_size(size as u64),
             t_in / 1e3,
@@ -122,16 +126,17 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         o.num("ref_p50_ns", t_ref);
         o.num("inline_over_ref", ratio);
         rows.push(o);
+        super::progress::tick(fmt_size(size as u64));
     }
     peer.cmd("unserve")?;
     drop(peer);
     match crossover {
-        Some(s) => println!(
+        Some(s) => say!(
             "crossover: by Ref is faster from {} on (default threshold: {})",
             fmt_size(s as u64),
             fmt_size(dm_rpc::DEFAULT_INLINE_MAX as u64)
         ),
-        None => println!("no crossover up to 256 KiB in this run"),
+        None => say!("no crossover up to 256 KiB in this run"),
     }
     bp.check()?;
     let mut res = Obj::default();
@@ -147,6 +152,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     super::write_results(
         a,
         "threshold",
+        &Chart {
+            title: "bench threshold: an argument inline vs by Ref",
+            x: "size",
+            ys: &["inline_p50_ns", "ref_p50_ns"],
+            by: None,
+            y_label: "ns (p50)",
+            log_x: true,
+            log_y: true,
+        },
         &res,
         &rows,
         &["size", "inline_p50_ns", "ref_p50_ns", "inline_over_ref"],
