@@ -3,6 +3,7 @@
 //! within one run). Results go to `--out` as JSON, CSV and a PNG plot
 //! ([`plot`]).
 
+mod access;
 mod chain;
 mod cow;
 mod lb;
@@ -26,7 +27,8 @@ pub struct BenchArgs {
     /// (nested calls through 1-7 processes, by Ref vs by value), `lb`
     /// (clients -> load balancer -> workers), `memserver` (4 KiB reads and
     /// writes on a memory server vs Redis), `ray` (DmRPC's Figure 8 from
-    /// Python, against Ray), or `all`.
+    /// Python, against Ray), `access` (random 64 B reads: local memory, the
+    /// pool, a memory server), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -54,6 +56,7 @@ fn run_named(a: &BenchArgs) -> Result<()> {
         "lb" => lb::run(a),
         "memserver" => memserver::run(a),
         "ray" => ray::run(a),
+        "access" => access::run(a),
         "all" => {
             cow::run(a)?;
             rtt::run(a)?;
@@ -61,10 +64,11 @@ fn run_named(a: &BenchArgs) -> Result<()> {
             chain::run(a)?;
             lb::run(a)?;
             memserver::run(a)?;
-            ray::run(a)
+            ray::run(a)?;
+            access::run(a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, all)"
         ),
     }
 }
