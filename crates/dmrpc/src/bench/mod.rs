@@ -6,6 +6,7 @@
 mod access;
 mod chain;
 mod cow;
+mod grpc;
 mod lb;
 mod memserver;
 mod net;

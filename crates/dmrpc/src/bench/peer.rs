@@ -106,6 +106,13 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 servers.push(lb(&pool, name, workers, fourth.as_deref())?);
                 "ok".into()
             }
+            (Some("grpc"), Some("tcp"), _) => {
+                format!("ok {}", super::grpc::serve(super::grpc::Listen::Tcp)?)
+            }
+            (Some("grpc"), Some("uds"), Some(path)) => {
+                let l = super::grpc::Listen::Uds(path.into());
+                format!("ok {}", super::grpc::serve(l)?)
+            }
             (Some("unserve"), _, _) => {
                 servers.clear();
                 "ok".into()
@@ -406,6 +413,16 @@ impl Peer {
     pub fn cmd(&mut self, cmd: &str) -> Result<Vec<f64>> {
         self.send(cmd)?;
         self.ok_nums()
+    }
+
+    /// Sends a command and expects `ok TEXT`; returns TEXT.
+    pub fn cmd_text(&mut self, cmd: &str) -> Result<String> {
+        self.send(cmd)?;
+        let l = self.line()?;
+        match l.strip_prefix("ok ") {
+            Some(t) => Ok(t.trim().to_owned()),
+            None => bail!("peer: {l}"),
+        }
     }
 }
 

@@ -55,6 +55,7 @@ fn row(what: &str, size: u64, d: &Dist, floor: f64) -> Obj {
     );
     let mut o = Obj::default();
     o.str("transport", what);
+    o.str("label", &format!("{what} {}", fmt_size(size)));
     o.num("size", size as f64);
     o.num("p50_ns", d.p50);
     o.num("p99_ns", d.p99);
@@ -142,6 +143,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     rows.push(row("raw ping-pong (floor)", 8, &floor, f50));
 
     // dmrpc no-op calls over a shm channel, per waiting policy.
+    let mut shm_p50 = f64::NAN;
     for pol in ["default", "spin", "park"] {
         let name = format!("bench/rtt/{id}/{pol}");
         peer.cmd(&format!("serve {name} {pol}"))?;
@@ -159,6 +161,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             Ok(())
         })?;
         let d = dist(v, wall);
+        if pol == "default" {
+            shm_p50 = d.p50;
+        }
         rows.push(row(&format!("dmrpc shm ({pol})"), 0, &d, f50));
         drop(c);
         peer.cmd("unserve")?;
@@ -207,6 +212,29 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     drop(c);
     peer.cmd("unserve")?;
 
+    // gRPC (tonic) in the peer process, over loopback TCP and a Unix
+    // socket: no-op calls, then echo of growing payloads over TCP.
+    let uds = PathBuf::from(format!("/tmp/dmrpc-bench-grpc-{id}.sock"));
+    let _g3 = TempFile(uds.clone());
+    let mut tonic_tcp = None;
+    for (what, cmd) in [
+        ("tonic tcp (loopback)", "grpc tcp".to_string()),
+        ("tonic uds", format!("grpc uds {}", uds.display())),
+    ] {
+        let addr = peer.cmd_text(&cmd)?;
+        let mut g = super::grpc::Client::connect(&addr)?;
+        let (v, wall) = timed(n / 10, || {
+            g.echo(bytes::Bytes::new())?;
+            Ok(())
+        })?;
+        let d = dist(v, wall);
+        rows.push(row(what, 0, &d, f50));
+        if tonic_tcp.is_none() {
+            tonic_tcp = Some((addr, d.p50));
+        }
+    }
+    let (grpc_addr, tonic_p50) = tonic_tcp.ok_or_else(|| anyhow::anyhow!("no gRPC row"))?;
+
     // Echo of growing payloads (default policy): inline, then by Ref.
     let name = format!("bench/rtt/{id}/echo");
     peer.cmd(&format!("serve {name} default"))?;
@@ -229,11 +257,25 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "dmrpc shm echo (inline)"
         };
         rows.push(row(how, size, &dist(v, wall), f50));
+        let mut g = super::grpc::Client::connect(&grpc_addr)?;
+        let data = bytes::Bytes::from(data);
+        let (v, wall) = timed(calls / 4, || {
+            let back = g.echo(data.clone())?;
+            if back.len() as u64 != size {
+                bail!("gRPC echo returned {} bytes", back.len());
+            }
+            Ok(())
+        })?;
+        rows.push(row("tonic tcp echo", size, &dist(v, wall), f50));
         size *= 4;
     }
     drop(c);
     peer.cmd("unserve")?;
     drop(peer);
+    let over_grpc = tonic_p50 / shm_p50;
+    say!(
+        "dmrpc shm (default) p50 is {over_grpc:.0}x lower than tonic over loopback TCP (target: 100x)"
+    );
     bp.check()?;
 
     let mut res = Obj::default();
@@ -245,13 +287,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.obj("machine", &super::machine());
     res.num("floor_p50_ns", f50);
     res.num("paired_p50_over_floor", paired);
+    res.num("tonic_tcp_p50_over_dmrpc_shm_p50", over_grpc);
     res.arr("rows", &rows);
     super::write_results(
         a,
         "rtt",
         &Chart {
             title: "bench rtt: round trip between two processes",
-            x: "transport",
+            x: "label",
             ys: &["p50_ns", "p99_ns"],
             by: None,
             y_label: "ns",

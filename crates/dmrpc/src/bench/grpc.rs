@@ -1,0 +1,218 @@
+//! The gRPC peer of the benchmarks: a tonic service over TCP loopback or a
+//! Unix socket, and its client. Messages are raw bytes (a codec that
+//! copies the payload into and out of gRPC's length-prefixed messages:
+//! what a protobuf `bytes` field costs, without the protobuf code
+//! generation step). One method, `/dmrpc.bench.Bench/Echo`, answers what
+//! it got; an empty request is a no-op call.
+
+use anyhow::{anyhow, Context, Result};
+use bytes::{Buf, BufMut, Bytes};
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context as TaskContext, Poll};
+use tokio_stream::StreamExt;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::{Request, Response, Status};
+
+const ECHO: &str = "/dmrpc.bench.Bench/Echo";
+
+/// Raw bytes as gRPC messages.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BytesCodec;
+
+#[derive(Debug)]
+pub struct BytesEncoder;
+
+#[derive(Debug)]
+pub struct BytesDecoder;
+
+impl Encoder for BytesEncoder {
+    type Item = Bytes;
+    type Error = Status;
+    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl Decoder for BytesDecoder {
+    type Item = Bytes;
+    type Error = Status;
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
+        Ok(Some(src.copy_to_bytes(src.remaining())))
+    }
+}
+
+impl Codec for BytesCodec {
+    type Encode = Bytes;
+    type Decode = Bytes;
+    type Encoder = BytesEncoder;
+    type Decoder = BytesDecoder;
+    fn encoder(&mut self) -> BytesEncoder {
+        BytesEncoder
+    }
+    fn decoder(&mut self) -> BytesDecoder {
+        BytesDecoder
+    }
+}
+
+/// The Echo method.
+#[derive(Debug, Clone, Copy)]
+struct Echo;
+
+impl tonic::server::UnaryService<Bytes> for Echo {
+    type Response = Bytes;
+    type Future = std::future::Ready<Result<Response<Bytes>, Status>>;
+    fn call(&mut self, req: Request<Bytes>) -> Self::Future {
+        std::future::ready(Ok(Response::new(req.into_inner())))
+    }
+}
+
+/// The service: routes `Echo`, answers UNIMPLEMENTED otherwise.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BenchService;
+
+impl tonic::server::NamedService for BenchService {
+    const NAME: &'static str = "dmrpc.bench.Bench";
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<B> tower_service::Service<http::Request<B>> for BenchService
+where
+    B: http_body::Body + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut TaskContext<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if req.uri().path() == ECHO {
+            Box::pin(async move {
+                let mut grpc = tonic::server::Grpc::new(BytesCodec);
+                Ok(grpc.unary(Echo, req).await)
+            })
+        } else {
+            Box::pin(async move { Ok(Status::unimplemented("no such method").into_http()) })
+        }
+    }
+}
+
+/// Where a peer's server listens.
+#[derive(Debug, Clone)]
+pub enum Listen {
+    Tcp,
+    Uds(std::path::PathBuf),
+}
+
+/// Starts the service on a runtime of its own (two worker threads, like
+/// a default tonic server on this machine) and returns its address
+/// (`host:port`, or the socket's path), serving until the process ends.
+pub fn serve(listen: Listen) -> Result<String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("grpc-peer".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                let router = tonic::transport::Server::builder().add_service(BenchService);
+                let served = match listen {
+                    Listen::Tcp => {
+                        let l = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                            Ok(l) => l,
+                            Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                        };
+                        let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                        let _ = tx.send(Ok(addr));
+                        // Nagle off on every connection, as on the client
+                        // (else small answers wait for delayed ACKs).
+                        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l).map(|s| {
+                            let s = s?;
+                            s.set_nodelay(true)?;
+                            Ok::<_, std::io::Error>(s)
+                        });
+                        router.serve_with_incoming(incoming).await
+                    }
+                    Listen::Uds(path) => {
+                        let _ = std::fs::remove_file(&path);
+                        let l = match tokio::net::UnixListener::bind(&path) {
+                            Ok(l) => l,
+                            Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                        };
+                        let _ = tx.send(Ok(path.display().to_string()));
+                        let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
+                        router.serve_with_incoming(incoming).await
+                    }
+                };
+                if let Err(e) = served {
+                    eprintln!("grpc peer: {e}");
+                }
+            })
+        })?;
+    rx.recv()
+        .context("the gRPC server thread ended")?
+        .map_err(|e| anyhow!("gRPC server: {e}"))
+}
+
+/// A blocking client of the peer: each call runs on a single-threaded
+/// runtime of the client's own.
+#[derive(Debug)]
+pub struct Client {
+    rt: tokio::runtime::Runtime,
+    grpc: tonic::client::Grpc<tonic::transport::Channel>,
+}
+
+impl Client {
+    /// Connects over TCP (`host:port`) or, for a path, a Unix socket.
+    pub fn connect(addr: &str) -> Result<Client> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let channel = rt.block_on(async {
+            if addr.starts_with('/') {
+                let path = std::path::PathBuf::from(addr);
+                tonic::transport::Endpoint::try_from("http://uds.invalid")?
+                    .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+                        let path = path.clone();
+                        async move {
+                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                                tokio::net::UnixStream::connect(path).await?,
+                            ))
+                        }
+                    }))
+                    .await
+            } else {
+                tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+                    .tcp_nodelay(true)
+                    .connect()
+                    .await
+            }
+        })?;
+        Ok(Client {
+            rt,
+            grpc: tonic::client::Grpc::new(channel),
+        })
+    }
+
+    /// One Echo call.
+    pub fn echo(&mut self, data: Bytes) -> Result<Bytes> {
+        let grpc = &mut self.grpc;
+        self.rt.block_on(async {
+            grpc.ready()
+                .await
+                .map_err(|e| anyhow!("gRPC not ready: {e}"))?;
+            let path = http::uri::PathAndQuery::from_static(ECHO);
+            let r = grpc.unary(Request::new(data), path, BytesCodec).await?;
+            Ok(r.into_inner())
+        })
+    }
+}
