@@ -7,6 +7,7 @@ mod access;
 mod chain;
 mod cow;
 mod grpc;
+mod iox;
 mod lb;
 mod memserver;
 mod net;

@@ -43,6 +43,7 @@ pub fn peer(a: PeerArgs) -> Result<()> {
         },
     )?;
     let mut servers = Vec::new();
+    let mut iox_stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
     let mut out = std::io::stdout().lock();
     println!("ready");
     for line in std::io::stdin().lock().lines() {
@@ -113,8 +114,15 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 let l = super::grpc::Listen::Uds(path.into());
                 format!("ok {}", super::grpc::serve(l)?)
             }
+            (Some("iox"), Some(service), _) => {
+                // The iceoryx2 server polls until the next `unserve`.
+                iox_stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+                super::iox::serve(service, iox_stop.clone())?;
+                "ok".into()
+            }
             (Some("unserve"), _, _) => {
                 servers.clear();
+                iox_stop.store(true, Ordering::Relaxed);
                 "ok".into()
             }
             _ => break,

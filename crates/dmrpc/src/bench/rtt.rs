@@ -169,6 +169,19 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         peer.cmd("unserve")?;
     }
 
+    // iceoryx2 request-response (u64 each way), both sides polling.
+    let iox = format!("dmrpc/bench/rtt/{id}/iceoryx2");
+    peer.cmd(&format!("iox {iox}"))?;
+    let ic = super::iox::Client::connect(&iox)?;
+    let (v, wall) = timed(n, || {
+        ic.call(7)?;
+        Ok(())
+    })?;
+    let iox_d = dist(v, wall);
+    rows.push(row("iceoryx2 req-resp", 8, &iox_d, f50));
+    drop(ic);
+    peer.cmd("unserve")?;
+
     // Paired rounds: the floor and the default policy alternate in short
     // batches, so both see the same placement of the VM's cores (which
     // drifts during a run and moves the floor by 2-5x); the ratio is the
@@ -276,6 +289,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     say!(
         "dmrpc shm (default) p50 is {over_grpc:.0}x lower than tonic over loopback TCP (target: 100x)"
     );
+    let over_iox = iox_d.p50 / shm_p50;
+    say!(
+        "iceoryx2 request-response p50 / dmrpc shm (default) p50 = {over_iox:.2}x (target: above 1)"
+    );
     bp.check()?;
 
     let mut res = Obj::default();
@@ -288,6 +305,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.num("floor_p50_ns", f50);
     res.num("paired_p50_over_floor", paired);
     res.num("tonic_tcp_p50_over_dmrpc_shm_p50", over_grpc);
+    res.num("iceoryx2_p50_over_dmrpc_shm_p50", over_iox);
     res.arr("rows", &rows);
     super::write_results(
         a,

@@ -1,0 +1,102 @@
+//! The iceoryx2 peer of `bench rtt`: request-response between two
+//! processes over iceoryx2's shared memory (u64 request, u64 response).
+//! Both sides poll without sleeping, as in iceoryx2's own latency
+//! benchmark; the server stops polling on `unserve`.
+
+use anyhow::{anyhow, Result};
+use iceoryx2::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+type Service = iceoryx2::service::ipc::Service;
+
+fn name(s: &str) -> Result<ServiceName> {
+    s.try_into()
+        .map_err(|e| anyhow!("iceoryx2 service name {s:?}: {e:?}"))
+}
+
+/// Serves `service` on a thread, echoing each request, until `stop`.
+pub fn serve(service: &str, stop: Arc<AtomicBool>) -> Result<()> {
+    let svc = name(service)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("iceoryx2-peer".into())
+        .spawn(move || {
+            let run = || -> Result<()> {
+                let node = NodeBuilder::new()
+                    .create::<Service>()
+                    .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
+                let s = node
+                    .service_builder(&svc)
+                    .request_response::<u64, u64>()
+                    .open_or_create()
+                    .map_err(|e| anyhow!("iceoryx2 service: {e:?}"))?;
+                let server = s
+                    .server_builder()
+                    .create()
+                    .map_err(|e| anyhow!("iceoryx2 server: {e:?}"))?;
+                let _ = tx.send(Ok(()));
+                while !stop.load(Ordering::Relaxed) {
+                    match server.receive().map_err(|e| anyhow!("receive: {e:?}"))? {
+                        Some(req) => {
+                            let v = *req;
+                            req.send_copy(v).map_err(|e| anyhow!("respond: {e:?}"))?;
+                        }
+                        None => std::hint::spin_loop(),
+                    }
+                }
+                Ok(())
+            };
+            if let Err(e) = run() {
+                let _ = tx.send(Err(e.to_string()));
+            }
+        })?;
+    rx.recv()?.map_err(|e| anyhow!(e))
+}
+
+/// A client of the peer's service.
+pub struct Client {
+    _node: Node<Service>,
+    client: iceoryx2::port::client::Client<Service, u64, (), u64, ()>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("iceoryx2 Client")
+    }
+}
+
+impl Client {
+    pub fn connect(service: &str) -> Result<Client> {
+        let node = NodeBuilder::new()
+            .create::<Service>()
+            .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
+        let s = node
+            .service_builder(&name(service)?)
+            .request_response::<u64, u64>()
+            .open_or_create()
+            .map_err(|e| anyhow!("iceoryx2 service: {e:?}"))?;
+        let client = s
+            .client_builder()
+            .create()
+            .map_err(|e| anyhow!("iceoryx2 client: {e:?}"))?;
+        Ok(Client {
+            _node: node,
+            client,
+        })
+    }
+
+    /// One request and its response, polling.
+    pub fn call(&self, v: u64) -> Result<u64> {
+        let pending = self
+            .client
+            .send_copy(v)
+            .map_err(|e| anyhow!("request: {e:?}"))?;
+        loop {
+            if let Some(r) = pending.receive().map_err(|e| anyhow!("response: {e:?}"))? {
+                return Ok(*r);
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
