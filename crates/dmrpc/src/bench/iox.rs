@@ -10,7 +10,14 @@ use std::sync::Arc;
 
 type Service = iceoryx2::service::ipc::Service;
 
+/// Quiet: without a config file iceoryx2 warns that it uses its defaults
+/// (which is what the benchmark wants).
+fn quiet() {
+    set_log_level_from_env_or(LogLevel::Error);
+}
+
 fn name(s: &str) -> Result<ServiceName> {
+    quiet();
     s.try_into()
         .map_err(|e| anyhow!("iceoryx2 service name {s:?}: {e:?}"))
 }
@@ -68,6 +75,7 @@ impl std::fmt::Debug for Client {
 
 impl Client {
     pub fn connect(service: &str) -> Result<Client> {
+        quiet();
         let node = NodeBuilder::new()
             .create::<Service>()
             .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
