@@ -69,6 +69,17 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         peers.push(p);
     }
+    // The same chain in gRPC (tonic, by value over loopback TCP): one
+    // tonic server per tier process, each forwarding to the next.
+    let mut grpc_addrs = vec![String::new(); TIERS];
+    for k in (0..TIERS).rev() {
+        let next = if k + 1 < TIERS {
+            grpc_addrs[k + 1].clone()
+        } else {
+            "-".into()
+        };
+        grpc_addrs[k] = peers[k].cmd_text(&format!("grpc tcp {next}"))?;
+    }
     // By Ref is forced (threshold 0) on the client: under the default
     // threshold a 64 KiB request would travel inline, i.e. by value.
     // The tiers keep the default: they forward the Ref they got as it is.
@@ -88,7 +99,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     say!("bench chain: a request through N tiers (processes), by Ref vs by value, {TIERS} tier processes");
     say!(
-        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8} {:>9} {:>9}",
+        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8} {:>9} {:>9} {:>12} {:>9}",
         "size",
         "tiers",
         "Ref p50 us",
@@ -97,7 +108,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "value calls/s",
         "ratio",
         "floor us",
-        "Ref/floor"
+        "Ref/floor",
+        "tonic calls/s",
+        "Ref/tonic"
     );
     let mut rows = Vec::new();
     // The floor per chain length: the raw relay through the same processes.
@@ -131,12 +144,27 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 };
                 res.push(measure(call, 20, budget)?);
             }
+            let mut g = super::grpc::Client::connect(&grpc_addrs[entry])?;
+            let bytes = bytes::Bytes::from(data.clone());
+            let call = || -> Result<()> {
+                let r = g.go(bytes.clone())?;
+                check(r.to_vec(), want)
+            };
+            res.push(measure(call, 5, budget)?);
             rows.push(row(size, t, &res, Some(floor)));
         }
     }
     drop(peers);
     drop((by_ref, by_value));
     bp.check()?;
+    // The target against gRPC: 7 tiers, 64 KiB.
+    let over_tonic = rows
+        .iter()
+        .find(|r| r.text("tiers") == Some("7") && r.text("size") == Some("65536"))
+        .and_then(|r| r.text("ref_over_tonic_throughput")?.parse::<f64>().ok());
+    if let Some(x) = over_tonic {
+        say!("by Ref at 7 tiers with 64 KiB: {x:.1}x tonic's throughput (target: 50x)");
+    }
     let net_rows = network(a, budget)?;
     let mut res = Obj::default();
     res.str("benchmark", "chain");
@@ -171,6 +199,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "ref_over_value_throughput",
             "relay_floor_p50_ns",
             "ref_p50_over_floor",
+            "tonic_calls_per_s",
+            "ref_over_tonic_throughput",
         ],
     )
 }
@@ -303,7 +333,11 @@ fn check(got: Vec<u8>, want: u64) -> Result<()> {
 
 /// Runs `call` `warm` times, then for `budget` (at least `warm` times
 /// more): the p50 latency and the calls per second.
-fn measure(call: impl Fn() -> Result<()>, warm: usize, budget: Duration) -> Result<(f64, f64)> {
+fn measure(
+    mut call: impl FnMut() -> Result<()>,
+    warm: usize,
+    budget: Duration,
+) -> Result<(f64, f64)> {
     for _ in 0..warm {
         call()?;
     }
@@ -346,6 +380,12 @@ fn row(size: usize, tiers: usize, res: &[(f64, f64)], floor: Option<f64>) -> Obj
         line += &format!(" {:>9.1} {:>8.1}x", f / 1e3, res[0].0 / f);
         o.num("relay_floor_p50_ns", f);
         o.num("ref_p50_over_floor", res[0].0 / f);
+    }
+    if let Some(&(p50, per_s)) = res.get(2) {
+        line += &format!(" {:>12.0} {:>8.1}x", per_s, res[0].1 / per_s);
+        o.num("tonic_p50_ns", p50);
+        o.num("tonic_calls_per_s", per_s);
+        o.num("ref_over_tonic_throughput", res[0].1 / per_s);
     }
     say!("{line}");
     o

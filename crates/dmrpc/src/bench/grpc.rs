@@ -2,8 +2,11 @@
 //! Unix socket, and its client. Messages are raw bytes (a codec that
 //! copies the payload into and out of gRPC's length-prefixed messages:
 //! what a protobuf `bytes` field costs, without the protobuf code
-//! generation step). One method, `/dmrpc.bench.Bench/Echo`, answers what
-//! it got; an empty request is a no-op call.
+//! generation step). `/dmrpc.bench.Bench/Echo` answers what it got (an
+//! empty request is a no-op call); `/dmrpc.bench.Bench/Go` is a tier of
+//! `bench chain`: it passes the bytes on to the next tier's `Go` (by
+//! value, as gRPC does), or in the last tier answers their 8-byte
+//! checksum.
 
 use anyhow::{anyhow, Context, Result};
 use bytes::{Buf, BufMut, Bytes};
@@ -16,6 +19,9 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::{Request, Response, Status};
 
 const ECHO: &str = "/dmrpc.bench.Bench/Echo";
+const GO: &str = "/dmrpc.bench.Bench/Go";
+
+type Channel = tonic::transport::Channel;
 
 /// Raw bytes as gRPC messages.
 #[derive(Debug, Clone, Copy, Default)]
@@ -69,9 +75,42 @@ impl tonic::server::UnaryService<Bytes> for Echo {
     }
 }
 
-/// The service: routes `Echo`, answers UNIMPLEMENTED otherwise.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BenchService;
+/// The Go method: a chain tier.
+#[derive(Debug, Clone)]
+struct Go {
+    next: Option<tonic::client::Grpc<Channel>>,
+}
+
+impl tonic::server::UnaryService<Bytes> for Go {
+    type Response = Bytes;
+    type Future = BoxFuture<Result<Response<Bytes>, Status>>;
+    fn call(&mut self, req: Request<Bytes>) -> Self::Future {
+        let next = self.next.clone();
+        Box::pin(async move {
+            let data = req.into_inner();
+            match next {
+                Some(mut g) => {
+                    g.ready()
+                        .await
+                        .map_err(|e| Status::unavailable(e.to_string()))?;
+                    let path = http::uri::PathAndQuery::from_static(GO);
+                    let r = g.unary(Request::new(data), path, BytesCodec).await?;
+                    Ok(Response::new(r.into_inner()))
+                }
+                None => {
+                    let h = super::peer::sum(&[&data]);
+                    Ok(Response::new(Bytes::copy_from_slice(&h.to_le_bytes())))
+                }
+            }
+        })
+    }
+}
+
+/// The service: routes `Echo` and `Go`, answers UNIMPLEMENTED otherwise.
+#[derive(Debug, Clone, Default)]
+pub struct BenchService {
+    next: Option<tonic::client::Grpc<Channel>>,
+}
 
 impl tonic::server::NamedService for BenchService {
     const NAME: &'static str = "dmrpc.bench.Bench";
@@ -98,6 +137,14 @@ where
                 let mut grpc = tonic::server::Grpc::new(BytesCodec);
                 Ok(grpc.unary(Echo, req).await)
             })
+        } else if req.uri().path() == GO {
+            let go = Go {
+                next: self.next.clone(),
+            };
+            Box::pin(async move {
+                let mut grpc = tonic::server::Grpc::new(BytesCodec);
+                Ok(grpc.unary(go, req).await)
+            })
         } else {
             Box::pin(async move { Ok(Status::unimplemented("no such method").into_http()) })
         }
@@ -114,17 +161,28 @@ pub enum Listen {
 /// Starts the service on a runtime of its own (two worker threads, like
 /// a default tonic server on this machine) and returns its address
 /// (`host:port`, or the socket's path), serving until the process ends.
-pub fn serve(listen: Listen) -> Result<String> {
+/// `next`: the TCP address of the next chain tier for `Go`.
+pub fn serve(listen: Listen, next: Option<&str>) -> Result<String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let next = match next {
+        Some(addr) => {
+            let _in_rt = rt.enter();
+            let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+                .tcp_nodelay(true)
+                .connect_lazy();
+            Some(tonic::client::Grpc::new(ch))
+        }
+        None => None,
+    };
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("grpc-peer".into())
         .spawn(move || {
             rt.block_on(async move {
-                let router = tonic::transport::Server::builder().add_service(BenchService);
+                let router = tonic::transport::Server::builder().add_service(BenchService { next });
                 let served = match listen {
                     Listen::Tcp => {
                         let l = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
@@ -205,12 +263,21 @@ impl Client {
 
     /// One Echo call.
     pub fn echo(&mut self, data: Bytes) -> Result<Bytes> {
+        self.call(ECHO, data)
+    }
+
+    /// One Go call (through the chain from this tier).
+    pub fn go(&mut self, data: Bytes) -> Result<Bytes> {
+        self.call(GO, data)
+    }
+
+    fn call(&mut self, method: &'static str, data: Bytes) -> Result<Bytes> {
         let grpc = &mut self.grpc;
         self.rt.block_on(async {
             grpc.ready()
                 .await
                 .map_err(|e| anyhow!("gRPC not ready: {e}"))?;
-            let path = http::uri::PathAndQuery::from_static(ECHO);
+            let path = http::uri::PathAndQuery::from_static(method);
             let r = grpc.unary(Request::new(data), path, BytesCodec).await?;
             Ok(r.into_inner())
         })

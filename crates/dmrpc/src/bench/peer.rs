@@ -107,12 +107,13 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 servers.push(lb(&pool, name, workers, fourth.as_deref())?);
                 "ok".into()
             }
-            (Some("grpc"), Some("tcp"), _) => {
-                format!("ok {}", super::grpc::serve(super::grpc::Listen::Tcp)?)
+            (Some("grpc"), Some("tcp"), next) => {
+                let next = next.filter(|n| *n != "-");
+                format!("ok {}", super::grpc::serve(super::grpc::Listen::Tcp, next)?)
             }
             (Some("grpc"), Some("uds"), Some(path)) => {
                 let l = super::grpc::Listen::Uds(path.into());
-                format!("ok {}", super::grpc::serve(l)?)
+                format!("ok {}", super::grpc::serve(l, None)?)
             }
             (Some("iox"), Some(service), _) => {
                 // The iceoryx2 server polls until the next `unserve`.
