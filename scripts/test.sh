@@ -19,11 +19,11 @@ cargo fmt --all -- --check
 cargo fmt --manifest-path crates/dmrpc-py/Cargo.toml -- --check
 
 step "clippy -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets --all-features -- -D warnings
 CARGO_TARGET_DIR=target/py cargo clippy --manifest-path crates/dmrpc-py/Cargo.toml --release -- -D warnings
 
 step "build (release), and the Python package with its PyPI dependencies (scripts/python.sh setup)"
-cargo build --release -p dmrpc
+cargo build --release -p dmrpc --features iceoryx2
 ./scripts/python.sh setup
 
 step "demo (smoke run on its own pool)"

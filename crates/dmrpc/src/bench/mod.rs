@@ -7,6 +7,7 @@ mod access;
 mod chain;
 mod cow;
 mod grpc;
+#[cfg(feature = "iceoryx2")]
 mod iox;
 mod lb;
 mod memserver;

@@ -43,6 +43,8 @@ pub fn peer(a: PeerArgs) -> Result<()> {
         },
     )?;
     let mut servers = Vec::new();
+    // Set on `unserve`: stops the iceoryx2 server's polling thread.
+    #[cfg_attr(not(feature = "iceoryx2"), allow(unused_mut))]
     let mut iox_stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
     let mut out = std::io::stdout().lock();
     println!("ready");
@@ -115,6 +117,7 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 let l = super::grpc::Listen::Uds(path.into());
                 format!("ok {}", super::grpc::serve(l, None)?)
             }
+            #[cfg(feature = "iceoryx2")]
             (Some("iox"), Some(service), _) => {
                 // The iceoryx2 server polls until the next `unserve`.
                 iox_stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
