@@ -107,3 +107,55 @@ pub fn sched_yield() {
     // SAFETY: no preconditions.
     unsafe { libc::sched_yield() };
 }
+
+/// The CPUs the calling thread may run on (`sched_getaffinity(2)`).
+pub fn affinity() -> std::io::Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set, filled by the call
+    // (`size_of::<cpu_set_t>()` bytes); CPU_ISSET reads within it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect())
+    }
+}
+
+/// Lets the calling thread (and the threads and processes it creates
+/// afterwards) run only on `cpus` (`sched_setaffinity(2)`).
+pub fn set_affinity(cpus: &[usize]) -> std::io::Result<()> {
+    if cpus.is_empty() || cpus.iter().any(|&c| c >= libc::CPU_SETSIZE as usize) {
+        return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes
+    // within it (every cpu < CPU_SETSIZE, checked above); the call reads
+    // `size_of::<cpu_set_t>()` bytes of it.
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod affinity_tests {
+    #[test]
+    fn set_and_restore() {
+        let all = super::affinity().unwrap();
+        assert!(!all.is_empty());
+        super::set_affinity(&all[..1]).unwrap();
+        assert_eq!(super::affinity().unwrap(), all[..1].to_vec());
+        super::set_affinity(&all).unwrap();
+        assert_eq!(super::affinity().unwrap(), all);
+        assert!(super::set_affinity(&[]).is_err());
+    }
+}

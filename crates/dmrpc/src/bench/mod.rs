@@ -36,6 +36,10 @@ pub struct BenchArgs {
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
     pub quick: bool,
+    /// Pin the two processes of `rtt` to CPUs 0 and 1 (the client and
+    /// its peer), so the scheduler does not move them during the run.
+    #[arg(long)]
+    pub pin: bool,
     /// Directory for the JSON, CSV and PNG results.
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,

@@ -34,6 +34,12 @@ pub fn policy(name: &str) -> Result<WaitPolicy> {
 
 /// The peer process.
 pub fn peer(a: PeerArgs) -> Result<()> {
+    if let Some(cpu) = std::env::var("DMRPC_BENCH_PIN")
+        .ok()
+        .and_then(|c| c.parse().ok())
+    {
+        dm_sys::set_affinity(&[cpu]).context("pinning the bench peer")?;
+    }
     let pool = Pool::open(
         &a.path,
         AttachOptions {

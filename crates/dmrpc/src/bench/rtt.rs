@@ -105,6 +105,15 @@ fn ping_pong(
     r
 }
 
+/// Gives the thread back its CPUs when dropped.
+struct Restore(Vec<usize>);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let _ = dm_sys::set_affinity(&self.0);
+    }
+}
+
 pub fn run(a: &BenchArgs) -> Result<()> {
     let n = if a.quick { 20_000 } else { 200_000 };
     let id = std::process::id();
@@ -118,9 +127,30 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         },
     )?;
     let (pool, path) = (&bp.pool, &bp.path);
-    let mut peer = Peer::spawn(path, &[])?;
+    // With --pin: this thread (the client) on CPU 0, the peer on CPU 1;
+    // this thread's CPUs are restored when the bench ends.
+    let all_cpus = dm_sys::affinity()?;
+    let _restore = Restore(all_cpus.clone());
+    let pinned = a.pin && all_cpus.len() >= 2;
+    if pinned {
+        dm_sys::set_affinity(&all_cpus[..1])?;
+    }
+    let peer_cpu = all_cpus.get(1).map(|c| c.to_string()).unwrap_or_default();
+    let env: &[(&str, &str)] = if pinned {
+        &[("DMRPC_BENCH_PIN", &peer_cpu)]
+    } else {
+        &[]
+    };
+    let mut peer = Peer::spawn(path, env)?;
 
-    say!("bench rtt: round trips between two processes ({n} per row)");
+    say!(
+        "bench rtt: round trips between two processes ({n} per row{})",
+        if pinned {
+            "; client on CPU 0, peer on CPU 1"
+        } else {
+            ""
+        }
+    );
     say!(
         "{:<22} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9}",
         "transport",
@@ -315,6 +345,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.obj("machine", &super::machine());
     res.num("floor_p50_ns", f50);
     res.num("paired_p50_over_floor", paired);
+    res.str(
+        "pinned",
+        if pinned {
+            "client CPU 0, peer CPU 1"
+        } else {
+            "no"
+        },
+    );
     res.num("tonic_tcp_p50_over_dmrpc_shm_p50", over_grpc);
     res.num("iceoryx2_p50_over_dmrpc_shm_p50", over_iox);
     res.arr("rows", &rows);
