@@ -55,8 +55,9 @@ fn row(what: &str, size: u64, d: &Dist, floor: f64) -> Obj {
     );
     let mut o = Obj::default();
     o.str("transport", what);
-    o.str("label", &format!("{what} {}", fmt_size(size)));
     o.num("size", size as f64);
+    // The plot's x: no-op calls (0 B) at 1 B, on a log axis.
+    o.num("bytes", size.max(1) as f64);
     o.num("p50_ns", d.p50);
     o.num("p99_ns", d.p99);
     o.num("p999_ns", d.p999);
@@ -360,12 +361,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         a,
         "rtt",
         &Chart {
-            title: "bench rtt: round trip between two processes",
-            x: "label",
-            ys: &["p50_ns", "p99_ns"],
-            by: None,
-            y_label: "ns",
-            log_x: false,
+            title: "bench rtt: round-trip p50 by payload (no-op calls at 1 B)",
+            x: "bytes",
+            ys: &["p50_ns"],
+            by: Some("transport"),
+            y_label: "ns (p50)",
+            log_x: true,
             log_y: true,
         },
         &res,
