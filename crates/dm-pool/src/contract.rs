@@ -88,6 +88,18 @@ pub trait Dm: Send + Sync {
     /// Releases a Ref.
     fn release_ref(&self, r: &Ref) -> Result<()>;
 
+    /// A second buffer over the same pages as `buf` (each page +1 share,
+    /// no copy; both become copy-on-write): a Ref made, mapped and
+    /// released. The Ref is released even when mapping fails.
+    fn dup(&self, buf: &Self::Buffer) -> Result<Self::Buffer> {
+        let r = self.create_ref(buf, 0, buf.len())?;
+        let mapped = self.map_ref(&r);
+        let released = self.release_ref(&r);
+        let d = mapped?;
+        released?;
+        Ok(d)
+    }
+
     /// Reclaims what has expired (Refs past their TTL) now, instead of at
     /// the backend's next periodic sweep.
     fn maintain(&self) -> Result<()>;

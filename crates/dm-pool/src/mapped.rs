@@ -226,9 +226,22 @@ impl MappedBuffer {
     /// Shares `len` bytes at `offset` as a Ref. The range is made read-only
     /// first (one `mprotect`), so that later stores fault and copy.
     pub fn create_ref(&mut self, offset: u64, len: u64) -> Result<Ref> {
-        let ps = self.win.0.ps;
-        let start = (self.buf.first_offset() as u64 + offset) as usize / ps * ps;
-        let end = ((self.buf.first_offset() as u64 + offset + len) as usize).div_ceil(ps) * ps;
+        self.protect(offset, len)?;
+        self.buf.create_ref(offset, len)
+    }
+
+    /// A second (explicit) buffer over the same pages ([`Dm::dup`]); the
+    /// mapping is made read-only first, as for a Ref.
+    ///
+    /// [`Dm::dup`]: crate::Dm::dup
+    pub fn dup(&mut self) -> Result<Buffer> {
+        self.protect(0, self.buf.len())?;
+        crate::Dm::dup(self.buf.pool(), &self.buf)
+    }
+
+    /// Makes the pages under `len` bytes at `offset` read-only (one
+    /// `mprotect`), so that later stores fault and copy.
+    fn protect(&mut self, offset: u64, len: u64) -> Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.buf.len()) {
             return Err(Error::OutOfBounds {
                 offset,
@@ -236,10 +249,13 @@ impl MappedBuffer {
                 size: self.buf.len(),
             });
         }
+        let ps = self.win.0.ps;
+        let start = (self.buf.first_offset() as u64 + offset) as usize / ps * ps;
+        let end = ((self.buf.first_offset() as u64 + offset + len) as usize).div_ceil(ps) * ps;
         // SAFETY: the range lies in our reservation and `&mut self` means no
         // slice of it is borrowed.
         unsafe { protect(self.res.base().add(start), end - start, Prot::Read)? };
-        self.buf.create_ref(offset, len)
+        Ok(())
     }
 
     /// Shares the whole buffer.

@@ -282,7 +282,7 @@ impl Payload {
                 Repr::Bytes(v) => Repr::Bytes(v.clone()),
                 Repr::Ref(r) => Repr::Ref(r.clone()),
                 Repr::Remote(r) => Repr::Remote(r.clone()),
-                Repr::Buffer(b) => Repr::Buffer(dup(b)?),
+                Repr::Buffer(b) => Repr::Buffer(b.pool().dup(b)?),
                 Repr::MemBuffer(..) => {
                     return Err(RpcError::invalid_argument(
                         "a memory-server buffer payload is forwarded by moving it into the call",
@@ -479,18 +479,6 @@ impl Payload {
             other => Payload::from_request_body(other, node)?,
         })
     }
-}
-
-/// A second buffer over the same pages as `b` (each page +1 share, no
-/// copy): writes to either copy only the pages written.
-fn dup(b: &Buffer) -> Result<Buffer, RpcError> {
-    let pool = b.pool();
-    let r = b.share()?;
-    let mapped = pool.map_ref(&r);
-    let released = pool.release_ref(&r);
-    let d = mapped?;
-    released?;
-    Ok(d)
 }
 
 /// Bytes as a body: inline up to `inline_max`, else by a new Ref in the

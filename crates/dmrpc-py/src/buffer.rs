@@ -17,7 +17,7 @@
 use crate::bytes::BytesLike;
 use crate::errors::{pool_err, to_py};
 use crate::refs::PyRef;
-use dm_pool::{Buffer, MappedBuffer};
+use dm_pool::{Buffer, Dm, MappedBuffer};
 use dm_rpc::{Payload, RpcError};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
@@ -148,17 +148,11 @@ impl PyBuffer {
     /// to it copy only the pages written.
     pub fn to_payload(&self) -> PyResult<Payload> {
         self.with(|k| {
-            let r = match k {
-                Kind::Mapped(m) => m.share(),
-                Kind::Explicit(b) => b.share(),
-            }
-            .map_err(pool_err)?;
-            let pool = k.buffer().pool();
-            let mapped = pool.map_ref(&r);
-            let released = pool.release_ref(&r);
-            let b = mapped.map_err(pool_err)?;
-            released.map_err(pool_err)?;
-            Ok(Payload::from_buffer(b))
+            let b = match k {
+                Kind::Mapped(m) => m.dup(),
+                Kind::Explicit(b) => b.pool().dup(b),
+            };
+            Ok(Payload::from_buffer(b.map_err(pool_err)?))
         })
     }
 

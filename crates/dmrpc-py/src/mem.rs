@@ -248,14 +248,7 @@ impl PyMemBuffer {
     /// same pages on the server (a Ref made, mapped and released: three
     /// round trips, no copy), so the caller keeps its buffer.
     pub fn to_payload(&self, py: Python<'_>) -> PyResult<Payload> {
-        let b = self.with(py, |pool, b| {
-            let r = pool.create_ref(b, 0, DmBuffer::len(b))?;
-            let mapped = pool.map_ref(&r);
-            let released = pool.release_ref(&r);
-            let d = mapped?;
-            released?;
-            Ok(d)
-        })?;
+        let b = self.with(py, |pool, b| pool.dup(b))?;
         Ok(Payload::from_mem_buffer(b))
     }
 }
