@@ -238,7 +238,15 @@ impl Payload {
     }
 
     /// Copies `out.len()` bytes at `offset` into `out`.
+    /// Data on a memory server that has not been read yet is not fetched
+    /// whole: only the range asked for is (a firewall reading a header
+    /// pulls a few bytes, not the image behind it).
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), RpcError> {
+        if let Repr::Remote(r) = &self.repr {
+            if r.data.get().is_none() {
+                return Ok(r.pool.read_ref(&r.r, offset, out)?);
+            }
+        }
         let flat: Option<&[u8]> = match &self.repr {
             Repr::Bytes(v) => Some(v),
             _ => self.remote_bytes()?,

@@ -148,3 +148,49 @@ fn a_peer_without_the_memory_servers_gets_values() {
     pa.assert_clean();
     pb.assert_clean();
 }
+
+#[test]
+fn reading_part_of_a_remote_payload_fetches_that_part() {
+    let ms = MemServer::start(MsConfig {
+        size: 64 << 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let (pa, pb) = (TempPool::new(16 << 20), TempPool::new(16 << 20));
+    // A tier that reads 8 bytes at the offset the payload's first 8 bytes
+    // name (a header, then a field it points to), and a range past the end.
+    let nb = node(&pb, &[&ms]);
+    let sb = nb
+        .server("net/peek")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("peek", |c| {
+            let p = c.payload();
+            assert!(p.is_remote());
+            let mut h = [0u8; 8];
+            p.read(0, &mut h)?;
+            let mut v = vec![0u8; 8];
+            p.read(u64::from_le_bytes(h), &mut v)?;
+            let past = p.read(p.len() - 4, &mut [0u8; 8]).unwrap_err();
+            assert_eq!(past.status, dm_rpc::Status::InvalidArgument, "{past}");
+            Ok(Payload::from_vec(v))
+        })
+        .spawn()
+        .unwrap();
+    let na = node(&pa, &[&ms]);
+    let to_b = na.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
+    let mut data: Vec<u8> = (0..1 << 20).map(|i| (i % 253) as u8).collect();
+    data[..8].copy_from_slice(&777_777u64.to_le_bytes());
+    let reads0 = ms.state().metrics.requests_of("read_ref");
+    let r = to_b.call("peek", Payload::from_vec(data.clone())).unwrap();
+    assert_eq!(r.to_vec().unwrap(), data[777_777..777_785]);
+    assert_eq!(
+        ms.state().metrics.requests_of("read_ref") - reads0,
+        2,
+        "two small reads, not a fetch of the whole payload"
+    );
+    drop((to_b, sb));
+    settled(&ms);
+    drop((na, nb));
+    pa.assert_clean();
+    pb.assert_clean();
+}
