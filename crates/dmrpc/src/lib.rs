@@ -7,8 +7,12 @@
 //!   page-granular copy-on-write, leases, check and gc.
 //! * [`rpc`] — the RPC layer (`dm-rpc`): services, clients, transports
 //!   (shared-memory rings, TCP, in-process), size-aware payloads.
+//! * [`apps`] — applications built on them: the 7-tier image-processing
+//!   service of `dmrpc bench image`.
 //!
 //! The `dmrpc` binary (`src/main.rs`) is the command-line tool.
+
+pub mod apps;
 
 pub use dm_pool as pool;
 pub use dm_rpc as rpc;

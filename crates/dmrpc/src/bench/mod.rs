@@ -7,6 +7,7 @@ mod access;
 mod chain;
 mod cow;
 mod grpc;
+mod image;
 #[cfg(feature = "iceoryx2")]
 mod iox;
 mod lb;
@@ -31,7 +32,8 @@ pub struct BenchArgs {
     /// (clients -> load balancer -> workers), `memserver` (4 KiB reads and
     /// writes on a memory server vs Redis), `ray` (DmRPC's Figure 8 from
     /// Python, against Ray), `access` (random 64 B reads: local memory, the
-    /// pool, a memory server), or `all`.
+    /// pool, a memory server), `image` (the 7-tier image-processing
+    /// application: by Ref vs by value, pool and memory server), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -64,6 +66,7 @@ fn run_named(a: &BenchArgs) -> Result<()> {
         "memserver" => memserver::run(a),
         "ray" => ray::run(a),
         "access" => access::run(a),
+        "image" => image::run(a),
         "all" => {
             cow::run(a)?;
             rtt::run(a)?;
@@ -72,10 +75,11 @@ fn run_named(a: &BenchArgs) -> Result<()> {
             lb::run(a)?;
             memserver::run(a)?;
             ray::run(a)?;
-            access::run(a)
+            access::run(a)?;
+            image::run(a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, all)"
         ),
     }
 }

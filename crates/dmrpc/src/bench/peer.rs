@@ -5,7 +5,8 @@
 //! shared-memory ping-pong floor of bench rtt), `relay FILE IDX LAST` (the
 //! raw relay floor of bench chain), `serve NAME POLICY [tcp]` and
 //! `unserve` (a no-op RPC service), `chain NAME NEXT|- ref|value` (a tier
-//! of bench chain), `lb NAME W1,W2 ref|value` (bench lb's balancer), `quit`.
+//! of bench chain), `lb NAME W1,W2 ref|value` (bench lb's balancer),
+//! `image ROLE NAME MODE NEXT KEY MS` (a tier of bench image), `quit`.
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
@@ -114,6 +115,12 @@ pub fn peer(a: PeerArgs) -> Result<()> {
             (Some("lb"), Some(name), Some(workers)) => {
                 servers.push(lb(&pool, name, workers, fourth.as_deref())?);
                 "ok".into()
+            }
+            (Some("image"), _, _) => {
+                let words: Vec<&str> = line.split_whitespace().skip(1).collect();
+                let (s, addr) = super::image::peer_cmd(&pool, &words)?;
+                servers.push(s);
+                format!("ok {addr}")
             }
             (Some("grpc"), Some("tcp"), next) => {
                 let next = next.filter(|n| *n != "-");

@@ -1,0 +1,446 @@
+//! `dmrpc bench image` — the research's 7-tier image-processing
+//! application ([`dmrpc::apps::image`]): client → firewall → load balancer
+//! → two image-processing services → transcoding and compressing, each
+//! tier its own process, with images of 4 KiB to 4 MiB.
+//!
+//! Four modes in the same run:
+//! * **ref** — shared-memory channels in one pool; the client writes the
+//!   request into the pool once and its Ref travels (DmRPC-CXL);
+//! * **value** — the same channels, the request inline at every hop (the
+//!   by-value baseline);
+//! * **memserver** — every tier in a pool of its own, tiers linked by TCP;
+//!   the client writes the request to a memory server and its Ref travels
+//!   (DmRPC-net);
+//! * **tcp-value** — the same TCP links, the request inline (its baseline).
+//!
+//! Two client threads call in a closed loop for the budget; reported are
+//! throughput and latency (avg, p50, p99, p99.5, p99.9), and the ratios
+//! by Ref / by value. Every answer is checked against the thumbnail
+//! computed locally, and one forged token per mode must be rejected.
+
+use super::peer::{hex, percentile, BenchPool, Peer};
+use super::plot::Chart;
+use super::serde_like::Obj;
+use super::BenchArgs;
+use crate::say;
+use anyhow::{anyhow, bail, Context, Result};
+use dm_pool::{Pool, PoolConfig};
+use dm_rpc::{Config, Node, Payload, Transport};
+use dmrpc::apps::image::{self as app, Header, Key, Link, Role};
+use dmrpc::fmt_size;
+use std::time::{Duration, Instant};
+
+const CLIENTS: usize = 2;
+/// The thumbnail's side.
+const THUMB: u32 = 64;
+/// The roles, in the order they start (each after the ones it calls).
+const ROLES: [&str; 6] = ["transcode", "compress", "proc0", "proc1", "lb", "firewall"];
+const MODES: [&str; 4] = ["ref", "value", "memserver", "tcp-value"];
+
+/// The peer command `image ROLE NAME MODE NEXT KEY MS`: starts tier ROLE
+/// as service NAME in mode MODE (`ref`/`value` over shared-memory
+/// channels, `memserver`/`tcp-value` over TCP), calling NEXT (comma
+/// separated service names or addresses; `-` for none), with firewall key
+/// KEY (hex, `-` for none) and memory server MS (`-` for none). Answers
+/// the TCP address, or `-`.
+pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)> {
+    let [role, name, mode, next, key, ms] = words else {
+        bail!("usage: image ROLE NAME MODE NEXT KEY MS");
+    };
+    let tcp = matches!(*mode, "memserver" | "tcp-value");
+    let links: Vec<Link> = next
+        .split(',')
+        .filter(|n| *n != "-")
+        .map(|n| {
+            if tcp {
+                Link::Tcp(n.to_owned())
+            } else {
+                Link::Shm(n.to_owned())
+            }
+        })
+        .collect();
+    let link = |i: usize| {
+        links
+            .get(i)
+            .cloned()
+            .ok_or_else(|| anyhow!("{role} needs {} next services", i + 1))
+    };
+    let r = match role.trim_end_matches(char::is_numeric) {
+        "firewall" => {
+            let mut k: Key = [0; 32];
+            let bytes: Vec<u8> = (0..key.len() / 2)
+                .map(|i| u8::from_str_radix(&key[2 * i..2 * i + 2], 16))
+                .collect::<Result<_, _>>()
+                .context("the firewall key")?;
+            if bytes.len() != 32 {
+                bail!("the firewall key is 32 bytes in hex");
+            }
+            k.copy_from_slice(&bytes);
+            Role::Firewall {
+                key: k,
+                next: link(0)?,
+            }
+        }
+        "lb" => Role::Balancer { next: links },
+        "proc" => Role::Processing {
+            transcode: link(0)?,
+            compress: link(1)?,
+        },
+        "transcode" => Role::Transcoding,
+        "compress" => Role::Compressing,
+        r => bail!("unknown role {r:?}"),
+    };
+    let mut node = Node::with_config(
+        pool.clone(),
+        Config {
+            inline_max: if mode.ends_with("value") {
+                usize::MAX
+            } else {
+                dm_rpc::DEFAULT_INLINE_MAX
+            },
+            ..Default::default()
+        },
+    );
+    if *mode == "memserver" {
+        node = node.with_memserver(dm_memserver::MemPool::connect(&[*ms])?);
+    }
+    let t = if tcp {
+        Transport::Tcp("127.0.0.1:0".into())
+    } else {
+        Transport::Shm
+    };
+    let s = app::serve(&node, name, r, t)?;
+    let addr = s.tcp_addr().unwrap_or("-").to_owned();
+    Ok((s, addr))
+}
+
+/// What the next of each role is, given how to name a role.
+fn next_of(role: &str, at: &dyn Fn(&str) -> String) -> String {
+    match role {
+        "firewall" => at("lb"),
+        "lb" => format!("{},{}", at("proc0"), at("proc1")),
+        "proc0" | "proc1" => format!("{},{}", at("transcode"), at("compress")),
+        _ => "-".into(),
+    }
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let sizes: &[usize] = if a.quick {
+        &[64 << 10, 1 << 20]
+    } else {
+        &[4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    };
+    let budget = Duration::from_millis(if a.quick { 250 } else { 2000 });
+    super::progress::start("image", (sizes.len() * MODES.len()) as u64);
+    let id = std::process::id();
+    let mut key: Key = [0; 32];
+    for c in key.chunks_mut(8) {
+        c.copy_from_slice(&dm_sys::rand::random_u64().to_le_bytes());
+    }
+    let key_hex = hex(&key);
+    // Shared memory: one pool, a process per role serving both modes.
+    // Rings large enough for a 4 MiB image inline (a record is at most
+    // half a ring); 16 channels in use.
+    let bp = BenchPool::create(
+        "image",
+        PoolConfig {
+            size: 3 << 29,
+            channels: Some(20),
+            ring_size: 16 << 20,
+            ..Default::default()
+        },
+    )?;
+    let name = |mode: &str, role: &str| format!("bench/image/{id}/{mode}/{role}");
+    let mut peers = Vec::new();
+    for role in ROLES {
+        let mut p = Peer::spawn(&bp.path, &[])?;
+        for mode in ["ref", "value"] {
+            let next = next_of(role, &|r| name(mode, r));
+            p.cmd(&format!(
+                "image {role} {} {mode} {next} {key_hex} -",
+                name(mode, role)
+            ))?;
+        }
+        peers.push(p);
+    }
+    // The network: a pool per role, TCP links, a memory server.
+    let (_ms, ms_addr) = super::net::start_memserver("1GiB")?;
+    let small = || PoolConfig {
+        size: 32 << 20,
+        ..Default::default()
+    };
+    let mut net_pools = Vec::new();
+    let mut net_peers = Vec::new();
+    let mut entry = std::collections::HashMap::new();
+    for mode in ["memserver", "tcp-value"] {
+        let mut addrs = std::collections::HashMap::new();
+        for (i, role) in ROLES.iter().enumerate() {
+            if net_peers.len() <= i {
+                let bp = BenchPool::create(&format!("image-net-{role}"), small())?;
+                net_peers.push(Peer::spawn(&bp.path, &[])?);
+                net_pools.push(bp);
+            }
+            let next = next_of(role, &|r: &str| addrs.get(r).cloned().unwrap_or_default());
+            let addr = net_peers[i].cmd_text(&format!(
+                "image {role} {} {mode} {next} {key_hex} {ms_addr}",
+                name(mode, role)
+            ))?;
+            addrs.insert(role.to_string(), addr);
+        }
+        entry.insert(mode, addrs["firewall"].clone());
+    }
+    let client_pool = BenchPool::create("image-client", small())?;
+    let ms_client = dm_memserver::MemPool::connect(&[&ms_addr])?;
+
+    say!("bench image: client -> firewall -> LB -> 2 image processing -> transcoding, compressing (6 service processes per transport), {CLIENTS} client threads, {THUMB} px thumbnails");
+    say!(
+        "{:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "image",
+        "mode",
+        "calls/s",
+        "avg us",
+        "p50 us",
+        "p99 us",
+        "p99.5 us",
+        "p99.9 us"
+    );
+    let mut rows = Vec::new();
+    let mut ratios = Vec::new();
+    for &size in sizes {
+        let ppm = app::generate(size, size as u64);
+        let want = app::expected(&ppm, THUMB)?;
+        let mut per_s = std::collections::HashMap::new();
+        for mode in MODES {
+            let (node, target) = match mode {
+                "ref" | "value" => (
+                    Node::with_config(
+                        bp.pool.clone(),
+                        Config {
+                            inline_max: if mode == "ref" { 0 } else { usize::MAX },
+                            ..Default::default()
+                        },
+                    ),
+                    Link::Shm(name(mode, "firewall")),
+                ),
+                _ => {
+                    let n = Node::with_config(
+                        client_pool.pool.clone(),
+                        Config {
+                            inline_max: if mode == "memserver" { 0 } else { usize::MAX },
+                            ..Default::default()
+                        },
+                    );
+                    let n = if mode == "memserver" {
+                        n.with_memserver(ms_client.clone())
+                    } else {
+                        n
+                    };
+                    (n, Link::Tcp(entry[mode].clone()))
+                }
+            };
+            let cell = Cell {
+                node: &node,
+                target: &target,
+                mode,
+                key: &key,
+                ppm: &ppm,
+                want: &want,
+            };
+            cell.forged_is_rejected()?;
+            let (calls, mut lat, secs) = cell.run(budget)?;
+            let r = calls as f64 / secs;
+            per_s.insert(mode, r);
+            let avg = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
+            let q = |v: &mut Vec<f64>, p| percentile(v, p);
+            let (p50, p99, p995, p999) = (
+                q(&mut lat, 0.5),
+                q(&mut lat, 0.99),
+                q(&mut lat, 0.995),
+                q(&mut lat, 0.999),
+            );
+            super::progress::tick(format!("{} by {mode}", fmt_size(size as u64)));
+            say!(
+                "{:>9} {:>10} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                fmt_size(size as u64),
+                mode,
+                r,
+                avg / 1e3,
+                p50 / 1e3,
+                p99 / 1e3,
+                p995 / 1e3,
+                p999 / 1e3
+            );
+            let mut o = Obj::default();
+            o.num("size", ppm.len() as f64);
+            o.str("image", &fmt_size(size as u64));
+            o.str("mode", mode);
+            o.num("calls", calls as f64);
+            o.num("calls_per_s", r);
+            o.num("avg_ns", avg);
+            o.num("p50_ns", p50);
+            o.num("p99_ns", p99);
+            o.num("p995_ns", p995);
+            o.num("p999_ns", p999);
+            rows.push(o);
+        }
+        let mut o = Obj::default();
+        o.num("size", ppm.len() as f64);
+        o.str("image", &fmt_size(size as u64));
+        let ratio = |a: &str, b: &str| per_s[a] / per_s[b];
+        o.num("ref_over_value_throughput", ratio("ref", "value"));
+        o.num(
+            "memserver_over_tcp_value_throughput",
+            ratio("memserver", "tcp-value"),
+        );
+        say!(
+            "{:>9}   throughput by Ref / by value: pool {:.1}x, memory server {:.1}x",
+            fmt_size(size as u64),
+            ratio("ref", "value"),
+            ratio("memserver", "tcp-value")
+        );
+        ratios.push(o);
+    }
+    drop(peers);
+    drop(net_peers);
+    bp.check()?;
+    for p in &net_pools {
+        p.check()?;
+    }
+    let u = dm_pool::Dm::usage(&ms_client)?;
+    if u.refs != 0 {
+        bail!("the application left {} Refs on the memory server", u.refs);
+    }
+    say!(
+        "target: by Ref at least 8x by value's throughput with the pool at 64 KiB images and above"
+    );
+    let mut res = Obj::default();
+    res.str("benchmark", "image");
+    res.str(
+        "method",
+        "client -> firewall (HMAC-SHA256 token) -> round-robin LB -> 2 image-processing services (PPM header decode, dispatch) -> transcoding (nearest-neighbour 64 px thumbnail with the image crate, PPM) and compressing (zstd level 3), each tier its own process; 2 client threads in a closed loop; every answer checked; ref/value over shm channels in one pool, memserver/tcp-value over TCP between pools",
+    );
+    res.obj("machine", &super::machine());
+    res.arr("rows", &rows);
+    res.arr("ratios", &ratios);
+    super::write_results(
+        a,
+        "image",
+        &Chart {
+            title: "bench image: 7-tier image processing, throughput",
+            x: "size",
+            ys: &["calls_per_s"],
+            by: Some("mode"),
+            y_label: "requests/s",
+            log_x: true,
+            log_y: true,
+        },
+        &res,
+        &rows,
+        &[
+            "image",
+            "mode",
+            "calls",
+            "calls_per_s",
+            "avg_ns",
+            "p50_ns",
+            "p99_ns",
+            "p995_ns",
+            "p999_ns",
+        ],
+    )
+}
+
+/// One image size in one mode.
+struct Cell<'a> {
+    node: &'a Node,
+    target: &'a Link,
+    mode: &'a str,
+    key: &'a Key,
+    ppm: &'a [u8],
+    want: &'a [u8],
+}
+
+impl Cell<'_> {
+    fn connect(&self) -> Result<dm_rpc::Client> {
+        Ok(match self.target {
+            Link::Shm(n) => self.node.connect(n)?,
+            Link::Tcp(a) => self.node.connect_tcp(a)?,
+        })
+    }
+
+    fn header(&self) -> Header {
+        Header {
+            client: std::process::id() as u64,
+            expires: app::unix_now() + 3600,
+            thumb: THUMB,
+        }
+    }
+
+    /// The request as a payload: in the pool (by Ref), or bytes.
+    fn request(&self) -> Result<Payload> {
+        let h = self.header().sign(self.key);
+        if self.mode == "ref" {
+            let mut b = self.node.pool().alloc((h.len() + self.ppm.len()) as u64)?;
+            b.write(0, &h)?;
+            b.write(h.len() as u64, self.ppm)?;
+            return Ok(Payload::from_buffer(b));
+        }
+        Ok(Payload::from_vec(app::request(
+            &self.header(),
+            self.key,
+            self.ppm,
+        )))
+    }
+
+    fn forged_is_rejected(&self) -> Result<()> {
+        let mut forged = app::request(&self.header(), self.key, self.ppm);
+        forged[16] ^= 0x80;
+        match self.connect()?.call(app::METHOD, forged) {
+            Err(e) if e.message.contains("token rejected") => Ok(()),
+            r => bail!(
+                "a forged token was not rejected in mode {}: {r:?}",
+                self.mode
+            ),
+        }
+    }
+
+    /// Calls from `CLIENTS` threads for `budget`: calls, latencies (ns),
+    /// seconds.
+    fn run(&self, budget: Duration) -> Result<(usize, Vec<f64>, f64)> {
+        let warm = self.connect()?;
+        for _ in 0..3 {
+            self.check(&warm.call(app::METHOD, self.request()?)?)?;
+        }
+        let t0 = Instant::now();
+        let lats = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..CLIENTS)
+                .map(|_| {
+                    s.spawn(move || -> Result<Vec<f64>> {
+                        let c = self.connect()?;
+                        let mut v = Vec::new();
+                        while t0.elapsed() < budget || v.len() < 5 {
+                            let t = Instant::now();
+                            let r = c.call(app::METHOD, self.request()?)?;
+                            v.push(t.elapsed().as_nanos() as f64);
+                            self.check(&r)?;
+                        }
+                        Ok(v)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().map_err(|_| anyhow!("a client thread panicked"))?)
+                .collect::<Result<Vec<_>>>()
+        })?;
+        let secs = t0.elapsed().as_secs_f64();
+        let all: Vec<f64> = lats.into_iter().flatten().collect();
+        Ok((all.len(), all, secs))
+    }
+
+    fn check(&self, r: &Payload) -> Result<()> {
+        if *r.bytes()? != *self.want {
+            bail!("wrong thumbnail in mode {}", self.mode);
+        }
+        Ok(())
+    }
+}
