@@ -465,6 +465,34 @@ impl MemPool {
         }
     }
 
+    /// Reads several ranges of `r`'s snapshot in one pipelined batch (all
+    /// requests sent, then all answers read: about one round trip however
+    /// many ranges), e.g. the rows of an image that a thumbnail samples.
+    /// Each entry is an offset and the buffer it fills. The ranges bypass
+    /// the page cache. Every range is checked before anything is sent.
+    pub fn read_ref_ranges(&self, r: &Ref, ranges: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let c = self.inner.conn_of(r)?;
+        let mut reqs = Vec::new();
+        for (off, buf) in ranges.iter() {
+            dm_pool::error::check_range(*off, buf.len() as u64, r.len)?;
+            reqs.extend(
+                (0..buf.len())
+                    .step_by(READ_CHUNK)
+                    .map(|at| Request::ReadRef {
+                        r: *r,
+                        offset: off + at as u64,
+                        len: READ_CHUNK.min(buf.len() - at) as u32,
+                    }),
+            );
+        }
+        let mut answers = c.call_many(&reqs, self.inner.cfg.timeout).into_iter();
+        for (_, buf) in ranges.iter_mut() {
+            let n = buf.len().div_ceil(READ_CHUNK);
+            fill(buf, answers.by_ref().take(n).collect())?;
+        }
+        Ok(())
+    }
+
     /// Releases `r` without waiting for the answer (a Ref the framework
     /// made for a call, released when the call completes: a failure would
     /// change nothing for the caller, and the TTL reclaims it anyway).

@@ -290,3 +290,47 @@ fn threads_sharing_one_client_pipeline_on_one_connection() {
     drop(p);
     settle(&s);
 }
+
+#[test]
+fn several_ranges_of_a_ref_are_read_in_one_batch() {
+    let s = Server::start(Config::default()).unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let data: Vec<u8> = (0..300_000).map(|i| (i % 251) as u8).collect();
+    let r = p.put(&data, Duration::ZERO).unwrap();
+    let other = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let (mut a, mut b, mut c, mut d) = (vec![0u8; 10], vec![0u8; 5000], vec![0u8; 0], vec![0u8; 1]);
+    let before = s.state().metrics.requests_of("read_ref");
+    other
+        .read_ref_ranges(
+            &r,
+            &mut [
+                (0, &mut a[..]),
+                (123_456, &mut b[..]),
+                (7, &mut c[..]),
+                (299_999, &mut d[..]),
+            ],
+        )
+        .unwrap();
+    assert_eq!(a, data[..10]);
+    assert_eq!(b, data[123_456..128_456]);
+    assert_eq!(d, data[299_999..]);
+    assert_eq!(s.state().metrics.requests_of("read_ref") - before, 3);
+    // One range out of bounds: an error, and nothing is sent.
+    let before = s.state().metrics.requests_of("read_ref");
+    assert!(matches!(
+        other.read_ref_ranges(&r, &mut [(0, &mut a[..]), (299_995, &mut b[..])]),
+        Err(Error::OutOfBounds { .. })
+    ));
+    assert_eq!(s.state().metrics.requests_of("read_ref"), before);
+    let forged = dm_pool::Ref {
+        tag: r.tag ^ 1,
+        ..r
+    };
+    assert!(matches!(
+        other.read_ref_ranges(&forged, &mut [(0, &mut a[..])]),
+        Err(Error::RefForged { .. })
+    ));
+    p.release_ref(&r).unwrap();
+    drop((p, other));
+    settle(&s);
+}

@@ -272,6 +272,23 @@ impl Payload {
         }
     }
 
+    /// Reads several ranges, each an offset and the buffer it fills. Data
+    /// on a memory server that has not been read yet is read in one
+    /// pipelined batch of just those ranges (about one round trip: the
+    /// rows a thumbnail samples, not the image); other data is copied
+    /// range by range.
+    pub fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> Result<(), RpcError> {
+        if let Repr::Remote(r) = &self.repr {
+            if r.data.get().is_none() {
+                return Ok(r.pool.read_ref_ranges(&r.r, ranges)?);
+            }
+        }
+        for (off, buf) in ranges.iter_mut() {
+            self.read(*off, buf)?;
+        }
+        Ok(())
+    }
+
     /// A copy of the data.
     pub fn to_vec(&self) -> Result<Vec<u8>, RpcError> {
         Ok(self.bytes()?.into_owned())

@@ -190,6 +190,9 @@ pub fn parse_ppm(b: &[u8]) -> Result<(u32, u32, usize), RpcError> {
     }
     let (w, h) = d.dimensions();
     drop(d);
+    if w == 0 || h == 0 {
+        return Err(bad_image(format!("an empty image ({w}x{h})")));
+    }
     Ok((w, h, b.len() - rest.len()))
 }
 
@@ -241,13 +244,53 @@ fn transcode_spread(
         h,
     };
     let (tw, th) = thumb_size(w, h, side);
-    let t = nearest(&img, tw, th);
+    encode(&nearest(&img, tw, th))
+}
+
+/// Transcoding a PPM image at byte `at` of a payload on a memory server,
+/// whose first bytes are `head`: only the rows the thumbnail samples are
+/// read, in one batch (about one round trip), not the image.
+fn transcode_remote(head: &[u8], p: &Payload, at: usize, side: u32) -> Result<Vec<u8>, RpcError> {
+    let (w, h, hl) = parse_ppm(head)?;
+    let n = pixel_bytes(w, h).ok_or_else(|| bad_image("too large"))?;
+    let have = (p.len() as usize).saturating_sub(at + hl);
+    if have != n {
+        return Err(bad_image(format!(
+            "{w}x{h} needs {n} bytes of pixels, the request has {have}"
+        )));
+    }
+    let (tw, th) = thumb_size(w, h, side);
+    let row = w as usize * 3;
+    let mut rows = vec![0u8; row * th as usize];
+    let mut ranges: Vec<(u64, &mut [u8])> = rows
+        .chunks_mut(row)
+        .enumerate()
+        .map(|(y, b)| {
+            let sy = sample(y as u32, h, th).min(h - 1) as usize;
+            ((at + hl + sy * row) as u64, b)
+        })
+        .collect();
+    p.read_ranges(&mut ranges)?;
+    // Row y of `rows` is the image's row the thumbnail's row y samples,
+    // so sampling `rows` at th rows picks each once.
+    let img = image::RgbImage::from_raw(w, th, rows).ok_or_else(|| bad_image("short rows"))?;
+    encode(&nearest(&img, tw, th))
+}
+
+/// The thumbnail as binary PPM.
+fn encode(t: &image::RgbImage) -> Result<Vec<u8>, RpcError> {
     let mut out = Vec::with_capacity(t.len() + 20);
     PnmEncoder::new(&mut out)
         .with_subtype(PnmSubtype::Pixmap(SampleEncoding::Binary))
-        .write_image(t.as_raw(), tw, th, ColorType::Rgb8)
+        .write_image(t.as_raw(), t.width(), t.height(), ColorType::Rgb8)
         .map_err(|e| RpcError::internal(format!("encoding the thumbnail: {e}")))?;
     Ok(out)
+}
+
+/// The source coordinate output coordinate `o` of `of` samples among `n`:
+/// the centre of its cell.
+fn sample(o: u32, n: u32, of: u32) -> u32 {
+    ((2 * o as u64 + 1) * n as u64 / (2 * of as u64)) as u32
 }
 
 /// Bytes spread over segments, addressed as one run.
@@ -321,9 +364,8 @@ where
     I: image::GenericImageView<Pixel = image::Rgb<u8>>,
 {
     let (w, h) = img.dimensions();
-    let at = |o: u32, n: u32, of: u32| ((2 * o as u64 + 1) * n as u64 / (2 * of as u64)) as u32;
     image::RgbImage::from_fn(tw, th, |x, y| {
-        img.get_pixel(at(x, w, tw).min(w - 1), at(y, h, th).min(h - 1))
+        img.get_pixel(sample(x, w, tw).min(w - 1), sample(y, h, th).min(h - 1))
     })
 }
 
@@ -517,6 +559,14 @@ pub fn serve(
             let mut head = [0u8; PPM_HEADER_MAX];
             let n = (p.len() as usize - HEADER_LEN).min(PPM_HEADER_MAX);
             p.read(HEADER_LEN as u64, &mut head[..n])?;
+            if p.is_remote() {
+                return Ok(Payload::from_vec(transcode_remote(
+                    &head[..n],
+                    p,
+                    HEADER_LEN,
+                    side,
+                )?));
+            }
             let segs = p.segments()?;
             Ok(Payload::from_vec(transcode_spread(
                 &head[..n],
@@ -637,6 +687,79 @@ mod tests {
         }
         let segs: Vec<&[u8]> = req[..req.len() - 2].chunks(4096).collect();
         assert!(transcode_spread(&ppm[..PPM_HEADER_MAX], &segs, HEADER_LEN, 48).is_err());
+    }
+
+    #[test]
+    fn reading_only_the_sampled_rows_gives_the_same_thumbnail() {
+        for (bytes, side) in [(200 << 10, 48), (4 << 10, 64), (1 << 20, 7)] {
+            let ppm = generate(bytes, 11);
+            let mut req = vec![0u8; HEADER_LEN];
+            req.extend_from_slice(&ppm);
+            let p = Payload::from_vec(req);
+            let got = transcode_remote(&ppm[..PPM_HEADER_MAX.min(ppm.len())], &p, HEADER_LEN, side);
+            assert!(got.unwrap() == transcode(&ppm, side).unwrap());
+        }
+    }
+
+    /// The application over TCP between two pools, the request on a
+    /// memory server (DmRPC-net): transcoding reads the rows it samples.
+    #[test]
+    fn the_application_over_a_memory_server() {
+        let ms = dm_memserver::Server::start(dm_memserver::Config {
+            size: 64 << 20,
+            ..Default::default()
+        })
+        .unwrap();
+        let mem = || dm_memserver::MemPool::connect(&[ms.addr().to_string()]).unwrap();
+        let (ta, tb) = (TempPool::new(16 << 20), TempPool::new(16 << 20));
+        let node = Node::new(tb.attach()).with_memserver(mem());
+        let tcp = || Transport::Tcp("127.0.0.1:0".into());
+        let id = std::process::id();
+        let start = |r: &str, role: Role| {
+            let s = serve(&node, &format!("test/imagenet/{id}/{r}"), role, tcp()).unwrap();
+            let a = Link::Tcp(s.tcp_addr().unwrap().to_owned());
+            (s, a)
+        };
+        let (s1, tc) = start("transcode", Role::Transcoding);
+        let (s2, cz) = start("compress", Role::Compressing);
+        let (s3, p0) = start(
+            "proc0",
+            Role::Processing {
+                transcode: tc,
+                compress: cz,
+            },
+        );
+        let (s4, lb) = start("lb", Role::Balancer { next: vec![p0] });
+        let (s5, fw) = start("firewall", Role::Firewall { key: KEY, next: lb });
+        let Link::Tcp(fw) = fw else { unreachable!() };
+        let client = Node::with_config(
+            ta.attach(),
+            Config {
+                inline_max: 0,
+                ..Default::default()
+            },
+        )
+        .with_memserver(mem());
+        let c = client.connect_tcp(&fw).unwrap();
+        let ppm = generate(1 << 20, 4);
+        let want = expected(&ppm, 64).unwrap();
+        let reads = ms.state().metrics.requests_of("read_ref");
+        let req = request(&header(unix_now() + 60), &KEY, &ppm);
+        assert!(c.call(METHOD, req).unwrap().to_vec().unwrap() == want);
+        // The firewall's header, processing's, transcoding's, its 64 rows.
+        let n = ms.state().metrics.requests_of("read_ref") - reads;
+        assert!(n <= 3 + 64, "{n} reads");
+        drop((c, s5, s4, s3, s2, s1));
+        for _ in 0..200 {
+            if ms.state().usage().refs == 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(ms.state().usage().refs, 0);
+        drop((client, node));
+        ta.assert_clean();
+        tb.assert_clean();
     }
 
     /// The whole application in one process over shared-memory channels
