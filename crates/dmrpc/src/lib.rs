@@ -8,7 +8,7 @@
 //! * [`rpc`] — the RPC layer (`dm-rpc`): services, clients, transports
 //!   (shared-memory rings, TCP, in-process), size-aware payloads.
 //! * [`apps`] — applications built on them: the 7-tier image-processing
-//!   service of `dmrpc bench image`.
+//!   service of `dmrpc bench image` and the social network of `bench social`.
 //!
 //! The `dmrpc` binary (`src/main.rs`) is the command-line tool.
 

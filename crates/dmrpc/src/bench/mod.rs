@@ -17,6 +17,7 @@ mod peer;
 mod plot;
 mod ray;
 mod rtt;
+mod social;
 mod threshold;
 
 use anyhow::{bail, Result};
@@ -33,7 +34,9 @@ pub struct BenchArgs {
     /// writes on a memory server vs Redis), `ray` (DmRPC's Figure 8 from
     /// Python, against Ray), `access` (random 64 B reads: local memory, the
     /// pool, a memory server), `image` (the 7-tier image-processing
-    /// application: by Ref vs by value, pool and memory server), or `all`.
+    /// application: by Ref vs by value, pool and memory server), `social`
+    /// (the social network: throughput, latency against offered load), or
+    /// `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -67,6 +70,7 @@ fn run_named(a: &BenchArgs) -> Result<()> {
         "ray" => ray::run(a),
         "access" => access::run(a),
         "image" => image::run(a),
+        "social" => social::run(a),
         "all" => {
             cow::run(a)?;
             rtt::run(a)?;
@@ -76,10 +80,11 @@ fn run_named(a: &BenchArgs) -> Result<()> {
             memserver::run(a)?;
             ray::run(a)?;
             access::run(a)?;
-            image::run(a)
+            image::run(a)?;
+            social::run(a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, all)"
         ),
     }
 }

@@ -6,7 +6,8 @@
 //! raw relay floor of bench chain), `serve NAME POLICY [tcp]` and
 //! `unserve` (a no-op RPC service), `chain NAME NEXT|- ref|value` (a tier
 //! of bench chain), `lb NAME W1,W2 ref|value` (bench lb's balancer),
-//! `image ROLE NAME MODE NEXT KEY MS` (a tier of bench image), `quit`.
+//! `image ROLE NAME MODE NEXT KEY MS` (a tier of bench image),
+//! `social ROLE MODE ID` (a service of bench social), `quit`.
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
@@ -114,6 +115,11 @@ pub fn peer(a: PeerArgs) -> Result<()> {
             }
             (Some("lb"), Some(name), Some(workers)) => {
                 servers.push(lb(&pool, name, workers, fourth.as_deref())?);
+                "ok".into()
+            }
+            (Some("social"), _, _) => {
+                let words: Vec<&str> = line.split_whitespace().skip(1).collect();
+                servers.push(super::social::peer_cmd(&pool, &words)?);
                 "ok".into()
             }
             (Some("image"), _, _) => {

@@ -1,0 +1,358 @@
+//! `dmrpc bench social` — the social network of [`dmrpc::apps::social`]
+//! (DeathStarBench's social network, as DmRPC runs it): seven service
+//! processes, posts carrying 16–256 KiB of media, a mix of 60% home
+//! timeline reads, 30% user timeline reads and 10% posts.
+//!
+//! Two modes in the same run, over shared-memory channels in one pool:
+//! **ref** (every node sends data by Ref: a post's media is written once by
+//! the client, stored by sharing its pages, and read back by Ref) and
+//! **value** (everything inline, copied at every hop).
+//!
+//! First the closed-loop throughput of each mode (two client threads),
+//! then latency against offered load: an open-loop generator sends at
+//! fixed rates (fractions of by value's throughput) and measures each
+//! request from the time it was due, so queueing shows.
+
+use super::peer::{percentile, BenchPool, Peer};
+use super::plot::Chart;
+use super::serde_like::Obj;
+use super::BenchArgs;
+use crate::say;
+use anyhow::{anyhow, bail, Result};
+use dm_pool::{Pool, PoolConfig};
+use dm_rpc::{Config, Node, Payload, Transport};
+use dmrpc::apps::social::{self as app, Link};
+use std::time::{Duration, Instant};
+
+const USERS: u32 = 200;
+const CAPACITY: usize = 2000;
+const CLIENTS: usize = 2;
+/// Threads of the open-loop generator (requests in flight at most).
+const OPEN_THREADS: usize = 4;
+const MODES: [&str; 2] = ["ref", "value"];
+/// Offered loads, as fractions of by value's closed-loop throughput.
+const LOADS: [f64; 5] = [0.25, 0.5, 0.75, 1.0, 1.5];
+
+fn config(mode: &str) -> Config {
+    Config {
+        inline_max: if mode == "ref" { 0 } else { usize::MAX },
+        ..Default::default()
+    }
+}
+
+fn name(id: u32, mode: &str, role: &str) -> String {
+    format!("bench/social/{id}/{mode}/{role}")
+}
+
+/// The peer command `social ROLE MODE ID`: starts service ROLE of mode
+/// MODE for the run of process ID.
+pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<dm_rpc::Server> {
+    let [role, mode, id] = words else {
+        bail!("usage: social ROLE MODE ID");
+    };
+    let id: u32 = id.parse()?;
+    let node = Node::with_config(pool.clone(), config(mode));
+    let at = |r: &str| Link::Shm(name(id, mode, r));
+    let (_, r) = app::roles(&at, USERS, CAPACITY)
+        .into_iter()
+        .find(|(n, _)| n == role)
+        .ok_or_else(|| anyhow!("unknown role {role:?}"))?;
+    Ok(app::serve(&node, &name(id, mode, role), r, Transport::Shm)?)
+}
+
+/// Posts to send, one per media size (16 KiB to 256 KiB).
+fn posts() -> Vec<Vec<u8>> {
+    (1..=16)
+        .map(|k| app::post(k, "a picture of the day", k as usize * (16 << 10), k as u64))
+        .collect()
+}
+
+/// One client of a mode.
+struct Driver<'a> {
+    node: &'a Node,
+    mode: &'a str,
+    entry: String,
+    posts: &'a [Vec<u8>],
+}
+
+impl Driver<'_> {
+    /// Request `k` of a thread whose random state is `x`: the op's
+    /// latency in ns.
+    fn one(&self, c: &dm_rpc::Client, x: &mut u64, k: u64) -> Result<f64> {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        let r = *x;
+        let user = ((r >> 8) % USERS as u64) as u32;
+        let t = Instant::now();
+        match r % 10 {
+            0 => {
+                let p = &self.posts[((r >> 32) % self.posts.len() as u64) as usize];
+                let mut p = p.clone();
+                p[16..20].copy_from_slice(&user.to_le_bytes());
+                let payload = if self.mode == "ref" {
+                    let mut b = self.node.pool().alloc(p.len() as u64)?;
+                    b.write(0, &p)?;
+                    Payload::from_buffer(b)
+                } else {
+                    Payload::from_vec(p)
+                };
+                let id = c.call("compose", payload)?;
+                if id.len() != 8 {
+                    bail!("compose answered {} bytes", id.len());
+                }
+            }
+            r => {
+                let m = if r <= 3 { "user" } else { "home" };
+                let got = c.call(m, Payload::from_vec(user.to_le_bytes().to_vec()))?;
+                if !got.is_empty() {
+                    app::verify(&got.bytes()?, k.is_multiple_of(32))?;
+                }
+            }
+        }
+        Ok(t.elapsed().as_nanos() as f64)
+    }
+
+    fn connect(&self) -> Result<dm_rpc::Client> {
+        Ok(self.node.connect(&self.entry)?)
+    }
+
+    /// Closed loop: `CLIENTS` threads for `budget`: ops/s and latencies.
+    fn closed(&self, budget: Duration) -> Result<(f64, Vec<f64>)> {
+        let t0 = Instant::now();
+        let lats = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..CLIENTS)
+                .map(|i| {
+                    s.spawn(move || -> Result<Vec<f64>> {
+                        let c = self.connect()?;
+                        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ i as u64;
+                        let mut v = Vec::new();
+                        while t0.elapsed() < budget || v.len() < 10 {
+                            v.push(self.one(&c, &mut x, v.len() as u64)?);
+                        }
+                        Ok(v)
+                    })
+                })
+                .collect();
+            join(hs)
+        })?;
+        let secs = t0.elapsed().as_secs_f64();
+        let all: Vec<f64> = lats.into_iter().flatten().collect();
+        Ok((all.len() as f64 / secs, all))
+    }
+
+    /// Open loop at `rate` requests/s for `budget`: each request is due at
+    /// a fixed time and measured from it when it starts late (so a backlog
+    /// shows, as in wrk2). Returns the achieved rate and the latencies.
+    fn open(&self, rate: f64, budget: Duration) -> Result<(f64, Vec<f64>)> {
+        let gap = Duration::from_secs_f64(OPEN_THREADS as f64 / rate);
+        let t0 = Instant::now();
+        let lats = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..OPEN_THREADS)
+                .map(|i| {
+                    s.spawn(move || -> Result<Vec<f64>> {
+                        let c = self.connect()?;
+                        let mut x = 0x2545_f491_4f6c_dd1du64 ^ (i as u64 * 7919);
+                        let mut v = Vec::new();
+                        let start = t0 + gap.mul_f64(i as f64 / OPEN_THREADS as f64);
+                        for k in 0u32.. {
+                            let due = start + gap * k;
+                            if due.duration_since(t0) >= budget {
+                                break;
+                            }
+                            // Behind schedule (the last request took
+                            // longer than the gap), the wait counts; ahead
+                            // of it, the sleep's own overshoot does not.
+                            let now = Instant::now();
+                            let late = now.saturating_duration_since(due);
+                            if due > now {
+                                std::thread::sleep(due - now);
+                            }
+                            let took = self.one(&c, &mut x, k as u64)?;
+                            v.push(late.as_nanos() as f64 + took);
+                        }
+                        Ok(v)
+                    })
+                })
+                .collect();
+            join(hs)
+        })?;
+        let secs = t0.elapsed().as_secs_f64();
+        let all: Vec<f64> = lats.into_iter().flatten().collect();
+        Ok((all.len() as f64 / secs, all))
+    }
+}
+
+fn join(hs: Vec<std::thread::ScopedJoinHandle<'_, Result<Vec<f64>>>>) -> Result<Vec<Vec<f64>>> {
+    hs.into_iter()
+        .map(|h| h.join().map_err(|_| anyhow!("a client thread panicked"))?)
+        .collect()
+}
+
+fn stats(o: &mut Obj, v: &mut [f64]) -> (f64, f64, f64, f64) {
+    let avg = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let (p50, p99, p999) = (
+        percentile(v, 0.5),
+        percentile(v, 0.99),
+        percentile(v, 0.999),
+    );
+    o.num("avg_ns", avg);
+    o.num("p50_ns", p50);
+    o.num("p99_ns", p99);
+    o.num("p999_ns", p999);
+    (avg, p50, p99, p999)
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let budget = Duration::from_millis(if a.quick { 400 } else { 3000 });
+    let open_budget = Duration::from_millis(if a.quick { 300 } else { 2000 });
+    let loads: &[f64] = if a.quick { &[0.5, 1.5] } else { &LOADS };
+    super::progress::start("social", (MODES.len() * (1 + loads.len())) as u64);
+    let id = std::process::id();
+    let bp = BenchPool::create(
+        "social",
+        PoolConfig {
+            size: 1 << 30,
+            channels: Some(48),
+            ring_size: 1 << 20,
+            ..Default::default()
+        },
+    )?;
+    let roles: Vec<&str> = app::roles(&|_| Link::Shm(String::new()), USERS, CAPACITY)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let mut peers = Vec::new();
+    for role in &roles {
+        let mut p = Peer::spawn(&bp.path, &[])?;
+        for mode in MODES {
+            p.cmd(&format!("social {role} {mode} {id}"))?;
+        }
+        peers.push(p);
+    }
+    let posts = posts();
+    let nodes: Vec<Node> = MODES
+        .iter()
+        .map(|m| Node::with_config(bp.pool.clone(), config(m)))
+        .collect();
+    let drivers: Vec<Driver> = MODES
+        .iter()
+        .zip(&nodes)
+        .map(|(m, node)| Driver {
+            node,
+            mode: m,
+            entry: name(id, m, "frontend"),
+            posts: &posts,
+        })
+        .collect();
+    // Every user posts twice first, so timelines have posts to read.
+    for d in &drivers {
+        let c = d.connect()?;
+        for u in 0..USERS * 2 {
+            let mut p = posts[u as usize % posts.len()].clone();
+            p[16..20].copy_from_slice(&(u % USERS).to_le_bytes());
+            c.call("compose", p)?;
+        }
+    }
+    say!("bench social: frontend, compose-post, text, media, post-storage, user- and home-timeline (7 processes); {USERS} users following {} each; media 16-256 KiB; 60% home reads, 30% user reads, 10% posts", app::FOLLOWS);
+    say!(
+        "{:>6} {:>16} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "mode",
+        "offered req/s",
+        "req/s",
+        "avg us",
+        "p50 us",
+        "p99 us",
+        "p99.9 us"
+    );
+    let mut rows = Vec::new();
+    let mut max = Vec::new();
+    let mut avgs = Vec::new();
+    for d in &drivers {
+        let (r, mut lat) = d.closed(budget)?;
+        let mut o = Obj::default();
+        o.str("mode", d.mode);
+        o.str("load", "closed loop");
+        o.num("req_per_s", r);
+        let (avg, p50, p99, p999) = stats(&mut o, &mut lat);
+        super::progress::tick(format!("{} closed loop", d.mode));
+        say!(
+            "{:>6} {:>16} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            d.mode,
+            "closed loop",
+            r,
+            avg / 1e3,
+            p50 / 1e3,
+            p99 / 1e3,
+            p999 / 1e3
+        );
+        max.push(r);
+        avgs.push(avg);
+        rows.push(o);
+    }
+    let (tput, lat) = (max[0] / max[1], avgs[1] / avgs[0]);
+    say!("by Ref / by value: {tput:.1}x the throughput, {lat:.1}x lower average latency (DmRPC: 3.1x and 2.5x)");
+    let mut curve = Vec::new();
+    for &f in loads {
+        let rate = (max[1] * f).max(10.0);
+        for d in &drivers {
+            let (r, mut lat) = d.open(rate, open_budget)?;
+            let mut o = Obj::default();
+            o.str("mode", d.mode);
+            o.num("offered_per_s", rate.round());
+            o.num("req_per_s", r);
+            let (avg, p50, p99, p999) = stats(&mut o, &mut lat);
+            super::progress::tick(format!("{} at {rate:.0} req/s", d.mode));
+            say!(
+                "{:>6} {:>16.0} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                d.mode,
+                rate,
+                r,
+                avg / 1e3,
+                p50 / 1e3,
+                p99 / 1e3,
+                p999 / 1e3
+            );
+            curve.push(o);
+        }
+    }
+    drop(drivers);
+    drop(peers);
+    drop(nodes);
+    bp.check()?;
+    let mut res = Obj::default();
+    res.str("benchmark", "social");
+    res.str(
+        "method",
+        "7 service processes over shm channels in one pool (frontend, compose-post, text, media, post-storage, user-timeline, home-timeline); 200 users following 8 each, 2 posts each preloaded; ops: 60% home-timeline read, 30% user-timeline read, 10% compose with 16-256 KiB media; closed loop with 2 client threads, then an open loop (4 threads, requests due at fixed times, latency measured from the due time) at fractions of by value's closed-loop throughput; ref = every node sends data by Ref, value = everything inline",
+    );
+    res.obj("machine", &super::machine());
+    res.num("ref_over_value_throughput", tput);
+    res.num("value_over_ref_avg_latency", lat);
+    res.arr("closed_loop", &rows);
+    res.arr("rows", &curve);
+    super::write_results(
+        a,
+        "social",
+        &Chart {
+            title: "bench social: latency against offered load",
+            x: "offered_per_s",
+            ys: &["p50_ns", "p99_ns"],
+            by: Some("mode"),
+            y_label: "latency (ns)",
+            log_x: false,
+            log_y: true,
+        },
+        &res,
+        &curve,
+        &[
+            "mode",
+            "offered_per_s",
+            "req_per_s",
+            "avg_ns",
+            "p50_ns",
+            "p99_ns",
+            "p999_ns",
+        ],
+    )
+}
