@@ -582,6 +582,31 @@ pub fn serve(
     b.spawn()
 }
 
+/// Fuzz entry point shared by `fuzz/fuzz_targets/image_request.rs` and
+/// the corpus replay test: everything the tiers decode from a peer's bytes
+/// (the signed header, the PPM header, the pixels over runs of pages, the
+/// rows read by range) must answer or refuse, never panic, and the three
+/// ways of transcoding must agree.
+#[doc(hidden)]
+pub fn fuzz_request(data: &[u8]) {
+    if let Some(h) = data.get(..HEADER_LEN).and_then(|h| h.try_into().ok()) {
+        let _ = Header::verify(h, &[0u8; 32], 0);
+    }
+    let side = data.first().map_or(1, |&b| u32::from(b % 64) + 1);
+    let whole = transcode(data, side);
+    let head = &data[..data.len().min(PPM_HEADER_MAX)];
+    let cut = usize::from(data.get(1).copied().unwrap_or(7)) + 1;
+    let segs: Vec<&[u8]> = data.chunks(cut).collect();
+    let spread = transcode_spread(head, &segs, 0, side);
+    let p = Payload::from_vec(data.to_vec());
+    let rows = transcode_remote(head, &p, 0, side);
+    match (&whole, &spread, &rows) {
+        (Ok(a), Ok(b), Ok(c)) => assert!(a == b && b == c, "transcodings differ"),
+        (Err(_), Err(_), Err(_)) => {}
+        _ => panic!("one transcoding failed: {whole:?} {spread:?} {rows:?}"),
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

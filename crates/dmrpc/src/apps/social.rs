@@ -540,6 +540,24 @@ pub fn roles(at: &dyn Fn(&str) -> Link, users: u32, capacity: usize) -> Vec<(&'s
     ]
 }
 
+/// Fuzz entry point shared by `fuzz/fuzz_targets/social_post.rs` and the
+/// corpus replay test: a post's header and media as the services decode
+/// them must answer or refuse, never panic; what parses is consistent.
+#[doc(hidden)]
+pub fn fuzz_post(data: &[u8]) {
+    if let Ok(h) = verify(data, true) {
+        assert_eq!(
+            POST_HEADER + h.text as usize + h.media as usize,
+            data.len(),
+            "a post that parses is as long as its header says"
+        );
+    }
+    if let Some(h) = data.get(..POST_HEADER).and_then(|h| h.try_into().ok()) {
+        let _ = PostHeader::parse(h, data.len() as u64);
+        let _ = PostHeader::read(&Payload::from_vec(data.to_vec()));
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
