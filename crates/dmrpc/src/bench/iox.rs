@@ -1,5 +1,6 @@
 //! The iceoryx2 peer of `bench rtt`: request-response between two
-//! processes over iceoryx2's shared memory (u64 request, u64 response).
+//! processes over iceoryx2's shared memory: u64 request and response for
+//! the no-op round trip, byte slices for the echo.
 //! Both sides poll without sleeping, as in iceoryx2's own latency
 //! benchmark; the server stops polling on `unserve`.
 
@@ -103,6 +104,106 @@ impl Client {
         loop {
             if let Some(r) = pending.receive().map_err(|e| anyhow!("response: {e:?}"))? {
                 return Ok(*r);
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Serves `service` on a thread, echoing byte slices of up to `max` bytes
+/// (each request copied into a loaned response), until `stop`.
+pub fn serve_bytes(service: &str, max: usize, stop: Arc<AtomicBool>) -> Result<()> {
+    let svc = name(service)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("iceoryx2-echo".into())
+        .spawn(move || {
+            let run = || -> Result<()> {
+                let node = NodeBuilder::new()
+                    .create::<Service>()
+                    .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
+                let s = node
+                    .service_builder(&svc)
+                    .request_response::<[u8], [u8]>()
+                    .open_or_create()
+                    .map_err(|e| anyhow!("iceoryx2 service: {e:?}"))?;
+                let server = s
+                    .server_builder()
+                    .initial_max_slice_len(max)
+                    .create()
+                    .map_err(|e| anyhow!("iceoryx2 server: {e:?}"))?;
+                let _ = tx.send(Ok(()));
+                while !stop.load(Ordering::Relaxed) {
+                    match server.receive().map_err(|e| anyhow!("receive: {e:?}"))? {
+                        Some(req) => {
+                            let p = req.payload();
+                            let resp = req
+                                .loan_slice_uninit(p.len())
+                                .map_err(|e| anyhow!("loan: {e:?}"))?;
+                            resp.write_from_slice(p)
+                                .send()
+                                .map_err(|e| anyhow!("respond: {e:?}"))?;
+                        }
+                        None => std::hint::spin_loop(),
+                    }
+                }
+                Ok(())
+            };
+            if let Err(e) = run() {
+                let _ = tx.send(Err(e.to_string()));
+            }
+        })?;
+    rx.recv()?.map_err(|e| anyhow!(e))
+}
+
+/// A client of the peer's byte echo.
+pub struct EchoClient {
+    _node: Node<Service>,
+    client: iceoryx2::port::client::Client<Service, [u8], (), [u8], ()>,
+}
+
+impl std::fmt::Debug for EchoClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("iceoryx2 EchoClient")
+    }
+}
+
+impl EchoClient {
+    pub fn connect(service: &str, max: usize) -> Result<EchoClient> {
+        quiet();
+        let node = NodeBuilder::new()
+            .create::<Service>()
+            .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
+        let s = node
+            .service_builder(&name(service)?)
+            .request_response::<[u8], [u8]>()
+            .open_or_create()
+            .map_err(|e| anyhow!("iceoryx2 service: {e:?}"))?;
+        let client = s
+            .client_builder()
+            .initial_max_slice_len(max)
+            .create()
+            .map_err(|e| anyhow!("iceoryx2 client: {e:?}"))?;
+        Ok(EchoClient {
+            _node: node,
+            client,
+        })
+    }
+
+    /// Sends `data` (copied into a loaned request) and waits for the echo,
+    /// polling; returns its length.
+    pub fn echo(&self, data: &[u8]) -> Result<usize> {
+        let req = self
+            .client
+            .loan_slice_uninit(data.len())
+            .map_err(|e| anyhow!("loan: {e:?}"))?;
+        let pending = req
+            .write_from_slice(data)
+            .send()
+            .map_err(|e| anyhow!("request: {e:?}"))?;
+        loop {
+            if let Some(r) = pending.receive().map_err(|e| anyhow!("response: {e:?}"))? {
+                return Ok(r.payload().len());
             }
             std::hint::spin_loop();
         }

@@ -7,7 +7,8 @@
 //! `unserve` (a no-op RPC service), `chain NAME NEXT|- ref|value` (a tier
 //! of bench chain), `lb NAME W1,W2 ref|value` (bench lb's balancer),
 //! `image ROLE NAME MODE NEXT KEY MS` (a tier of bench image),
-//! `social ROLE MODE ID` (a service of bench social), `quit`.
+//! `social ROLE MODE ID` (a service of bench social), `iox NAME` and
+//! `ioxecho NAME MAX` (iceoryx2 servers, with the feature), `quit`.
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
@@ -141,6 +142,12 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 // The iceoryx2 server polls until the next `unserve`.
                 iox_stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
                 super::iox::serve(service, iox_stop.clone())?;
+                "ok".into()
+            }
+            #[cfg(feature = "iceoryx2")]
+            (Some("ioxecho"), Some(service), Some(max)) => {
+                iox_stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+                super::iox::serve_bytes(service, max.parse()?, iox_stop.clone())?;
                 "ok".into()
             }
             (Some("unserve"), _, _) => {

@@ -26,6 +26,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 struct Dist {
+    avg: f64,
     p50: f64,
     p99: f64,
     p999: f64,
@@ -35,6 +36,7 @@ struct Dist {
 fn dist(mut v: Vec<f64>, wall: Duration) -> Dist {
     let n = v.len() as f64;
     Dist {
+        avg: v.iter().sum::<f64>() / n.max(1.0),
         p50: percentile(&mut v, 0.5),
         p99: percentile(&mut v, 0.99),
         p999: percentile(&mut v, 0.999),
@@ -44,9 +46,10 @@ fn dist(mut v: Vec<f64>, wall: Duration) -> Dist {
 
 fn row(what: &str, size: u64, d: &Dist, floor: f64) -> Obj {
     say!(
-        "{:<22} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>12.0} {:>8.2}x",
+        "{:<24} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>12.0} {:>8.2}x",
         what,
         fmt_size(size),
+        d.avg / 1e3,
         d.p50 / 1e3,
         d.p99 / 1e3,
         d.p999 / 1e3,
@@ -58,6 +61,7 @@ fn row(what: &str, size: u64, d: &Dist, floor: f64) -> Obj {
     o.num("size", size as f64);
     // The plot's x: no-op calls (0 B) at 1 B, on a log axis.
     o.num("bytes", size.max(1) as f64);
+    o.num("avg_ns", d.avg);
     o.num("p50_ns", d.p50);
     o.num("p99_ns", d.p99);
     o.num("p999_ns", d.p999);
@@ -153,9 +157,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
     );
     say!(
-        "{:<22} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9}",
+        "{:<24} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9}",
         "transport",
         "payload",
+        "avg us",
         "p50 us",
         "p99 us",
         "p999 us",
@@ -270,6 +275,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let uds = PathBuf::from(format!("/tmp/dmrpc-bench-grpc-{id}.sock"));
     let _g3 = TempFile(uds.clone());
     let mut tonic_tcp = None;
+    let mut tonic_addrs = Vec::new();
     for (what, cmd) in [
         ("tonic tcp (loopback)", "grpc tcp".to_string()),
         ("tonic uds", format!("grpc uds {}", uds.display())),
@@ -282,48 +288,93 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         })?;
         let d = dist(v, wall);
         rows.push(row(what, 0, &d, f50));
+        tonic_addrs.push(addr.clone());
         if tonic_tcp.is_none() {
-            tonic_tcp = Some((addr, d.p50));
+            tonic_tcp = Some(d.p50);
         }
     }
-    let (grpc_addr, tonic_p50) = tonic_tcp.ok_or_else(|| anyhow::anyhow!("no gRPC row"))?;
+    let tonic_p50 = tonic_tcp.ok_or_else(|| anyhow::anyhow!("no gRPC row"))?;
 
-    // Echo of growing payloads (default policy): inline, then by Ref.
+    // Echo of growing payloads over every transport: dmrpc over shm and
+    // over TCP (inline up to the threshold, by Ref above it: both ends
+    // share the pool), tonic over TCP and a Unix socket, iceoryx2 (byte
+    // slices copied into loaned samples).
+    const ECHO_MAX: usize = 1 << 20;
     let name = format!("bench/rtt/{id}/echo");
     peer.cmd(&format!("serve {name} default"))?;
+    let tname = format!("bench/rtt/{id}/echotcp");
+    peer.cmd(&format!("serve {tname} default tcp"))?;
     let node = Node::new(pool.clone());
     let c = node.connect(&name)?;
+    let tc = node.connect(&tname)?;
+    let mut grpc: Vec<(&str, super::grpc::Client)> = Vec::new();
+    for (what, addr) in ["tonic tcp echo", "tonic uds echo"]
+        .iter()
+        .zip(&tonic_addrs)
+    {
+        grpc.push((what, super::grpc::Client::connect(addr)?));
+    }
     let mut size = 64u64;
-    while size <= 1 << 20 {
+    while size as usize <= ECHO_MAX {
         let data = vec![7u8; size as usize];
         let calls = (n / 4).min(((4u64 << 30) / size.max(1)) as usize).max(1000);
-        let (v, wall) = timed(calls, || {
-            let back = c.call("echo", Payload::from(data.as_slice()))?;
-            if back.len() != size {
-                bail!("echo returned {} bytes", back.len());
-            }
-            Ok(())
-        })?;
+        // Fewer calls for the transports that take milliseconds.
+        let slow = (calls / if a.quick { 16 } else { 4 }).max(50);
         let how = if size as usize > node.config().inline_max {
-            "dmrpc shm echo (Ref)"
+            "Ref"
         } else {
-            "dmrpc shm echo (inline)"
+            "inline"
         };
-        rows.push(row(how, size, &dist(v, wall), f50));
-        let mut g = super::grpc::Client::connect(&grpc_addr)?;
-        let data = bytes::Bytes::from(data);
-        let (v, wall) = timed(calls / 4, || {
-            let back = g.echo(data.clone())?;
-            if back.len() as u64 != size {
-                bail!("gRPC echo returned {} bytes", back.len());
-            }
-            Ok(())
-        })?;
-        rows.push(row("tonic tcp echo", size, &dist(v, wall), f50));
+        for (what, client, k) in [("shm", &c, calls), ("tcp", &tc, slow)] {
+            let (v, wall) = timed(k, || {
+                let back = client.call("echo", Payload::from(data.as_slice()))?;
+                if back.len() != size {
+                    bail!("echo returned {} bytes", back.len());
+                }
+                Ok(())
+            })?;
+            let label = format!("dmrpc {what} echo ({how})");
+            rows.push(row(&label, size, &dist(v, wall), f50));
+        }
+        let bytes = bytes::Bytes::from(data.clone());
+        for (what, g) in grpc.iter_mut() {
+            let (v, wall) = timed(slow, || {
+                let back = g.echo(bytes.clone())?;
+                if back.len() as u64 != size {
+                    bail!("gRPC echo returned {} bytes", back.len());
+                }
+                Ok(())
+            })?;
+            rows.push(row(what, size, &dist(v, wall), f50));
+        }
         size *= 4;
     }
-    drop(c);
+    drop((c, tc, grpc));
     peer.cmd("unserve")?;
+    // iceoryx2's server polls without pause: it runs alone, after the
+    // others (on two cores it would take one from them).
+    #[cfg(feature = "iceoryx2")]
+    {
+        let iox = format!("dmrpc/bench/rtt/{id}/iceoryx2-echo");
+        peer.cmd(&format!("ioxecho {iox} {ECHO_MAX}"))?;
+        let ioc = super::iox::EchoClient::connect(&iox, ECHO_MAX)?;
+        let mut size = 64u64;
+        while size as usize <= ECHO_MAX {
+            let data = vec![7u8; size as usize];
+            let calls = (n / 4).min(((4u64 << 30) / size.max(1)) as usize).max(1000);
+            let (v, wall) = timed(calls, || {
+                let back = ioc.echo(&data)?;
+                if back as u64 != size {
+                    bail!("iceoryx2 echo returned {back} bytes");
+                }
+                Ok(())
+            })?;
+            rows.push(row("iceoryx2 echo", size, &dist(v, wall), f50));
+            size *= 4;
+        }
+        drop(ioc);
+        peer.cmd("unserve")?;
+    }
     drop(peer);
     let over_grpc = tonic_p50 / shm_p50;
     say!(
@@ -374,6 +425,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         &[
             "transport",
             "size",
+            "avg_ns",
             "p50_ns",
             "p99_ns",
             "p999_ns",
