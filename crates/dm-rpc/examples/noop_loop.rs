@@ -1,5 +1,6 @@
 //! A no-op call loop between two processes, for profiling the round trip
-//! (`perf record -a -- target/release/examples/noop_loop 2000000`).
+//! (`perf record -a -- target/release/examples/noop_loop 2000000`; env:
+//! SIZE, BYREF=1, INLINE_MAX, ECHO=1, SUM=1, POLICY).
 #![allow(clippy::unwrap_used)]
 
 #[cfg(loom)]
@@ -24,6 +25,8 @@ fn main() {
         let pool = Pool::open(args[2].as_ref(), AttachOptions::default()).unwrap();
         let node = Node::with_config(pool, cfg);
         let every = std::env::var("SUM").is_ok_and(|v| v == "1");
+        // ECHO=1: answer what arrived (an echo) instead of nothing.
+        let echo = std::env::var("ECHO").is_ok_and(|v| v == "1");
         let s = node
             .server("profile/noop")
             .method("noop", move |c| {
@@ -35,7 +38,11 @@ fn main() {
                     }
                     std::hint::black_box(s.first());
                 }
-                Ok(Payload::empty())
+                Ok(if echo {
+                    c.take_payload()
+                } else {
+                    Payload::empty()
+                })
             })
             .spawn()
             .unwrap();
