@@ -45,13 +45,14 @@
 //! The answer is the zstd frame of the thumbnail's PPM ([`expected`]
 //! computes it locally).
 
-use dm_rpc::{Client, Node, Payload, RpcError, Server, Transport};
+pub use super::Link;
+use super::Next;
+use dm_rpc::{Node, Payload, RpcError, Server, Transport};
 use hmac::{Hmac, Mac};
 use image::codecs::pnm::{PnmDecoder, PnmEncoder, PnmSubtype, SampleEncoding};
 use image::{ColorType, ImageDecoder, ImageEncoder};
 use sha2::Sha256;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
 
 /// Bytes of the request header.
 pub const HEADER_LEN: usize = 64;
@@ -397,49 +398,6 @@ pub fn expected(ppm: &[u8], side: u32) -> Result<Vec<u8>, RpcError> {
     compress(&transcode(ppm, side)?)
 }
 
-/// How a tier reaches the next: a service name over shared-memory
-/// channels, or a TCP address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Link {
-    /// A service in the same pool, by name.
-    Shm(String),
-    /// A service at `host:port`.
-    Tcp(String),
-}
-
-/// A client of the next tier, connected on first use (the tiers start
-/// last first, but a tier may also come up before its next one).
-#[derive(Debug)]
-struct Next {
-    node: Node,
-    link: Link,
-    client: OnceLock<Client>,
-}
-
-impl Next {
-    fn new(node: &Node, link: Link) -> Next {
-        Next {
-            node: node.clone(),
-            link,
-            client: OnceLock::new(),
-        }
-    }
-
-    fn call(&self, p: Payload) -> Result<Payload, RpcError> {
-        let c = match self.client.get() {
-            Some(c) => c,
-            None => {
-                let c = match &self.link {
-                    Link::Shm(name) => self.node.connect(name)?,
-                    Link::Tcp(addr) => self.node.connect_tcp(addr)?,
-                };
-                self.client.get_or_init(|| c)
-            }
-        };
-        c.call(METHOD, p)
-    }
-}
-
 /// A tier of the application and what it needs.
 #[derive(Debug, Clone)]
 pub enum Role {
@@ -508,7 +466,7 @@ pub fn serve(
             let next = Next::new(node, next);
             b.method(METHOD, move |c| {
                 Header::verify(&header_of(c.payload())?, &key, unix_now())?;
-                next.call(c.payload().forward()?)
+                next.call(METHOD, c.payload().forward()?)
             })
         }
         Role::Balancer { next } => {
@@ -519,7 +477,7 @@ pub fn serve(
             let turn = AtomicUsize::new(0);
             b.method(METHOD, move |c| {
                 let k = turn.fetch_add(1, Ordering::Relaxed) % next.len();
-                next[k].call(c.payload().forward()?)
+                next[k].call(METHOD, c.payload().forward()?)
             })
         }
         Role::Processing {
@@ -544,8 +502,8 @@ pub fn serve(
                     )));
                 }
                 // Dispatch.
-                let thumb = tc.call(p.forward()?)?;
-                cz.call(thumb)
+                let thumb = tc.call(METHOD, p.forward()?)?;
+                cz.call(METHOD, thumb)
             })
         }
         Role::Transcoding => b.method(METHOD, |c| {

@@ -43,11 +43,13 @@
 //! Small requests are little-endian integers: `home`/`user` a u32 user,
 //! `get` a u64 post id, `append`/`fanout` a u32 author then a u64 id.
 
+pub use super::Link;
+use super::Next;
 use dm_pool::{Buffer, Dm};
-use dm_rpc::{Client, Node, Payload, RpcError, Server, Transport};
+use dm_rpc::{Node, Payload, RpcError, Server, Transport};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 /// Bytes of a post's header.
 pub const POST_HEADER: usize = 32;
@@ -189,48 +191,6 @@ pub fn verify(p: &[u8], full: bool) -> Result<PostHeader, RpcError> {
 /// The users `author`'s posts fan out to (those who follow them).
 pub fn followers(author: u32, users: u32) -> impl Iterator<Item = u32> {
     (1..=FOLLOWS.min(users.saturating_sub(1))).map(move |k| (author + users - k) % users)
-}
-
-/// How a service reaches another: by name over shared-memory channels,
-/// or at a TCP address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Link {
-    /// A service in the same pool, by name.
-    Shm(String),
-    /// A service at `host:port`.
-    Tcp(String),
-}
-
-/// A client of another service, connected on first use.
-#[derive(Debug)]
-struct Next {
-    node: Node,
-    link: Link,
-    client: OnceLock<Client>,
-}
-
-impl Next {
-    fn new(node: &Node, link: Link) -> Next {
-        Next {
-            node: node.clone(),
-            link,
-            client: OnceLock::new(),
-        }
-    }
-
-    fn call(&self, method: &str, p: Payload) -> Result<Payload, RpcError> {
-        let c = match self.client.get() {
-            Some(c) => c,
-            None => {
-                let c = match &self.link {
-                    Link::Shm(name) => self.node.connect(name)?,
-                    Link::Tcp(addr) => self.node.connect_tcp(addr)?,
-                };
-                self.client.get_or_init(|| c)
-            }
-        };
-        c.call(method, p)
-    }
 }
 
 /// A service of the application and the services it calls.

@@ -23,43 +23,60 @@ fn name(s: &str) -> Result<ServiceName> {
         .map_err(|e| anyhow!("iceoryx2 service name {s:?}: {e:?}"))
 }
 
-/// Serves `service` on a thread, echoing each request, until `stop`.
-pub fn serve(service: &str, stop: Arc<AtomicBool>) -> Result<()> {
-    let svc = name(service)?;
-    let (tx, rx) = std::sync::mpsc::channel();
+fn new_node() -> Result<Node<Service>> {
+    quiet();
+    NodeBuilder::new()
+        .create::<Service>()
+        .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))
+}
+
+/// Runs `serve` on a thread named `thread`; returns once it has called
+/// its `ready` argument, or with its error.
+fn spawn_server(
+    thread: &str,
+    serve: impl FnOnce(&dyn Fn()) -> Result<()> + Send + 'static,
+) -> Result<()> {
+    let (tx, rx) = std::sync::mpsc::channel::<Result<(), String>>();
     std::thread::Builder::new()
-        .name("iceoryx2-peer".into())
+        .name(thread.into())
         .spawn(move || {
-            let run = || -> Result<()> {
-                let node = NodeBuilder::new()
-                    .create::<Service>()
-                    .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
-                let s = node
-                    .service_builder(&svc)
-                    .request_response::<u64, u64>()
-                    .open_or_create()
-                    .map_err(|e| anyhow!("iceoryx2 service: {e:?}"))?;
-                let server = s
-                    .server_builder()
-                    .create()
-                    .map_err(|e| anyhow!("iceoryx2 server: {e:?}"))?;
-                let _ = tx.send(Ok(()));
-                while !stop.load(Ordering::Relaxed) {
-                    match server.receive().map_err(|e| anyhow!("receive: {e:?}"))? {
-                        Some(req) => {
-                            let v = *req;
-                            req.send_copy(v).map_err(|e| anyhow!("respond: {e:?}"))?;
-                        }
-                        None => std::hint::spin_loop(),
-                    }
-                }
-                Ok(())
+            let ready_tx = tx.clone();
+            let ready = move || {
+                let _ = ready_tx.send(Ok(()));
             };
-            if let Err(e) = run() {
+            if let Err(e) = serve(&ready) {
                 let _ = tx.send(Err(e.to_string()));
             }
         })?;
     rx.recv()?.map_err(|e| anyhow!(e))
+}
+
+/// Serves `service` on a thread, echoing each request, until `stop`.
+pub fn serve(service: &str, stop: Arc<AtomicBool>) -> Result<()> {
+    let svc = name(service)?;
+    spawn_server("iceoryx2-peer", move |ready| {
+        let node = new_node()?;
+        let s = node
+            .service_builder(&svc)
+            .request_response::<u64, u64>()
+            .open_or_create()
+            .map_err(|e| anyhow!("iceoryx2 service: {e:?}"))?;
+        let server = s
+            .server_builder()
+            .create()
+            .map_err(|e| anyhow!("iceoryx2 server: {e:?}"))?;
+        ready();
+        while !stop.load(Ordering::Relaxed) {
+            match server.receive().map_err(|e| anyhow!("receive: {e:?}"))? {
+                Some(req) => {
+                    let v = *req;
+                    req.send_copy(v).map_err(|e| anyhow!("respond: {e:?}"))?;
+                }
+                None => std::hint::spin_loop(),
+            }
+        }
+        Ok(())
+    })
 }
 
 /// A client of the peer's service.
@@ -76,10 +93,7 @@ impl std::fmt::Debug for Client {
 
 impl Client {
     pub fn connect(service: &str) -> Result<Client> {
-        quiet();
-        let node = NodeBuilder::new()
-            .create::<Service>()
-            .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
+        let node = new_node()?;
         let s = node
             .service_builder(&name(service)?)
             .request_response::<u64, u64>()
@@ -114,46 +128,35 @@ impl Client {
 /// (each request copied into a loaned response), until `stop`.
 pub fn serve_bytes(service: &str, max: usize, stop: Arc<AtomicBool>) -> Result<()> {
     let svc = name(service)?;
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name("iceoryx2-echo".into())
-        .spawn(move || {
-            let run = || -> Result<()> {
-                let node = NodeBuilder::new()
-                    .create::<Service>()
-                    .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
-                let s = node
-                    .service_builder(&svc)
-                    .request_response::<[u8], [u8]>()
-                    .open_or_create()
-                    .map_err(|e| anyhow!("iceoryx2 service: {e:?}"))?;
-                let server = s
-                    .server_builder()
-                    .initial_max_slice_len(max)
-                    .create()
-                    .map_err(|e| anyhow!("iceoryx2 server: {e:?}"))?;
-                let _ = tx.send(Ok(()));
-                while !stop.load(Ordering::Relaxed) {
-                    match server.receive().map_err(|e| anyhow!("receive: {e:?}"))? {
-                        Some(req) => {
-                            let p = req.payload();
-                            let resp = req
-                                .loan_slice_uninit(p.len())
-                                .map_err(|e| anyhow!("loan: {e:?}"))?;
-                            resp.write_from_slice(p)
-                                .send()
-                                .map_err(|e| anyhow!("respond: {e:?}"))?;
-                        }
-                        None => std::hint::spin_loop(),
-                    }
+    spawn_server("iceoryx2-echo", move |ready| {
+        let node = new_node()?;
+        let s = node
+            .service_builder(&svc)
+            .request_response::<[u8], [u8]>()
+            .open_or_create()
+            .map_err(|e| anyhow!("iceoryx2 service: {e:?}"))?;
+        let server = s
+            .server_builder()
+            .initial_max_slice_len(max)
+            .create()
+            .map_err(|e| anyhow!("iceoryx2 server: {e:?}"))?;
+        ready();
+        while !stop.load(Ordering::Relaxed) {
+            match server.receive().map_err(|e| anyhow!("receive: {e:?}"))? {
+                Some(req) => {
+                    let p = req.payload();
+                    let resp = req
+                        .loan_slice_uninit(p.len())
+                        .map_err(|e| anyhow!("loan: {e:?}"))?;
+                    resp.write_from_slice(p)
+                        .send()
+                        .map_err(|e| anyhow!("respond: {e:?}"))?;
                 }
-                Ok(())
-            };
-            if let Err(e) = run() {
-                let _ = tx.send(Err(e.to_string()));
+                None => std::hint::spin_loop(),
             }
-        })?;
-    rx.recv()?.map_err(|e| anyhow!(e))
+        }
+        Ok(())
+    })
 }
 
 /// A client of the peer's byte echo.
@@ -170,10 +173,7 @@ impl std::fmt::Debug for EchoClient {
 
 impl EchoClient {
     pub fn connect(service: &str, max: usize) -> Result<EchoClient> {
-        quiet();
-        let node = NodeBuilder::new()
-            .create::<Service>()
-            .map_err(|e| anyhow!("iceoryx2 node: {e:?}"))?;
+        let node = new_node()?;
         let s = node
             .service_builder(&name(service)?)
             .request_response::<[u8], [u8]>()

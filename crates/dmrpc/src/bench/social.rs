@@ -117,28 +117,42 @@ impl Driver<'_> {
         Ok(self.node.connect(&self.entry)?)
     }
 
-    /// Closed loop: `CLIENTS` threads for `budget`: ops/s and latencies.
-    fn closed(&self, budget: Duration) -> Result<(f64, Vec<f64>)> {
-        let t0 = Instant::now();
+    /// Runs `body` on `n` threads, each with its connection and the
+    /// thread's index: the requests per second over all of them since
+    /// `t0`, and all their latencies.
+    fn threads(
+        &self,
+        n: usize,
+        t0: Instant,
+        body: impl Fn(usize, &dm_rpc::Client) -> Result<Vec<f64>> + Sync,
+    ) -> Result<(f64, Vec<f64>)> {
         let lats = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..CLIENTS)
+            let hs: Vec<_> = (0..n)
                 .map(|i| {
-                    s.spawn(move || -> Result<Vec<f64>> {
-                        let c = self.connect()?;
-                        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ i as u64;
-                        let mut v = Vec::new();
-                        while t0.elapsed() < budget || v.len() < 10 {
-                            v.push(self.one(&c, &mut x, v.len() as u64)?);
-                        }
-                        Ok(v)
-                    })
+                    let body = &body;
+                    s.spawn(move || body(i, &self.connect()?))
                 })
                 .collect();
-            join(hs)
+            hs.into_iter()
+                .map(|h| h.join().map_err(|_| anyhow!("a client thread panicked"))?)
+                .collect::<Result<Vec<_>>>()
         })?;
         let secs = t0.elapsed().as_secs_f64();
         let all: Vec<f64> = lats.into_iter().flatten().collect();
         Ok((all.len() as f64 / secs, all))
+    }
+
+    /// Closed loop: `CLIENTS` threads for `budget`: ops/s and latencies.
+    fn closed(&self, budget: Duration) -> Result<(f64, Vec<f64>)> {
+        let t0 = Instant::now();
+        self.threads(CLIENTS, t0, |i, c| {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ i as u64;
+            let mut v = Vec::new();
+            while t0.elapsed() < budget || v.len() < 10 {
+                v.push(self.one(c, &mut x, v.len() as u64)?);
+            }
+            Ok(v)
+        })
     }
 
     /// Open loop at `rate` requests/s for `budget`: each request is due at
@@ -147,46 +161,29 @@ impl Driver<'_> {
     fn open(&self, rate: f64, budget: Duration) -> Result<(f64, Vec<f64>)> {
         let gap = Duration::from_secs_f64(OPEN_THREADS as f64 / rate);
         let t0 = Instant::now();
-        let lats = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..OPEN_THREADS)
-                .map(|i| {
-                    s.spawn(move || -> Result<Vec<f64>> {
-                        let c = self.connect()?;
-                        let mut x = 0x2545_f491_4f6c_dd1du64 ^ (i as u64 * 7919);
-                        let mut v = Vec::new();
-                        let start = t0 + gap.mul_f64(i as f64 / OPEN_THREADS as f64);
-                        for k in 0u32.. {
-                            let due = start + gap * k;
-                            if due.duration_since(t0) >= budget {
-                                break;
-                            }
-                            // Behind schedule (the last request took
-                            // longer than the gap), the wait counts; ahead
-                            // of it, the sleep's own overshoot does not.
-                            let now = Instant::now();
-                            let late = now.saturating_duration_since(due);
-                            if due > now {
-                                std::thread::sleep(due - now);
-                            }
-                            let took = self.one(&c, &mut x, k as u64)?;
-                            v.push(late.as_nanos() as f64 + took);
-                        }
-                        Ok(v)
-                    })
-                })
-                .collect();
-            join(hs)
-        })?;
-        let secs = t0.elapsed().as_secs_f64();
-        let all: Vec<f64> = lats.into_iter().flatten().collect();
-        Ok((all.len() as f64 / secs, all))
+        self.threads(OPEN_THREADS, t0, |i, c| {
+            let mut x = 0x2545_f491_4f6c_dd1du64 ^ (i as u64 * 7919);
+            let mut v = Vec::new();
+            let start = t0 + gap.mul_f64(i as f64 / OPEN_THREADS as f64);
+            for k in 0u32.. {
+                let due = start + gap * k;
+                if due.duration_since(t0) >= budget {
+                    break;
+                }
+                // Behind schedule (the last request took longer than the
+                // gap), the wait counts; ahead of it, the sleep's own
+                // overshoot does not.
+                let now = Instant::now();
+                let late = now.saturating_duration_since(due);
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+                let took = self.one(c, &mut x, k as u64)?;
+                v.push(late.as_nanos() as f64 + took);
+            }
+            Ok(v)
+        })
     }
-}
-
-fn join(hs: Vec<std::thread::ScopedJoinHandle<'_, Result<Vec<f64>>>>) -> Result<Vec<Vec<f64>>> {
-    hs.into_iter()
-        .map(|h| h.join().map_err(|_| anyhow!("a client thread panicked"))?)
-        .collect()
 }
 
 fn stats(o: &mut Obj, v: &mut [f64]) -> (f64, f64, f64, f64) {
