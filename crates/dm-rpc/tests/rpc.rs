@@ -690,3 +690,42 @@ fn a_registry_outside_the_pool_finds_tcp_services_across_pools() {
     pa.assert_clean();
     pb.assert_clean();
 }
+
+/// Clients connecting at the same moment are all accepted: a server that
+/// looks at the channels when one client announces itself may find
+/// another's channel opened but not yet set up, and must wait for it
+/// rather than refuse it.
+#[test]
+fn clients_connecting_at_once_are_all_accepted() {
+    let tp = TempPool::with(PoolConfig {
+        size: 64 << 20,
+        channels: Some(64),
+        ..Default::default()
+    });
+    let node = Node::new(tp.attach());
+    let name = unique("connect-at-once");
+    let s = node
+        .server(&name)
+        .method("echo", |c| Ok(c.take_payload()))
+        .spawn()
+        .unwrap();
+    let (threads, rounds) = (8, 6);
+    let barrier = std::sync::Barrier::new(threads);
+    std::thread::scope(|sc| {
+        for t in 0..threads {
+            let (node, name, barrier) = (&node, &name, &barrier);
+            sc.spawn(move || {
+                for r in 0..rounds {
+                    barrier.wait();
+                    let c = node.connect(name).unwrap();
+                    let v = vec![(t * rounds + r) as u8; 100];
+                    let back = c.call("echo", v.clone()).unwrap();
+                    assert_eq!(back.to_vec().unwrap(), v);
+                }
+            });
+        }
+    });
+    drop(s);
+    drop(node);
+    tp.assert_clean();
+}

@@ -341,7 +341,18 @@ impl ShmListener {
             };
             // SAFETY: `self.pool` outlives `self.conns` (field order).
             let p = unsafe { parts(&m) };
-            if p.magic.load(Ordering::Acquire) != MAGIC || self.pool.accept_channel(ch).is_err() {
+            let magic = p.magic.load(Ordering::Acquire);
+            if magic == 0 {
+                // Opened (zeroed) but not yet set up: the client writes
+                // the magic, then moves the epoch, so it is looked at
+                // again then. Another client's epoch brought us here
+                // early; only a client that died first is refused.
+                if self.pool.channel_peer(ch, Side::Server) != Peer::Live {
+                    self.pool.close_channel(ch, Side::Server);
+                }
+                continue;
+            }
+            if magic != MAGIC || self.pool.accept_channel(ch).is_err() {
                 // Another version of the protocol, or gone: refuse it.
                 self.pool.close_channel(ch, Side::Server);
                 continue;
