@@ -47,7 +47,7 @@
 //! computes it locally).
 
 pub use super::Link;
-use super::Next;
+use super::{u32_at, u64_at, Next};
 use dm_rpc::{Node, Payload, RpcError, Server, Transport};
 use hmac::{Hmac, Mac};
 use image::codecs::pnm::{PnmDecoder, PnmEncoder, PnmSubtype, SampleEncoding};
@@ -112,17 +112,10 @@ impl Header {
         m.update(&h[..32]);
         m.verify_slice(&h[32..])
             .map_err(|_| reject("bad signature"))?;
-        let u64_at = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&h[i..i + 8]);
-            u64::from_le_bytes(b)
-        };
-        let mut t = [0u8; 4];
-        t.copy_from_slice(&h[24..28]);
         let hd = Header {
-            client: u64_at(8),
-            expires: u64_at(16),
-            thumb: u32::from_le_bytes(t),
+            client: u64_at(h, 8),
+            expires: u64_at(h, 16),
+            thumb: u32_at(h, 24),
         };
         if hd.expires < now {
             return Err(reject("expired"));
@@ -203,6 +196,31 @@ fn pixel_bytes(w: u32, h: u32) -> Option<usize> {
     (w as usize).checked_mul(h as usize)?.checked_mul(3)
 }
 
+/// Parses the PPM header at the start of `head` (the image's first
+/// bytes) and checks it against the image's length `len` (header and
+/// pixels): width, height and the header's length.
+fn dims(head: &[u8], len: usize) -> Result<(u32, u32, usize), RpcError> {
+    let (w, h, hl) = parse_ppm(head)?;
+    let have = len.saturating_sub(hl);
+    match pixel_bytes(w, h) {
+        Some(n) if n == have => Ok((w, h, hl)),
+        n => Err(bad_image(format!(
+            "{w}x{h} needs {} bytes of pixels, which does not match the {have} the request has",
+            n.map_or_else(|| "too many".to_owned(), |n| n.to_string())
+        ))),
+    }
+}
+
+/// The image's first bytes in request `p` (up to its PPM header's
+/// largest size), and the image's length.
+fn image_head(p: &Payload) -> Result<([u8; PPM_HEADER_MAX], usize, usize), RpcError> {
+    let len = image_len(p)?;
+    let mut head = [0u8; PPM_HEADER_MAX];
+    let n = len.min(PPM_HEADER_MAX);
+    p.read(HEADER_LEN as u64, &mut head[..n])?;
+    Ok((head, n, len))
+}
+
 /// The thumbnail's size: the image scaled to fit `side` x `side`.
 pub fn thumb_size(w: u32, h: u32, side: u32) -> (u32, u32) {
     if w <= side && h <= side {
@@ -230,15 +248,8 @@ fn transcode_spread(
     at: usize,
     side: u32,
 ) -> Result<Vec<u8>, RpcError> {
-    let (w, h, hl) = parse_ppm(head)?;
-    let n = pixel_bytes(w, h).ok_or_else(|| bad_image("too large"))?;
     let px = Spread::new(segs);
-    let have = px.len.saturating_sub(at + hl);
-    if have != n {
-        return Err(bad_image(format!(
-            "{w}x{h} needs {n} bytes of pixels, the request has {have}"
-        )));
-    }
+    let (w, h, hl) = dims(head, px.len.saturating_sub(at))?;
     let img = PixelView {
         px,
         at: at + hl,
@@ -253,14 +264,7 @@ fn transcode_spread(
 /// whose first bytes are `head`: only the rows the thumbnail samples are
 /// read, in one batch (about one round trip), not the image.
 fn transcode_remote(head: &[u8], p: &Payload, at: usize, side: u32) -> Result<Vec<u8>, RpcError> {
-    let (w, h, hl) = parse_ppm(head)?;
-    let n = pixel_bytes(w, h).ok_or_else(|| bad_image("too large"))?;
-    let have = (p.len() as usize).saturating_sub(at + hl);
-    if have != n {
-        return Err(bad_image(format!(
-            "{w}x{h} needs {n} bytes of pixels, the request has {have}"
-        )));
-    }
+    let (w, h, hl) = dims(head, (p.len() as usize).saturating_sub(at))?;
     let (tw, th) = thumb_size(w, h, side);
     let row = w as usize * 3;
     let mut rows = vec![0u8; row * th as usize];
@@ -428,27 +432,21 @@ pub enum Role {
     Compressing,
 }
 
-impl Role {
-    /// The role's name, as in service names and commands.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Role::Firewall { .. } => "firewall",
-            Role::Balancer { .. } => "lb",
-            Role::Processing { .. } => "proc",
-            Role::Transcoding => "transcode",
-            Role::Compressing => "compress",
-        }
-    }
+/// The length of request `p`'s image (what follows the header), refusing
+/// a request shorter than its header.
+fn image_len(p: &Payload) -> Result<usize, RpcError> {
+    let len =
+        usize::try_from(p.len()).map_err(|_| RpcError::invalid_argument("request too large"))?;
+    len.checked_sub(HEADER_LEN).ok_or_else(|| {
+        RpcError::invalid_argument(format!(
+            "a request of {len} bytes is shorter than its {HEADER_LEN}-byte header"
+        ))
+    })
 }
 
 /// Reads the request header (the first 64 bytes only).
 fn header_of(p: &Payload) -> Result<[u8; HEADER_LEN], RpcError> {
-    if p.len() < HEADER_LEN as u64 {
-        return Err(RpcError::invalid_argument(format!(
-            "a request of {} bytes is shorter than its {HEADER_LEN}-byte header",
-            p.len()
-        )));
-    }
+    image_len(p)?;
     let mut h = [0u8; HEADER_LEN];
     p.read(0, &mut h)?;
     Ok(h)
@@ -489,36 +487,20 @@ pub fn serve(
             let (tc, cz) = (Next::new(node, transcode), Next::new(node, compress));
             b.method(METHOD, move |c| {
                 let p = c.payload();
-                header_of(p)?;
                 // Decode: the image's header only.
-                let len = usize::try_from(p.len())
-                    .map_err(|_| RpcError::invalid_argument("request too large"))?;
-                let mut ph = [0u8; PPM_HEADER_MAX];
-                let n = (len - HEADER_LEN).min(PPM_HEADER_MAX);
-                p.read(HEADER_LEN as u64, &mut ph[..n])?;
-                let (w, h, hl) = parse_ppm(&ph[..n])?;
-                if pixel_bytes(w, h) != Some(len - HEADER_LEN - hl) {
-                    return Err(bad_image(format!(
-                        "{w}x{h} does not match the {} bytes after the header",
-                        len - HEADER_LEN - hl
-                    )));
-                }
+                let (head, n, len) = image_head(p)?;
+                dims(&head[..n], len)?;
                 // Dispatch.
                 let thumb = tc.call(METHOD, p.forward()?)?;
                 cz.call(METHOD, thumb)
             })
         }
         Role::Transcoding => b.method(METHOD, |c| {
-            let h = header_of(c.payload())?;
-            let mut t = [0u8; 4];
-            t.copy_from_slice(&h[24..28]);
-            let side = u32::from_le_bytes(t).clamp(1, MAX_THUMB);
+            let p = c.payload();
+            let side = u32_at(&header_of(p)?, 24).clamp(1, MAX_THUMB);
             // The image where it lies: its header copied out, its pixels
             // read in place (for a Ref, only the pages of sampled rows).
-            let p = c.payload();
-            let mut head = [0u8; PPM_HEADER_MAX];
-            let n = (p.len() as usize - HEADER_LEN).min(PPM_HEADER_MAX);
-            p.read(HEADER_LEN as u64, &mut head[..n])?;
+            let (head, n, _) = image_head(p)?;
             if p.is_remote() {
                 return Ok(Payload::from_vec(transcode_remote(
                     &head[..n],

@@ -19,6 +19,30 @@ pub enum Link {
     Tcp(String),
 }
 
+impl Link {
+    /// Connects `node` to the service this names.
+    pub fn connect(&self, node: &Node) -> Result<Client, RpcError> {
+        match self {
+            Link::Shm(name) => node.connect(name),
+            Link::Tcp(addr) => node.connect_tcp(addr),
+        }
+    }
+}
+
+/// The little-endian u32 at byte `i` of `b`.
+fn u32_at(b: &[u8], i: usize) -> u32 {
+    let mut x = [0u8; 4];
+    x.copy_from_slice(&b[i..i + 4]);
+    u32::from_le_bytes(x)
+}
+
+/// The little-endian u64 at byte `i` of `b`.
+fn u64_at(b: &[u8], i: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[i..i + 8]);
+    u64::from_le_bytes(x)
+}
+
 /// A client of another service, connected on first use (services start
 /// in any order).
 #[derive(Debug)]
@@ -41,10 +65,7 @@ impl Next {
         let c = match self.client.get() {
             Some(c) => c,
             None => {
-                let c = match &self.link {
-                    Link::Shm(name) => self.node.connect(name)?,
-                    Link::Tcp(addr) => self.node.connect_tcp(addr)?,
-                };
+                let c = self.link.connect(&self.node)?;
                 self.client.get_or_init(|| c)
             }
         };

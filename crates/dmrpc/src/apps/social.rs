@@ -44,7 +44,7 @@
 //! `get` a u64 post id, `append`/`fanout` a u32 author then a u64 id.
 
 pub use super::Link;
-use super::Next;
+use super::{u32_at, u64_at, Next};
 use dm_pool::{Buffer, Dm};
 use dm_rpc::{Node, Payload, RpcError, Server, Transport};
 use std::collections::{HashMap, VecDeque};
@@ -72,18 +72,6 @@ pub const BANNED: &str = "spam";
 
 fn invalid(m: impl Into<String>) -> RpcError {
     RpcError::invalid_argument(m)
-}
-
-fn u32_at(b: &[u8], i: usize) -> u32 {
-    let mut x = [0u8; 4];
-    x.copy_from_slice(&b[i..i + 4]);
-    u32::from_le_bytes(x)
-}
-
-fn u64_at(b: &[u8], i: usize) -> u64 {
-    let mut x = [0u8; 8];
-    x.copy_from_slice(&b[i..i + 8]);
-    u64::from_le_bytes(x)
 }
 
 /// A post's header, as read from its first 32 bytes.

@@ -18,7 +18,7 @@
 //! by Ref / by value. Every answer is checked against the thumbnail
 //! computed locally, and one forged token per mode must be rejected.
 
-use super::peer::{hex, percentile, BenchPool, Peer};
+use super::peer::{hex, on_threads, percentile, BenchPool, Peer};
 use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
@@ -362,10 +362,7 @@ struct Cell<'a> {
 
 impl Cell<'_> {
     fn connect(&self) -> Result<dm_rpc::Client> {
-        Ok(match self.target {
-            Link::Shm(n) => self.node.connect(n)?,
-            Link::Tcp(a) => self.node.connect_tcp(a)?,
-        })
+        Ok(self.target.connect(self.node)?)
     }
 
     fn header(&self) -> Header {
@@ -385,11 +382,10 @@ impl Cell<'_> {
             b.write(h.len() as u64, self.ppm)?;
             return Ok(Payload::from_buffer(b));
         }
-        Ok(Payload::from_vec(app::request(
-            &self.header(),
-            self.key,
-            self.ppm,
-        )))
+        let mut v = Vec::with_capacity(h.len() + self.ppm.len());
+        v.extend_from_slice(&h);
+        v.extend_from_slice(self.ppm);
+        Ok(Payload::from_vec(v))
     }
 
     fn forged_is_rejected(&self) -> Result<()> {
@@ -412,25 +408,16 @@ impl Cell<'_> {
             self.check(&warm.call(app::METHOD, self.request()?)?)?;
         }
         let t0 = Instant::now();
-        let lats = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..CLIENTS)
-                .map(|_| {
-                    s.spawn(move || -> Result<Vec<f64>> {
-                        let c = self.connect()?;
-                        let mut v = Vec::new();
-                        while t0.elapsed() < budget || v.len() < 5 {
-                            let t = Instant::now();
-                            let r = c.call(app::METHOD, self.request()?)?;
-                            v.push(t.elapsed().as_nanos() as f64);
-                            self.check(&r)?;
-                        }
-                        Ok(v)
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().map_err(|_| anyhow!("a client thread panicked"))?)
-                .collect::<Result<Vec<_>>>()
+        let lats = on_threads(CLIENTS, |_| {
+            let c = self.connect()?;
+            let mut v = Vec::new();
+            while t0.elapsed() < budget || v.len() < 5 {
+                let t = Instant::now();
+                let r = c.call(app::METHOD, self.request()?)?;
+                v.push(t.elapsed().as_nanos() as f64);
+                self.check(&r)?;
+            }
+            Ok(v)
         })?;
         let secs = t0.elapsed().as_secs_f64();
         let all: Vec<f64> = lats.into_iter().flatten().collect();

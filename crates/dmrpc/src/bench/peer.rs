@@ -471,6 +471,22 @@ impl Drop for Peer {
     }
 }
 
+/// Runs `f` on `n` scoped threads (given each its index) and collects
+/// their results, in order; a thread's error or panic fails the lot.
+pub fn on_threads<T: Send>(n: usize, f: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|i| {
+                let f = &f;
+                s.spawn(move || f(i))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().map_err(|_| anyhow!("a client thread panicked"))?)
+            .collect()
+    })
+}
+
 /// Median (sorts in place).
 pub fn median(v: &mut [f64]) -> f64 {
     percentile(v, 0.5)

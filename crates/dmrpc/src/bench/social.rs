@@ -13,7 +13,7 @@
 //! fixed rates (fractions of by value's throughput) and measures each
 //! request from the time it was due, so queueing shows.
 
-use super::peer::{percentile, BenchPool, Peer};
+use super::peer::{on_threads, percentile, BenchPool, Peer};
 use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
@@ -88,13 +88,16 @@ impl Driver<'_> {
         match r % 10 {
             0 => {
                 let p = &self.posts[((r >> 32) % self.posts.len() as u64) as usize];
-                let mut p = p.clone();
-                p[16..20].copy_from_slice(&user.to_le_bytes());
+                // The post by `user`: written once, into the pool or a
+                // vector.
                 let payload = if self.mode == "ref" {
                     let mut b = self.node.pool().alloc(p.len() as u64)?;
-                    b.write(0, &p)?;
+                    b.write(0, p)?;
+                    b.write(16, &user.to_le_bytes())?;
                     Payload::from_buffer(b)
                 } else {
+                    let mut p = p.clone();
+                    p[16..20].copy_from_slice(&user.to_le_bytes());
                     Payload::from_vec(p)
                 };
                 let id = c.call("compose", payload)?;
@@ -126,17 +129,7 @@ impl Driver<'_> {
         t0: Instant,
         body: impl Fn(usize, &dm_rpc::Client) -> Result<Vec<f64>> + Sync,
     ) -> Result<(f64, Vec<f64>)> {
-        let lats = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..n)
-                .map(|i| {
-                    let body = &body;
-                    s.spawn(move || body(i, &self.connect()?))
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().map_err(|_| anyhow!("a client thread panicked"))?)
-                .collect::<Result<Vec<_>>>()
-        })?;
+        let lats = on_threads(n, |i| body(i, &self.connect()?))?;
         let secs = t0.elapsed().as_secs_f64();
         let all: Vec<f64> = lats.into_iter().flatten().collect();
         Ok((all.len() as f64 / secs, all))
