@@ -437,14 +437,7 @@ impl MemPool {
         let c = self.inner.conn_of(r)?;
         dm_pool::error::check_range(offset, out.len() as u64, r.len)?;
         let fetch = |off: u64, buf: &mut [u8]| -> Result<()> {
-            let reqs: Vec<Request> = (0..buf.len())
-                .step_by(READ_CHUNK)
-                .map(|at| Request::ReadRef {
-                    r: *r,
-                    offset: off + at as u64,
-                    len: READ_CHUNK.min(buf.len() - at) as u32,
-                })
-                .collect();
+            let reqs: Vec<Request> = read_requests(*r, off, buf.len()).collect();
             fill(buf, c.call_many(&reqs, self.inner.cfg.timeout))
         };
         match &self.inner.cache {
@@ -475,15 +468,7 @@ impl MemPool {
         let mut reqs = Vec::new();
         for (off, buf) in ranges.iter() {
             dm_pool::error::check_range(*off, buf.len() as u64, r.len)?;
-            reqs.extend(
-                (0..buf.len())
-                    .step_by(READ_CHUNK)
-                    .map(|at| Request::ReadRef {
-                        r: *r,
-                        offset: off + at as u64,
-                        len: READ_CHUNK.min(buf.len() - at) as u32,
-                    }),
-            );
+            reqs.extend(read_requests(*r, *off, buf.len()));
         }
         let mut answers = c.call_many(&reqs, self.inner.cfg.timeout).into_iter();
         for (_, buf) in ranges.iter_mut() {
@@ -763,6 +748,18 @@ impl MemPool {
         )?;
         proto::decode_ref(&b).map_err(|e| Error::Protocol(e.to_string()))
     }
+}
+
+/// The requests reading `len` bytes at `off` of `r`, a [`READ_CHUNK`]
+/// each.
+fn read_requests(r: Ref, off: u64, len: usize) -> impl Iterator<Item = Request<'static>> {
+    (0..len)
+        .step_by(READ_CHUNK)
+        .map(move |at| Request::ReadRef {
+            r,
+            offset: off + at as u64,
+            len: READ_CHUNK.min(len - at) as u32,
+        })
 }
 
 /// Copies the answers of pipelined reads into `out`, in order.
