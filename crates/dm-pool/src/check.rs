@@ -168,6 +168,36 @@ pub(crate) fn count_holders(
     holders
 }
 
+/// Entries past a live descriptor's page count, in its last list page,
+/// must be zero.
+fn check_list_tails(shm: &Shm, problems: &mut Vec<String>) {
+    let per = shm.layout.per_list_page();
+    for idx in 0..shm.layout.n_descs {
+        let Some(d) = shm.desc(idx) else { continue };
+        let kind = DescState::decode(d.state.load(Ordering::Acquire)).kind;
+        if !matches!(kind, Some(Kind::Buf) | Some(Kind::RefLive))
+            || d.flags.load(Ordering::Acquire) & FLAG_INDIRECT == 0
+        {
+            continue;
+        }
+        let n = d.n_pages.load(Ordering::Acquire) as usize;
+        let k = n.div_ceil(per).saturating_sub(1);
+        let Some(l) = d.entries.get(k).map(|e| e.load(Ordering::Acquire)) else {
+            continue;
+        };
+        let Ok(list) = shm.list(l) else { continue };
+        if let Some(at) = list[(n - k * per).min(per)..]
+            .iter()
+            .position(|e| e.load(Ordering::Relaxed) != 0)
+        {
+            problems.push(format!(
+                "descriptor {idx}: list page {l} has a nonzero entry {} past its {n} pages",
+                k * per + (n - k * per) + at
+            ));
+        }
+    }
+}
+
 fn in_flight(shm: &Shm, idx: u32, owner: u16, now: u64, problems: &mut Vec<String>) {
     if !shm.slot_live(owner, now) {
         problems.push(format!(
@@ -219,7 +249,9 @@ fn count_desc(
     lists
 }
 
-/// Checks the invariant. `deep` also verifies that free pages are zero.
+/// Checks the invariant. `deep` also reads the list pages of every live
+/// descriptor, whose entries past its page count must be zero (taken pages
+/// keep old bytes since format 5, so list pages are zeroed where unused).
 pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
     let mut rep = CheckReport {
         pages_total: shm.layout.n_pages as u64,
@@ -253,6 +285,9 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
         }
     }
     let holders = count_holders(shm, &mut problems, &mut rep);
+    if deep {
+        check_list_tails(shm, &mut problems);
+    }
     let t = shm.pages();
     for st in 0..t.stripe_count() {
         if let Some(h) = t.stripe_holder(st) {
@@ -266,7 +301,6 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
             }
         }
     }
-    let ps = shm.layout.page_size as usize;
     for (p, &h) in holders.iter().enumerate() {
         let p = p as u32;
         match t.state(p) {
@@ -276,15 +310,6 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
                     problems.push(format!(
                         "page {p}: free but named by {h} descriptor entries"
                     ));
-                }
-                let dirty = deep && {
-                    // SAFETY: p < n_pages; a free page is read while a
-                    // claimer may write it, which is benign for u8 reads.
-                    let page = unsafe { std::slice::from_raw_parts(shm.page_ptr(p), ps) };
-                    page.iter().any(|&b| b != 0)
-                };
-                if dirty {
-                    problems.push(format!("page {p}: free but not zeroed"));
                 }
             }
             Ok(PageState::Cached(s)) => {
@@ -424,10 +449,7 @@ fn repair(pool: &Pool, shm: &Shm, me: u16, _now: u64, rep: &mut GcReport) -> Res
             PageState::Held(rc) if rc == h => continue,
             PageState::Cached(s) if s == me && h == 0 => continue,
             PageState::Free if h == 0 => continue,
-            _ if h == 0 => {
-                shm.zero_page(p);
-                PageState::Free
-            }
+            _ if h == 0 => PageState::Free,
             _ => PageState::Held(h),
         };
         // Quiescent (maintenance lock held, no other slot): a plain CAS suffices.

@@ -1,4 +1,4 @@
-//! The pool file format (version 4): header, areas, and their validation.
+//! The pool file format (version 5): header, areas, and their validation.
 //!
 //! ```text
 //! 0        header (4 KiB): immutable part (checksummed), then shared atomics at 512
@@ -31,8 +31,10 @@ pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// 3 — descriptors carry an `aux` word (46 inline entries), pages < 2^31,
 /// entries may be `BORROWED`, and a mapped buffer may `FLAG_INHERIT` its Ref;
 /// 4 — a service registry and a channel table (header offsets 152..184) and
-/// the registry lock in the header atomics.
-pub const POOL_VERSION: u32 = 4;
+/// the registry lock in the header atomics; 5 — free and cached pages keep
+/// their old bytes (no zeroing when the last share goes): whoever takes a
+/// page zeroes what it does not overwrite (see pages.rs).
+pub const POOL_VERSION: u32 = 5;
 /// Bytes reserved for the header.
 pub const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.

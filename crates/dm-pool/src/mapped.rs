@@ -361,6 +361,10 @@ unsafe fn cow_one(
     if p != NO_PAGE {
         // SAFETY: p is shared and therefore frozen; q is ours; distinct pages.
         unsafe { std::ptr::copy_nonoverlapping(unsafe_page(win, p), qptr, win.ps) };
+    } else {
+        // An unbacked page reads as zero; a taken page keeps old bytes.
+        // SAFETY: q is ours (Cached by this slot), a page of the pool.
+        unsafe { std::ptr::write_bytes(qptr, 0, win.ps) };
     }
     // Map the copy first (the syscall stays outside the commit window), then
     // commit: journal, link, hold q, drop p's share, clear the journal.
@@ -396,8 +400,8 @@ unsafe fn cow_one(
                 Ok(Changed::Last) => {
                     d.journal_idx.store(NO_PAGE, Ordering::Release);
                     t.done(p, Changed::Last);
-                    // SAFETY: p is now cached by us; nobody else references it.
-                    unsafe { std::ptr::write_bytes(unsafe_page(win, p), 0, win.ps) };
+                    // Cached by us, nobody else references it: back to the
+                    // free set as it is (takers zero what they need).
                     let _ = t.release_cached(p, win.slot);
                     break;
                 }

@@ -6,7 +6,7 @@
 //!
 //! | state    | meaning                                               | fields          |
 //! |----------|-------------------------------------------------------|-----------------|
-//! | `Free`   | in the shared free set, contents all zero             | word == 0       |
+//! | `Free`   | in the shared free set, contents left as they were    | word == 0       |
 //! | `Cached` | claimed by one slot (its local FIFO, or being filled) | owner slot      |
 //! | `Held`   | reachable from descriptors (buffers, Refs, lists)     | refcount > 0    |
 //! | `Locked` | held; its count was just changed by one descriptor    | refcount, desc  |
@@ -30,8 +30,13 @@
 //!
 //! Reference counts follow the copy-on-write rule of DESIGN.md section 3: a
 //! holder that writes a page whose count is above one copies it first; the
-//! last holder to drop a page turns it into `Cached(itself)`, zeroes it and
-//! reuses or returns it, so recycled pages are always zero.
+//! last holder to drop a page turns it into `Cached(itself)` and reuses or
+//! returns it as it is. Pages are zeroed when taken, not when freed, and
+//! only where the taker does not overwrite them (a write of whole pages,
+//! the common case of a buffer filled once, zeroes nothing): a partial
+//! first write zeroes the rest of its page, a write fault on an unbacked
+//! page of a mapped buffer zeroes the page, list pages are filled. Pool
+//! format 5; up to 4, the last holder zeroed every page it freed.
 
 use crate::sync::{AtomicU64, Ordering};
 
@@ -62,7 +67,7 @@ pub const MAX_LOCK_DESC: u32 = (1 << 29) - 1;
 /// the owner slot of a cached page or the locking descriptor of a locked one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PageState {
-    /// In the free set (zeroed).
+    /// In the free set (contents undefined).
     Free,
     /// Claimed by the slot with this index.
     Cached(u16),
@@ -141,7 +146,7 @@ pub enum Changed {
     /// descriptor, then [`PageTable::unlock`].
     Locked(u64),
     /// The last share was dropped: the page is `Cached(slot)` of the caller,
-    /// which must zero it before reuse. Not locked.
+    /// to reuse or return (as it is). Not locked.
     Last,
     /// `TryInc` on a page that is not held: nothing changed.
     NotHeld,
@@ -282,7 +287,7 @@ impl<'a> PageTable<'a> {
         })
     }
 
-    /// `Cached(slot) -> Free`. The caller must have zeroed the page.
+    /// `Cached(slot) -> Free`.
     pub fn release_cached(&self, page: u32, slot: u16) -> Result<(), PageError> {
         self.transition(
             page,

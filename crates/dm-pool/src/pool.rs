@@ -71,7 +71,7 @@ impl Default for AttachOptions {
 
 /// What the lease thread shares with the handle: the mapping and the slot.
 /// Everything here works without the process FIFO; pages it frees are
-/// handed back to the caller in a `freed` vector (zeroed, cached by us).
+/// handed back to the caller in a `freed` vector (cached by us).
 pub(crate) struct Core {
     pub(crate) shm: Shm,
     pub(crate) slot: u16,
@@ -695,7 +695,7 @@ impl Core {
         }
     }
 
-    /// Returns zeroed pages cached by this slot to the shared free set.
+    /// Returns pages cached by this slot to the shared free set.
     pub(crate) fn release_freed(&self, freed: Vec<u32>) {
         let t = self.shm.pages();
         for p in freed {
@@ -775,8 +775,9 @@ impl Core {
 impl Inner {
     /// Gives a descriptor of `n` entries the list pages it needs.
     /// `fill`: mark entries `[0, n)` as unbacked (a fresh buffer). Builders
-    /// that write all `n` entries themselves pass false: list pages come
-    /// zeroed, and every reader of a descriptor stops at `n` (or `held`).
+    /// that write all `n` entries themselves pass false. Entries past `n`
+    /// are zeroed (taken pages keep old bytes), though every reader of a
+    /// descriptor stops at `n` (or `held`).
     pub(crate) fn attach_lists(&self, d: &Desc, n: usize, fill: bool) -> Result<()> {
         let lists = self.shm.lists_needed(n);
         if lists == 0 {
@@ -793,11 +794,15 @@ impl Inner {
         let pages = self.shm.pages();
         let per = self.shm.layout.per_list_page();
         for (k, &l) in got.iter().enumerate() {
+            let used = (n - k * per).min(per);
+            let list = self.shm.list(l)?;
             if fill {
-                let used = (n - k * per).min(per);
-                for e in &self.shm.list(l)?[..used] {
+                for e in &list[..used] {
                     e.store(NO_PAGE, Ordering::Relaxed);
                 }
+            }
+            for e in &list[used..] {
+                e.store(0, Ordering::Relaxed);
             }
             d.entries[k].store(l, Ordering::Release);
             pages.hold_cached(l, self.slot)?;
@@ -805,7 +810,9 @@ impl Inner {
         Ok(())
     }
 
-    /// Takes `n` zeroed pages from the FIFO, refilling from the free set.
+    /// Takes `n` pages from the FIFO, refilling from the free set. Their
+    /// bytes are left as they were: the caller zeroes what it does not
+    /// overwrite.
     pub(crate) fn take_pages(&self, n: usize) -> Result<Vec<u32>> {
         if n == 0 {
             return Ok(Vec::new());
@@ -841,7 +848,7 @@ impl Inner {
         }
     }
 
-    /// Returns zeroed pages (Cached by this slot) to the FIFO, giving back surplus.
+    /// Returns pages (Cached by this slot) to the FIFO, giving back surplus.
     pub(crate) fn give_pages(&self, pages: impl IntoIterator<Item = u32>) {
         let Ok(mut fifo) = self.fifo.lock() else {
             return;
@@ -1193,6 +1200,10 @@ impl Buffer {
                             ps as usize,
                         )
                     };
+                } else if !whole {
+                    // A fresh page keeps old bytes: zero what this write
+                    // leaves (an unbacked page reads as zero).
+                    i.shm.zero_outside(q, in_page, take);
                 }
                 // A borrowed page's share belongs to the Ref: nothing to drop.
                 i.link_page(self.desc, d, k, if borrowed { NO_PAGE } else { p }, q)?;

@@ -100,7 +100,7 @@ impl Core {
 
     /// Applies `delta` to the page at every position `[from, to)` of
     /// descriptor `di` (pages named by `src`), recording in `book`. Pages
-    /// whose last share is dropped are zeroed and pushed to `freed`.
+    /// whose last share is dropped are pushed to `freed` (as they are).
     ///
     /// The hot loop walks entries a chunk (list page) at a time with plain
     /// loads, holds one stripe lock at a time, and allocates nothing.
@@ -138,7 +138,6 @@ impl Core {
                 t.unlock_stripe_of(s * STRIPE);
             }
             for p in last.drain(..) {
-                self.shm.zero_page(p);
                 freed.push(p);
             }
         };
@@ -463,7 +462,6 @@ impl Core {
         let t = self.shm.pages();
         for p in 0..self.shm.layout.n_pages {
             if t.state(p)? == PageState::Cached(s) {
-                self.shm.zero_page(p);
                 t.release_cached(p, s)?;
             }
         }
@@ -652,7 +650,6 @@ impl Core {
             let p = self.shm.entry_value(d, k as usize)?;
             if p != NO_PAGE && t.state(self.shm.check_page(p)?)? == PageState::Cached(owner) {
                 self.set_entry(d, k as usize, NO_PAGE)?;
-                self.shm.zero_page(p);
                 t.release_cached(p, owner)?;
             }
         }
@@ -661,7 +658,6 @@ impl Core {
                 let l = e.load(Ordering::Acquire);
                 if l != NO_PAGE && t.state(self.shm.check_page(l)?)? == PageState::Cached(owner) {
                     e.store(NO_PAGE, Ordering::Release);
-                    self.shm.zero_page(l);
                     t.release_cached(l, owner)?;
                 }
             }

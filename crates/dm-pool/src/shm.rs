@@ -350,11 +350,18 @@ impl Shm {
         }
     }
 
-    /// Zeroes data page `p`.
-    pub fn zero_page(&self, p: u32) {
+    /// Zeroes data page `p` except `len` bytes at `at` (which the caller
+    /// is about to write).
+    pub fn zero_outside(&self, p: u32, at: usize, len: usize) {
+        let ps = self.layout.page_size as usize;
+        let (at, end) = (at.min(ps), (at + len).min(ps));
         // SAFETY: p is a checked page index; the caller owns the page
-        // (Cached by its slot), so no one else reads or writes it.
-        unsafe { std::ptr::write_bytes(self.page_ptr(p), 0, self.layout.page_size as usize) };
+        // (Cached by its slot), so no one else reads or writes it; both
+        // ranges are inside the page.
+        unsafe {
+            std::ptr::write_bytes(self.page_ptr(p), 0, at);
+            std::ptr::write_bytes(self.page_ptr(p).add(end), 0, ps - end);
+        }
     }
 
     /// Whether slot `s` is live (attached, lease not expired) at `now`.

@@ -46,7 +46,7 @@ impl TempPool {
         Pool::open(&self.path, o).unwrap_or_else(|e| panic!("attach failed: {e}"))
     }
 
-    /// Asserts the pool invariant (deep: free pages zero) and that nothing
+    /// Asserts the pool invariant (deep: list pages too) and that nothing
     /// is left: no page held or cached, no slot, service or channel.
     pub fn assert_clean(&self) {
         let r = crate::check_path(&self.path, true).unwrap_or_else(|e| panic!("check: {e}"));

@@ -421,3 +421,55 @@ fn registry_names_and_channel_lifecycle() {
 fn tp_check(tp: &TempPool) -> dm_pool::CheckReport {
     dm_pool::check_path(&tp.path, false).unwrap()
 }
+
+/// Pages are zeroed when taken, not when freed (format 5): after every page
+/// of the pool held old bytes, new buffers still read zero wherever they
+/// were not written — a partial first write, a write fault of a mapped
+/// buffer, list pages of a large buffer (checked by the deep check).
+#[test]
+fn recycled_pages_read_zero_where_not_written() {
+    let tp = TempPool::new(4 << 20);
+    // Dirty every page the pool can give; detaching returns them all to
+    // the shared free set (where a mapped buffer's fault claims pages).
+    let dirty = tp.attach();
+    let mut held = Vec::new();
+    while let Ok(mut b) = dirty.alloc(64 << 10) {
+        match b.write(0, &[0xAB; 64 << 10]) {
+            Ok(()) => held.push(b),
+            Err(_) => break,
+        }
+    }
+    assert!(held.len() > 8, "only {} buffers", held.len());
+    for b in held.drain(..) {
+        dirty.free(b).unwrap();
+    }
+    drop(dirty);
+    let pool = tp.attach();
+    // A partial write in the middle of one page, a whole page after it.
+    let ps = 4096usize;
+    let mut a = pool.alloc(4 * ps as u64).unwrap();
+    a.write(ps as u64 + 100, b"hello").unwrap();
+    a.write(2 * ps as u64, &[7u8; 4096]).unwrap();
+    let got = a.to_vec().unwrap();
+    let mut want = vec![0u8; 4 * ps];
+    want[ps + 100..ps + 105].copy_from_slice(b"hello");
+    want[2 * ps..3 * ps].fill(7);
+    assert_eq!(got, want, "only written bytes are nonzero");
+    // A write fault on an unbacked page of a mapped buffer.
+    let mut m = MappedBuffer::alloc(&pool, 2 * ps as u64).unwrap();
+    m.as_mut_slice()[ps + 1] = 5;
+    assert!(m.as_slice()[..ps + 1].iter().all(|&x| x == 0));
+    assert!(m.as_slice()[ps + 2..].iter().all(|&x| x == 0));
+    // A buffer with list pages (more pages than a descriptor holds
+    // inline), shared by a Ref: both have list pages from dirty pages.
+    let mut big = pool.alloc(100 * ps as u64).unwrap();
+    big.write(50 * ps as u64 + 3, b"x").unwrap();
+    let r = big.share().unwrap();
+    let seen = pool.map_ref(&r).unwrap().to_vec().unwrap();
+    assert_eq!(seen.iter().filter(|&&x| x != 0).count(), 1);
+    let rep = dm_pool::check_path(&tp.path, true).unwrap();
+    assert!(rep.ok(), "{:?}", rep.problems);
+    pool.release_ref(&r).unwrap();
+    drop((a, m, big, pool));
+    tp.assert_clean();
+}

@@ -9,7 +9,7 @@
 //! future call with `Unavailable`; a deadline fails the call with
 //! `DeadlineExceeded` and sends a cancel, as the blocking client does.
 
-use crate::client::{answer, orphan, outgoing, release};
+use crate::client::{answer, orphan, outgoing};
 use crate::error::RpcError;
 use crate::frame::{method_id, Frame, Kind};
 use crate::node::Node;
@@ -103,8 +103,7 @@ impl AsyncClient {
     ) -> Result<Payload, RpcError> {
         let i = &*self.inner;
         let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
-        let (deadline, made) = (out.deadline, out.made);
-        let release = |made| release(&i.node, made);
+        let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, waiting) = oneshot::channel();
         {
@@ -112,7 +111,7 @@ impl AsyncClient {
             if let Some(e) = &st.broken {
                 let e = e.clone();
                 drop(st);
-                release(made);
+                lent.release(&i.node);
                 return Err(e);
             }
             st.pending.insert(id, reply);
@@ -127,13 +126,13 @@ impl AsyncClient {
         match sent {
             Ok(true) => {}
             Ok(false) => {
-                release(made);
+                lent.release(&i.node);
                 return Err(fail(RpcError::deadline_exceeded(
                     "no room to send before the deadline",
                 )));
             }
             Err(e) => {
-                release(made);
+                lent.release(&i.node);
                 return Err(fail(e.into()));
             }
         }
@@ -143,7 +142,7 @@ impl AsyncClient {
                 Ok(r) => r,
                 Err(_) => {
                     lock(&i.state).pending.remove(&id);
-                    release(made);
+                    lent.release(&i.node);
                     let _ = lock(&i.tx).send(&Frame::cancel(id), Some(Instant::now()));
                     return Err(RpcError::deadline_exceeded(format!(
                         "no answer from {:?} before the deadline",
@@ -152,13 +151,18 @@ impl AsyncClient {
                 }
             },
         };
-        release(made);
         let f = match got {
             Ok(Ok(f)) => f,
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err(RpcError::unavailable("the connection closed")),
+            Ok(Err(e)) => {
+                lent.release(&i.node);
+                return Err(e);
+            }
+            Err(_) => {
+                lent.release(&i.node);
+                return Err(RpcError::unavailable("the connection closed"));
+            }
         };
-        answer(&i.node, f)
+        answer(&i.node, f, lent)
     }
 }
 

@@ -10,7 +10,7 @@
 use crate::error::RpcError;
 use crate::frame::{method_id, Body, Frame, Kind, Status};
 use crate::node::Node;
-use crate::payload::Payload;
+use crate::payload::{Dir, Lent, Payload};
 use crate::transport::{Connection, FrameRx, FrameTx};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -87,9 +87,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A request ready to send: what both clients compute from a call.
 pub(crate) struct Outgoing {
     pub(crate) body: Body,
-    /// The Ref the framework made for the argument: released when the
-    /// call completes, whatever its outcome.
-    pub(crate) made: Option<dm_pool::Ref>,
+    /// What the argument lends (the Ref the framework made for it, or the
+    /// payload it forwards): ended when the call completes, whatever its
+    /// outcome.
+    pub(crate) lent: Lent,
     pub(crate) deadline: Option<Instant>,
     pub(crate) deadline_us: u32,
 }
@@ -104,29 +105,24 @@ pub(crate) fn outgoing(
 ) -> Result<Outgoing, RpcError> {
     let budget = opts.deadline.or(node.cfg.default_deadline);
     let inline_max = node.cfg.inline_max.min(max_inline);
-    let (body, made) = payload.into_body(node, inline_max, false, refs)?;
+    let (body, lent) = payload.into_body(node, inline_max, Dir::Request, refs)?;
     crate::stats::count(&body, true);
     Ok(Outgoing {
         body,
-        made,
+        lent,
         deadline: budget.map(|d| Instant::now() + d),
         deadline_us: budget.map_or(0, |d| d.as_micros().clamp(1, u32::MAX as u128) as u32),
     })
 }
 
-/// Releases the Ref the framework made for a call's argument, if any.
-pub(crate) fn release(node: &Node, made: Option<dm_pool::Ref>) {
-    if let Some(r) = made {
-        let _ = node.release_ref(&r);
-    }
-}
-
-/// Turns an answer frame into the call's result.
-pub(crate) fn answer(node: &Node, f: Frame) -> Result<Payload, RpcError> {
+/// Turns an answer frame into the call's result, ending what the
+/// argument lent.
+pub(crate) fn answer(node: &Node, f: Frame, lent: Lent) -> Result<Payload, RpcError> {
     crate::stats::count(&f.payload, false);
     if f.status == Status::Ok {
-        return Payload::from_response_body(f.payload, node);
+        return lent.answer(node, f.flags, f.payload);
     }
+    lent.release(node);
     let message = match f.payload {
         Body::Inline(m) => String::from_utf8_lossy(&m).into_owned(),
         _ => String::new(),
@@ -137,6 +133,10 @@ pub(crate) fn answer(node: &Node, f: Frame) -> Result<Payload, RpcError> {
 /// An answer nobody waits for (its caller gave up): a Ref in it was made
 /// for us, so release it.
 pub(crate) fn orphan(node: &Node, f: Frame) {
+    if f.flags & crate::frame::FLAG_ECHO != 0 {
+        // Our request's own Ref passed back: released with the call.
+        return;
+    }
     if let Body::Refs(rs) = f.payload {
         for r in rs {
             let _ = node.pool.release_ref(&r);
@@ -180,7 +180,7 @@ impl Client {
     ) -> Result<Payload, RpcError> {
         let i = &*self.inner;
         let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
-        let (deadline, made) = (out.deadline, out.made);
+        let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         {
             // One lock for both: a broken connection fails the call at once.
@@ -188,7 +188,7 @@ impl Client {
             if let Some(e) = &st.broken {
                 let e = e.clone();
                 drop(st);
-                release(&i.node, made);
+                lent.release(&i.node);
                 return Err(e);
             }
             st.waiting.push((id, None));
@@ -200,7 +200,7 @@ impl Client {
             Ok(true) => {}
             Ok(false) => {
                 lock(&i.state).remove(id);
-                release(&i.node, made);
+                lent.release(&i.node);
                 return Err(RpcError::deadline_exceeded(format!(
                     "no room to send to {:?} before the deadline",
                     i.name
@@ -209,15 +209,14 @@ impl Client {
             Err(e) => {
                 let e = self.fail(e.into());
                 lock(&i.state).remove(id);
-                release(&i.node, made);
+                lent.release(&i.node);
                 return Err(e);
             }
         }
-        let got = self.wait_for(id, deadline);
-        release(&i.node, made);
-        let f = match got {
+        let f = match self.wait_for(id, deadline) {
             Ok(f) => f,
             Err(e) => {
+                lent.release(&i.node);
                 if e.status == Status::DeadlineExceeded {
                     // Best effort: a queued request is then skipped.
                     let _ = lock(&i.tx).send(&Frame::cancel(id), Some(Instant::now()));
@@ -225,7 +224,7 @@ impl Client {
                 return Err(e);
             }
         };
-        answer(&i.node, f)
+        answer(&i.node, f, lent)
     }
 
     /// Marks the connection broken (every pending and future call fails).

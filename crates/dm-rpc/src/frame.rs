@@ -1,4 +1,4 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 1).
+//! Where frames are parsed: the wire format of dmrpc calls (version 2).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
@@ -9,7 +9,7 @@
 //! | 0..2   | magic        | `D5 52`                                                |
 //! | 2      | version      | [`FRAME_VERSION`]                                      |
 //! | 3      | kind         | [`Kind`]: request, response, cancel                    |
-//! | 4..6   | flags        | none defined in version 1: must be zero                |
+//! | 4..6   | flags        | [`FLAG_ECHO`]; every other bit must be zero            |
 //! | 6      | payload kind | 0 none, 1 inline bytes, 2 Refs                         |
 //! | 7      | status       | [`Status`]; zero except in responses                   |
 //! | 8..16  | call id      | chosen by the caller, echoed by the response           |
@@ -19,14 +19,21 @@
 //! | 28..32 | reserved     | must be zero                                           |
 //!
 //! A Refs payload is one or more 40-byte encoded Refs (`dm_pool::refs`).
+//! An answer's Ref is made for its caller, who releases it, except in an
+//! answer flagged [`FLAG_ECHO`]: its one Ref is the request's own, passed
+//! back as it came, which the caller already holds (and releases once).
 //! The decoder checks every field and every Ref encoding, bounds the payload
 //! by [`Limits`], returns `Ok(None)` when more bytes are needed (streams), and
 //! never panics, whatever the bytes: it is fuzzed (`fuzz/fuzz_targets/frame_decode.rs`).
 
 use dm_pool::{Ref, RefDecodeError};
 
-/// Frame encoding version written and read by this build.
-pub const FRAME_VERSION: u8 = 1;
+/// Frame encoding version written and read by this build. History: 1 —
+/// no flags; 2 — [`FLAG_ECHO`].
+pub const FRAME_VERSION: u8 = 2;
+/// Flag of a successful answer whose payload is the one Ref its request
+/// carried, passed back (not a Ref made for the caller).
+pub const FLAG_ECHO: u16 = 1;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 32;
 const MAGIC: [u8; 2] = [0xD5, 0x52];
@@ -134,6 +141,8 @@ pub struct Frame {
     pub deadline_us: u32,
     /// Outcome (responses; `Ok` otherwise).
     pub status: Status,
+    /// [`FLAG_ECHO`] or nothing.
+    pub flags: u16,
     /// Body.
     pub payload: Body,
 }
@@ -208,6 +217,15 @@ pub enum FrameError {
         /// What is wrong with it.
         error: RefDecodeError,
     },
+    /// A record (a ring's unit) that is not exactly one frame.
+    #[error("a record of {record} bytes holds a frame of {} bytes", frame.map_or("too few".into(), |f| f.to_string()))]
+    Record {
+        /// Bytes in the record.
+        record: usize,
+        /// Bytes its frame's header announces (`None`: the record is
+        /// shorter than a header).
+        frame: Option<usize>,
+    },
 }
 
 /// The method id of a method's full name (`service/path/method`): FNV-1a,
@@ -232,6 +250,7 @@ impl Frame {
             method,
             deadline_us,
             status: Status::Ok,
+            flags: 0,
             payload,
         }
     }
@@ -244,7 +263,17 @@ impl Frame {
             method: 0,
             deadline_us: 0,
             status,
+            flags: 0,
             payload,
+        }
+    }
+
+    /// A successful answer passing back `r`, the Ref its request carried
+    /// ([`FLAG_ECHO`]).
+    pub fn echo(call_id: u64, r: Ref) -> Frame {
+        Frame {
+            flags: FLAG_ECHO,
+            ..Frame::response(call_id, Status::Ok, Body::Refs(vec![r]))
         }
     }
 
@@ -256,6 +285,7 @@ impl Frame {
             method: 0,
             deadline_us: 0,
             status: Status::Ok,
+            flags: 0,
             payload: Body::None,
         }
     }
@@ -273,6 +303,7 @@ impl Frame {
         h[0..2].copy_from_slice(&MAGIC);
         h[2] = FRAME_VERSION;
         h[3] = self.kind as u8;
+        h[4..6].copy_from_slice(&self.flags.to_le_bytes());
         h[6] = self.payload.kind();
         h[7] = self.status as u8;
         h[8..16].copy_from_slice(&self.call_id.to_le_bytes());
@@ -317,15 +348,78 @@ impl Frame {
     /// once rather than awaited.
     pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Frame, usize)>, FrameError> {
         let Some(h) = buf.get(..HEADER_LEN) else {
-            // Reject a wrong magic or version as early as the bytes allow.
-            if buf.len() >= 2 && buf[..2] != MAGIC {
-                return Err(FrameError::Magic([buf[0], buf[1]]));
-            }
-            if buf.len() >= 3 && buf[2] != FRAME_VERSION {
-                return Err(FrameError::Version(buf[2]));
-            }
+            Self::early(buf)?;
             return Ok(None);
         };
+        let head = Head::parse(h, limits)?;
+        let total = HEADER_LEN + head.len as usize;
+        let Some(body) = buf.get(HEADER_LEN..total) else {
+            return Ok(None);
+        };
+        let payload = match head.pkind {
+            1 => Body::Inline(body.to_vec()),
+            _ => head.body(body)?,
+        };
+        Ok(Some((head.frame(payload), total)))
+    }
+
+    /// Decodes one whole record (a ring's unit) that must hold exactly one
+    /// frame, given as its first bytes `head` (up to [`HEADER_LEN`]) and the
+    /// rest `rest`, already copied out of shared memory. An inline payload
+    /// becomes `rest` itself, with no further copy. Same checks as
+    /// [`decode`](Self::decode), plus the length: a record shorter or longer
+    /// than its frame is [`FrameError::Record`].
+    pub fn decode_record(head: &[u8], rest: Vec<u8>, limits: &Limits) -> Result<Frame, FrameError> {
+        let record = head.len() + rest.len();
+        let Some(h) = head.get(..HEADER_LEN).filter(|_| head.len() == HEADER_LEN) else {
+            Self::early(head)?;
+            return Err(FrameError::Record {
+                record,
+                frame: None,
+            });
+        };
+        let head = Head::parse(h, limits)?;
+        if rest.len() != head.len as usize {
+            return Err(FrameError::Record {
+                record,
+                frame: Some(HEADER_LEN + head.len as usize),
+            });
+        }
+        let payload = match head.pkind {
+            1 => Body::Inline(rest),
+            _ => head.body(&rest)?,
+        };
+        Ok(head.frame(payload))
+    }
+
+    /// The errors the first bytes of a header show before it is whole.
+    fn early(buf: &[u8]) -> Result<(), FrameError> {
+        // Reject a wrong magic or version as early as the bytes allow.
+        if buf.len() >= 2 && buf[..2] != MAGIC {
+            return Err(FrameError::Magic([buf[0], buf[1]]));
+        }
+        if buf.len() >= 3 && buf[2] != FRAME_VERSION {
+            return Err(FrameError::Version(buf[2]));
+        }
+        Ok(())
+    }
+}
+
+/// A checked header, before its payload.
+struct Head {
+    kind: Kind,
+    call_id: u64,
+    method: u32,
+    deadline_us: u32,
+    status: Status,
+    flags: u16,
+    pkind: u8,
+    len: u32,
+}
+
+impl Head {
+    /// Checks every header field of `h` (`HEADER_LEN` bytes).
+    fn parse(h: &[u8], limits: &Limits) -> Result<Head, FrameError> {
         let u16_at = |i: usize| u16::from_le_bytes([h[i], h[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
         let u64_at = |i: usize| u64::from(u32_at(i)) | (u64::from(u32_at(i + 4)) << 32);
@@ -336,7 +430,8 @@ impl Frame {
             return Err(FrameError::Version(h[2]));
         }
         let kind = Kind::from_u8(h[3]).ok_or(FrameError::Kind(h[3]))?;
-        if u16_at(4) != 0 {
+        let flags = u16_at(4);
+        if flags & !FLAG_ECHO != 0 {
             return Err(FrameError::Reserved("flags"));
         }
         if u32_at(28) != 0 {
@@ -368,6 +463,13 @@ impl Frame {
             Kind::Response if status != Status::Ok && pkind == 2 => {
                 return Err(FrameError::Inconsistent("an error response carries Refs"))
             }
+            _ if flags & FLAG_ECHO != 0
+                && (kind != Kind::Response || pkind != 2 || len != Ref::SIZE as u32) =>
+            {
+                return Err(FrameError::Inconsistent(
+                    "only an answer of one Ref passes it back",
+                ))
+            }
             _ => {}
         }
         if len > limits.max_payload {
@@ -391,11 +493,22 @@ impl Frame {
             }
             _ => {}
         }
-        let total = HEADER_LEN + len as usize;
-        let Some(body) = buf.get(HEADER_LEN..total) else {
-            return Ok(None);
-        };
-        let payload = match pkind {
+        Ok(Head {
+            kind,
+            call_id,
+            method,
+            deadline_us,
+            status,
+            flags,
+            pkind,
+            len,
+        })
+    }
+
+    /// The payload of a frame with this header from its bytes (`len` of
+    /// them), for payload kinds other than inline.
+    fn body(&self, body: &[u8]) -> Result<Body, FrameError> {
+        Ok(match self.pkind {
             0 => Body::None,
             1 => Body::Inline(body.to_vec()),
             _ => Body::Refs(
@@ -409,30 +522,46 @@ impl Frame {
                     })
                     .collect::<Result<_, _>>()?,
             ),
-        };
-        Ok(Some((
-            Frame {
-                kind,
-                call_id,
-                method,
-                deadline_us,
-                status,
-                payload,
-            },
-            total,
-        )))
+        })
+    }
+
+    fn frame(self, payload: Body) -> Frame {
+        Frame {
+            kind: self.kind,
+            call_id: self.call_id,
+            method: self.method,
+            deadline_us: self.deadline_us,
+            status: self.status,
+            flags: self.flags,
+            payload,
+        }
     }
 }
 
 /// Fuzz entry point shared by `fuzz/fuzz_targets/frame_decode.rs` and the
 /// corpus replay test: decode a stream of frames from arbitrary bytes; every
-/// frame that decodes must re-encode to exactly its bytes.
+/// frame that decodes must re-encode to exactly its bytes. The whole input
+/// is also decoded as one record ([`Frame::decode_record`], split after
+/// the header), which must agree with the stream decoder: the same frame
+/// when the input is exactly one frame, an error otherwise.
 #[doc(hidden)]
 pub fn fuzz_decode(data: &[u8]) {
     let limits = Limits {
         max_payload: 1 << 16,
         max_refs: 8,
     };
+    let cut = data.len().min(HEADER_LEN);
+    let record = Frame::decode_record(&data[..cut], data[cut..].to_vec(), &limits);
+    match Frame::decode(data, &limits) {
+        Ok(Some((f, used))) if used == data.len() => {
+            assert_eq!(record, Ok(f), "one record, one frame: both decoders agree")
+        }
+        Err(e) => assert_eq!(record, Err(e), "both decoders give the same error"),
+        _ => assert!(
+            matches!(record, Err(FrameError::Record { .. })),
+            "a record that is not exactly one frame is refused: {record:?}"
+        ),
+    }
     let mut at = 0;
     while at < data.len() {
         match Frame::decode(&data[at..], &limits) {
@@ -484,13 +613,14 @@ mod tests {
                 )
             }),
         ];
-        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..3).prop_map(
-            |(id, m, dl, p, k)| match k {
-                0 => Frame::request(id, m, dl, p),
-                1 => Frame::response(id, Status::Ok, p),
+        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..4).prop_map(|(id, m, dl, p, k)| {
+            match (k, p) {
+                (0, p) => Frame::request(id, m, dl, p),
+                (1, p) => Frame::response(id, Status::Ok, p),
+                (2, Body::Refs(rs)) => Frame::echo(id, rs[0]),
                 _ => Frame::cancel(id),
-            },
-        )
+            }
+        })
     }
 
     proptest! {
@@ -559,7 +689,42 @@ mod tests {
         );
         assert_eq!(bad(2, 9), Err(FrameError::Version(9)));
         assert_eq!(bad(3, 0), Err(FrameError::Kind(0)));
-        assert_eq!(bad(4, 1), Err(FrameError::Reserved("flags")));
+        assert_eq!(bad(4, 2), Err(FrameError::Reserved("flags")));
+        assert_eq!(bad(5, 1), Err(FrameError::Reserved("flags")));
+        assert!(
+            matches!(bad(4, 1), Err(FrameError::Inconsistent(_))),
+            "a request flagged as an echo"
+        );
+        let echo = Frame::echo(5, a_ref()).encode();
+        assert!(Frame::decode(&echo, &l).is_ok());
+        let mut two = Frame::response(5, Status::Ok, Body::Refs(vec![a_ref(), a_ref()]));
+        two.flags = FLAG_ECHO;
+        assert!(
+            matches!(
+                Frame::decode(&two.encode(), &l),
+                Err(FrameError::Inconsistent(_))
+            ),
+            "an echo of two Refs"
+        );
+        let head = &good[..HEADER_LEN];
+        assert_eq!(
+            Frame::decode_record(head, good[HEADER_LEN..].to_vec(), &l),
+            Ok(Frame::decode(&good, &l).unwrap().unwrap().0)
+        );
+        assert_eq!(
+            Frame::decode_record(head, good[HEADER_LEN + 1..].to_vec(), &l),
+            Err(FrameError::Record {
+                record: good.len() - 1,
+                frame: Some(good.len())
+            })
+        );
+        assert_eq!(
+            Frame::decode_record(&good[..10], Vec::new(), &l),
+            Err(FrameError::Record {
+                record: 10,
+                frame: None
+            })
+        );
         assert_eq!(bad(30, 1), Err(FrameError::Reserved("bytes 28..32")));
         assert_eq!(bad(6, 3), Err(FrameError::PayloadKind(3)));
         assert_eq!(bad(7, 99), Err(FrameError::Status(99)));

@@ -9,6 +9,10 @@
 //! shared as is). The Refs the framework created for a request are
 //! released when the call completes; for a response, the client maps the
 //! Ref and releases it at once, so the answer needs no release by anyone.
+//! A handler that answers with the payload it received by Ref (an echo, or
+//! the answer of a callee it forwarded it to) passes the request's Ref
+//! back as it came, flagged as an echo: no hop makes a Ref or counts a
+//! page, and the caller maps its own Ref before releasing it.
 //!
 //! A receiver reads through the same API whatever the choice: [`bytes`]
 //! (borrowed when contiguous), [`segments`] (views of pool memory, no
@@ -33,7 +37,7 @@
 //! [`keep`]: Payload::keep
 
 use crate::error::RpcError;
-use crate::frame::Body;
+use crate::frame::{Body, FLAG_ECHO};
 use crate::node::Node;
 use crate::transport::Sharing;
 use dm_memserver::{MemBuffer, MemPool};
@@ -359,11 +363,13 @@ impl Payload {
     }
 
     /// Turns the payload into a frame body, putting data above `inline_max`
-    /// in the pool (or on the memory servers). Returns the Ref the
-    /// framework created, to release when the call completes (a forwarded
-    /// Ref is not ours to release). An answer's Ref belongs to the caller,
-    /// who releases it: so an answer never passes on a Ref it received,
-    /// but shares the data anew.
+    /// in the pool (or on the memory servers). Returns what the body lends
+    /// ([`Lent`]): the Ref the framework created, to release when the call
+    /// completes (a forwarded Ref is not ours to release), or the payload
+    /// it forwards. An answer's Ref belongs to the caller, who releases it:
+    /// so an answer passes on a Ref it received only when that Ref is the
+    /// request's own ([`Dir::Answer`]: the caller knows it and releases it
+    /// once), and otherwise shares the data anew.
     ///
     /// `refs` says which Refs the peer can use: with neither the pool nor
     /// the memory servers in common, everything goes inline (by value),
@@ -372,26 +378,37 @@ impl Payload {
         self,
         node: &Node,
         inline_max: usize,
-        answer: bool,
+        dir: Dir,
         refs: Sharing,
-    ) -> Result<(Body, Option<Ref>), RpcError> {
+    ) -> Result<(Body, Lent), RpcError> {
         let len = self.len() as usize;
-        if answer && matches!(self.repr, Repr::Ref(_)) && refs.pool {
+        let answer = matches!(dir, Dir::Answer(_));
+        if let (Repr::Ref(rec), Dir::Answer(echo), true) = (&self.repr, dir, refs.pool) {
+            if echo == Some(rec.r) {
+                // The request's own Ref, passed back as it came.
+                return Ok((Body::Refs(vec![rec.r]), Lent::default()));
+            }
             let kept = self
                 .keep()?
                 .map_or_else(Payload::empty, Payload::from_buffer);
-            return kept.into_body(node, inline_max, answer, refs);
+            return kept.into_body(node, inline_max, dir, refs);
         }
         let remote = refs.remote && node.remote.is_some();
         Ok(match self.repr {
-            Repr::Empty => (Body::None, None),
+            Repr::Empty => (Body::None, Lent::default()),
             Repr::Bytes(v) => bytes_body(v, node, inline_max, refs)?,
             Repr::Buffer(b) if len > inline_max && refs.pool => {
                 let r = b.share()?;
                 node.pool.free(b)?;
-                (Body::Refs(vec![r]), Some(r))
+                (Body::Refs(vec![r]), Lent::made(r))
             }
-            Repr::Ref(rec) if refs.pool => (Body::Refs(vec![rec.r]), None),
+            Repr::Ref(rec) if refs.pool => (
+                Body::Refs(vec![rec.r]),
+                Lent {
+                    made: None,
+                    forwarded: Some(rec),
+                },
+            ),
             Repr::MemBuffer(b, _) if len > inline_max && remote => {
                 let m = node
                     .remote
@@ -399,9 +416,9 @@ impl Payload {
                     .ok_or_else(|| RpcError::internal("no memory server"))?;
                 let r = m.create_ref(&b, 0, len as u64)?;
                 m.free(b)?;
-                (Body::Refs(vec![r]), Some(r))
+                (Body::Refs(vec![r]), Lent::made(r))
             }
-            Repr::Remote(rec) if remote && !answer => (Body::Refs(vec![rec.r]), None),
+            Repr::Remote(rec) if remote && !answer => (Body::Refs(vec![rec.r]), Lent::default()),
             _ => bytes_body(self.to_vec()?, node, inline_max, refs)?,
         })
     }
@@ -514,12 +531,12 @@ fn bytes_body(
     node: &Node,
     inline_max: usize,
     refs: Sharing,
-) -> Result<(Body, Option<Ref>), RpcError> {
+) -> Result<(Body, Lent), RpcError> {
     if v.is_empty() {
-        return Ok((Body::None, None));
+        return Ok((Body::None, Lent::default()));
     }
     if v.len() <= inline_max {
-        return Ok((Body::Inline(v), None));
+        return Ok((Body::Inline(v), Lent::default()));
     }
     if refs.pool {
         let pool: &Pool = &node.pool;
@@ -527,11 +544,87 @@ fn bytes_body(
         b.write(0, &v)?;
         let r = b.share()?;
         pool.free(b)?;
-        return Ok((Body::Refs(vec![r]), Some(r)));
+        return Ok((Body::Refs(vec![r]), Lent::made(r)));
     }
     if let (true, Some(m)) = (refs.remote, &node.remote) {
         let r = m.put(&v, std::time::Duration::ZERO)?;
-        return Ok((Body::Refs(vec![r]), Some(r)));
+        return Ok((Body::Refs(vec![r]), Lent::made(r)));
     }
-    Ok((Body::Inline(v), None))
+    Ok((Body::Inline(v), Lent::default()))
+}
+
+/// Which way a body goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dir {
+    /// A call's argument.
+    Request,
+    /// An answer, to a request that carried this pool Ref (if any).
+    Answer(Option<Ref>),
+}
+
+/// What a body lends, kept by its sender until the call completes: the
+/// Ref the framework made for it (released then), or the received payload
+/// it forwards.
+#[derive(Debug, Default)]
+pub(crate) struct Lent {
+    made: Option<Ref>,
+    forwarded: Option<Arc<Received>>,
+}
+
+impl Lent {
+    fn made(r: Ref) -> Lent {
+        Lent {
+            made: Some(r),
+            forwarded: None,
+        }
+    }
+
+    /// The Ref the framework made, if any.
+    pub(crate) fn made_ref(&self) -> Option<Ref> {
+        self.made
+    }
+
+    /// Releases the Ref the framework made, if any.
+    pub(crate) fn release(self, node: &Node) {
+        if let Some(r) = self.made {
+            let _ = node.release_ref(&r);
+        }
+    }
+
+    /// The payload of a successful answer, and the end of the loan. An
+    /// answer that passes back the pool Ref the request carried
+    /// ([`FLAG_ECHO`]: a callee that answers with its argument, or a chain
+    /// of callees passing it back) costs no new shares: the Ref we made is
+    /// mapped before it is released (O(1), no page-table work), and a Ref
+    /// we forwarded comes back as the payload we forwarded (valid as long
+    /// as it is: until the call that delivered it to us completes). An
+    /// echo of any other Ref is refused, and released by nobody.
+    pub(crate) fn answer(self, node: &Node, flags: u16, body: Body) -> Result<Payload, RpcError> {
+        if flags & FLAG_ECHO == 0 {
+            self.release(node);
+            return Payload::from_response_body(body, node);
+        }
+        let r = match &body {
+            Body::Refs(rs) => rs.first().copied(),
+            _ => None,
+        };
+        if let Some(f) = self.forwarded.as_ref().filter(|f| Some(f.r) == r) {
+            return Ok(Payload {
+                repr: Repr::Ref(f.clone()),
+            });
+        }
+        match r.filter(|r| self.made == Some(*r) && r.backend != BACKEND_MEMSERVER) {
+            Some(r) => {
+                let b = node.pool.map_ref(&r);
+                self.release(node);
+                Ok(Payload::from_buffer(b?))
+            }
+            None => {
+                self.release(node);
+                Err(RpcError::internal(
+                    "the answer passes back a Ref its request did not carry",
+                ))
+            }
+        }
+    }
 }

@@ -11,9 +11,9 @@
 use crate::error::RpcError;
 use crate::frame::{method_id, Body, Frame, Kind, Status};
 use crate::node::{Node, Transport};
-use crate::payload::Payload;
+use crate::payload::{Dir, Payload};
 use crate::transport::{ConnId, Listener, Waker};
-use dm_pool::{Endpoint, ServiceInfo};
+use dm_pool::{Endpoint, Ref, ServiceInfo};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -370,6 +370,14 @@ impl Drop for Server {
     }
 }
 
+/// Where an answer goes: the call, and the pool Ref its request carried
+/// (which the answer may pass back as it came).
+struct To {
+    conn: ConnId,
+    id: u64,
+    echo: Option<Ref>,
+}
+
 struct Pending {
     conn: ConnId,
     frame: Frame,
@@ -398,8 +406,8 @@ struct Dispatcher {
     /// Runs async handlers (only if the server has some).
     rt: Option<tokio::runtime::Runtime>,
     /// Answers of async handlers, for the dispatcher to send.
-    done_tx: std::sync::mpsc::Sender<(ConnId, u64, Result<Payload, RpcError>)>,
-    done: std::sync::mpsc::Receiver<(ConnId, u64, Result<Payload, RpcError>)>,
+    done_tx: std::sync::mpsc::Sender<(To, Result<Payload, RpcError>)>,
+    done: std::sync::mpsc::Receiver<(To, Result<Payload, RpcError>)>,
     /// Wakes the dispatcher when an async answer is ready.
     waker: Waker,
 }
@@ -408,8 +416,8 @@ impl Dispatcher {
     fn run(mut self) {
         while !self.stop.load(Ordering::Acquire) {
             if self.rt.is_some() {
-                while let Ok((conn, id, r)) = self.done.try_recv() {
-                    self.answer(conn, id, r);
+                while let Ok((to, r)) = self.done.try_recv() {
+                    self.answer(to, r);
                 }
             }
             let p = match self.queue.pop_front() {
@@ -466,7 +474,14 @@ impl Dispatcher {
             frame,
             deadline,
         } = p;
-        let id = frame.call_id;
+        let to = To {
+            conn,
+            id: frame.call_id,
+            echo: match &frame.payload {
+                Body::Refs(rs) if rs.len() == 1 => Some(rs[0]),
+                _ => None,
+            },
+        };
         let result = if deadline.is_some_and(|d| Instant::now() >= d) {
             self.stats.expired.fetch_add(1, Ordering::Relaxed);
             Err(RpcError::deadline_exceeded(
@@ -483,7 +498,7 @@ impl Dispatcher {
                                 method: name.clone(),
                                 node: self.node.clone(),
                             };
-                            self.spawn_async(conn, id, h(call));
+                            self.spawn_async(to, h(call));
                             self.drain();
                             return;
                         }
@@ -493,12 +508,12 @@ impl Dispatcher {
                 _ => self.run_handler(frame.method, frame.payload, deadline),
             }
         };
-        self.answer(conn, id, result);
+        self.answer(to, result);
     }
 
     /// Runs an async handler's future; its answer comes back through
     /// `done` and wakes the dispatcher. A panic becomes `Internal`.
-    fn spawn_async(&self, conn: ConnId, id: u64, fut: HandlerFuture) {
+    fn spawn_async(&self, to: To, fut: HandlerFuture) {
         let Some(rt) = &self.rt else { return };
         let (tx, waker) = (self.done_tx.clone(), self.waker.clone());
         let task = rt.spawn(fut);
@@ -507,18 +522,20 @@ impl Dispatcher {
                 Ok(r) => r,
                 Err(e) => Err(RpcError::internal(format!("an async handler failed: {e}"))),
             };
-            let _ = tx.send((conn, id, r));
+            let _ = tx.send((to, r));
             waker.wake();
         });
     }
 
-    /// Sends the answer to call `id` on `conn`.
-    fn answer(&mut self, conn: ConnId, id: u64, result: Result<Payload, RpcError>) {
+    /// Sends the answer to a call.
+    fn answer(&mut self, to: To, result: Result<Payload, RpcError>) {
+        let To { conn, id, echo } = to;
         let inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
         let refs = self.listener.refs(conn);
+        let dir = Dir::Answer(echo);
         let (status, body, made) =
-            match result.and_then(|p| p.into_body(&self.node, inline_max, true, refs)) {
-                Ok((body, made)) => (Status::Ok, body, made),
+            match result.and_then(|p| p.into_body(&self.node, inline_max, dir, refs)) {
+                Ok((body, lent)) => (Status::Ok, body, lent.made_ref()),
                 Err(e) => {
                     let mut msg = e.message.into_bytes();
                     msg.truncate(inline_max.min(4096));
@@ -535,9 +552,15 @@ impl Dispatcher {
         }
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         crate::stats::count(&body, true);
-        let sent = self
-            .listener
-            .reply(conn, &Frame::response(id, status, body));
+        let frame = match body {
+            // The request's own Ref, passed back (a Ref made now is new:
+            // it never equals one the caller still holds).
+            Body::Refs(rs) if made.is_none() && echo.is_some() && rs.first() == echo.as_ref() => {
+                Frame::echo(id, rs[0])
+            }
+            body => Frame::response(id, status, body),
+        };
+        let sent = self.listener.reply(conn, &frame);
         if sent.is_err() {
             // The caller is gone: the answer's Ref is ours to release.
             if let Some(r) = made {

@@ -729,3 +729,169 @@ fn clients_connecting_at_once_are_all_accepted() {
     drop(node);
     tp.assert_clean();
 }
+
+/// A chain whose callees answer with the payload they were given: the
+/// last echoes its request, the others return the answer they got. The
+/// request's Ref comes back as it went (flagged as an echo): no hop makes
+/// a Ref or copies a page, and the caller's answer reads the data.
+fn echo_chain(t: Transport) {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let base = unique("echo-chain");
+    let hops = 3;
+    let mut servers = Vec::new();
+    for k in (0..hops).rev() {
+        let next = format!("{base}/h{}", k + 1);
+        let n = node.clone();
+        let next_client = std::sync::OnceLock::new();
+        let s = node
+            .server(&format!("{base}/h{k}"))
+            .transport(t.clone())
+            .method("go", move |c| {
+                if k == hops - 1 {
+                    return Ok(c.take_payload());
+                }
+                let cl = next_client.get_or_init(|| n.connect(&next).unwrap());
+                let back = cl.call("go", c.payload().forward()?)?;
+                // What came back is what we forwarded: the same Ref.
+                assert_eq!(
+                    back.as_ref_handle().map(|r| r.to_bytes()),
+                    c.payload().as_ref_handle().map(|r| r.to_bytes())
+                );
+                Ok(back)
+            })
+            .spawn()
+            .unwrap();
+        servers.push(s);
+    }
+    let c = node.connect(&format!("{base}/h0")).unwrap();
+    for len in [3 << 20, 100 << 10] {
+        let data = pattern(len, 5);
+        let mut b = node.pool().alloc(len as u64).unwrap();
+        b.write(0, &data).unwrap();
+        let before = node.pool().counters();
+        let back = c.call("go", b).unwrap();
+        let after = node.pool().counters();
+        assert!(back.in_pool());
+        assert!(
+            back.to_vec().unwrap() == data,
+            "{len} bytes came back changed"
+        );
+        assert_eq!(
+            after.refs_created - before.refs_created,
+            1,
+            "the caller's only"
+        );
+        assert_eq!(after.cow_copies, before.cow_copies, "nobody copied a page");
+        drop(back);
+    }
+    // Bytes above the threshold: the framework's Ref comes back too.
+    let data = pattern(1 << 20, 6);
+    let back = c.call("go", data.clone()).unwrap();
+    assert!(back.to_vec().unwrap() == data);
+    drop((back, c, servers, node));
+    tp.assert_clean();
+}
+
+#[test]
+fn echo_chain_over_shm() {
+    echo_chain(Transport::Shm);
+}
+
+#[test]
+fn echo_chain_over_mem() {
+    echo_chain(Transport::Mem);
+}
+
+#[test]
+fn echo_chain_over_tcp() {
+    echo_chain(Transport::Tcp("127.0.0.1:0".into()));
+}
+
+/// An echo that arrives after its caller gave up (a hop whose own call to
+/// the next timed out) is dropped without releasing the Ref: that Ref is
+/// the upstream caller's, still in use.
+#[test]
+fn a_late_echo_does_not_release_the_upstream_ref() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let base = unique("late-echo");
+    let b_name = format!("{base}/b");
+    let slow = node
+        .server(&b_name)
+        .method("slow", |c| {
+            std::thread::sleep(Duration::from_millis(60));
+            Ok(c.take_payload())
+        })
+        .method("ping", |_| Ok(Payload::empty()))
+        .spawn()
+        .unwrap();
+    let n = node.clone();
+    let a = node
+        .server(&format!("{base}/a"))
+        .method("go", move |c| {
+            let cl = n.connect(&b_name)?;
+            let opts = CallOptions {
+                deadline: Some(Duration::from_millis(10)),
+            };
+            let late = cl.call_with("slow", c.payload().forward()?, opts);
+            assert_eq!(late.unwrap_err().status, Status::DeadlineExceeded);
+            std::thread::sleep(Duration::from_millis(120));
+            // Reads the late echo (an orphan) while waiting for this one.
+            cl.call("ping", Payload::empty())?;
+            Ok(Payload::from_vec(sum(c.payload()).to_le_bytes().to_vec()))
+        })
+        .spawn()
+        .unwrap();
+    let c = node.connect(&format!("{base}/a")).unwrap();
+    let data = pattern(1 << 20, 8);
+    let want = sum(&Payload::from_vec(data.clone()));
+    let mut b = node.pool().alloc(data.len() as u64).unwrap();
+    b.write(0, &data).unwrap();
+    let got = c.call("go", b).unwrap().to_vec().unwrap();
+    assert_eq!(u64::from_le_bytes(got[..8].try_into().unwrap()), want);
+    drop((c, a, slow, node));
+    tp.assert_clean();
+}
+
+/// A peer that flags as an echo a Ref its request did not carry gets the
+/// call an `Internal` error, and that Ref is released by nobody.
+#[test]
+fn a_forged_echo_is_refused() {
+    use std::io::{Read, Write};
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let mut other = node.pool().alloc(4096).unwrap();
+    other.write(0, b"not yours").unwrap();
+    let forged = other.share().unwrap();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let pool_id = node.pool().id();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut hello = [0u8; 24];
+        s.read_exact(&mut hello).unwrap();
+        let mut mine = dm_rpc::transport::tcp::HELLO.to_vec();
+        mine.extend_from_slice(&pool_id.to_le_bytes());
+        mine.extend_from_slice(&0u64.to_le_bytes());
+        s.write_all(&mine).unwrap();
+        let mut h = [0u8; dm_rpc::frame::HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let len = u32::from_le_bytes(h[24..28].try_into().unwrap()) as usize;
+        let mut body = vec![0u8; len];
+        s.read_exact(&mut body).unwrap();
+        let id = u64::from_le_bytes(h[8..16].try_into().unwrap());
+        s.write_all(&dm_rpc::Frame::echo(id, forged).encode())
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    });
+    let c = node.connect_tcp(&addr).unwrap();
+    let e = c.call("any", vec![1u8; 1 << 20]).unwrap_err();
+    assert_eq!(e.status, Status::Internal, "{e}");
+    drop(c);
+    peer.join().unwrap();
+    node.pool().release_ref(&forged).unwrap();
+    drop((other, node));
+    tp.assert_clean();
+}

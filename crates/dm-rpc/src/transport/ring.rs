@@ -77,6 +77,12 @@ pub trait RingData {
     fn write(&self, at: usize, src: &[u8]);
     /// Copies ring bytes at `at` into `dst` (`at + dst.len() <= size`).
     fn read(&self, at: usize, dst: &mut [u8]);
+    /// Replaces the contents of `out` with the `n` ring bytes at `at`.
+    fn read_vec(&self, at: usize, n: usize, out: &mut Vec<u8>) {
+        out.clear();
+        out.resize(n, 0);
+        self.read(at, out);
+    }
     /// Stores the 8-byte-aligned word at `at` with Release ordering.
     fn store_word(&self, at: usize, v: u64);
     /// Loads the 8-byte-aligned word at `at` with Acquire ordering.
@@ -130,6 +136,18 @@ impl RingData for RawData {
         // misbehaving peer can only change their values, which the
         // consumer validates after this copy).
         unsafe { std::ptr::copy_nonoverlapping(self.base.add(at), dst.as_mut_ptr(), dst.len()) }
+    }
+    #[inline]
+    fn read_vec(&self, at: usize, n: usize, out: &mut Vec<u8>) {
+        debug_assert!(at + n <= self.size);
+        out.clear();
+        out.reserve_exact(n);
+        // SAFETY: in bounds as in `read`; `out` has room for `n` bytes,
+        // which the copy initializes before the length covers them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base.add(at), out.as_mut_ptr(), n);
+            out.set_len(n);
+        }
     }
     #[inline]
     fn store_word(&self, at: usize, v: u64) {
@@ -334,6 +352,32 @@ impl<'a, D: RingData> Consumer<'a, D> {
     /// Copies the next record into `out` (replacing its contents) and frees
     /// its space. `Ok(false)` if the ring is empty.
     pub fn try_pop(&mut self, out: &mut Vec<u8>) -> Result<bool, RingError> {
+        self.pop_with(|d, at, len| d.read_vec(at, len, out))
+    }
+
+    /// Like [`try_pop`](Self::try_pop), with the record split as it is
+    /// copied out: its first `head.len()` bytes (all of a shorter record)
+    /// into `head`, the rest into `rest` (replacing its contents), so that
+    /// a caller can keep the rest as it is. The record's length, or
+    /// `Ok(None)` if the ring is empty.
+    pub fn try_pop_split(
+        &mut self,
+        head: &mut [u8],
+        rest: &mut Vec<u8>,
+    ) -> Result<Option<usize>, RingError> {
+        let mut got = None;
+        self.pop_with(|d, at, len| {
+            let h = len.min(head.len());
+            d.read(at, &mut head[..h]);
+            d.read_vec(at + h, len - h, rest);
+            got = Some(len);
+        })?;
+        Ok(got)
+    }
+
+    /// Takes the next record: `copy(data, at, len)` copies its bytes out,
+    /// then its space is freed. `Ok(false)` if the ring is empty.
+    fn pop_with(&mut self, copy: impl FnOnce(&D, usize, usize)) -> Result<bool, RingError> {
         let size = self.data.size();
         loop {
             let Some(len) = self.peek() else {
@@ -354,9 +398,7 @@ impl<'a, D: RingData> Consumer<'a, D> {
                     "record at {idx} of {len} bytes runs past a ring of {size}"
                 )));
             }
-            out.clear();
-            out.resize(len as usize, 0);
-            self.data.read(idx + REC_HDR, out);
+            copy(&self.data, idx + REC_HDR, len as usize);
             // Leave no slot start behind that could pass for a header in a
             // later lap (ordered before the space is freed by the Release
             // store of the tail).
@@ -427,14 +469,16 @@ pub fn fuzz_consume(data: &[u8]) {
         max_payload: max_record(1024) as u32,
         ..Default::default()
     };
-    let mut out = Vec::new();
+    let (mut head, mut rest) = ([0u8; crate::frame::HEADER_LEN], Vec::new());
     for _ in 0..64 {
-        match c.try_pop(&mut out) {
-            Ok(true) => {
-                assert!(out.len() <= max_record(1024));
-                let _ = crate::frame::Frame::decode(&out, &limits);
+        match c.try_pop_split(&mut head, &mut rest) {
+            Ok(Some(len)) => {
+                assert!(len <= max_record(1024));
+                assert_eq!(len, len.min(head.len()) + rest.len());
+                let h = &head[..len.min(head.len())];
+                let _ = crate::frame::Frame::decode_record(h, std::mem::take(&mut rest), &limits);
             }
-            Ok(false) | Err(_) => break,
+            Ok(None) | Err(_) => break,
         }
     }
 }

@@ -123,7 +123,6 @@ struct ShmRx {
     cons: Consumer<'static, RawData>,
     waiter: Waiter,
     bell: &'static AtomicU32,
-    buf: Vec<u8>,
     limits: Limits,
     sh: Arc<ClientShared>,
 }
@@ -175,7 +174,6 @@ pub fn connect(
         cons: Consumer::new(p.resp, p.resp_data),
         waiter: policy.waiter(),
         bell: p.client_bell,
-        buf: Vec::new(),
         limits: Limits {
             max_payload: max_inline as u32,
             ..Limits::default()
@@ -223,27 +221,20 @@ impl FrameTx for ShmTx {
 impl FrameRx for ShmRx {
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         let sh = &self.sh;
-        let (cons, buf) = (&mut self.cons, &mut self.buf);
+        let cons = &mut self.cons;
+        let (mut head, mut rest) = ([0u8; HEADER_LEN], Vec::new());
         let got = self.waiter.wait(
             Bell(self.bell),
             deadline,
-            || match cons.try_pop(buf) {
-                Ok(true) => Some(Ok(())),
-                Ok(false) => None,
-                Err(e) => Some(Err(e)),
-            },
+            || cons.try_pop_split(&mut head, &mut rest).transpose(),
             || sh.check_peer(),
         )?;
         match got {
             None => Ok(None),
-            Some(r) => {
-                r?;
-                match Frame::decode(&self.buf, &self.limits)? {
-                    Some((f, used)) if used == self.buf.len() => Ok(Some(f)),
-                    _ => Err(TransportError::Protocol(
-                        "a ring record is not exactly one frame".into(),
-                    )),
-                }
+            Some(len) => {
+                let len = len?;
+                let h = &head[..len.min(HEADER_LEN)];
+                Ok(Some(Frame::decode_record(h, rest, &self.limits)?))
             }
         }
     }
@@ -273,7 +264,10 @@ pub struct ShmListener {
     stop: Arc<AtomicBool>,
     limits: Limits,
     reserve: usize,
-    buf: Vec<u8>,
+    /// The record just taken: its header bytes, its length and the rest.
+    head: [u8; HEADER_LEN],
+    rec_len: usize,
+    rest: Vec<u8>,
     last_sweep: Instant,
     polls: u32,
     /// Set by the waker: `next` returns even without a frame.
@@ -320,7 +314,9 @@ impl ShmListener {
                 ..Limits::default()
             },
             reserve: HEADER_LEN + reserve_inline.min(max_inline),
-            buf: Vec::new(),
+            head: [0; HEADER_LEN],
+            rec_len: 0,
+            rest: Vec::new(),
             last_sweep: Instant::now(),
             polls: 0,
             poked: Arc::new(AtomicBool::new(false)),
@@ -384,8 +380,9 @@ impl ShmListener {
     /// Decodes the record just taken from connection `i`. A client that
     /// sends garbage loses its connection; the others are not disturbed.
     fn decode_for(&mut self, i: usize) -> Option<Frame> {
-        match Frame::decode(&self.buf, &self.limits) {
-            Ok(Some((f, used))) if used == self.buf.len() => {
+        let h = &self.head[..self.rec_len.min(HEADER_LEN)];
+        match Frame::decode_record(h, std::mem::take(&mut self.rest), &self.limits) {
+            Ok(f) => {
                 if f.kind == Kind::Request {
                     self.conns[i].owed += 1;
                 }
@@ -413,9 +410,12 @@ impl ShmListener {
                 continue;
             }
             self.rr = i + 1;
-            return Some(match c.req.try_pop(&mut self.buf) {
-                Ok(true) => Ok((c.id, i)),
-                Ok(false) => continue,
+            return Some(match c.req.try_pop_split(&mut self.head, &mut self.rest) {
+                Ok(Some(len)) => {
+                    self.rec_len = len;
+                    Ok((c.id, i))
+                }
+                Ok(None) => continue,
                 Err(_) => Err(i),
             });
         }
