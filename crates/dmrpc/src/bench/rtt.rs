@@ -6,8 +6,11 @@
 //! * **shm**: a no-op dmrpc call over a shared-memory channel, for each
 //!   waiting policy (default, spin-only, park-only);
 //! * **tcp**: the same call over the TCP transport on loopback;
-//! * **echo**: 64 B .. 1 MiB payloads echoed over the shm channel, inline
-//!   below the threshold and by Ref above it.
+//! * **echo**: 64 B .. 1 MiB payloads echoed over every transport: dmrpc
+//!   shm with bytes (inline below the threshold, by Ref above it) and with
+//!   a pool buffer written by the caller (by Ref at every size, passed back
+//!   by the echo: the counterpart of iceoryx2's loaned samples), dmrpc TCP,
+//!   tonic over TCP and a Unix socket, iceoryx2.
 //!
 //! Every round trip is timed on its own; the table shows p50/p99/p999 and
 //! the throughput of one caller, and the ratio of each p50 to the floor.
@@ -46,7 +49,7 @@ fn dist(mut v: Vec<f64>, wall: Duration) -> Dist {
 
 fn row(what: &str, size: u64, d: &Dist, floor: f64) -> Obj {
     say!(
-        "{:<24} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>12.0} {:>8.2}x",
+        "{:<28} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>12.0} {:>8.2}x",
         what,
         fmt_size(size),
         d.avg / 1e3,
@@ -157,7 +160,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
     );
     say!(
-        "{:<24} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9}",
+        "{:<28} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9}",
         "transport",
         "payload",
         "avg us",
@@ -307,6 +310,19 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let node = Node::new(pool.clone());
     let c = node.connect(&name)?;
     let tc = node.connect(&tname)?;
+    // The caller writes the request into a pool buffer, sent by Ref at
+    // every size (threshold 0).
+    let by_ref = Node::with_config(
+        pool.clone(),
+        Config {
+            inline_max: 0,
+            ..Default::default()
+        },
+    );
+    let bc = by_ref.connect(&name)?;
+    // Per size, dmrpc shm's best p50 of the two ways (for the ratio to
+    // iceoryx2).
+    let mut shm_echo: Vec<(u64, f64)> = Vec::new();
     let mut grpc: Vec<(&str, super::grpc::Client)> = Vec::new();
     for (what, addr) in ["tonic tcp echo", "tonic uds echo"]
         .iter()
@@ -334,8 +350,26 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 Ok(())
             })?;
             let label = format!("dmrpc {what} echo ({how})");
-            rows.push(row(&label, size, &dist(v, wall), f50));
+            let d = dist(v, wall);
+            if what == "shm" {
+                shm_echo.push((size, d.p50));
+            }
+            rows.push(row(&label, size, &d, f50));
         }
+        let (v, wall) = timed(calls, || {
+            let mut b = pool.alloc(size)?;
+            b.write(0, &data)?;
+            let back = bc.call("echo", Payload::from_buffer(b))?;
+            if back.len() != size {
+                bail!("echo returned {} bytes", back.len());
+            }
+            Ok(())
+        })?;
+        let d = dist(v, wall);
+        if let Some(best) = shm_echo.last_mut().filter(|e| e.0 == size) {
+            best.1 = best.1.min(d.p50);
+        }
+        rows.push(row("dmrpc shm echo (pool buffer)", size, &d, f50));
         let bytes = bytes::Bytes::from(data.clone());
         for (what, g) in grpc.iter_mut() {
             let (v, wall) = timed(slow, || {
@@ -349,10 +383,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         size *= 4;
     }
-    drop((c, tc, grpc));
+    drop((c, tc, bc, grpc));
     peer.cmd("unserve")?;
     // iceoryx2's server polls without pause: it runs alone, after the
     // others (on two cores it would take one from them).
+    #[cfg_attr(not(feature = "iceoryx2"), allow(unused_mut))]
+    let mut echo_ratios: Vec<(u64, f64)> = Vec::new();
     #[cfg(feature = "iceoryx2")]
     {
         let iox = format!("dmrpc/bench/rtt/{id}/iceoryx2-echo");
@@ -369,7 +405,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 }
                 Ok(())
             })?;
-            rows.push(row("iceoryx2 echo", size, &dist(v, wall), f50));
+            let d = dist(v, wall);
+            if let Some(&(_, ours)) = shm_echo.iter().find(|e| e.0 == size) {
+                echo_ratios.push((size, d.p50 / ours));
+            }
+            rows.push(row("iceoryx2 echo", size, &d, f50));
             size *= 4;
         }
         drop(ioc);
@@ -384,6 +424,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     if over_iox.is_finite() {
         say!(
             "iceoryx2 request-response p50 / dmrpc shm (default) p50 = {over_iox:.2}x (target: above 1)"
+        );
+    }
+    for (size, r) in &echo_ratios {
+        say!(
+            "echo {:>9}: iceoryx2 p50 / dmrpc shm's best p50 = {r:.2}x (target: above 1)",
+            fmt_size(*size)
         );
     }
     bp.check()?;
@@ -407,6 +453,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     res.num("tonic_tcp_p50_over_dmrpc_shm_p50", over_grpc);
     res.num("iceoryx2_p50_over_dmrpc_shm_p50", over_iox);
+    let ratios: Vec<Obj> = echo_ratios
+        .iter()
+        .map(|&(size, r)| {
+            let mut o = Obj::default();
+            o.num("size", size as f64);
+            o.num("iceoryx2_p50_over_dmrpc_shm_best_p50", r);
+            o
+        })
+        .collect();
+    res.arr("echo_ratios", &ratios);
     res.arr("rows", &rows);
     super::write_results(
         a,

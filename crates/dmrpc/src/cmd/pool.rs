@@ -72,7 +72,8 @@ pub enum PoolCmd {
     Check {
         #[command(flatten)]
         target: Target,
-        /// Also verify that every free page is zeroed.
+        /// Also read the list pages of live buffers and Refs (entries past
+        /// their page count must be zero).
         #[arg(long)]
         deep: bool,
     },
