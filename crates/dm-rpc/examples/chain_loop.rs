@@ -1,0 +1,122 @@
+//! A nested-call chain through tier processes, for profiling what a hop
+//! costs (`perf record -a -- target/release/examples/chain_loop 20000`;
+//! env: TIERS (7), SIZE (65536), BYREF=1 (send it by Ref; else inline),
+//! POLICY=spin|park|yield). Tier k forwards its payload to tier k+1
+//! untouched; the last reads every byte and answers 8 bytes.
+#![allow(clippy::unwrap_used)]
+
+#[cfg(loom)]
+fn main() {}
+
+#[cfg(not(loom))]
+fn main() {
+    use dm_pool::{AttachOptions, Pool, PoolConfig};
+    use dm_rpc::{Node, Payload};
+    use std::time::Instant;
+    let args: Vec<String> = std::env::args().collect();
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(d)
+    };
+    let wait = match std::env::var("POLICY").as_deref() {
+        Ok("spin") => dm_rpc::WaitPolicy::spin_only(),
+        Ok("park") => dm_rpc::WaitPolicy::park_only(),
+        Ok("yield") => dm_rpc::WaitPolicy {
+            spin: std::time::Duration::ZERO,
+            ..Default::default()
+        },
+        _ => dm_rpc::WaitPolicy::default(),
+    };
+    let by_ref = std::env::var("BYREF").is_ok_and(|v| v == "1");
+    let cfg = dm_rpc::Config {
+        wait,
+        inline_max: if by_ref { 0 } else { 16 << 20 },
+        ..Default::default()
+    };
+    let tiers = env("TIERS", 7);
+    if args.get(1).map(String::as_str) == Some("tier") {
+        let pool = Pool::open(args[2].as_ref(), AttachOptions::default()).unwrap();
+        let k: usize = args[3].parse().unwrap();
+        let node = Node::with_config(pool, cfg);
+        let n = node.clone();
+        let next = format!("profile/chain/{}", k + 1);
+        let cl = std::sync::OnceLock::new();
+        let s = node
+            .server(&format!("profile/chain/{k}"))
+            .method("go", move |c| {
+                if k + 1 == tiers {
+                    let mut sum = 0u64;
+                    for s in c.payload().segments()? {
+                        sum = s.iter().fold(sum, |a, &b| a.wrapping_add(b as u64));
+                    }
+                    return Ok(Payload::from_vec(sum.to_le_bytes().to_vec()));
+                }
+                let cl: &dm_rpc::Client = cl.get_or_init(|| n.connect(&next).unwrap());
+                cl.call("go", c.payload().forward()?)
+            })
+            .spawn()
+            .unwrap();
+        println!("ready");
+        let mut l = String::new();
+        let _ = std::io::stdin().read_line(&mut l);
+        s.shutdown();
+        return;
+    }
+    let n: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(20_000);
+    let path = format!("/dev/shm/dmrpc-chain-loop-{}.pool", std::process::id());
+    Pool::create(
+        path.as_ref(),
+        &PoolConfig {
+            size: 256 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut children = Vec::new();
+    for k in 0..tiers {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["tier", &path, &k.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut l = String::new();
+        std::io::BufRead::read_line(&mut out, &mut l).unwrap();
+        children.push(child);
+    }
+    let node = Node::with_config(
+        Pool::open(path.as_ref(), AttachOptions::default()).unwrap(),
+        cfg,
+    );
+    let c = node.connect("profile/chain/0").unwrap();
+    let size = env("SIZE", 65536);
+    let data = vec![5u8; size];
+    let call = || {
+        let p = if by_ref {
+            let mut b = node.pool().alloc(size as u64).unwrap();
+            b.write(0, &data).unwrap();
+            Payload::from_buffer(b)
+        } else {
+            Payload::from_vec(data.clone())
+        };
+        c.call("go", p).unwrap()
+    };
+    for _ in 0..n / 10 {
+        call();
+    }
+    let t = Instant::now();
+    for _ in 0..n {
+        call();
+    }
+    let per = t.elapsed().as_nanos() as f64 / n as f64;
+    println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref})");
+    drop(c);
+    for mut ch in children {
+        drop(ch.stdin.take());
+        ch.wait().unwrap();
+    }
+    let _ = std::fs::remove_file(&path);
+}
