@@ -375,7 +375,7 @@ fn tcp_between_pools_passes_by_value() {
         "not in this pool's registry"
     );
     let c = cnode.connect_tcp(&addr).unwrap();
-    for len in [10usize, 1 << 20] {
+    for len in [10usize, 100_000, 1 << 20, (4 << 20) + 123] {
         let data = pattern(len, 9);
         let (l, in_pool, h) = inspect(&cnode, &c, data.clone());
         assert_eq!(
@@ -386,6 +386,19 @@ fn tcp_between_pools_passes_by_value() {
         assert!(!back.in_pool());
         assert!(back.to_vec().unwrap() == data);
     }
+    // Large requests and answers back to back on one connection.
+    std::thread::scope(|sc| {
+        for k in 0..3u8 {
+            let c = &c;
+            sc.spawn(move || {
+                for _ in 0..5 {
+                    let data = pattern((1 << 20) + k as usize * 4099, k);
+                    let back = c.call("echo", data.clone()).unwrap();
+                    assert!(back.to_vec().unwrap() == data);
+                }
+            });
+        }
+    });
     // A buffer built in the client's pool is sent by value too.
     let mut b = cnode.pool().alloc(100_000).unwrap();
     b.write(0, &[1; 100_000]).unwrap();

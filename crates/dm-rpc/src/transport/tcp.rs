@@ -19,7 +19,7 @@
 //! the socket directly from the calling thread.
 
 use super::{ConnId, Connection, FrameRx, FrameTx, Listener, Sharing, TransportError, Waker};
-use crate::frame::{Frame, Limits};
+use crate::frame::{Frame, FrameError, Limits, HEADER_LEN};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -131,6 +131,7 @@ fn handshake(mut s: TcpStream, me: Identity) -> Result<Connection, TransportErro
             s: r,
             buf: Vec::with_capacity(64 << 10),
             start: 0,
+            partial: None,
         }),
         max_inline: MAX_INLINE,
         refs,
@@ -157,8 +158,7 @@ impl FrameTx for TcpTx {
                 .max(Duration::from_millis(1))
         });
         self.s.set_write_timeout(wait).map_err(unavailable)?;
-        let bytes = f.encode();
-        match self.s.write_all(&bytes) {
+        match write_frame(&mut self.s, f) {
             Ok(()) => Ok(true),
             // A partial write leaves the stream mid-frame: the connection
             // cannot be used again, so a timeout here is fatal too.
@@ -167,26 +167,99 @@ impl FrameTx for TcpTx {
     }
 }
 
+/// Writes `f` as its header and its payload, with no copy into one
+/// buffer first.
+fn write_frame(s: &mut TcpStream, f: &Frame) -> std::io::Result<()> {
+    let head = f.header();
+    let body: &[u8] = match &f.payload {
+        crate::frame::Body::Inline(b) => b,
+        _ => return s.write_all(&f.encode()),
+    };
+    let mut parts = [std::io::IoSlice::new(&head), std::io::IoSlice::new(body)];
+    let mut left = &mut parts[..];
+    while !left.is_empty() {
+        match s.write_vectored(left) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => std::io::IoSlice::advance_slices(&mut left, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Payloads larger than this are read straight into their own vector once
+/// their header has arrived: no staging buffer, no second copy.
+const DIRECT: usize = 64 << 10;
+
+/// A frame whose payload is being read into the vector that becomes it.
+struct Partial {
+    head: [u8; HEADER_LEN],
+    body: Vec<u8>,
+    len: usize,
+}
+
+impl Partial {
+    /// After [`Frame::decode`] asked for more bytes of `have` (so its
+    /// header, if whole, is valid): a partial frame for a large payload,
+    /// with the payload bytes already buffered, and the bytes it took.
+    fn start(have: &[u8]) -> Option<(Partial, usize)> {
+        let h = have.get(..HEADER_LEN)?;
+        let len = u32::from_le_bytes([h[24], h[25], h[26], h[27]]) as usize;
+        if len <= DIRECT {
+            return None;
+        }
+        let take = (have.len() - HEADER_LEN).min(len);
+        let mut body = Vec::with_capacity(len);
+        body.extend_from_slice(&have[HEADER_LEN..HEADER_LEN + take]);
+        let mut head = [0u8; HEADER_LEN];
+        head.copy_from_slice(h);
+        Some((Partial { head, body, len }, HEADER_LEN + take))
+    }
+
+    /// Bytes still to read.
+    fn want(&self) -> u64 {
+        (self.len - self.body.len()) as u64
+    }
+
+    fn frame(self) -> Result<Frame, FrameError> {
+        Frame::decode_record(&self.head, self.body, &limits())
+    }
+}
+
 struct TcpRx {
     s: TcpStream,
     buf: Vec<u8>,
     start: usize,
+    partial: Option<Partial>,
 }
 
 impl FrameRx for TcpRx {
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         loop {
-            if let Some((f, used)) = Frame::decode(&self.buf[self.start..], &limits())? {
-                self.start += used;
-                if self.start == self.buf.len() {
-                    self.buf.clear();
+            if self.partial.as_ref().is_some_and(|p| p.want() == 0) {
+                if let Some(p) = self.partial.take() {
+                    return Ok(Some(p.frame()?));
+                }
+            }
+            if self.partial.is_none() {
+                let have = &self.buf[self.start..];
+                if let Some((f, used)) = Frame::decode(have, &limits())? {
+                    self.start += used;
+                    if self.start == self.buf.len() {
+                        self.buf.clear();
+                        self.start = 0;
+                    }
+                    return Ok(Some(f));
+                }
+                if let Some((p, used)) = Partial::start(have) {
+                    self.start += used;
+                    self.partial = Some(p);
+                }
+                if self.start > 0 {
+                    self.buf.drain(..self.start);
                     self.start = 0;
                 }
-                return Ok(Some(f));
-            }
-            if self.start > 0 {
-                self.buf.drain(..self.start);
-                self.start = 0;
             }
             let wait = match deadline {
                 Some(d) => match d.checked_duration_since(Instant::now()) {
@@ -196,6 +269,27 @@ impl FrameRx for TcpRx {
                 None => None,
             };
             self.s.set_read_timeout(wait).map_err(unavailable)?;
+            if let Some(p) = &mut self.partial {
+                let want = p.want();
+                match (&mut self.s).take(want).read_to_end(&mut p.body) {
+                    Ok(_) if p.want() > 0 => {
+                        return Err(TransportError::Unavailable(
+                            "the server closed the TCP connection".into(),
+                        ))
+                    }
+                    Ok(_) => continue,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        return Ok(None)
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(unavailable(e)),
+                }
+            }
             let at = self.buf.len();
             self.buf.resize(at + (64 << 10), 0);
             let r = self.s.read(&mut self.buf[at..]);
@@ -387,6 +481,19 @@ async fn serve_conn(
                 Err(_) => break 'read,
             }
         }
+        if let Some((mut p, used)) = Partial::start(&buf[start..]) {
+            // A large payload: read it into its own vector.
+            start += used;
+            let want = p.want();
+            match (&mut rd).take(want).read_to_end(&mut p.body).await {
+                Ok(_) if p.want() == 0 => {}
+                _ => break,
+            }
+            let Ok(f) = p.frame() else { break };
+            if !deliver(&events, Event::Frame(id, f)).await {
+                break;
+            }
+        }
         buf.drain(..start);
         start = 0;
         let at = buf.len();
@@ -502,5 +609,69 @@ impl Listener for TcpListener {
         Waker(Arc::new(move || {
             let _ = w.try_send(Event::Wake);
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::{Body, Status};
+
+    /// Large payloads are read straight into their own vector, across
+    /// reads that stop at a deadline mid-payload, and frames around them
+    /// (small, large, back to back) come out whole and in order.
+    #[test]
+    fn large_frames_arrive_whole_across_slow_reads_and_deadlines() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let big: Vec<u8> = (0..(1 << 20) + 7).map(|i| (i % 253) as u8).collect();
+        let frames = vec![
+            Frame::response(1, Status::Ok, Body::Inline(big.clone())),
+            Frame::response(2, Status::Ok, Body::Inline(vec![9; 10])),
+            Frame::response(3, Status::Ok, Body::Inline(big[..DIRECT + 1].to_vec())),
+            Frame::response(4, Status::Ok, Body::Inline(big.clone())),
+        ];
+        let mut bytes = Vec::new();
+        for f in &frames {
+            f.encode_into(&mut bytes);
+        }
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut h = [0u8; HELLO_LEN];
+            s.read_exact(&mut h).unwrap();
+            s.write_all(&hello(Identity::default())).unwrap();
+            // The first frame in slow pieces (the reader's deadline passes
+            // mid-payload), the rest in one go.
+            let first = frames[0].encoded_len();
+            for piece in bytes[..first].chunks(300_000) {
+                s.write_all(piece).unwrap();
+                std::thread::sleep(Duration::from_millis(30));
+            }
+            s.write_all(&bytes[first..]).unwrap();
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        let mut c = connect(&addr, Identity::default(), Duration::from_secs(5)).unwrap();
+        let mut got = Vec::new();
+        let mut timeouts = 0;
+        while got.len() < 4 {
+            match c
+                .rx
+                .recv(Some(Instant::now() + Duration::from_millis(5)))
+                .unwrap()
+            {
+                Some(f) => got.push(f),
+                None => timeouts += 1,
+            }
+        }
+        assert!(timeouts > 0, "a deadline passed mid-frame");
+        let ids: Vec<u64> = got.iter().map(|f| f.call_id).collect();
+        assert_eq!(ids, [1, 2, 3, 4]);
+        assert_eq!(got[0].payload, Body::Inline(big.clone()));
+        assert_eq!(got[1].payload, Body::Inline(vec![9; 10]));
+        assert_eq!(got[2].payload, Body::Inline(big[..DIRECT + 1].to_vec()));
+        assert_eq!(got[3].payload, Body::Inline(big));
+        drop(c);
+        peer.join().unwrap();
     }
 }
