@@ -1,5 +1,6 @@
 //! Times put and read_ref of SIZE bytes against an in-process server
-//! (`cargo run --release -p dm-memserver --example put_get -- 1048576`).
+//! (`cargo run --release -p dm-memserver --example put_get -- 1048576`;
+//! env N: calls per measurement, default 50).
 #![allow(clippy::unwrap_used)]
 
 use dm_memserver::{ClientConfig, Config, MemPool, Server};
@@ -27,7 +28,10 @@ fn main() {
         let data = vec![7u8; size];
         let mut out = vec![0u8; size];
         let (mut tp, mut tr) = (Duration::ZERO, Duration::ZERO);
-        let n = 50;
+        let n: u32 = std::env::var("N")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(50);
         for _ in 0..n {
             let t = Instant::now();
             let r = p.put(&data, Duration::ZERO).unwrap();

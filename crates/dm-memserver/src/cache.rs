@@ -93,17 +93,18 @@ impl PageCache {
 
     /// Caches chunk `chunk` of Ref `k`, evicting the least recently used
     /// chunks to stay within the capacity.
-    pub fn put(&mut self, k: RefKey, chunk: u64, data: &[u8]) {
+    pub fn put(&mut self, k: RefKey, chunk: u64, data: Arc<[u8]>) {
         if data.len() as u64 > self.capacity {
             return;
         }
         self.tick += 1;
-        if let Some((old, t)) = self.map.insert((k, chunk), (Arc::from(data), self.tick)) {
+        let len = data.len() as u64;
+        if let Some((old, t)) = self.map.insert((k, chunk), (data, self.tick)) {
             self.lru.remove(&t);
             self.stats.bytes -= old.len() as u64;
         }
         self.lru.insert(self.tick, (k, chunk));
-        self.stats.bytes += data.len() as u64;
+        self.stats.bytes += len;
         while self.stats.bytes > self.capacity {
             let Some((_, victim)) = self.lru.pop_first() else {
                 break;
@@ -130,10 +131,10 @@ mod tests {
         let mut c = PageCache::new(3 * 4);
         let k = (1, 2, 3, 4);
         for i in 0..3 {
-            c.put(k, i, &[i as u8; 4]);
+            c.put(k, i, Arc::from([i as u8; 4]));
         }
         assert!(c.get(k, 0).is_some()); // 0 is now the most recent
-        c.put(k, 3, &[3; 4]); // evicts 1
+        c.put(k, 3, Arc::from([3; 4])); // evicts 1
         assert!(c.get(k, 1).is_none());
         assert_eq!(&*c.get(k, 0).unwrap(), &[0u8; 4]);
         assert_eq!(&*c.get(k, 3).unwrap(), &[3u8; 4]);
@@ -142,7 +143,7 @@ mod tests {
         // Another Ref's chunk with the same number is another entry.
         assert!(c.get((1, 2, 4, 4), 0).is_none());
         // Too large to cache: ignored.
-        c.put(k, 9, &[0; 100]);
+        c.put(k, 9, Arc::from([0; 100]));
         assert!(c.get(k, 9).is_none());
     }
 }

@@ -285,7 +285,13 @@ fn start(out: &mut Vec<u8>, code: u8, id: u64) -> usize {
 }
 
 fn finish(out: &mut [u8], at: usize) {
-    let len = (out.len() - at - 4) as u32;
+    finish_with(out, at, 0);
+}
+
+/// Writes the length prefix of the frame at `at`, counting `more` bytes
+/// that follow `out` on the wire.
+fn finish_with(out: &mut [u8], at: usize, more: usize) {
+    let len = (out.len() - at - 4 + more) as u32;
     out[at..at + 4].copy_from_slice(&len.to_le_bytes());
 }
 
@@ -388,6 +394,34 @@ impl<'a> Request<'a> {
             }
         }
         finish(out, at);
+    }
+
+    /// Appends the frame of this request but for the data that ends a
+    /// write or a put, and returns that data (empty for other requests):
+    /// `out`'s new bytes followed by the data are exactly what
+    /// [`encode`](Self::encode) appends, so a sender can write both with
+    /// one vectored write instead of copying the data first.
+    pub fn encode_head(&self, id: u64, out: &mut Vec<u8>) -> &[u8] {
+        let at = out.len();
+        let data: &[u8] = match self {
+            Request::Write { addr, offset, data } => {
+                start(out, self.op(), id);
+                out.extend_from_slice(&addr.to_le_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+                data
+            }
+            Request::Put { ttl_ms, data } => {
+                start(out, self.op(), id);
+                out.extend_from_slice(&ttl_ms.to_le_bytes());
+                data
+            }
+            _ => {
+                self.encode(id, out);
+                return &[];
+            }
+        };
+        finish_with(out, at, data.len());
+        data
     }
 
     /// Decodes a request frame (without its length prefix): its id and the
@@ -731,6 +765,16 @@ mod tests {
             let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
             prop_assert_eq!(len, b.len() - 4);
             prop_assert_eq!(Request::decode(&b[4..]), Ok((id, req)));
+        }
+
+        #[test]
+        fn a_head_and_its_data_are_the_encoding(req in requests(), id: u64) {
+            let mut whole = Vec::new();
+            req.encode(id, &mut whole);
+            let mut split = vec![1, 2];
+            let data = req.encode_head(id, &mut split);
+            split.extend_from_slice(data);
+            prop_assert_eq!(&split[2..], &whole[..]);
         }
 
         #[test]
