@@ -225,7 +225,7 @@ impl Conn {
             }
             from = *end;
         }
-        if let Err(e) = write_all_vectored(&mut lock(&self.out), &mut slices) {
+        if let Err(e) = dm_sys::io::write_all_vectored(&mut *lock(&self.out), &mut slices) {
             let mut st = lock(&self.state);
             for id in &ids {
                 st.waiting.remove(id);
@@ -761,23 +761,6 @@ impl MemPool {
         )?;
         proto::decode_ref(&b).map_err(|e| Error::Protocol(e.to_string()))
     }
-}
-
-/// Writes every slice, in order (what `Write::write_all_vectored` does
-/// on nightly).
-fn write_all_vectored(
-    s: &mut TcpStream,
-    mut slices: &mut [std::io::IoSlice<'_>],
-) -> std::io::Result<()> {
-    while !slices.is_empty() {
-        match s.write_vectored(slices) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => std::io::IoSlice::advance_slices(&mut slices, n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// The requests reading `len` bytes at `off` of `r`, a [`READ_CHUNK`]

@@ -5,12 +5,15 @@
 //! untouched; the last reads every byte and answers 8 bytes.
 #![allow(clippy::unwrap_used)]
 
+#[cfg(not(loom))]
+mod common;
+
 #[cfg(loom)]
 fn main() {}
 
 #[cfg(not(loom))]
 fn main() {
-    use dm_pool::{AttachOptions, Pool, PoolConfig};
+    use dm_pool::{AttachOptions, Pool};
     use dm_rpc::{Node, Payload};
     use std::time::Instant;
     let args: Vec<String> = std::env::args().collect();
@@ -20,15 +23,7 @@ fn main() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(d)
     };
-    let wait = match std::env::var("POLICY").as_deref() {
-        Ok("spin") => dm_rpc::WaitPolicy::spin_only(),
-        Ok("park") => dm_rpc::WaitPolicy::park_only(),
-        Ok("yield") => dm_rpc::WaitPolicy {
-            spin: std::time::Duration::ZERO,
-            ..Default::default()
-        },
-        _ => dm_rpc::WaitPolicy::default(),
-    };
+    let wait = common::wait_policy();
     let by_ref = std::env::var("BYREF").is_ok_and(|v| v == "1");
     let cfg = dm_rpc::Config {
         wait,
@@ -58,35 +53,15 @@ fn main() {
             })
             .spawn()
             .unwrap();
-        println!("ready");
-        let mut l = String::new();
-        let _ = std::io::stdin().read_line(&mut l);
+        common::ready_until_stdin_closes();
         s.shutdown();
         return;
     }
     let n: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(20_000);
-    let path = format!("/dev/shm/dmrpc-chain-loop-{}.pool", std::process::id());
-    Pool::create(
-        path.as_ref(),
-        &PoolConfig {
-            size: 256 << 20,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let mut children = Vec::new();
-    for k in 0..tiers {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["tier", &path, &k.to_string()])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-        let mut l = String::new();
-        std::io::BufRead::read_line(&mut out, &mut l).unwrap();
-        children.push(child);
-    }
+    let path = common::create_pool("chain-loop", 256 << 20);
+    let children: Vec<_> = (0..tiers)
+        .map(|k| common::spawn_peer(&["tier", &path, &k.to_string()]))
+        .collect();
     let node = Node::with_config(
         Pool::open(path.as_ref(), AttachOptions::default()).unwrap(),
         cfg,
@@ -114,9 +89,8 @@ fn main() {
     let per = t.elapsed().as_nanos() as f64 / n as f64;
     println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref})");
     drop(c);
-    for mut ch in children {
-        drop(ch.stdin.take());
-        ch.wait().unwrap();
+    for ch in children {
+        common::stop_peer(ch);
     }
     let _ = std::fs::remove_file(&path);
 }

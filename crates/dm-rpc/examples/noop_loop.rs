@@ -1,22 +1,21 @@
 //! A no-op call loop between two processes, for profiling the round trip
 //! (`perf record -a -- target/release/examples/noop_loop 2000000`; env:
-//! SIZE, BYREF=1, INLINE_MAX, ECHO=1, SUM=1, POLICY).
+//! SIZE, BYREF=1, INLINE_MAX, ECHO=1, SUM=1, POLICY=spin|park|yield).
 #![allow(clippy::unwrap_used)]
+
+#[cfg(not(loom))]
+mod common;
 
 #[cfg(loom)]
 fn main() {}
 
 #[cfg(not(loom))]
 fn main() {
-    use dm_pool::{AttachOptions, Pool, PoolConfig};
+    use dm_pool::{AttachOptions, Pool};
     use dm_rpc::{Node, Payload};
     use std::time::Instant;
     let args: Vec<String> = std::env::args().collect();
-    let wait = match std::env::var("POLICY").as_deref() {
-        Ok("spin") => dm_rpc::WaitPolicy::spin_only(),
-        Ok("park") => dm_rpc::WaitPolicy::park_only(),
-        _ => dm_rpc::WaitPolicy::default(),
-    };
+    let wait = common::wait_policy();
     let cfg = dm_rpc::Config {
         wait,
         ..Default::default()
@@ -46,9 +45,7 @@ fn main() {
             })
             .spawn()
             .unwrap();
-        println!("ready");
-        let mut l = String::new();
-        let _ = std::io::stdin().read_line(&mut l);
+        common::ready_until_stdin_closes();
         s.shutdown();
         return;
     }
@@ -56,24 +53,8 @@ fn main() {
         .get(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(1_000_000);
-    let path = format!("/dev/shm/dmrpc-noop-loop-{}.pool", std::process::id());
-    Pool::create(
-        path.as_ref(),
-        &PoolConfig {
-            size: 64 << 20,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["serve", &path])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut l = String::new();
-    std::io::BufRead::read_line(&mut out, &mut l).unwrap();
+    let path = common::create_pool("noop-loop", 64 << 20);
+    let child = common::spawn_peer(&["serve", &path]);
     // INLINE_MAX=N: the client's threshold (0 forces Refs).
     let inline_max = std::env::var("INLINE_MAX")
         .ok()
@@ -107,7 +88,6 @@ fn main() {
     let per = t.elapsed().as_nanos() as f64 / n as f64;
     println!("{per:.0} ns per round trip ({size} bytes, by_ref {by_ref})");
     drop(c);
-    drop(child.stdin.take());
-    child.wait().unwrap();
+    common::stop_peer(child);
     let _ = std::fs::remove_file(&path);
 }

@@ -13,6 +13,7 @@
 //!   registered windows and chains to the previous handler for everything else.
 //! * [`futex`] — cross-process wait and wake on a word in shared memory.
 //! * [`time`], [`rand`], [`proc`] — clocks for leases, random tags, liveness.
+//! * [`io`] — writing several buffers to a stream with no copy into one.
 
 pub mod fault;
 pub mod futex;
@@ -35,6 +36,55 @@ pub mod time {
         // async-signal-safe and has no other preconditions.
         unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
         (ts.tv_sec as u64) * 1000 + (ts.tv_nsec as u64) / 1_000_000
+    }
+}
+
+/// Stream output.
+pub mod io {
+    use std::io::{ErrorKind, IoSlice, Result, Write};
+
+    /// Writes every slice, in order, with vectored writes (what
+    /// `Write::write_all_vectored` does on nightly): a frame's header and
+    /// its payload go out without being copied into one buffer first.
+    pub fn write_all_vectored(w: &mut impl Write, mut slices: &mut [IoSlice<'_>]) -> Result<()> {
+        while !slices.is_empty() {
+            match w.write_vectored(slices) {
+                Ok(0) => return Err(ErrorKind::WriteZero.into()),
+                Ok(n) => IoSlice::advance_slices(&mut slices, n),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        /// A writer that takes at most 3 bytes per call: every slice still
+        /// arrives whole and in order.
+        #[test]
+        fn short_writes_lose_nothing() {
+            struct Slow(Vec<u8>);
+            impl std::io::Write for Slow {
+                fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                    let n = b.len().min(3);
+                    self.0.extend_from_slice(&b[..n]);
+                    Ok(n)
+                }
+                fn flush(&mut self) -> std::io::Result<()> {
+                    Ok(())
+                }
+            }
+            let (a, b, c) = (b"hello".to_vec(), Vec::new(), b" world!".to_vec());
+            let mut s = [
+                std::io::IoSlice::new(&a),
+                std::io::IoSlice::new(&b),
+                std::io::IoSlice::new(&c),
+            ];
+            let mut w = Slow(Vec::new());
+            super::write_all_vectored(&mut w, &mut s).unwrap();
+            assert_eq!(w.0, b"hello world!");
+        }
     }
 }
 

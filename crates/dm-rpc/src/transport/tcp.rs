@@ -176,16 +176,7 @@ fn write_frame(s: &mut TcpStream, f: &Frame) -> std::io::Result<()> {
         _ => return s.write_all(&f.encode()),
     };
     let mut parts = [std::io::IoSlice::new(&head), std::io::IoSlice::new(body)];
-    let mut left = &mut parts[..];
-    while !left.is_empty() {
-        match s.write_vectored(left) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => std::io::IoSlice::advance_slices(&mut left, n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    dm_sys::io::write_all_vectored(s, &mut parts)
 }
 
 /// Payloads larger than this are read straight into their own vector once
