@@ -1,7 +1,7 @@
 //! `dmrpc pool check`, `stats` and `gc`: the pool's consistency invariant.
 //!
 //! The invariant (DESIGN.md 3.1): every page is exactly one of free, cached
-//! in a live slot's FIFO, or held; a held page's reference count equals the
+//! in a live slot's page cache, or held; a held page's reference count equals the
 //! number of descriptor entries naming it (buffers, Refs, list pages); free
 //! pages are zero. The check reads the pool without attaching, and is exact
 //! when no process is in the middle of an operation (run it when quiescent,
@@ -24,7 +24,7 @@ pub struct CheckReport {
     pub pages_total: u64,
     /// Pages in the free set.
     pub pages_free: u64,
-    /// Pages cached in slots' FIFOs.
+    /// Pages cached in slots' page caches.
     pub pages_cached: u64,
     /// Pages held (data and list pages).
     pub pages_held: u64,

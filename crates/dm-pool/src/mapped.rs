@@ -12,7 +12,7 @@
 //!
 //! The handler is async-signal-safe: it uses atomics, plain memory copies and
 //! raw `mmap`/`mprotect` only, takes pages straight from the shared free set
-//! (never the process FIFO, which is behind a mutex), and serialises with
+//! (never the process's page cache, which is behind a mutex), and serialises with
 //! other threads faulting on the same buffer by a spin flag in the descriptor.
 //! Faults outside every window are passed to the previous handler.
 //!

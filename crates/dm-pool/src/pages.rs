@@ -7,7 +7,7 @@
 //! | state    | meaning                                               | fields          |
 //! |----------|-------------------------------------------------------|-----------------|
 //! | `Free`   | in the shared free set, contents left as they were    | word == 0       |
-//! | `Cached` | claimed by one slot (its local FIFO, or being filled) | owner slot      |
+//! | `Cached` | claimed by one slot (its page cache, or being filled) | owner slot      |
 //! | `Held`   | reachable from descriptors (buffers, Refs, lists)     | refcount > 0    |
 //! | `Locked` | held; its count was just changed by one descriptor    | refcount, desc  |
 //!
@@ -18,7 +18,7 @@
 //! read as a bitmap, and claiming is a CAS `Free -> Cached(slot)` on each
 //! page — lock-free, with a shared cursor that spreads processes over the
 //! table and makes consecutive claims contiguous runs (one `mmap` per run for
-//! mapped buffers). Processes claim in batches into a private FIFO and give
+//! mapped buffers). Processes claim in batches into a private page cache and give
 //! back surplus, so the per-allocation fast path touches no shared line
 //! beyond the page's own word (DmRPC-CXL's page-ownership coordinator).
 //!
@@ -297,7 +297,7 @@ impl<'a> PageTable<'a> {
         )
     }
 
-    /// `Cached(slot) -> Held(1)`: a page from the slot's FIFO becomes held by
+    /// `Cached(slot) -> Held(1)`: a page from the slot's page cache becomes held by
     /// one descriptor entry (which the caller has already written).
     pub fn hold_cached(&self, page: u32, slot: u16) -> Result<(), PageError> {
         self.transition(

@@ -1,4 +1,4 @@
-//! The pool backend: attach, leases, the per-process page FIFO, buffers,
+//! The pool backend: attach, leases, the per-process page cache, buffers,
 //! Refs and copy-on-write through the explicit API.
 //!
 //! Data is reached through *the pool window*: every attached process maps the
@@ -43,7 +43,7 @@ pub struct AttachOptions {
     /// Pages claimed from the shared free set per refill. Default 256.
     pub batch: usize,
     /// Surplus above this many cached pages goes back to the free set. Default 2048.
-    pub fifo_max: usize,
+    pub cache_max: usize,
     /// Name recorded in the slot (default: this executable's name).
     pub name: Option<String>,
     /// Run the background thread that renews the lease. Default true.
@@ -60,7 +60,7 @@ impl Default for AttachOptions {
         Self {
             lease_ms: None,
             batch: 256,
-            fifo_max: 2048,
+            cache_max: 2048,
             name: None,
             heartbeat: true,
             reclaim: true,
@@ -70,7 +70,7 @@ impl Default for AttachOptions {
 }
 
 /// What the lease thread shares with the handle: the mapping and the slot.
-/// Everything here works without the process FIFO; pages it frees are
+/// Everything here works without the process's page cache; pages it frees are
 /// handed back to the caller in a `freed` vector (cached by us).
 pub(crate) struct Core {
     pub(crate) shm: Shm,
@@ -81,7 +81,7 @@ pub(crate) struct Core {
 
 pub(crate) struct Inner {
     core: Arc<Core>,
-    fifo: Mutex<VecDeque<u32>>,
+    cache: Mutex<VecDeque<u32>>,
     opts: AttachOptions,
     zeros: Box<[u8]>,
     stop: Arc<AtomicBool>,
@@ -268,7 +268,7 @@ impl Pool {
         };
         let inner = Arc::new(Inner {
             core,
-            fifo: Mutex::new(VecDeque::new()),
+            cache: Mutex::new(VecDeque::new()),
             opts,
             zeros,
             stop,
@@ -657,9 +657,9 @@ impl Pool {
         crate::check::counters(&self.inner.shm)
     }
 
-    /// Pages currently in this process's FIFO.
+    /// Pages currently in this process's page cache.
     pub fn cached_pages(&self) -> usize {
-        self.inner.fifo.lock().map(|f| f.len()).unwrap_or(0)
+        self.inner.cache.lock().map(|f| f.len()).unwrap_or(0)
     }
 }
 
@@ -810,9 +810,13 @@ impl Inner {
         Ok(())
     }
 
-    /// Takes `n` pages from the FIFO, refilling from the free set. Their
-    /// bytes are left as they were: the caller zeroes what it does not
-    /// overwrite.
+    /// Takes `n` pages from the page cache, refilling from the free set.
+    /// Their bytes are left as they were: the caller zeroes what it does not
+    /// overwrite. The cache is last in, first out: a page freed a moment
+    /// ago is likely still in this core's caches, so the next buffer is
+    /// written at cache speed (a first-in first-out order handed out the
+    /// coldest page: 5-10% of a 64 KiB by-Ref echo here). Pages freed
+    /// together come back together and in order, so runs stay contiguous.
     pub(crate) fn take_pages(&self, n: usize) -> Result<Vec<u32>> {
         if n == 0 {
             return Ok(Vec::new());
@@ -820,12 +824,12 @@ impl Inner {
         let mut retried = false;
         loop {
             {
-                let mut fifo = self
-                    .fifo
+                let mut cache = self
+                    .cache
                     .lock()
-                    .map_err(|_| Error::Corrupt("FIFO lock poisoned".into()))?;
-                if fifo.len() < n {
-                    let want = self.opts.batch.max(n - fifo.len());
+                    .map_err(|_| Error::Corrupt("page cache lock poisoned".into()))?;
+                if cache.len() < n {
+                    let want = self.opts.batch.max(n - cache.len());
                     let mut got = Vec::with_capacity(want);
                     self.shm.pages().claim_batch(
                         &self.shm.atomics().page_cursor,
@@ -833,10 +837,11 @@ impl Inner {
                         want,
                         &mut got,
                     );
-                    fifo.extend(got);
+                    cache.extend(got);
                 }
-                if fifo.len() >= n {
-                    return Ok(fifo.drain(..n).collect());
+                if cache.len() >= n {
+                    let at = cache.len() - n;
+                    return Ok(cache.drain(at..).collect());
                 }
             }
             if retried {
@@ -848,17 +853,18 @@ impl Inner {
         }
     }
 
-    /// Returns pages (Cached by this slot) to the FIFO, giving back surplus.
+    /// Returns pages (Cached by this slot) to the page cache, giving the
+    /// coldest surplus back to the free set.
     pub(crate) fn give_pages(&self, pages: impl IntoIterator<Item = u32>) {
-        let Ok(mut fifo) = self.fifo.lock() else {
+        let Ok(mut cache) = self.cache.lock() else {
             return;
         };
-        fifo.extend(pages);
-        if fifo.len() > self.opts.fifo_max {
-            let keep = self.opts.fifo_max / 2;
+        cache.extend(pages);
+        if cache.len() > self.opts.cache_max {
+            let keep = self.opts.cache_max / 2;
             let t = self.shm.pages();
-            while fifo.len() > keep {
-                if let Some(p) = fifo.pop_back() {
+            while cache.len() > keep {
+                if let Some(p) = cache.pop_front() {
                     let _ = t.release_cached(p, self.slot);
                 }
             }
@@ -881,7 +887,7 @@ impl Inner {
         self.drop_desc_local(idx, d, end)
     }
 
-    /// Drops a descriptor in `Drop` state, keeping freed pages in the FIFO.
+    /// Drops a descriptor in `Drop` state, keeping freed pages in the page cache.
     pub(crate) fn drop_desc_local(&self, di: u32, d: &Desc, end: u32) -> Result<()> {
         let mut freed = Vec::new();
         let r = self.core.drop_desc(di, d, end, &mut freed);
@@ -925,9 +931,9 @@ impl Drop for Inner {
         if self.lost.load(Ordering::Relaxed) {
             return;
         }
-        if let Ok(mut fifo) = self.fifo.lock() {
+        if let Ok(mut cache) = self.cache.lock() {
             let t = self.shm.pages();
-            for p in fifo.drain(..) {
+            for p in cache.drain(..) {
                 let _ = t.release_cached(p, self.slot);
             }
         }
@@ -1280,5 +1286,38 @@ impl Drop for Buffer {
         if !self.detached {
             let _ = self.pool.free_id(self.id());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::testing::TempPool;
+
+    #[test]
+    fn freed_pages_are_reused_first_and_in_order() {
+        let tp = TempPool::new(16 << 20);
+        let pool = tp.attach();
+        let ps = pool.page_size() as usize;
+        let pages =
+            |b: &crate::Buffer| -> Vec<u32> { (0..4).map(|k| b.page_at(k).unwrap()).collect() };
+        let mut a = pool.alloc(4 * ps as u64).unwrap();
+        a.write(0, &vec![1u8; 4 * ps]).unwrap();
+        let first = pages(&a);
+        // Something else takes pages in between, and is freed earlier.
+        let mut other = pool.alloc(ps as u64).unwrap();
+        other.write(0, &[2u8; 8]).unwrap();
+        pool.free(other).unwrap();
+        pool.free(a).unwrap();
+        let mut b = pool.alloc(4 * ps as u64).unwrap();
+        b.write(0, &vec![3u8; 4 * ps]).unwrap();
+        // The pages freed last come back first (still warm in this core's
+        // caches), in their order.
+        assert_eq!(pages(&b), first);
+        let mut got = vec![0u8; 4 * ps];
+        b.read(0, &mut got).unwrap();
+        assert_eq!(got, vec![3u8; 4 * ps]);
+        pool.free(b).unwrap();
+        drop(pool);
+        tp.assert_clean();
     }
 }
