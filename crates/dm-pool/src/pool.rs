@@ -1297,7 +1297,7 @@ mod tests {
     fn freed_pages_are_reused_first_and_in_order() {
         let tp = TempPool::new(16 << 20);
         let pool = tp.attach();
-        let ps = pool.page_size() as usize;
+        let ps = pool.page_size();
         let pages =
             |b: &crate::Buffer| -> Vec<u32> { (0..4).map(|k| b.page_at(k).unwrap()).collect() };
         let mut a = pool.alloc(4 * ps as u64).unwrap();
