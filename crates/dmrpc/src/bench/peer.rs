@@ -150,6 +150,11 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 super::iox::serve_bytes(service, max.parse()?, iox_stop.clone())?;
                 "ok".into()
             }
+            (Some("unserve"), Some("iox"), _) => {
+                // Only the iceoryx2 server (its thread stops polling).
+                iox_stop.store(true, Ordering::Relaxed);
+                "ok".into()
+            }
             (Some("unserve"), _, _) => {
                 servers.clear();
                 iox_stop.store(true, Ordering::Relaxed);

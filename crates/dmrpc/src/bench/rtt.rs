@@ -10,7 +10,9 @@
 //!   shm with bytes (inline below the threshold, by Ref above it) and with
 //!   a pool buffer written by the caller (by Ref at every size, passed back
 //!   by the echo: the counterpart of iceoryx2's loaned samples), dmrpc TCP,
-//!   tonic over TCP and a Unix socket, iceoryx2.
+//!   tonic over TCP and a Unix socket, iceoryx2. iceoryx2 and dmrpc shm's
+//!   echo also run in paired rounds (every size over iceoryx2, then over
+//!   dmrpc), and the ratio per size is the median over rounds.
 //!
 //! Every round trip is timed on its own; the table shows p50/p99/p999 and
 //! the throughput of one caller, and the ratio of each p50 to the floor.
@@ -320,9 +322,6 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         },
     );
     let bc = by_ref.connect(&name)?;
-    // Per size, dmrpc shm's best p50 of the two ways (for the ratio to
-    // iceoryx2).
-    let mut shm_echo: Vec<(u64, f64)> = Vec::new();
     let mut grpc: Vec<(&str, super::grpc::Client)> = Vec::new();
     for (what, addr) in ["tonic tcp echo", "tonic uds echo"]
         .iter()
@@ -350,11 +349,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 Ok(())
             })?;
             let label = format!("dmrpc {what} echo ({how})");
-            let d = dist(v, wall);
-            if what == "shm" {
-                shm_echo.push((size, d.p50));
-            }
-            rows.push(row(&label, size, &d, f50));
+            rows.push(row(&label, size, &dist(v, wall), f50));
         }
         let (v, wall) = timed(calls, || {
             let mut b = pool.alloc(size)?;
@@ -365,11 +360,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             }
             Ok(())
         })?;
-        let d = dist(v, wall);
-        if let Some(best) = shm_echo.last_mut().filter(|e| e.0 == size) {
-            best.1 = best.1.min(d.p50);
-        }
-        rows.push(row("dmrpc shm echo (pool buffer)", size, &d, f50));
+        rows.push(row(
+            "dmrpc shm echo (pool buffer)",
+            size,
+            &dist(v, wall),
+            f50,
+        ));
         let bytes = bytes::Bytes::from(data.clone());
         for (what, g) in grpc.iter_mut() {
             let (v, wall) = timed(slow, || {
@@ -383,38 +379,85 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         size *= 4;
     }
-    drop((c, tc, bc, grpc));
-    peer.cmd("unserve")?;
-    // iceoryx2's server polls without pause: it runs alone, after the
-    // others (on two cores it would take one from them).
+    drop((tc, grpc));
+    // iceoryx2 against dmrpc's best way, in paired rounds: iceoryx2's
+    // server polls without pause, so it runs alone (on two cores it would
+    // take a core from the others), and each round runs every size over
+    // iceoryx2 and then over dmrpc shm (bytes and pool buffer) while the
+    // placement of the VM's cores stays put; the ratio per size is the
+    // median over rounds (the placement drifts during a run and moves
+    // both by up to 2x).
     #[cfg_attr(not(feature = "iceoryx2"), allow(unused_mut))]
-    let mut echo_ratios: Vec<(u64, f64)> = Vec::new();
+    let mut echo_ratios: Vec<(u64, f64, f64, f64)> = Vec::new();
     #[cfg(feature = "iceoryx2")]
     {
-        let iox = format!("dmrpc/bench/rtt/{id}/iceoryx2-echo");
-        peer.cmd(&format!("ioxecho {iox} {ECHO_MAX}"))?;
-        let ioc = super::iox::EchoClient::connect(&iox, ECHO_MAX)?;
-        let mut size = 64u64;
-        while size as usize <= ECHO_MAX {
-            let data = vec![7u8; size as usize];
-            let calls = (n / 4).min(((4u64 << 30) / size.max(1)) as usize).max(1000);
-            let (v, wall) = timed(calls, || {
-                let back = ioc.echo(&data)?;
-                if back as u64 != size {
-                    bail!("iceoryx2 echo returned {back} bytes");
-                }
-                Ok(())
-            })?;
-            let d = dist(v, wall);
-            if let Some(&(_, ours)) = shm_echo.iter().find(|e| e.0 == size) {
-                echo_ratios.push((size, d.p50 / ours));
+        let sizes: Vec<u64> = std::iter::successors(Some(64u64), |s| Some(s * 4))
+            .take_while(|s| *s as usize <= ECHO_MAX)
+            .collect();
+        let rounds = if a.quick { 3 } else { 5 };
+        let calls_at =
+            |size: u64| ((n / 4).min(((4u64 << 30) / size) as usize).max(1000) / rounds).max(200);
+        let mut iox: Vec<Vec<f64>> = vec![Vec::new(); sizes.len()];
+        let mut iox_wall = vec![Duration::ZERO; sizes.len()];
+        let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); sizes.len()];
+        for round in 0..rounds {
+            let svc = format!("dmrpc/bench/rtt/{id}/iceoryx2-echo-{round}");
+            peer.cmd(&format!("ioxecho {svc} {ECHO_MAX}"))?;
+            let ioc = super::iox::EchoClient::connect(&svc, ECHO_MAX)?;
+            let mut theirs = Vec::new();
+            for (k, &size) in sizes.iter().enumerate() {
+                let data = vec![7u8; size as usize];
+                let (v, wall) = timed(calls_at(size), || {
+                    let back = ioc.echo(&data)?;
+                    if back as u64 != size {
+                        bail!("iceoryx2 echo returned {back} bytes");
+                    }
+                    Ok(())
+                })?;
+                theirs.push(dist(v.clone(), wall).p50);
+                iox[k].extend(v);
+                iox_wall[k] += wall;
             }
-            rows.push(row("iceoryx2 echo", size, &d, f50));
-            size *= 4;
+            drop(ioc);
+            peer.cmd("unserve iox")?;
+            // Let the idle dmrpc server's spin run out (it parks).
+            std::thread::sleep(Duration::from_millis(5));
+            for (k, &size) in sizes.iter().enumerate() {
+                let data = vec![7u8; size as usize];
+                let (v, wall) = timed(calls_at(size), || {
+                    let back = c.call("echo", Payload::from(data.as_slice()))?;
+                    if back.len() != size {
+                        bail!("echo returned {} bytes", back.len());
+                    }
+                    Ok(())
+                })?;
+                let bytes = dist(v, wall).p50;
+                let (v, wall) = timed(calls_at(size), || {
+                    let mut b = pool.alloc(size)?;
+                    b.write(0, &data)?;
+                    let back = bc.call("echo", Payload::from_buffer(b))?;
+                    if back.len() != size {
+                        bail!("echo returned {} bytes", back.len());
+                    }
+                    Ok(())
+                })?;
+                let ours = bytes.min(dist(v, wall).p50);
+                ratios[k].push(theirs[k] / ours);
+            }
         }
-        drop(ioc);
-        peer.cmd("unserve")?;
+        for (k, &size) in sizes.iter().enumerate() {
+            let v = std::mem::take(&mut iox[k]);
+            rows.push(row("iceoryx2 echo", size, &dist(v, iox_wall[k]), f50));
+            let r = &mut ratios[k];
+            let (lo, hi) = (
+                r.iter().copied().fold(f64::MAX, f64::min),
+                r.iter().copied().fold(0.0, f64::max),
+            );
+            echo_ratios.push((size, percentile(r, 0.5), lo, hi));
+        }
     }
+    drop((c, bc));
+    peer.cmd("unserve")?;
     drop(peer);
     let over_grpc = tonic_p50 / shm_p50;
     say!(
@@ -426,9 +469,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "iceoryx2 request-response p50 / dmrpc shm (default) p50 = {over_iox:.2}x (target: above 1)"
         );
     }
-    for (size, r) in &echo_ratios {
+    for (size, r, lo, hi) in &echo_ratios {
         say!(
-            "echo {:>9}: iceoryx2 p50 / dmrpc shm's best p50 = {r:.2}x (target: above 1)",
+            "echo {:>9}: iceoryx2 p50 / dmrpc shm's best p50 = {r:.2}x (paired rounds, median; range {lo:.2}-{hi:.2}x; target: above 1)",
             fmt_size(*size)
         );
     }
@@ -455,10 +498,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.num("iceoryx2_p50_over_dmrpc_shm_p50", over_iox);
     let ratios: Vec<Obj> = echo_ratios
         .iter()
-        .map(|&(size, r)| {
+        .map(|&(size, r, lo, hi)| {
             let mut o = Obj::default();
             o.num("size", size as f64);
             o.num("iceoryx2_p50_over_dmrpc_shm_best_p50", r);
+            o.num("lowest_round", lo);
+            o.num("highest_round", hi);
             o
         })
         .collect();
