@@ -435,7 +435,7 @@ impl Pool {
         r.len.store(len, Ordering::Relaxed);
         r.offset.store((start % ps) as u32, Ordering::Relaxed);
         r.expiry_ms.store(
-            now_ms().saturating_add(ttl.as_millis() as u64),
+            dm_sys::time::now_ms_coarse().saturating_add(ttl.as_millis() as u64),
             Ordering::Relaxed,
         );
         r.n_pages.store(n as u32, Ordering::Relaxed);
@@ -519,7 +519,7 @@ impl Pool {
                 if mappers::released(d.aux.load(Ordering::Acquire)) {
                     return ended();
                 }
-                if now_ms() > d.expiry_ms.load(Ordering::Relaxed) {
+                if dm_sys::time::now_ms_coarse() > d.expiry_ms.load(Ordering::Relaxed) {
                     return Err(Error::RefExpired {
                         desc: r.desc,
                         generation: r.generation,
@@ -855,7 +855,11 @@ impl Inner {
 
     /// Returns pages (Cached by this slot) to the page cache, giving the
     /// coldest surplus back to the free set.
-    pub(crate) fn give_pages(&self, pages: impl IntoIterator<Item = u32>) {
+    pub(crate) fn give_pages(&self, pages: Vec<u32>) {
+        if pages.is_empty() {
+            // Most drops free nothing here (a mapping, a Ref others hold).
+            return;
+        }
         let Ok(mut cache) = self.cache.lock() else {
             return;
         };
@@ -1230,7 +1234,7 @@ impl Buffer {
             pos += take as u64;
             src += take;
         }
-        i.give_pages(fresh);
+        i.give_pages(fresh.collect());
         if copies > 0 {
             i.shm
                 .atomics()

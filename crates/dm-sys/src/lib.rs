@@ -28,13 +28,26 @@ pub mod time {
     /// participant agrees on is needed; the realtime clock is that clock
     /// (hosts are assumed NTP-synchronised to well under a lease).
     pub fn now_ms() -> u64 {
+        realtime_ms(libc::CLOCK_REALTIME)
+    }
+
+    /// [`now_ms`] as of the last clock tick (`CLOCK_REALTIME_COARSE`: up
+    /// to one tick behind, 4 ms at HZ=250, and about 5x cheaper: 8 ns
+    /// against 43 ns on the test VM). For the per-call path (a Ref's
+    /// expiry, set and checked on every call), where a TTL a tick longer
+    /// or shorter does not matter; leases keep the precise clock.
+    pub fn now_ms_coarse() -> u64 {
+        realtime_ms(libc::CLOCK_REALTIME_COARSE)
+    }
+
+    fn realtime_ms(clock: libc::clockid_t) -> u64 {
         let mut ts = libc::timespec {
             tv_sec: 0,
             tv_nsec: 0,
         };
         // SAFETY: `ts` is a valid, writable timespec; clock_gettime is
         // async-signal-safe and has no other preconditions.
-        unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+        unsafe { libc::clock_gettime(clock, &mut ts) };
         (ts.tv_sec as u64) * 1000 + (ts.tv_nsec as u64) / 1_000_000
     }
 }
