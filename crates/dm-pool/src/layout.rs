@@ -99,7 +99,10 @@ pub struct HeaderAtomics {
     _pad: AtomicU32,
     /// Where the next page claim starts scanning.
     pub page_cursor: AtomicU64,
-    /// Where the next descriptor claim starts scanning.
+    /// Where the next descriptor claim started scanning, up to the session
+    /// after pool format 5 was introduced; claims now start from a hint
+    /// private to each process, so nothing reads or writes it. Kept so the
+    /// layout (and format 5) stays as it is.
     pub desc_cursor: AtomicU64,
     /// Maintenance lock (gc recount): holder slot + 1, or 0.
     pub maint: AtomicU64,

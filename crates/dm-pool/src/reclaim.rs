@@ -313,6 +313,9 @@ impl Core {
             DescState::encode(st.generation, Kind::Free, 0),
             Ordering::Release,
         );
+        // Our next claim takes this one (its lines are in our caches).
+        self.desc_hint
+            .store(di, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 

@@ -399,14 +399,13 @@ impl Payload {
             Repr::Bytes(v) => bytes_body(v, node, inline_max, refs)?,
             Repr::Buffer(b) if len > inline_max && refs.pool => {
                 let r = b.share()?;
-                node.pool.free(b)?;
-                (Body::Refs(vec![r]), Lent::made(r))
+                (Body::Refs(vec![r]), Lent::shared(r, b))
             }
             Repr::Ref(rec) if refs.pool => (
                 Body::Refs(vec![rec.r]),
                 Lent {
-                    made: None,
                     forwarded: Some(rec),
+                    ..Lent::default()
                 },
             ),
             Repr::MemBuffer(b, _) if len > inline_max && remote => {
@@ -543,8 +542,7 @@ fn bytes_body(
         let mut b = pool.alloc(v.len() as u64)?;
         b.write(0, &v)?;
         let r = b.share()?;
-        pool.free(b)?;
-        return Ok((Body::Refs(vec![r]), Lent::made(r)));
+        return Ok((Body::Refs(vec![r]), Lent::shared(r, b)));
     }
     if let (true, Some(m)) = (refs.remote, &node.remote) {
         let r = m.put(&v, std::time::Duration::ZERO)?;
@@ -563,11 +561,13 @@ pub(crate) enum Dir {
 }
 
 /// What a body lends, kept by its sender until the call completes: the
-/// Ref the framework made for it (released then), or the received payload
-/// it forwards.
+/// Ref the framework made for it (released then) and the pool buffer that
+/// Ref shares (freed then: an echo hands it back instead), or the received
+/// payload it forwards.
 #[derive(Debug, Default)]
 pub(crate) struct Lent {
     made: Option<Ref>,
+    shares: Option<Buffer>,
     forwarded: Option<Arc<Received>>,
 }
 
@@ -575,6 +575,16 @@ impl Lent {
     fn made(r: Ref) -> Lent {
         Lent {
             made: Some(r),
+            ..Lent::default()
+        }
+    }
+
+    /// A Ref made of pool buffer `b` (which the Ref's shares keep
+    /// unchanged: writes to it would copy first, and nobody has it).
+    fn shared(r: Ref, b: Buffer) -> Lent {
+        Lent {
+            made: Some(r),
+            shares: Some(b),
             forwarded: None,
         }
     }
@@ -584,10 +594,14 @@ impl Lent {
         self.made
     }
 
-    /// Releases the Ref the framework made, if any.
-    pub(crate) fn release(self, node: &Node) {
+    /// Releases the Ref the framework made, if any, and frees the buffer
+    /// it shares.
+    pub(crate) fn release(mut self, node: &Node) {
         if let Some(r) = self.made {
             let _ = node.release_ref(&r);
+        }
+        if let Some(b) = self.shares.take() {
+            let _ = node.pool.free(b);
         }
     }
 
@@ -597,9 +611,15 @@ impl Lent {
     /// of callees passing it back) costs no new shares: the Ref we made is
     /// mapped before it is released (O(1), no page-table work), and a Ref
     /// we forwarded comes back as the payload we forwarded (valid as long
-    /// as it is: until the call that delivered it to us completes). An
+    /// as it is: until the call that delivered it to us completes). A Ref
+    /// made of a buffer comes back as that buffer (no mapping at all). An
     /// echo of any other Ref is refused, and released by nobody.
-    pub(crate) fn answer(self, node: &Node, flags: u16, body: Body) -> Result<Payload, RpcError> {
+    pub(crate) fn answer(
+        mut self,
+        node: &Node,
+        flags: u16,
+        body: Body,
+    ) -> Result<Payload, RpcError> {
         if flags & FLAG_ECHO == 0 {
             self.release(node);
             return Payload::from_response_body(body, node);
@@ -615,7 +635,10 @@ impl Lent {
         }
         match r.filter(|r| self.made == Some(*r) && r.backend != BACKEND_MEMSERVER) {
             Some(r) => {
-                let b = node.pool.map_ref(&r);
+                let b = match self.shares.take() {
+                    Some(b) => Ok(b),
+                    None => node.pool.map_ref(&r),
+                };
                 self.release(node);
                 Ok(Payload::from_buffer(b?))
             }
