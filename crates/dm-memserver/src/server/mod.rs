@@ -271,9 +271,7 @@ impl State {
             Request::Read { addr, offset, len } => {
                 let mut res = Ok(());
                 encode_ok(id, out, |o| {
-                    let at = o.len();
-                    o.resize(at + len as usize, 0);
-                    res = sp.read(pages, addr, offset, &mut o[at..]);
+                    res = sp.read(pages, addr, offset, len as u64, o)
                 });
                 res?;
             }
@@ -314,9 +312,7 @@ impl State {
                 let mut res = Ok(());
                 let hint = sp.hint;
                 encode_ok(id, out, |o| {
-                    let at = o.len();
-                    o.resize(at + len as usize, 0);
-                    res = self.refs.read(pages, hint, &r, offset, &mut o[at..]);
+                    res = self.refs.read(pages, hint, &r, offset, len as u64, o)
                 });
                 res?;
             }

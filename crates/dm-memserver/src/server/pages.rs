@@ -178,6 +178,21 @@ impl Pages {
         unsafe { std::ptr::copy_nonoverlapping(self.ptr(p).add(off), out.as_mut_ptr(), out.len()) }
     }
 
+    /// Appends bytes `off..off + n` of page `p` to `out` (zeros for
+    /// [`NONE`]), with no zero-fill of `out` first. The same holding rule
+    /// as [`read`](Self::read).
+    pub fn append(&self, p: u32, off: usize, n: usize, out: &mut Vec<u8>) {
+        if p == NONE {
+            out.resize(out.len() + n, 0);
+            return;
+        }
+        assert!(off + n <= self.page_size);
+        // SAFETY: in range (asserted); the page is held and not written by
+        // anyone else while the caller holds it (see `read`).
+        let src = unsafe { std::slice::from_raw_parts(self.ptr(p).add(off), n) };
+        out.extend_from_slice(src);
+    }
+
     /// Writes `data` at `off` of page `p`, which the caller holds alone
     /// (count 1).
     pub fn write(&self, p: u32, off: usize, data: &[u8]) {

@@ -185,33 +185,37 @@ impl Refs {
         })
     }
 
-    /// Reads `out.len()` bytes at `offset` of `r`'s snapshot.
+    /// Appends `len` bytes at `offset` of `r`'s snapshot to `out` (nothing
+    /// on an error).
     pub fn read(
         &self,
         pages: &Pages,
         hint: usize,
         r: &Ref,
         offset: u64,
-        out: &mut [u8],
+        len: u64,
+        out: &mut Vec<u8>,
     ) -> Result<()> {
         self.with_live(pages, hint, r, |s| {
-            let end = offset
-                .checked_add(out.len() as u64)
-                .filter(|&e| e <= s.len)
-                .ok_or(Error::OutOfBounds {
-                    offset,
-                    len: out.len() as u64,
-                    size: s.len,
-                })?;
+            let end =
+                offset
+                    .checked_add(len)
+                    .filter(|&e| e <= s.len)
+                    .ok_or(Error::OutOfBounds {
+                        offset,
+                        len,
+                        size: s.len,
+                    })?;
             let ps = pages.page_size() as u64;
             let mut pos = s.head as u64 + offset;
-            let mut done = 0;
+            let mut left = len as usize;
+            out.reserve(left);
             while pos < s.head as u64 + end {
                 let (pi, po) = ((pos / ps) as usize, (pos % ps) as usize);
-                let n = (ps as usize - po).min(out.len() - done);
+                let n = (ps as usize - po).min(left);
                 // The Ref holds its pages, and a shard lock keeps it live.
-                pages.read(s.pages[pi], po, &mut out[done..done + n]);
-                done += n;
+                pages.append(s.pages[pi], po, n, out);
+                left -= n;
                 pos += n as u64;
             }
             Ok(())

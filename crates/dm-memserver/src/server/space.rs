@@ -148,17 +148,27 @@ impl Space {
     }
 
     /// Reads `out.len()` bytes at `offset` of the buffer at `addr`.
-    pub fn read(&self, pages: &Pages, addr: u64, offset: u64, out: &mut [u8]) -> Result<()> {
+    /// Appends `len` bytes at `offset` of the buffer at `addr` to `out`
+    /// (nothing on an error).
+    pub fn read(
+        &self,
+        pages: &Pages,
+        addr: u64,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
         let ps = pages.page_size();
         let (base, b) = self.find(addr, ps)?;
-        let (start, _) = span(base, b, addr, offset, out.len() as u64)?;
+        let (start, _) = span(base, b, addr, offset, len)?;
         let mut pos = start;
-        let mut done = 0;
-        while done < out.len() {
+        let mut left = len as usize;
+        out.reserve(left);
+        while left > 0 {
             let (pi, po) = ((pos / ps as u64) as usize, (pos % ps as u64) as usize);
-            let n = (ps - po).min(out.len() - done);
-            pages.read(b.pages[pi], po, &mut out[done..done + n]);
-            done += n;
+            let n = (ps - po).min(left);
+            pages.append(b.pages[pi], po, n, out);
+            left -= n;
             pos += n as u64;
         }
         Ok(())
