@@ -386,7 +386,11 @@ impl Payload {
         if let (Repr::Ref(rec), Dir::Answer(echo), true) = (&self.repr, dir, refs.pool) {
             if echo == Some(rec.r) {
                 // The request's own Ref, passed back as it came.
-                return Ok((Body::Refs(vec![rec.r]), Lent::default()));
+                let lent = Lent {
+                    echo: true,
+                    ..Lent::default()
+                };
+                return Ok((Body::Refs(vec![rec.r]), lent));
             }
             let kept = self
                 .keep()?
@@ -569,6 +573,9 @@ pub(crate) struct Lent {
     made: Option<Ref>,
     shares: Option<Buffer>,
     forwarded: Option<Arc<Received>>,
+    /// An answer's body is the request's own Ref, passed back (sent as an
+    /// echo frame, [`FLAG_ECHO`]).
+    echo: bool,
 }
 
 impl Lent {
@@ -585,13 +592,18 @@ impl Lent {
         Lent {
             made: Some(r),
             shares: Some(b),
-            forwarded: None,
+            ..Lent::default()
         }
     }
 
     /// The Ref the framework made, if any.
     pub(crate) fn made_ref(&self) -> Option<Ref> {
         self.made
+    }
+
+    /// Whether the body is the request's own Ref passed back.
+    pub(crate) fn is_echo(&self) -> bool {
+        self.echo
     }
 
     /// Releases the Ref the framework made, if any, and frees the buffer

@@ -533,9 +533,9 @@ impl Dispatcher {
         let inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
         let refs = self.listener.refs(conn);
         let dir = Dir::Answer(echo);
-        let (status, body, made) =
+        let (status, body, made, echoed) =
             match result.and_then(|p| p.into_body(&self.node, inline_max, dir, refs)) {
-                Ok((body, lent)) => (Status::Ok, body, lent.made_ref()),
+                Ok((body, lent)) => (Status::Ok, body, lent.made_ref(), lent.is_echo()),
                 Err(e) => {
                     let mut msg = e.message.into_bytes();
                     msg.truncate(inline_max.min(4096));
@@ -544,7 +544,7 @@ impl Dispatcher {
                     } else {
                         Body::Inline(msg)
                     };
-                    (e.status, body, None)
+                    (e.status, body, None, false)
                 }
             };
         if status != Status::Ok {
@@ -552,13 +552,10 @@ impl Dispatcher {
         }
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         crate::stats::count(&body, true);
-        let frame = match body {
-            // The request's own Ref, passed back (a Ref made now is new:
-            // it never equals one the caller still holds).
-            Body::Refs(rs) if made.is_none() && echo.is_some() && rs.first() == echo.as_ref() => {
-                Frame::echo(id, rs[0])
-            }
-            body => Frame::response(id, status, body),
+        let frame = match (body, echo) {
+            // The request's own Ref, passed back.
+            (Body::Refs(_), Some(r)) if echoed => Frame::echo(id, r),
+            (body, _) => Frame::response(id, status, body),
         };
         let sent = self.listener.reply(conn, &frame);
         if sent.is_err() {
