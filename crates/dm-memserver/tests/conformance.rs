@@ -14,7 +14,7 @@ fn server() -> Server {
 }
 
 fn assert_clean(s: &Server) {
-    let problems = s.state().check(true);
+    let problems = s.state().check();
     assert!(problems.is_empty(), "{problems:#?}");
     let u = s.state().usage();
     assert_eq!(u.pages_held, 0, "{u:?}");

@@ -15,7 +15,7 @@ fn settle(s: &Server) {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let problems = s.state().check(true);
+    let problems = s.state().check();
     assert!(problems.is_empty(), "{problems:#?}");
     assert_eq!(s.state().usage().pages_held, 0);
 }

@@ -26,6 +26,7 @@ pub fn run_all<D: Dm>(mk: &dyn Fn() -> D, foreign: &dyn Fn() -> D) {
     forged_stale_released_and_foreign_refs(&mk(), &foreign());
     ref_ttl_expires_and_is_reclaimed(&mk());
     fan_out_and_release_while_mapped(&mk(), &mk());
+    recycled_pages_read_zero_where_not_written(&mk(), &mk());
 }
 
 /// Asserts the backend is consistent and holds what it held at `base`.
@@ -282,4 +283,36 @@ pub fn fan_out_and_release_while_mapped<D: Dm>(d: &D, other: &D) {
     assert_eq!(d.usage().unwrap().pages_held, base.pages_held + 2);
     drop(maps);
     settle(d, &base, "fan-out");
+}
+
+/// Pages one client filled and freed read zero for the next, wherever the
+/// next did not write: a partial first write of a page, a whole page, a
+/// Ref of them (backends may zero pages when freed or when taken).
+pub fn recycled_pages_read_zero_where_not_written<D: Dm>(d: &D, other: &D) {
+    let ps = d.page_size();
+    let base = other.usage().unwrap();
+    // Dirty pages the backend will hand out again.
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let mut b = d.alloc(16 * ps as u64).unwrap();
+        b.write(0, &vec![0xAB; 16 * ps]).unwrap();
+        held.push(b);
+    }
+    for b in held.drain(..) {
+        d.free(b).unwrap();
+    }
+    let mut a = other.alloc(4 * ps as u64).unwrap();
+    a.write(ps as u64 + 100, b"hello").unwrap();
+    a.write(2 * ps as u64, &vec![7u8; ps]).unwrap();
+    let mut want = vec![0u8; 4 * ps];
+    want[ps + 100..ps + 105].copy_from_slice(b"hello");
+    want[2 * ps..3 * ps].fill(7);
+    assert_eq!(a.to_vec().unwrap(), want, "only written bytes are nonzero");
+    let r = other.create_ref(&a, 0, 4 * ps as u64).unwrap();
+    let m = d.map_ref(&r).unwrap();
+    assert_eq!(m.to_vec().unwrap(), want, "the Ref reads the same");
+    drop(m);
+    other.release_ref(&r).unwrap();
+    other.free(a).unwrap();
+    settle(other, &base, "recycled pages");
 }

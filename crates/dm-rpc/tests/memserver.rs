@@ -38,7 +38,7 @@ fn settled(ms: &MemServer) {
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let problems = ms.state().check(true);
+    let problems = ms.state().check();
     assert!(problems.is_empty(), "{problems:#?}");
     let u = ms.state().usage();
     assert_eq!((u.pages_held, u.refs), (0, 0), "{u:?}");

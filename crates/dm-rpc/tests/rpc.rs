@@ -231,7 +231,7 @@ fn contract_over_tcp_between_pools_with_a_memory_server() {
         (0, 0),
         "Refs left on the memory server: {u:?}"
     );
-    assert!(ms.state().check(true).is_empty());
+    assert!(ms.state().check().is_empty());
     assert!(
         ms.state().metrics.requests_of("put") > 0,
         "nothing went by Ref"

@@ -139,8 +139,8 @@ impl State {
 
     /// The invariant check: every page's count equals its holders (buffers
     /// of all sessions and live Refs), free pages are on the free lists
-    /// once and (with `deep`) zero. Stops every change while it runs.
-    pub fn check(&self, deep: bool) -> Vec<String> {
+    /// once. Stops every change while it runs.
+    pub fn check(&self) -> Vec<String> {
         let _g = lock(&self.sweeping);
         let sessions = lock(&self.sessions);
         let mut ids: Vec<&u64> = sessions.keys().collect();
@@ -152,7 +152,7 @@ impl State {
             g.count_holdings(&mut counts, &mut problems);
         }
         self.refs.count_holdings(&mut counts, &mut problems);
-        self.pages.check(&counts, deep, &mut problems);
+        self.pages.check(&counts, &mut problems);
         problems
     }
 
@@ -242,7 +242,7 @@ impl State {
                 return Ok(());
             }
             Request::Check => {
-                let problems = self.check(true).join("\n");
+                let problems = self.check().join("\n");
                 encode_ok(id, out, |o| o.extend_from_slice(problems.as_bytes()));
                 return Ok(());
             }
@@ -678,7 +678,118 @@ pub fn run(cfg: Config, on_ready: impl FnOnce(&Server)) -> Result<()> {
 /// whose tag is zero stands for the last Ref the session created, so
 /// mapping and releasing get past the capability check); then the session
 /// ends, every Ref is dropped, and the server must hold nothing and pass
-/// its deep check. Panics on a violated invariant.
+/// its check; every read must show zeros wherever nothing was written
+/// since the page was taken (a recycled page's old bytes would show).
+/// Panics on a violated invariant.
+/// What the fuzzed session's buffers and Refs must read as: every
+/// successful request applied to plain vectors (a buffer starts as zeros;
+/// a Ref is a snapshot; a mapping starts as its Ref's snapshot).
+#[derive(Default)]
+struct Model {
+    bufs: std::collections::BTreeMap<u64, Vec<u8>>,
+    snaps: HashMap<dm_pool::Ref, Vec<u8>>,
+}
+
+/// A request, as the model needs it after the server took it.
+enum Op {
+    Alloc(u64),
+    Free(u64),
+    Read(u64, u64),
+    Write(u64, u64, Vec<u8>),
+    Share(u64, u64, u64),
+    Put(Vec<u8>),
+    Map(dm_pool::Ref),
+    Release(dm_pool::Ref),
+    ReadRef(dm_pool::Ref, u64),
+    Other,
+}
+
+impl Model {
+    /// The buffer holding `addr` (any address inside it, as the server
+    /// takes), and `addr + off` as an offset into it.
+    fn at(&mut self, addr: u64, off: u64) -> Option<(&mut Vec<u8>, u64)> {
+        let (&base, v) = self.bufs.range_mut(..=addr).next_back()?;
+        ((addr - base) < v.len() as u64).then_some((v, addr - base + off))
+    }
+
+    fn op(req: &Request<'_>) -> Op {
+        match req {
+            Request::Alloc { len } => Op::Alloc(*len),
+            Request::Free { addr } => Op::Free(*addr),
+            Request::Read { addr, offset, .. } => Op::Read(*addr, *offset),
+            Request::Write { addr, offset, data } => Op::Write(*addr, *offset, data.to_vec()),
+            Request::CreateRef {
+                addr, offset, len, ..
+            } => Op::Share(*addr, *offset, *len),
+            Request::Put { data, .. } => Op::Put(data.to_vec()),
+            Request::MapRef(r) => Op::Map(*r),
+            Request::ReleaseRef(r) => Op::Release(*r),
+            Request::ReadRef { r, offset, .. } => Op::ReadRef(*r, *offset),
+            _ => Op::Other,
+        }
+    }
+
+    /// Applies a request that succeeded with answer `body`, checking what
+    /// reads return.
+    fn apply(&mut self, op: Op, body: &[u8]) {
+        let word = |i: usize| {
+            let b: [u8; 8] = body
+                .get(8 * i..8 * i + 8)
+                .and_then(|b| b.try_into().ok())
+                .expect("a numeric answer");
+            u64::from_le_bytes(b)
+        };
+        let range = |v: &[u8], off: u64, len: usize| -> Vec<u8> {
+            v.get(off as usize..off as usize + len)
+                .expect("a successful read lies inside what the model holds")
+                .to_vec()
+        };
+        match op {
+            Op::Alloc(len) => {
+                self.bufs.insert(word(0), vec![0; len as usize]);
+            }
+            Op::Free(addr) => {
+                self.bufs.remove(&addr);
+            }
+            Op::Write(addr, off, data) => {
+                if let Some((v, at)) = self.at(addr, off) {
+                    v[at as usize..at as usize + data.len()].copy_from_slice(&data);
+                }
+            }
+            Op::Read(addr, off) => {
+                if let Some((v, at)) = self.at(addr, off) {
+                    assert_eq!(body, range(v, at, body.len()), "read of {addr:#x}+{off}");
+                }
+            }
+            Op::Share(addr, off, len) => {
+                let r = proto::decode_ref(body).expect("a Ref");
+                if let Some((v, at)) = self.at(addr, off) {
+                    let snap = range(v, at, len as usize);
+                    self.snaps.insert(r, snap);
+                }
+            }
+            Op::Put(data) => {
+                self.snaps
+                    .insert(proto::decode_ref(body).expect("a Ref"), data);
+            }
+            Op::Map(r) => {
+                if let Some(v) = self.snaps.get(&r) {
+                    self.bufs.insert(word(0), v.clone());
+                }
+            }
+            Op::Release(r) => {
+                self.snaps.remove(&r);
+            }
+            Op::ReadRef(r, off) => {
+                if let Some(v) = self.snaps.get(&r) {
+                    assert_eq!(body, range(v, off, body.len()), "read of a Ref at {off}");
+                }
+            }
+            Op::Other => {}
+        }
+    }
+}
+
 #[doc(hidden)]
 pub fn fuzz_serve(data: &[u8]) {
     thread_local! {
@@ -695,6 +806,7 @@ pub fn fuzz_serve(data: &[u8]) {
         let (sid, space) = st.open_session();
         let mut last = None;
         let mut out = Vec::new();
+        let mut model = Model::default();
         let mut rest = data;
         while rest.len() >= 4 {
             let n = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
@@ -717,17 +829,21 @@ pub fn fuzz_serve(data: &[u8]) {
             }
             out.clear();
             let was_ref = matches!(req, Request::CreateRef { .. } | Request::Put { .. });
+            let op = Model::op(&req);
             let ok = st.serve(&space, id, req, &mut out);
             let (aid, a) = proto::decode_answer(&out[4..]).expect("the server's answers decode");
             assert_eq!(aid, id);
             assert_eq!(a.is_ok(), ok);
+            if let Ok(body) = a {
+                model.apply(op, body);
+            }
             if was_ref && ok {
                 last = a.ok().and_then(|b| proto::decode_ref(b).ok());
             }
         }
         st.close_session(sid, &space);
         st.refs.clear(&st.pages);
-        let problems = st.check(true);
+        let problems = st.check();
         assert!(problems.is_empty(), "{problems:#?}");
         assert_eq!(st.usage().pages_held, 0, "pages left held");
     });

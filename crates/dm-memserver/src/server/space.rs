@@ -205,11 +205,17 @@ impl Space {
                     // Counted above; cannot run short.
                     return Err(Error::Corrupt("page reservation ran short".into()));
                 };
+                let po = (pos % ps as u64) as usize;
+                let n = (ps - po).min(data.len() - done);
                 if old != NONE {
                     // Copy the whole page first, so a partial write keeps
                     // the rest of it; then drop our share of the old one.
                     pages.copy(old, new);
                     pages.unshare(hint, old);
+                } else {
+                    // A fresh page keeps a former owner's bytes: zero what
+                    // this write does not cover.
+                    pages.zero_outside(new, po, n);
                 }
                 b.pages[pi] = new;
             }
