@@ -92,6 +92,28 @@ fn timed(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, Durat
 
 /// `n` timed raw ping-pongs with the peer (which echoes until told to
 /// stop), from a zeroed file.
+/// One echo of `data` given as bytes (inline up to the threshold, by Ref
+/// above it), checked.
+fn echo_bytes(c: &dm_rpc::Client, data: &[u8]) -> Result<()> {
+    let back = c.call("echo", Payload::from(data))?;
+    if back.len() as usize != data.len() {
+        bail!("echo returned {} bytes", back.len());
+    }
+    Ok(())
+}
+
+/// One echo of `data` written by the caller into a pool buffer (by Ref at
+/// every size, with a client of threshold 0), checked.
+fn echo_pool_buffer(pool: &dm_pool::Pool, c: &dm_rpc::Client, data: &[u8]) -> Result<()> {
+    let mut b = pool.alloc(data.len() as u64)?;
+    b.write(0, data)?;
+    let back = c.call("echo", Payload::from_buffer(b))?;
+    if back.len() as usize != data.len() {
+        bail!("echo returned {} bytes", back.len());
+    }
+    Ok(())
+}
+
 fn ping_pong(
     peer: &mut Peer,
     path: &std::path::Path,
@@ -341,25 +363,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "inline"
         };
         for (what, client, k) in [("shm", &c, calls), ("tcp", &tc, slow)] {
-            let (v, wall) = timed(k, || {
-                let back = client.call("echo", Payload::from(data.as_slice()))?;
-                if back.len() != size {
-                    bail!("echo returned {} bytes", back.len());
-                }
-                Ok(())
-            })?;
+            let (v, wall) = timed(k, || echo_bytes(client, &data))?;
             let label = format!("dmrpc {what} echo ({how})");
             rows.push(row(&label, size, &dist(v, wall), f50));
         }
-        let (v, wall) = timed(calls, || {
-            let mut b = pool.alloc(size)?;
-            b.write(0, &data)?;
-            let back = bc.call("echo", Payload::from_buffer(b))?;
-            if back.len() != size {
-                bail!("echo returned {} bytes", back.len());
-            }
-            Ok(())
-        })?;
+        let (v, wall) = timed(calls, || echo_pool_buffer(pool, &bc, &data))?;
         rows.push(row(
             "dmrpc shm echo (pool buffer)",
             size,
@@ -424,23 +432,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             std::thread::sleep(Duration::from_millis(5));
             for (k, &size) in sizes.iter().enumerate() {
                 let data = vec![7u8; size as usize];
-                let (v, wall) = timed(calls_at(size), || {
-                    let back = c.call("echo", Payload::from(data.as_slice()))?;
-                    if back.len() != size {
-                        bail!("echo returned {} bytes", back.len());
-                    }
-                    Ok(())
-                })?;
+                let (v, wall) = timed(calls_at(size), || echo_bytes(&c, &data))?;
                 let bytes = dist(v, wall).p50;
-                let (v, wall) = timed(calls_at(size), || {
-                    let mut b = pool.alloc(size)?;
-                    b.write(0, &data)?;
-                    let back = bc.call("echo", Payload::from_buffer(b))?;
-                    if back.len() != size {
-                        bail!("echo returned {} bytes", back.len());
-                    }
-                    Ok(())
-                })?;
+                let (v, wall) = timed(calls_at(size), || echo_pool_buffer(pool, &bc, &data))?;
                 let ours = bytes.min(dist(v, wall).p50);
                 ratios[k].push(theirs[k] / ours);
             }
