@@ -103,9 +103,14 @@ struct Rx {
 }
 
 impl Rx {
-    /// The next answer frame: `Ok(None)` if none arrived within a read
-    /// slice (partial bytes are kept), an error if the connection broke.
-    fn frame(&mut self) -> std::result::Result<Option<(u64, Answer)>, String> {
+    /// The next answer frame, handed to `f` as its id and its body where
+    /// it lies in the receive buffer (no copy): `Ok(None)` if none arrived
+    /// within a read slice (partial bytes are kept), an error if the
+    /// connection broke.
+    fn frame_with<T>(
+        &mut self,
+        f: impl FnOnce(u64, Result<&[u8]>) -> T,
+    ) -> std::result::Result<Option<T>, String> {
         loop {
             let have = &self.buf[self.start..self.end];
             let mut need = 4;
@@ -118,12 +123,12 @@ impl Rx {
                 if have.len() >= need {
                     let (id, a) = proto::decode_answer(&have[4..need])
                         .map_err(|e| format!("malformed answer: {e}"))?;
-                    let a = a.map(<[u8]>::to_vec);
+                    let t = f(id, a);
                     self.start += need;
                     if self.start == self.end {
                         (self.start, self.end) = (0, 0);
                     }
-                    return Ok(Some((id, a)));
+                    return Ok(Some(t));
                 }
             }
             // Room for the rest of this frame and a good read.
@@ -197,6 +202,49 @@ impl Conn {
 
     /// Sends `reqs` back to back and waits for all their answers.
     fn call_many(&self, reqs: &[Request], timeout: Duration) -> Vec<Answer> {
+        let ids = match self.send_many(reqs) {
+            Ok(ids) => ids,
+            Err(why) => return reqs.iter().map(|_| Err(self.unavailable(&why))).collect(),
+        };
+        let deadline = Instant::now() + timeout;
+        ids.into_iter()
+            .map(|id| self.wait_with(id, deadline, |a| a.map(<[u8]>::to_vec)))
+            .collect()
+    }
+
+    /// Sends reads `reqs` back to back and copies each answer straight from
+    /// the receive buffer into its part of `outs` (one per request, of the
+    /// length it reads), when this caller reads it itself (the usual case:
+    /// an answer another caller read comes through a vector).
+    fn read_into(&self, reqs: &[Request], outs: Vec<&mut [u8]>, timeout: Duration) -> Result<()> {
+        debug_assert_eq!(reqs.len(), outs.len(), "one buffer per read");
+        let ids = self.send_many(reqs).map_err(|why| self.unavailable(&why))?;
+        let deadline = Instant::now() + timeout;
+        let mut first = None;
+        // Every answer is waited for, even after an error.
+        for (id, out) in ids.into_iter().zip(outs) {
+            let r = self.wait_with(id, deadline, |a| {
+                let b = a?;
+                if b.len() != out.len() {
+                    return Err(Error::Protocol(format!(
+                        "a read of {} bytes answered {}",
+                        out.len(),
+                        b.len()
+                    )));
+                }
+                out.copy_from_slice(b);
+                Ok(())
+            });
+            if let Err(e) = r {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Sends `reqs` back to back; their ids, registered as waited for (or
+    /// why the connection is unusable).
+    fn send_many(&self, reqs: &[Request]) -> std::result::Result<Vec<u64>, String> {
         // The requests' heads in one buffer, each followed on the wire by
         // its data (of a write or put), written where it lies.
         let mut heads = Vec::new();
@@ -205,8 +253,7 @@ impl Conn {
         {
             let mut st = lock(&self.state);
             if let Some(why) = &st.dead {
-                let why = why.clone();
-                return reqs.iter().map(|_| Err(self.unavailable(&why))).collect();
+                return Err(why.clone());
             }
             for r in reqs {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -230,22 +277,29 @@ impl Conn {
             for id in &ids {
                 st.waiting.remove(id);
             }
-            let why = e.to_string();
-            return reqs.iter().map(|_| Err(self.unavailable(&why))).collect();
+            return Err(e.to_string());
         }
-        let deadline = Instant::now() + timeout;
-        ids.into_iter()
-            .map(|id| self.wait_for(id, deadline))
-            .collect()
+        Ok(ids)
     }
 
-    /// Waits for the answer to `id`, reading as the leader when nobody is.
-    fn wait_for(&self, id: u64, deadline: Instant) -> Answer {
+    /// Waits for the answer to `id`, reading as the leader when nobody is,
+    /// and hands it to `take` (from the receive buffer when this caller
+    /// reads it, else from the vector the reader left).
+    fn wait_with<T>(
+        &self,
+        id: u64,
+        deadline: Instant,
+        mut take: impl FnMut(Result<&[u8]>) -> Result<T>,
+    ) -> Result<T> {
         let mut st = lock(&self.state);
         loop {
             if let Some(a) = st.answers.remove(&id) {
                 st.waiting.remove(&id);
-                return a;
+                drop(st);
+                return match a {
+                    Ok(v) => take(Ok(&v)),
+                    Err(e) => take(Err(e)),
+                };
             }
             if let Some(why) = &st.dead {
                 let e = self.unavailable(why);
@@ -268,7 +322,7 @@ impl Conn {
             // Lead: read until our answer comes (or the connection breaks).
             st.leader = true;
             drop(st);
-            let got = self.lead(id, deadline);
+            let got = self.lead(id, deadline, &mut take);
             st = lock(&self.state);
             st.leader = false;
             match got {
@@ -284,20 +338,30 @@ impl Conn {
         }
     }
 
-    /// Reads answers, handing the others' over, until `id`'s (`Some`) or
-    /// the deadline (`None`).
-    fn lead(&self, id: u64, deadline: Instant) -> std::result::Result<Option<Answer>, String> {
+    /// Reads answers, handing the others' over, until `id`'s (given to
+    /// `take`: `Some`) or the deadline (`None`).
+    fn lead<T>(
+        &self,
+        id: u64,
+        deadline: Instant,
+        take: &mut impl FnMut(Result<&[u8]>) -> Result<T>,
+    ) -> std::result::Result<Option<Result<T>>, String> {
         let mut rx = lock(&self.rx);
         loop {
-            match rx.frame()? {
-                Some((aid, a)) if aid == id => return Ok(Some(a)),
-                Some((aid, a)) => {
-                    let mut st = lock(&self.state);
-                    if st.waiting.contains(&aid) {
-                        st.answers.insert(aid, a);
-                        self.cv.notify_all();
-                    }
+            let got = rx.frame_with(|aid, a| {
+                if aid == id {
+                    return Some(take(a));
                 }
+                let mut st = lock(&self.state);
+                if st.waiting.contains(&aid) {
+                    st.answers.insert(aid, a.map(<[u8]>::to_vec));
+                    self.cv.notify_all();
+                }
+                None
+            })?;
+            match got {
+                Some(Some(r)) => return Ok(Some(r)),
+                Some(None) => {}
                 None if Instant::now() >= deadline => return Ok(None),
                 None => {}
             }
@@ -451,7 +515,11 @@ impl MemPool {
         dm_pool::error::check_range(offset, out.len() as u64, r.len)?;
         let fetch = |off: u64, buf: &mut [u8]| -> Result<()> {
             let reqs: Vec<Request> = read_requests(*r, off, buf.len()).collect();
-            fill(buf, c.call_many(&reqs, self.inner.cfg.timeout))
+            c.read_into(
+                &reqs,
+                buf.chunks_mut(READ_CHUNK).collect(),
+                self.inner.cfg.timeout,
+            )
         };
         match &self.inner.cache {
             Some(cache) if !out.is_empty() => {
@@ -483,12 +551,11 @@ impl MemPool {
             dm_pool::error::check_range(*off, buf.len() as u64, r.len)?;
             reqs.extend(read_requests(*r, *off, buf.len()));
         }
-        let mut answers = c.call_many(&reqs, self.inner.cfg.timeout).into_iter();
-        for (_, buf) in ranges.iter_mut() {
-            let n = buf.len().div_ceil(READ_CHUNK);
-            fill(buf, answers.by_ref().take(n).collect())?;
-        }
-        Ok(())
+        let outs = ranges
+            .iter_mut()
+            .flat_map(|(_, buf)| buf.chunks_mut(READ_CHUNK))
+            .collect();
+        c.read_into(&reqs, outs, self.inner.cfg.timeout)
     }
 
     /// Releases `r` without waiting for the answer (a Ref the framework
@@ -646,7 +713,11 @@ impl MemBuffer {
             })
             .collect();
         let c = &self.inner.conns[self.server];
-        fill(out, c.call_many(&reqs, self.inner.cfg.timeout))
+        c.read_into(
+            &reqs,
+            out.chunks_mut(READ_CHUNK).collect(),
+            self.inner.cfg.timeout,
+        )
     }
 }
 
@@ -773,24 +844,6 @@ fn read_requests(r: Ref, off: u64, len: usize) -> impl Iterator<Item = Request<'
             offset: off + at as u64,
             len: READ_CHUNK.min(len - at) as u32,
         })
-}
-
-/// Copies the answers of pipelined reads into `out`, in order.
-fn fill(out: &mut [u8], answers: Vec<Answer>) -> Result<()> {
-    let mut at = 0;
-    for g in answers {
-        let g = g?;
-        let end = at + g.len();
-        if end > out.len() {
-            return Err(Error::Protocol("a read answered too many bytes".into()));
-        }
-        out[at..end].copy_from_slice(&g);
-        at = end;
-    }
-    if at != out.len() {
-        return Err(Error::Protocol("a read answered too few bytes".into()));
-    }
-    Ok(())
 }
 
 /// Reads through the cache: chunks of Ref `key` not in `dirty` come from
