@@ -200,13 +200,13 @@ impl Space {
         let mut done = 0;
         for pi in first..=last {
             let old = b.pages[pi];
+            let po = (pos % ps as u64) as usize;
+            let n = (ps - po).min(data.len() - done);
             if old == NONE || pages.rc(old) > 1 {
                 let Some(new) = fresh.next() else {
                     // Counted above; cannot run short.
                     return Err(Error::Corrupt("page reservation ran short".into()));
                 };
-                let po = (pos % ps as u64) as usize;
-                let n = (ps - po).min(data.len() - done);
                 if old != NONE {
                     // Copy the whole page first, so a partial write keeps
                     // the rest of it; then drop our share of the old one.
@@ -219,8 +219,6 @@ impl Space {
                 }
                 b.pages[pi] = new;
             }
-            let po = (pos % ps as u64) as usize;
-            let n = (ps - po).min(data.len() - done);
             pages.write(b.pages[pi], po, &data[done..done + n]);
             done += n;
             pos += n as u64;
