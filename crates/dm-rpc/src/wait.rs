@@ -244,8 +244,11 @@ impl Waiter {
         }
         // The answer outlasted the spin: spin less next time.
         let spun = self.spin;
+        // A policy that spins less than MIN_SPIN (or not at all) keeps
+        // its own spin as the floor.
+        let floor = MIN_SPIN.min(p.spin);
         if p.adaptive {
-            self.spin = (self.spin / 2).max(MIN_SPIN);
+            self.spin = (self.spin / 2).max(floor);
         }
         // Yield.
         let yield_until = Instant::now() + p.yield_for;
@@ -253,7 +256,7 @@ impl Waiter {
             if let Some(x) = ready() {
                 if p.adaptive && start.elapsed() < spun * 2 + MIN_SPIN {
                     // Just missed: spin longer next time.
-                    self.spin = (spun * 2).clamp(MIN_SPIN, p.spin);
+                    self.spin = (spun * 2).clamp(floor, p.spin);
                 }
                 return Ok(Some(x));
             }
@@ -296,6 +299,56 @@ impl Waiter {
             }
             if Instant::now() >= now + slice {
                 idle()?;
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Waits with `w` for a condition that comes true at its `n`th check.
+    fn wait_n(w: &mut Waiter, n: u32) -> Option<u32> {
+        let bell = AtomicU32::new(AWAKE);
+        let mut checks = 0;
+        let ready = || {
+            checks += 1;
+            (checks >= n).then_some(checks)
+        };
+        w.wait(Bell(&bell), None, ready, || Ok::<(), ()>(()))
+            .unwrap_or(None)
+    }
+
+    #[test]
+    fn an_adaptive_policy_without_spin_never_spins() {
+        // `DMRPC_WAIT=0,2000,20`: yield at once, adaptively. A wait that
+        // ends just after the spin phase used to clamp the next spin to
+        // [MIN_SPIN, 0] and panic.
+        let p = WaitPolicy::parse("0,2000,20").unwrap();
+        assert!(p.adaptive);
+        let mut w = p.waiter();
+        for n in [2, 3, 50, 2] {
+            assert_eq!(wait_n(&mut w, n), Some(n));
+            assert_eq!(w.spin(), Duration::ZERO);
+        }
+    }
+
+    #[test]
+    fn an_adaptive_spin_stays_within_its_bounds() {
+        // A spin below MIN_SPIN is its own floor; a longer one halves
+        // down to MIN_SPIN and never grows past the policy's.
+        for us in [0u64, 1, 20] {
+            let p = WaitPolicy {
+                spin: Duration::from_nanos(us * 300),
+                park_slice: Duration::from_millis(1),
+                ..Default::default()
+            };
+            let mut w = p.waiter();
+            for n in [2, 100, 2, 300, 2, 2] {
+                assert_eq!(wait_n(&mut w, n), Some(n));
+                assert!(w.spin() <= p.spin, "{:?} > {:?}", w.spin(), p.spin);
+                assert!(w.spin() >= MIN_SPIN.min(p.spin));
             }
         }
     }
