@@ -1,8 +1,11 @@
 //! A nested-call chain through tier processes, for profiling what a hop
 //! costs (`perf record -a -- target/release/examples/chain_loop 20000`;
 //! env: TIERS (7), SIZE (65536), BYREF=1 (send it by Ref; else inline),
-//! POLICY=spin|park|yield). Tier k forwards its payload to tier k+1
-//! untouched; the last reads every byte and answers 8 bytes.
+//! POLICY=spin|park|yield, CONC (1: calls in flight, from that many client
+//! threads; above 1 the forwarding tiers serve with async handlers and
+//! async clients, so calls overlap in every tier), RING_KIB (the rings'
+//! size)). Tier k forwards its payload to tier k+1 untouched; the last
+//! reads every byte and answers 8 bytes.
 #![allow(clippy::unwrap_used)]
 
 #[cfg(not(loom))]
@@ -38,6 +41,27 @@ fn main() {
         let n = node.clone();
         let next = format!("profile/chain/{}", k + 1);
         let cl = std::sync::OnceLock::new();
+        if env("CONC", 1) > 1 && k + 1 < tiers {
+            let acl = std::sync::Arc::new(std::sync::OnceLock::new());
+            let n2 = node.clone();
+            let s = node
+                .server(&format!("profile/chain/{k}"))
+                .method_async("go", move |c| {
+                    let acl = acl.clone();
+                    let n2 = n2.clone();
+                    let next = next.clone();
+                    async move {
+                        let cl: &dm_rpc::AsyncClient =
+                            acl.get_or_init(|| n2.connect_async(&next).unwrap());
+                        cl.call("go", c.payload.forward()?).await
+                    }
+                })
+                .spawn()
+                .unwrap();
+            common::ready_until_stdin_closes();
+            s.shutdown();
+            return;
+        }
         let s = node
             .server(&format!("profile/chain/{k}"))
             .method("go", move |c| {
@@ -58,7 +82,7 @@ fn main() {
         return;
     }
     let n: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(20_000);
-    let path = common::create_pool("chain-loop", 256 << 20);
+    let path = common::create_pool("chain-loop", 1 << 30);
     let children: Vec<_> = (0..tiers)
         .map(|k| common::spawn_peer(&["tier", &path, &k.to_string()]))
         .collect();
@@ -82,12 +106,19 @@ fn main() {
     for _ in 0..n / 10 {
         call();
     }
+    let conc = env("CONC", 1);
     let t = Instant::now();
-    for _ in 0..n {
-        call();
-    }
+    std::thread::scope(|s| {
+        for _ in 0..conc {
+            s.spawn(|| {
+                for _ in 0..n / conc as u64 {
+                    call();
+                }
+            });
+        }
+    });
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref})");
+    println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref}, {conc} in flight)");
     drop(c);
     for ch in children {
         common::stop_peer(ch);

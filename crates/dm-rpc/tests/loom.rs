@@ -5,7 +5,10 @@
 //! futex model that blocks until the word changes (so a lost wake-up is a
 //! hang that loom reports):
 //! * records cross the ring intact and in order, through wrap-around and a
-//!   full ring, with both sides parking on their bells;
+//!   full ring, with both sides parking on their bells without timeouts
+//!   (the consumer rings the producer's bell lazily per record, and with
+//!   the fence when it finds the ring empty: a producer parked for room is
+//!   never left asleep);
 //! * many ringers and one waiter on a doorbell: the waiter always wakes.
 #![cfg(loom)]
 
@@ -55,10 +58,9 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     b.check(f);
 }
 
-/// The park phase of `Waiter::wait`: announce, re-check, sleep (in
-/// slices if `timed`, as a producer on a full ring does, whose bell is
-/// rung lazily; untimed waits must never miss a wake-up).
-fn wait_until(bell: &AtomicU32, timed: bool, mut ready: impl FnMut() -> bool) {
+/// The park phase of `Waiter::wait`: announce, re-check, sleep without a
+/// timeout (so a missed wake-up is a hang).
+fn wait_until(bell: &AtomicU32, mut ready: impl FnMut() -> bool) {
     loop {
         if ready() {
             return;
@@ -69,7 +71,7 @@ fn wait_until(bell: &AtomicU32, timed: bool, mut ready: impl FnMut() -> bool) {
             b.cancel();
             return;
         }
-        b.sleep(timed.then(|| std::time::Duration::from_millis(1)));
+        b.sleep(None);
     }
 }
 
@@ -97,14 +99,14 @@ fn records_cross_in_order_with_parking_on_both_sides() {
             for i in 0..N {
                 let msg = [i + 1; 3];
                 let bell = p.bell();
-                wait_until(bell.0, true, || p.fits(msg.len()));
+                wait_until(bell.0, || p.fits(msg.len()));
                 assert!(p.try_push(msg.len(), |put| put(&msg)).unwrap());
             }
         });
         let mut c = Consumer::new(&sh.ctl, &sh.data);
         let mut out = Vec::new();
         for i in 0..N {
-            wait_until(&sh.consumer_bell, false, || c.ready());
+            wait_until(&sh.consumer_bell, || c.ready());
             assert!(c.try_pop(&mut out).unwrap(), "ready but empty");
             assert_eq!(out, [i + 1; 3], "record {i}");
         }
@@ -128,7 +130,7 @@ fn a_doorbell_with_two_ringers_never_loses_a_wake_up() {
             })
             .collect();
         // The waiter needs both units of work; each ringer rings once.
-        wait_until(&bell, false, || work.load(Ordering::Acquire) == 2);
+        wait_until(&bell, || work.load(Ordering::Acquire) == 2);
         for r in ringers {
             r.join().unwrap();
         }

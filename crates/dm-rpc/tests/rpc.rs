@@ -535,6 +535,62 @@ fn a_client_that_stops_reading_does_not_stall_others() {
     tp.assert_clean();
 }
 
+#[test]
+fn a_server_waiting_for_room_for_an_answer_wakes_when_the_client_reads() {
+    // A server takes a request only when its connection has room for the
+    // largest answer it may send. Here (a 4 KiB ring) that is only when the
+    // response ring is empty: after answering the first of three pipelined
+    // requests it parks, with a park slice of a minute, until the client
+    // reads that answer. Reading must wake it (it used to wait out the
+    // slice: the client rang a bell nobody waited on).
+    let tp = TempPool::with(PoolConfig {
+        size: 64 << 20,
+        ring_size: 4096,
+        channels: Some(8),
+        ..Default::default()
+    });
+    let node = Node::with_config(
+        tp.attach(),
+        Config {
+            wait: WaitPolicy {
+                park_slice: Duration::from_secs(60),
+                ..WaitPolicy::park_only()
+            },
+            ..Default::default()
+        },
+    );
+    let name = unique("room");
+    let svc = spawn_svc(&node, &name, &Transport::Shm);
+    let info = node.pool().lookup(&name).unwrap().unwrap();
+    let mut conn =
+        dm_rpc::transport::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
+    for id in 1..=3u64 {
+        let frame = dm_rpc::Frame::request(
+            id,
+            dm_rpc::frame::method_id("echo"),
+            0,
+            dm_rpc::Body::Inline(vec![id as u8; 100]),
+        );
+        assert!(conn.tx.send(&frame, None).unwrap());
+    }
+    // Let the server answer the first and park for room.
+    std::thread::sleep(Duration::from_millis(200));
+    for id in 1..=3u64 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let f = conn.rx.recv(Some(deadline)).unwrap();
+        let f = f.unwrap_or_else(|| panic!("answer {id} did not come within 10 s"));
+        assert_eq!(f.call_id, id);
+        match f.payload {
+            dm_rpc::Body::Inline(b) => assert_eq!(b, vec![id as u8; 100]),
+            other => panic!("answer {id}: {other:?}"),
+        }
+    }
+    drop(conn);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
 type Scribble<'a> = Box<dyn Fn(&mut dm_rpc::transport::shm::RawConnection) + 'a>;
 
 #[test]

@@ -19,12 +19,21 @@ pub fn wait_policy() -> dm_rpc::WaitPolicy {
 }
 
 /// Creates a pool of `size` bytes under /dev/shm for this run; its path.
+/// `RING_KIB` sets its channels' ring size.
 pub fn create_pool(tag: &str, size: u64) -> String {
     let path = format!("/dev/shm/dmrpc-{tag}-{}.pool", std::process::id());
-    let cfg = dm_pool::PoolConfig {
+    let mut cfg = dm_pool::PoolConfig {
         size,
         ..Default::default()
     };
+    // `RING_KIB`: the channels' ring size (default: the pool's).
+    if let Some(kib) = std::env::var("RING_KIB")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        cfg.ring_size = kib << 10;
+        cfg.channels = Some(32);
+    }
     if let Err(e) = dm_pool::Pool::create(path.as_ref(), &cfg) {
         panic!("cannot create {path}: {e}");
     }

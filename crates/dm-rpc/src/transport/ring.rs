@@ -30,8 +30,13 @@
 //! Wake-ups follow [`crate::wait::Bell`]: after publishing, the producer
 //! rings the consumer's bell; after consuming, the consumer rings the
 //! producer's bell lazily (no fence: it may miss a producer that parks at
-//! that instant), which a producer parks on only when the ring is full, and
-//! then in short slices, so a missed wake-up costs at most a slice.
+//! that instant), which a producer parks on only when the ring is full. The
+//! first time the consumer then finds its ring empty it rings the
+//! producer's bell once more, with the fence: a producer waiting for room
+//! is never left parked once the consumer has caught up (a fence per
+//! drained ring, not per record, and off the critical path: the consumer
+//! has nothing to do). A producer still parks in short slices, which bound
+//! the wait for room freed by a consumer that has not caught up yet.
 
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::wait::Bell;
@@ -45,7 +50,9 @@ use crate::wait::Bell;
 /// the consumer zeroes every slot of what it consumed instead (same
 /// guarantee, off the producer's critical path), and rings the producer's
 /// bell without a fence (a producer waiting on a full ring parks in short
-/// slices).
+/// slices). Version 4 also covers a consumer that rings with the fence when
+/// it finds its ring empty after consuming: the format is the same and
+/// either kind of consumer works with either kind of producer.
 pub const RING_VERSION: u32 = 4;
 const REC_HDR: usize = 8;
 const REC_ALIGN: usize = 64;
@@ -65,7 +72,8 @@ pub struct RingControl {
     /// Bytes ever consumed by the consumer.
     pub tail: Line<AtomicU64>,
     /// The producer's bell, rung by the consumer (the producer parks only
-    /// when the ring is full).
+    /// when the ring is full), unless both ends agree on another word
+    /// ([`Producer::room_bell`], [`Consumer::room_bell`]).
     pub producer_bell: Line<AtomicU32>,
 }
 
@@ -198,6 +206,8 @@ pub struct Producer<'a, D> {
     ctl: &'a RingControl,
     data: D,
     consumer_bell: Bell<'a>,
+    /// Where this producer parks for room.
+    room_bell: &'a AtomicU32,
     head: u64,
     tail_cache: u64,
 }
@@ -212,6 +222,7 @@ impl<'a, D: RingData> Producer<'a, D> {
             ctl,
             data,
             consumer_bell: Bell(consumer_bell),
+            room_bell: &ctl.producer_bell.0,
             head,
             tail_cache: ctl.tail.0.load(Ordering::Acquire),
         }
@@ -222,9 +233,18 @@ impl<'a, D: RingData> Producer<'a, D> {
         self.head
     }
 
+    /// Parks for room on `bell` instead of the ring's own producer bell:
+    /// for a producer whose thread also waits for other things on `bell`
+    /// (a server waiting for requests and for room for their answers).
+    /// The consumer must ring the same word ([`Consumer::room_bell`]).
+    pub fn room_bell(mut self, bell: &'a AtomicU32) -> Self {
+        self.room_bell = bell;
+        self
+    }
+
     /// The producer's bell (park on it when [`try_push`](Self::try_push) says full).
     pub fn bell(&self) -> Bell<'a> {
-        Bell(&self.ctl.producer_bell.0)
+        Bell(self.room_bell)
     }
 
     /// Whether a record of `len` bytes would fit now.
@@ -323,13 +343,31 @@ pub struct Consumer<'a, D> {
     ctl: &'a RingControl,
     data: D,
     tail: u64,
+    /// The producer's bell: where it parks for room.
+    room_bell: &'a AtomicU32,
+    /// Records were consumed since the producer's bell was last rung with
+    /// the fence.
+    owes_ring: bool,
 }
 
 impl<'a, D: RingData> Consumer<'a, D> {
     /// Takes the consuming end of a ring whose cursors are `ctl`.
     pub fn new(ctl: &'a RingControl, data: D) -> Self {
         let tail = ctl.tail.0.load(Ordering::Relaxed) & !(REC_ALIGN as u64 - 1);
-        Consumer { ctl, data, tail }
+        Consumer {
+            ctl,
+            data,
+            tail,
+            room_bell: &ctl.producer_bell.0,
+            owes_ring: false,
+        }
+    }
+
+    /// Rings `bell` for room instead of the ring's own producer bell (the
+    /// word the producer parks on: [`Producer::room_bell`]).
+    pub fn room_bell(mut self, bell: &'a AtomicU32) -> Self {
+        self.room_bell = bell;
+        self
     }
 
     /// The header at the cursor, if a record (or wrap marker) of this lap
@@ -346,7 +384,21 @@ impl<'a, D: RingData> Consumer<'a, D> {
     /// Whether a record is waiting (one load of its header's line).
     #[inline]
     pub fn ready(&mut self) -> bool {
-        self.peek().is_some()
+        if self.peek().is_some() {
+            return true;
+        }
+        self.caught_up();
+        false
+    }
+
+    /// The ring is empty: wake a producer that parked for room while the
+    /// lazy rings of the records consumed may have missed it.
+    #[inline]
+    fn caught_up(&mut self) {
+        if self.owes_ring {
+            self.owes_ring = false;
+            Bell(self.room_bell).ring();
+        }
     }
 
     /// Copies the next record into `out` (replacing its contents) and frees
@@ -381,6 +433,7 @@ impl<'a, D: RingData> Consumer<'a, D> {
         let size = self.data.size();
         loop {
             let Some(len) = self.peek() else {
+                self.caught_up();
                 return Ok(false);
             };
             let idx = self.tail as usize & (size - 1);
@@ -407,7 +460,8 @@ impl<'a, D: RingData> Consumer<'a, D> {
             }
             self.tail = self.tail.wrapping_add(rec as u64);
             self.ctl.tail.0.store(self.tail, Ordering::Release);
-            Bell(&self.ctl.producer_bell.0).ring_lazy();
+            Bell(self.room_bell).ring_lazy();
+            self.owes_ring = true;
             return Ok(true);
         }
     }

@@ -8,7 +8,7 @@
 //! ```text
 //! 0    magic | ring version, written by the client when it opens
 //! 64   request ring cursors  (head, tail, producer bell: 3 cache lines)
-//! 256  response ring cursors (head, tail, producer bell)
+//! 256  response ring cursors (head, tail, producer bell: unused, below)
 //! 448  the client's bell (the response ring's consumer parks on it)
 //! ```
 //!
@@ -18,6 +18,15 @@
 //! server scans the channel table only when a client arrived). So one
 //! server thread waits for every client with one futex, and a client pays
 //! a syscall only when the server is parked.
+//!
+//! The server's doorbell is also where it waits for room in a response
+//! ring: a client that consumes answers rings the server's doorbell, not
+//! the response ring's own producer bell. The server takes a request only
+//! when the connection has room for its answer, so a server whose clients
+//! have not yet read their answers waits for requests and for room at once,
+//! on one word (control version 2; in version 1 the room was signalled on
+//! the response ring's bell, where the waiting server did not listen, and
+//! it noticed only at the end of a 20 ms park slice).
 
 use super::ring::{self, Consumer, Producer, RawData, RingControl};
 use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
@@ -29,8 +38,10 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Version of the control-page layout above.
-pub const CONTROL_VERSION: u32 = 1;
+/// Version of the control-page layout and bells above. History: 1 — the
+/// response ring's consumer rings the ring's producer bell; 2 — it rings
+/// the server's doorbell.
+pub const CONTROL_VERSION: u32 = 2;
 const MAGIC: u32 = 0x4443_0000 | CONTROL_VERSION << 8 | super::RING_VERSION;
 const REQ_CTL: usize = 64;
 const RESP_CTL: usize = 256;
@@ -171,7 +182,7 @@ pub fn connect(
         sh: sh.clone(),
     };
     let rx = ShmRx {
-        cons: Consumer::new(p.resp, p.resp_data),
+        cons: Consumer::new(p.resp, p.resp_data).room_bell(&words[SERVER_BELL]),
         waiter: policy.waiter(),
         bell: p.client_bell,
         limits: Limits {
@@ -357,7 +368,8 @@ impl ShmListener {
                 id: self.next_id,
                 ch,
                 req: Consumer::new(p.req, p.req_data),
-                resp: Producer::new(p.resp, p.resp_data, p.client_bell),
+                resp: Producer::new(p.resp, p.resp_data, p.client_bell)
+                    .room_bell(&self.words[SERVER_BELL]),
                 owed: 0,
             });
             self.next_id += 1;
