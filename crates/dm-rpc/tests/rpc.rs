@@ -68,8 +68,12 @@ fn spawn_svc(node: &Node, name: &str, t: &Transport) -> dm_rpc::Server {
 }
 
 fn inspect(node: &Node, c: &dm_rpc::Client, data: Vec<u8>) -> (u64, bool, u64) {
-    let _ = node;
-    let r = c.call("inspect", data).unwrap().to_vec().unwrap();
+    inspect_arg(c, arg(node, false, data))
+}
+
+/// What `inspect` answers for argument `p`.
+fn inspect_arg(c: &dm_rpc::Client, p: Payload) -> (u64, bool, u64) {
+    let r = c.call("inspect", p).unwrap().to_vec().unwrap();
     (
         u64::from_le_bytes(r[..8].try_into().unwrap()),
         r[8] == 1,
@@ -77,18 +81,33 @@ fn inspect(node: &Node, c: &dm_rpc::Client, data: Vec<u8>) -> (u64, bool, u64) {
     )
 }
 
+/// A call's argument: bytes, or (`remote`, above the node's threshold) a
+/// buffer written on the node's memory server.
+fn arg(node: &Node, remote: bool, data: Vec<u8>) -> Payload {
+    match node.memserver() {
+        Some(m) if remote && data.len() > node.config().inline_max => {
+            use dm_pool::{Dm, DmBuffer};
+            let mut b = m.alloc(data.len() as u64).unwrap();
+            b.write(0, &data).unwrap();
+            Payload::from_mem_buffer(b)
+        }
+        _ => Payload::from_vec(data),
+    }
+}
+
 fn contract(t: Transport) {
     let tp = pool();
     let node = Node::new(tp.attach());
-    run_contract(&node, &node, &t, false);
+    run_contract(&node, &node, &t, false, false);
     drop(node);
     tp.assert_clean();
 }
 
 /// The contract between a server on `snode` and clients on `node` (the
 /// same node, or one in another pool reaching the server by its TCP
-/// address when `direct`).
-fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool) {
+/// address when `direct`); with `remote`, the clients' large arguments are
+/// buffers on their memory server.
+fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool, remote: bool) {
     let name = unique("contract");
     let svc = spawn_svc(snode, &name, t);
     let addr = svc.tcp_addr().map(str::to_owned);
@@ -103,10 +122,10 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool) {
     for len in [0usize, 1, 100, th, th + 1, 1 << 20, (4 << 20) + 123] {
         let data = pattern(len, len as u8);
         let want = sum(&Payload::from_vec(data.clone()));
-        let (l, in_pool, h) = inspect(node, &c, data.clone());
+        let (l, in_pool, h) = inspect_arg(&c, arg(node, remote, data.clone()));
         assert_eq!((l, h), (len as u64, want), "len {len}");
         assert_eq!(in_pool, len > th, "len {len} travelled the wrong way");
-        let back = c.call("echo", data.clone()).unwrap();
+        let back = c.call("echo", arg(node, remote, data.clone())).unwrap();
         assert_eq!(back.len(), len as u64);
         assert_eq!(back.in_pool() || back.is_remote(), len > th);
         assert!(
@@ -192,7 +211,8 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool) {
                     let len = if i % 10 == 0 { 100_000 } else { i * 13 };
                     let data = pattern(len, k);
                     let want = sum(&Payload::from_vec(data.clone()));
-                    assert_eq!(inspect(node, &cl, data), (len as u64, len > th, want));
+                    let got = inspect_arg(&cl, arg(node, remote, data));
+                    assert_eq!(got, (len as u64, len > th, want));
                 }
             });
         }
@@ -208,16 +228,23 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool) {
     assert_eq!(e.status, gone, "a stopped service is gone");
 }
 
-#[test]
-fn contract_over_tcp_between_pools_with_a_memory_server() {
-    // Two pools (two hosts, in effect) and one memory server: payloads
-    // above the threshold travel as memory-server Refs, both ways.
+/// The contract with a memory server behind both nodes: over TCP between
+/// two pools (two hosts, in effect), or over `t` within one pool; the
+/// client's large arguments are written on the memory server, and travel
+/// as its Refs where both ends use it (TCP, in-process queues) or are
+/// read and passed through the pool (shared-memory rings, whose ends share
+/// only the pool).
+fn contract_with_memory_server(t: Transport, between_pools: bool) {
     let ms = dm_memserver::Server::start(dm_memserver::Config::default()).unwrap();
     let mem = || dm_memserver::MemPool::connect(&[ms.addr().to_string()]).unwrap();
     let (ps, pc) = (pool(), pool());
     let snode = Node::new(ps.attach()).with_memserver(mem());
-    let cnode = Node::new(pc.attach()).with_memserver(mem());
-    run_contract(&snode, &cnode, &Transport::Tcp("127.0.0.1:0".into()), true);
+    let cnode = if between_pools {
+        Node::new(pc.attach()).with_memserver(mem())
+    } else {
+        snode.clone()
+    };
+    run_contract(&snode, &cnode, &t, between_pools, true);
     drop((snode, cnode));
     for _ in 0..200 {
         if ms.state().usage().refs == 0 {
@@ -232,12 +259,39 @@ fn contract_over_tcp_between_pools_with_a_memory_server() {
         "Refs left on the memory server: {u:?}"
     );
     assert!(ms.state().check().is_empty());
-    assert!(
-        ms.state().metrics.requests_of("put") > 0,
-        "nothing went by Ref"
+    let m = &ms.state().metrics;
+    assert!(m.requests_of("write") > 0, "no argument was written there");
+    // Where both ends use the memory server, its Refs travel; shared-memory
+    // rings pass such an argument through the pool.
+    let refs = m.requests_of("create_ref") + m.requests_of("put");
+    assert_eq!(
+        refs > 0,
+        t != Transport::Shm,
+        "{refs} memory-server Refs made"
     );
     ps.assert_clean();
     pc.assert_clean();
+}
+
+#[test]
+fn contract_over_tcp_between_pools_with_a_memory_server() {
+    // Payloads above the threshold travel as memory-server Refs, both ways.
+    contract_with_memory_server(Transport::Tcp("127.0.0.1:0".into()), true);
+}
+
+#[test]
+fn contract_over_shm_with_a_memory_server() {
+    contract_with_memory_server(Transport::Shm, false);
+}
+
+#[test]
+fn contract_over_mem_with_a_memory_server() {
+    contract_with_memory_server(Transport::Mem, false);
+}
+
+#[test]
+fn contract_over_tcp_with_a_memory_server() {
+    contract_with_memory_server(Transport::Tcp("127.0.0.1:0".into()), false);
 }
 
 #[test]
