@@ -398,12 +398,17 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
             let _ = wr.flush().await;
             break "oversized frame";
         }
-        frame.resize(n, 0);
+        // The buffer only grows (zero-filled then, once): a large write
+        // after small requests does not zero it again.
+        if frame.len() < n {
+            frame.resize(n, 0);
+        }
+        let frame = &mut frame[..n];
         let whole = avail.1 == Some(n) && avail.0 >= 4 + n;
         let got = if whole {
-            rd.read_exact(&mut frame).await.map_err(|_| ())
+            rd.read_exact(frame).await.map_err(|_| ())
         } else {
-            match tokio::time::timeout(lease, rd.read_exact(&mut frame)).await {
+            match tokio::time::timeout(lease, rd.read_exact(frame)).await {
                 Ok(Ok(_)) => Ok(0),
                 _ => Err(()),
             }
@@ -412,7 +417,7 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
             break "truncated frame";
         }
         let t = Instant::now();
-        let (op, ok) = match Request::decode(&frame) {
+        let (op, ok) = match Request::decode(frame) {
             Ok((id, req)) => {
                 if let Request::Hello { lease_ms } = req {
                     lease = Duration::from_millis(lease_ms.clamp(100, 3_600_000) as u64);
