@@ -6,13 +6,16 @@
 //! empty request is a no-op call); `/dmrpc.bench.Bench/Go` is a tier of
 //! `bench chain`: it passes the bytes on to the next tier's `Go` (by
 //! value, as gRPC does), or in the last tier answers their 8-byte
-//! checksum.
+//! checksum. Given several next tiers it is `bench lb`'s load balancer:
+//! each request goes to the next of them in turn.
 
 use anyhow::{anyhow, Context, Result};
 use bytes::{Buf, BufMut, Bytes};
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 use tokio_stream::StreamExt;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
@@ -75,10 +78,28 @@ impl tonic::server::UnaryService<Bytes> for Echo {
     }
 }
 
-/// The Go method: a chain tier.
+/// The Go method: a chain tier, or a load balancer.
 #[derive(Debug, Clone)]
 struct Go {
     next: Option<tonic::client::Grpc<Channel>>,
+}
+
+/// Where `Go` passes requests on: none (the last tier), one (a chain
+/// tier), or several in turn (a load balancer).
+#[derive(Debug, Clone, Default)]
+struct Next {
+    to: Vec<tonic::client::Grpc<Channel>>,
+    turn: Arc<AtomicUsize>,
+}
+
+impl Next {
+    fn pick(&self) -> Option<tonic::client::Grpc<Channel>> {
+        if self.to.is_empty() {
+            return None;
+        }
+        let k = self.turn.fetch_add(1, Ordering::Relaxed) % self.to.len();
+        Some(self.to[k].clone())
+    }
 }
 
 impl tonic::server::UnaryService<Bytes> for Go {
@@ -109,7 +130,7 @@ impl tonic::server::UnaryService<Bytes> for Go {
 /// The service: routes `Echo` and `Go`, answers UNIMPLEMENTED otherwise.
 #[derive(Debug, Clone, Default)]
 pub struct BenchService {
-    next: Option<tonic::client::Grpc<Channel>>,
+    next: Next,
 }
 
 impl tonic::server::NamedService for BenchService {
@@ -139,7 +160,7 @@ where
             })
         } else if req.uri().path() == GO {
             let go = Go {
-                next: self.next.clone(),
+                next: self.next.pick(),
             };
             Box::pin(async move {
                 let mut grpc = tonic::server::Grpc::new(BytesCodec);
@@ -161,21 +182,24 @@ pub enum Listen {
 /// Starts the service on a runtime of its own (two worker threads, like
 /// a default tonic server on this machine) and returns its address
 /// (`host:port`, or the socket's path), serving until the process ends.
-/// `next`: the TCP address of the next chain tier for `Go`.
+/// `next`: the TCP address of the next chain tier for `Go`, or the
+/// comma-separated addresses of the workers of a load balancer.
 pub fn serve(listen: Listen, next: Option<&str>) -> Result<String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let next = match next {
-        Some(addr) => {
-            let _in_rt = rt.enter();
-            let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-                .tcp_nodelay(true)
-                .connect_lazy();
-            Some(tonic::client::Grpc::new(ch))
-        }
-        None => None,
+    let mut to = Vec::new();
+    for addr in next.into_iter().flat_map(|n| n.split(',')) {
+        let _in_rt = rt.enter();
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .tcp_nodelay(true)
+            .connect_lazy();
+        to.push(tonic::client::Grpc::new(ch));
+    }
+    let next = Next {
+        to,
+        turn: Arc::default(),
     };
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()

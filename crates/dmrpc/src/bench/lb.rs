@@ -6,7 +6,9 @@
 //! balancer forwards the Ref) and **by value** (requests inline; the
 //! balancer copies each out of one ring and into another). Reported:
 //! throughput with two client threads, and the payload bytes the balancer
-//! process copied per request (from its own transport counters).
+//! process copied per request (from its own transport counters). And the
+//! same three processes serving gRPC (tonic over loopback TCP, by value):
+//! a tonic balancer forwarding round robin to two tonic workers.
 
 use super::peer::{BenchPool, Peer};
 use super::plot::Chart;
@@ -64,15 +66,24 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "lb {base}/{mode}/lb {base}/{mode}/w0,{base}/{mode}/w1 {mode}"
         ))?;
     }
+    // The same in gRPC: tonic workers in the worker processes, a tonic
+    // balancer in the balancer's.
+    let workers = peers
+        .iter_mut()
+        .map(|p| p.cmd_text("grpc tcp -"))
+        .collect::<Result<Vec<_>>>()?;
+    let grpc_lb = lb_peer.cmd_text(&format!("grpc tcp {}", workers.join(",")))?;
     say!("bench lb: {CLIENTS} client threads -> load balancer -> 2 workers (3 processes besides this one)");
     say!(
-        "{:>8} {:>13} {:>13} {:>8} {:>16} {:>16}",
+        "{:>8} {:>13} {:>13} {:>8} {:>16} {:>16} {:>13} {:>9}",
         "size",
         "Ref calls/s",
         "value calls/s",
         "ratio",
         "LB copies (Ref)",
-        "LB copies (value)"
+        "LB copies (value)",
+        "tonic calls/s",
+        "Ref/tonic"
     );
     let mut rows = Vec::new();
     super::progress::start("lb", 4);
@@ -89,50 +100,46 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             );
             let lb = format!("{base}/{mode}/lb");
             let before = lb_copied(&node, &lb)?;
-            let t0 = Instant::now();
-            let calls: Vec<usize> = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..CLIENTS)
-                    .map(|_| {
-                        let (node, lb, data, pool) = (&node, &lb, &data, &pool);
-                        s.spawn(move || -> Result<usize> {
-                            let c = node.connect(lb)?;
-                            let mut n = 0;
-                            while t0.elapsed() < budget {
-                                let p = if mode == "ref" {
-                                    let mut b = pool.alloc(size as u64)?;
-                                    b.write(0, data)?;
-                                    Payload::from_buffer(b)
-                                } else {
-                                    Payload::from_vec(data.clone())
-                                };
-                                c.call("go", p)?;
-                                n += 1;
-                            }
-                            Ok(n)
-                        })
-                    })
-                    .collect();
-                hs.into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Ok(0)).unwrap_or(0))
-                    .collect()
-            });
-            let wall = t0.elapsed().as_secs_f64();
-            let n: usize = calls.iter().sum();
-            if n == 0 {
-                bail!("{mode}: no call completed");
-            }
+            let (rate, n) = closed_loop(
+                mode,
+                budget,
+                || Ok(node.connect(&lb)?),
+                |c| {
+                    let p = if mode == "ref" {
+                        let mut b = pool.alloc(size as u64)?;
+                        b.write(0, &data)?;
+                        Payload::from_buffer(b)
+                    } else {
+                        Payload::from_vec(data.clone())
+                    };
+                    c.call("go", p)?;
+                    Ok(())
+                },
+            )?;
             let copied = (lb_copied(&node, &lb)? - before) as f64 / n as f64;
-            res.push((n as f64 / wall, copied));
+            res.push((rate, copied));
         }
+        let bytes = bytes::Bytes::from(data.clone());
+        let (tonic, _) = closed_loop(
+            "tonic",
+            budget,
+            || super::grpc::Client::connect(&grpc_lb),
+            |g| {
+                g.go(bytes.clone())?;
+                Ok(())
+            },
+        )?;
         let ratio = res[0].0 / res[1].0;
         say!(
-            "{:>8} {:>13.0} {:>13.0} {:>7.1}x {:>14.0} B {:>14.0} B",
+            "{:>8} {:>13.0} {:>13.0} {:>7.1}x {:>14.0} B {:>14.0} B {:>13.0} {:>8.1}x",
             fmt_size(size as u64),
             res[0].0,
             res[1].0,
             ratio,
             res[0].1,
-            res[1].1
+            res[1].1,
+            tonic,
+            res[0].0 / tonic
         );
         let mut o = Obj::default();
         o.num("size", size as f64);
@@ -141,6 +148,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         o.num("ref_over_value", ratio);
         o.num("lb_bytes_copied_per_request_ref", res[0].1);
         o.num("lb_bytes_copied_per_request_value", res[1].1);
+        o.num("tonic_calls_per_s", tonic);
+        o.num("ref_over_tonic", res[0].0 / tonic);
         rows.push(o);
         super::progress::tick(format!("{size} bytes"));
     }
@@ -149,7 +158,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     bp.check()?;
     let mut res = Obj::default();
     res.str("benchmark", "lb");
-    res.str("method", "2 client threads here; load balancer and 2 workers each in its own process over shm channels; LB copies = inline payload bytes through the LB's transports per request");
+    res.str("method", "2 client threads here; load balancer and 2 workers each in its own process over shm channels; LB copies = inline payload bytes through the LB's transports per request; tonic = the same processes serving gRPC over loopback TCP, the balancer forwarding by value round robin");
     res.obj("machine", &super::machine());
     res.arr("rows", &rows);
     super::write_results(
@@ -158,7 +167,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         &Chart {
             title: "bench lb: client -> load balancer -> 2 workers",
             x: "size",
-            ys: &["ref_calls_per_s", "value_calls_per_s"],
+            ys: &["ref_calls_per_s", "value_calls_per_s", "tonic_calls_per_s"],
             by: None,
             y_label: "calls/s",
             log_x: true,
@@ -173,6 +182,51 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "ref_over_value",
             "lb_bytes_copied_per_request_ref",
             "lb_bytes_copied_per_request_value",
+            "tonic_calls_per_s",
+            "ref_over_tonic",
         ],
     )
+}
+
+/// Calls per second, and calls, of `CLIENTS` threads each in a closed loop
+/// for `budget`: each connects with `connect`, then calls `call` over and
+/// over.
+fn closed_loop<C>(
+    what: &str,
+    budget: Duration,
+    connect: impl Fn() -> Result<C> + Sync,
+    call: impl Fn(&mut C) -> Result<()> + Sync,
+) -> Result<(f64, usize)> {
+    let t0 = Instant::now();
+    let calls: Vec<Result<usize>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                let (connect, call) = (&connect, &call);
+                s.spawn(move || -> Result<usize> {
+                    let mut c = connect()?;
+                    let mut n = 0;
+                    while t0.elapsed() < budget {
+                        call(&mut c)?;
+                        n += 1;
+                    }
+                    Ok(n)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a client thread panicked"))
+            })
+            .collect()
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    let mut n = 0;
+    for c in calls {
+        n += c?;
+    }
+    if n == 0 {
+        bail!("{what}: no call completed");
+    }
+    Ok((n as f64 / wall, n))
 }
