@@ -54,11 +54,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         },
     )?;
     let (pool, path) = (&bp.pool, &bp.path);
+    let pin = super::peer::Pin::new(a.pin)?;
     // One process per tier, each serving its tier in both modes.
     let name = |mode: &str, k: usize| format!("bench/chain/{id}/{mode}/{k}");
     let mut peers = Vec::new();
     for k in 0..TIERS {
-        let mut p = Peer::spawn(path, &[])?;
+        let mut p = pin.spawn(path, k)?;
         for mode in ["ref", "value"] {
             let next = if k + 1 < TIERS {
                 name(mode, k + 1)
@@ -165,7 +166,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     if let Some(x) = over_tonic {
         say!("by Ref at 7 tiers with 64 KiB: {x:.1}x tonic's throughput (target: 50x)");
     }
-    let net_rows = network(a, budget)?;
+    let net_rows = network(a, budget, &pin)?;
     let mut res = Obj::default();
     res.str("benchmark", "chain");
     res.str(
@@ -173,6 +174,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits",
     );
     res.obj("machine", &super::machine());
+    res.str(
+        "pinned",
+        if pin.on() {
+            "client on the first CPU, tier k on CPU k+1 mod the CPUs"
+        } else {
+            "no"
+        },
+    );
     res.arr("rows", &rows);
     res.arr("network", &net_rows);
     super::write_results(
@@ -235,7 +244,7 @@ fn relay_floor(path: &std::path::Path, tiers: &mut [Peer], budget: Duration) -> 
 
 /// The chain over TCP between processes in different pools: memory-server
 /// Refs vs values.
-fn network(a: &BenchArgs, budget: Duration) -> Result<Vec<Obj>> {
+fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Vec<Obj>> {
     let sizes: &[usize] = if a.quick {
         &[64 << 10]
     } else {
@@ -252,7 +261,7 @@ fn network(a: &BenchArgs, budget: Duration) -> Result<Vec<Obj>> {
     let mut peers = Vec::new();
     for k in 0..TIERS {
         let bp = BenchPool::create(&format!("chainnet{k}"), small())?;
-        peers.push(Peer::spawn(&bp.path, &[])?);
+        peers.push(pin.spawn(&bp.path, k)?);
         pools.push(bp);
     }
     // Each mode's tiers, last first (each needs the next one's address).

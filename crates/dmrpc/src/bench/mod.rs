@@ -41,8 +41,11 @@ pub struct BenchArgs {
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
     pub quick: bool,
-    /// Pin the two processes of `rtt` to CPUs 0 and 1 (the client and
-    /// its peer), so the scheduler does not move them during the run.
+    /// Pin the bench's processes, so the scheduler does not move them
+    /// during the run: `rtt`'s client and peer on CPUs 0 and 1; `chain`'s
+    /// client on the first CPU and tier k on CPU k+1 (mod the CPUs), so
+    /// neighbouring tiers alternate between cores. dmrpc and its peers
+    /// (tonic) run in the same processes, pinned alike.
     #[arg(long)]
     pub pin: bool,
     /// Directory for the JSON, CSV and PNG results.

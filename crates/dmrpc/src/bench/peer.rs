@@ -568,3 +568,52 @@ impl Drop for TempFile {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// `--pin` for a bench of several processes: this thread on the first of
+/// its CPUs, and peer `k` on CPU `k + 1` (mod the CPUs, through
+/// `DMRPC_BENCH_PIN`); this thread gets its CPUs back when dropped.
+pub struct Pin {
+    cpus: Vec<usize>,
+    on: bool,
+}
+
+impl Pin {
+    /// Pins this thread if `want` and there are two CPUs or more.
+    pub fn new(want: bool) -> Result<Pin> {
+        let cpus = dm_sys::affinity()?;
+        let on = want && cpus.len() >= 2;
+        if on {
+            dm_sys::set_affinity(&cpus[..1])?;
+        }
+        Ok(Pin { cpus, on })
+    }
+
+    /// Whether the processes are pinned.
+    pub fn on(&self) -> bool {
+        self.on
+    }
+
+    /// The environment that pins peer `k` (none if not pinning).
+    pub fn peer_env(&self, k: usize) -> Vec<(&'static str, String)> {
+        if !self.on {
+            return Vec::new();
+        }
+        let cpu = self.cpus[(k + 1) % self.cpus.len()];
+        vec![("DMRPC_BENCH_PIN", cpu.to_string())]
+    }
+
+    /// Spawns peer `k` on `path`, pinned if pinning.
+    pub fn spawn(&self, path: &Path, k: usize) -> Result<Peer> {
+        let env = self.peer_env(k);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        Peer::spawn(path, &env)
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        if self.on {
+            let _ = dm_sys::set_affinity(&self.cpus);
+        }
+    }
+}

@@ -137,15 +137,6 @@ fn ping_pong(
     r
 }
 
-/// Gives the thread back its CPUs when dropped.
-struct Restore(Vec<usize>);
-
-impl Drop for Restore {
-    fn drop(&mut self) {
-        let _ = dm_sys::set_affinity(&self.0);
-    }
-}
-
 pub fn run(a: &BenchArgs) -> Result<()> {
     let n = if a.quick { 20_000 } else { 200_000 };
     let id = std::process::id();
@@ -161,19 +152,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let (pool, path) = (&bp.pool, &bp.path);
     // With --pin: this thread (the client) on CPU 0, the peer on CPU 1;
     // this thread's CPUs are restored when the bench ends.
-    let all_cpus = dm_sys::affinity()?;
-    let _restore = Restore(all_cpus.clone());
-    let pinned = a.pin && all_cpus.len() >= 2;
-    if pinned {
-        dm_sys::set_affinity(&all_cpus[..1])?;
-    }
-    let peer_cpu = all_cpus.get(1).map(|c| c.to_string()).unwrap_or_default();
-    let env: &[(&str, &str)] = if pinned {
-        &[("DMRPC_BENCH_PIN", &peer_cpu)]
-    } else {
-        &[]
-    };
-    let mut peer = Peer::spawn(path, env)?;
+    let pin = super::peer::Pin::new(a.pin)?;
+    let pinned = pin.on();
+    let mut peer = pin.spawn(path, 0)?;
 
     say!(
         "bench rtt: round trips between two processes ({n} per row{})",
