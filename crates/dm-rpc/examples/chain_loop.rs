@@ -41,7 +41,7 @@ fn main() {
         let n = node.clone();
         let next = format!("profile/chain/{}", k + 1);
         let cl = std::sync::OnceLock::new();
-        if env("CONC", 1) > 1 && k + 1 < tiers {
+        if (env("CONC", 1) > 1 || env("ASYNC", 0) == 1) && k + 1 < tiers {
             let acl = std::sync::Arc::new(std::sync::OnceLock::new());
             let n2 = node.clone();
             let s = node

@@ -162,6 +162,13 @@ fn async_handlers(t: Transport, tag: &str) {
             }
         })
         .method_async("boom", |_| async { panic!("async handler bug") })
+        // Panics before it has a future to return.
+        .method_async("boom_now", |_| {
+            if std::hint::black_box(true) {
+                panic!("no future");
+            }
+            async { Ok(Payload::empty()) }
+        })
         .spawn()
         .unwrap();
     let c = node.connect_async(&front).unwrap();
@@ -185,6 +192,13 @@ fn async_handlers(t: Transport, tag: &str) {
         );
         let e = c.call("boom", Payload::empty()).await.unwrap_err();
         assert_eq!(e.status, Status::Internal, "{e}");
+        assert!(e.message.contains("async handler bug"), "{e}");
+        let e = c.call("boom_now", Payload::empty()).await.unwrap_err();
+        assert_eq!(e.status, Status::Internal, "{e}");
+        assert!(e.message.contains("no future"), "{e}");
+        // The server still serves after its handlers panicked.
+        let got = c.call("via", vec![1u8; 3]).await.unwrap();
+        assert_eq!(got.to_vec().unwrap(), 3u64.to_le_bytes());
     });
     drop(c);
     front_svc.shutdown();
