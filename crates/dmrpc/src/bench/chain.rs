@@ -134,13 +134,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             for (mode, node) in [("ref", &by_ref), ("value", &by_value)] {
                 let c = node.connect(&name(mode, entry))?;
                 let call = || -> Result<()> {
-                    let p = if mode == "ref" {
-                        let mut b = pool.alloc(size as u64)?;
-                        b.write(0, &data)?;
-                        Payload::from_buffer(b)
-                    } else {
-                        Payload::from_vec(data.clone())
-                    };
+                    let p = super::peer::request(pool, mode, &data)?;
                     check(c.call("go", p)?.to_vec()?, want)
                 };
                 res.push(measure(call, 20, budget)?);

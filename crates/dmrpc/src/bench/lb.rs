@@ -105,14 +105,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 budget,
                 || Ok(node.connect(&lb)?),
                 |c| {
-                    let p = if mode == "ref" {
-                        let mut b = pool.alloc(size as u64)?;
-                        b.write(0, &data)?;
-                        Payload::from_buffer(b)
-                    } else {
-                        Payload::from_vec(data.clone())
-                    };
-                    c.call("go", p)?;
+                    c.call("go", super::peer::request(pool, mode, &data)?)?;
                     Ok(())
                 },
             )?;

@@ -617,3 +617,16 @@ impl Drop for Pin {
         }
     }
 }
+
+/// A bench request of `data`: written into a pool buffer that travels by
+/// Ref (`mode` "ref": one copy, as by value makes into a vector), or a
+/// vector that travels inline.
+pub fn request(pool: &Pool, mode: &str, data: &[u8]) -> Result<Payload> {
+    Ok(if mode == "ref" {
+        let mut b = pool.alloc(data.len() as u64)?;
+        b.write(0, data)?;
+        Payload::from_buffer(b)
+    } else {
+        Payload::from_vec(data.to_vec())
+    })
+}
