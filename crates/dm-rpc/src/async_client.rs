@@ -94,6 +94,16 @@ impl AsyncClient {
             .await
     }
 
+    /// Calls `method` with a copy of `data`, made once: a large argument
+    /// is written straight into the pool (`call(method, data)` copies it
+    /// into a vector first).
+    pub async fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
+        let i = &*self.inner;
+        let inline_max = i.node.cfg.inline_max.min(i.max_inline);
+        let p = Payload::copy_for(&i.node, inline_max, i.refs, data)?;
+        self.call_with(method, p, CallOptions::default()).await
+    }
+
     /// Calls `method` with options.
     pub async fn call_with(
         &self,

@@ -152,6 +152,25 @@ impl Payload {
         }
     }
 
+    /// A copy of `data` for a peer that shares what `refs` says, through a
+    /// transport carrying up to `inline_max` bytes inline: above that, and
+    /// if the peer shares the pool, written straight into a pool buffer
+    /// (one copy; `Payload::from(data)` copies into a vector first, and
+    /// then into the pool).
+    pub(crate) fn copy_for(
+        node: &Node,
+        inline_max: usize,
+        refs: Sharing,
+        data: &[u8],
+    ) -> Result<Payload, RpcError> {
+        if data.len() > inline_max && refs.pool {
+            let mut b = node.pool.alloc(data.len() as u64)?;
+            b.write(0, data)?;
+            return Ok(Payload::from_buffer(b));
+        }
+        Ok(Payload::from_vec(data.to_vec()))
+    }
+
     /// A buffer written on a memory server: sent by its Ref to peers that
     /// use the same servers (inline when small, or to others).
     pub fn from_mem_buffer(b: MemBuffer) -> Payload {

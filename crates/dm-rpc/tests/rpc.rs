@@ -73,7 +73,11 @@ fn inspect(node: &Node, c: &dm_rpc::Client, data: Vec<u8>) -> (u64, bool, u64) {
 
 /// What `inspect` answers for argument `p`.
 fn inspect_arg(c: &dm_rpc::Client, p: Payload) -> (u64, bool, u64) {
-    let r = c.call("inspect", p).unwrap().to_vec().unwrap();
+    inspected(&c.call("inspect", p).unwrap().to_vec().unwrap())
+}
+
+/// `inspect`'s answer: the argument's length, whether it came by Ref, its hash.
+fn inspected(r: &[u8]) -> (u64, bool, u64) {
     (
         u64::from_le_bytes(r[..8].try_into().unwrap()),
         r[8] == 1,
@@ -125,6 +129,14 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool, remote: 
         let (l, in_pool, h) = inspect_arg(&c, arg(node, remote, data.clone()));
         assert_eq!((l, h), (len as u64, want), "len {len}");
         assert_eq!(in_pool, len > th, "len {len} travelled the wrong way");
+        // The same from a borrowed slice (copied once, into the pool when
+        // large and the server shares it).
+        let r = c.call_slice("inspect", &data).unwrap().to_vec().unwrap();
+        assert_eq!(
+            inspected(&r),
+            (len as u64, len > th, want),
+            "slice of {len}"
+        );
         let back = c.call("echo", arg(node, remote, data.clone())).unwrap();
         assert_eq!(back.len(), len as u64);
         assert_eq!(back.in_pool() || back.is_remote(), len > th);

@@ -90,12 +90,10 @@ fn timed(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, Durat
     Ok((v, start.elapsed()))
 }
 
-/// `n` timed raw ping-pongs with the peer (which echoes until told to
-/// stop), from a zeroed file.
-/// One echo of `data` given as bytes (inline up to the threshold, by Ref
-/// above it), checked.
+/// One echo of `data` given as a slice (inline up to the threshold; above
+/// it written once into the pool and sent by Ref), checked.
 fn echo_bytes(c: &dm_rpc::Client, data: &[u8]) -> Result<()> {
-    let back = c.call("echo", Payload::from(data))?;
+    let back = c.call_slice("echo", data)?;
     if back.len() as usize != data.len() {
         bail!("echo returned {} bytes", back.len());
     }
@@ -114,6 +112,8 @@ fn echo_pool_buffer(pool: &dm_pool::Pool, c: &dm_rpc::Client, data: &[u8]) -> Re
     Ok(())
 }
 
+/// `n` timed raw ping-pongs with the peer (which echoes until told to
+/// stop), from a zeroed file.
 fn ping_pong(
     peer: &mut Peer,
     path: &std::path::Path,
