@@ -166,9 +166,11 @@ impl ServerBuilder {
         self.add(name, Method::Blocking(Arc::new(handler)))
     }
 
-    /// Registers an async `handler` for method `name`: its calls run as
-    /// tasks on a tokio runtime of the server's, many at once (a handler
-    /// awaiting a nested call does not hold up the others).
+    /// Registers an async `handler` for method `name`: its calls are
+    /// futures the dispatcher polls, many in progress at once (a handler
+    /// awaiting a nested call does not hold up the others), inside the
+    /// server's tokio runtime context (timers, I/O and `tokio::spawn`
+    /// work; long CPU work belongs in a spawned task).
     pub fn method_async<F, Fut>(self, name: &str, handler: F) -> Self
     where
         F: Fn(AsyncCall) -> Fut + Send + Sync + 'static,
