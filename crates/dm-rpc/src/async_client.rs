@@ -99,8 +99,7 @@ impl AsyncClient {
     /// into a vector first).
     pub async fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
         let i = &*self.inner;
-        let inline_max = i.node.cfg.inline_max.min(i.max_inline);
-        let p = Payload::copy_for(&i.node, inline_max, i.refs, data)?;
+        let p = Payload::copy_for(&i.node, i.max_inline, i.refs, data)?;
         self.call_with(method, p, CallOptions::default()).await
     }
 

@@ -153,17 +153,17 @@ impl Payload {
     }
 
     /// A copy of `data` for a peer that shares what `refs` says, through a
-    /// transport carrying up to `inline_max` bytes inline: above that, and
-    /// if the peer shares the pool, written straight into a pool buffer
-    /// (one copy; `Payload::from(data)` copies into a vector first, and
-    /// then into the pool).
+    /// transport carrying up to `max_inline` bytes inline: above the
+    /// node's threshold (capped by that), and if the peer shares the pool,
+    /// written straight into a pool buffer (one copy; `Payload::from(data)`
+    /// copies into a vector first, and then into the pool).
     pub(crate) fn copy_for(
         node: &Node,
-        inline_max: usize,
+        max_inline: usize,
         refs: Sharing,
         data: &[u8],
     ) -> Result<Payload, RpcError> {
-        if data.len() > inline_max && refs.pool {
+        if data.len() > node.cfg.inline_max.min(max_inline) && refs.pool {
             let mut b = node.pool.alloc(data.len() as u64)?;
             b.write(0, data)?;
             return Ok(Payload::from_buffer(b));

@@ -593,20 +593,13 @@ impl Pin {
         self.on
     }
 
-    /// The environment that pins peer `k` (none if not pinning).
-    pub fn peer_env(&self, k: usize) -> Vec<(&'static str, String)> {
-        if !self.on {
-            return Vec::new();
-        }
-        let cpu = self.cpus[(k + 1) % self.cpus.len()];
-        vec![("DMRPC_BENCH_PIN", cpu.to_string())]
-    }
-
     /// Spawns peer `k` on `path`, pinned if pinning.
     pub fn spawn(&self, path: &Path, k: usize) -> Result<Peer> {
-        let env = self.peer_env(k);
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        Peer::spawn(path, &env)
+        if !self.on {
+            return Peer::spawn(path, &[]);
+        }
+        let cpu = self.cpus[(k + 1) % self.cpus.len()].to_string();
+        Peer::spawn(path, &[("DMRPC_BENCH_PIN", &cpu)])
     }
 }
 
