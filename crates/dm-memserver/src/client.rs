@@ -15,9 +15,11 @@
 use crate::cache::{key_of, CacheStats, PageCache, RefKey};
 use crate::proto::{self, Request, MAX_FRAME, MAX_IO};
 use dm_pool::{contract::Usage, refs::BACKEND_MEMSERVER, Dm, DmBuffer, Error, Ref, Result};
+use dm_sys::poll::Spin;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -39,6 +41,11 @@ pub struct ClientConfig {
     /// Bytes of the cache of immutable pages read through mapped Refs
     /// (0: no cache).
     pub cache_bytes: u64,
+    /// Longest busy-poll of the socket before a caller blocks reading its
+    /// answer (adapted per connection: [`dm_sys::poll::Spin`]; zero: block
+    /// at once). A blocked reader's wake-up costs more than a loopback
+    /// round trip on the test machine (BENCHMARKS.md, `bench memserver`).
+    pub spin: Duration,
 }
 
 impl Default for ClientConfig {
@@ -48,6 +55,7 @@ impl Default for ClientConfig {
             timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             cache_bytes: 32 << 20,
+            spin: Duration::from_micros(50),
         }
     }
 }
@@ -100,6 +108,8 @@ struct Rx {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// The busy-poll before a blocking read.
+    spin: Spin,
 }
 
 impl Rx {
@@ -139,7 +149,22 @@ impl Rx {
                     self.buf.resize(need.max(256 << 10), 0);
                 }
             }
-            match self.s.read(&mut self.buf[self.end..]) {
+            let fd = self.s.as_raw_fd();
+            let to = &mut self.buf[self.end..];
+            let polled = self.spin.run(|| match dm_sys::poll::recv_nowait(fd, to) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                r => Some(r),
+            });
+            let r = match polled {
+                Some(r) => r,
+                None => {
+                    let t = Instant::now();
+                    let r = self.s.read(to);
+                    self.spin.blocked(t.elapsed());
+                    r
+                }
+            };
+            match r {
                 Ok(0) => return Err("connection closed by the server".into()),
                 Ok(k) => self.end += k,
                 Err(e)
@@ -181,6 +206,7 @@ impl Conn {
                 buf: vec![0u8; 256 << 10],
                 start: 0,
                 end: 0,
+                spin: Spin::new(cfg.spin),
             }),
             state: Mutex::new(Pending::default()),
             cv: Condvar::new(),

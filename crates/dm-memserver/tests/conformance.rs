@@ -2,8 +2,9 @@
 //! servers: one server, and three servers as one pool.
 #![allow(clippy::unwrap_used)]
 
-use dm_memserver::{Config, MemPool, Server};
+use dm_memserver::{ClientConfig, Config, MemPool, Server};
 use dm_pool::Dm;
+use std::time::Duration;
 
 fn server() -> Server {
     Server::start(Config {
@@ -31,7 +32,34 @@ fn one_server() {
         MemPool::connect(&[&oaddr]).unwrap()
     });
     // Sessions end when their pools drop; give the server a moment.
-    std::thread::sleep(std::time::Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(100));
+    assert_clean(&s);
+    assert_clean(&other);
+}
+
+#[test]
+fn one_server_without_busy_polling() {
+    // Polling is on by default on both sides (tests above); here every
+    // wait blocks at once: the blocking paths alone must be correct.
+    let quiet = || {
+        Server::start(Config {
+            size: 16 << 20,
+            spin: Duration::ZERO,
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let (s, other) = (quiet(), quiet());
+    let cfg = ClientConfig {
+        spin: Duration::ZERO,
+        ..Default::default()
+    };
+    let (addr, oaddr) = (s.addr().to_string(), other.addr().to_string());
+    dm_pool::conformance::run_all(
+        &|| MemPool::connect_with(&[&addr], cfg.clone()).unwrap(),
+        &|| MemPool::connect_with(&[&oaddr], cfg.clone()).unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(100));
     assert_clean(&s);
     assert_clean(&other);
 }
@@ -52,7 +80,7 @@ fn three_servers_as_one_pool() {
     on.sort();
     assert_eq!(on, vec![0, 1, 2]);
     drop((bufs, p));
-    std::thread::sleep(std::time::Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(100));
     for s in &servers {
         assert_clean(s);
     }

@@ -14,10 +14,12 @@
 //! * [`futex`] — cross-process wait and wake on a word in shared memory.
 //! * [`time`], [`rand`], [`proc`] — clocks for leases, random tags, liveness.
 //! * [`io`] — writing several buffers to a stream with no copy into one.
+//! * [`poll`] — busy-polling sockets before blocking, with an adaptive budget.
 
 pub mod fault;
 pub mod futex;
 pub mod mem;
+pub mod poll;
 
 /// Wall-clock time, used for leases and Ref TTLs.
 pub mod time {

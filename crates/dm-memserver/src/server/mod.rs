@@ -17,18 +17,21 @@ pub mod space;
 
 use crate::proto::{self, encode_err, encode_ok, Request, MAX_FRAME};
 use dm_pool::{Error, Result, Usage};
+use dm_sys::poll::{ReadySet, Spin};
 use metrics::{Gauges, Metrics};
 use pages::{lock, Pages};
 use refs::Refs;
 use space::Space;
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
 /// How a server runs.
@@ -54,6 +57,11 @@ pub struct Config {
     pub default_lease: Duration,
     /// How often expired Refs are swept.
     pub sweep_every: Duration,
+    /// Longest busy-poll of a worker's sockets before the worker sleeps
+    /// (adapted per worker: [`dm_sys::poll::Spin`]; zero: sleep at once).
+    /// A sleeping worker's wake-up costs more than a loopback round trip
+    /// on the test machine (BENCHMARKS.md, `bench memserver`).
+    pub spin: Duration,
 }
 
 impl Default for Config {
@@ -69,6 +77,7 @@ impl Default for Config {
             max_buffers: 1 << 20,
             default_lease: Duration::from_secs(10),
             sweep_every: Duration::from_millis(250),
+            spin: Duration::from_micros(50),
         }
     }
 }
@@ -326,10 +335,42 @@ impl State {
     }
 }
 
+/// A worker's runtime: single-threaded, and, before it sleeps, polling
+/// its sessions' sockets (`polled`) for up to `spin` (adapted), so a
+/// request that comes soon is served without the wake-up of a sleeping
+/// thread. (Tokio registers the sockets edge-triggered: one that became
+/// readable during the poll wakes the runtime's next wait at once.)
+fn polling_runtime(polled: Arc<ReadySet>, spin: Duration) -> std::io::Result<Runtime> {
+    let budget = Arc::new(Mutex::new((Spin::new(spin), None::<Instant>)));
+    let b2 = budget.clone();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .on_thread_park(move || {
+            let mut b = lock(&budget);
+            let ready = b.0.run(|| polled.any_ready().then_some(()));
+            b.1 = ready.is_none().then(Instant::now);
+        })
+        .on_thread_unpark(move || {
+            let mut b = lock(&b2);
+            if let Some(t) = b.1.take() {
+                b.0.blocked(t.elapsed());
+            }
+        })
+        .build()
+}
+
 /// Serves one connection until it closes, its lease passes in silence,
 /// it breaks the framing, or the server stops.
-async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver<bool>) {
+async fn session(
+    state: Arc<State>,
+    stream: TcpStream,
+    mut stop: watch::Receiver<bool>,
+    polled: Arc<ReadySet>,
+) {
     let _ = stream.set_nodelay(true);
+    let fd = stream.as_raw_fd();
+    // Polled by the worker before it sleeps (a failure only loses that).
+    let _ = polled.add(fd);
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "?".into(), |a| a.to_string());
@@ -465,6 +506,7 @@ async fn session(state: Arc<State>, stream: TcpStream, mut stop: watch::Receiver
             break "write failed";
         }
     };
+    polled.remove(fd);
     state.close_session(sid, &space);
     tracing::debug!(session = sid, %peer, why, "session closed");
 }
@@ -514,12 +556,9 @@ pub struct Server {
 impl Server {
     /// Pins the region, binds, and starts serving.
     pub fn start(cfg: Config) -> Result<Server> {
-        let current = || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-        };
-        let rt = current()?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
         let listener = rt.block_on(TcpListener::bind(&cfg.listen))?;
         let addr = listener.local_addr()?;
         let metrics = match &cfg.metrics {
@@ -528,6 +567,7 @@ impl Server {
         };
         let metrics_addr = metrics.as_ref().and_then(|l| l.local_addr().ok());
         let nworkers = cfg.threads.max(1);
+        let cfg_spin = cfg.spin;
         let state = Arc::new(State::new(cfg)?);
         if !state.pages.locked() {
             tracing::warn!("could not lock the region in RAM (RLIMIT_MEMLOCK); it is populated but may be swapped");
@@ -541,7 +581,8 @@ impl Server {
         for k in 0..nworkers {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<std::net::TcpStream>();
             to_workers.push(tx);
-            let wrt = current()?;
+            let polled = Arc::new(ReadySet::new()?);
+            let wrt = polling_runtime(polled.clone(), cfg_spin)?;
             let st = state.clone();
             let mut stop_w = stop_rx.clone();
             let stop_s = stop_rx.clone();
@@ -556,7 +597,12 @@ impl Server {
                                     c = rx.recv() => match c {
                                         Some(c) => {
                                             if let Ok(c) = TcpStream::from_std(c) {
-                                                tasks.spawn(session(st.clone(), c, stop_s.clone()));
+                                                tasks.spawn(session(
+                                                    st.clone(),
+                                                    c,
+                                                    stop_s.clone(),
+                                                    polled.clone(),
+                                                ));
                                             }
                                         }
                                         None => break,

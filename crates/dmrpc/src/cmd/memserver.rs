@@ -28,6 +28,10 @@ pub struct MemserverArgs {
     /// A session silent this long ends (clients renew it; seconds).
     #[arg(long, default_value_t = 10)]
     pub lease_secs: u64,
+    /// Longest busy-poll of a worker's sockets before it sleeps, in
+    /// microseconds (adapted to the load; 0: sleep at once).
+    #[arg(long, default_value_t = 50)]
+    pub spin_us: u64,
 }
 
 pub fn run(a: MemserverArgs) -> Result<()> {
@@ -46,6 +50,7 @@ pub fn run(a: MemserverArgs) -> Result<()> {
         metrics: a.metrics,
         default_ttl: Duration::from_secs(a.ref_ttl_secs.max(1)),
         default_lease: Duration::from_secs(a.lease_secs.max(1)),
+        spin: Duration::from_micros(a.spin_us),
         ..Default::default()
     };
     dm_memserver::server::run(cfg, |s| {
