@@ -1,6 +1,8 @@
 //! A no-op call loop between two processes, for profiling the round trip
 //! (`perf record -a -- target/release/examples/noop_loop 2000000`; env:
-//! SIZE, BYREF=1, INLINE_MAX, ECHO=1, SUM=1, POLICY=spin|park|yield).
+//! SIZE, BYREF=1, INLINE_MAX, ECHO=1, SUM=1, POLICY=spin|park|yield,
+//! TCP=1: over the TCP transport on loopback instead of shm rings,
+//! TCP_SPIN_US: its busy-poll budget, SERVE_CPU: the server's CPU).
 #![allow(clippy::unwrap_used)]
 
 #[cfg(not(loom))]
@@ -16,18 +18,34 @@ fn main() {
     use std::time::Instant;
     let args: Vec<String> = std::env::args().collect();
     let wait = common::wait_policy();
+    // TCP_SPIN_US: the TCP transport's busy-poll budget.
+    let tcp_spin = std::env::var("TCP_SPIN_US")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(dm_rpc::DEFAULT_TCP_SPIN, std::time::Duration::from_micros);
     let cfg = dm_rpc::Config {
         wait,
+        tcp_spin,
         ..Default::default()
     };
     if args.get(1).map(String::as_str) == Some("serve") {
+        // SERVE_CPU=k: the server process on that CPU alone.
+        if let Some(k) = std::env::var("SERVE_CPU").ok().and_then(|s| s.parse().ok()) {
+            dm_sys::set_affinity(&[k]).unwrap();
+        }
         let pool = Pool::open(args[2].as_ref(), AttachOptions::default()).unwrap();
         let node = Node::with_config(pool, cfg);
         let every = std::env::var("SUM").is_ok_and(|v| v == "1");
         // ECHO=1: answer what arrived (an echo) instead of nothing.
         let echo = std::env::var("ECHO").is_ok_and(|v| v == "1");
+        let tcp = std::env::var("TCP").is_ok_and(|v| v == "1");
         let s = node
             .server("profile/noop")
+            .transport(if tcp {
+                dm_rpc::Transport::Tcp("127.0.0.1:0".into())
+            } else {
+                dm_rpc::Transport::Shm
+            })
             .method("noop", move |c| {
                 // Touch what arrived, as a callee would (SUM=1: read
                 // every byte).

@@ -68,7 +68,7 @@ pub use error::RpcError;
 #[cfg(not(loom))]
 pub use frame::{Body, Frame, FrameError, Kind, Status};
 #[cfg(not(loom))]
-pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX};
+pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN};
 #[cfg(not(loom))]
 pub use payload::Payload;
 #[cfg(not(loom))]

@@ -38,7 +38,17 @@ pub struct Config {
     /// Deadline applied to calls that set none (None: wait for the answer
     /// or for the peer's death).
     pub default_deadline: Option<Duration>,
+    /// Longest busy-poll of a TCP socket (and, in a TCP server, of the
+    /// queue between its I/O thread and its dispatcher) before the waiting
+    /// thread blocks; adapted to the waits seen, and given up at once on a
+    /// crowded core ([`dm_sys::poll::Spin`]). Zero: block at once.
+    pub tcp_spin: Duration,
 }
+
+/// The default [`Config::tcp_spin`]: a loopback round trip between polling
+/// threads takes about 10 us on the test machine, a blocked thread's
+/// wake-up about 25 us (BENCHMARKS.md, `bench rtt`).
+pub const DEFAULT_TCP_SPIN: Duration = Duration::from_micros(50);
 
 impl Default for Config {
     fn default() -> Self {
@@ -46,6 +56,7 @@ impl Default for Config {
             inline_max: DEFAULT_INLINE_MAX,
             wait: WaitPolicy::from_env(),
             default_deadline: None,
+            tcp_spin: DEFAULT_TCP_SPIN,
         }
     }
 }
@@ -203,6 +214,7 @@ impl Node {
             addr,
             self.identity(),
             Duration::from_secs(5),
+            self.cfg.tcp_spin,
         )?)
     }
 

@@ -210,8 +210,12 @@ impl ServerBuilder {
                 }
             }
             Transport::Tcp(addr) => {
-                let l =
-                    crate::transport::tcp::TcpListener::bind(addr, node.identity(), stop.clone())?;
+                let l = crate::transport::tcp::TcpListener::bind(
+                    addr,
+                    node.identity(),
+                    stop.clone(),
+                    node.cfg.tcp_spin,
+                )?;
                 let at = l.local_addr().to_string();
                 let r = node
                     .registry

@@ -127,6 +127,29 @@ pub fn recv_nowait(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(r as usize)
 }
 
+/// Waits until `fd` can take more bytes (`poll(2)` for `POLLOUT`), at most
+/// `timeout`: `Ok(false)` if it could not in time. A hang-up or error on
+/// the socket counts as writable (the write then reports it).
+pub fn wait_writable(fd: RawFd, timeout: Duration) -> std::io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+    loop {
+        // SAFETY: `p` is one valid pollfd, as the count says.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        if r >= 0 {
+            return Ok(r > 0);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// A set of file descriptors to poll for readability together (an epoll
 /// instance, level-triggered): an event loop polls its sockets through it
 /// before it parks.
@@ -181,6 +204,59 @@ impl Drop for ReadySet {
     fn drop(&mut self) {
         // SAFETY: the descriptor is owned by this set and closed once.
         unsafe { libc::close(self.ep) };
+    }
+}
+
+/// The sockets of an event loop, polled before the loop's thread sleeps:
+/// the loop calls [`IdlePoll::before_sleep`] when it has nothing left to
+/// run (tokio's `on_thread_park`) and [`IdlePoll::after_wake`] when it
+/// runs again (`on_thread_unpark`). A socket that became readable during
+/// the poll makes the loop's own wait return at once (tokio registers
+/// sockets edge-triggered, so the event is pending), without the wake-up
+/// of a sleeping thread.
+#[derive(Debug)]
+pub struct IdlePoll {
+    set: ReadySet,
+    /// The budget, and when the loop went to sleep after a poll that gave up.
+    spin: std::sync::Mutex<(Spin, Option<Instant>)>,
+}
+
+impl IdlePoll {
+    /// Polls for up to `max` (adapted; zero: never).
+    pub fn new(max: Duration) -> std::io::Result<IdlePoll> {
+        Ok(IdlePoll {
+            set: ReadySet::new()?,
+            spin: std::sync::Mutex::new((Spin::new(max), None)),
+        })
+    }
+
+    /// Adds a socket of the loop.
+    pub fn add(&self, fd: RawFd) -> std::io::Result<()> {
+        self.set.add(fd)
+    }
+
+    /// Removes a socket (before it is closed).
+    pub fn remove(&self, fd: RawFd) {
+        self.set.remove(fd)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, (Spin, Option<Instant>)> {
+        self.spin.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The loop is about to sleep: poll its sockets first.
+    pub fn before_sleep(&self) {
+        let mut st = self.state();
+        let ready = st.0.run(|| self.set.any_ready().then_some(()));
+        st.1 = ready.is_none().then(Instant::now);
+    }
+
+    /// The loop runs again.
+    pub fn after_wake(&self) {
+        let mut st = self.state();
+        if let Some(t) = st.1.take() {
+            st.0.blocked(t.elapsed());
+        }
     }
 }
 

@@ -17,7 +17,7 @@ pub mod space;
 
 use crate::proto::{self, encode_err, encode_ok, Request, MAX_FRAME};
 use dm_pool::{Error, Result, Usage};
-use dm_sys::poll::{ReadySet, Spin};
+use dm_sys::poll::IdlePoll;
 use metrics::{Gauges, Metrics};
 use pages::{lock, Pages};
 use refs::Refs;
@@ -336,26 +336,14 @@ impl State {
 }
 
 /// A worker's runtime: single-threaded, and, before it sleeps, polling
-/// its sessions' sockets (`polled`) for up to `spin` (adapted), so a
-/// request that comes soon is served without the wake-up of a sleeping
-/// thread. (Tokio registers the sockets edge-triggered: one that became
-/// readable during the poll wakes the runtime's next wait at once.)
-fn polling_runtime(polled: Arc<ReadySet>, spin: Duration) -> std::io::Result<Runtime> {
-    let budget = Arc::new(Mutex::new((Spin::new(spin), None::<Instant>)));
-    let b2 = budget.clone();
+/// its sessions' sockets (`polled`), so a request that comes soon is
+/// served without the wake-up of a sleeping thread.
+fn polling_runtime(polled: Arc<IdlePoll>) -> std::io::Result<Runtime> {
+    let p2 = polled.clone();
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .on_thread_park(move || {
-            let mut b = lock(&budget);
-            let ready = b.0.run(|| polled.any_ready().then_some(()));
-            b.1 = ready.is_none().then(Instant::now);
-        })
-        .on_thread_unpark(move || {
-            let mut b = lock(&b2);
-            if let Some(t) = b.1.take() {
-                b.0.blocked(t.elapsed());
-            }
-        })
+        .on_thread_park(move || polled.before_sleep())
+        .on_thread_unpark(move || p2.after_wake())
         .build()
 }
 
@@ -365,7 +353,7 @@ async fn session(
     state: Arc<State>,
     stream: TcpStream,
     mut stop: watch::Receiver<bool>,
-    polled: Arc<ReadySet>,
+    polled: Arc<IdlePoll>,
 ) {
     let _ = stream.set_nodelay(true);
     let fd = stream.as_raw_fd();
@@ -581,8 +569,8 @@ impl Server {
         for k in 0..nworkers {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<std::net::TcpStream>();
             to_workers.push(tx);
-            let polled = Arc::new(ReadySet::new()?);
-            let wrt = polling_runtime(polled.clone(), cfg_spin)?;
+            let polled = Arc::new(IdlePoll::new(cfg_spin)?);
+            let wrt = polling_runtime(polled.clone())?;
             let st = state.clone();
             let mut stop_w = stop_rx.clone();
             let stop_s = stop_rx.clone();

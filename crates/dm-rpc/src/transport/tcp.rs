@@ -12,19 +12,29 @@
 //! payload travels inline (by value, up to [`MAX_INLINE`]). (Version 1's
 //! hello was `DMRPCTCP` and the pool id: a version-1 peer is refused.)
 //!
-//! The server side runs on a tokio runtime of its own (one thread: accept
-//! and socket I/O for every connection), and hands frames to the service's
-//! dispatcher through a bounded queue; a connection whose queue is full
-//! stops being read (back-pressure through TCP). The blocking client uses
-//! the socket directly from the calling thread.
+//! The server side reads on a tokio runtime of its own (one thread: accept
+//! and socket reads for every connection), and hands frames to the
+//! service's dispatcher through a bounded queue; a connection whose queue
+//! is full stops being read (back-pressure through TCP). The dispatcher
+//! writes the answers itself, on its own handle of the socket. The
+//! blocking client uses the socket directly from the calling thread.
+//!
+//! Every thread that waits here polls before it sleeps (the client its
+//! socket, the I/O thread its sockets, the dispatcher its queue), for an
+//! adaptive budget ([`dm_sys::poll::Spin`]): on the test machine a
+//! sleeping thread's wake-up costs more than the loopback round trip.
 
 use super::{ConnId, Connection, FrameRx, FrameTx, Listener, Sharing, TransportError, Waker};
 use crate::frame::{Frame, FrameError, Limits, HEADER_LEN};
+use dm_sys::poll::{recv_nowait, IdlePoll, Spin};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{
+    sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -55,8 +65,12 @@ impl Identity {
 }
 /// Largest inline payload over TCP.
 pub const MAX_INLINE: usize = 16 << 20;
-/// Frames queued per direction before the sender waits.
+/// Frames queued between the I/O thread and the dispatcher before the
+/// I/O thread stops reading the connection.
 pub const QUEUE_DEPTH: usize = 256;
+/// How long the dispatcher waits for room in a client's socket for an
+/// answer before it drops the connection.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -98,7 +112,14 @@ fn unavailable(e: std::io::Error) -> TransportError {
 
 /// Connects to `addr` as `me`: Refs are allowed on the connection only
 /// if the server shares the pool (or the memory servers).
-pub fn connect(addr: &str, me: Identity, timeout: Duration) -> Result<Connection, TransportError> {
+/// `spin` is the longest busy-poll of the socket before a read blocks
+/// ([`dm_sys::poll::Spin`]).
+pub fn connect(
+    addr: &str,
+    me: Identity,
+    timeout: Duration,
+    spin: Duration,
+) -> Result<Connection, TransportError> {
     let sa: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| TransportError::Unavailable(format!("cannot resolve {addr:?}: {e}")))?
@@ -106,7 +127,7 @@ pub fn connect(addr: &str, me: Identity, timeout: Duration) -> Result<Connection
     let mut last = None;
     for a in sa {
         match TcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => return handshake(s, me),
+            Ok(s) => return handshake(s, me, spin),
             Err(e) => last = Some(e),
         }
     }
@@ -116,7 +137,7 @@ pub fn connect(addr: &str, me: Identity, timeout: Duration) -> Result<Connection
     ))
 }
 
-fn handshake(mut s: TcpStream, me: Identity) -> Result<Connection, TransportError> {
+fn handshake(mut s: TcpStream, me: Identity, spin: Duration) -> Result<Connection, TransportError> {
     s.set_nodelay(true).map_err(unavailable)?;
     s.set_read_timeout(Some(HELLO_TIMEOUT))
         .map_err(unavailable)?;
@@ -132,6 +153,7 @@ fn handshake(mut s: TcpStream, me: Identity) -> Result<Connection, TransportErro
             buf: Vec::with_capacity(64 << 10),
             start: 0,
             partial: None,
+            spin: Spin::new(spin),
         }),
         max_inline: MAX_INLINE,
         refs,
@@ -223,6 +245,8 @@ struct TcpRx {
     buf: Vec<u8>,
     start: usize,
     partial: Option<Partial>,
+    /// The busy-poll before a blocking read.
+    spin: Spin,
 }
 
 impl FrameRx for TcpRx {
@@ -259,8 +283,8 @@ impl FrameRx for TcpRx {
                 },
                 None => None,
             };
-            self.s.set_read_timeout(wait).map_err(unavailable)?;
             if let Some(p) = &mut self.partial {
+                self.s.set_read_timeout(wait).map_err(unavailable)?;
                 let want = p.want();
                 match (&mut self.s).take(want).read_to_end(&mut p.body) {
                     Ok(_) if p.want() > 0 => {
@@ -283,7 +307,22 @@ impl FrameRx for TcpRx {
             }
             let at = self.buf.len();
             self.buf.resize(at + (64 << 10), 0);
-            let r = self.s.read(&mut self.buf[at..]);
+            let fd = self.s.as_raw_fd();
+            let to = &mut self.buf[at..];
+            let polled = self.spin.run(|| match recv_nowait(fd, to) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                r => Some(r),
+            });
+            let r = match polled {
+                Some(r) => r,
+                None => {
+                    self.s.set_read_timeout(wait).map_err(unavailable)?;
+                    let t = Instant::now();
+                    let r = self.s.read(to);
+                    self.spin.blocked(t.elapsed());
+                    r
+                }
+            };
             match r {
                 Ok(0) => {
                     self.buf.truncate(at);
@@ -312,7 +351,9 @@ impl FrameRx for TcpRx {
 }
 
 enum Event {
-    Open(ConnId, tokio::sync::mpsc::Sender<Vec<u8>>, Sharing),
+    /// A connection said hello: the dispatcher's handle for writing its
+    /// answers (the socket, non-blocking), and what it may be sent.
+    Open(ConnId, TcpStream, Sharing),
     Frame(ConnId, Frame),
     Close(ConnId),
     Wake,
@@ -322,8 +363,10 @@ enum Event {
 pub struct TcpListener {
     addr: SocketAddr,
     events: Receiver<Event>,
+    /// The busy-poll of `events` before the dispatcher blocks on it.
+    spin: Spin,
     wake: SyncSender<Event>,
-    conns: HashMap<ConnId, (tokio::sync::mpsc::Sender<Vec<u8>>, Sharing)>,
+    conns: HashMap<ConnId, (TcpStream, Sharing)>,
     stop: Arc<AtomicBool>,
     io: Option<std::thread::JoinHandle<()>>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
@@ -341,10 +384,14 @@ impl std::fmt::Debug for TcpListener {
 impl TcpListener {
     /// Binds `addr` (`host:port`, port 0 for any) and starts the I/O thread.
     /// `me` is told to clients in the hello.
+    /// `spin` is the longest busy-poll (adapted) of the sockets by the I/O
+    /// thread, and of the I/O thread's queue by the dispatcher, before
+    /// either sleeps.
     pub fn bind(
         addr: &str,
         me: Identity,
         stop: Arc<AtomicBool>,
+        spin: Duration,
     ) -> Result<TcpListener, TransportError> {
         let std_l = std::net::TcpListener::bind(addr)
             .map_err(|e| TransportError::Unavailable(format!("cannot listen on {addr}: {e}")))?;
@@ -353,18 +400,23 @@ impl TcpListener {
         let (tx, rx) = sync_channel(QUEUE_DEPTH);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let events = tx.clone();
+        let polled = Arc::new(IdlePoll::new(spin).map_err(unavailable)?);
+        let (p1, p2) = (polled.clone(), polled.clone());
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .enable_time()
+            .on_thread_park(move || p1.before_sleep())
+            .on_thread_unpark(move || p2.after_wake())
             .build()
             .map_err(unavailable)?;
         let io = std::thread::Builder::new()
             .name(format!("dmrpc-tcp:{}", local.port()))
-            .spawn(move || rt.block_on(accept_loop(std_l, events, me, stop_rx)))
+            .spawn(move || rt.block_on(accept_loop(std_l, events, me, stop_rx, polled)))
             .map_err(unavailable)?;
         Ok(TcpListener {
             addr: local,
             events: rx,
+            spin: Spin::new(spin),
             wake: tx,
             conns: HashMap::new(),
             stop,
@@ -396,6 +448,7 @@ async fn accept_loop(
     events: SyncSender<Event>,
     me: Identity,
     mut stop: tokio::sync::oneshot::Receiver<()>,
+    polled: Arc<IdlePoll>,
 ) {
     let Ok(l) = tokio::net::TcpListener::from_std(l) else {
         return;
@@ -408,7 +461,7 @@ async fn accept_loop(
                 let Ok((s, _)) = a else { continue };
                 let id = next_id;
                 next_id += 1;
-                tokio::spawn(serve_conn(s, id, events.clone(), me));
+                tokio::spawn(serve_conn(s, id, events.clone(), me, polled.clone()));
             }
         }
     }
@@ -434,6 +487,7 @@ async fn serve_conn(
     id: ConnId,
     events: SyncSender<Event>,
     me: Identity,
+    polled: Arc<IdlePoll>,
 ) {
     let _ = s.set_nodelay(true);
     let mut h = [0u8; HELLO_LEN];
@@ -444,18 +498,18 @@ async fn serve_conn(
         return;
     }
     let refs = me.sharing(theirs);
-    let (mut rd, mut wr) = s.into_split();
-    let (wtx, mut wrx) = tokio::sync::mpsc::channel::<Vec<u8>>(QUEUE_DEPTH);
-    if !deliver(&events, Event::Open(id, wtx, refs)).await {
+    // The dispatcher writes the answers itself, on its own handle of the
+    // socket (no hand-off to this thread per answer).
+    let Ok(w) = s.as_fd().try_clone_to_owned() else {
+        return;
+    };
+    if !deliver(&events, Event::Open(id, TcpStream::from(w), refs)).await {
         return;
     }
-    let writer = tokio::spawn(async move {
-        while let Some(b) = wrx.recv().await {
-            if wr.write_all(&b).await.is_err() {
-                return;
-            }
-        }
-    });
+    let fd = s.as_raw_fd();
+    // Polled before the I/O thread sleeps (a failure only loses that).
+    let _ = polled.add(fd);
+    let mut rd = s;
     let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
     let mut start = 0;
     'read: loop {
@@ -494,7 +548,7 @@ async fn serve_conn(
             Ok(n) => buf.truncate(at + n),
         }
     }
-    writer.abort();
+    polled.remove(fd);
     let _ = deliver(&events, Event::Close(id)).await;
 }
 
@@ -507,14 +561,28 @@ impl Listener for TcpListener {
             if self.stop.load(Ordering::Acquire) {
                 return Ok(None);
             }
-            let ev = match deadline {
-                None => self
-                    .events
-                    .recv()
-                    .map_err(|_| RecvTimeoutError::Disconnected),
-                Some(d) => self
-                    .events
-                    .recv_timeout(d.saturating_duration_since(Instant::now())),
+            let events = &self.events;
+            let polled = self.spin.run(|| match events.try_recv() {
+                Ok(ev) => Some(Ok(ev)),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => Some(Err(RecvTimeoutError::Disconnected)),
+            });
+            let ev = match polled {
+                Some(ev) => ev,
+                None => {
+                    let t = Instant::now();
+                    let ev = match deadline {
+                        None => self
+                            .events
+                            .recv()
+                            .map_err(|_| RecvTimeoutError::Disconnected),
+                        Some(d) => self
+                            .events
+                            .recv_timeout(d.saturating_duration_since(Instant::now())),
+                    };
+                    self.spin.blocked(t.elapsed());
+                    ev
+                }
             };
             match ev {
                 Ok(Event::Open(id, w, refs)) => {
@@ -557,28 +625,35 @@ impl Listener for TcpListener {
     }
 
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
-        let Some((w, _)) = self.conns.get(&conn) else {
+        let Some((w, _)) = self.conns.get_mut(&conn) else {
             return Err(TransportError::Unavailable(format!(
                 "connection {conn} is gone"
             )));
         };
-        let mut bytes = f.encode();
-        // A client that does not read its answers for a second loses its
-        // connection rather than stalling the server.
-        let until = Instant::now() + Duration::from_secs(1);
-        loop {
-            match w.try_send(bytes) {
-                Ok(()) => return Ok(()),
-                Err(tokio::sync::mpsc::error::TrySendError::Full(b)) if Instant::now() < until => {
-                    bytes = b;
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-                Err(_) => {
-                    self.conns.remove(&conn);
-                    return Err(TransportError::Unavailable(format!(
-                        "connection {conn} is gone or does not read"
-                    )));
-                }
+        // A client that does not read its answers for a second (its socket
+        // stays full) loses its connection rather than stalling the server.
+        let until = Instant::now() + REPLY_TIMEOUT;
+        let head = f.header();
+        let encoded;
+        let mut parts = match &f.payload {
+            crate::frame::Body::Inline(b) => {
+                [std::io::IoSlice::new(&head), std::io::IoSlice::new(b)]
+            }
+            _ => {
+                encoded = f.encode();
+                [std::io::IoSlice::new(&encoded), std::io::IoSlice::new(&[])]
+            }
+        };
+        match dm_sys::io::write_all_vectored_until(w, &mut parts, until) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // Mid-frame the stream cannot be used again: end it (its
+                // reader then sees the close).
+                let _ = w.shutdown(std::net::Shutdown::Both);
+                self.conns.remove(&conn);
+                Err(TransportError::Unavailable(format!(
+                    "connection {conn} is gone or does not read its answers ({e})"
+                )))
             }
         }
     }
@@ -607,6 +682,7 @@ impl Listener for TcpListener {
 mod tests {
     use super::*;
     use crate::frame::{Body, Status};
+    use crate::node::DEFAULT_TCP_SPIN as DEFAULT_SPIN;
 
     /// Large payloads are read straight into their own vector, across
     /// reads that stop at a deadline mid-payload, and frames around them
@@ -642,7 +718,13 @@ mod tests {
             let mut rest = Vec::new();
             let _ = s.read_to_end(&mut rest);
         });
-        let mut c = connect(&addr, Identity::default(), Duration::from_secs(5)).unwrap();
+        let mut c = connect(
+            &addr,
+            Identity::default(),
+            Duration::from_secs(5),
+            DEFAULT_SPIN,
+        )
+        .unwrap();
         let mut got = Vec::new();
         let mut timeouts = 0;
         while got.len() < 4 {
