@@ -73,31 +73,6 @@ pub mod io {
         Ok(())
     }
 
-    /// [`write_all_vectored`] on a non-blocking socket: while the socket is
-    /// full it waits for room, until `until`, then fails with `TimedOut`
-    /// (some bytes may have gone out: the stream is then unusable).
-    pub fn write_all_vectored_until<W: Write + std::os::fd::AsRawFd>(
-        w: &mut W,
-        mut slices: &mut [IoSlice<'_>],
-        until: std::time::Instant,
-    ) -> Result<()> {
-        while !slices.is_empty() {
-            match w.write_vectored(slices) {
-                Ok(0) => return Err(ErrorKind::WriteZero.into()),
-                Ok(n) => IoSlice::advance_slices(&mut slices, n),
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    let left = until.saturating_duration_since(std::time::Instant::now());
-                    if left.is_zero() || !crate::poll::wait_writable(w.as_raw_fd(), left)? {
-                        return Err(ErrorKind::TimedOut.into());
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
     #[cfg(test)]
     mod tests {
         /// A writer that takes at most 3 bytes per call: every slice still

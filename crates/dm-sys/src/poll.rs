@@ -127,13 +127,28 @@ pub fn recv_nowait(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(r as usize)
 }
 
-/// Waits until `fd` can take more bytes (`poll(2)` for `POLLOUT`), at most
-/// `timeout`: `Ok(false)` if it could not in time. A hang-up or error on
-/// the socket counts as writable (the write then reports it).
-pub fn wait_writable(fd: RawFd, timeout: Duration) -> std::io::Result<bool> {
+/// What [`wait_io`] found a descriptor ready for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ready {
+    /// Input, a hang-up or an error (a read then tells which).
+    pub read: bool,
+    /// Room for output, a hang-up or an error (a write then tells which).
+    pub write: bool,
+}
+
+/// Waits until `fd` is ready for what is asked (`poll(2)`), at most
+/// `timeout`: nothing ready if it was not in time.
+pub fn wait_io(fd: RawFd, read: bool, write: bool, timeout: Duration) -> std::io::Result<Ready> {
+    let mut events = 0;
+    if read {
+        events |= libc::POLLIN;
+    }
+    if write {
+        events |= libc::POLLOUT;
+    }
     let mut p = libc::pollfd {
         fd,
-        events: libc::POLLOUT,
+        events,
         revents: 0,
     };
     let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
@@ -141,7 +156,11 @@ pub fn wait_writable(fd: RawFd, timeout: Duration) -> std::io::Result<bool> {
         // SAFETY: `p` is one valid pollfd, as the count says.
         let r = unsafe { libc::poll(&mut p, 1, ms) };
         if r >= 0 {
-            return Ok(r > 0);
+            let bad = p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0;
+            return Ok(Ready {
+                read: read && (bad || p.revents & libc::POLLIN != 0),
+                write: write && (bad || p.revents & libc::POLLOUT != 0),
+            });
         }
         let e = std::io::Error::last_os_error();
         if e.kind() != std::io::ErrorKind::Interrupted {
@@ -171,9 +190,14 @@ impl ReadySet {
 
     /// Adds `fd` (polled for input until [`ReadySet::remove`] or its close).
     pub fn add(&self, fd: RawFd) -> std::io::Result<()> {
+        self.add_with(fd, fd as u64)
+    }
+
+    /// Adds `fd`, named `token` in what [`ReadySet::wait`] reports.
+    pub fn add_with(&self, fd: RawFd, token: u64) -> std::io::Result<()> {
         let mut ev = libc::epoll_event {
             events: libc::EPOLLIN as u32 | libc::EPOLLRDHUP as u32,
-            u64: fd as u64,
+            u64: token,
         };
         // SAFETY: `ev` is a valid epoll_event for the duration of the call.
         let r = unsafe { libc::epoll_ctl(self.ep, libc::EPOLL_CTL_ADD, fd, &mut ev) };
@@ -188,6 +212,32 @@ impl ReadySet {
         let mut ev = libc::epoll_event { events: 0, u64: 0 };
         // SAFETY: as in add; a descriptor not in the set only fails.
         unsafe { libc::epoll_ctl(self.ep, libc::EPOLL_CTL_DEL, fd, &mut ev) };
+    }
+
+    /// Waits until some descriptor in the set has input (or a hang-up), at
+    /// most `timeout` (`None`: no limit; zero: just looks), and puts their
+    /// tokens in `out` (cleared first; empty if none in time).
+    pub fn wait(&self, out: &mut Vec<u64>, timeout: Option<Duration>) -> std::io::Result<()> {
+        out.clear();
+        let ms = match timeout {
+            None => -1,
+            Some(t) if t.is_zero() => 0,
+            // Rounded up: a wait never ends before its time.
+            Some(t) => t.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128) as i32,
+        };
+        let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        // SAFETY: `ev` holds 64 events, as the count says.
+        let r = unsafe { libc::epoll_wait(self.ep, ev.as_mut_ptr(), ev.len() as i32, ms) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            return if e.kind() == std::io::ErrorKind::Interrupted {
+                Ok(())
+            } else {
+                Err(e)
+            };
+        }
+        out.extend(ev[..r as usize].iter().map(|e| e.u64));
+        Ok(())
     }
 
     /// Whether any descriptor in the set has input (or a hang-up) now.
@@ -337,5 +387,40 @@ mod tests {
         assert_eq!(recv_nowait(b.as_raw_fd(), &mut buf).unwrap(), 0);
         set.remove(b.as_raw_fd());
         assert!(!set.any_ready());
+    }
+
+    #[test]
+    fn wait_reports_the_tokens_of_what_is_ready_and_wait_io_the_directions() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let mut c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (d, _) = l.accept().unwrap();
+        let set = ReadySet::new().unwrap();
+        set.add_with(b.as_raw_fd(), 7).unwrap();
+        set.add_with(d.as_raw_fd(), 9).unwrap();
+        let mut got = vec![1, 2, 3];
+        set.wait(&mut got, Some(Duration::ZERO)).unwrap();
+        assert!(got.is_empty());
+        let t = Instant::now();
+        set.wait(&mut got, Some(Duration::from_millis(20))).unwrap();
+        assert!(got.is_empty() && t.elapsed() >= Duration::from_millis(20));
+        let r = wait_io(b.as_raw_fd(), true, true, Duration::from_millis(1)).unwrap();
+        assert_eq!((r.read, r.write), (false, true));
+        c.write_all(b"x").unwrap();
+        set.wait(&mut got, None).unwrap();
+        assert_eq!(got, [9]);
+        a.write_all(b"y").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            set.wait(&mut got, Some(Duration::from_millis(10))).unwrap();
+            got.sort();
+            if got == [7, 9] {
+                break;
+            }
+            assert!(Instant::now() < deadline, "got {got:?}");
+        }
+        let r = wait_io(b.as_raw_fd(), true, false, Duration::from_secs(5)).unwrap();
+        assert_eq!((r.read, r.write), (true, false));
     }
 }

@@ -12,32 +12,29 @@
 //! payload travels inline (by value, up to [`MAX_INLINE`]). (Version 1's
 //! hello was `DMRPCTCP` and the pool id: a version-1 peer is refused.)
 //!
-//! The server side reads on a tokio runtime of its own (one thread: accept
-//! and socket reads for every connection), and hands frames to the
-//! service's dispatcher through a bounded queue; a connection whose queue
-//! is full stops being read (back-pressure through TCP). The dispatcher
-//! writes the answers itself, on its own handle of the socket. The
-//! blocking client uses the socket directly from the calling thread.
+//! The server has no I/O thread: its dispatcher waits on the sockets
+//! itself (epoll), reads the requests and writes the answers, so a call
+//! crosses no thread inside the server. It reads a connection only when
+//! that connection's last request was taken, so a client that sends
+//! faster than the service runs is held back by TCP's own flow control.
+//! The blocking client uses the socket directly from the calling thread.
 //!
-//! Every thread that waits here polls before it sleeps (the client its
-//! socket, the I/O thread its sockets, the dispatcher its queue), for an
-//! adaptive budget ([`dm_sys::poll::Spin`]): on the test machine a
-//! sleeping thread's wake-up costs more than the loopback round trip.
+//! Both wait by polling before they sleep (the client its socket, the
+//! dispatcher its sockets), for an adaptive budget
+//! ([`dm_sys::poll::Spin`]): on the test machine a sleeping thread's
+//! wake-up costs more than the loopback round trip.
 
 use super::{ConnId, Connection, FrameRx, FrameTx, Listener, Sharing, TransportError, Waker};
 use crate::frame::{Frame, FrameError, Limits, HEADER_LEN};
-use dm_sys::poll::{recv_nowait, IdlePoll, Spin};
-use std::collections::HashMap;
+use dm_sys::poll::{recv_nowait, wait_io, ReadySet, Spin};
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{
-    sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError,
-};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Magic and version of the hello exchange.
 pub const HELLO: [u8; 8] = *b"DMRPCTC2";
@@ -65,9 +62,6 @@ impl Identity {
 }
 /// Largest inline payload over TCP.
 pub const MAX_INLINE: usize = 16 << 20;
-/// Frames queued between the I/O thread and the dispatcher before the
-/// I/O thread stops reading the connection.
-pub const QUEUE_DEPTH: usize = 256;
 /// How long the dispatcher waits for room in a client's socket for an
 /// answer before it drops the connection.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(1);
@@ -150,9 +144,7 @@ fn handshake(mut s: TcpStream, me: Identity, spin: Duration) -> Result<Connectio
         tx: Box::new(TcpTx { s }),
         rx: Box::new(TcpRx {
             s: r,
-            buf: Vec::with_capacity(64 << 10),
-            start: 0,
-            partial: None,
+            rx: Incoming::new(),
             spin: Spin::new(spin),
         }),
         max_inline: MAX_INLINE,
@@ -205,11 +197,15 @@ fn write_frame(s: &mut TcpStream, f: &Frame) -> std::io::Result<()> {
 /// their header has arrived: no staging buffer, no second copy.
 const DIRECT: usize = 64 << 10;
 
+/// Bytes a connection's receive buffer starts with (a frame up to
+/// [`DIRECT`] is assembled in it).
+const RX_BUF: usize = 128 << 10;
+
 /// A frame whose payload is being read into the vector that becomes it.
 struct Partial {
     head: [u8; HEADER_LEN],
     body: Vec<u8>,
-    len: usize,
+    got: usize,
 }
 
 impl Partial {
@@ -223,16 +219,23 @@ impl Partial {
             return None;
         }
         let take = (have.len() - HEADER_LEN).min(len);
-        let mut body = Vec::with_capacity(len);
-        body.extend_from_slice(&have[HEADER_LEN..HEADER_LEN + take]);
+        // Zeroed by the allocator (fresh pages for a large vector).
+        let mut body = vec![0u8; len];
+        body[..take].copy_from_slice(&have[HEADER_LEN..HEADER_LEN + take]);
         let mut head = [0u8; HEADER_LEN];
         head.copy_from_slice(h);
-        Some((Partial { head, body, len }, HEADER_LEN + take))
+        Some((
+            Partial {
+                head,
+                body,
+                got: take,
+            },
+            HEADER_LEN + take,
+        ))
     }
 
-    /// Bytes still to read.
-    fn want(&self) -> u64 {
-        (self.len - self.body.len()) as u64
+    fn whole(&self) -> bool {
+        self.got == self.body.len()
     }
 
     fn frame(self) -> Result<Frame, FrameError> {
@@ -240,11 +243,107 @@ impl Partial {
     }
 }
 
-struct TcpRx {
-    s: TcpStream,
+/// The bytes received on one connection and not yet taken as frames: a
+/// buffer (zeroed once, when it grows) holding `buf[start..end]`, or the
+/// large payload being read into its own vector.
+struct Incoming {
     buf: Vec<u8>,
     start: usize,
+    end: usize,
     partial: Option<Partial>,
+}
+
+impl Incoming {
+    fn new() -> Incoming {
+        Incoming {
+            buf: vec![0u8; RX_BUF],
+            start: 0,
+            end: 0,
+            partial: None,
+        }
+    }
+
+    /// The next whole frame, if its bytes are here; an error if they are
+    /// malformed (the stream cannot be followed past them).
+    fn take(&mut self) -> Result<Option<Frame>, FrameError> {
+        if let Some(p) = &self.partial {
+            if !p.whole() {
+                return Ok(None);
+            }
+            return match self.partial.take() {
+                Some(p) => p.frame().map(Some),
+                None => Ok(None),
+            };
+        }
+        let have = &self.buf[self.start..self.end];
+        if let Some((f, used)) = Frame::decode(have, &limits())? {
+            self.consume(used);
+            return Ok(Some(f));
+        }
+        if let Some((p, used)) = Partial::start(have) {
+            self.consume(used);
+            let whole = p.whole();
+            self.partial = Some(p);
+            if whole {
+                return self.take();
+            }
+        }
+        Ok(None)
+    }
+
+    /// The bytes buffered (not those of a large payload).
+    fn buffered(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    /// The first `N` bytes, taken, once they are here (the hello).
+    fn take_prefix<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let b = self.buf.get(self.start..self.start + N)?;
+        if self.end - self.start < N {
+            return None;
+        }
+        let mut out = [0u8; N];
+        out.copy_from_slice(b);
+        self.consume(N);
+        Some(out)
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        }
+    }
+
+    /// Where the next read goes: the rest of a large payload, or the free
+    /// end of the buffer (moved down, or grown, to make room).
+    fn space(&mut self) -> &mut [u8] {
+        if let Some(p) = &mut self.partial {
+            return &mut p.body[p.got..];
+        }
+        if self.end == self.buf.len() {
+            if self.start > 0 {
+                self.buf.copy_within(self.start..self.end, 0);
+                (self.start, self.end) = (0, self.end - self.start);
+            } else {
+                self.buf.resize(self.buf.len() * 2, 0);
+            }
+        }
+        &mut self.buf[self.end..]
+    }
+
+    /// `n` bytes were read into [`Incoming::space`].
+    fn filled(&mut self, n: usize) {
+        match &mut self.partial {
+            Some(p) => p.got += n,
+            None => self.end += n,
+        }
+    }
+}
+
+struct TcpRx {
+    s: TcpStream,
+    rx: Incoming,
     /// The busy-poll before a blocking read.
     spin: Spin,
 }
@@ -252,29 +351,8 @@ struct TcpRx {
 impl FrameRx for TcpRx {
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         loop {
-            if self.partial.as_ref().is_some_and(|p| p.want() == 0) {
-                if let Some(p) = self.partial.take() {
-                    return Ok(Some(p.frame()?));
-                }
-            }
-            if self.partial.is_none() {
-                let have = &self.buf[self.start..];
-                if let Some((f, used)) = Frame::decode(have, &limits())? {
-                    self.start += used;
-                    if self.start == self.buf.len() {
-                        self.buf.clear();
-                        self.start = 0;
-                    }
-                    return Ok(Some(f));
-                }
-                if let Some((p, used)) = Partial::start(have) {
-                    self.start += used;
-                    self.partial = Some(p);
-                }
-                if self.start > 0 {
-                    self.buf.drain(..self.start);
-                    self.start = 0;
-                }
+            if let Some(f) = self.rx.take()? {
+                return Ok(Some(f));
             }
             let wait = match deadline {
                 Some(d) => match d.checked_duration_since(Instant::now()) {
@@ -283,32 +361,8 @@ impl FrameRx for TcpRx {
                 },
                 None => None,
             };
-            if let Some(p) = &mut self.partial {
-                self.s.set_read_timeout(wait).map_err(unavailable)?;
-                let want = p.want();
-                match (&mut self.s).take(want).read_to_end(&mut p.body) {
-                    Ok(_) if p.want() > 0 => {
-                        return Err(TransportError::Unavailable(
-                            "the server closed the TCP connection".into(),
-                        ))
-                    }
-                    Ok(_) => continue,
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                        ) =>
-                    {
-                        return Ok(None)
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(unavailable(e)),
-                }
-            }
-            let at = self.buf.len();
-            self.buf.resize(at + (64 << 10), 0);
             let fd = self.s.as_raw_fd();
-            let to = &mut self.buf[at..];
+            let to = self.rx.space();
             let polled = self.spin.run(|| match recv_nowait(fd, to) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
                 r => Some(r),
@@ -325,51 +379,66 @@ impl FrameRx for TcpRx {
             };
             match r {
                 Ok(0) => {
-                    self.buf.truncate(at);
                     return Err(TransportError::Unavailable(
                         "the server closed the TCP connection".into(),
-                    ));
+                    ))
                 }
-                Ok(n) => self.buf.truncate(at + n),
+                Ok(n) => self.rx.filled(n),
                 Err(e)
                     if matches!(
                         e.kind(),
                         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                     ) =>
                 {
-                    self.buf.truncate(at);
-                    return Ok(None);
+                    return Ok(None)
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => self.buf.truncate(at),
-                Err(e) => {
-                    self.buf.truncate(at);
-                    return Err(unavailable(e));
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(unavailable(e)),
             }
         }
     }
 }
 
-enum Event {
-    /// A connection said hello: the dispatcher's handle for writing its
-    /// answers (the socket, non-blocking), and what it may be sent.
-    Open(ConnId, TcpStream, Sharing),
-    Frame(ConnId, Frame),
-    Close(ConnId),
-    Wake,
+/// The token of the listening socket in the dispatcher's set.
+const ACCEPT: u64 = u64::MAX;
+/// The token of the waker's socket.
+const WAKE: u64 = u64::MAX - 1;
+
+/// A client's connection, as the dispatcher holds it.
+struct ServerConn {
+    /// The socket, non-blocking.
+    s: TcpStream,
+    /// What the client may be sent, once it has said hello.
+    refs: Option<Sharing>,
+    /// When it was accepted (a hello is due within [`HELLO_TIMEOUT`]).
+    opened: Instant,
+    rx: Incoming,
+    /// The next frame, taken from `rx` (the connection is then in the
+    /// ready queue).
+    next: Option<Frame>,
 }
 
-/// A service listening on TCP.
+/// A service listening on TCP. There is no I/O thread: the dispatcher
+/// waits on the sockets itself (epoll, after a busy-poll), reads the
+/// requests and writes the answers, so a call crosses no thread inside
+/// the server.
 pub struct TcpListener {
     addr: SocketAddr,
-    events: Receiver<Event>,
-    /// The busy-poll of `events` before the dispatcher blocks on it.
+    l: std::net::TcpListener,
+    set: ReadySet,
+    me: Identity,
+    conns: HashMap<ConnId, ServerConn>,
+    /// Connections with a frame taken, served in this order (one frame
+    /// each per turn).
+    ready: VecDeque<ConnId>,
+    next_id: ConnId,
+    /// Connections that have not said hello yet.
+    hellos: usize,
+    tokens: Vec<u64>,
     spin: Spin,
-    wake: SyncSender<Event>,
-    conns: HashMap<ConnId, (TcpStream, Sharing)>,
     stop: Arc<AtomicBool>,
-    io: Option<std::thread::JoinHandle<()>>,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    wake_rx: UnixStream,
+    wake_tx: Arc<UnixStream>,
 }
 
 impl std::fmt::Debug for TcpListener {
@@ -382,46 +451,40 @@ impl std::fmt::Debug for TcpListener {
 }
 
 impl TcpListener {
-    /// Binds `addr` (`host:port`, port 0 for any) and starts the I/O thread.
-    /// `me` is told to clients in the hello.
-    /// `spin` is the longest busy-poll (adapted) of the sockets by the I/O
-    /// thread, and of the I/O thread's queue by the dispatcher, before
-    /// either sleeps.
+    /// Binds `addr` (`host:port`, port 0 for any). `me` is told to clients
+    /// in the hello. `spin` is the longest busy-poll (adapted) of the
+    /// sockets before the dispatcher sleeps on them.
     pub fn bind(
         addr: &str,
         me: Identity,
         stop: Arc<AtomicBool>,
         spin: Duration,
     ) -> Result<TcpListener, TransportError> {
-        let std_l = std::net::TcpListener::bind(addr)
+        let l = std::net::TcpListener::bind(addr)
             .map_err(|e| TransportError::Unavailable(format!("cannot listen on {addr}: {e}")))?;
-        std_l.set_nonblocking(true).map_err(unavailable)?;
-        let local = std_l.local_addr().map_err(unavailable)?;
-        let (tx, rx) = sync_channel(QUEUE_DEPTH);
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
-        let events = tx.clone();
-        let polled = Arc::new(IdlePoll::new(spin).map_err(unavailable)?);
-        let (p1, p2) = (polled.clone(), polled.clone());
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_io()
-            .enable_time()
-            .on_thread_park(move || p1.before_sleep())
-            .on_thread_unpark(move || p2.after_wake())
-            .build()
-            .map_err(unavailable)?;
-        let io = std::thread::Builder::new()
-            .name(format!("dmrpc-tcp:{}", local.port()))
-            .spawn(move || rt.block_on(accept_loop(std_l, events, me, stop_rx, polled)))
+        l.set_nonblocking(true).map_err(unavailable)?;
+        let local = l.local_addr().map_err(unavailable)?;
+        let set = ReadySet::new().map_err(unavailable)?;
+        set.add_with(l.as_raw_fd(), ACCEPT).map_err(unavailable)?;
+        let (wake_rx, wake_tx) = UnixStream::pair().map_err(unavailable)?;
+        wake_rx.set_nonblocking(true).map_err(unavailable)?;
+        wake_tx.set_nonblocking(true).map_err(unavailable)?;
+        set.add_with(wake_rx.as_raw_fd(), WAKE)
             .map_err(unavailable)?;
         Ok(TcpListener {
             addr: local,
-            events: rx,
-            spin: Spin::new(spin),
-            wake: tx,
+            l,
+            set,
+            me,
             conns: HashMap::new(),
+            ready: VecDeque::new(),
+            next_id: 1,
+            hellos: 0,
+            tokens: Vec::new(),
+            spin: Spin::new(spin),
             stop,
-            io: Some(io),
-            shutdown: Some(stop_tx),
+            wake_rx,
+            wake_tx: Arc::new(wake_tx),
         })
     }
 
@@ -429,127 +492,187 @@ impl TcpListener {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// The next frame of the connection first in line, if any.
+    fn take_ready(&mut self) -> Option<(ConnId, Frame)> {
+        while let Some(id) = self.ready.pop_front() {
+            let Some(c) = self.conns.get_mut(&id) else {
+                continue;
+            };
+            let Some(f) = c.next.take() else { continue };
+            match c.rx.take() {
+                Ok(Some(g)) => {
+                    c.next = Some(g);
+                    self.ready.push_back(id);
+                }
+                Ok(None) => {}
+                // Served up to the garbage, then dropped.
+                Err(_) => self.close(id),
+            }
+            return Some((id, f));
+        }
+        None
+    }
+
+    /// Accepts every connection waiting.
+    fn accept(&mut self) {
+        loop {
+            let s = match self.l.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // WouldBlock: none left; anything else (out of descriptors):
+                // the connection stays queued for a later turn.
+                Err(_) => return,
+            };
+            if s.set_nonblocking(true).is_err() || s.set_nodelay(true).is_err() {
+                continue;
+            }
+            let id = self.next_id;
+            self.next_id += 1;
+            if self.set.add_with(s.as_raw_fd(), id).is_err() {
+                continue;
+            }
+            self.conns.insert(
+                id,
+                ServerConn {
+                    s,
+                    refs: None,
+                    opened: Instant::now(),
+                    rx: Incoming::new(),
+                    next: None,
+                },
+            );
+            self.hellos += 1;
+        }
+    }
+
+    /// Reads what connection `id` sent, until its next frame is whole or
+    /// the socket is drained; takes its hello, then its next frame (which
+    /// puts it in the ready queue). A connection that closed, broke the
+    /// protocol or failed is dropped.
+    fn pull(&mut self, id: ConnId) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        if c.next.is_some() {
+            // Served first; its socket is read once that frame is taken.
+            return;
+        }
+        let mut ok = true;
+        loop {
+            match c.s.read(c.rx.space()) {
+                Ok(0) => {
+                    ok = false;
+                    break;
+                }
+                Ok(n) => c.rx.filled(n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    ok = false;
+                    break;
+                }
+            }
+            if c.refs.is_none() {
+                // Not dmrpc (or another version): no need to wait for the rest.
+                let got = c.rx.buffered();
+                if got[..got.len().min(HELLO.len())] != HELLO[..got.len().min(HELLO.len())] {
+                    ok = false;
+                    break;
+                }
+                match c.rx.take_prefix::<HELLO_LEN>() {
+                    None => continue,
+                    Some(h) => match parse_hello(&h) {
+                        Ok(theirs) if c.s.write_all(&hello(self.me)).is_ok() => {
+                            c.refs = Some(self.me.sharing(theirs));
+                            self.hellos -= 1;
+                        }
+                        _ => {
+                            ok = false;
+                            break;
+                        }
+                    },
+                }
+            }
+            match c.rx.take() {
+                Ok(Some(f)) => {
+                    c.next = Some(f);
+                    self.ready.push_back(id);
+                    break;
+                }
+                Ok(None) => {}
+                Err(_) => {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        // A connection that ended after a whole request still gets it
+        // served (its answer then fails to send).
+        if !ok && c.next.is_none() {
+            self.close(id);
+        }
+    }
+
+    fn close(&mut self, id: ConnId) {
+        if let Some(c) = self.conns.remove(&id) {
+            self.set.remove(c.s.as_raw_fd());
+            if c.refs.is_none() {
+                self.hellos -= 1;
+            }
+        }
+    }
+
+    /// Drops the connections whose hello is overdue; when the next one is.
+    fn expire_hellos(&mut self) -> Option<Instant> {
+        if self.hellos == 0 {
+            return None;
+        }
+        let now = Instant::now();
+        let mut late = Vec::new();
+        let mut due: Option<Instant> = None;
+        for (id, c) in &self.conns {
+            if c.refs.is_none() {
+                let at = c.opened + HELLO_TIMEOUT;
+                if at <= now {
+                    late.push(*id);
+                } else {
+                    due = Some(due.map_or(at, |d| d.min(at)));
+                }
+            }
+        }
+        for id in late {
+            self.close(id);
+        }
+        due
+    }
+
+    /// Handles what the set reported: new connections, bytes, the waker
+    /// (`true`: it rang).
+    fn handle(&mut self, tokens: &[u64]) -> bool {
+        let mut woke = false;
+        for &t in tokens {
+            match t {
+                ACCEPT => self.accept(),
+                WAKE => {
+                    let mut b = [0u8; 64];
+                    while matches!((&self.wake_rx).read(&mut b), Ok(n) if n > 0) {}
+                    woke = true;
+                }
+                id => self.pull(id),
+            }
+        }
+        woke
+    }
 }
 
 impl Drop for TcpListener {
     fn drop(&mut self) {
-        if let Some(s) = self.shutdown.take() {
-            let _ = s.send(());
-        }
-        self.conns.clear();
-        if let Some(t) = self.io.take() {
-            let _ = t.join();
+        // Clients see their connections close.
+        for c in self.conns.values() {
+            let _ = c.s.shutdown(std::net::Shutdown::Both);
         }
     }
-}
-
-async fn accept_loop(
-    l: std::net::TcpListener,
-    events: SyncSender<Event>,
-    me: Identity,
-    mut stop: tokio::sync::oneshot::Receiver<()>,
-    polled: Arc<IdlePoll>,
-) {
-    let Ok(l) = tokio::net::TcpListener::from_std(l) else {
-        return;
-    };
-    let mut next_id: ConnId = 1;
-    loop {
-        tokio::select! {
-            _ = &mut stop => return,
-            a = l.accept() => {
-                let Ok((s, _)) = a else { continue };
-                let id = next_id;
-                next_id += 1;
-                tokio::spawn(serve_conn(s, id, events.clone(), me, polled.clone()));
-            }
-        }
-    }
-}
-
-/// Queues an event for the dispatcher without blocking the I/O thread:
-/// while the queue is full the connection is not read (back-pressure).
-async fn deliver(events: &SyncSender<Event>, mut ev: Event) -> bool {
-    loop {
-        match events.try_send(ev) {
-            Ok(()) => return true,
-            Err(TrySendError::Disconnected(_)) => return false,
-            Err(TrySendError::Full(back)) => {
-                ev = back;
-                tokio::time::sleep(Duration::from_micros(100)).await;
-            }
-        }
-    }
-}
-
-async fn serve_conn(
-    mut s: tokio::net::TcpStream,
-    id: ConnId,
-    events: SyncSender<Event>,
-    me: Identity,
-    polled: Arc<IdlePoll>,
-) {
-    let _ = s.set_nodelay(true);
-    let mut h = [0u8; HELLO_LEN];
-    let said = tokio::time::timeout(HELLO_TIMEOUT, s.read_exact(&mut h)).await;
-    let Ok(Ok(_)) = said else { return };
-    let Ok(theirs) = parse_hello(&h) else { return };
-    if s.write_all(&hello(me)).await.is_err() {
-        return;
-    }
-    let refs = me.sharing(theirs);
-    // The dispatcher writes the answers itself, on its own handle of the
-    // socket (no hand-off to this thread per answer).
-    let Ok(w) = s.as_fd().try_clone_to_owned() else {
-        return;
-    };
-    if !deliver(&events, Event::Open(id, TcpStream::from(w), refs)).await {
-        return;
-    }
-    let fd = s.as_raw_fd();
-    // Polled before the I/O thread sleeps (a failure only loses that).
-    let _ = polled.add(fd);
-    let mut rd = s;
-    let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
-    let mut start = 0;
-    'read: loop {
-        loop {
-            match Frame::decode(&buf[start..], &limits()) {
-                Ok(Some((f, used))) => {
-                    start += used;
-                    if !deliver(&events, Event::Frame(id, f)).await {
-                        break 'read;
-                    }
-                }
-                Ok(None) => break,
-                // A client that sends garbage loses its connection.
-                Err(_) => break 'read,
-            }
-        }
-        if let Some((mut p, used)) = Partial::start(&buf[start..]) {
-            // A large payload: read it into its own vector.
-            start += used;
-            let want = p.want();
-            match (&mut rd).take(want).read_to_end(&mut p.body).await {
-                Ok(_) if p.want() == 0 => {}
-                _ => break,
-            }
-            let Ok(f) = p.frame() else { break };
-            if !deliver(&events, Event::Frame(id, f)).await {
-                break;
-            }
-        }
-        buf.drain(..start);
-        start = 0;
-        let at = buf.len();
-        buf.resize(at + (64 << 10), 0);
-        match rd.read(&mut buf[at..]).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => buf.truncate(at + n),
-        }
-    }
-    polled.remove(fd);
-    let _ = deliver(&events, Event::Close(id)).await;
 }
 
 impl Listener for TcpListener {
@@ -561,78 +684,61 @@ impl Listener for TcpListener {
             if self.stop.load(Ordering::Acquire) {
                 return Ok(None);
             }
-            let events = &self.events;
-            let polled = self.spin.run(|| match events.try_recv() {
-                Ok(ev) => Some(Ok(ev)),
-                Err(TryRecvError::Empty) => None,
-                Err(TryRecvError::Disconnected) => Some(Err(RecvTimeoutError::Disconnected)),
+            if let Some(x) = self.take_ready() {
+                return Ok(Some(x));
+            }
+            let mut tokens = std::mem::take(&mut self.tokens);
+            let set = &self.set;
+            let polled = self.spin.run(|| {
+                let r = set.wait(&mut tokens, Some(Duration::ZERO));
+                (r.is_err() || !tokens.is_empty()).then_some(r)
             });
-            let ev = match polled {
-                Some(ev) => ev,
+            let r = match polled {
+                Some(r) => r,
                 None => {
-                    let t = Instant::now();
-                    let ev = match deadline {
-                        None => self
-                            .events
-                            .recv()
-                            .map_err(|_| RecvTimeoutError::Disconnected),
-                        Some(d) => self
-                            .events
-                            .recv_timeout(d.saturating_duration_since(Instant::now())),
+                    let now = Instant::now();
+                    let mut wait = deadline.map(|d| d.saturating_duration_since(now));
+                    if let Some(due) = self.expire_hellos() {
+                        let w = due.saturating_duration_since(now);
+                        wait = Some(wait.map_or(w, |x| x.min(w)));
+                    }
+                    let r = if wait.is_some_and(|w| w.is_zero()) {
+                        tokens.clear();
+                        Ok(())
+                    } else {
+                        self.set.wait(&mut tokens, wait)
                     };
-                    self.spin.blocked(t.elapsed());
-                    ev
+                    self.spin.blocked(now.elapsed());
+                    r
                 }
             };
-            match ev {
-                Ok(Event::Open(id, w, refs)) => {
-                    self.conns.insert(id, (w, refs));
-                }
-                Ok(Event::Frame(id, f)) if self.conns.contains_key(&id) => {
-                    return Ok(Some((id, f)))
-                }
-                Ok(Event::Frame(..)) => {}
-                Ok(Event::Wake) => return Ok(None),
-                Ok(Event::Close(id)) => {
-                    self.conns.remove(&id);
-                }
-                Err(RecvTimeoutError::Timeout) => return Ok(None),
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(TransportError::Unavailable(
-                        "the TCP I/O thread stopped".into(),
-                    ))
-                }
+            if let Err(e) = r {
+                self.tokens = tokens;
+                return Err(unavailable(e));
+            }
+            let woke = self.handle(&tokens);
+            self.tokens = tokens;
+            if self.ready.is_empty() && (woke || deadline.is_some_and(|d| Instant::now() >= d)) {
+                return Ok(None);
             }
         }
     }
 
     fn poll(&mut self) -> Result<Option<(ConnId, Frame)>, TransportError> {
-        loop {
-            match self.events.try_recv() {
-                Ok(Event::Open(id, w, refs)) => {
-                    self.conns.insert(id, (w, refs));
-                }
-                Ok(Event::Frame(id, f)) if self.conns.contains_key(&id) => {
-                    return Ok(Some((id, f)))
-                }
-                Ok(Event::Close(id)) => {
-                    self.conns.remove(&id);
-                }
-                Ok(_) => {}
-                Err(_) => return Ok(None),
-            }
+        if let Some(x) = self.take_ready() {
+            return Ok(Some(x));
         }
+        let mut tokens = std::mem::take(&mut self.tokens);
+        let r = self.set.wait(&mut tokens, Some(Duration::ZERO));
+        if r.is_ok() {
+            self.handle(&tokens);
+        }
+        self.tokens = tokens;
+        r.map_err(unavailable)?;
+        Ok(self.take_ready())
     }
 
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
-        let Some((w, _)) = self.conns.get_mut(&conn) else {
-            return Err(TransportError::Unavailable(format!(
-                "connection {conn} is gone"
-            )));
-        };
-        // A client that does not read its answers for a second (its socket
-        // stays full) loses its connection rather than stalling the server.
-        let until = Instant::now() + REPLY_TIMEOUT;
         let head = f.header();
         let encoded;
         let mut parts = match &f.payload {
@@ -644,18 +750,47 @@ impl Listener for TcpListener {
                 [std::io::IoSlice::new(&encoded), std::io::IoSlice::new(&[])]
             }
         };
-        match dm_sys::io::write_all_vectored_until(w, &mut parts, until) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                // Mid-frame the stream cannot be used again: end it (its
-                // reader then sees the close).
-                let _ = w.shutdown(std::net::Shutdown::Both);
-                self.conns.remove(&conn);
-                Err(TransportError::Unavailable(format!(
-                    "connection {conn} is gone or does not read its answers ({e})"
-                )))
+        let mut parts: &mut [std::io::IoSlice<'_>] = &mut parts;
+        // A client that does not take its answers for a second (its
+        // socket stays full) loses its connection rather than stalling
+        // the server. While it waits for room, the dispatcher reads that
+        // client's next request, so a client busy sending one (and reading
+        // its answers only after) is no deadlock.
+        let until = Instant::now() + REPLY_TIMEOUT;
+        let why = loop {
+            let Some(c) = self.conns.get_mut(&conn) else {
+                return Err(TransportError::Unavailable(format!(
+                    "connection {conn} is gone"
+                )));
+            };
+            if parts.is_empty() {
+                return Ok(());
             }
-        }
+            match c.s.write_vectored(parts) {
+                Ok(0) => break "it closed".to_string(),
+                Ok(n) => std::io::IoSlice::advance_slices(&mut parts, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break "it does not read its answers".to_string();
+                    }
+                    let read = c.next.is_none();
+                    let fd = c.s.as_raw_fd();
+                    match wait_io(fd, read, true, left) {
+                        Ok(r) if r.read => self.pull(conn),
+                        Ok(_) => {}
+                        Err(e) => break e.to_string(),
+                    }
+                }
+                Err(e) => break e.to_string(),
+            }
+        };
+        // Mid-frame the stream cannot be used again: end it.
+        self.close(conn);
+        Err(TransportError::Unavailable(format!(
+            "connection {conn} dropped: {why}"
+        )))
     }
 
     fn max_inline(&self) -> usize {
@@ -663,17 +798,20 @@ impl Listener for TcpListener {
     }
 
     fn refs(&self, conn: ConnId) -> Sharing {
-        self.conns.get(&conn).map(|c| c.1).unwrap_or_default()
+        self.conns
+            .get(&conn)
+            .and_then(|c| c.refs)
+            .unwrap_or_default()
     }
 
     fn connections(&self) -> usize {
-        self.conns.len()
+        self.conns.len() - self.hellos
     }
 
     fn waker(&self) -> Waker {
-        let w = self.wake.clone();
+        let w = self.wake_tx.clone();
         Waker(Arc::new(move || {
-            let _ = w.try_send(Event::Wake);
+            let _ = (&*w).write(&[1]);
         }))
     }
 }
