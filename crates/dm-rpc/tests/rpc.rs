@@ -529,6 +529,120 @@ fn malformed_bytes_on_tcp_drop_only_that_connection() {
     tp.assert_clean();
 }
 
+/// A raw TCP client of `addr` that has said hello (as a peer without a
+/// pool: every payload inline).
+fn raw_tcp_client(addr: &str) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut hello = dm_rpc::transport::tcp::HELLO.to_vec();
+    hello.extend_from_slice(&[0u8; 16]);
+    s.write_all(&hello).unwrap();
+    let mut theirs = [0u8; 24];
+    s.read_exact(&mut theirs).unwrap();
+    assert_eq!(&theirs[..8], &dm_rpc::transport::tcp::HELLO);
+    s
+}
+
+/// Reads one whole frame from `s`.
+fn read_frame(s: &mut std::net::TcpStream, buf: &mut Vec<u8>) -> dm_rpc::Frame {
+    use std::io::Read;
+    let limits = dm_rpc::frame::Limits::default();
+    loop {
+        if let Some((f, used)) = dm_rpc::Frame::decode(buf, &limits).unwrap() {
+            buf.drain(..used);
+            return f;
+        }
+        let mut chunk = vec![0u8; 1 << 20];
+        let n = s.read(&mut chunk).unwrap();
+        assert!(n > 0, "closed mid-frame");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[test]
+fn a_tcp_client_that_sends_many_large_requests_before_reading_is_served() {
+    use std::io::Write;
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("tcp-pipelined");
+    let svc = spawn_svc(&node, &name, &Transport::Tcp("127.0.0.1:0".into()));
+    let mut s = raw_tcp_client(svc.tcp_addr().unwrap());
+    // Twelve 4 MiB echoes written back to back before any answer is read:
+    // the answers fill the socket while the requests are still coming, so
+    // the server must read ahead while it waits for room.
+    let echo = dm_rpc::frame::method_id("echo");
+    let n = 12u64;
+    let data: Vec<Vec<u8>> = (0..n).map(|k| vec![k as u8 + 1; 4 << 20]).collect();
+    let mut bytes = Vec::new();
+    for (k, d) in data.iter().enumerate() {
+        dm_rpc::Frame::request(k as u64 + 1, echo, 0, dm_rpc::Body::Inline(d.clone()))
+            .encode_into(&mut bytes);
+    }
+    s.write_all(&bytes).unwrap();
+    let mut buf = Vec::new();
+    for k in 0..n {
+        let f = read_frame(&mut s, &mut buf);
+        assert_eq!(f.call_id, k + 1);
+        assert_eq!(f.status, dm_rpc::Status::Ok);
+        assert_eq!(f.payload, dm_rpc::Body::Inline(data[k as usize].clone()));
+    }
+    drop(s);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
+#[test]
+fn a_tcp_client_that_never_reads_its_answers_is_dropped_and_others_are_served() {
+    use std::io::{Read, Write};
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("tcp-deaf");
+    let svc = spawn_svc(&node, &name, &Transport::Tcp("127.0.0.1:0".into()));
+    let good = node.connect(&name).unwrap();
+    let mut deaf = raw_tcp_client(svc.tcp_addr().unwrap());
+    // Far more answers than the sockets hold, and more requests than the
+    // server reads ahead: the server gives up on this client after its
+    // reply timeout and closes the connection.
+    let echo = dm_rpc::frame::method_id("echo");
+    let req = |k: u64| {
+        dm_rpc::Frame::request(k, echo, 0, dm_rpc::Body::Inline(vec![7; 4 << 20])).encode()
+    };
+    deaf.set_write_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let t = Instant::now();
+    let mut sent = 0u64;
+    for k in 1..=64 {
+        if deaf.write_all(&req(k)).is_err() {
+            break;
+        }
+        sent += 1;
+    }
+    assert!(
+        sent < 64,
+        "the server kept reading a client that never reads"
+    );
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    // The connection is gone (what it answered before that may be read).
+    deaf.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut sink = vec![0u8; 1 << 20];
+    loop {
+        match deaf.read(&mut sink) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+                break;
+            }
+        }
+    }
+    assert_eq!(inspect(&node, &good, vec![4; 4]).0, 4);
+    drop(good);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
 #[test]
 fn idle_server_parks_and_wakes() {
     // With a park-only policy every call needs a futex wake: calls still

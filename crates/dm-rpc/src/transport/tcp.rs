@@ -65,6 +65,10 @@ pub const MAX_INLINE: usize = 16 << 20;
 /// How long the dispatcher waits for room in a client's socket for an
 /// answer before it drops the connection.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bytes of requests the dispatcher reads ahead on a connection while it
+/// waits for room for an answer on it (so a client that sends several
+/// requests before it reads any answer is served, within this bound).
+const PENDING_MAX: usize = 64 << 20;
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -413,9 +417,25 @@ struct ServerConn {
     /// When it was accepted (a hello is due within [`HELLO_TIMEOUT`]).
     opened: Instant,
     rx: Incoming,
-    /// The next frame, taken from `rx` (the connection is then in the
-    /// ready queue).
-    next: Option<Frame>,
+    /// Frames taken from `rx` and not yet served (the connection is then
+    /// in the ready queue): normally at most one, more while the
+    /// dispatcher waits for room for an answer on this connection.
+    pending: VecDeque<Frame>,
+    /// Payload bytes in `pending`.
+    pending_bytes: usize,
+}
+
+impl ServerConn {
+    fn push(&mut self, f: Frame) {
+        self.pending_bytes += f.encoded_len();
+        self.pending.push_back(f);
+    }
+
+    fn pop(&mut self) -> Option<Frame> {
+        let f = self.pending.pop_front()?;
+        self.pending_bytes -= f.encoded_len();
+        Some(f)
+    }
 }
 
 /// A service listening on TCP. There is no I/O thread: the dispatcher
@@ -499,15 +519,20 @@ impl TcpListener {
             let Some(c) = self.conns.get_mut(&id) else {
                 continue;
             };
-            let Some(f) = c.next.take() else { continue };
-            match c.rx.take() {
-                Ok(Some(g)) => {
-                    c.next = Some(g);
-                    self.ready.push_back(id);
+            let Some(f) = c.pop() else { continue };
+            if c.pending.is_empty() {
+                match c.rx.take() {
+                    Ok(Some(g)) => c.push(g),
+                    Ok(None) => {}
+                    // Served up to the garbage, then dropped.
+                    Err(_) => {
+                        self.close(id);
+                        return Some((id, f));
+                    }
                 }
-                Ok(None) => {}
-                // Served up to the garbage, then dropped.
-                Err(_) => self.close(id),
+            }
+            if !c.pending.is_empty() {
+                self.ready.push_back(id);
             }
             return Some((id, f));
         }
@@ -539,23 +564,26 @@ impl TcpListener {
                     refs: None,
                     opened: Instant::now(),
                     rx: Incoming::new(),
-                    next: None,
+                    pending: VecDeque::new(),
+                    pending_bytes: 0,
                 },
             );
             self.hellos += 1;
         }
     }
 
-    /// Reads what connection `id` sent, until its next frame is whole or
-    /// the socket is drained; takes its hello, then its next frame (which
-    /// puts it in the ready queue). A connection that closed, broke the
-    /// protocol or failed is dropped.
-    fn pull(&mut self, id: ConnId) {
+    /// Reads what connection `id` sent, until it has a frame pending
+    /// (`upto` 0) or more than `upto` bytes of frames pending, or the
+    /// socket is drained; takes its hello, then its frames (the first puts
+    /// the connection in the ready queue). A connection that closed, broke
+    /// the protocol or failed is dropped.
+    fn pull(&mut self, id: ConnId, upto: usize) {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        if c.next.is_some() {
-            // Served first; its socket is read once that frame is taken.
+        let full = |c: &ServerConn| !c.pending.is_empty() && c.pending_bytes >= upto;
+        if full(c) {
+            // Served first; its socket is read once those frames are taken.
             return;
         }
         let mut ok = true;
@@ -594,22 +622,33 @@ impl TcpListener {
                     },
                 }
             }
-            match c.rx.take() {
-                Ok(Some(f)) => {
-                    c.next = Some(f);
-                    self.ready.push_back(id);
-                    break;
-                }
-                Ok(None) => {}
-                Err(_) => {
-                    ok = false;
-                    break;
+            let mut broken = false;
+            while !full(c) {
+                match c.rx.take() {
+                    Ok(Some(f)) => {
+                        if c.pending.is_empty() {
+                            self.ready.push_back(id);
+                        }
+                        c.push(f);
+                    }
+                    Ok(None) => break,
+                    Err(_) => {
+                        broken = true;
+                        break;
+                    }
                 }
             }
+            if broken {
+                ok = false;
+                break;
+            }
+            if full(c) {
+                break;
+            }
         }
-        // A connection that ended after a whole request still gets it
-        // served (its answer then fails to send).
-        if !ok && c.next.is_none() {
+        // A connection that ended after whole requests still gets them
+        // served (their answers then fail to send).
+        if !ok && c.pending.is_empty() {
             self.close(id);
         }
     }
@@ -659,7 +698,7 @@ impl TcpListener {
                     while matches!((&self.wake_rx).read(&mut b), Ok(n) if n > 0) {}
                     woke = true;
                 }
-                id => self.pull(id),
+                id => self.pull(id, 0),
             }
         }
         woke
@@ -775,10 +814,10 @@ impl Listener for TcpListener {
                     if left.is_zero() {
                         break "it does not read its answers".to_string();
                     }
-                    let read = c.next.is_none();
+                    let read = c.pending_bytes < PENDING_MAX;
                     let fd = c.s.as_raw_fd();
                     match wait_io(fd, read, true, left) {
-                        Ok(r) if r.read => self.pull(conn),
+                        Ok(r) if r.read => self.pull(conn, PENDING_MAX),
                         Ok(_) => {}
                         Err(e) => break e.to_string(),
                     }
