@@ -151,9 +151,14 @@ impl Rx {
             }
             let fd = self.s.as_raw_fd();
             let to = &mut self.buf[self.end..];
-            let polled = self.spin.run(|| match dm_sys::poll::recv_nowait(fd, to) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
-                r => Some(r),
+            let polled = self.spin.run(|| {
+                if !dm_sys::poll::readable_now(fd) {
+                    return None;
+                }
+                match dm_sys::poll::recv_nowait(fd, to) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                    r => Some(r),
+                }
             });
             let r = match polled {
                 Some(r) => r,

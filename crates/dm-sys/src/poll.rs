@@ -127,6 +127,20 @@ pub fn recv_nowait(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(r as usize)
 }
 
+/// Whether `fd` has input (or a hang-up or an error) now (`poll(2)` with
+/// no wait). Unlike a read attempt it takes no socket lock, so polling
+/// with it does not hold up the kernel delivering the bytes awaited.
+pub fn readable_now(fd: RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `p` is one valid pollfd, as the count says; timeout 0.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0
+}
+
 /// What [`wait_io`] found a descriptor ready for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Ready {

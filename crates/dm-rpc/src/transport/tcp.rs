@@ -26,7 +26,7 @@
 
 use super::{ConnId, Connection, FrameRx, FrameTx, Listener, Sharing, TransportError, Waker};
 use crate::frame::{Frame, FrameError, Limits, HEADER_LEN};
-use dm_sys::poll::{recv_nowait, wait_io, ReadySet, Spin};
+use dm_sys::poll::{readable_now, recv_nowait, wait_io, ReadySet, Spin};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -367,9 +367,14 @@ impl FrameRx for TcpRx {
             };
             let fd = self.s.as_raw_fd();
             let to = self.rx.space();
-            let polled = self.spin.run(|| match recv_nowait(fd, to) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
-                r => Some(r),
+            let polled = self.spin.run(|| {
+                if !readable_now(fd) {
+                    return None;
+                }
+                match recv_nowait(fd, to) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                    r => Some(r),
+                }
             });
             let r = match polled {
                 Some(r) => r,
