@@ -55,7 +55,7 @@ impl Default for ClientConfig {
             timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             cache_bytes: 32 << 20,
-            spin: Duration::from_micros(50),
+            spin: Duration::from_micros(200),
         }
     }
 }
@@ -893,8 +893,11 @@ fn read_through(
 ) -> Result<()> {
     let (first, last) = (offset / ps, (offset + out.len() as u64 - 1) / ps);
     let mut got: Vec<Option<Arc<[u8]>>> = Vec::with_capacity((last - first + 1) as usize);
+    // Chunks are cached from the Ref's second read on (cache.rs).
+    let admit;
     {
         let mut c = lock(cache);
+        admit = c.admit(key);
         for k in first..=last {
             got.push(if dirty[k as usize] {
                 None
@@ -931,13 +934,13 @@ fn read_through(
             let e = (s + ps as usize).min(span.len());
             if inside {
                 // Already in place: only cached (unless dirty).
-                if !dirty[k as usize] {
+                if admit && !dirty[k as usize] {
                     c.put(key, k, Arc::from(&span[s..e]));
                 }
                 continue;
             }
             let chunk: Arc<[u8]> = Arc::from(&span[s..e]);
-            if !dirty[k as usize] {
+            if admit && !dirty[k as usize] {
                 c.put(key, k, chunk.clone());
             }
             got[(k - first) as usize] = Some(chunk);
@@ -992,9 +995,12 @@ mod tests {
         let cache = Mutex::new(PageCache::new(1 << 20));
         read(&cache, &clean, 0, len as usize);
         assert_eq!(fetched.get(), len, "one fetch of the whole Ref");
+        assert_eq!(lock(&cache).stats().bytes, 0, "a first read is not cached");
+        read(&cache, &clean, 0, len as usize);
+        assert_eq!(fetched.get(), 2 * len, "the second read fetches and caches");
         read(&cache, &clean, 0, len as usize);
         read(&cache, &clean, 5000, 20_000);
-        assert_eq!(fetched.get(), len, "then all from the cache");
+        assert_eq!(fetched.get(), 2 * len, "then all from the cache");
         let cache = Mutex::new(PageCache::new(1 << 20));
         read(&cache, &clean, 5000, 20_000);
         read(&cache, &clean, 3 * ps + 1, (len - 3 * ps - 1) as usize);
@@ -1004,6 +1010,11 @@ mod tests {
         let cache = Mutex::new(PageCache::new(1 << 20));
         read(&cache, &dirty, 0, len as usize);
         read(&cache, &dirty, 0, len as usize);
-        assert_eq!(fetched.get() - before, len + ps, "the dirty chunk twice");
+        read(&cache, &dirty, 0, len as usize);
+        assert_eq!(
+            fetched.get() - before,
+            2 * len + ps,
+            "twice to be cached, then the dirty chunk alone"
+        );
     }
 }

@@ -173,7 +173,13 @@ fn the_page_cache_serves_frozen_pages_and_never_a_clients_own_writes() {
     let m1 = p.map_ref(&r).unwrap();
     assert_eq!(m1.to_vec().unwrap(), want);
     let st = p.cache_stats();
-    assert_eq!((st.hits, st.misses), (0, 5));
+    assert_eq!(
+        (st.hits, st.misses, st.bytes),
+        (0, 5, 0),
+        "read once: not cached"
+    );
+    assert_eq!(m1.to_vec().unwrap(), want);
+    assert_eq!(p.cache_stats().misses, 10, "read twice: cached now");
     // Another mapping of the same Ref: every chunk from the cache.
     let mut m2 = p.map_ref(&r).unwrap();
     assert_eq!(m2.to_vec().unwrap(), want);
@@ -183,8 +189,8 @@ fn the_page_cache_serves_frozen_pages_and_never_a_clients_own_writes() {
     assert_eq!(p.cache_stats().hits, 7);
     assert_eq!(
         s.state().metrics.requests_of("read") - reads0,
-        1,
-        "one read request for the first mapping, none after"
+        2,
+        "two read requests for the first mapping's two reads, none after"
     );
     // The creator writes its buffer: the Ref, and so the cache, keep the snapshot.
     b.write(100, &[0xEE; 4096]).unwrap();
@@ -226,7 +232,10 @@ fn put_and_read_ref_in_one_round_trip_each() {
         Err(Error::OutOfBounds { .. })
     ));
     let other = MemPool::connect(&[s.addr().to_string()]).unwrap();
-    assert_eq!(other.map_ref(&r).unwrap().to_vec().unwrap(), data);
+    // Read twice: cached from the second read on.
+    for _ in 0..2 {
+        assert_eq!(other.map_ref(&r).unwrap().to_vec().unwrap(), data);
+    }
     assert_eq!(
         s.state().usage().pages_held,
         3,
@@ -243,9 +252,10 @@ fn put_and_read_ref_in_one_round_trip_each() {
     ));
     assert!(matches!(p.put(&[], Duration::ZERO), Err(Error::ZeroLength)));
     p.release_ref_nowait(&r).unwrap();
-    p.usage().unwrap(); // served after the release, on the same connection
-                        // A client without a cached copy reads nothing through a released Ref;
-                        // one that read it before keeps what it cached (immutable data it had).
+    // Served after the release, on the same connection.
+    p.usage().unwrap();
+    // A client without a cached copy reads nothing through a released Ref;
+    // one that read it before keeps what it cached (immutable data it had).
     let fresh = MemPool::connect(&[s.addr().to_string()]).unwrap();
     assert!(matches!(
         fresh.read_ref(&r, 0, &mut one),

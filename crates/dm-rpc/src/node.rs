@@ -46,9 +46,12 @@ pub struct Config {
 }
 
 /// The default [`Config::tcp_spin`]: a loopback round trip between polling
-/// threads takes about 10 us on the test machine, a blocked thread's
-/// wake-up about 25 us (BENCHMARKS.md, `bench rtt`).
-pub const DEFAULT_TCP_SPIN: Duration = Duration::from_micros(50);
+/// threads takes 6-9 us on the test machine, a sleeping thread's wake-up
+/// 25-70 us; a budget that also covers the gaps between the calls of a
+/// chain of services took a network chain's 3 tiers by value from 155 to
+/// 51 us (50 us budget against 200; BENCHMARKS.md, `bench chain`). A
+/// poller yields its core between polls and stops on a crowded one.
+pub const DEFAULT_TCP_SPIN: Duration = Duration::from_micros(200);
 
 impl Default for Config {
     fn default() -> Self {

@@ -77,7 +77,7 @@ impl Default for Config {
             max_buffers: 1 << 20,
             default_lease: Duration::from_secs(10),
             sweep_every: Duration::from_millis(250),
-            spin: Duration::from_micros(50),
+            spin: Duration::from_micros(200),
         }
     }
 }

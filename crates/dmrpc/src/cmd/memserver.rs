@@ -30,7 +30,7 @@ pub struct MemserverArgs {
     pub lease_secs: u64,
     /// Longest busy-poll of a worker's sockets before it sleeps, in
     /// microseconds (adapted to the load; 0: sleep at once).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 200)]
     pub spin_us: u64,
 }
 
