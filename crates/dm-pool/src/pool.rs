@@ -543,6 +543,30 @@ impl Pool {
         }
     }
 
+    /// Crash-recovery testing only: starts mapping `r` and stops right after
+    /// taking its mapper word's lock, as a process killed at that point
+    /// leaves it (the caller is then killed). See `testing::hold_ref_lock`.
+    pub(crate) fn map_ref_stop_in_lock(&self, r: &Ref) -> Result<()> {
+        let i = &self.inner;
+        i.live()?;
+        let (rd, _) = self.validate(r)?;
+        let (idx, _) = i.claim_desc(Kind::MapBuild)?;
+        let d = i.desc(idx)?;
+        d.tag.store(r.desc as u64, Ordering::Release);
+        let mut spins = 0u32;
+        loop {
+            match mappers::link(&rd.aux, idx) {
+                mappers::Step::Locked(_) => return Ok(()),
+                mappers::Step::Busy(other) => {
+                    let mut freed = Vec::new();
+                    i.wait_busy(NO_PAGE, other, &mut spins, &mut freed);
+                    i.give_pages(freed);
+                }
+                s => return Err(Error::Corrupt(format!("cannot link: {s:?}"))),
+            }
+        }
+    }
+
     /// Length of the snapshot a Ref names, after validating it.
     pub fn ref_len(&self, r: &Ref) -> Result<u64> {
         self.validate(r).map(|_| r.len)

@@ -270,8 +270,15 @@ impl Core {
             if let Some(d) = self.shm.desc(other) {
                 let owner = DescState::decode(d.state.load(Ordering::Acquire)).owner;
                 let t = self.shm.pages();
+                // `p` NO_PAGE: a Ref's mapper word, locked by `other`. A
+                // holder that died is reclaimed here: waiting for someone
+                // else to reclaim it can wait forever (the lease thread may
+                // be the one waiting, reclaiming another dead process that
+                // mapped the same Ref).
                 if owner != self.slot
-                    && (t.locked_by(p, other) || t.stripe_holder(p / STRIPE) == Some(other))
+                    && (p == NO_PAGE
+                        || t.locked_by(p, other)
+                        || t.stripe_holder(p / STRIPE) == Some(other))
                 {
                     let _ = self.reclaim_slot(owner, now_ms(), freed);
                 }

@@ -83,3 +83,11 @@ pub fn replay_corpus(target: &str, run: impl Fn(&[u8])) {
     }
     assert!(n > 0, "empty corpus in {}", dir.display());
 }
+
+/// Leaves Ref `r`'s mapper word locked by a new mapping of this process,
+/// as a process killed in the middle of `map_ref` leaves it; for tests of
+/// crash recovery, whose caller is killed next (nothing else in the pool
+/// may use `r` until this process is reclaimed).
+pub fn hold_ref_lock(pool: &Pool, r: &crate::Ref) -> crate::Result<()> {
+    pool.map_ref_stop_in_lock(r)
+}

@@ -237,6 +237,57 @@ fn kill9_at_random_points_loses_nothing_and_leaks_nothing() {
     });
 }
 
+/// Two processes that mapped the same Ref die, the second in the middle of
+/// mapping it (holding the Ref's mapper lock). Reclaiming the first (whose
+/// mapping must unlink from the Ref, so it waits on that lock) reclaims the
+/// lock's dead holder too, in the same thread: here the survivor's one
+/// explicit maintenance, with no lease thread that could do it instead.
+/// (Before, the wait spun forever: the kill9 test hung now and then, with
+/// the lease thread the one waiting.)
+#[test]
+fn reclaiming_a_dead_mapper_reclaims_the_dead_holder_of_the_refs_lock() {
+    watchdog(60, || {
+        let tp = TempPool::new(16 << 20);
+        let survivor = Pool::open(
+            &tp.path,
+            dm_pool::AttachOptions {
+                reclaim: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let data = pattern(3 * 4096 + 100, 5);
+        let mut keep = survivor.alloc(data.len() as u64).unwrap();
+        keep.write(0, &data).unwrap();
+        let shared = survivor.create_ref(&keep, 0, data.len() as u64).unwrap();
+        let hex_ref = hex(&shared.to_bytes());
+        // Slots are taken in order: the plain mapper is reclaimed first.
+        let mut mapper = Agent::spawn(&tp.path, Some(agent_lease()));
+        let mut holder = Agent::spawn(&tp.path, Some(agent_lease()));
+        let m = mapper.ok(&format!("map {hex_ref}"));
+        assert_eq!(mapper.ok(&format!("sum {m}")), fnv(&data).to_string());
+        assert_eq!(holder.ok(&format!("holdlock {hex_ref}")), "holding");
+        mapper.kill9();
+        holder.kill9();
+        std::thread::sleep(Duration::from_millis(agent_lease() + 300));
+        // (The holder is reclaimed inside the mapper's reclaim: the report
+        // counts only the slots this call's own sweep reclaimed.)
+        let rep = survivor.maintain().unwrap();
+        assert!(rep.slots_reclaimed >= 1, "{rep:?}");
+        let check = survivor.check();
+        assert!(check.ok(), "{:?}", check.problems);
+        assert_eq!(check.slots_dead, 0);
+        // The Ref is whole and mappable again.
+        let again = survivor.map_ref(&shared).unwrap();
+        assert_eq!(again.to_vec().unwrap(), data);
+        drop(again);
+        survivor.release_ref(&shared).unwrap();
+        drop(keep);
+        drop(survivor);
+        tp.assert_clean();
+    });
+}
+
 fn agent_lease() -> u64 {
     std::env::var("DMRPC_AGENT_LEASE")
         .ok()

@@ -130,6 +130,13 @@ mod agent {
                     let b = self.pool.map_ref(&r).map_err(e)?;
                     Ok(self.put(b))
                 }
+                "holdlock" => {
+                    // Crash-recovery tests: stop holding the Ref's mapper
+                    // lock (the test kills this agent next).
+                    let r = Self::parse_ref(it.next())?;
+                    dm_pool::testing::hold_ref_lock(&self.pool, &r).map_err(e)?;
+                    Ok("holding".into())
+                }
                 "mmap" => {
                     let r = Self::parse_ref(it.next())?;
                     let m = MappedBuffer::map_ref(&self.pool, &r).map_err(e)?;
