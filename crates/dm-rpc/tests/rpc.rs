@@ -593,6 +593,45 @@ fn a_tcp_client_that_sends_many_large_requests_before_reading_is_served() {
 }
 
 #[test]
+fn a_tcp_connection_that_never_says_hello_is_dropped_and_others_are_served() {
+    use std::io::{Read, Write};
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("tcp-silent");
+    let svc = spawn_svc(&node, &name, &Transport::Tcp("127.0.0.1:0".into()));
+    let addr = svc.tcp_addr().unwrap().to_owned();
+    let mut silent = std::net::TcpStream::connect(&addr).unwrap();
+    let mut half = std::net::TcpStream::connect(&addr).unwrap();
+    half.write_all(&dm_rpc::transport::tcp::HELLO[..5]).unwrap(); // a start
+    let t = Instant::now();
+    let good = node.connect(&name).unwrap();
+    for _ in 0..50 {
+        assert_eq!(inspect(&node, &good, vec![4; 4]).0, 4);
+    }
+    for s in [&mut silent, &mut half] {
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut b = [0u8; 8];
+        let r = s.read(&mut b);
+        assert!(
+            matches!(r, Ok(0)) || r.is_err(),
+            "still open after {:?}: {r:?}",
+            t.elapsed()
+        );
+    }
+    // The hello timeout is 5 s.
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_secs(4) && waited < Duration::from_secs(15),
+        "{waited:?}"
+    );
+    assert_eq!(inspect(&node, &good, vec![4; 4]).0, 4);
+    drop(good);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
+#[test]
 fn a_tcp_client_that_never_reads_its_answers_is_dropped_and_others_are_served() {
     use std::io::{Read, Write};
     let tp = pool();

@@ -731,6 +731,8 @@ impl Listener for TcpListener {
             if let Some(x) = self.take_ready() {
                 return Ok(Some(x));
             }
+            // Overdue hellos go first (a busy server polls without sleeping).
+            let hello_due = self.expire_hellos();
             let mut tokens = std::mem::take(&mut self.tokens);
             let set = &self.set;
             let polled = self.spin.run(|| {
@@ -742,7 +744,7 @@ impl Listener for TcpListener {
                 None => {
                     let now = Instant::now();
                     let mut wait = deadline.map(|d| d.saturating_duration_since(now));
-                    if let Some(due) = self.expire_hellos() {
+                    if let Some(due) = hello_due {
                         let w = due.saturating_duration_since(now);
                         wait = Some(wait.map_or(w, |x| x.min(w)));
                     }
