@@ -288,6 +288,23 @@ fn reclaiming_a_dead_mapper_reclaims_the_dead_holder_of_the_refs_lock() {
     });
 }
 
+/// An agent dies with the thread that started it, so a test that hangs
+/// or crashes (its thread or process gone) leaves no agent running: one
+/// stuck spinning in a wait ran on for an hour once, loading the machine.
+#[test]
+fn an_agent_dies_with_the_thread_that_started_it() {
+    use std::os::unix::process::ExitStatusExt;
+    let tp = TempPool::new(16 << 20);
+    let path = tp.path.clone();
+    let a = std::thread::spawn(move || Agent::spawn(&path, Some(agent_lease())))
+        .join()
+        .unwrap();
+    let st = a
+        .wait_exit(Duration::from_secs(10))
+        .expect("the agent outlived the thread that started it");
+    assert_eq!(st.signal(), Some(9), "{st:?}");
+}
+
 fn agent_lease() -> u64 {
     std::env::var("DMRPC_AGENT_LEASE")
         .ok()

@@ -165,6 +165,26 @@ pub mod proc {
         let r = unsafe { libc::kill(pid as i32, 0) };
         r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
     }
+
+    /// Has the kernel kill this process (SIGKILL) when the thread that
+    /// started it exits (`PR_SET_PDEATHSIG`): for helper processes of
+    /// tests, which must not outlive a test that crashed or hung (one that
+    /// spins in a wait would run on for good). Exits at once if the parent
+    /// is already gone.
+    pub fn die_with_parent() -> std::io::Result<()> {
+        // SAFETY: getppid takes no arguments and cannot fail.
+        let parent = unsafe { libc::getppid() };
+        // SAFETY: PR_SET_PDEATHSIG takes a signal number, no pointers.
+        let r = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: as above.
+        if unsafe { libc::getppid() } != parent {
+            std::process::exit(1);
+        }
+        Ok(())
+    }
 }
 
 /// Gives up the CPU (`sched_yield(2)`). Async-signal-safe.

@@ -271,6 +271,10 @@ mod agent {
     }
 
     pub fn main() {
+        // A test that crashed or hung must not leave its agents running.
+        if let Err(e) = dm_sys::proc::die_with_parent() {
+            eprintln!("dm-pool-agent: {e}");
+        }
         let args: Vec<String> = std::env::args().collect();
         let Some(path) = args.get(1) else {
             eprintln!("usage: dm-pool-agent POOL_PATH [LEASE_MS]");

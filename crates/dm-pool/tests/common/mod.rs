@@ -71,6 +71,22 @@ impl Agent {
         assert!(st.success(), "agent exited with {st}");
     }
 
+    /// Waits up to `timeout` for the agent to end by itself; how it ended.
+    pub fn wait_exit(mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let until = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return Some(st);
+            }
+            if std::time::Instant::now() >= until {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// SIGKILL (std's `kill`), then reap.
     pub fn kill9(mut self) {
         self.child.kill().unwrap();
