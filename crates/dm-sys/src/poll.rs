@@ -8,7 +8,9 @@
 //! spin before they park. [`Spin`] is the budget of such a poll, adapted
 //! to the waits it sees so that a reader whose answers come late (a loaded
 //! server, more threads than cores) stops burning the CPU the answer needs.
-//! [`recv_nowait`] and [`ReadySet`] are the non-blocking checks to poll.
+//! [`readable_now`], [`recv_nowait`] and [`ReadySet`] are the non-blocking
+//! checks to poll, [`IdlePoll`] an event loop's poll before it sleeps, and
+//! [`wait_io`] a bounded wait for a socket to be readable or writable.
 
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
