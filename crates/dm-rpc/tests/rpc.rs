@@ -487,12 +487,8 @@ fn inspect_payload(c: &dm_rpc::Client, p: Payload) -> (u64, bool) {
 #[test]
 fn malformed_bytes_on_tcp_drop_only_that_connection() {
     use std::io::{Read, Write};
-    let tp = pool();
-    let node = Node::new(tp.attach());
-    let name = unique("tcp-garbage");
-    let svc = spawn_svc(&node, &name, &Transport::Tcp("127.0.0.1:0".into()));
-    let addr = svc.tcp_addr().unwrap().to_owned();
-    let good = node.connect(&name).unwrap();
+    let (tp, node, svc, addr) = tcp_service("tcp-garbage");
+    let good = node.connect_tcp(&addr).unwrap();
     let mut hello = b"DMRPCTCP".to_vec();
     hello.extend_from_slice(&0u64.to_le_bytes());
     let mut bad_frame = dm_rpc::Frame::request(1, 1, 0, dm_rpc::Body::None).encode();
@@ -524,6 +520,21 @@ fn malformed_bytes_on_tcp_drop_only_that_connection() {
         assert_eq!(inspect(&node, &good, vec![4; 4]).0, 4, "{what}");
     }
     drop(good);
+    close(tp, node, svc);
+}
+
+/// The test service on TCP in a fresh pool: the pool, the node, the
+/// server and its address.
+fn tcp_service(tag: &str) -> (TempPool, Node, dm_rpc::Server, String) {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let svc = spawn_svc(&node, &unique(tag), &Transport::Tcp("127.0.0.1:0".into()));
+    let addr = svc.tcp_addr().unwrap().to_owned();
+    (tp, node, svc, addr)
+}
+
+/// Stops the server, detaches, and checks the pool is clean.
+fn close(tp: TempPool, node: Node, svc: dm_rpc::Server) {
     drop(svc);
     drop(node);
     tp.assert_clean();
@@ -562,11 +573,8 @@ fn read_frame(s: &mut std::net::TcpStream, buf: &mut Vec<u8>) -> dm_rpc::Frame {
 #[test]
 fn a_tcp_client_that_sends_many_large_requests_before_reading_is_served() {
     use std::io::Write;
-    let tp = pool();
-    let node = Node::new(tp.attach());
-    let name = unique("tcp-pipelined");
-    let svc = spawn_svc(&node, &name, &Transport::Tcp("127.0.0.1:0".into()));
-    let mut s = raw_tcp_client(svc.tcp_addr().unwrap());
+    let (tp, node, svc, addr) = tcp_service("tcp-pipelined");
+    let mut s = raw_tcp_client(&addr);
     // Twelve 4 MiB echoes written back to back before any answer is read:
     // the answers fill the socket while the requests are still coming, so
     // the server must read ahead while it waits for room.
@@ -587,24 +595,18 @@ fn a_tcp_client_that_sends_many_large_requests_before_reading_is_served() {
         assert_eq!(f.payload, dm_rpc::Body::Inline(data[k as usize].clone()));
     }
     drop(s);
-    drop(svc);
-    drop(node);
-    tp.assert_clean();
+    close(tp, node, svc);
 }
 
 #[test]
 fn a_tcp_connection_that_never_says_hello_is_dropped_and_others_are_served() {
     use std::io::{Read, Write};
-    let tp = pool();
-    let node = Node::new(tp.attach());
-    let name = unique("tcp-silent");
-    let svc = spawn_svc(&node, &name, &Transport::Tcp("127.0.0.1:0".into()));
-    let addr = svc.tcp_addr().unwrap().to_owned();
+    let (tp, node, svc, addr) = tcp_service("tcp-silent");
     let mut silent = std::net::TcpStream::connect(&addr).unwrap();
     let mut half = std::net::TcpStream::connect(&addr).unwrap();
     half.write_all(&dm_rpc::transport::tcp::HELLO[..5]).unwrap(); // a start
     let t = Instant::now();
-    let good = node.connect(&name).unwrap();
+    let good = node.connect_tcp(&addr).unwrap();
     for _ in 0..50 {
         assert_eq!(inspect(&node, &good, vec![4; 4]).0, 4);
     }
@@ -626,20 +628,15 @@ fn a_tcp_connection_that_never_says_hello_is_dropped_and_others_are_served() {
     );
     assert_eq!(inspect(&node, &good, vec![4; 4]).0, 4);
     drop(good);
-    drop(svc);
-    drop(node);
-    tp.assert_clean();
+    close(tp, node, svc);
 }
 
 #[test]
 fn a_tcp_client_that_never_reads_its_answers_is_dropped_and_others_are_served() {
     use std::io::{Read, Write};
-    let tp = pool();
-    let node = Node::new(tp.attach());
-    let name = unique("tcp-deaf");
-    let svc = spawn_svc(&node, &name, &Transport::Tcp("127.0.0.1:0".into()));
-    let good = node.connect(&name).unwrap();
-    let mut deaf = raw_tcp_client(svc.tcp_addr().unwrap());
+    let (tp, node, svc, addr) = tcp_service("tcp-deaf");
+    let good = node.connect_tcp(&addr).unwrap();
+    let mut deaf = raw_tcp_client(&addr);
     // Far more answers than the sockets hold, and more requests than the
     // server reads ahead: the server gives up on this client after its
     // reply timeout and closes the connection.
@@ -677,9 +674,7 @@ fn a_tcp_client_that_never_reads_its_answers_is_dropped_and_others_are_served() 
     }
     assert_eq!(inspect(&node, &good, vec![4; 4]).0, 4);
     drop(good);
-    drop(svc);
-    drop(node);
-    tp.assert_clean();
+    close(tp, node, svc);
 }
 
 #[test]
