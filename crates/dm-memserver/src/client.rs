@@ -149,26 +149,10 @@ impl Rx {
                     self.buf.resize(need.max(256 << 10), 0);
                 }
             }
-            let fd = self.s.as_raw_fd();
-            let to = &mut self.buf[self.end..];
-            let polled = self.spin.run(|| {
-                if !dm_sys::poll::readable_now(fd) {
-                    return None;
-                }
-                match dm_sys::poll::recv_nowait(fd, to) {
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
-                    r => Some(r),
-                }
-            });
-            let r = match polled {
-                Some(r) => r,
-                None => {
-                    let t = Instant::now();
-                    let r = self.s.read(to);
-                    self.spin.blocked(t.elapsed());
-                    r
-                }
-            };
+            let s = &mut self.s;
+            let r = self
+                .spin
+                .read(s.as_raw_fd(), &mut self.buf[self.end..], |to| s.read(to));
             match r {
                 Ok(0) => return Err("connection closed by the server".into()),
                 Ok(k) => self.end += k,

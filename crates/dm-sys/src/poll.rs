@@ -92,6 +92,34 @@ impl Spin {
         }
     }
 
+    /// Reads what stream socket `fd` has into `buf`: polls it for the
+    /// budget (checking readiness with [`readable_now`], which takes no
+    /// socket lock), else reads with `block` (the caller's blocking read,
+    /// with its own timeout) and reports how long that took.
+    pub fn read(
+        &mut self,
+        fd: RawFd,
+        buf: &mut [u8],
+        block: impl FnOnce(&mut [u8]) -> std::io::Result<usize>,
+    ) -> std::io::Result<usize> {
+        let polled = self.run(|| {
+            if !readable_now(fd) {
+                return None;
+            }
+            match recv_nowait(fd, buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                r => Some(r),
+            }
+        });
+        if let Some(r) = polled {
+            return r;
+        }
+        let t = Instant::now();
+        let r = block(buf);
+        self.blocked(t.elapsed());
+        r
+    }
+
     /// A poll used its whole budget: halve it, and remember it for
     /// [`Spin::blocked`].
     fn ran_out(&mut self) {

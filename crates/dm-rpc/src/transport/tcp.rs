@@ -26,7 +26,7 @@
 
 use super::{ConnId, Connection, FrameRx, FrameTx, Listener, Sharing, TransportError, Waker};
 use crate::frame::{Frame, FrameError, Limits, HEADER_LEN};
-use dm_sys::poll::{readable_now, recv_nowait, wait_io, ReadySet, Spin};
+use dm_sys::poll::{wait_io, ReadySet, Spin};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -185,16 +185,27 @@ impl FrameTx for TcpTx {
     }
 }
 
-/// Writes `f` as its header and its payload, with no copy into one
-/// buffer first.
+/// `f`'s bytes as two slices: its header (`head`, from [`Frame::header`])
+/// and an inline payload where it lies (no copy into one buffer); a frame
+/// of Refs encoded whole into `encoded` (the second slice then empty).
+fn frame_parts<'a>(
+    f: &'a Frame,
+    head: &'a [u8; HEADER_LEN],
+    encoded: &'a mut Vec<u8>,
+) -> [std::io::IoSlice<'a>; 2] {
+    match &f.payload {
+        crate::frame::Body::Inline(b) => [std::io::IoSlice::new(head), std::io::IoSlice::new(b)],
+        _ => {
+            *encoded = f.encode();
+            [std::io::IoSlice::new(encoded), std::io::IoSlice::new(&[])]
+        }
+    }
+}
+
+/// Writes `f` (a blocking socket).
 fn write_frame(s: &mut TcpStream, f: &Frame) -> std::io::Result<()> {
-    let head = f.header();
-    let body: &[u8] = match &f.payload {
-        crate::frame::Body::Inline(b) => b,
-        _ => return s.write_all(&f.encode()),
-    };
-    let mut parts = [std::io::IoSlice::new(&head), std::io::IoSlice::new(body)];
-    dm_sys::io::write_all_vectored(s, &mut parts)
+    let (head, mut encoded) = (f.header(), Vec::new());
+    dm_sys::io::write_all_vectored(s, &mut frame_parts(f, &head, &mut encoded))
 }
 
 /// Payloads larger than this are read straight into their own vector once
@@ -365,27 +376,11 @@ impl FrameRx for TcpRx {
                 },
                 None => None,
             };
-            let fd = self.s.as_raw_fd();
-            let to = self.rx.space();
-            let polled = self.spin.run(|| {
-                if !readable_now(fd) {
-                    return None;
-                }
-                match recv_nowait(fd, to) {
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
-                    r => Some(r),
-                }
+            let s = &mut self.s;
+            let r = self.spin.read(s.as_raw_fd(), self.rx.space(), |to| {
+                s.set_read_timeout(wait)?;
+                s.read(to)
             });
-            let r = match polled {
-                Some(r) => r,
-                None => {
-                    self.s.set_read_timeout(wait).map_err(unavailable)?;
-                    let t = Instant::now();
-                    let r = self.s.read(to);
-                    self.spin.blocked(t.elapsed());
-                    r
-                }
-            };
             match r {
                 Ok(0) => {
                     return Err(TransportError::Unavailable(
@@ -785,17 +780,8 @@ impl Listener for TcpListener {
     }
 
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
-        let head = f.header();
-        let encoded;
-        let mut parts = match &f.payload {
-            crate::frame::Body::Inline(b) => {
-                [std::io::IoSlice::new(&head), std::io::IoSlice::new(b)]
-            }
-            _ => {
-                encoded = f.encode();
-                [std::io::IoSlice::new(&encoded), std::io::IoSlice::new(&[])]
-            }
-        };
+        let (head, mut encoded) = (f.header(), Vec::new());
+        let mut parts = frame_parts(f, &head, &mut encoded);
         let mut parts: &mut [std::io::IoSlice<'_>] = &mut parts;
         // A client that does not take its answers for a second (its
         // socket stays full) loses its connection rather than stalling
