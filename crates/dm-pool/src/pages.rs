@@ -18,7 +18,9 @@
 //! read as a bitmap, and claiming is a CAS `Free -> Cached(slot)` on each
 //! page — lock-free, with a shared cursor that spreads processes over the
 //! table and makes consecutive claims contiguous runs (one `mmap` per run for
-//! mapped buffers). Processes claim in batches into a private page cache and give
+//! mapped buffers). A process giving pages back points the cursor at them,
+//! so the pages in circulation stay a small, warm set instead of the cursor
+//! sweeping the whole pool. Processes claim in batches into a private page cache and give
 //! back surplus, so the per-allocation fast path touches no shared line
 //! beyond the page's own word (DmRPC-CXL's page-ownership coordinator).
 //!

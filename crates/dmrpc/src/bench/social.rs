@@ -120,16 +120,19 @@ impl Driver<'_> {
         Ok(self.node.connect(&self.entry)?)
     }
 
-    /// Runs `body` on `n` threads, each with its connection and the
-    /// thread's index: the requests per second over all of them since
-    /// `t0`, and all their latencies.
+    /// Runs `body` on `n` threads, each with its connection, the thread's
+    /// index and the start time: the requests per second over all of them
+    /// since that start, and all their latencies. The connections are made
+    /// before the clock starts (a first connection to a service sets up its
+    /// channels, which is not what is measured).
     fn threads(
         &self,
         n: usize,
-        t0: Instant,
-        body: impl Fn(usize, &dm_rpc::Client) -> Result<Vec<f64>> + Sync,
+        body: impl Fn(usize, &dm_rpc::Client, Instant) -> Result<Vec<f64>> + Sync,
     ) -> Result<(f64, Vec<f64>)> {
-        let lats = on_threads(n, |i| body(i, &self.connect()?))?;
+        let cs = (0..n).map(|_| self.connect()).collect::<Result<Vec<_>>>()?;
+        let t0 = Instant::now();
+        let lats = on_threads(n, |i| body(i, &cs[i], t0))?;
         let secs = t0.elapsed().as_secs_f64();
         let all: Vec<f64> = lats.into_iter().flatten().collect();
         Ok((all.len() as f64 / secs, all))
@@ -137,8 +140,7 @@ impl Driver<'_> {
 
     /// Closed loop: `CLIENTS` threads for `budget`: ops/s and latencies.
     fn closed(&self, budget: Duration) -> Result<(f64, Vec<f64>)> {
-        let t0 = Instant::now();
-        self.threads(CLIENTS, t0, |i, c| {
+        self.threads(CLIENTS, |i, c, t0| {
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ i as u64;
             let mut v = Vec::new();
             while t0.elapsed() < budget || v.len() < 10 {
@@ -153,8 +155,7 @@ impl Driver<'_> {
     /// shows, as in wrk2). Returns the achieved rate and the latencies.
     fn open(&self, rate: f64, budget: Duration) -> Result<(f64, Vec<f64>)> {
         let gap = Duration::from_secs_f64(OPEN_THREADS as f64 / rate);
-        let t0 = Instant::now();
-        self.threads(OPEN_THREADS, t0, |i, c| {
+        self.threads(OPEN_THREADS, |i, c, t0| {
             let mut x = 0x2545_f491_4f6c_dd1du64 ^ (i as u64 * 7919);
             let mut v = Vec::new();
             let start = t0 + gap.mul_f64(i as f64 / OPEN_THREADS as f64);
