@@ -96,6 +96,10 @@ struct Pending {
     answers: HashMap<u64, Answer>,
     /// Someone is reading.
     leader: bool,
+    /// Callers asleep on the condition variable. A notification is a
+    /// system call even with nobody asleep, and the lone caller of the
+    /// common case needs none.
+    sleepers: usize,
     /// Why the connection is gone, once it is.
     dead: Option<String>,
 }
@@ -327,11 +331,13 @@ impl Conn {
                 return Err(self.unavailable("no answer in time"));
             }
             if st.leader {
+                st.sleepers += 1;
                 st = self
                     .cv
                     .wait_timeout(st, deadline - now)
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
+                st.sleepers -= 1;
                 continue;
             }
             // Lead: read until our answer comes (or the connection breaks).
@@ -343,12 +349,21 @@ impl Conn {
             match got {
                 Ok(Some(a)) => {
                     st.waiting.remove(&id);
-                    self.cv.notify_all();
+                    // Another caller leads now.
+                    self.wake(&st);
                     return a;
                 }
                 Ok(None) => {}
                 Err(why) => st.dead = Some(why),
             }
+            self.wake(&st);
+        }
+    }
+
+    /// Wakes the callers asleep on the condition variable, if any
+    /// (called with the state locked, so none can fall asleep unseen).
+    fn wake(&self, st: &Pending) {
+        if st.sleepers > 0 {
             self.cv.notify_all();
         }
     }
@@ -370,7 +385,7 @@ impl Conn {
                 let mut st = lock(&self.state);
                 if st.waiting.contains(&aid) {
                     st.answers.insert(aid, a.map(<[u8]>::to_vec));
-                    self.cv.notify_all();
+                    self.wake(&st);
                 }
                 None
             })?;
