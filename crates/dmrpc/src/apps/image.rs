@@ -371,9 +371,11 @@ where
     I: image::GenericImageView<Pixel = image::Rgb<u8>>,
 {
     let (w, h) = img.dimensions();
-    image::RgbImage::from_fn(tw, th, |x, y| {
-        img.get_pixel(sample(x, w, tw).min(w - 1), sample(y, h, th).min(h - 1))
-    })
+    // The source columns and rows, computed once (a division each: per
+    // pixel they cost more than the sampling itself).
+    let xs: Vec<u32> = (0..tw).map(|x| sample(x, w, tw).min(w - 1)).collect();
+    let ys: Vec<u32> = (0..th).map(|y| sample(y, h, th).min(h - 1)).collect();
+    image::RgbImage::from_fn(tw, th, |x, y| img.get_pixel(xs[x as usize], ys[y as usize]))
 }
 
 thread_local! {
