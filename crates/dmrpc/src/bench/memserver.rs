@@ -9,6 +9,10 @@
 //! table gives p50/p99 latency and the total throughput, and the ratio of
 //! throughputs (memory server / Redis). Redis comes from the distribution
 //! (`scripts/deps.sh` installs it); without it the bench says so and fails.
+//! Then p50 at one connection in paired rounds (short alternating slices
+//! of both, the median of the per-round quotients), since the host's
+//! placement of the vCPUs moves Redis's single-connection latency tenfold
+//! within a run.
 //!
 //! Then the client's page cache: 64 Refs of 64 KiB (4 MiB), each call maps
 //! one (80% of calls go to the hottest 20% of the Refs), reads all of it
@@ -142,6 +146,56 @@ impl Redis {
     }
 }
 
+/// p50 at one connection in paired rounds: short slices of the memory
+/// server and of Redis, alternating, and the median of the per-round
+/// quotients (memory server / Redis; below 1 is better). The host moves
+/// the VM's vCPUs during a run, which moves Redis's p50 at one connection
+/// between about 6 and 70 us here (cheap when its client shares its
+/// core); alternating slices compare the two under the same placement.
+fn paired_p50(ms_addr: &str, redis_addr: &str, quick: bool) -> Result<Vec<Obj>> {
+    let (rounds, slice) = if quick {
+        (5, Duration::from_millis(40))
+    } else {
+        (15, Duration::from_millis(150))
+    };
+    let pool = MemPool::connect(&[ms_addr])?;
+    let bufs = (0..KEYS)
+        .map(|_| pool.alloc(VALUE as u64))
+        .collect::<dm_pool::Result<Vec<_>>>()?;
+    let mut mem: Vec<Box<dyn Conn>> = vec![Box::new(MemConn { _pool: pool, bufs })];
+    let mut red: Vec<Box<dyn Conn>> = vec![Box::new(RedisConn {
+        r: Redis::connect(redis_addr)?,
+        tag: 1000,
+    })];
+    fill(&mut mem)?;
+    fill(&mut red)?;
+    let mut rows = Vec::new();
+    for write in [false, true] {
+        let op = if write { "write" } else { "read" };
+        let mut q = Vec::new();
+        for _ in 0..rounds {
+            let m = drive(&mut mem, write, slice)?;
+            let r = drive(&mut red, write, slice)?;
+            q.push(m.p50 / r.p50);
+        }
+        let (lo, hi) = q
+            .iter()
+            .fold((f64::MAX, 0f64), |(l, h), &x| (l.min(x), h.max(x)));
+        let med = percentile(&mut q, 0.5);
+        say!(
+            "{op:>5} at 1 connection, paired rounds: p50 memory server / Redis {med:.2}x (median of {rounds}; {lo:.2}-{hi:.2}x)"
+        );
+        let mut o = Obj::default();
+        o.str("op", op);
+        o.num("rounds", rounds as f64);
+        o.num("p50_ratio_median", med);
+        o.num("p50_ratio_min", lo);
+        o.num("p50_ratio_max", hi);
+        rows.push(o);
+    }
+    Ok(rows)
+}
+
 /// One client connection's work: `op(i)` for key `i` round robin.
 trait Conn: Send {
     fn write(&mut self, i: usize, v: &[u8]) -> Result<()>;
@@ -182,20 +236,25 @@ struct Cell {
     ops: f64,
 }
 
-/// Runs `conns` closed loops for `budget`: writes or reads.
-fn drive(mut conns: Vec<Box<dyn Conn>>, write: bool, budget: Duration) -> Result<Cell> {
+/// Writes every key of every connection (reads need something to read).
+fn fill(conns: &mut [Box<dyn Conn>]) -> Result<()> {
     let value = vec![0x5au8; VALUE];
-    // Fill every key first (reads need something to read).
     for c in conns.iter_mut() {
         for i in 0..KEYS {
             c.write(i, &value)?;
         }
     }
+    Ok(())
+}
+
+/// Runs `conns` closed loops for `budget`: writes or reads.
+fn drive(conns: &mut [Box<dyn Conn>], write: bool, budget: Duration) -> Result<Cell> {
+    let value = vec![0x5au8; VALUE];
     let t0 = Instant::now();
     let results: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
         let hs: Vec<_> = conns
-            .into_iter()
-            .map(|mut c| {
+            .iter_mut()
+            .map(|c| {
                 let value = &value;
                 s.spawn(move || -> Result<Vec<f64>> {
                     let mut out = vec![0u8; VALUE];
@@ -264,7 +323,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     .collect::<dm_pool::Result<Vec<_>>>()?;
                 mem.push(Box::new(MemConn { _pool: pool, bufs }));
             }
-            let m = drive(mem, write, budget)?;
+            fill(&mut mem)?;
+            let m = drive(&mut mem, write, budget)?;
             let mut red: Vec<Box<dyn Conn>> = Vec::new();
             for tag in 0..conns {
                 red.push(Box::new(RedisConn {
@@ -272,7 +332,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     tag,
                 }));
             }
-            let r = drive(red, write, budget)?;
+            fill(&mut red)?;
+            let r = drive(&mut red, write, budget)?;
             let op = if write { "write" } else { "read" };
             let ratio = m.ops / r.ops;
             say!(
@@ -301,10 +362,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             super::progress::tick(format!("{op} x{conns}"));
         }
     }
+    let paired = paired_p50(&ms_addr, &redis_addr, a.quick)?;
     // The page cache: Refs read through fresh mappings, with and without.
     let cache_rows = cache_bench(&ms_addr, budget)?;
     let mut res = Obj::default();
     res.str("benchmark", "memserver");
+    res.arr("paired", &paired);
     res.arr("cache", &cache_rows);
     res.str(
         "method",
