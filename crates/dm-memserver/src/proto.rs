@@ -618,6 +618,13 @@ pub fn encode_ok(id: u64, out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
     finish(out, at);
 }
 
+/// Appends the head of a success answer whose body, of `body_len` bytes,
+/// follows on the wire from elsewhere (pages written where they lie).
+pub fn encode_ok_head(id: u64, body_len: usize, out: &mut Vec<u8>) {
+    let at = start(out, 0, id);
+    finish_with(out, at, body_len);
+}
+
 /// Appends an error answer.
 pub fn encode_err(id: u64, e: &Error, out: &mut Vec<u8>) {
     let (code, f, msg) = error_parts(e);

@@ -344,3 +344,43 @@ fn several_ranges_of_a_ref_are_read_in_one_batch() {
     drop((p, other));
     settle(&s);
 }
+
+#[test]
+fn large_reads_answered_from_the_pages_are_whole_and_leave_nothing_pinned() {
+    // Reads of 64 KiB and more are written from the pages where they lie,
+    // pinned meanwhile: of a buffer (with a run of unwritten pages longer
+    // than the server's run of zeros), of a Ref, at offsets, while the
+    // buffer is written between reads (copy on write of shared pages).
+    let s = Server::start(Config::default()).unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let len = 300 << 10;
+    let mut b = p.alloc(len as u64).unwrap();
+    let mut want = vec![0u8; len];
+    for (i, x) in want[150 << 10..].iter_mut().enumerate() {
+        *x = (i % 251) as u8;
+    }
+    b.write(150 << 10, &want[150 << 10..]).unwrap();
+    let mut got = vec![0u8; len];
+    b.read(0, &mut got).unwrap();
+    assert!(got == want, "a buffer's read");
+    let r = p.create_ref(&b, 0, len as u64).unwrap();
+    b.write(200 << 10, &[9u8; 100]).unwrap();
+    let mut snap = vec![0u8; len - 5];
+    p.read_ref(&r, 5, &mut snap).unwrap();
+    assert!(snap == want[5..], "the Ref's snapshot, not the later write");
+    want[200 << 10..(200 << 10) + 100].fill(9);
+    b.read(0, &mut got).unwrap();
+    assert!(got == want, "the buffer after its copy on write");
+    let problems = s.state().check();
+    assert!(problems.is_empty(), "nothing pinned is left: {problems:#?}");
+    // A read past the end is still a typed error.
+    let mut big = vec![0u8; len + 1];
+    assert!(matches!(
+        b.read(0, &mut big),
+        Err(Error::OutOfBounds { .. })
+    ));
+    p.release_ref(&r).unwrap();
+    drop(b);
+    drop(p);
+    settle(&s);
+}

@@ -203,6 +203,59 @@ impl State {
         }
     }
 
+    /// For a read of at least [`PINNED_READ_MIN`] bytes (of a buffer or a
+    /// Ref): the answer's head appended to `out`, and its body as pieces
+    /// of pages, pinned, to be written where they lie and then unpinned
+    /// ([`Pinned::unpin`]). `None` for any other request, or for a read
+    /// that fails (served the usual way, which answers the error).
+    fn read_pinned(
+        &self,
+        space: &Mutex<Space>,
+        id: u64,
+        req: &Request<'_>,
+        out: &mut Vec<u8>,
+    ) -> Option<Pinned> {
+        let pages = &self.pages;
+        let mut pieces = Vec::new();
+        let mut emit = |p: u32, off: usize, n: usize| {
+            if p == pages::NONE {
+                let mut at = 0;
+                while at < n {
+                    let k = (n - at).min(pages::ZERO_RUN);
+                    pieces.push((p, 0, k));
+                    at += k;
+                }
+            } else {
+                pages.pin(p);
+                pieces.push((p, off, n));
+            }
+        };
+        let mut sp = lock(space);
+        let (len, r) = match *req {
+            Request::Read { addr, offset, len } if len as usize >= PINNED_READ_MIN => (
+                len,
+                sp.read_spans(pages, addr, offset, len as u64, &mut emit),
+            ),
+            Request::ReadRef { r, offset, len } if len as usize >= PINNED_READ_MIN => (
+                len,
+                self.refs
+                    .read_spans(pages, sp.hint, &r, offset, len as u64, &mut emit),
+            ),
+            _ => return None,
+        };
+        r.ok()?;
+        // Recorded where `check` counts holders, in the same critical
+        // section as the pins.
+        sp.pinned.extend(
+            pieces
+                .iter()
+                .map(|&(p, _, _)| p)
+                .filter(|&p| p != pages::NONE),
+        );
+        proto::encode_ok_head(id, len as usize, out);
+        Some(Pinned { pieces })
+    }
+
     /// Serves one request of a session, appending its answer to `out`.
     /// Returns whether it succeeded.
     pub fn serve(
@@ -335,6 +388,61 @@ impl State {
     }
 }
 
+/// Reads this long or longer are answered from the pages where they lie
+/// (pinned while written), not copied into the answer first.
+pub const PINNED_READ_MIN: usize = 64 << 10;
+
+/// A read's answer body: pieces of pages (page, offset, length), pinned
+/// (and recorded in the session's `Space::pinned`).
+struct Pinned {
+    pieces: Vec<(u32, usize, usize)>,
+}
+
+impl Pinned {
+    /// Ends the pins (a session writes one answer at a time, so its
+    /// pinned pages are exactly these).
+    fn unpin(self, pages: &Pages, space: &Mutex<Space>) {
+        let mut sp = lock(space);
+        let hint = sp.hint;
+        for p in sp.pinned.drain(..) {
+            pages.unshare(hint, p);
+        }
+    }
+}
+
+/// Writes `head` and then the pinned pieces where they lie, unpinning
+/// them whatever happens.
+async fn write_pinned(
+    wr: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    pages: &Pages,
+    space: &Mutex<Space>,
+    head: &[u8],
+    body: Pinned,
+) -> std::io::Result<()> {
+    let r = async {
+        let mut slices: Vec<std::io::IoSlice<'_>> = Vec::with_capacity(body.pieces.len() + 1);
+        slices.push(std::io::IoSlice::new(head));
+        for &(p, off, n) in &body.pieces {
+            slices.push(std::io::IoSlice::new(pages.slice(p, off, n)));
+        }
+        // What is buffered goes first; then straight to the socket.
+        wr.flush().await?;
+        let s = wr.get_mut();
+        let mut rest: &mut [std::io::IoSlice<'_>] = &mut slices;
+        while !rest.is_empty() {
+            let k = s.write_vectored(rest).await?;
+            if k == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            std::io::IoSlice::advance_slices(&mut rest, k);
+        }
+        Ok(())
+    }
+    .await;
+    body.unpin(pages, space);
+    r
+}
+
 /// A worker's runtime: single-threaded, and, before it sleeps, polling
 /// its sessions' sockets (`polled`), so a request that comes soon is
 /// served without the wake-up of a sleeping thread.
@@ -447,6 +555,21 @@ async fn session(
         }
         let t = Instant::now();
         let (op, ok) = match Request::decode(frame) {
+            Ok((id, req)) if matches!(req, Request::Read { len, .. } | Request::ReadRef { len, .. } if len as usize >= PINNED_READ_MIN) =>
+            {
+                let op = req.op();
+                match state.read_pinned(&space, id, &req, &mut out) {
+                    Some(body) => {
+                        let w = write_pinned(&mut wr, &state.pages, &space, &out, body).await;
+                        state.metrics.request(sid as usize, op, t.elapsed(), true);
+                        if w.is_err() {
+                            break "write failed";
+                        }
+                        continue;
+                    }
+                    None => (op, state.serve(&space, id, req, &mut out)),
+                }
+            }
             Ok((id, req)) => {
                 if let Request::Hello { lease_ms } = req {
                     lease = Duration::from_millis(lease_ms.clamp(100, 3_600_000) as u64);

@@ -22,6 +22,9 @@ use std::sync::Mutex;
 /// A page index that names no page: an unwritten page, which reads zero.
 pub const NONE: u32 = u32::MAX;
 
+/// The longest run of zeros [`Pages::slice`] gives for [`NONE`].
+pub const ZERO_RUN: usize = 1 << 16;
+
 /// The pages of a server.
 #[derive(Debug)]
 pub struct Pages {
@@ -194,6 +197,32 @@ impl Pages {
         // anyone else while the caller holds it (see `read`).
         let src = unsafe { std::slice::from_raw_parts(self.ptr(p).add(off), n) };
         out.extend_from_slice(src);
+    }
+
+    /// Pins page `p` for a reader that reads it after letting go of what
+    /// held it (an answer written from the page): one more holder, so the
+    /// page is neither freed nor written in place (a writer copies a page
+    /// with more than one holder) until [`unshare`](Self::unshare).
+    pub fn pin(&self, p: u32) {
+        self.share(p);
+    }
+
+    /// Bytes `off..off + n` of page `p` where they lie (zeros for
+    /// [`NONE`]), for a caller that pinned the page ([`pin`](Self::pin))
+    /// or otherwise holds it with a count above one: nobody frees or
+    /// writes it while the slice lives, as long as the pin does.
+    /// A piece of [`NONE`] is at most [`ZERO_RUN`] long.
+    pub fn slice(&self, p: u32, off: usize, n: usize) -> &[u8] {
+        static ZEROS: [u8; ZERO_RUN] = [0; ZERO_RUN];
+        if p == NONE {
+            assert!(n <= ZERO_RUN, "a run of zeros of {n} bytes");
+            return &ZEROS[..n];
+        }
+        assert!(off + n <= self.page_size);
+        // SAFETY: in range (asserted); the page is pinned by the caller,
+        // so it stays allocated and unwritten while the slice lives (the
+        // region itself lives as long as `self`).
+        unsafe { std::slice::from_raw_parts(self.ptr(p).add(off), n) }
     }
 
     /// Zeroes page `p` (held alone by the caller, just taken) except `len`

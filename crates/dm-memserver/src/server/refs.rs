@@ -196,6 +196,25 @@ impl Refs {
         len: u64,
         out: &mut Vec<u8>,
     ) -> Result<()> {
+        out.reserve(len as usize);
+        self.read_spans(pages, hint, r, offset, len, |p, off, n| {
+            pages.append(p, off, n, out)
+        })
+    }
+
+    /// Hands `emit` the pieces of `len` bytes at `offset` of `r`'s
+    /// snapshot, in order, as (page, offset in it, length), with the Ref's
+    /// shard locked (so the pages are held: [`Pages::pin`] keeps one past
+    /// it). Nothing is emitted on an error.
+    pub fn read_spans(
+        &self,
+        pages: &Pages,
+        hint: usize,
+        r: &Ref,
+        offset: u64,
+        len: u64,
+        mut emit: impl FnMut(u32, usize, usize),
+    ) -> Result<()> {
         self.with_live(pages, hint, r, |s| {
             let end =
                 offset
@@ -209,12 +228,11 @@ impl Refs {
             let ps = pages.page_size() as u64;
             let mut pos = s.head as u64 + offset;
             let mut left = len as usize;
-            out.reserve(left);
             while pos < s.head as u64 + end {
                 let (pi, po) = ((pos / ps) as usize, (pos % ps) as usize);
                 let n = (ps as usize - po).min(left);
                 // The Ref holds its pages, and a shard lock keeps it live.
-                pages.append(s.pages[pi], po, n, out);
+                emit(s.pages[pi], po, n);
                 left -= n;
                 pos += n as u64;
             }

@@ -32,6 +32,9 @@ pub struct Space {
     maps: BTreeMap<u64, Buffer>,
     next: u64,
     max_buffers: usize,
+    /// Pages pinned for the answer this client's session is writing from
+    /// where they lie (one holder each; see `Pages::pin`).
+    pub pinned: Vec<u32>,
 }
 
 /// A buffer's number for errors: its address in pages.
@@ -47,6 +50,7 @@ impl Space {
             maps: BTreeMap::new(),
             next: BASE,
             max_buffers,
+            pinned: Vec::new(),
         }
     }
 
@@ -158,16 +162,34 @@ impl Space {
         len: u64,
         out: &mut Vec<u8>,
     ) -> Result<()> {
+        out.reserve(len as usize);
+        self.read_spans(pages, addr, offset, len, |p, off, n| {
+            pages.append(p, off, n, out)
+        })
+    }
+
+    /// Hands `emit` the pieces of `len` bytes at `offset` of the buffer
+    /// at `addr`, in order, as (page, offset in it, length); a page of
+    /// [`NONE`](super::pages::NONE) reads as zeros. Nothing is emitted on
+    /// an error. The caller holds this space's lock meanwhile, so the pages
+    /// are held: [`Pages::pin`] keeps one past it.
+    pub fn read_spans(
+        &self,
+        pages: &Pages,
+        addr: u64,
+        offset: u64,
+        len: u64,
+        mut emit: impl FnMut(u32, usize, usize),
+    ) -> Result<()> {
         let ps = pages.page_size();
         let (base, b) = self.find(addr, ps)?;
         let (start, _) = span(base, b, addr, offset, len)?;
         let mut pos = start;
         let mut left = len as usize;
-        out.reserve(left);
         while left > 0 {
             let (pi, po) = ((pos / ps as u64) as usize, (pos % ps as u64) as usize);
             let n = (ps - po).min(left);
-            pages.append(b.pages[pi], po, n, out);
+            emit(b.pages[pi], po, n);
             left -= n;
             pos += n as u64;
         }
@@ -300,13 +322,12 @@ impl Space {
 
     /// Adds this space's page shares to `counts` (for the check).
     pub fn count_holdings(&self, counts: &mut [u32], problems: &mut Vec<String>) {
-        for b in self.maps.values() {
-            for &p in &b.pages {
-                if p != NONE {
-                    match counts.get_mut(p as usize) {
-                        Some(c) => *c += 1,
-                        None => problems.push(format!("a buffer holds page {p}, out of range")),
-                    }
+        let held = self.maps.values().flat_map(|b| b.pages.iter());
+        for &p in held.chain(&self.pinned) {
+            if p != NONE {
+                match counts.get_mut(p as usize) {
+                    Some(c) => *c += 1,
+                    None => problems.push(format!("a buffer holds page {p}, out of range")),
                 }
             }
         }
