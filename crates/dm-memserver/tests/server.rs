@@ -347,10 +347,10 @@ fn several_ranges_of_a_ref_are_read_in_one_batch() {
 
 #[test]
 fn large_reads_answered_from_the_pages_are_whole_and_leave_nothing_pinned() {
-    // Reads of 64 KiB and more are written from the pages where they lie,
-    // pinned meanwhile: of a buffer (with a run of unwritten pages longer
-    // than the server's run of zeros), of a Ref, at offsets, while the
-    // buffer is written between reads (copy on write of shared pages).
+    // Reads of 256 KiB and more are written from the pages where they lie,
+    // pinned meanwhile: of a buffer (its first 150 KiB never written, so
+    // read as zeros), of a Ref, at offsets, while the buffer is written
+    // between reads (copy on write of shared pages).
     let s = Server::start(Config::default()).unwrap();
     let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
     let len = 300 << 10;
