@@ -333,7 +333,10 @@ impl State {
             Request::Read { addr, offset, len } => {
                 let mut res = Ok(());
                 encode_ok(id, out, |o| {
-                    res = sp.read(pages, addr, offset, len as u64, o)
+                    o.reserve(len as usize);
+                    res = sp.read_spans(pages, addr, offset, len as u64, |p, off, n| {
+                        pages.append(p, off, n, o)
+                    })
                 });
                 res?;
             }
@@ -374,7 +377,12 @@ impl State {
                 let mut res = Ok(());
                 let hint = sp.hint;
                 encode_ok(id, out, |o| {
-                    res = self.refs.read(pages, hint, &r, offset, len as u64, o)
+                    o.reserve(len as usize);
+                    res = self
+                        .refs
+                        .read_spans(pages, hint, &r, offset, len as u64, |p, off, n| {
+                            pages.append(p, off, n, o)
+                        })
                 });
                 res?;
             }

@@ -185,23 +185,6 @@ impl Refs {
         })
     }
 
-    /// Appends `len` bytes at `offset` of `r`'s snapshot to `out` (nothing
-    /// on an error).
-    pub fn read(
-        &self,
-        pages: &Pages,
-        hint: usize,
-        r: &Ref,
-        offset: u64,
-        len: u64,
-        out: &mut Vec<u8>,
-    ) -> Result<()> {
-        out.reserve(len as usize);
-        self.read_spans(pages, hint, r, offset, len, |p, off, n| {
-            pages.append(p, off, n, out)
-        })
-    }
-
     /// Hands `emit` the pieces of `len` bytes at `offset` of `r`'s
     /// snapshot, in order, as (page, offset in it, length), with the Ref's
     /// shard locked (so the pages are held: [`Pages::pin`] keeps one past

@@ -151,23 +151,6 @@ impl Space {
         }
     }
 
-    /// Reads `out.len()` bytes at `offset` of the buffer at `addr`.
-    /// Appends `len` bytes at `offset` of the buffer at `addr` to `out`
-    /// (nothing on an error).
-    pub fn read(
-        &self,
-        pages: &Pages,
-        addr: u64,
-        offset: u64,
-        len: u64,
-        out: &mut Vec<u8>,
-    ) -> Result<()> {
-        out.reserve(len as usize);
-        self.read_spans(pages, addr, offset, len, |p, off, n| {
-            pages.append(p, off, n, out)
-        })
-    }
-
     /// Hands `emit` the pieces of `len` bytes at `offset` of the buffer
     /// at `addr`, in order, as (page, offset in it, length); a page of
     /// [`NONE`](super::pages::NONE) reads as zeros. Nothing is emitted on
