@@ -374,13 +374,22 @@ fn large_reads_answered_from_the_pages_are_whole_and_leave_nothing_pinned() {
     let problems = s.state().check();
     assert!(problems.is_empty(), "nothing pinned is left: {problems:#?}");
     // A read past the end is still a typed error.
-    let mut big = vec![0u8; len + 1];
+    let mut past = vec![0u8; len + 1];
     assert!(matches!(
-        b.read(0, &mut big),
+        b.read(0, &mut past),
         Err(Error::OutOfBounds { .. })
     ));
+    // A read of more pages than one writev takes (4 MiB: 1 024 pages and
+    // the head).
+    let big_len = 5 << 20;
+    let mut big = p.alloc(big_len as u64).unwrap();
+    let data: Vec<u8> = (0..big_len).map(|i| (i % 253) as u8).collect();
+    big.write(0, &data).unwrap();
+    let mut back = vec![0u8; big_len];
+    big.read(0, &mut back).unwrap();
+    assert!(back == data, "a read of 5 MiB");
     p.release_ref(&r).unwrap();
-    drop(b);
+    drop((b, big));
     drop(p);
     settle(&s);
 }
