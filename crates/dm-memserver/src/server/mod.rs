@@ -203,9 +203,9 @@ impl State {
         }
     }
 
-    /// For a read of at least [`PINNED_READ_MIN`] bytes (of a buffer or a
-    /// Ref): the answer's head appended to `out`, and its body as pieces
-    /// of pages, pinned, to be written where they lie and then unpinned
+    /// For a read [`answered_in_place`] (of a buffer or a Ref): the
+    /// answer's head appended to `out`, and its body as pieces of pages,
+    /// pinned, to be written where they lie and then unpinned
     /// ([`Pinned::unpin`]). `None` for any other request, or for a read
     /// that fails (served the usual way, which answers the error).
     fn read_pinned(
@@ -226,17 +226,17 @@ impl State {
                     at += k;
                 }
             } else {
-                pages.pin(p);
+                pages.share(p);
                 pieces.push((p, off, n));
             }
         };
         let mut sp = lock(space);
         let (len, r) = match *req {
-            Request::Read { addr, offset, len } if len as usize >= PINNED_READ_MIN => (
+            Request::Read { addr, offset, len } => (
                 len,
                 sp.read_spans(pages, addr, offset, len as u64, &mut emit),
             ),
-            Request::ReadRef { r, offset, len } if len as usize >= PINNED_READ_MIN => (
+            Request::ReadRef { r, offset, len } => (
                 len,
                 self.refs
                     .read_spans(pages, sp.hint, &r, offset, len as u64, &mut emit),
@@ -403,6 +403,11 @@ impl State {
 /// 45 us, no difference could be told from the noise.)
 pub const PINNED_READ_MIN: usize = 256 << 10;
 
+/// Whether `req` is a read answered from the pages where they lie.
+fn answered_in_place(req: &Request<'_>) -> bool {
+    matches!(*req, Request::Read { len, .. } | Request::ReadRef { len, .. } if len as usize >= PINNED_READ_MIN)
+}
+
 /// A read's answer body: pieces of pages (page, offset, length), pinned
 /// (and recorded in the session's `Space::pinned`).
 struct Pinned {
@@ -566,8 +571,7 @@ async fn session(
         }
         let t = Instant::now();
         let (op, ok) = match Request::decode(frame) {
-            Ok((id, req)) if matches!(req, Request::Read { len, .. } | Request::ReadRef { len, .. } if len as usize >= PINNED_READ_MIN) =>
-            {
+            Ok((id, req)) if answered_in_place(&req) => {
                 let op = req.op();
                 match state.read_pinned(&space, id, &req, &mut out) {
                     Some(body) => {

@@ -199,18 +199,11 @@ impl Pages {
         out.extend_from_slice(src);
     }
 
-    /// Pins page `p` for a reader that reads it after letting go of what
-    /// held it (an answer written from the page): one more holder, so the
-    /// page is neither freed nor written in place (a writer copies a page
-    /// with more than one holder) until [`unshare`](Self::unshare).
-    pub fn pin(&self, p: u32) {
-        self.share(p);
-    }
-
     /// Bytes `off..off + n` of page `p` where they lie (zeros for
-    /// [`NONE`]), for a caller that pinned the page ([`pin`](Self::pin))
-    /// or otherwise holds it with a count above one: nobody frees or
-    /// writes it while the slice lives, as long as the pin does.
+    /// [`NONE`]), for a caller that holds a share of the page on top of
+    /// its other holders ([`share`](Self::share), a pin): with a count
+    /// above one nobody frees the page or writes it in place (a writer
+    /// copies it first) while the slice lives, as long as the pin does.
     /// A piece of [`NONE`] is at most [`ZERO_RUN`] long.
     pub fn slice(&self, p: u32, off: usize, n: usize) -> &[u8] {
         static ZEROS: [u8; ZERO_RUN] = [0; ZERO_RUN];

@@ -187,7 +187,7 @@ impl Refs {
 
     /// Hands `emit` the pieces of `len` bytes at `offset` of `r`'s
     /// snapshot, in order, as (page, offset in it, length), with the Ref's
-    /// shard locked (so the pages are held: [`Pages::pin`] keeps one past
+    /// shard locked (so the pages are held: a share taken then ([`Pages::share`]) keeps one past
     /// it). Nothing is emitted on an error.
     pub fn read_spans(
         &self,

@@ -33,7 +33,7 @@ pub struct Space {
     next: u64,
     max_buffers: usize,
     /// Pages pinned for the answer this client's session is writing from
-    /// where they lie (one holder each; see `Pages::pin`).
+    /// where they lie (one share each, taken for it; see `Pages::slice`).
     pub pinned: Vec<u32>,
 }
 
@@ -155,7 +155,7 @@ impl Space {
     /// at `addr`, in order, as (page, offset in it, length); a page of
     /// [`NONE`](super::pages::NONE) reads as zeros. Nothing is emitted on
     /// an error. The caller holds this space's lock meanwhile, so the pages
-    /// are held: [`Pages::pin`] keeps one past it.
+    /// are held: a share taken then ([`Pages::share`]) keeps one past it.
     pub fn read_spans(
         &self,
         pages: &Pages,

@@ -144,7 +144,12 @@ pub trait Listener: Send {
     /// Connections currently open.
     fn connections(&self) -> usize;
     /// A handle that makes a blocked [`next`](Self::next) return promptly
-    /// (with `Ok(None)` if no frame is waiting).
+    /// (with `Ok(None)` if no frame is waiting). A wake is a poke, not a
+    /// message: one that arrives while the listener is not blocked may be
+    /// used up by [`poll`](Self::poll) (the TCP and in-process listeners
+    /// read their wake-ups with their frames), so whoever wakes the
+    /// listener records why first, and the dispatcher checks every such
+    /// record again before it calls `next` (`Dispatcher::poll_woken`).
     fn waker(&self) -> Waker;
 }
 
