@@ -2,22 +2,33 @@
 //! be outstanding on one connection.
 //!
 //! Sending happens in the calling task (a push into a ring or a socket
-//! write, which waits only when the transport is full). Answers are read by
-//! one pump thread per connection, which waits with the node's waiting
-//! policy and completes each call's oneshot; a call's future then resolves
-//! on whatever runtime awaits it. A dead peer fails every pending and
-//! future call with `Unavailable`; a deadline fails the call with
-//! `DeadlineExceeded` and sends a cancel, as the blocking client does.
+//! write, which waits only when the transport is full). Answers complete
+//! each call's oneshot; a call's future then resolves on whatever runtime
+//! awaits it. Who reads the answers is chosen when a call first waits:
+//!
+//! * a client whose first call is awaited by a server's async handler, on
+//!   a transport with a doorbell (shared-memory rings), is read by that
+//!   server's listener, which looks at it while it waits for requests and
+//!   parks on its bell along with its own (`futex_waitv`): an answer then
+//!   costs no thread of its own and no hand-off between threads, and the
+//!   dispatcher polls the handler it wakes right away. When that server
+//!   stops, a pump thread takes over;
+//! * any other client is read by one pump thread per connection, which
+//!   waits with the node's waiting policy.
+//!
+//! A dead peer fails every pending and future call with `Unavailable`; a
+//! deadline fails the call with `DeadlineExceeded` and sends a cancel, as
+//! the blocking client does.
 
 use crate::client::{answer, orphan, outgoing};
 use crate::error::RpcError;
 use crate::frame::{method_id, Frame, Kind};
 use crate::node::Node;
 use crate::payload::Payload;
-use crate::transport::{Connection, FrameRx, FrameTx};
+use crate::transport::{Connection, FrameRx, FrameTx, Looked, TransportError, WatchSet, Watched};
 use crate::CallOptions;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -42,11 +53,35 @@ struct Inner {
     node: Node,
     name: String,
     tx: Mutex<Box<dyn FrameTx>>,
-    state: Arc<Mutex<State>>,
+    reader: Arc<Reader>,
     next_id: AtomicU64,
     max_inline: usize,
     refs: crate::transport::Sharing,
 }
+
+/// The receiving half and the calls waiting for answers. Whoever reads
+/// answers (a pump thread, or a server's listener) holds it weakly: it goes
+/// with the client, and its connection closes then.
+struct Reader {
+    node: Node,
+    rx: Mutex<Box<dyn FrameRx>>,
+    state: Mutex<State>,
+    /// Calls in `state.pending` (read without the lock by a watching
+    /// listener, which skips an idle client with one load).
+    waiting: AtomicUsize,
+    /// Who reads answers: [`NO_READER`], [`PUMP`] or [`LISTENER`].
+    driver: AtomicU8,
+    /// Held while the reader is chosen.
+    choosing: Mutex<()>,
+    name: String,
+}
+
+/// No call has waited yet.
+const NO_READER: u8 = 0;
+/// A pump thread reads answers.
+const PUMP: u8 = 1;
+/// A server's listener reads answers while it waits for requests.
+const LISTENER: u8 = 2;
 
 #[derive(Default)]
 struct State {
@@ -58,30 +93,268 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+thread_local! {
+    /// The watch set of the listener whose dispatcher is polling an async
+    /// handler on this thread, while it does (`server.rs`).
+    static WATCH: std::cell::RefCell<Option<Arc<WatchSet>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` (a poll of an async handler's call on a dispatcher) with
+/// `watch` as the place where async clients it awaits find their reader.
+pub(crate) fn polling_with<R>(watch: Option<&Arc<WatchSet>>, f: impl FnOnce() -> R) -> R {
+    let Some(w) = watch else {
+        return f();
+    };
+    let before = WATCH.with(|c| c.replace(Some(w.clone())));
+    struct Restore(Option<Arc<WatchSet>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let before = self.0.take();
+            WATCH.with(|c| *c.borrow_mut() = before);
+        }
+    }
+    let _restore = Restore(before);
+    f()
+}
+
+impl Reader {
+    fn insert(&self, st: &mut State, id: u64, reply: Reply) {
+        st.pending.insert(id, reply);
+        self.waiting.store(st.pending.len(), Ordering::Release);
+    }
+
+    fn remove(&self, st: &mut State, id: u64) -> Option<Reply> {
+        let r = st.pending.remove(&id);
+        self.waiting.store(st.pending.len(), Ordering::Release);
+        r
+    }
+
+    /// Hands an answer to its call (or releases what it carries if the
+    /// call gave up). False if the connection is broken now.
+    fn deliver(&self, got: Result<Frame, TransportError>) -> bool {
+        let f = match got {
+            Ok(f) if f.kind == Kind::Response => f,
+            Ok(_) => {
+                self.break_all(RpcError::internal(
+                    "the server sent a frame that is not a response",
+                ));
+                return false;
+            }
+            Err(e) => {
+                self.break_all(e.into());
+                return false;
+            }
+        };
+        let waiter = {
+            let mut st = lock(&self.state);
+            self.remove(&mut st, f.call_id)
+        };
+        match waiter {
+            Some(w) => {
+                if let Err(Ok(f)) = w.send(Ok(f)) {
+                    orphan(&self.node, f);
+                }
+            }
+            None => orphan(&self.node, f),
+        }
+        true
+    }
+
+    /// Fails every pending and future call with `e`.
+    fn break_all(&self, e: RpcError) {
+        let mut st = lock(&self.state);
+        st.broken.get_or_insert(e.clone());
+        for (_, w) in st.pending.drain() {
+            let _ = w.send(Err(e.clone()));
+        }
+        self.waiting.store(0, Ordering::Release);
+    }
+
+    /// Delivers the answers already there, without waiting (if no one
+    /// else is reading them).
+    fn take_answers(&self) -> Looked {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return Looked::Idle;
+        }
+        let Ok(mut rx) = self.rx.try_lock() else {
+            return Looked::Idle;
+        };
+        let mut looked = Looked::Idle;
+        loop {
+            match rx.try_recv() {
+                Ok(None) => return looked,
+                Ok(Some(f)) => {
+                    looked = Looked::Delivered;
+                    if !self.deliver(Ok(f)) {
+                        return looked;
+                    }
+                }
+                Err(e) => {
+                    self.deliver(Err(e));
+                    return Looked::Delivered;
+                }
+            }
+        }
+    }
+
+    /// Fails the pending calls if the peer is gone.
+    fn check(&self) -> Looked {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return Looked::Idle;
+        }
+        let Ok(mut rx) = self.rx.try_lock() else {
+            return Looked::Idle;
+        };
+        match rx.check_peer() {
+            Ok(()) => Looked::Idle,
+            Err(e) => {
+                drop(rx);
+                self.break_all(e.into());
+                Looked::Delivered
+            }
+        }
+    }
+
+    /// Sends `f`, waiting for room until `deadline`. A client read by a
+    /// listener takes its own answers while it waits: the listener's
+    /// dispatcher is most likely this very thread (polling the handler
+    /// that calls), and the service may wait for room to answer before it
+    /// reads more requests.
+    fn send(
+        &self,
+        tx: &Mutex<Box<dyn FrameTx>>,
+        f: &Frame,
+        deadline: Option<Instant>,
+    ) -> Result<bool, TransportError> {
+        if self.driver.load(Ordering::Acquire) != LISTENER {
+            return lock(tx).send(f, deadline);
+        }
+        let mut last_check = Instant::now();
+        loop {
+            let now = Instant::now();
+            match lock(tx).send(f, Some(now)) {
+                Ok(false) if deadline.is_none_or(|d| now < d) => {}
+                done => return done,
+            }
+            self.take_answers();
+            if now - last_check >= Duration::from_millis(1) {
+                last_check = now;
+                lock(&self.rx).check_peer()?;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Makes sure someone reads answers before a call waits for one: the
+    /// listener of the server whose async handler makes the call, if its
+    /// transport can watch this connection; else a pump thread.
+    fn ensure_reader(self: &Arc<Self>) -> Result<(), RpcError> {
+        if self.driver.load(Ordering::Acquire) != NO_READER {
+            return Ok(());
+        }
+        let _g = lock(&self.choosing);
+        if self.driver.load(Ordering::Acquire) != NO_READER {
+            return Ok(());
+        }
+        let watch = WATCH.with(|c| c.borrow().clone());
+        let bell = lock(&self.rx).bell();
+        if let (Some(ws), Some(bell)) = (watch, bell) {
+            let w = Arc::new(WatchedClient {
+                reader: Arc::downgrade(self),
+                bell,
+            });
+            if ws.add(w) {
+                self.driver.store(LISTENER, Ordering::Release);
+                return Ok(());
+            }
+        }
+        self.start_pump()
+    }
+
+    /// Starts the pump thread (the reader from now on).
+    fn start_pump(self: &Arc<Self>) -> Result<(), RpcError> {
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name(format!("dmrpc-pump:{}", self.name))
+            .spawn(move || pump(weak))
+            .map_err(|e| RpcError::internal(format!("cannot start the answer pump: {e}")))?;
+        self.driver.store(PUMP, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// An async client's connection as a server's listener watches it.
+struct WatchedClient {
+    reader: Weak<Reader>,
+    bell: &'static AtomicU32,
+}
+
+impl Watched for WatchedClient {
+    fn look(&self) -> Looked {
+        match self.reader.upgrade() {
+            Some(r) => r.take_answers(),
+            None => Looked::Gone,
+        }
+    }
+
+    fn check(&self) -> Looked {
+        match self.reader.upgrade() {
+            Some(r) => r.check(),
+            None => Looked::Gone,
+        }
+    }
+
+    fn bell(&self) -> &'static AtomicU32 {
+        self.bell
+    }
+
+    fn gone(&self) -> bool {
+        self.reader.strong_count() == 0
+    }
+
+    fn orphaned(&self) {
+        if let Some(r) = self.reader.upgrade() {
+            let _g = lock(&r.choosing);
+            if let Err(e) = r.start_pump() {
+                r.break_all(e);
+            }
+        }
+    }
+}
+
 impl AsyncClient {
     pub(crate) fn new(node: Node, name: &str, conn: Connection) -> Result<AsyncClient, RpcError> {
-        let state = Arc::new(Mutex::new(State::default()));
-        let inner = Arc::new(Inner {
+        let reader = Arc::new(Reader {
             node: node.clone(),
+            rx: Mutex::new(conn.rx),
+            state: Mutex::new(State::default()),
+            waiting: AtomicUsize::new(0),
+            driver: AtomicU8::new(NO_READER),
+            choosing: Mutex::new(()),
             name: name.to_owned(),
-            tx: Mutex::new(conn.tx),
-            state: state.clone(),
-            next_id: AtomicU64::new(1),
-            max_inline: conn.max_inline,
-            refs: conn.refs,
         });
-        let weak = Arc::downgrade(&inner);
-        let rx = conn.rx;
-        std::thread::Builder::new()
-            .name(format!("dmrpc-pump:{name}"))
-            .spawn(move || pump(rx, state, weak, node))
-            .map_err(|e| RpcError::internal(format!("cannot start the answer pump: {e}")))?;
-        Ok(AsyncClient { inner })
+        Ok(AsyncClient {
+            inner: Arc::new(Inner {
+                node,
+                name: name.to_owned(),
+                tx: Mutex::new(conn.tx),
+                reader,
+                next_id: AtomicU64::new(1),
+                max_inline: conn.max_inline,
+                refs: conn.refs,
+            }),
+        })
     }
 
     /// The service this client calls.
     pub fn service(&self) -> &str {
         &self.inner.name
+    }
+
+    /// Whether a server's listener reads this client's answers (no pump
+    /// thread of its own; see the module's documentation).
+    pub fn answers_read_by_listener(&self) -> bool {
+        self.inner.reader.driver.load(Ordering::Acquire) == LISTENER
     }
 
     /// Calls `method` with `payload`.
@@ -115,21 +388,26 @@ impl AsyncClient {
         let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, waiting) = oneshot::channel();
+        let r = &i.reader;
+        if let Err(e) = r.ensure_reader() {
+            lent.release(&i.node);
+            return Err(e);
+        }
         {
-            let mut st = lock(&i.state);
+            let mut st = lock(&r.state);
             if let Some(e) = &st.broken {
                 let e = e.clone();
                 drop(st);
                 lent.release(&i.node);
                 return Err(e);
             }
-            st.pending.insert(id, reply);
+            r.insert(&mut st, id, reply);
         }
         let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
-        let sent = lock(&i.tx).send(&frame, deadline);
+        let sent = r.send(&i.tx, &frame, deadline);
         drop(frame);
         let fail = |e: RpcError| {
-            lock(&i.state).pending.remove(&id);
+            r.remove(&mut lock(&r.state), id);
             e
         };
         match sent {
@@ -150,7 +428,7 @@ impl AsyncClient {
             Some(d) => match tokio::time::timeout_at(d.into(), waiting).await {
                 Ok(r) => r,
                 Err(_) => {
-                    lock(&i.state).pending.remove(&id);
+                    r.remove(&mut lock(&r.state), id);
                     lent.release(&i.node);
                     let _ = lock(&i.tx).send(&Frame::cancel(id), Some(Instant::now()));
                     return Err(RpcError::deadline_exceeded(format!(
@@ -177,43 +455,19 @@ impl AsyncClient {
 
 /// Reads answers and completes the calls waiting for them, until the
 /// client is dropped or the connection breaks.
-fn pump(mut rx: Box<dyn FrameRx>, state: Arc<Mutex<State>>, client: Weak<Inner>, node: Node) {
+fn pump(reader: Weak<Reader>) {
     loop {
-        if client.strong_count() == 0 {
+        let Some(r) = reader.upgrade() else {
+            return;
+        };
+        let got = lock(&r.rx).recv(Some(Instant::now() + Duration::from_millis(100)));
+        let alive = match got {
+            Ok(None) => true,
+            Ok(Some(f)) => r.deliver(Ok(f)),
+            Err(e) => r.deliver(Err(e)),
+        };
+        if !alive {
             return;
         }
-        match rx.recv(Some(Instant::now() + Duration::from_millis(100))) {
-            Ok(None) => {}
-            Ok(Some(f)) if f.kind == Kind::Response => {
-                let waiter = lock(&state).pending.remove(&f.call_id);
-                match waiter {
-                    Some(w) => {
-                        if let Err(Ok(f)) = w.send(Ok(f)) {
-                            orphan(&node, f);
-                        }
-                    }
-                    None => orphan(&node, f),
-                }
-            }
-            Ok(Some(_)) => {
-                break_all(
-                    &state,
-                    RpcError::internal("the server sent a frame that is not a response"),
-                );
-                return;
-            }
-            Err(e) => {
-                break_all(&state, e.into());
-                return;
-            }
-        }
-    }
-}
-
-fn break_all(state: &Mutex<State>, e: RpcError) {
-    let mut st = lock(state);
-    st.broken.get_or_insert(e.clone());
-    for (_, w) in st.pending.drain() {
-        let _ = w.send(Err(e.clone()));
     }
 }

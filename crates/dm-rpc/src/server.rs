@@ -18,12 +18,17 @@
 //! long CPU work should spawn it there, as it holds up the dispatcher
 //! while polled. (They used to run as tasks on that runtime, so every call
 //! crossed to its worker thread and back: about 35 us a hop on two cores.)
+//! The answers to the async calls such a handler makes over shared memory
+//! are read by the listener itself, while it waits for requests
+//! (`async_client.rs`): a nested call's answer wakes its handler with no
+//! thread in between.
 
+use crate::async_client::polling_with;
 use crate::error::RpcError;
 use crate::frame::{method_id, Body, Frame, Kind, Status};
 use crate::node::{Node, Transport};
 use crate::payload::{Dir, Payload};
-use crate::transport::{ConnId, Listener, Waker};
+use crate::transport::{ConnId, Listener, Waker, WatchSet};
 use dm_pool::{Endpoint, Ref, ServiceInfo};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -265,7 +270,9 @@ impl ServerBuilder {
         } else {
             None
         };
+        let watch = rt.as_ref().and_then(|_| listener.watch_set());
         let d = Dispatcher {
+            watch,
             node: node.clone(),
             methods: self.methods,
             listener,
@@ -470,6 +477,10 @@ struct Dispatcher {
     rt: Option<tokio::runtime::Runtime>,
     /// Pokes the dispatcher (out of a wait for requests).
     waker: Waker,
+    /// Where async clients awaited by async handlers register, so that the
+    /// listener reads their answers (if it can, and the server has async
+    /// methods).
+    watch: Option<Arc<WatchSet>>,
 }
 
 impl Dispatcher {
@@ -561,7 +572,11 @@ impl Dispatcher {
                                 // its first await.
                                 let _rt = self.rt.as_ref().map(|rt| rt.enter());
                                 let h = h.clone();
-                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(call)))
+                                polling_with(self.watch.as_ref(), || {
+                                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                        h(call)
+                                    }))
+                                })
                             };
                             match fut {
                                 Ok(fut) => {
@@ -640,9 +655,11 @@ impl Dispatcher {
         let polled = {
             let _rt = self.rt.as_ref().map(|rt| rt.enter());
             let mut cx = std::task::Context::from_waker(&task.waker);
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                task.fut.as_mut().poll(&mut cx)
-            }))
+            polling_with(self.watch.as_ref(), || {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    task.fut.as_mut().poll(&mut cx)
+                }))
+            })
         };
         let r = match polled {
             Ok(Poll::Pending) => return,

@@ -76,6 +76,56 @@ impl Bell<'_> {
     }
 }
 
+/// Where a [`Waiter`] parks: one bell, or several at once.
+pub trait Sleeper {
+    /// Announces that the waiter is about to sleep (see [`Bell::prepare`]).
+    fn prepare(&self);
+    /// Cancels a [`prepare`](Self::prepare).
+    fn cancel(&self);
+    /// Parks until rung (or `timeout`), then marks the waiter awake.
+    fn sleep(&self, timeout: Option<Duration>);
+}
+
+impl Sleeper for Bell<'_> {
+    fn prepare(&self) {
+        Bell::prepare(self)
+    }
+    fn cancel(&self) {
+        Bell::cancel(self)
+    }
+    fn sleep(&self, timeout: Option<Duration>) {
+        Bell::sleep(self, timeout)
+    }
+}
+
+/// Several bells with one waiter: it parks on all of them at once
+/// (`futex_waitv`), and a ring of any one wakes it. Each bell keeps the
+/// [`Bell`] protocol (one waiter each, this one), so its ringers need not
+/// know that the waiter listens to others too.
+#[cfg(not(loom))]
+#[derive(Debug, Clone, Copy)]
+pub struct Bells<'a>(pub &'a [&'a AtomicU32]);
+
+#[cfg(not(loom))]
+impl Sleeper for Bells<'_> {
+    fn prepare(&self) {
+        for b in self.0 {
+            b.store(ASLEEP, Ordering::Relaxed);
+        }
+        fence(Ordering::SeqCst);
+    }
+    fn cancel(&self) {
+        for b in self.0 {
+            b.store(AWAKE, Ordering::Relaxed);
+        }
+    }
+    fn sleep(&self, timeout: Option<Duration>) {
+        let words: Vec<(&AtomicU32, u32)> = self.0.iter().map(|&b| (b, ASLEEP)).collect();
+        dm_sys::futex::wait_any(&words, timeout);
+        self.cancel();
+    }
+}
+
 /// How a waiter waits: it checks while spinning for up to `spin`, then
 /// checks between `sched_yield`s for up to `yield_for`, then parks on the
 /// futex for at most `park_slice` at a time (between slices it checks that
@@ -205,7 +255,7 @@ impl Waiter {
     /// spinning or yielding, e.g. a peer liveness check) fails.
     pub fn wait<T, E>(
         &mut self,
-        bell: Bell<'_>,
+        bell: impl Sleeper,
         deadline: Option<Instant>,
         mut ready: impl FnMut() -> Option<T>,
         mut idle: impl FnMut() -> Result<(), E>,

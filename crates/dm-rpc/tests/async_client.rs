@@ -222,3 +222,321 @@ fn async_handlers_over_tcp() {
 fn async_handlers_over_mem() {
     async_handlers(Transport::Mem, "mem");
 }
+
+/// An async service whose `via` forwards to `leaf` with an async client
+/// made in the handler (kept in `next`): `len` for a payload, `hang` for
+/// none.
+fn forwarding_front(
+    node: &Node,
+    name: &str,
+    leaf: &str,
+    next: &std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>>,
+) -> dm_rpc::Server {
+    let (next, leaf) = (next.clone(), leaf.to_owned());
+    node.server(name)
+        .method_async("via", move |c| {
+            let (next, leaf) = (next.clone(), leaf.clone());
+            async move {
+                let cl = match next.get() {
+                    Some(cl) => cl.clone(),
+                    None => {
+                        let cl = c.node.connect_async(&leaf)?;
+                        let _ = next.set(cl.clone());
+                        cl
+                    }
+                };
+                let method = if c.payload.is_empty() { "hang" } else { "len" };
+                cl.call(method, c.payload.forward()?).await
+            }
+        })
+        .spawn()
+        .unwrap()
+}
+
+/// Over shared memory, the answers to the calls an async handler awaits
+/// are read by its server's listener (no pump thread): calls from several
+/// threads get theirs; a call in flight when the callee stops fails with
+/// `Unavailable` instead of hanging; and a client whose listener's server
+/// stops gets a pump and keeps working.
+#[test]
+fn answers_to_async_handlers_are_read_by_their_listener() {
+    let tp = TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(16),
+        ..Default::default()
+    });
+    let node = Node::with_config(
+        tp.attach(),
+        dm_rpc::Config {
+            inline_max: 4096,
+            ..Default::default()
+        },
+    );
+    let pid = std::process::id();
+    let leaf = format!("async-w/leaf/{pid}");
+    let leaf_svc = node
+        .server(&leaf)
+        .method_async("len", |c| async move {
+            Ok(Payload::from_vec(c.payload.len().to_le_bytes().to_vec()))
+        })
+        .method_async("hang", |_| async {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok(Payload::empty())
+        })
+        .spawn()
+        .unwrap();
+    let next: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let front = format!("async-w/front/{pid}");
+    let front_svc = forwarding_front(&node, &front, &leaf, &next);
+    let c = node.connect(&front).unwrap();
+    // Four threads, 200 calls each, small (inline) and large (by Ref).
+    std::thread::scope(|s| {
+        for t in 0..4usize {
+            let c = c.clone();
+            s.spawn(move || {
+                for i in 0..200usize {
+                    let len = if i % 10 == t { 100_000 + i } else { 1 + i };
+                    let got = c.call("via", vec![3u8; len]).unwrap();
+                    assert_eq!(got.to_vec().unwrap(), (len as u64).to_le_bytes());
+                }
+            });
+        }
+    });
+    let cl = next.get().unwrap().clone();
+    assert!(cl.answers_read_by_listener());
+    // Its reader's server stops: a pump takes over.
+    drop(c);
+    front_svc.shutdown();
+    assert!(!cl.answers_read_by_listener());
+    rt().block_on(async {
+        let got = cl.call("len", vec![1u8; 5]).await.unwrap();
+        assert_eq!(got.to_vec().unwrap(), 5u64.to_le_bytes());
+    });
+    drop((cl, next));
+    // A nested call in flight when the callee stops.
+    let next2: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let front2 = format!("async-w/front2/{pid}");
+    let front2_svc = forwarding_front(&node, &front2, &leaf, &next2);
+    let c2 = node.connect(&front2).unwrap();
+    assert_eq!(
+        c2.call("via", vec![1u8; 9]).unwrap().to_vec().unwrap(),
+        9u64.to_le_bytes()
+    );
+    assert!(next2.get().unwrap().answers_read_by_listener());
+    let hung = std::thread::spawn(move || {
+        let t0 = std::time::Instant::now();
+        (c2.call("via", Payload::empty()), t0.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    leaf_svc.shutdown();
+    let (r, took) = hung.join().unwrap();
+    let e = r.unwrap_err();
+    assert_eq!(e.status, Status::Unavailable, "{e}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    front2_svc.shutdown();
+    drop(next2);
+    drop(node);
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}
+
+/// Polls every future of `fs` in the calling task (as one handler's
+/// future does with its nested calls) until all are done.
+async fn join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
+    let mut fs: Vec<std::pin::Pin<Box<F>>> = fs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = fs.iter().map(|_| None).collect();
+    std::future::poll_fn(move |cx| {
+        let mut done = true;
+        for (f, o) in fs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => done = false,
+                }
+            }
+        }
+        if done {
+            std::task::Poll::Ready(out.iter_mut().filter_map(Option::take).collect())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await
+}
+
+/// An async handler with more nested calls in flight than the rings hold:
+/// the callee stops reading requests until its answers are read, and the
+/// one reading them is the listener of the very dispatcher that waits to
+/// send. The sending call takes the answers itself meanwhile.
+#[test]
+fn many_nested_calls_in_flight_through_small_rings_do_not_wait_on_themselves() {
+    let tp = TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(8),
+        ring_size: 32 << 10,
+        ..Default::default()
+    });
+    let node = Node::with_config(
+        tp.attach(),
+        dm_rpc::Config {
+            inline_max: 8192,
+            ..Default::default()
+        },
+    );
+    let pid = std::process::id();
+    let leaf = format!("async-f/leaf/{pid}");
+    let front = format!("async-f/front/{pid}");
+    let leaf_svc = node
+        .server(&leaf)
+        .method("echo", |c| Ok(c.take_payload()))
+        .spawn()
+        .unwrap();
+    let next: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let front_svc = {
+        let (next, leaf) = (next.clone(), leaf.clone());
+        node.server(&front)
+            .method_async("fan", move |c| {
+                let (next, leaf) = (next.clone(), leaf.clone());
+                async move {
+                    let cl = match next.get() {
+                        Some(cl) => cl.clone(),
+                        None => {
+                            let cl = c.node.connect_async(&leaf)?;
+                            let _ = next.set(cl.clone());
+                            cl
+                        }
+                    };
+                    let calls = (0..64u8).map(|i| {
+                        let cl = cl.clone();
+                        async move {
+                            let opts = CallOptions::deadline(Duration::from_secs(5));
+                            let got = cl.call_with("echo", vec![i; 6000].into(), opts).await?;
+                            Ok::<bool, RpcError>(got.to_vec()? == vec![i; 6000])
+                        }
+                    });
+                    let mut good = 0u64;
+                    for r in join_all(calls.collect()).await {
+                        good += r? as u64;
+                    }
+                    Ok(Payload::from_vec(good.to_le_bytes().to_vec()))
+                }
+            })
+            .spawn()
+            .unwrap()
+    };
+    let c = node.connect(&front).unwrap();
+    for _ in 0..5 {
+        let got = c
+            .call_with(
+                "fan",
+                Payload::empty(),
+                CallOptions::deadline(Duration::from_secs(30)),
+            )
+            .unwrap();
+        assert_eq!(got.to_vec().unwrap(), 64u64.to_le_bytes());
+    }
+    assert!(next.get().unwrap().answers_read_by_listener());
+    drop((c, next));
+    front_svc.shutdown();
+    leaf_svc.shutdown();
+    drop(node);
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}
+
+/// Two services calling each other with many calls in flight through
+/// small rings, each one's answers read by the other's listener. (A
+/// listener never waits to answer: it takes a request only when there is
+/// room for its answer; so what could wait is a send, as above.)
+#[test]
+fn services_calling_each_other_through_small_rings_do_not_deadlock() {
+    let tp = TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(8),
+        ring_size: 32 << 10,
+        ..Default::default()
+    });
+    let node = Node::with_config(
+        tp.attach(),
+        dm_rpc::Config {
+            inline_max: 8192,
+            ..Default::default()
+        },
+    );
+    let pid = std::process::id();
+    let (a, b) = (format!("async-m/a/{pid}"), format!("async-m/b/{pid}"));
+    type Slot = std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>>;
+    let client = |slot: &Slot, node: &Node, to: &str| -> Result<dm_rpc::AsyncClient, RpcError> {
+        if let Some(cl) = slot.get() {
+            return Ok(cl.clone());
+        }
+        let cl = node.connect_async(to)?;
+        let _ = slot.set(cl.clone());
+        Ok(cl)
+    };
+    let (to_b, to_a): (Slot, Slot) = Default::default();
+    // A: `fan` makes 64 calls to B's `relay` at once; `leaf` answers 6000 bytes.
+    let a_svc = {
+        let (to_b, b) = (to_b.clone(), b.clone());
+        node.server(&a)
+            .method("leaf", |c| {
+                Ok(Payload::from_vec(vec![c.payload().len() as u8; 6000]))
+            })
+            .method_async("fan", move |c| {
+                let cl = client(&to_b, &c.node, &b);
+                async move {
+                    let cl = cl?;
+                    let calls = (1..=64u8).map(|i| {
+                        let cl = cl.clone();
+                        async move {
+                            let opts = CallOptions::deadline(Duration::from_secs(5));
+                            let got = cl
+                                .call_with("relay", vec![i; i as usize].into(), opts)
+                                .await?;
+                            Ok::<bool, RpcError>(got.to_vec()? == vec![i; 6000])
+                        }
+                    });
+                    let mut good = 0u64;
+                    for r in join_all(calls.collect()).await {
+                        good += r? as u64;
+                    }
+                    Ok(Payload::from_vec(good.to_le_bytes().to_vec()))
+                }
+            })
+            .spawn()
+            .unwrap()
+    };
+    // B: `relay` calls A's `leaf` and answers what it got.
+    let b_svc = {
+        let (to_a, a) = (to_a.clone(), a.clone());
+        node.server(&b)
+            .method_async("relay", move |c| {
+                let cl = client(&to_a, &c.node, &a);
+                async move {
+                    let opts = CallOptions::deadline(Duration::from_secs(5));
+                    cl?.call_with("leaf", c.payload.forward()?, opts).await
+                }
+            })
+            .spawn()
+            .unwrap()
+    };
+    let c = node.connect(&a).unwrap();
+    for _ in 0..5 {
+        let got = c
+            .call_with(
+                "fan",
+                Payload::empty(),
+                CallOptions::deadline(Duration::from_secs(30)),
+            )
+            .unwrap();
+        assert_eq!(got.to_vec().unwrap(), 64u64.to_le_bytes());
+    }
+    assert!(to_a.get().unwrap().answers_read_by_listener());
+    assert!(to_b.get().unwrap().answers_read_by_listener());
+    drop((c, to_a, to_b));
+    a_svc.shutdown();
+    b_svc.shutdown();
+    drop(node);
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}

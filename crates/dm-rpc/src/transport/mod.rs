@@ -14,6 +14,7 @@
 //! peer into [`TransportError::Unavailable`].
 
 use crate::frame::{Frame, FrameError};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 pub mod mem;
@@ -73,6 +74,123 @@ pub trait FrameTx: Send {
 pub trait FrameRx: Send {
     /// The next frame, or `Ok(None)` once `deadline` passes.
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError>;
+    /// The next frame if one is already there, without waiting (and
+    /// without a check of the peer's liveness: see
+    /// [`check_peer`](Self::check_peer)).
+    fn try_recv(&mut self) -> Result<Option<Frame>, TransportError> {
+        self.recv(Some(Instant::now()))
+    }
+    /// The word the peer rings ([`crate::wait::Bell`]) after it sends a
+    /// frame, if the transport has one: then a server's listener can
+    /// watch this half along with its own connections
+    /// ([`Watched`]). Its one waiter must then be the listener.
+    fn bell(&self) -> Option<&'static AtomicU32> {
+        None
+    }
+    /// `Unavailable` once the peer is gone.
+    fn check_peer(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
+}
+
+/// What a watched answer source did when looked at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Looked {
+    /// Nothing new.
+    Idle,
+    /// It delivered answers (or failed its calls): woken tasks wait.
+    Delivered,
+    /// Its client is gone: stop watching it.
+    Gone,
+}
+
+/// An answer source a server's listener reads while it waits for requests:
+/// the receiving half of an async client whose calls are awaited by the
+/// server's async handlers, so their answers need no thread of their own
+/// (`async_client.rs`).
+pub trait Watched: Send + Sync {
+    /// Reads the answers already there, without waiting, and delivers them.
+    fn look(&self) -> Looked;
+    /// Checks that the peer lives (fails the pending calls if not).
+    fn check(&self) -> Looked;
+    /// The word to park on ([`FrameRx::bell`]).
+    fn bell(&self) -> &'static AtomicU32;
+    /// Its client is gone: stop watching it.
+    fn gone(&self) -> bool;
+    /// The listener stops watching (its server is stopping): the source
+    /// must find another reader for the calls still to come.
+    fn orphaned(&self);
+}
+
+/// The sources a listener watches: added to by async clients on the
+/// dispatcher's thread, read by the listener while it waits.
+#[derive(Default)]
+pub struct WatchSet {
+    inner: std::sync::Mutex<WatchList>,
+    /// Bumped on every change, so a listener refreshes its copy only then.
+    version: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct WatchList {
+    list: Vec<std::sync::Arc<dyn Watched>>,
+    closed: bool,
+}
+
+impl WatchSet {
+    /// Adds `w`; false if the set is closed (its listener is gone).
+    pub fn add(&self, w: std::sync::Arc<dyn Watched>) -> bool {
+        let mut l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if l.closed {
+            return false;
+        }
+        l.list.push(w);
+        self.version.fetch_add(1, Ordering::Release);
+        true
+    }
+
+    /// The version: changes whenever the set does.
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    /// A copy of the sources.
+    pub fn snapshot(&self) -> Vec<std::sync::Arc<dyn Watched>> {
+        let l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        l.list.clone()
+    }
+
+    /// Stops watching the sources for which `gone` holds.
+    pub fn remove_if(&self, mut gone: impl FnMut(&std::sync::Arc<dyn Watched>) -> bool) {
+        let mut l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let n = l.list.len();
+        l.list.retain(|w| !gone(w));
+        if l.list.len() != n {
+            self.version.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// Closes the set: every source is told it is orphaned, and none is
+    /// added any more.
+    pub fn close(&self) {
+        let list = {
+            let mut l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            l.closed = true;
+            std::mem::take(&mut l.list)
+        };
+        self.version.fetch_add(1, Ordering::Release);
+        for w in list {
+            w.orphaned();
+        }
+    }
+}
+
+impl std::fmt::Debug for WatchSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchSet")
+            .field("version", &self.version())
+            .finish_non_exhaustive()
+    }
 }
 
 /// A client's connection, split into halves that may be used by different
@@ -151,6 +269,11 @@ pub trait Listener: Send {
     /// listener records why first, and the dispatcher checks every such
     /// record again before it calls `next` (`Dispatcher::poll_woken`).
     fn waker(&self) -> Waker;
+    /// The answer sources this listener reads while it waits, if it can
+    /// watch any ([`Watched`]; the shared-memory listener can).
+    fn watch_set(&self) -> Option<std::sync::Arc<WatchSet>> {
+        None
+    }
 }
 
 /// Wakes a server's listener from another thread (shutdown).

@@ -29,10 +29,13 @@
 //! it noticed only at the end of a 20 ms park slice).
 
 use super::ring::{self, Consumer, Producer, RawData, RingControl};
-use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
+use super::{
+    ConnId, Connection, FrameRx, FrameTx, Listener, Looked, TransportError, Waker, WatchSet,
+    Watched,
+};
 use crate::frame::{Frame, Kind, Limits, HEADER_LEN};
 use crate::sync::{AtomicU32, Ordering};
-use crate::wait::{Bell, WaitPolicy, Waiter};
+use crate::wait::{Bell, Bells, WaitPolicy, Waiter};
 use dm_pool::{ChannelId, ChannelMemory, Peer, Pool, ServiceInfo, Side};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -229,6 +232,19 @@ impl FrameTx for ShmTx {
     }
 }
 
+impl ShmRx {
+    /// The frame of a record of `len` bytes taken as `head` and `rest`.
+    fn decode(
+        &self,
+        head: &[u8; HEADER_LEN],
+        len: usize,
+        rest: Vec<u8>,
+    ) -> Result<Frame, TransportError> {
+        let h = &head[..len.min(HEADER_LEN)];
+        Ok(Frame::decode_record(h, rest, &self.limits)?)
+    }
+}
+
 impl FrameRx for ShmRx {
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         let sh = &self.sh;
@@ -242,12 +258,24 @@ impl FrameRx for ShmRx {
         )?;
         match got {
             None => Ok(None),
-            Some(len) => {
-                let len = len?;
-                let h = &head[..len.min(HEADER_LEN)];
-                Ok(Some(Frame::decode_record(h, rest, &self.limits)?))
-            }
+            Some(len) => Ok(Some(self.decode(&head, len?, rest)?)),
         }
+    }
+
+    fn try_recv(&mut self) -> Result<Option<Frame>, TransportError> {
+        let (mut head, mut rest) = ([0u8; HEADER_LEN], Vec::new());
+        match self.cons.try_pop_split(&mut head, &mut rest)? {
+            None => Ok(None),
+            Some(len) => Ok(Some(self.decode(&head, len, rest)?)),
+        }
+    }
+
+    fn bell(&self) -> Option<&'static AtomicU32> {
+        Some(self.bell)
+    }
+
+    fn check_peer(&mut self) -> Result<(), TransportError> {
+        self.sh.check_peer()
     }
 }
 
@@ -283,6 +311,13 @@ pub struct ShmListener {
     polls: u32,
     /// Set by the waker: `next` returns even without a frame.
     poked: Arc<AtomicBool>,
+    /// Async clients' answers this listener reads while it waits
+    /// ([`Watched`]), their copy as of `watch_version`, and the bells it
+    /// parks on: the server's doorbell first, then each watched one's.
+    watch: Arc<WatchSet>,
+    watched: Vec<Arc<dyn Watched>>,
+    watch_version: u64,
+    bells: Vec<&'static AtomicU32>,
     // Last: dropped after the rings that point into it.
     pool: Pool,
 }
@@ -331,8 +366,24 @@ impl ShmListener {
             last_sweep: Instant::now(),
             polls: 0,
             poked: Arc::new(AtomicBool::new(false)),
+            watch: Arc::default(),
+            watched: Vec::new(),
+            watch_version: 0,
+            bells: vec![&words[SERVER_BELL]],
             pool: pool.clone(),
         })
+    }
+
+    /// Takes the watch set's changes: the sources and the bells.
+    fn refresh_watched(&mut self) {
+        let v = self.watch.version();
+        if v == self.watch_version {
+            return;
+        }
+        self.watch_version = v;
+        self.watched = self.watch.snapshot();
+        self.bells.truncate(1);
+        self.bells.extend(self.watched.iter().map(|w| w.bell()));
     }
 
     /// Accepts channels opened since the last look.
@@ -437,6 +488,8 @@ impl ShmListener {
 
 impl Drop for ShmListener {
     fn drop(&mut self) {
+        // Clients whose answers this listener read get a reader of their own.
+        self.watch.close();
         for c in self.conns.drain(..) {
             self.pool.close_channel(c.ch, Side::Server);
         }
@@ -456,20 +509,25 @@ impl Listener for ShmListener {
                 self.sweep();
             }
             self.accept_new();
-            let bell = Bell(&self.words[SERVER_BELL]);
+            self.refresh_watched();
+            let bells = std::mem::take(&mut self.bells);
+            let watched = std::mem::take(&mut self.watched);
             let mut waiter = self.waiter.clone();
             let words = self.words;
             // Set between park slices (and about every millisecond while
             // spinning or yielding): drop connections whose clients are
             // gone, from inside the wait.
             let sweep_due = std::cell::Cell::new(false);
+            // A watched client failed its calls when checked, or is gone.
+            let (delivered, gone) = (std::cell::Cell::new(false), std::cell::Cell::new(false));
             let got = waiter.wait(
-                bell,
+                Bells(&bells),
                 deadline,
                 || {
                     if self.stop.load(Ordering::Acquire)
                         || (self.poked.load(Ordering::Relaxed)
                             && self.poked.swap(false, Ordering::AcqRel))
+                        || delivered.take()
                     {
                         return Some(None);
                     }
@@ -479,13 +537,39 @@ impl Listener for ShmListener {
                     if words[CONN_EPOCH].load(Ordering::Relaxed) != self.epoch {
                         self.accept_new();
                     }
-                    self.poll_conns().map(Some)
+                    if let Some(x) = self.poll_conns() {
+                        return Some(Some(x));
+                    }
+                    // Answers to the async handlers' calls: the tasks they
+                    // wake are polled as soon as this returns.
+                    let mut any = false;
+                    for w in &watched {
+                        match w.look() {
+                            Looked::Idle => {}
+                            Looked::Delivered => any = true,
+                            Looked::Gone => gone.set(true),
+                        }
+                    }
+                    any.then_some(None)
                 },
                 || {
                     sweep_due.set(true);
+                    for w in &watched {
+                        match w.check() {
+                            Looked::Idle => {}
+                            Looked::Delivered => delivered.set(true),
+                            Looked::Gone => gone.set(true),
+                        }
+                    }
                     Ok::<(), TransportError>(())
                 },
-            )?;
+            );
+            self.bells = bells;
+            self.watched = watched;
+            if gone.get() {
+                self.watch.remove_if(|w| w.gone());
+            }
+            let got = got?;
             self.waiter = waiter;
             let (id, i) = match got {
                 None | Some(None) => return Ok(None),
@@ -549,6 +633,10 @@ impl Listener for ShmListener {
 
     fn connections(&self) -> usize {
         self.conns.len()
+    }
+
+    fn watch_set(&self) -> Option<Arc<WatchSet>> {
+        Some(self.watch.clone())
     }
 
     fn waker(&self) -> Waker {
