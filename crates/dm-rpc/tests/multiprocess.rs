@@ -321,3 +321,68 @@ fn an_idle_server_uses_no_cpu() {
     server.stop();
     settle(&tp);
 }
+
+/// An async handler awaits a call to another process (its answers read by
+/// this server's listener, no pump thread), and that process is killed
+/// with `kill -9` mid-call: the handler gets `Unavailable` promptly, so
+/// its caller does too, and nothing leaks.
+#[test]
+fn async_handler_whose_callee_is_killed_mid_call_gets_unavailable() {
+    let tp = pool();
+    let pid = std::process::id();
+    let victim = format!("mp/async-victim/{pid}");
+    let server = Agent::serve(&tp, &victim, &[]);
+    let node = node(&tp);
+    let front = format!("mp/async-front/{pid}");
+    let next: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let front_svc = {
+        let (next, victim) = (next.clone(), victim.clone());
+        node.server(&front)
+            .method_async("via", move |c| {
+                let (next, victim) = (next.clone(), victim.clone());
+                async move {
+                    let cl = match next.get() {
+                        Some(cl) => cl.clone(),
+                        None => {
+                            let cl = c.node.connect_async(&victim)?;
+                            let _ = next.set(cl.clone());
+                            cl
+                        }
+                    };
+                    // `sleep` for the payload's ms, or `hop` (by Ref) for a large one.
+                    let method = if c.payload.len() == 8 { "sleep" } else { "hop" };
+                    cl.call(method, c.payload.forward()?).await
+                }
+            })
+            .spawn()
+            .unwrap()
+    };
+    let c = node.connect(&front).unwrap();
+    let data = pattern(1 << 20);
+    let got = c.call("via", data.clone()).unwrap().to_vec().unwrap();
+    assert_eq!(
+        u64::from_le_bytes(got[..8].try_into().unwrap()),
+        hash(&data)
+    );
+    assert!(next.get().unwrap().answers_read_by_listener());
+    let c2 = c.clone();
+    let pending = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let r = c2.call("via", Payload::from_vec(5000u64.to_le_bytes().to_vec()));
+        (r.map(|p| p.len()), t0.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    server.kill9();
+    let (r, took) = pending.join().unwrap();
+    assert_eq!(r.unwrap_err().status, Status::Unavailable);
+    assert!(took < Duration::from_secs(3), "noticed after {took:?}");
+    // The front still serves: later calls fail as the callee is gone.
+    assert_eq!(
+        c.call("via", vec![1u8; 16]).unwrap_err().status,
+        Status::Unavailable
+    );
+    drop((c, next));
+    front_svc.shutdown();
+    drop(node);
+    settle(&tp);
+}
