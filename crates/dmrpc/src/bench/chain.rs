@@ -14,7 +14,10 @@
 //! TCP frame.
 //!
 //! Sequential calls from one client: latency p50 and calls per second.
-//! By-Ref throughput should stay nearly flat as tiers grow.
+//! By-Ref throughput should stay nearly flat as tiers grow. Then calls in
+//! flight: four client threads, each with its own connection, through the
+//! same chain with async tiers (and four tonic clients), calls per second
+//! at 7 tiers.
 
 use super::peer::{percentile, yield_until, BenchPool, Peer, PingPong, TempFile};
 use super::plot::Chart;
@@ -28,6 +31,38 @@ use dmrpc::fmt_size;
 use std::time::{Duration, Instant};
 
 const TIERS: usize = 7;
+/// Calls at once in the in-flight rows.
+const IN_FLIGHT: usize = 4;
+
+/// One client's calls: made once per client thread, called in a loop.
+type Caller<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
+
+/// Calls per second with [`IN_FLIGHT`] client threads each calling in a
+/// closed loop for `budget` (after 5 warm-up calls each, all threads
+/// starting the clock together); `caller(i)` makes thread `i`'s calls.
+fn loaded<'a>(
+    budget: Duration,
+    caller: impl Fn(usize) -> Result<Caller<'a>> + Sync,
+) -> Result<f64> {
+    let start = std::sync::Barrier::new(IN_FLIGHT);
+    let counts = super::peer::on_threads(IN_FLIGHT, |i| {
+        let mut call = caller(i)?;
+        for _ in 0..5 {
+            call()?;
+        }
+        start.wait();
+        let t0 = Instant::now();
+        let mut n = 0u64;
+        while t0.elapsed() < budget {
+            call()?;
+            n += 1;
+        }
+        Ok((n, t0.elapsed()))
+    })?;
+    let calls: u64 = counts.iter().map(|c| c.0).sum();
+    let took = counts.iter().map(|c| c.1).max().unwrap_or(budget);
+    Ok(calls as f64 / took.as_secs_f64())
+}
 
 pub fn run(a: &BenchArgs) -> Result<()> {
     let sizes: &[usize] = if a.quick {
@@ -42,13 +77,19 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     };
     let budget = Duration::from_millis(if a.quick { 300 } else { 1500 });
     let net_cells = if a.quick { 2 } else { 8 };
-    super::progress::start("chain", (sizes.len() * tiers.len() + net_cells) as u64);
+    let load_sizes: &[usize] = if a.quick {
+        &[64 << 10]
+    } else {
+        &[64 << 10, 1 << 20]
+    };
+    let cells = sizes.len() * tiers.len() + load_sizes.len() + net_cells;
+    super::progress::start("chain", cells as u64);
     let id = std::process::id();
     let bp = BenchPool::create(
         "chain",
         PoolConfig {
             size: 1 << 30,
-            channels: Some(40),
+            channels: Some(64),
             ring_size: 4 << 20,
             ..Default::default()
         },
@@ -57,16 +98,19 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let pin = super::peer::Pin::new(a.pin)?;
     // One process per tier, each serving its tier in both modes.
     let name = |mode: &str, k: usize| format!("bench/chain/{id}/{mode}/{k}");
+    // The same chain with async tiers, for calls in flight at once.
+    let aname = |mode: &str, k: usize| name(&format!("async-{mode}"), k);
     let mut peers = Vec::new();
     for k in 0..TIERS {
         let mut p = pin.spawn(path, k)?;
         for mode in ["ref", "value"] {
-            let next = if k + 1 < TIERS {
-                name(mode, k + 1)
+            let (next, anext) = if k + 1 < TIERS {
+                (name(mode, k + 1), aname(mode, k + 1))
             } else {
-                "-".into()
+                ("-".into(), "-".into())
             };
             p.cmd(&format!("chain {} {next} {mode}", name(mode, k)))?;
+            p.cmd(&format!("chainasync {} {anext} {mode}", aname(mode, k)))?;
         }
         peers.push(p);
     }
@@ -149,6 +193,60 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             rows.push(row(size, t, &res, Some(floor)));
         }
     }
+    // Calls in flight: IN_FLIGHT client threads through the async tiers,
+    // each with a connection of its own (as many clients would be), and as
+    // many tonic clients.
+    say!("\n{IN_FLIGHT} calls in flight through {TIERS} tiers (async tiers; tonic: {IN_FLIGHT} clients)");
+    say!(
+        "{:>9} {:>12} {:>13} {:>13} {:>8} {:>9}",
+        "size",
+        "Ref calls/s",
+        "value calls/s",
+        "tonic calls/s",
+        "ratio",
+        "Ref/tonic"
+    );
+    let mut loaded_rows = Vec::new();
+    for &size in load_sizes {
+        let data: Vec<u8> = (0..size).map(|i| (i * 11) as u8).collect();
+        let want = super::peer::sum(&[&data]);
+        let mut per_s = Vec::new();
+        for (mode, node) in [("ref", &by_ref), ("value", &by_value)] {
+            per_s.push(loaded(budget, |_| {
+                let (c, data) = (node.connect(&aname(mode, 0))?, &data);
+                Ok(Box::new(move || {
+                    let p = super::peer::request(pool, mode, data)?;
+                    check(c.call("go", p)?.to_vec()?, want)
+                }))
+            })?);
+        }
+        let bytes = bytes::Bytes::from(data.clone());
+        per_s.push(loaded(budget, |_| {
+            let mut g = super::grpc::Client::connect(&grpc_addrs[0])?;
+            let bytes = bytes.clone();
+            Ok(Box::new(move || check(g.go(bytes.clone())?.to_vec(), want)))
+        })?);
+        super::progress::tick(format!("{} in flight", fmt_size(size as u64)));
+        say!(
+            "{:>9} {:>12.0} {:>13.0} {:>13.0} {:>7.1}x {:>8.1}x",
+            fmt_size(size as u64),
+            per_s[0],
+            per_s[1],
+            per_s[2],
+            per_s[0] / per_s[1],
+            per_s[0] / per_s[2]
+        );
+        let mut o = Obj::default();
+        o.num("size", size as f64);
+        o.num("tiers", TIERS as f64);
+        o.num("in_flight", IN_FLIGHT as f64);
+        o.num("ref_calls_per_s", per_s[0]);
+        o.num("value_calls_per_s", per_s[1]);
+        o.num("tonic_calls_per_s", per_s[2]);
+        o.num("ref_over_value_throughput", per_s[0] / per_s[1]);
+        o.num("ref_over_tonic_throughput", per_s[0] / per_s[2]);
+        loaded_rows.push(o);
+    }
     drop(peers);
     drop((by_ref, by_value));
     bp.check()?;
@@ -165,7 +263,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 4 client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: 4 clients of its chain)",
     );
     res.obj("machine", &super::machine());
     res.str(
@@ -177,6 +275,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         },
     );
     res.arr("rows", &rows);
+    res.arr("in_flight", &loaded_rows);
     res.arr("network", &net_rows);
     super::write_results(
         a,

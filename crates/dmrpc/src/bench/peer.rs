@@ -103,6 +103,10 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 servers.push(chain_tier(&pool, name, next, fourth.as_deref())?);
                 "ok".into()
             }
+            (Some("chainasync"), Some(name), Some(next)) => {
+                servers.push(chain_async_tier(&pool, name, next, fourth.as_deref())?);
+                "ok".into()
+            }
             (Some("chainnet"), Some(name), Some(next)) => {
                 let ms = line.split_whitespace().nth(4);
                 let s = chain_net_tier(&pool, name, next, fourth.as_deref(), ms)?;
@@ -168,10 +172,9 @@ pub fn peer(a: PeerArgs) -> Result<()> {
     Ok(())
 }
 
-/// A tier of bench chain: forwards `go` to `next` (`-` for none: then it
-/// reads every byte and answers an 8-byte checksum). `mode` is `value`
-/// (every payload inline) or `ref` (size-aware, the default).
-fn chain_tier(pool: &Pool, name: &str, next: &str, mode: Option<&str>) -> Result<dm_rpc::Server> {
+/// The node of a bench chain tier: `mode` is `value` (every payload
+/// inline) or `ref` (size-aware, the default).
+fn chain_node(pool: &Pool, mode: Option<&str>) -> Node {
     let cfg = match mode {
         Some("value") => Config {
             inline_max: usize::MAX,
@@ -179,7 +182,49 @@ fn chain_tier(pool: &Pool, name: &str, next: &str, mode: Option<&str>) -> Result
         },
         _ => Config::default(),
     };
-    let node = Node::with_config(pool.clone(), cfg);
+    Node::with_config(pool.clone(), cfg)
+}
+
+/// An async tier of bench chain (its calls in flight at once): forwards
+/// `go` to `next` with an async client (`-` for none: then it reads every
+/// byte and answers an 8-byte checksum).
+fn chain_async_tier(
+    pool: &Pool,
+    name: &str,
+    next: &str,
+    mode: Option<&str>,
+) -> Result<dm_rpc::Server> {
+    let node = chain_node(pool, mode);
+    let next = (next != "-").then(|| next.to_owned());
+    let client: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    Ok(node
+        .server(name)
+        .method_async("go", move |c| {
+            let (next, client) = (next.clone(), client.clone());
+            async move {
+                let Some(to) = next else {
+                    let h = sum(&c.payload.segments()?);
+                    return Ok(Payload::from_vec(h.to_le_bytes().to_vec()));
+                };
+                let cl = match client.get() {
+                    Some(cl) => cl.clone(),
+                    None => {
+                        let cl = c.node.connect_async(&to)?;
+                        let _ = client.set(cl.clone());
+                        cl
+                    }
+                };
+                cl.call("go", c.payload.forward()?).await
+            }
+        })
+        .spawn()?)
+}
+
+/// A tier of bench chain: forwards `go` to `next` (`-` for none: then it
+/// reads every byte and answers an 8-byte checksum). `mode` is `value`
+/// (every payload inline) or `ref` (size-aware, the default).
+fn chain_tier(pool: &Pool, name: &str, next: &str, mode: Option<&str>) -> Result<dm_rpc::Server> {
+    let node = chain_node(pool, mode);
     let next = (next != "-").then(|| next.to_owned());
     Ok(node
         .server(name)
