@@ -70,6 +70,9 @@ struct Inner {
 struct State {
     waiting: Vec<(u64, Option<Frame>)>,
     broken: Option<RpcError>,
+    /// Callers asleep on the condition variable: it is notified only if
+    /// there are any (a notification is a `futex` system call).
+    sleepers: usize,
 }
 
 impl State {
@@ -266,7 +269,7 @@ impl Client {
     fn broken(&self, st: &mut State, e: RpcError) -> RpcError {
         let e = st.broken.get_or_insert(e).clone();
         self.inner.broken.store(true, Ordering::Release);
-        self.inner.cv.notify_all();
+        self.notify(st);
         e
     }
 
@@ -296,7 +299,7 @@ impl Client {
                     }
                     let mut st = lock(&i.state);
                     self.deliver(&mut st, f);
-                    i.cv.notify_all();
+                    self.notify(&st);
                 }
                 Ok(Some(_)) => {
                     let e = RpcError::internal("the server sent a frame that is not a response");
@@ -326,19 +329,27 @@ impl Client {
         drop(rx);
         let st = lock(&self.inner.state);
         if !st.waiting.is_empty() {
+            self.notify(&st);
+        }
+    }
+
+    /// Wakes the callers asleep on the condition variable, if any.
+    fn notify(&self, st: &State) {
+        if st.sleepers > 0 {
             self.inner.cv.notify_all();
         }
     }
 
     fn wait_for(&self, id: u64, deadline: Option<Instant>) -> Result<Frame, RpcError> {
         let i = &*self.inner;
+        let yielding = Instant::now();
         let mut st = lock(&i.state);
         loop {
             if matches!(st.slot(id), Some(Some(_))) {
                 let f = st.remove(id);
                 if !st.waiting.is_empty() {
                     // Someone else may need to take over reading.
-                    i.cv.notify_all();
+                    self.notify(&st);
                 }
                 return f.ok_or_else(|| RpcError::internal("answer vanished"));
             }
@@ -364,7 +375,7 @@ impl Client {
                         let mine = f.call_id == id;
                         self.deliver(&mut st, f);
                         if !mine {
-                            i.cv.notify_all();
+                            self.notify(&st);
                         }
                     }
                     Ok(Some(_)) => {
@@ -377,15 +388,25 @@ impl Client {
                         self.broken(&mut st, e.into());
                     }
                 }
+            } else if yielding.elapsed() < i.node.cfg.wait.yield_for {
+                // Another caller reads answers: ours, or the reading half,
+                // usually comes within microseconds, sooner than a sleeper
+                // wakes (a futex wake-up on each side). So first look
+                // between yields, as every waiter of the waiting policy does.
+                drop(st);
+                dm_sys::sched_yield();
+                st = lock(&i.state);
             } else {
                 let wait = deadline.map_or(Duration::from_millis(50), |d| {
                     d.saturating_duration_since(Instant::now())
                         .min(Duration::from_millis(50))
                 });
+                st.sleepers += 1;
                 st =
                     i.cv.wait_timeout(st, wait)
                         .unwrap_or_else(|e| e.into_inner())
                         .0;
+                st.sleepers -= 1;
             }
         }
     }

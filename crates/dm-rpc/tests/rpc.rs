@@ -1182,3 +1182,43 @@ fn a_forged_echo_is_refused() {
     drop((other, node));
     tp.assert_clean();
 }
+
+/// Callers sharing one connection wait past the waiting policy's yield
+/// phase (each call takes 10 ms, served one at a time), so the followers
+/// sleep on the client's condition variable: every call still gets its
+/// own answer, over every transport.
+#[test]
+fn callers_sharing_a_connection_sleep_and_are_woken() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    for t in [
+        Transport::Shm,
+        Transport::Tcp("127.0.0.1:0".into()),
+        Transport::Mem,
+    ] {
+        let name = unique("sleepers");
+        let svc = spawn_svc(&node, &name, &t);
+        let c = match &t {
+            Transport::Tcp(_) => node.connect_tcp(svc.tcp_addr().unwrap()).unwrap(),
+            _ => node.connect(&name).unwrap(),
+        };
+        std::thread::scope(|s| {
+            for k in 0..6u8 {
+                let c = c.clone();
+                s.spawn(move || {
+                    for i in 0..5usize {
+                        let ms = 10u64.to_le_bytes().to_vec();
+                        c.call("sleep", Payload::from_vec(ms)).unwrap();
+                        let data = pattern(i * 100 + k as usize, k);
+                        let got = c.call("echo", Payload::from_vec(data.clone())).unwrap();
+                        assert_eq!(got.to_vec().unwrap(), data);
+                    }
+                });
+            }
+        });
+        drop(c);
+        svc.shutdown();
+    }
+    drop(node);
+    tp.assert_clean();
+}
