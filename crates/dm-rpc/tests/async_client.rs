@@ -143,23 +143,13 @@ fn async_handlers(t: Transport, tag: &str) {
         .spawn()
         .unwrap();
     let leaf_name = leaf.clone();
-    let next: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let next: Slot = Default::default();
     let front_svc = node
         .server(&front)
         .transport(t)
         .method_async("via", move |c| {
-            let (next, leaf) = (next.clone(), leaf_name.clone());
-            async move {
-                let cl = match next.get() {
-                    Some(cl) => cl.clone(),
-                    None => {
-                        let cl = c.node.connect_async(&leaf)?;
-                        let _ = next.set(cl.clone());
-                        cl
-                    }
-                };
-                cl.call("slow", c.payload.forward()?).await
-            }
+            let cl = client_in(&next, &c.node, &leaf_name);
+            async move { cl?.call("slow", c.payload.forward()?).await }
         })
         .method_async("boom", |_| async { panic!("async handler bug") })
         // Panics before it has a future to return.
@@ -223,28 +213,57 @@ fn async_handlers_over_mem() {
     async_handlers(Transport::Mem, "mem");
 }
 
+/// Where an async handler keeps the client it makes on its first call.
+type Slot = std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>>;
+
+/// The client in `slot`, connected to `to` on first use.
+fn client_in(slot: &Slot, node: &Node, to: &str) -> Result<dm_rpc::AsyncClient, RpcError> {
+    if let Some(cl) = slot.get() {
+        return Ok(cl.clone());
+    }
+    let cl = node.connect_async(to)?;
+    let _ = slot.set(cl.clone());
+    Ok(cl)
+}
+
+/// A pool with small rings (32 KiB) and a node that sends up to 8 KiB
+/// inline: a few calls in flight fill a ring.
+fn small_rings() -> (TempPool, Node) {
+    let tp = TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(8),
+        ring_size: 32 << 10,
+        ..Default::default()
+    });
+    let node = Node::with_config(
+        tp.attach(),
+        dm_rpc::Config {
+            inline_max: 8192,
+            ..Default::default()
+        },
+    );
+    (tp, node)
+}
+
+/// Calls `method` five times; each must answer 64 (calls that went well).
+fn five_rounds_of_64(c: &dm_rpc::Client, method: &str) {
+    for _ in 0..5 {
+        let opts = CallOptions::deadline(Duration::from_secs(30));
+        let got = c.call_with(method, Payload::empty(), opts).unwrap();
+        assert_eq!(got.to_vec().unwrap(), 64u64.to_le_bytes());
+    }
+}
+
 /// An async service whose `via` forwards to `leaf` with an async client
 /// made in the handler (kept in `next`): `len` for a payload, `hang` for
 /// none.
-fn forwarding_front(
-    node: &Node,
-    name: &str,
-    leaf: &str,
-    next: &std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>>,
-) -> dm_rpc::Server {
+fn forwarding_front(node: &Node, name: &str, leaf: &str, next: &Slot) -> dm_rpc::Server {
     let (next, leaf) = (next.clone(), leaf.to_owned());
     node.server(name)
         .method_async("via", move |c| {
-            let (next, leaf) = (next.clone(), leaf.clone());
+            let cl = client_in(&next, &c.node, &leaf);
             async move {
-                let cl = match next.get() {
-                    Some(cl) => cl.clone(),
-                    None => {
-                        let cl = c.node.connect_async(&leaf)?;
-                        let _ = next.set(cl.clone());
-                        cl
-                    }
-                };
+                let cl = cl?;
                 let method = if c.payload.is_empty() { "hang" } else { "len" };
                 cl.call(method, c.payload.forward()?).await
             }
@@ -285,7 +304,7 @@ fn answers_to_async_handlers_are_read_by_their_listener() {
         })
         .spawn()
         .unwrap();
-    let next: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let next: Slot = Default::default();
     let front = format!("async-w/front/{pid}");
     let front_svc = forwarding_front(&node, &front, &leaf, &next);
     let c = node.connect(&front).unwrap();
@@ -314,7 +333,7 @@ fn answers_to_async_handlers_are_read_by_their_listener() {
     });
     drop((cl, next));
     // A nested call in flight when the callee stops.
-    let next2: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let next2: Slot = Default::default();
     let front2 = format!("async-w/front2/{pid}");
     let front2_svc = forwarding_front(&node, &front2, &leaf, &next2);
     let c2 = node.connect(&front2).unwrap();
@@ -370,19 +389,7 @@ async fn join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
 /// send. The sending call takes the answers itself meanwhile.
 #[test]
 fn many_nested_calls_in_flight_through_small_rings_do_not_wait_on_themselves() {
-    let tp = TempPool::with(PoolConfig {
-        size: 256 << 20,
-        channels: Some(8),
-        ring_size: 32 << 10,
-        ..Default::default()
-    });
-    let node = Node::with_config(
-        tp.attach(),
-        dm_rpc::Config {
-            inline_max: 8192,
-            ..Default::default()
-        },
-    );
+    let (tp, node) = small_rings();
     let pid = std::process::id();
     let leaf = format!("async-f/leaf/{pid}");
     let front = format!("async-f/front/{pid}");
@@ -391,21 +398,14 @@ fn many_nested_calls_in_flight_through_small_rings_do_not_wait_on_themselves() {
         .method("echo", |c| Ok(c.take_payload()))
         .spawn()
         .unwrap();
-    let next: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
+    let next: Slot = Default::default();
     let front_svc = {
         let (next, leaf) = (next.clone(), leaf.clone());
         node.server(&front)
             .method_async("fan", move |c| {
-                let (next, leaf) = (next.clone(), leaf.clone());
+                let cl = client_in(&next, &c.node, &leaf);
                 async move {
-                    let cl = match next.get() {
-                        Some(cl) => cl.clone(),
-                        None => {
-                            let cl = c.node.connect_async(&leaf)?;
-                            let _ = next.set(cl.clone());
-                            cl
-                        }
-                    };
+                    let cl = cl?;
                     let calls = (0..64u8).map(|i| {
                         let cl = cl.clone();
                         async move {
@@ -425,16 +425,7 @@ fn many_nested_calls_in_flight_through_small_rings_do_not_wait_on_themselves() {
             .unwrap()
     };
     let c = node.connect(&front).unwrap();
-    for _ in 0..5 {
-        let got = c
-            .call_with(
-                "fan",
-                Payload::empty(),
-                CallOptions::deadline(Duration::from_secs(30)),
-            )
-            .unwrap();
-        assert_eq!(got.to_vec().unwrap(), 64u64.to_le_bytes());
-    }
+    five_rounds_of_64(&c, "fan");
     assert!(next.get().unwrap().answers_read_by_listener());
     drop((c, next));
     front_svc.shutdown();
@@ -450,30 +441,9 @@ fn many_nested_calls_in_flight_through_small_rings_do_not_wait_on_themselves() {
 /// room for its answer; so what could wait is a send, as above.)
 #[test]
 fn services_calling_each_other_through_small_rings_do_not_deadlock() {
-    let tp = TempPool::with(PoolConfig {
-        size: 256 << 20,
-        channels: Some(8),
-        ring_size: 32 << 10,
-        ..Default::default()
-    });
-    let node = Node::with_config(
-        tp.attach(),
-        dm_rpc::Config {
-            inline_max: 8192,
-            ..Default::default()
-        },
-    );
+    let (tp, node) = small_rings();
     let pid = std::process::id();
     let (a, b) = (format!("async-m/a/{pid}"), format!("async-m/b/{pid}"));
-    type Slot = std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>>;
-    let client = |slot: &Slot, node: &Node, to: &str| -> Result<dm_rpc::AsyncClient, RpcError> {
-        if let Some(cl) = slot.get() {
-            return Ok(cl.clone());
-        }
-        let cl = node.connect_async(to)?;
-        let _ = slot.set(cl.clone());
-        Ok(cl)
-    };
     let (to_b, to_a): (Slot, Slot) = Default::default();
     // A: `fan` makes 64 calls to B's `relay` at once; `leaf` answers 6000 bytes.
     let a_svc = {
@@ -483,7 +453,7 @@ fn services_calling_each_other_through_small_rings_do_not_deadlock() {
                 Ok(Payload::from_vec(vec![c.payload().len() as u8; 6000]))
             })
             .method_async("fan", move |c| {
-                let cl = client(&to_b, &c.node, &b);
+                let cl = client_in(&to_b, &c.node, &b);
                 async move {
                     let cl = cl?;
                     let calls = (1..=64u8).map(|i| {
@@ -511,7 +481,7 @@ fn services_calling_each_other_through_small_rings_do_not_deadlock() {
         let (to_a, a) = (to_a.clone(), a.clone());
         node.server(&b)
             .method_async("relay", move |c| {
-                let cl = client(&to_a, &c.node, &a);
+                let cl = client_in(&to_a, &c.node, &a);
                 async move {
                     let opts = CallOptions::deadline(Duration::from_secs(5));
                     cl?.call_with("leaf", c.payload.forward()?, opts).await
@@ -521,16 +491,7 @@ fn services_calling_each_other_through_small_rings_do_not_deadlock() {
             .unwrap()
     };
     let c = node.connect(&a).unwrap();
-    for _ in 0..5 {
-        let got = c
-            .call_with(
-                "fan",
-                Payload::empty(),
-                CallOptions::deadline(Duration::from_secs(30)),
-            )
-            .unwrap();
-        assert_eq!(got.to_vec().unwrap(), 64u64.to_le_bytes());
-    }
+    five_rounds_of_64(&c, "fan");
     assert!(to_a.get().unwrap().answers_read_by_listener());
     assert!(to_b.get().unwrap().answers_read_by_listener());
     drop((c, to_a, to_b));
