@@ -245,6 +245,29 @@ fn small_rings() -> (TempPool, Node) {
     (tp, node)
 }
 
+/// Makes 64 calls of `method` at once from the calling task, call `i`
+/// (1 to 64) with `arg(i)`, each to be answered with 6000 bytes of `i`;
+/// answers how many were.
+async fn fan64(
+    cl: dm_rpc::AsyncClient,
+    method: &str,
+    arg: impl Fn(u8) -> Vec<u8>,
+) -> Result<Payload, RpcError> {
+    let calls = (1..=64u8).map(|i| {
+        let (cl, p) = (cl.clone(), arg(i));
+        async move {
+            let opts = CallOptions::deadline(Duration::from_secs(5));
+            let got = cl.call_with(method, p.into(), opts).await?;
+            Ok::<bool, RpcError>(got.to_vec()? == vec![i; 6000])
+        }
+    });
+    let mut good = 0u64;
+    for r in join_all(calls.collect()).await {
+        good += r? as u64;
+    }
+    Ok(Payload::from_vec(good.to_le_bytes().to_vec()))
+}
+
 /// Calls `method` five times; each must answer 64 (calls that went well).
 fn five_rounds_of_64(c: &dm_rpc::Client, method: &str) {
     for _ in 0..5 {
@@ -404,22 +427,7 @@ fn many_nested_calls_in_flight_through_small_rings_do_not_wait_on_themselves() {
         node.server(&front)
             .method_async("fan", move |c| {
                 let cl = client_in(&next, &c.node, &leaf);
-                async move {
-                    let cl = cl?;
-                    let calls = (0..64u8).map(|i| {
-                        let cl = cl.clone();
-                        async move {
-                            let opts = CallOptions::deadline(Duration::from_secs(5));
-                            let got = cl.call_with("echo", vec![i; 6000].into(), opts).await?;
-                            Ok::<bool, RpcError>(got.to_vec()? == vec![i; 6000])
-                        }
-                    });
-                    let mut good = 0u64;
-                    for r in join_all(calls.collect()).await {
-                        good += r? as u64;
-                    }
-                    Ok(Payload::from_vec(good.to_le_bytes().to_vec()))
-                }
+                async move { fan64(cl?, "echo", |i| vec![i; 6000]).await }
             })
             .spawn()
             .unwrap()
@@ -454,24 +462,7 @@ fn services_calling_each_other_through_small_rings_do_not_deadlock() {
             })
             .method_async("fan", move |c| {
                 let cl = client_in(&to_b, &c.node, &b);
-                async move {
-                    let cl = cl?;
-                    let calls = (1..=64u8).map(|i| {
-                        let cl = cl.clone();
-                        async move {
-                            let opts = CallOptions::deadline(Duration::from_secs(5));
-                            let got = cl
-                                .call_with("relay", vec![i; i as usize].into(), opts)
-                                .await?;
-                            Ok::<bool, RpcError>(got.to_vec()? == vec![i; 6000])
-                        }
-                    });
-                    let mut good = 0u64;
-                    for r in join_all(calls.collect()).await {
-                        good += r? as u64;
-                    }
-                    Ok(Payload::from_vec(good.to_le_bytes().to_vec()))
-                }
+                async move { fan64(cl?, "relay", |i| vec![i; i as usize]).await }
             })
             .spawn()
             .unwrap()
