@@ -170,15 +170,22 @@ impl Reader {
         self.waiting.store(0, Ordering::Release);
     }
 
-    /// Delivers the answers already there, without waiting (if no one
-    /// else is reading them).
+    /// Delivers the answers already there, without waiting (a client
+    /// read by a listener, with calls waiting).
+    ///
+    /// It takes the receiving half with `lock`, not `try_lock`: the
+    /// listener calls this after announcing that it will park, and must
+    /// not park while an answer is there (its doorbell may have rung
+    /// before). Nobody holds the half long here: its other users (a
+    /// sending call taking its own answers, a liveness check) never wait
+    /// with it held.
     fn take_answers(&self) -> Looked {
-        if self.waiting.load(Ordering::Acquire) == 0 {
+        if self.waiting.load(Ordering::Acquire) == 0
+            || self.driver.load(Ordering::Acquire) != LISTENER
+        {
             return Looked::Idle;
         }
-        let Ok(mut rx) = self.rx.try_lock() else {
-            return Looked::Idle;
-        };
+        let mut rx = lock(&self.rx);
         let mut looked = Looked::Idle;
         loop {
             match rx.try_recv() {
