@@ -11,8 +11,11 @@
 //!   server's listener, which looks at it while it waits for requests and
 //!   parks on its bell along with its own (`futex_waitv`): an answer then
 //!   costs no thread of its own and no hand-off between threads, and the
-//!   dispatcher polls the handler it wakes right away. When that server
-//!   stops, a pump thread takes over;
+//!   dispatcher polls the handler it wakes right away. It is read only
+//!   while that dispatcher waits for requests, so a long blocking handler
+//!   of the same server delays its answers (to any caller: a client is
+//!   read by the listener of the first server that awaited it). When that
+//!   server stops, a pump thread takes over;
 //! * any other client is read by one pump thread per connection, which
 //!   waits with the node's waiting policy.
 //!
