@@ -39,6 +39,9 @@ enum Cmd {
 }
 
 fn main() {
+    // Large inline payloads are allocated and freed per call: keep their
+    // memory mapped (see `dm_sys::malloc`). Before any thread starts.
+    dm_sys::malloc::keep_large_buffers();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Pool(c) => cmd::pool::run(c),
