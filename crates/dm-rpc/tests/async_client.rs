@@ -191,11 +191,7 @@ fn async_handlers(t: Transport, tag: &str) {
         assert_eq!(got.to_vec().unwrap(), 3u64.to_le_bytes());
     });
     drop(c);
-    front_svc.shutdown();
-    leaf_svc.shutdown();
-    drop(node);
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    stop_and_check(&tp, node, [front_svc, leaf_svc]);
 }
 
 #[test]
@@ -211,6 +207,17 @@ fn async_handlers_over_tcp() {
 #[test]
 fn async_handlers_over_mem() {
     async_handlers(Transport::Mem, "mem");
+}
+
+/// Stops `servers` in order, lets pump threads notice their dropped
+/// clients (they look every 100 ms), and checks the pool is clean.
+fn stop_and_check<const N: usize>(tp: &TempPool, node: Node, servers: [dm_rpc::Server; N]) {
+    for s in servers {
+        s.shutdown();
+    }
+    drop(node);
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
 }
 
 /// Where an async handler keeps the client it makes on its first call.
@@ -375,11 +382,8 @@ fn answers_to_async_handlers_are_read_by_their_listener() {
     let e = r.unwrap_err();
     assert_eq!(e.status, Status::Unavailable, "{e}");
     assert!(took < Duration::from_secs(10), "{took:?}");
-    front2_svc.shutdown();
     drop(next2);
-    drop(node);
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    stop_and_check(&tp, node, [front2_svc]);
 }
 
 /// Polls every future of `fs` in the calling task (as one handler's
@@ -436,11 +440,7 @@ fn many_nested_calls_in_flight_through_small_rings_do_not_wait_on_themselves() {
     five_rounds_of_64(&c, "fan");
     assert!(next.get().unwrap().answers_read_by_listener());
     drop((c, next));
-    front_svc.shutdown();
-    leaf_svc.shutdown();
-    drop(node);
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    stop_and_check(&tp, node, [front_svc, leaf_svc]);
 }
 
 /// Two services calling each other with many calls in flight through
@@ -486,9 +486,5 @@ fn services_calling_each_other_through_small_rings_do_not_deadlock() {
     assert!(to_a.get().unwrap().answers_read_by_listener());
     assert!(to_b.get().unwrap().answers_read_by_listener());
     drop((c, to_a, to_b));
-    a_svc.shutdown();
-    b_svc.shutdown();
-    drop(node);
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    stop_and_check(&tp, node, [a_svc, b_svc]);
 }
