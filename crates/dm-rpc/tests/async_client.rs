@@ -118,19 +118,8 @@ fn async_over_mem() {
 /// Async handlers run concurrently: twenty calls that each await 200 ms
 /// finish together, and a handler can await a nested async call.
 fn async_handlers(t: Transport, tag: &str) {
-    let tp = TempPool::with(PoolConfig {
-        size: 256 << 20,
-        channels: Some(8),
-        ..Default::default()
-    });
     // A small threshold: many answers may be owed on one connection.
-    let node = Node::with_config(
-        tp.attach(),
-        dm_rpc::Config {
-            inline_max: 4096,
-            ..Default::default()
-        },
-    );
+    let (tp, node) = pool_and_node(8, None, 4096);
     let leaf = format!("async-h/{tag}/leaf/{}", std::process::id());
     let front = format!("async-h/{tag}/front/{}", std::process::id());
     let leaf_svc = node
@@ -233,23 +222,28 @@ fn client_in(slot: &Slot, node: &Node, to: &str) -> Result<dm_rpc::AsyncClient, 
     Ok(cl)
 }
 
+/// A pool of `channels` channels (rings of `ring_size` bytes, or the
+/// default) and a node that sends up to `inline_max` bytes inline.
+fn pool_and_node(channels: u32, ring_size: Option<u32>, inline_max: usize) -> (TempPool, Node) {
+    let d = PoolConfig::default();
+    let tp = TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(channels),
+        ring_size: ring_size.unwrap_or(d.ring_size),
+        ..d
+    });
+    let cfg = dm_rpc::Config {
+        inline_max,
+        ..Default::default()
+    };
+    let node = Node::with_config(tp.attach(), cfg);
+    (tp, node)
+}
+
 /// A pool with small rings (32 KiB) and a node that sends up to 8 KiB
 /// inline: a few calls in flight fill a ring.
 fn small_rings() -> (TempPool, Node) {
-    let tp = TempPool::with(PoolConfig {
-        size: 256 << 20,
-        channels: Some(8),
-        ring_size: 32 << 10,
-        ..Default::default()
-    });
-    let node = Node::with_config(
-        tp.attach(),
-        dm_rpc::Config {
-            inline_max: 8192,
-            ..Default::default()
-        },
-    );
-    (tp, node)
+    pool_and_node(8, Some(32 << 10), 8192)
 }
 
 /// Makes 64 calls of `method` at once from the calling task, call `i`
@@ -309,18 +303,7 @@ fn forwarding_front(node: &Node, name: &str, leaf: &str, next: &Slot) -> dm_rpc:
 /// stops gets a pump and keeps working.
 #[test]
 fn answers_to_async_handlers_are_read_by_their_listener() {
-    let tp = TempPool::with(PoolConfig {
-        size: 256 << 20,
-        channels: Some(16),
-        ..Default::default()
-    });
-    let node = Node::with_config(
-        tp.attach(),
-        dm_rpc::Config {
-            inline_max: 4096,
-            ..Default::default()
-        },
-    );
+    let (tp, node) = pool_and_node(16, None, 4096);
     let pid = std::process::id();
     let leaf = format!("async-w/leaf/{pid}");
     let leaf_svc = node
