@@ -333,7 +333,7 @@ impl Watched for WatchedClient {
 }
 
 impl AsyncClient {
-    pub(crate) fn new(node: Node, name: &str, conn: Connection) -> Result<AsyncClient, RpcError> {
+    pub(crate) fn new(node: Node, name: &str, conn: Connection) -> AsyncClient {
         let reader = Arc::new(Reader {
             node: node.clone(),
             rx: Mutex::new(conn.rx),
@@ -343,7 +343,7 @@ impl AsyncClient {
             choosing: Mutex::new(()),
             name: name.to_owned(),
         });
-        Ok(AsyncClient {
+        AsyncClient {
             inner: Arc::new(Inner {
                 node,
                 name: name.to_owned(),
@@ -353,7 +353,7 @@ impl AsyncClient {
                 max_inline: conn.max_inline,
                 refs: conn.refs,
             }),
-        })
+        }
     }
 
     /// The service this client calls.

@@ -183,7 +183,7 @@ impl Node {
     /// Like [`connect`](Self::connect), for async callers: calls are
     /// futures, any number may be outstanding on the connection.
     pub fn connect_async(&self, name: &str) -> Result<AsyncClient, RpcError> {
-        AsyncClient::new(self.clone(), name, self.open(name)?)
+        Ok(AsyncClient::new(self.clone(), name, self.open(name)?))
     }
 
     /// Resolves `name` and opens a transport connection to it.

@@ -44,7 +44,12 @@ pub fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) -> Wake 
     if r == 0 {
         return Wake::Woken;
     }
-    match std::io::Error::last_os_error().raw_os_error() {
+    failed(std::io::Error::last_os_error())
+}
+
+/// Why a wait that returned -1 ended.
+fn failed(e: std::io::Error) -> Wake {
+    match e.raw_os_error() {
         Some(libc::ETIMEDOUT) => Wake::TimedOut,
         Some(libc::EAGAIN) => Wake::Changed,
         _ => Wake::Woken, // EINTR: treat as a wake-up; callers re-check
@@ -132,11 +137,9 @@ pub fn wait_any(words: &[(&AtomicU32, u32)], timeout: Option<Duration>) -> Wake 
     if r >= 0 {
         return Wake::Woken;
     }
-    match std::io::Error::last_os_error().raw_os_error() {
-        Some(libc::ETIMEDOUT) => Wake::TimedOut,
-        Some(libc::EAGAIN) => Wake::Changed,
-        Some(libc::ENOSYS) => fallback(timeout),
-        _ => Wake::Woken, // EINTR: treat as a wake-up; callers re-check
+    match std::io::Error::last_os_error() {
+        e if e.raw_os_error() == Some(libc::ENOSYS) => fallback(timeout),
+        e => failed(e),
     }
 }
 

@@ -160,11 +160,11 @@ impl WatchSet {
         l.list.clone()
     }
 
-    /// Stops watching the sources for which `gone` holds.
-    pub fn remove_if(&self, mut gone: impl FnMut(&std::sync::Arc<dyn Watched>) -> bool) {
+    /// Stops watching the sources whose clients are gone.
+    pub fn remove_gone(&self) {
         let mut l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let n = l.list.len();
-        l.list.retain(|w| !gone(w));
+        l.list.retain(|w| !w.gone());
         if l.list.len() != n {
             self.version.fetch_add(1, Ordering::Release);
         }

@@ -567,7 +567,7 @@ impl Listener for ShmListener {
             self.bells = bells;
             self.watched = watched;
             if gone.get() {
-                self.watch.remove_if(|w| w.gone());
+                self.watch.remove_gone();
             }
             let got = got?;
             self.waiter = waiter;
