@@ -30,6 +30,11 @@
 //! so a reclaimer of a dead owner can walk forward from the counter and
 //! finish the record: every share is accounted exactly once, whatever
 //! instruction the owner died at (see `reclaim.rs`).
+//!
+//! Entries `[0, n_pages)` are page words (a page or `NO_PAGE`) whenever a
+//! reclaimer can look: a `RefBuild`'s list pages come with their old
+//! bytes, so its `n_pages` is stored only after its entries are copied
+//! (until then a reclaimer walks none of them).
 
 use crate::sync::{AtomicU32, AtomicU64};
 

@@ -426,33 +426,15 @@ impl Pool {
         ttl: Duration,
     ) -> Result<Ref> {
         let i = &self.inner;
-        buf.check(self)?;
-        if len == 0 {
-            return Err(Error::ZeroLength);
-        }
-        buf.bounds(offset, len)?;
-        let ps = self.page_size() as u64;
-        let start = buf.offset as u64 + offset;
-        let first = (start / ps) as usize;
-        let n = ((start + len).div_ceil(ps) - start / ps) as usize;
-        let (ridx, rgen) = i.claim_desc(Kind::RefBuild)?;
+        let (ridx, rgen, tag, first, n) = self.begin_ref(buf, offset, len, ttl)?;
         let r = i.desc(ridx)?;
-        if let Err(e) = i.attach_lists(r, n, false) {
-            i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
-            return Err(e);
-        }
-        let tag = dm_sys::rand::random_u64();
-        r.tag.store(tag, Ordering::Relaxed);
-        r.len.store(len, Ordering::Relaxed);
-        r.offset.store((start % ps) as u32, Ordering::Relaxed);
-        r.expiry_ms.store(
-            dm_sys::time::now_ms_coarse().saturating_add(ttl.as_millis() as u64),
-            Ordering::Relaxed,
-        );
-        r.n_pages.store(n as u32, Ordering::Relaxed);
         let b = i.desc(buf.desc)?;
         let res = (|| -> Result<()> {
             i.shm.copy_entries(b, first, r, n, 0)?;
+            // Only now do entries [0, n) name pages: a reclaimer of a
+            // builder killed before this store walks none of them (the
+            // list pages' old bytes read as page indices otherwise).
+            r.n_pages.store(n as u32, Ordering::Release);
             let mut none = Vec::new();
             i.bulk_change(
                 ridx,
@@ -482,6 +464,54 @@ impl Pool {
             tag,
             len,
         })
+    }
+
+    /// First stage of [`create_ref_ttl`](Self::create_ref_ttl): claims a
+    /// `RefBuild` descriptor for `len` bytes at `offset` of `buf` and gives
+    /// it its list pages and fields, all but `n_pages` (stored once the
+    /// entries are copied). Returns (index, generation, tag, first page of
+    /// `buf`, pages).
+    fn begin_ref(
+        &self,
+        buf: &Buffer,
+        offset: u64,
+        len: u64,
+        ttl: Duration,
+    ) -> Result<(u32, u32, u64, usize, usize)> {
+        let i = &self.inner;
+        buf.check(self)?;
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        buf.bounds(offset, len)?;
+        let ps = self.page_size() as u64;
+        let start = buf.offset as u64 + offset;
+        let first = (start / ps) as usize;
+        let n = ((start + len).div_ceil(ps) - start / ps) as usize;
+        let (ridx, rgen) = i.claim_desc(Kind::RefBuild)?;
+        let r = i.desc(ridx)?;
+        if let Err(e) = i.attach_lists(r, n, false) {
+            i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
+            return Err(e);
+        }
+        let tag = dm_sys::rand::random_u64();
+        r.tag.store(tag, Ordering::Relaxed);
+        r.len.store(len, Ordering::Relaxed);
+        r.offset.store((start % ps) as u32, Ordering::Relaxed);
+        r.expiry_ms.store(
+            dm_sys::time::now_ms_coarse().saturating_add(ttl.as_millis() as u64),
+            Ordering::Relaxed,
+        );
+        Ok((ridx, rgen, tag, first, n))
+    }
+
+    /// Crash-recovery testing only: starts creating a Ref to the whole of
+    /// `buf` and stops before copying its entries, as a process killed at
+    /// that point leaves it (the caller is then killed). See
+    /// `testing::stop_creating_ref`.
+    pub(crate) fn create_ref_stop_before_copy(&self, buf: &Buffer) -> Result<()> {
+        self.begin_ref(buf, 0, buf.len(), Duration::from_secs(60))
+            .map(|_| ())
     }
 
     /// Checks a Ref against its descriptor; returns the descriptor state word.

@@ -91,3 +91,11 @@ pub fn replay_corpus(target: &str, run: impl Fn(&[u8])) {
 pub fn hold_ref_lock(pool: &Pool, r: &crate::Ref) -> crate::Result<()> {
     pool.map_ref_stop_in_lock(r)
 }
+
+/// Leaves a Ref to the whole of `buf` half built, its list pages attached
+/// but its entries not yet copied (they hold the pages' old bytes), as a
+/// process killed in the middle of `create_ref` leaves it; for tests of
+/// crash recovery, whose caller is killed next.
+pub fn stop_creating_ref(pool: &Pool, buf: &crate::Buffer) -> crate::Result<()> {
+    pool.create_ref_stop_before_copy(buf)
+}

@@ -16,6 +16,8 @@
 //! release REFHEX            -> ok
 //! free B                    -> ok
 //! check                     -> ok | err check: problems
+//! holdlock REFHEX           -> ok holding     (stops in map_ref, holding the Ref's lock)
+//! stopref B                 -> ok stopped     (stops in create_ref before copying entries)
 //! churn SEED [MASK]         -> never returns: random ops until killed
 //!                              (MASK: bit n enables op n of `churn`, default all)
 //! exit                      -> detaches and exits
@@ -136,6 +138,14 @@ mod agent {
                     let r = Self::parse_ref(it.next())?;
                     dm_pool::testing::hold_ref_lock(&self.pool, &r).map_err(e)?;
                     Ok("holding".into())
+                }
+                "stopref" => {
+                    // Crash-recovery tests: stop creating a Ref before its
+                    // entries are written (the test kills this agent next).
+                    let b = num(&mut it)?;
+                    let buf = self.bufs.get(&b).ok_or("no such buffer")?;
+                    dm_pool::testing::stop_creating_ref(&self.pool, buf).map_err(e)?;
+                    Ok("stopped".into())
                 }
                 "mmap" => {
                     let r = Self::parse_ref(it.next())?;
