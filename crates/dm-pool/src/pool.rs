@@ -578,11 +578,7 @@ impl Pool {
     /// leaves it (the caller is then killed). See `testing::hold_ref_lock`.
     pub(crate) fn map_ref_stop_in_lock(&self, r: &Ref) -> Result<()> {
         let i = &self.inner;
-        i.live()?;
-        let (rd, _) = self.validate(r)?;
-        let (idx, _) = i.claim_desc(Kind::MapBuild)?;
-        let d = i.desc(idx)?;
-        d.tag.store(r.desc as u64, Ordering::Release);
+        let (rd, _, idx, _, _) = self.begin_map(r)?;
         let mut spins = 0u32;
         loop {
             match mappers::link(&rd.aux, idx) {
@@ -597,16 +593,11 @@ impl Pool {
         }
     }
 
-    /// Length of the snapshot a Ref names, after validating it.
-    pub fn ref_len(&self, r: &Ref) -> Result<u64> {
-        self.validate(r).map(|_| r.len)
-    }
-
-    /// Maps a Ref into this process as a new buffer, with no copy and no
-    /// per-page work: the buffer *borrows* the Ref's pages and holds the Ref
-    /// by one count (so its data outlives a release). Writes to the buffer
-    /// copy the pages they touch.
-    pub fn map_ref(&self, r: &Ref) -> Result<Buffer> {
+    /// First stage of [`map_ref`](Self::map_ref): validates `r` and claims
+    /// a `MapBuild` descriptor for it, with its length, offset, page count
+    /// and the Ref it will link to. Returns (the Ref's descriptor, its
+    /// state word, index, generation, pages).
+    fn begin_map(&self, r: &Ref) -> Result<(&Desc, u64, u32, u32, usize)> {
         let i = &self.inner;
         i.live()?;
         let (rd, w) = self.validate(r)?;
@@ -622,9 +613,25 @@ impl Pool {
         d.offset.store(offset as u32, Ordering::Relaxed);
         d.n_pages.store(n as u32, Ordering::Relaxed);
         d.tag.store(r.desc as u64, Ordering::Release); // the Ref we link to
-                                                       // Link (one count on the Ref), then check it is still the Ref we
-                                                       // validated: from then on it cannot be dropped, so its entries are
-                                                       // stable and can be borrowed.
+        Ok((rd, w, idx, gen, n))
+    }
+
+    /// Length of the snapshot a Ref names, after validating it.
+    pub fn ref_len(&self, r: &Ref) -> Result<u64> {
+        self.validate(r).map(|_| r.len)
+    }
+
+    /// Maps a Ref into this process as a new buffer, with no copy and no
+    /// per-page work: the buffer *borrows* the Ref's pages and holds the Ref
+    /// by one count (so its data outlives a release). Writes to the buffer
+    /// copy the pages they touch.
+    pub fn map_ref(&self, r: &Ref) -> Result<Buffer> {
+        let i = &self.inner;
+        let (rd, w, idx, gen, n) = self.begin_map(r)?;
+        let d = i.desc(idx)?;
+        // Link (one count on the Ref), then check it is still the Ref we
+        // validated: from then on it cannot be dropped, so its entries are
+        // stable and can be borrowed.
         let mut spins = 0u32;
         let linked = loop {
             match mappers::link(&rd.aux, idx) {
@@ -662,7 +669,7 @@ impl Pool {
             desc: idx,
             generation: gen,
             len: r.len,
-            offset: offset as u32,
+            offset: d.offset.load(Ordering::Relaxed),
             n_pages: n as u32,
             detached: false,
         })

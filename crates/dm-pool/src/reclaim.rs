@@ -179,6 +179,7 @@ impl Core {
                 Src::One(_) => (0, &one[..], 1),
             };
             let end = to.min(base + span);
+            debug_assert!(end > k, "a chunk contains its position");
             // Positions past the run hold no page (the list slots of a
             // descriptor without lists): nothing to walk there.
             let walk = end.min(base.saturating_add(run.len() as u32));
@@ -617,6 +618,10 @@ impl Core {
         }
         if kind == Kind::Buf {
             self.undo_journal(di, d, st.owner)?;
+            return Ok(true);
+        }
+        if kind == Kind::MapBuild {
+            // It takes no shares (a mapped buffer borrows): nothing to record.
             return Ok(true);
         }
         let n = d.n_pages.load(Ordering::Acquire);

@@ -253,8 +253,10 @@ impl Shm {
     }
 
     /// The chunk of a descriptor's entries containing position `k`:
-    /// `(first position, entries, positions the chunk spans)`. The entries
-    /// are empty when the chunk's list page is missing (all read as none).
+    /// `(first position, entries, positions the chunk spans)`; the chunk
+    /// always contains `k`. The entries are empty when the chunk's list
+    /// page is missing, or `k` is past a list-less descriptor's inline
+    /// entries (all read as none).
     #[inline]
     pub fn entry_chunk<'a>(
         &'a self,
@@ -266,6 +268,12 @@ impl Shm {
             return Ok((k, &[], 1 << 20)); // owns no entries
         }
         if flags & FLAG_INDIRECT == 0 {
+            if k >= INLINE {
+                // No entries past the inline ones (a buffer reading
+                // through its Ref, or a builder that died before its
+                // lists): all read as none, and the chunk contains `k`.
+                return Ok((k, &[], 1 << 20));
+            }
             return Ok((0, &d.entries[..], INLINE));
         }
         let per = self.layout.per_list_page();

@@ -288,6 +288,47 @@ fn reclaiming_a_dead_mapper_reclaims_the_dead_holder_of_the_refs_lock() {
     });
 }
 
+/// A process killed in `map_ref` of a Ref with more pages than a
+/// descriptor holds inline (its new buffer has no page list: it reads
+/// through the Ref) is reclaimed. (Before, the reclaimer counted every one
+/// of the buffer's positions as recorded and then, dropping them, found no
+/// entries past the inline ones and spun on the same position forever: an
+/// agent of the kill9 test hung now and then, reclaiming such a mapper.)
+#[test]
+fn a_mapper_of_a_long_ref_killed_in_map_ref_is_reclaimed() {
+    watchdog(60, || {
+        let tp = TempPool::new(16 << 20);
+        let survivor = Pool::open(
+            &tp.path,
+            dm_pool::AttachOptions {
+                reclaim: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let data = pattern(300 * 1024, 6);
+        let mut keep = survivor.alloc(data.len() as u64).unwrap();
+        keep.write(0, &data).unwrap();
+        let shared = survivor.create_ref(&keep, 0, data.len() as u64).unwrap();
+        let mut holder = Agent::spawn(&tp.path, Some(agent_lease()));
+        let holding = holder.ok(&format!("holdlock {}", hex(&shared.to_bytes())));
+        assert_eq!(holding, "holding");
+        holder.kill9();
+        std::thread::sleep(Duration::from_millis(agent_lease() + 300));
+        let rep = survivor.maintain().unwrap();
+        assert_eq!(rep.slots_reclaimed, 1, "{rep:?}");
+        let check = survivor.check();
+        assert!(check.ok(), "{:?}", check.problems);
+        let again = survivor.map_ref(&shared).unwrap();
+        assert_eq!(again.to_vec().unwrap(), data);
+        drop(again);
+        survivor.release_ref(&shared).unwrap();
+        drop(keep);
+        drop(survivor);
+        tp.assert_clean();
+    });
+}
+
 /// A process killed in `create_ref` after attaching the Ref's list pages
 /// but before copying its entries leaves list pages holding old bytes
 /// (here a freed buffer's 0xf9 fill, which reads as page indices outside
