@@ -249,6 +249,42 @@ fn count_desc(
     lists
 }
 
+/// Which descriptors name page `p` (as an entry they hold or a list
+/// page), for a problem report: a pass over every descriptor, run only
+/// for pages found wrong.
+fn who_names(shm: &Shm, p: u32) -> String {
+    let mut found = Vec::new();
+    for idx in 0..shm.layout.n_descs {
+        let Some(d) = shm.desc(idx) else { continue };
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        if matches!(st.kind, None | Some(Kind::Free)) {
+            continue;
+        }
+        let n = d.n_pages.load(Ordering::Acquire);
+        let what = format!(
+            "descriptor {idx} ({:?} of slot {}, held {}, progress {}, flags {:#x})",
+            st.kind,
+            st.owner,
+            d.held.load(Ordering::Acquire),
+            d.progress.load(Ordering::Acquire),
+            d.flags.load(Ordering::Acquire)
+        );
+        for k in 0..n {
+            if shm.raw_entry(d, k as usize).ok() == Some(p) {
+                found.push(format!("{what} entry {k}"));
+            }
+        }
+        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
+            for (k, e) in d.entries.iter().enumerate() {
+                if e.load(Ordering::Acquire) == p {
+                    found.push(format!("{what} list {k}"));
+                }
+            }
+        }
+    }
+    found.join("; ")
+}
+
 /// Checks the invariant. `deep` also reads the list pages of every live
 /// descriptor, whose entries past its page count must be zero (taken pages
 /// keep old bytes since format 5, so list pages are zeroed where unused).
@@ -308,7 +344,8 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
                 rep.pages_free += 1;
                 if h > 0 {
                     problems.push(format!(
-                        "page {p}: free but named by {h} descriptor entries"
+                        "page {p}: free but named by {h} descriptor entries ({})",
+                        who_names(shm, p)
                     ));
                 }
             }
