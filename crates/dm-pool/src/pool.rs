@@ -1410,6 +1410,35 @@ mod tests {
         tp.assert_clean();
     }
 
+    /// Every descriptor shape gives a chunk containing the position asked
+    /// for, up to its list slots (bulk changes walk chunk by chunk and
+    /// must always advance): inline, with lists, reading through a Ref,
+    /// and past the inline entries of a list-less descriptor.
+    #[test]
+    fn every_chunk_contains_its_position() {
+        let tp = TempPool::new(16 << 20);
+        let pool = tp.attach();
+        let ps = pool.page_size() as u64;
+        let small = pool.alloc(3 * ps).unwrap();
+        let mut long = pool.alloc(300 * ps).unwrap();
+        long.write(0, &[1u8; 4096]).unwrap();
+        let r = pool.create_ref(&long, 0, long.len()).unwrap();
+        let mapped = pool.map_ref(&r).unwrap();
+        let shm = &pool.inner.shm;
+        for b in [&small, &long, &mapped] {
+            let d = pool.inner.desc(b.desc_index()).unwrap();
+            for k in 0..b.page_count() as usize + crate::desc::INLINE + 5 {
+                let (base, run, span) = shm.entry_chunk(d, k).unwrap();
+                assert!(base <= k && k < base + span, "{k}: {base} + {span}");
+                assert!(run.len() <= span);
+            }
+        }
+        drop((small, mapped, long));
+        pool.release_ref(&r).unwrap();
+        drop(pool);
+        tp.assert_clean();
+    }
+
     #[test]
     fn freed_pages_are_reused_first_and_in_order() {
         let tp = TempPool::new(16 << 20);
