@@ -181,14 +181,7 @@ fn kill9_at_random_points_loses_nothing_and_leaks_nothing() {
         // expiring the dead's Refs meanwhile would be work in flight
         // (the check reported pages freed by such a drop as still named).
         // The agents' lease threads and waits reclaim the dead meanwhile.
-        let survivor = Pool::open(
-            &tp.path,
-            dm_pool::AttachOptions {
-                reclaim: false,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let survivor = survivor_of(&tp);
         let data = pattern(300 * 1024, 3);
         let mut keep = survivor.alloc(data.len() as u64).unwrap();
         keep.write(0, &data).unwrap();
@@ -261,18 +254,9 @@ fn kill9_at_random_points_loses_nothing_and_leaks_nothing() {
 fn reclaiming_a_dead_mapper_reclaims_the_dead_holder_of_the_refs_lock() {
     watchdog(60, || {
         let tp = TempPool::new(16 << 20);
-        let survivor = Pool::open(
-            &tp.path,
-            dm_pool::AttachOptions {
-                reclaim: false,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let survivor = survivor_of(&tp);
         let data = pattern(3 * 4096 + 100, 5);
-        let mut keep = survivor.alloc(data.len() as u64).unwrap();
-        keep.write(0, &data).unwrap();
-        let shared = survivor.create_ref(&keep, 0, data.len() as u64).unwrap();
+        let (keep, shared) = share(&survivor, &data);
         let hex_ref = hex(&shared.to_bytes());
         // Slots are taken in order: the plain mapper is reclaimed first.
         let mut mapper = Agent::spawn(&tp.path, Some(agent_lease()));
@@ -282,22 +266,11 @@ fn reclaiming_a_dead_mapper_reclaims_the_dead_holder_of_the_refs_lock() {
         assert_eq!(holder.ok(&format!("holdlock {hex_ref}")), "holding");
         mapper.kill9();
         holder.kill9();
-        std::thread::sleep(Duration::from_millis(agent_lease() + 300));
         // (The holder is reclaimed inside the mapper's reclaim: the report
         // counts only the slots this call's own sweep reclaimed.)
-        let rep = survivor.maintain().unwrap();
-        assert!(rep.slots_reclaimed >= 1, "{rep:?}");
-        let check = survivor.check();
-        assert!(check.ok(), "{:?}", check.problems);
-        assert_eq!(check.slots_dead, 0);
+        assert!(reclaim_killed(&survivor) >= 1);
         // The Ref is whole and mappable again.
-        let again = survivor.map_ref(&shared).unwrap();
-        assert_eq!(again.to_vec().unwrap(), data);
-        drop(again);
-        survivor.release_ref(&shared).unwrap();
-        drop(keep);
-        drop(survivor);
-        tp.assert_clean();
+        whole_then_clean(&tp, survivor, keep, &shared, &data);
     });
 }
 
@@ -311,34 +284,15 @@ fn reclaiming_a_dead_mapper_reclaims_the_dead_holder_of_the_refs_lock() {
 fn a_mapper_of_a_long_ref_killed_in_map_ref_is_reclaimed() {
     watchdog(60, || {
         let tp = TempPool::new(16 << 20);
-        let survivor = Pool::open(
-            &tp.path,
-            dm_pool::AttachOptions {
-                reclaim: false,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let survivor = survivor_of(&tp);
         let data = pattern(300 * 1024, 6);
-        let mut keep = survivor.alloc(data.len() as u64).unwrap();
-        keep.write(0, &data).unwrap();
-        let shared = survivor.create_ref(&keep, 0, data.len() as u64).unwrap();
+        let (keep, shared) = share(&survivor, &data);
         let mut holder = Agent::spawn(&tp.path, Some(agent_lease()));
         let holding = holder.ok(&format!("holdlock {}", hex(&shared.to_bytes())));
         assert_eq!(holding, "holding");
         holder.kill9();
-        std::thread::sleep(Duration::from_millis(agent_lease() + 300));
-        let rep = survivor.maintain().unwrap();
-        assert_eq!(rep.slots_reclaimed, 1, "{rep:?}");
-        let check = survivor.check();
-        assert!(check.ok(), "{:?}", check.problems);
-        let again = survivor.map_ref(&shared).unwrap();
-        assert_eq!(again.to_vec().unwrap(), data);
-        drop(again);
-        survivor.release_ref(&shared).unwrap();
-        drop(keep);
-        drop(survivor);
-        tp.assert_clean();
+        assert_eq!(reclaim_killed(&survivor), 1);
+        whole_then_clean(&tp, survivor, keep, &shared, &data);
     });
 }
 
@@ -352,14 +306,7 @@ fn a_mapper_of_a_long_ref_killed_in_map_ref_is_reclaimed() {
 fn a_ref_builder_killed_before_copying_its_entries_is_reclaimed() {
     watchdog(60, || {
         let tp = TempPool::new(16 << 20);
-        let survivor = Pool::open(
-            &tp.path,
-            dm_pool::AttachOptions {
-                reclaim: false,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let survivor = survivor_of(&tp);
         let mut builder = Agent::spawn(&tp.path, Some(agent_lease()));
         // More pages than a descriptor holds inline: the Ref needs a list page.
         let b = builder.ok("alloc 1048576");
@@ -371,12 +318,8 @@ fn a_ref_builder_killed_before_copying_its_entries_is_reclaimed() {
         builder.ok(&format!("free {junk}"));
         assert_eq!(builder.ok(&format!("stopref {b}")), "stopped");
         builder.kill9();
-        std::thread::sleep(Duration::from_millis(agent_lease() + 300));
-        let rep = survivor.maintain().unwrap();
-        assert_eq!(rep.slots_reclaimed, 1, "{rep:?}");
-        let check = survivor.check();
-        assert!(check.ok(), "{:?}", check.problems);
-        assert_eq!(check.pages_held, 0, "{check:?}");
+        assert_eq!(reclaim_killed(&survivor), 1);
+        assert_eq!(survivor.check().pages_held, 0);
         drop(survivor);
         tp.assert_clean();
     });
@@ -404,6 +347,58 @@ fn agent_lease() -> u64 {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(400)
+}
+
+/// A survivor attached to `tp` that reclaims only when told (its
+/// `maintain`): the checks of these tests must see a quiescent pool, with
+/// no lease thread of the survivor reclaiming or expiring Refs meanwhile.
+fn survivor_of(tp: &TempPool) -> Pool {
+    Pool::open(
+        &tp.path,
+        dm_pool::AttachOptions {
+            reclaim: false,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A buffer of the survivor holding `data`, and a Ref to all of it.
+fn share(survivor: &Pool, data: &[u8]) -> (dm_pool::Buffer, Ref) {
+    let mut keep = survivor.alloc(data.len() as u64).unwrap();
+    keep.write(0, data).unwrap();
+    let shared = survivor.create_ref(&keep, 0, data.len() as u64).unwrap();
+    (keep, shared)
+}
+
+/// After the dead are reclaimed: the Ref is whole and mappable again, and
+/// once the survivor lets go of everything nothing is left in the pool.
+fn whole_then_clean(
+    tp: &TempPool,
+    survivor: Pool,
+    keep: dm_pool::Buffer,
+    shared: &Ref,
+    data: &[u8],
+) {
+    let again = survivor.map_ref(shared).unwrap();
+    assert_eq!(again.to_vec().unwrap(), data);
+    drop(again);
+    survivor.release_ref(shared).unwrap();
+    drop(keep);
+    drop(survivor);
+    tp.assert_clean();
+}
+
+/// Waits out the lease of agents just killed, reclaims them with the
+/// survivor's maintenance, and checks the invariant; returns how many
+/// slots that maintenance reclaimed.
+fn reclaim_killed(survivor: &Pool) -> u64 {
+    std::thread::sleep(Duration::from_millis(agent_lease() + 300));
+    let rep = survivor.maintain().unwrap();
+    let check = survivor.check();
+    assert!(check.ok(), "{:?}", check.problems);
+    assert_eq!(check.slots_dead, 0, "{check:?}");
+    rep.slots_reclaimed
 }
 
 /// Which churn operations run (bit n = op n of the agent's `churn`); all by
