@@ -5,7 +5,10 @@
 //! number of descriptor entries naming it (buffers, Refs, list pages); free
 //! pages are zero. The check reads the pool without attaching, and is exact
 //! when no process is in the middle of an operation (run it when quiescent,
-//! e.g. after tests); on a busy pool it can report in-flight work.
+//! e.g. after tests). On a busy pool a pass can see work in flight as a
+//! problem, so a check with problems passes again, a few milliseconds
+//! apart, and reports only those every pass found; an operation stalled
+//! in flight for longer can still be reported.
 
 use crate::desc::{Desc, DescState, Kind, FLAG_INDIRECT};
 use crate::error::Result;
@@ -417,14 +420,45 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
     rep
 }
 
-/// Checks the pool in this process's mapping.
+/// Checks the pool in this process's mapping (see [`settled`]).
 pub(crate) fn check(shm: &Shm) -> CheckReport {
-    check_shm(shm, false)
+    settled(|| check_shm(shm, false), PAUSE)
 }
 
-/// Checks the pool at `path` without attaching to it.
+/// Checks the pool at `path` without attaching to it (see [`settled`]).
 pub fn check_path(path: &Path, deep: bool) -> Result<CheckReport> {
-    Ok(check_shm(&Shm::open(path)?, deep))
+    let shm = Shm::open(path)?;
+    Ok(settled(|| check_shm(&shm, deep), PAUSE))
+}
+
+/// Passes a check makes over a pool with problems before reporting them.
+const PASSES: usize = 3;
+/// The pause between those passes.
+const PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// Runs `pass` until it finds no problem, at most [`PASSES`] times
+/// `pause` apart, and reports the last pass with only the problems whose
+/// subject (a page, slot, descriptor, Ref...: the text before the first
+/// `:`) every pass found. On a busy pool an operation in flight looks
+/// like a problem to one pass (a Ref being dropped: its pages freed while
+/// its descriptor still names them); a real one stays.
+fn settled(mut pass: impl FnMut() -> CheckReport, pause: std::time::Duration) -> CheckReport {
+    fn subject(p: &str) -> &str {
+        p.split(':').next().unwrap_or(p)
+    }
+    let mut rep = pass();
+    let mut stable: Vec<String> = rep.problems.iter().map(|p| subject(p).to_owned()).collect();
+    for _ in 1..PASSES {
+        if stable.is_empty() {
+            break;
+        }
+        std::thread::sleep(pause);
+        rep = pass();
+        stable.retain(|s| rep.problems.iter().any(|p| subject(p) == s));
+    }
+    rep.problems
+        .retain(|p| stable.iter().any(|s| subject(p) == s));
+    rep
 }
 
 /// Attaches briefly and reclaims: dead slots, expired Refs and, when no
@@ -540,4 +574,59 @@ pub fn counters_of(path: &Path) -> Result<Counters> {
 /// The validated layout of the pool at `path` (no attach).
 pub fn layout_of(path: &Path) -> Result<crate::layout::Layout> {
     Ok(Shm::open(path)?.layout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{settled, CheckReport, PASSES};
+    use std::time::Duration;
+
+    fn with(problems: &[&str]) -> CheckReport {
+        CheckReport {
+            problems: problems.iter().map(|p| p.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn work_in_flight_is_not_reported_and_a_lasting_problem_is() {
+        // Page 7 looks wrong to one pass only (a drop in flight); page 9
+        // to every pass, its text changing (the last pass's is reported).
+        let passes = [
+            with(&[
+                "page 7: free but named by 1",
+                "page 9: refcount 3 but 2 holders",
+            ]),
+            with(&["page 9: refcount 4 but 2 holders"]),
+            with(&[
+                "page 9: refcount 4 but 3 holders",
+                "slot 2: reclaim in progress",
+            ]),
+        ];
+        let mut k = 0;
+        let rep = settled(
+            || {
+                k += 1;
+                passes[k - 1].clone()
+            },
+            Duration::ZERO,
+        );
+        assert_eq!(k, PASSES);
+        assert_eq!(rep.problems, vec!["page 9: refcount 4 but 3 holders"]);
+    }
+
+    #[test]
+    fn a_clean_pass_ends_the_check() {
+        let passes = [with(&["page 7: free but named by 1"]), with(&[])];
+        let mut k = 0;
+        let rep = settled(
+            || {
+                k += 1;
+                passes[k - 1].clone()
+            },
+            Duration::ZERO,
+        );
+        assert_eq!(k, 2);
+        assert!(rep.ok(), "{:?}", rep.problems);
+    }
 }
