@@ -588,11 +588,24 @@ mod tests {
         }
     }
 
+    /// Settles over `passes` in turn; returns how many ran and the report.
+    fn settle(passes: &[CheckReport]) -> (usize, CheckReport) {
+        let mut k = 0;
+        let rep = settled(
+            || {
+                k += 1;
+                passes[k - 1].clone()
+            },
+            Duration::ZERO,
+        );
+        (k, rep)
+    }
+
     #[test]
     fn work_in_flight_is_not_reported_and_a_lasting_problem_is() {
         // Page 7 looks wrong to one pass only (a drop in flight); page 9
         // to every pass, its text changing (the last pass's is reported).
-        let passes = [
+        let (k, rep) = settle(&[
             with(&[
                 "page 7: free but named by 1",
                 "page 9: refcount 3 but 2 holders",
@@ -602,30 +615,14 @@ mod tests {
                 "page 9: refcount 4 but 3 holders",
                 "slot 2: reclaim in progress",
             ]),
-        ];
-        let mut k = 0;
-        let rep = settled(
-            || {
-                k += 1;
-                passes[k - 1].clone()
-            },
-            Duration::ZERO,
-        );
+        ]);
         assert_eq!(k, PASSES);
         assert_eq!(rep.problems, vec!["page 9: refcount 4 but 3 holders"]);
     }
 
     #[test]
     fn a_clean_pass_ends_the_check() {
-        let passes = [with(&["page 7: free but named by 1"]), with(&[])];
-        let mut k = 0;
-        let rep = settled(
-            || {
-                k += 1;
-                passes[k - 1].clone()
-            },
-            Duration::ZERO,
-        );
+        let (k, rep) = settle(&[with(&["page 7: free but named by 1"]), with(&[])]);
         assert_eq!(k, 2);
         assert!(rep.ok(), "{:?}", rep.problems);
     }
