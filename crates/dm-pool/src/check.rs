@@ -340,15 +340,23 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
             }
         }
     }
+    // Pages found free but named whose namers are looked up (a pass over
+    // every descriptor each): enough to diagnose, bounded on a wrecked pool.
+    let mut named_left = 8;
     for (p, &h) in holders.iter().enumerate() {
         let p = p as u32;
         match t.state(p) {
             Ok(PageState::Free) => {
                 rep.pages_free += 1;
                 if h > 0 {
+                    let by = if named_left > 0 {
+                        named_left -= 1;
+                        format!(" ({})", who_names(shm, p))
+                    } else {
+                        String::new()
+                    };
                     problems.push(format!(
-                        "page {p}: free but named by {h} descriptor entries ({})",
-                        who_names(shm, p)
+                        "page {p}: free but named by {h} descriptor entries{by}"
                     ));
                 }
             }

@@ -264,16 +264,14 @@ impl Shm {
         k: usize,
     ) -> Result<(usize, &'a [AtomicU32], usize)> {
         let flags = d.flags.load(Ordering::Acquire);
-        if flags & FLAG_INHERIT != 0 {
-            return Ok((k, &[], 1 << 20)); // owns no entries
+        let indirect = flags & FLAG_INDIRECT != 0;
+        if flags & FLAG_INHERIT != 0 || (!indirect && k >= INLINE) {
+            // Owns no entries here (an inheriting buffer; past the inline
+            // entries of a descriptor without lists, such as a builder
+            // that died before its lists): a chunk from `k` of none.
+            return Ok((k, &[], 1 << 20));
         }
-        if flags & FLAG_INDIRECT == 0 {
-            if k >= INLINE {
-                // No entries past the inline ones (a buffer reading
-                // through its Ref, or a builder that died before its
-                // lists): all read as none, and the chunk contains `k`.
-                return Ok((k, &[], 1 << 20));
-            }
+        if !indirect {
             return Ok((0, &d.entries[..], INLINE));
         }
         let per = self.layout.per_list_page();
