@@ -59,10 +59,18 @@ enum Repr {
     Bytes(Vec<u8>),
     Buffer(Buffer),
     Ref(Arc<Received>),
-    /// A buffer on a memory server (the sender's), with its bytes once read.
-    MemBuffer(MemBuffer, OnceLock<Result<Vec<u8>, RpcError>>),
+    /// A buffer on a memory server (the sender's), with its bytes once read
+    /// (boxed: the common kinds of payload stay small to move).
+    MemBuffer(Box<MemData>),
     /// A memory-server Ref that arrived.
     Remote(Arc<RemoteReceived>),
+}
+
+/// A buffer on a memory server, and its bytes once read.
+#[derive(Debug)]
+struct MemData {
+    buf: MemBuffer,
+    bytes: OnceLock<Result<Vec<u8>, RpcError>>,
 }
 
 /// A payload that arrived as a memory server's Ref: read from the server
@@ -175,7 +183,10 @@ impl Payload {
     /// use the same servers (inline when small, or to others).
     pub fn from_mem_buffer(b: MemBuffer) -> Payload {
         Payload {
-            repr: Repr::MemBuffer(b, OnceLock::new()),
+            repr: Repr::MemBuffer(Box::new(MemData {
+                buf: b,
+                bytes: OnceLock::new(),
+            })),
         }
     }
 
@@ -186,7 +197,7 @@ impl Payload {
             Repr::Bytes(v) => v.len() as u64,
             Repr::Buffer(b) => b.len(),
             Repr::Ref(r) => r.r.len,
-            Repr::MemBuffer(b, _) => DmBuffer::len(b),
+            Repr::MemBuffer(m) => DmBuffer::len(&m.buf),
             Repr::Remote(r) => r.r.len,
         }
     }
@@ -200,7 +211,7 @@ impl Payload {
     /// The bytes of remote data, read once.
     fn remote_bytes(&self) -> Result<Option<&[u8]>, RpcError> {
         let cell = match &self.repr {
-            Repr::MemBuffer(b, c) => c.get_or_init(|| Ok(b.to_vec()?)),
+            Repr::MemBuffer(m) => m.bytes.get_or_init(|| Ok(m.buf.to_vec()?)),
             Repr::Remote(r) => r.data.get_or_init(|| fetch(&r.pool, &r.r)),
             _ => return Ok(None),
         };
@@ -367,7 +378,7 @@ impl Payload {
     /// `Ok(None)` for data that is not on a memory server.
     pub fn keep_remote(self) -> Result<Option<MemBuffer>, RpcError> {
         match self.repr {
-            Repr::MemBuffer(b, _) => Ok(Some(b)),
+            Repr::MemBuffer(m) => Ok(Some(m.buf)),
             Repr::Remote(r) => Ok(Some(r.pool.map_ref(&r.r)?)),
             _ => Ok(None),
         }
@@ -431,7 +442,8 @@ impl Payload {
                     ..Lent::default()
                 },
             ),
-            Repr::MemBuffer(b, _) if len > inline_max && remote => {
+            Repr::MemBuffer(d) if len > inline_max && remote => {
+                let b = d.buf;
                 let m = node
                     .remote
                     .as_ref()
@@ -589,18 +601,27 @@ pub(crate) enum Dir {
 /// payload it forwards.
 #[derive(Debug, Default)]
 pub(crate) struct Lent {
-    made: Option<Ref>,
-    shares: Option<Buffer>,
+    /// Boxed: the Ref and its buffer are 80 bytes, and most calls (inline
+    /// or empty) lend nothing; a call that makes a Ref pays far more than
+    /// the allocation.
+    made: Option<Box<Made>>,
     forwarded: Option<Arc<Received>>,
     /// An answer's body is the request's own Ref, passed back (sent as an
     /// echo frame, [`FLAG_ECHO`]).
     echo: bool,
 }
 
+/// A Ref the framework made for a body, and the pool buffer it shares.
+#[derive(Debug)]
+struct Made {
+    r: Ref,
+    shares: Option<Buffer>,
+}
+
 impl Lent {
     fn made(r: Ref) -> Lent {
         Lent {
-            made: Some(r),
+            made: Some(Box::new(Made { r, shares: None })),
             ..Lent::default()
         }
     }
@@ -609,15 +630,14 @@ impl Lent {
     /// unchanged: writes to it would copy first, and nobody has it).
     fn shared(r: Ref, b: Buffer) -> Lent {
         Lent {
-            made: Some(r),
-            shares: Some(b),
+            made: Some(Box::new(Made { r, shares: Some(b) })),
             ..Lent::default()
         }
     }
 
     /// The Ref the framework made, if any.
     pub(crate) fn made_ref(&self) -> Option<Ref> {
-        self.made
+        self.made.as_ref().map(|m| m.r)
     }
 
     /// Whether the body is the request's own Ref passed back.
@@ -627,12 +647,9 @@ impl Lent {
 
     /// Releases the Ref the framework made, if any, and frees the buffer
     /// it shares.
-    pub(crate) fn release(mut self, node: &Node) {
-        if let Some(r) = self.made {
-            let _ = node.release_ref(&r);
-        }
-        if let Some(b) = self.shares.take() {
-            let _ = node.pool.free(b);
+    pub(crate) fn release(self, node: &Node) {
+        if let Some(m) = self.made {
+            m.release(node);
         }
     }
 
@@ -664,9 +681,9 @@ impl Lent {
                 repr: Repr::Ref(f.clone()),
             });
         }
-        match r.filter(|r| self.made == Some(*r) && r.backend != BACKEND_MEMSERVER) {
+        match r.filter(|r| self.made_ref() == Some(*r) && r.backend != BACKEND_MEMSERVER) {
             Some(r) => {
-                let b = match self.shares.take() {
+                let b = match self.made.as_mut().and_then(|m| m.shares.take()) {
                     Some(b) => Ok(b),
                     None => node.pool.map_ref(&r),
                 };
@@ -680,5 +697,31 @@ impl Lent {
                 ))
             }
         }
+    }
+}
+
+impl Made {
+    /// Releases the Ref, and frees the buffer it shares.
+    fn release(self, node: &Node) {
+        let _ = node.release_ref(&self.r);
+        if let Some(b) = self.shares {
+            let _ = node.pool.free(b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_every_call_moves_stays_small() {
+        // Every call moves a payload and a loan through a few frames of
+        // its path; the rare kinds (a memory server's buffer, a Ref made
+        // for the body) are boxed so that these stay a few words (they
+        // were 128 and 104 bytes: `examples/noop_loop` under callgrind
+        // ran 12% fewer instructions per call on the client after).
+        assert!(std::mem::size_of::<Payload>() <= 48);
+        assert!(std::mem::size_of::<Lent>() <= 24);
     }
 }

@@ -590,7 +590,13 @@ impl Dispatcher {
                         Err(e) => Err(e),
                     }
                 }
-                _ => self.run_handler(frame.method, frame.payload, deadline),
+                Some((name, Method::Blocking(h))) => {
+                    run_handler(h, name, &self.node, frame.payload, deadline)
+                }
+                None => Err(RpcError::not_found(format!(
+                    "no method with id {:#x}",
+                    frame.method
+                ))),
             }
         };
         self.answer(to, result);
@@ -714,31 +720,28 @@ impl Dispatcher {
         }
         self.drain();
     }
+}
 
-    fn run_handler(
-        &self,
-        method: u32,
-        body: Body,
-        deadline: Option<Instant>,
-    ) -> Result<Payload, RpcError> {
-        let Some((name, Method::Blocking(h))) = self.methods.get(&method) else {
-            return Err(RpcError::not_found(format!(
-                "no method with id {method:#x}"
-            )));
-        };
-        crate::stats::count(&body, false);
-        let payload = Payload::from_request_body(body, &self.node)?;
-        let mut call = Call {
-            payload,
-            deadline,
-            method: name,
-            node: &self.node,
-        };
-        let h = h.clone();
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&mut call))) {
-            Ok(r) => r,
-            Err(p) => Err(panicked(name, &*p)),
-        }
+/// Runs a blocking handler on the dispatcher's thread (borrowed where it is
+/// registered: no reference count is touched per call).
+fn run_handler(
+    h: &Handler,
+    name: &str,
+    node: &Node,
+    body: Body,
+    deadline: Option<Instant>,
+) -> Result<Payload, RpcError> {
+    crate::stats::count(&body, false);
+    let payload = Payload::from_request_body(body, node)?;
+    let mut call = Call {
+        payload,
+        deadline,
+        method: name,
+        node,
+    };
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&mut call))) {
+        Ok(r) => r,
+        Err(p) => Err(panicked(name, &*p)),
     }
 }
 

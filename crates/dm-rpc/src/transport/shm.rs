@@ -466,8 +466,15 @@ impl ShmListener {
     /// Looks at each connection once, starting after the last served one.
     fn poll_conns(&mut self) -> Option<Result<(ConnId, usize), usize>> {
         let n = self.conns.len();
+        // Round robin from `rr` (no division: this runs on every spin of
+        // a waiting server).
+        let start = if self.rr < n { self.rr } else { 0 };
         for k in 0..n {
-            let i = (self.rr + k) % n;
+            let i = if start + k < n {
+                start + k
+            } else {
+                start + k - n
+            };
             let c = &mut self.conns[i];
             if !c.req.ready() || !c.resp.fits_many(self.reserve, c.owed + 1) {
                 continue;
