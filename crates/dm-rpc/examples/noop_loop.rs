@@ -82,6 +82,26 @@ fn main() {
         Pool::open(path.as_ref(), AttachOptions::default()).unwrap(),
         dm_rpc::Config { inline_max, ..cfg },
     );
+    if std::env::var("ASYNC").is_ok_and(|v| v == "1") {
+        // ASYNC=1: the async client, on a current-thread runtime.
+        let c = node.connect_async("profile/noop").unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let per = rt.block_on(async {
+            let t = Instant::now();
+            for _ in 0..n {
+                c.call("noop", Payload::empty()).await.unwrap();
+            }
+            t.elapsed().as_nanos() as f64 / n as f64
+        });
+        println!("{per:.0} ns per round trip (async, no payload)");
+        drop(c);
+        common::stop_peer(child);
+        let _ = std::fs::remove_file(&path);
+        return;
+    }
     let c = node.connect("profile/noop").unwrap();
     // SIZE bytes per call (0: none), BYREF=1 to build it in the pool.
     let size: usize = std::env::var("SIZE")

@@ -16,8 +16,13 @@
 //!   of the same server delays its answers (to any caller: a client is
 //!   read by the listener of the first server that awaited it). When that
 //!   server stops, a pump thread takes over;
-//! * any other client is read by one pump thread per connection, which
-//!   waits with the node's waiting policy.
+//! * any other client's calls read the answers themselves while they spin
+//!   (the spin of the node's waiting policy, adaptive): a call whose
+//!   answer comes within it completes in the task that awaits it, with no
+//!   thread in between, as a blocking call does. A call still waiting
+//!   when its spin runs out leaves the wait to the connection's pump
+//!   thread (started the first time one is needed), which reads answers
+//!   while calls rely on it and parks on the transport's doorbell.
 //!
 //! A dead peer fails every pending and future call with `Unavailable`; a
 //! deadline fails the call with `DeadlineExceeded` and sends a cancel, as
@@ -29,10 +34,11 @@ use crate::frame::{method_id, Frame, Kind};
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::transport::{Connection, FrameRx, FrameTx, Looked, TransportError, WatchSet, Watched};
+use crate::wait::Waiter;
 use crate::CallOptions;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
@@ -74,6 +80,12 @@ struct Reader {
     waiting: AtomicUsize,
     /// Who reads answers: [`NO_READER`], [`PUMP`] or [`LISTENER`].
     driver: AtomicU8,
+    /// The pump thread waits here, under `state`, until a call relies on
+    /// it (`State::wanted`).
+    pump_cv: Condvar,
+    /// The spin of calls that read their own answers (the node's waiting
+    /// policy, adapted to the waits seen).
+    spinner: Mutex<Waiter>,
     /// Held while the reader is chosen.
     choosing: Mutex<()>,
     name: String,
@@ -81,7 +93,7 @@ struct Reader {
 
 /// No call has waited yet.
 const NO_READER: u8 = 0;
-/// A pump thread reads answers.
+/// Calls read their answers while they spin, then a pump thread does.
 const PUMP: u8 = 1;
 /// A server's listener reads answers while it waits for requests.
 const LISTENER: u8 = 2;
@@ -90,6 +102,11 @@ const LISTENER: u8 = 2;
 struct State {
     pending: HashMap<u64, Reply>,
     broken: Option<RpcError>,
+    /// A pending call waits on the pump thread (it reads answers until
+    /// none is pending).
+    wanted: bool,
+    /// The pump thread runs.
+    pumping: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -188,7 +205,19 @@ impl Reader {
         {
             return Looked::Idle;
         }
-        let mut rx = lock(&self.rx);
+        self.drain(lock(&self.rx))
+    }
+
+    /// Delivers the answers already there, if nobody else is reading (a
+    /// call reading its own while it spins).
+    fn read_some(&self) {
+        if let Ok(rx) = self.rx.try_lock() {
+            self.drain(rx);
+        }
+    }
+
+    /// Delivers every answer already in `rx`, without waiting.
+    fn drain(&self, mut rx: MutexGuard<'_, Box<dyn FrameRx>>) -> Looked {
         let mut looked = Looked::Idle;
         loop {
             match rx.try_recv() {
@@ -200,6 +229,7 @@ impl Reader {
                     }
                 }
                 Err(e) => {
+                    drop(rx);
                     self.deliver(Err(e));
                     return Looked::Delivered;
                 }
@@ -278,18 +308,62 @@ impl Reader {
                 return Ok(());
             }
         }
-        self.start_pump()
-    }
-
-    /// Starts the pump thread (the reader from now on).
-    fn start_pump(self: &Arc<Self>) -> Result<(), RpcError> {
-        let weak = Arc::downgrade(self);
-        std::thread::Builder::new()
-            .name(format!("dmrpc-pump:{}", self.name))
-            .spawn(move || pump(weak))
-            .map_err(|e| RpcError::internal(format!("cannot start the answer pump: {e}")))?;
         self.driver.store(PUMP, Ordering::Release);
         Ok(())
+    }
+
+    /// Has the pump thread read answers until no call is pending (a call
+    /// waits on it): starts it the first time.
+    fn want_pump(self: &Arc<Self>) -> Result<(), RpcError> {
+        let mut st = lock(&self.state);
+        st.wanted = true;
+        if !st.pumping {
+            let weak = Arc::downgrade(self);
+            std::thread::Builder::new()
+                .name(format!("dmrpc-pump:{}", self.name))
+                .spawn(move || pump(weak))
+                .map_err(|e| RpcError::internal(format!("cannot start the answer pump: {e}")))?;
+            st.pumping = true;
+        }
+        drop(st);
+        self.pump_cv.notify_one();
+        Ok(())
+    }
+
+    /// Reads answers while spinning, for up to the spin of the waiting
+    /// policy: the call's own answer (or error), if it comes by then.
+    fn spin_for(
+        &self,
+        mine: &mut oneshot::Receiver<Result<Frame, RpcError>>,
+        deadline: Option<Instant>,
+    ) -> (Option<Result<Frame, RpcError>>, Duration) {
+        let mut w = lock(&self.spinner).clone();
+        let spun = w.spin();
+        let got = w.spin_phase(
+            deadline,
+            || {
+                self.read_some();
+                match mine.try_recv() {
+                    Ok(r) => Some(r),
+                    Err(oneshot::error::TryRecvError::Empty) => None,
+                    Err(oneshot::error::TryRecvError::Closed) => {
+                        Some(Err(RpcError::unavailable("the connection closed")))
+                    }
+                }
+            },
+            // A dead peer fails the pending calls, ours included.
+            || {
+                self.check();
+            },
+        );
+        *lock(&self.spinner) = w;
+        (got, spun)
+    }
+
+    /// Grows the spin again after a wait that ended `waited` after it
+    /// started, just after a spin of `spun` ran out.
+    fn ended_after_spin(&self, spun: Duration, waited: Duration) {
+        lock(&self.spinner).ended_after_spin(spun, waited);
     }
 }
 
@@ -325,7 +399,9 @@ impl Watched for WatchedClient {
     fn orphaned(&self) {
         if let Some(r) = self.reader.upgrade() {
             let _g = lock(&r.choosing);
-            if let Err(e) = r.start_pump() {
+            // The calls waiting on the listener now wait on the pump.
+            r.driver.store(PUMP, Ordering::Release);
+            if let Err(e) = r.want_pump() {
                 r.break_all(e);
             }
         }
@@ -340,6 +416,8 @@ impl AsyncClient {
             state: Mutex::new(State::default()),
             waiting: AtomicUsize::new(0),
             driver: AtomicU8::new(NO_READER),
+            pump_cv: Condvar::new(),
+            spinner: Mutex::new(node.cfg.wait.waiter()),
             choosing: Mutex::new(()),
             name: name.to_owned(),
         });
@@ -365,6 +443,12 @@ impl AsyncClient {
     /// thread of its own; see the module's documentation).
     pub fn answers_read_by_listener(&self) -> bool {
         self.inner.reader.driver.load(Ordering::Acquire) == LISTENER
+    }
+
+    /// Whether this client has a pump thread (started when a call first
+    /// outlasted its spin; see the module's documentation).
+    pub fn has_pump(&self) -> bool {
+        lock(&self.inner.reader.state).pumping
     }
 
     /// Calls `method` with `payload`.
@@ -397,7 +481,7 @@ impl AsyncClient {
         let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
         let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        let (reply, waiting) = oneshot::channel();
+        let (reply, mut waiting) = oneshot::channel();
         let r = &i.reader;
         if let Err(e) = r.ensure_reader() {
             lent.release(&i.node);
@@ -433,9 +517,28 @@ impl AsyncClient {
                 return Err(fail(e.into()));
             }
         }
-        let got = match deadline {
-            None => waiting.await,
-            Some(d) => match tokio::time::timeout_at(d.into(), waiting).await {
+        // Read our own answer while we spin; past the spin, the pump reads.
+        let mut spun = None;
+        let started = Instant::now();
+        let own = if r.driver.load(Ordering::Acquire) == PUMP {
+            let (got, spin) = r.spin_for(&mut waiting, deadline);
+            // (Past the deadline, the wait below ends at once.)
+            if got.is_none() && deadline.is_none_or(|d| Instant::now() < d) {
+                spun = Some(spin);
+                if let Err(e) = r.want_pump() {
+                    r.remove(&mut lock(&r.state), id);
+                    lent.release(&i.node);
+                    return Err(e);
+                }
+            }
+            got
+        } else {
+            None
+        };
+        let got = match (own, deadline) {
+            (Some(x), _) => Ok(x),
+            (None, None) => waiting.await,
+            (None, Some(d)) => match tokio::time::timeout_at(d.into(), waiting).await {
                 Ok(r) => r,
                 Err(_) => {
                     r.remove(&mut lock(&r.state), id);
@@ -448,6 +551,9 @@ impl AsyncClient {
                 }
             },
         };
+        if let Some(spun) = spun {
+            r.ended_after_spin(spun, started.elapsed());
+        }
         let f = match got {
             Ok(Ok(f)) => f,
             Ok(Err(e)) => {
@@ -463,13 +569,27 @@ impl AsyncClient {
     }
 }
 
-/// Reads answers and completes the calls waiting for them, until the
-/// client is dropped or the connection breaks.
+/// Reads answers and completes the calls waiting for them while calls rely
+/// on it (from a call's `want_pump` until none is pending), until the
+/// client is dropped or the connection breaks. In between it waits on
+/// `pump_cv` without the receiving half, which the calls then read
+/// themselves.
 fn pump(reader: Weak<Reader>) {
     loop {
         let Some(r) = reader.upgrade() else {
             return;
         };
+        {
+            let mut st = lock(&r.state);
+            if st.pending.is_empty() {
+                st.wanted = false;
+            }
+            if !st.wanted {
+                // Looks again within 100 ms: the client may be gone.
+                let _ = r.pump_cv.wait_timeout(st, Duration::from_millis(100));
+                continue;
+            }
+        }
         let got = lock(&r.rx).recv(Some(Instant::now() + Duration::from_millis(100)));
         let alive = match got {
             Ok(None) => true,
@@ -477,6 +597,7 @@ fn pump(reader: Weak<Reader>) {
             Err(e) => r.deliver(Err(e)),
         };
         if !alive {
+            lock(&r.state).pumping = false;
             return;
         }
     }

@@ -250,6 +250,60 @@ impl Waiter {
         self.spin
     }
 
+    /// The spin phase of [`wait`](Self::wait) alone, for a waiter with
+    /// somewhere else to wait when it ends (an async call, which then
+    /// leaves its wait to a thread that can park): checks `ready` until it
+    /// gives a value, or the spin or `deadline` runs out (`None`), running
+    /// `idle` (a liveness check) about every millisecond. Adapts
+    /// as `wait` does: a spin that runs out halves the next one, and
+    /// [`ended_after_spin`](Self::ended_after_spin) grows it again when the
+    /// wait ended just after.
+    pub fn spin_phase<T>(
+        &mut self,
+        deadline: Option<Instant>,
+        mut ready: impl FnMut() -> Option<T>,
+        mut idle: impl FnMut(),
+    ) -> Option<T> {
+        if let Some(x) = ready() {
+            return Some(x);
+        }
+        if self.spin.is_zero() {
+            return None;
+        }
+        let start = Instant::now();
+        let (mut last_idle, mut i) = (start, 0u32);
+        loop {
+            if let Some(x) = ready() {
+                return Some(x);
+            }
+            std::hint::spin_loop();
+            i = i.wrapping_add(1);
+            if i.is_multiple_of(32) {
+                let now = Instant::now();
+                if now - start >= self.spin || deadline.is_some_and(|d| now >= d) {
+                    break;
+                }
+                if now - last_idle >= Duration::from_millis(1) {
+                    last_idle = now;
+                    idle();
+                }
+            }
+        }
+        if self.policy.adaptive {
+            self.spin = (self.spin / 2).max(MIN_SPIN.min(self.policy.spin));
+        }
+        None
+    }
+
+    /// A wait whose spin phase ran out ended `waited` after it started
+    /// (with a spin of `spun`): grows the spin again if that was just
+    /// after the spin ran out.
+    pub fn ended_after_spin(&mut self, spun: Duration, waited: Duration) {
+        if self.policy.adaptive && waited < spun * 2 + MIN_SPIN {
+            self.spin = (spun * 2).clamp(MIN_SPIN.min(self.policy.spin), self.policy.spin);
+        }
+    }
+
     /// Waits until `ready` gives a value, `deadline` passes (`Ok(None)`), or
     /// `idle` (run between park slices, and about every millisecond of
     /// spinning or yielding, e.g. a peer liveness check) fails.
@@ -304,10 +358,8 @@ impl Waiter {
         let yield_until = Instant::now() + p.yield_for;
         loop {
             if let Some(x) = ready() {
-                if p.adaptive && start.elapsed() < spun * 2 + MIN_SPIN {
-                    // Just missed: spin longer next time.
-                    self.spin = (spun * 2).clamp(floor, p.spin);
-                }
+                // Just missed: spin longer next time.
+                self.ended_after_spin(spun, start.elapsed());
                 return Ok(Some(x));
             }
             let now = Instant::now();

@@ -4,7 +4,7 @@
 
 use dm_pool::testing::TempPool;
 use dm_pool::PoolConfig;
-use dm_rpc::{CallOptions, Node, Payload, RpcError, Status, Transport};
+use dm_rpc::{CallOptions, Config, Node, Payload, RpcError, Status, Transport, WaitPolicy};
 use std::time::Duration;
 
 fn rt() -> tokio::runtime::Runtime {
@@ -14,13 +14,40 @@ fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-fn suite(t: Transport, tag: &str) {
+/// Who reads the answers of the suite's client.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Reads {
+    /// The default policy: calls read while they spin, then the pump.
+    Either,
+    /// Spins long enough for every answer: the calls alone (no pump
+    /// thread is ever started).
+    Calls,
+    /// No spin: the pump thread alone.
+    Pump,
+}
+
+fn suite(t: Transport, tag: &str, reads: Reads) {
     let tp = TempPool::with(PoolConfig {
         size: 256 << 20,
         channels: Some(8),
         ..Default::default()
     });
-    let node = Node::new(tp.attach());
+    let wait = match reads {
+        Reads::Either => WaitPolicy::default(),
+        Reads::Calls => WaitPolicy {
+            spin: Duration::from_secs(30),
+            adaptive: false,
+            ..WaitPolicy::default()
+        },
+        Reads::Pump => WaitPolicy::park_only(),
+    };
+    let node = Node::with_config(
+        tp.attach(),
+        Config {
+            wait,
+            ..Config::default()
+        },
+    );
     let name = format!("async/{tag}/{}", std::process::id());
     let svc = node
         .server(&name)
@@ -49,6 +76,11 @@ fn suite(t: Transport, tag: &str) {
         }
         while let Some(r) = set.join_next().await {
             r.unwrap();
+        }
+        match reads {
+            Reads::Calls => assert!(!c.has_pump(), "a call outlasted a 30 s spin"),
+            Reads::Pump => assert!(c.has_pump(), "calls that do not spin wait on the pump"),
+            Reads::Either => {}
         }
         let e = c.call("fail", Payload::empty()).await.unwrap_err();
         assert_eq!(e.status, Status::InvalidArgument);
@@ -92,6 +124,10 @@ fn suite(t: Transport, tag: &str) {
             matches!(e.status, Status::Unavailable | Status::NotFound),
             "{e}"
         );
+        if reads == Reads::Calls {
+            // Every answer, failures included, came within the spin.
+            assert!(!c.has_pump());
+        }
     });
     drop(c);
     drop(node);
@@ -102,17 +138,39 @@ fn suite(t: Transport, tag: &str) {
 
 #[test]
 fn async_over_shm() {
-    suite(Transport::Shm, "shm");
+    suite(Transport::Shm, "shm", Reads::Either);
 }
 
 #[test]
 fn async_over_tcp() {
-    suite(Transport::Tcp("127.0.0.1:0".into()), "tcp");
+    suite(Transport::Tcp("127.0.0.1:0".into()), "tcp", Reads::Either);
 }
 
 #[test]
 fn async_over_mem() {
-    suite(Transport::Mem, "mem");
+    suite(Transport::Mem, "mem", Reads::Either);
+}
+
+/// The suite over every transport, with answers read by `reads`.
+fn suite_everywhere(reads: Reads) {
+    let tag = format!("{reads:?}").to_lowercase();
+    suite(Transport::Shm, &format!("shm-{tag}"), reads);
+    suite(
+        Transport::Tcp("127.0.0.1:0".into()),
+        &format!("tcp-{tag}"),
+        reads,
+    );
+    suite(Transport::Mem, &format!("mem-{tag}"), reads);
+}
+
+#[test]
+fn async_calls_that_read_their_own_answers() {
+    suite_everywhere(Reads::Calls);
+}
+
+#[test]
+fn async_calls_whose_answers_the_pump_reads() {
+    suite_everywhere(Reads::Pump);
 }
 
 /// Async handlers run concurrently: twenty calls that each await 200 ms

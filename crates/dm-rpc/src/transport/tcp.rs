@@ -401,6 +401,28 @@ impl FrameRx for TcpRx {
             }
         }
     }
+
+    /// A frame already buffered, or whole in the socket now: reads what
+    /// the socket has without waiting (an async call reading its own
+    /// answer while it spins).
+    fn try_recv(&mut self) -> Result<Option<Frame>, TransportError> {
+        loop {
+            if let Some(f) = self.rx.take()? {
+                return Ok(Some(f));
+            }
+            match dm_sys::poll::recv_nowait(self.s.as_raw_fd(), self.rx.space()) {
+                Ok(0) => {
+                    return Err(TransportError::Unavailable(
+                        "the server closed the TCP connection".into(),
+                    ))
+                }
+                Ok(n) => self.rx.filled(n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+    }
 }
 
 /// The token of the listening socket in the dispatcher's set.

@@ -4,8 +4,10 @@
 //! * **floor**: a raw shared-memory ping-pong (one word each way, both
 //!   sides spinning) — the physical cost of a round trip on this machine;
 //! * **shm**: a no-op dmrpc call over a shared-memory channel, for each
-//!   waiting policy (default, spin-only, park-only);
-//! * **tcp**: the same call over the TCP transport on loopback;
+//!   waiting policy (default, spin-only, park-only), and through the async
+//!   client (awaited on a current-thread tokio runtime);
+//! * **tcp**: the same call over the TCP transport on loopback, blocking
+//!   and async;
 //! * **echo**: 64 B .. 1 MiB payloads echoed over every transport: dmrpc
 //!   shm with bytes (inline below the threshold, by Ref above it) and with
 //!   a pool buffer written by the caller (by Ref at every size, passed back
@@ -88,6 +90,27 @@ fn timed(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, Durat
         v.push(t.elapsed().as_nanos() as f64);
     }
     Ok((v, start.elapsed()))
+}
+
+/// `timed` for no-op calls of the async client, awaited one at a time on a
+/// current-thread runtime (as a tokio service calling another would).
+fn timed_async(c: &dm_rpc::AsyncClient, n: usize) -> Result<(Vec<f64>, Duration)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        for _ in 0..(n / 10).max(100) {
+            c.call("noop", Payload::empty()).await?;
+        }
+        let mut v = Vec::with_capacity(n);
+        let start = Instant::now();
+        for _ in 0..n {
+            let t = Instant::now();
+            c.call("noop", Payload::empty()).await?;
+            v.push(t.elapsed().as_nanos() as f64);
+        }
+        Ok((v, start.elapsed()))
+    })
 }
 
 /// One echo of `data` given as a slice (inline up to the threshold; above
@@ -210,6 +233,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         rows.push(row(&format!("dmrpc shm ({pol})"), 0, &d, f50));
         drop(c);
+        if pol == "default" {
+            // The async client, on the same service.
+            let c = node.connect_async(&name)?;
+            let (v, wall) = timed_async(&c, n)?;
+            rows.push(row("dmrpc shm async (default)", 0, &dist(v, wall), f50));
+        }
         peer.cmd("unserve")?;
     }
 
@@ -275,6 +304,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     })?;
     let tcp = dist(v, wall);
     rows.push(row("dmrpc tcp (loopback)", 0, &tcp, f50));
+    drop(c);
+    let c = Node::new(pool.clone()).connect_async(&name)?;
+    let (v, wall) = timed_async(&c, n / 4)?;
+    rows.push(row("dmrpc tcp async (loopback)", 0, &dist(v, wall), f50));
     drop(c);
     peer.cmd("unserve")?;
 
