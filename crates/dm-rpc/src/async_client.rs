@@ -22,7 +22,12 @@
 //!   thread in between, as a blocking call does. A call still waiting
 //!   when its spin runs out leaves the wait to the connection's pump
 //!   thread (started the first time one is needed), which reads answers
-//!   while calls rely on it and parks on the transport's doorbell.
+//!   while calls rely on it and parks on the transport's doorbell. The
+//!   spin holds the runtime's thread, as a blocking call would, for at
+//!   most the policy's spin (20 µs by default, less once answers take
+//!   longer); a policy without spin (`WaitPolicy::park_only`, or
+//!   `DMRPC_WAIT=0,0,20`) never holds it and leaves every wait to the
+//!   pump.
 //!
 //! A dead peer fails every pending and future call with `Unavailable`; a
 //! deadline fails the call with `DeadlineExceeded` and sends a cancel, as

@@ -24,7 +24,7 @@
 //!
 //! The consumer frees what it took when it next finds its ring empty (it
 //! is about to wait, off the critical path of a round trip), or once it
-//! owes a batch ([`FREE_BATCH`], an eighth of a small ring), not after each
+//! owes a batch (`FREE_BATCH`, an eighth of a small ring), not after each
 //! record: the zeroing store goes to the line the producer's core just
 //! wrote, so it waits in the store buffer for that line, and every locked
 //! instruction of the taker's next steps (a mutex, a counter) waited for
@@ -60,7 +60,7 @@ use crate::wait::Bell;
 /// bell without a fence (a producer waiting on a full ring parks in short
 /// slices). Version 4 also covers a consumer that rings with the fence when
 /// it finds its ring empty after consuming, and one that frees what it took
-/// in batches (when it finds its ring empty, or every [`FREE_BATCH`]
+/// in batches (when it finds its ring empty, or every `FREE_BATCH`
 /// bytes): the format is the same and either kind of consumer works with
 /// either kind of producer (a producer only ever sees room later).
 pub const RING_VERSION: u32 = 4;
