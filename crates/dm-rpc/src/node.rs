@@ -227,4 +227,9 @@ impl Node {
     pub fn connect_tcp(&self, addr: &str) -> Result<Client, RpcError> {
         Ok(Client::new(self.clone(), addr, self.open_tcp(addr)?))
     }
+
+    /// Like [`connect_tcp`](Self::connect_tcp), for async callers.
+    pub fn connect_tcp_async(&self, addr: &str) -> Result<AsyncClient, RpcError> {
+        Ok(AsyncClient::new(self.clone(), addr, self.open_tcp(addr)?))
+    }
 }

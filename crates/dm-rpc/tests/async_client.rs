@@ -63,7 +63,11 @@ fn suite(t: Transport, tag: &str, reads: Reads) {
         .method("fail", |_| Err(RpcError::invalid_argument("no")))
         .spawn()
         .unwrap();
-    let c = node.connect_async(&name).unwrap();
+    // A TCP service is also reached by its address (another host's).
+    let c = match svc.tcp_addr() {
+        Some(addr) if reads != Reads::Either => node.connect_tcp_async(addr).unwrap(),
+        _ => node.connect_async(&name).unwrap(),
+    };
     rt().block_on(async {
         // 200 calls in flight at once, small and large, on one connection.
         let mut set = tokio::task::JoinSet::new();
