@@ -361,7 +361,11 @@ impl Reader {
                 self.check();
             },
         );
-        *lock(&self.spinner) = w;
+        if w.spin() != spun {
+            // (Unchanged, as when the answer came within the spin: no
+            // second lock.)
+            *lock(&self.spinner) = w;
+        }
         (got, spun)
     }
 
