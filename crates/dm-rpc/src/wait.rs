@@ -437,6 +437,58 @@ mod tests {
     }
 
     #[test]
+    fn a_spin_phase_that_runs_out_halves_and_a_near_miss_grows_it_back() {
+        let p = WaitPolicy {
+            spin: Duration::from_micros(200),
+            ..Default::default()
+        };
+        let mut w = p.waiter();
+        let idled = std::cell::Cell::new(0);
+        assert_eq!(
+            w.spin_phase(None, || None::<()>, || idled.set(idled.get() + 1)),
+            None
+        );
+        assert_eq!(w.spin(), Duration::from_micros(100));
+        // A wait that ended long after: no change; just after: doubled.
+        w.ended_after_spin(Duration::from_micros(100), Duration::from_millis(5));
+        assert_eq!(w.spin(), Duration::from_micros(100));
+        w.ended_after_spin(Duration::from_micros(100), Duration::from_micros(150));
+        assert_eq!(w.spin(), Duration::from_micros(200));
+        // Ready at once, or within the spin: the spin stays.
+        assert_eq!(w.spin_phase(None, || Some(1), || {}), Some(1));
+        let mut n = 0;
+        assert_eq!(
+            w.spin_phase(
+                None,
+                || {
+                    n += 1;
+                    (n > 50).then_some(n)
+                },
+                || {}
+            ),
+            Some(51)
+        );
+        assert_eq!(w.spin(), Duration::from_micros(200));
+        // A deadline already past ends the spin at its first clock read
+        // (without it this would spin for a day).
+        let mut long = WaitPolicy {
+            spin: Duration::from_secs(86_400),
+            adaptive: false,
+            ..Default::default()
+        }
+        .waiter();
+        assert_eq!(
+            long.spin_phase(Some(Instant::now()), || None::<()>, || {}),
+            None
+        );
+        // No spin: one look, and nothing adapts.
+        let mut z = WaitPolicy::park_only().waiter();
+        assert_eq!(z.spin_phase(None, || None::<()>, || {}), None);
+        assert_eq!(z.spin(), Duration::ZERO);
+        assert_eq!(idled.get(), 0, "a 200 us spin runs no millisecond check");
+    }
+
+    #[test]
     fn an_adaptive_spin_stays_within_its_bounds() {
         // A spin below MIN_SPIN is its own floor; a longer one halves
         // down to MIN_SPIN and never grows past the policy's.
