@@ -454,21 +454,27 @@ mod tests {
         assert_eq!(w.spin(), Duration::from_micros(100));
         w.ended_after_spin(Duration::from_micros(100), Duration::from_micros(150));
         assert_eq!(w.spin(), Duration::from_micros(200));
-        // Ready at once, or within the spin: the spin stays.
+        // Ready at once, or within the spin (a day long here, so that no
+        // preemption can outlast it): the spin stays.
         assert_eq!(w.spin_phase(None, || Some(1), || {}), Some(1));
-        let mut n = 0;
-        assert_eq!(
-            w.spin_phase(
-                None,
-                || {
-                    n += 1;
-                    (n > 50).then_some(n)
-                },
-                || {}
-            ),
-            Some(51)
-        );
         assert_eq!(w.spin(), Duration::from_micros(200));
+        let day = Duration::from_secs(86_400);
+        let mut d = WaitPolicy {
+            spin: day,
+            ..Default::default()
+        }
+        .waiter();
+        let mut n = 0;
+        let got = d.spin_phase(
+            None,
+            || {
+                n += 1;
+                (n > 50).then_some(n)
+            },
+            || {},
+        );
+        assert_eq!(got, Some(51));
+        assert_eq!(d.spin(), day);
         // A deadline already past ends the spin at its first clock read
         // (without it this would spin for a day).
         let mut long = WaitPolicy {
