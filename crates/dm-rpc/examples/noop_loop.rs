@@ -2,7 +2,8 @@
 //! (`perf record -a -- target/release/examples/noop_loop 2000000`; env:
 //! SIZE, BYREF=1, INLINE_MAX, ECHO=1, SUM=1, POLICY=spin|park|yield,
 //! TCP=1: over the TCP transport on loopback instead of shm rings,
-//! TCP_SPIN_US: its busy-poll budget, SERVE_CPU: the server's CPU).
+//! TCP_SPIN_US: its busy-poll budget, SERVE_CPU: the server's CPU,
+//! ASYNC=1: no-op calls of the async client on a current-thread runtime).
 #![allow(clippy::unwrap_used)]
 
 #[cfg(not(loom))]
