@@ -527,13 +527,14 @@ impl AsyncClient {
             }
         }
         // Read our own answer while we spin; past the spin, the pump reads.
+        // (`spun`: the spin that ran out, and when.)
         let mut spun = None;
-        let started = Instant::now();
         let own = if r.driver.load(Ordering::Acquire) == PUMP {
             let (got, spin) = r.spin_for(&mut waiting, deadline);
+            let missed = got.is_none().then(Instant::now);
             // (Past the deadline, the wait below ends at once.)
-            if got.is_none() && deadline.is_none_or(|d| Instant::now() < d) {
-                spun = Some(spin);
+            if let Some(at) = missed.filter(|&at| deadline.is_none_or(|d| at < d)) {
+                spun = Some((spin, at));
                 if let Err(e) = r.want_pump() {
                     r.remove(&mut lock(&r.state), id);
                     lent.release(&i.node);
@@ -560,8 +561,9 @@ impl AsyncClient {
                 }
             },
         };
-        if let Some(spun) = spun {
-            r.ended_after_spin(spun, started.elapsed());
+        if let Some((spin, at)) = spun {
+            // The wait began a spin before it ran out.
+            r.ended_after_spin(spin, spin + at.elapsed());
         }
         let f = match got {
             Ok(Ok(f)) => f,

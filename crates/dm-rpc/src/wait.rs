@@ -154,6 +154,16 @@ pub struct WaitPolicy {
 /// crowded. (An empty yield takes well under a microsecond.)
 const CROWDED_YIELD: Duration = Duration::from_micros(3);
 
+/// How a spin ended.
+enum Spun<T> {
+    /// `ready` gave this.
+    Ready(T),
+    /// The spin ran out.
+    Out,
+    /// The deadline passed.
+    Deadline,
+}
+
 /// The shortest spin an adaptive waiter keeps.
 pub const MIN_SPIN: Duration = Duration::from_nanos(500);
 
@@ -271,28 +281,61 @@ impl Waiter {
             return None;
         }
         let start = Instant::now();
-        let (mut last_idle, mut i) = (start, 0u32);
+        let mut last_idle = start;
+        let mut idle = || {
+            idle();
+            Ok::<(), std::convert::Infallible>(())
+        };
+        let Ok(spun) = self.spin_loop(start, deadline, &mut last_idle, &mut ready, &mut idle);
+        if let Spun::Ready(x) = spun {
+            return Some(x);
+        }
+        self.spin_less();
+        None
+    }
+
+    /// Checks `ready` from `start` until it gives a value, the spin runs
+    /// out, or `deadline` passes (in that order of precedence), reading the
+    /// clock every 32 checks and running `idle` about every millisecond
+    /// after `last_idle` (which it moves).
+    fn spin_loop<T, E>(
+        &self,
+        start: Instant,
+        deadline: Option<Instant>,
+        last_idle: &mut Instant,
+        ready: &mut impl FnMut() -> Option<T>,
+        idle: &mut impl FnMut() -> Result<(), E>,
+    ) -> Result<Spun<T>, E> {
+        let mut i = 0u32;
         loop {
             if let Some(x) = ready() {
-                return Some(x);
+                return Ok(Spun::Ready(x));
             }
             std::hint::spin_loop();
             i = i.wrapping_add(1);
             if i.is_multiple_of(32) {
                 let now = Instant::now();
-                if now - start >= self.spin || deadline.is_some_and(|d| now >= d) {
-                    break;
+                if now - start >= self.spin {
+                    return Ok(Spun::Out);
                 }
-                if now - last_idle >= Duration::from_millis(1) {
-                    last_idle = now;
-                    idle();
+                if deadline.is_some_and(|d| now >= d) {
+                    return Ok(Spun::Deadline);
+                }
+                if now - *last_idle >= Duration::from_millis(1) {
+                    *last_idle = now;
+                    idle()?;
                 }
             }
         }
+    }
+
+    /// The wait outlasted the spin: spin less next time (a policy that
+    /// spins less than MIN_SPIN, or not at all, keeps its own spin as the
+    /// floor).
+    fn spin_less(&mut self) {
         if self.policy.adaptive {
             self.spin = (self.spin / 2).max(MIN_SPIN.min(self.policy.spin));
         }
-        None
     }
 
     /// A wait whose spin phase ran out ended `waited` after it started
@@ -323,37 +366,18 @@ impl Waiter {
         }
         let p = self.policy;
         let mut last_idle = start;
-        // Spin (not on a crowded core).
-        let mut i = 0u32;
-        let skip = p.adaptive && self.crowded;
-        while !self.spin.is_zero() && !skip {
-            if let Some(x) = ready() {
-                return Ok(Some(x));
-            }
-            std::hint::spin_loop();
-            i = i.wrapping_add(1);
-            if i.is_multiple_of(32) {
-                let now = Instant::now();
-                if now - start >= self.spin {
-                    break;
-                }
-                if deadline.is_some_and(|d| now >= d) {
-                    return Ok(None);
-                }
-                if now - last_idle >= Duration::from_millis(1) {
-                    last_idle = now;
-                    idle()?;
-                }
+        // Spin (unless the spin is none, or the core is crowded).
+        let crowded = p.adaptive && self.crowded;
+        if !self.spin.is_zero() && !crowded {
+            match self.spin_loop(start, deadline, &mut last_idle, &mut ready, &mut idle)? {
+                Spun::Ready(x) => return Ok(Some(x)),
+                Spun::Deadline => return Ok(None),
+                Spun::Out => {}
             }
         }
         // The answer outlasted the spin: spin less next time.
         let spun = self.spin;
-        // A policy that spins less than MIN_SPIN (or not at all) keeps
-        // its own spin as the floor.
-        let floor = MIN_SPIN.min(p.spin);
-        if p.adaptive {
-            self.spin = (self.spin / 2).max(floor);
-        }
+        self.spin_less();
         // Yield.
         let yield_until = Instant::now() + p.yield_for;
         loop {

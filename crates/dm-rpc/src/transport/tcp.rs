@@ -363,6 +363,33 @@ struct TcpRx {
     spin: Spin,
 }
 
+impl TcpRx {
+    /// Takes the result of a read into the buffer's free space: `Ok(true)`
+    /// to look again (bytes came, or the read was interrupted),
+    /// `Ok(false)` if nothing came in time.
+    fn took(&mut self, r: std::io::Result<usize>) -> Result<bool, TransportError> {
+        match r {
+            Ok(0) => Err(TransportError::Unavailable(
+                "the server closed the TCP connection".into(),
+            )),
+            Ok(n) => {
+                self.rx.filled(n);
+                Ok(true)
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Ok(false)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(true),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+}
+
 impl FrameRx for TcpRx {
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         loop {
@@ -381,23 +408,8 @@ impl FrameRx for TcpRx {
                 s.set_read_timeout(wait)?;
                 s.read(to)
             });
-            match r {
-                Ok(0) => {
-                    return Err(TransportError::Unavailable(
-                        "the server closed the TCP connection".into(),
-                    ))
-                }
-                Ok(n) => self.rx.filled(n),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Ok(None)
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(unavailable(e)),
+            if !self.took(r)? {
+                return Ok(None);
             }
         }
     }
@@ -410,16 +422,9 @@ impl FrameRx for TcpRx {
             if let Some(f) = self.rx.take()? {
                 return Ok(Some(f));
             }
-            match dm_sys::poll::recv_nowait(self.s.as_raw_fd(), self.rx.space()) {
-                Ok(0) => {
-                    return Err(TransportError::Unavailable(
-                        "the server closed the TCP connection".into(),
-                    ))
-                }
-                Ok(n) => self.rx.filled(n),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(unavailable(e)),
+            let r = dm_sys::poll::recv_nowait(self.s.as_raw_fd(), self.rx.space());
+            if !self.took(r)? {
+                return Ok(None);
             }
         }
     }
