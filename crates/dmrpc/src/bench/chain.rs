@@ -18,6 +18,10 @@
 //! flight: four client threads, each with its own connection, through the
 //! same chain with async tiers (and four tonic clients), calls per second
 //! at 7 tiers.
+//!
+//! The gRPC peer: the same chain built with tonic in the same tier
+//! processes, passing the bytes by value, once over loopback TCP and once
+//! over Unix sockets.
 
 use super::peer::{percentile, yield_until, BenchPool, Peer, PingPong, TempFile};
 use super::plot::Chart;
@@ -114,16 +118,22 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         peers.push(p);
     }
-    // The same chain in gRPC (tonic, by value over loopback TCP): one
-    // tonic server per tier process, each forwarding to the next.
+    // The same chain in gRPC (tonic, by value), twice: over loopback TCP
+    // and over Unix sockets. One tonic server per tier process and
+    // transport, each forwarding to the next.
     let mut grpc_addrs = vec![String::new(); TIERS];
+    let mut uds_addrs = vec![String::new(); TIERS];
+    let mut _socks = Vec::new();
     for k in (0..TIERS).rev() {
-        let next = if k + 1 < TIERS {
-            grpc_addrs[k + 1].clone()
+        let (next, unext) = if k + 1 < TIERS {
+            (grpc_addrs[k + 1].clone(), uds_addrs[k + 1].clone())
         } else {
-            "-".into()
+            ("-".into(), "-".into())
         };
         grpc_addrs[k] = peers[k].cmd_text(&format!("grpc tcp {next}"))?;
+        let sock = std::env::temp_dir().join(format!("dmrpc-bench-chain-{id}-{k}.sock"));
+        _socks.push(TempFile(sock.clone()));
+        uds_addrs[k] = peers[k].cmd_text(&format!("grpc uds {} {unext}", sock.display()))?;
     }
     // By Ref is forced (threshold 0) on the client: under the default
     // threshold a 64 KiB request would travel inline, i.e. by value.
@@ -144,7 +154,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     say!("bench chain: a request through N tiers (processes), by Ref vs by value, {TIERS} tier processes");
     say!(
-        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8} {:>9} {:>9} {:>12} {:>9}",
+        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8} {:>9} {:>9} {:>12} {:>9} {:>11} {:>9}",
         "size",
         "tiers",
         "Ref p50 us",
@@ -155,7 +165,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "floor us",
         "Ref/floor",
         "tonic calls/s",
-        "Ref/tonic"
+        "Ref/tonic",
+        "uds calls/s",
+        "Ref/uds"
     );
     let mut rows = Vec::new();
     // The floor per chain length: the raw relay through the same processes.
@@ -183,13 +195,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 };
                 res.push(measure(call, 20, budget)?);
             }
-            let mut g = super::grpc::Client::connect(&grpc_addrs[entry])?;
             let bytes = bytes::Bytes::from(data.clone());
-            let call = || -> Result<()> {
-                let r = g.go(bytes.clone())?;
-                check(r.to_vec(), want)
-            };
-            res.push(measure(call, 5, budget)?);
+            for addrs in [&grpc_addrs, &uds_addrs] {
+                let mut g = super::grpc::Client::connect(&addrs[entry])?;
+                let call = || -> Result<()> {
+                    let r = g.go(bytes.clone())?;
+                    check(r.to_vec(), want)
+                };
+                res.push(measure(call, 5, budget)?);
+            }
             rows.push(row(size, t, &res, Some(floor)));
         }
     }
@@ -198,13 +212,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // many tonic clients.
     say!("\n{IN_FLIGHT} calls in flight through {TIERS} tiers (async tiers; tonic: {IN_FLIGHT} clients)");
     say!(
-        "{:>9} {:>12} {:>13} {:>13} {:>8} {:>9}",
+        "{:>9} {:>12} {:>13} {:>13} {:>11} {:>8} {:>9} {:>9}",
         "size",
         "Ref calls/s",
         "value calls/s",
         "tonic calls/s",
+        "uds calls/s",
         "ratio",
-        "Ref/tonic"
+        "Ref/tonic",
+        "Ref/uds"
     );
     let mut loaded_rows = Vec::new();
     for &size in load_sizes {
@@ -221,20 +237,24 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             })?);
         }
         let bytes = bytes::Bytes::from(data.clone());
-        per_s.push(loaded(budget, |_| {
-            let mut g = super::grpc::Client::connect(&grpc_addrs[0])?;
-            let bytes = bytes.clone();
-            Ok(Box::new(move || check(g.go(bytes.clone())?.to_vec(), want)))
-        })?);
+        for addrs in [&grpc_addrs, &uds_addrs] {
+            per_s.push(loaded(budget, |_| {
+                let mut g = super::grpc::Client::connect(&addrs[0])?;
+                let bytes = bytes.clone();
+                Ok(Box::new(move || check(g.go(bytes.clone())?.to_vec(), want)))
+            })?);
+        }
         super::progress::tick(format!("{} in flight", fmt_size(size as u64)));
         say!(
-            "{:>9} {:>12.0} {:>13.0} {:>13.0} {:>7.1}x {:>8.1}x",
+            "{:>9} {:>12.0} {:>13.0} {:>13.0} {:>11.0} {:>7.1}x {:>8.1}x {:>8.1}x",
             fmt_size(size as u64),
             per_s[0],
             per_s[1],
             per_s[2],
+            per_s[3],
             per_s[0] / per_s[1],
-            per_s[0] / per_s[2]
+            per_s[0] / per_s[2],
+            per_s[0] / per_s[3]
         );
         let mut o = Obj::default();
         o.num("size", size as f64);
@@ -245,25 +265,31 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         o.num("tonic_calls_per_s", per_s[2]);
         o.num("ref_over_value_throughput", per_s[0] / per_s[1]);
         o.num("ref_over_tonic_throughput", per_s[0] / per_s[2]);
+        o.num("tonic_uds_calls_per_s", per_s[3]);
+        o.num("ref_over_tonic_uds_throughput", per_s[0] / per_s[3]);
         loaded_rows.push(o);
     }
     drop(peers);
     drop((by_ref, by_value));
     bp.check()?;
     // The target against gRPC: 7 tiers, 64 KiB.
-    let over_tonic = rows
+    let target = rows
         .iter()
-        .find(|r| r.text("tiers") == Some("7") && r.text("size") == Some("65536"))
-        .and_then(|r| r.text("ref_over_tonic_throughput")?.parse::<f64>().ok());
-    if let Some(x) = over_tonic {
-        say!("by Ref at 7 tiers with 64 KiB: {x:.1}x tonic's throughput (target: 50x)");
+        .find(|r| r.text("tiers") == Some("7") && r.text("size") == Some("65536"));
+    let ratio = |k: &str| target.and_then(|r| r.text(k)?.parse::<f64>().ok());
+    let over = (
+        ratio("ref_over_tonic_throughput"),
+        ratio("ref_over_tonic_uds_throughput"),
+    );
+    if let (Some(x), Some(u)) = over {
+        say!("by Ref at 7 tiers with 64 KiB: {x:.1}x tonic's throughput over TCP (target: 50x), {u:.1}x over Unix sockets");
     }
     let net_rows = network(a, budget, &pin)?;
     let mut res = Obj::default();
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 4 client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: 4 clients of its chain)",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 4 client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: 4 clients of its chain); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds)",
     );
     res.obj("machine", &super::machine());
     res.str(
@@ -303,6 +329,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "ref_p50_over_floor",
             "tonic_calls_per_s",
             "ref_over_tonic_throughput",
+            "tonic_uds_calls_per_s",
+            "ref_over_tonic_uds_throughput",
         ],
     )
 }
@@ -455,7 +483,8 @@ fn measure(
 }
 
 /// Prints a row (by Ref and by value: p50 ns and calls/s; the relay
-/// floor's p50 if measured) and returns it for the results.
+/// floor's p50 if measured; tonic over TCP and over a Unix socket if
+/// measured) and returns it for the results.
 fn row(size: usize, tiers: usize, res: &[(f64, f64)], floor: Option<f64>) -> Obj {
     super::progress::tick(format!("{} through {tiers} tiers", fmt_size(size as u64)));
     let ratio = res[0].1 / res[1].1;
@@ -488,6 +517,12 @@ fn row(size: usize, tiers: usize, res: &[(f64, f64)], floor: Option<f64>) -> Obj
         o.num("tonic_p50_ns", p50);
         o.num("tonic_calls_per_s", per_s);
         o.num("ref_over_tonic_throughput", res[0].1 / per_s);
+    }
+    if let Some(&(p50, per_s)) = res.get(3) {
+        line += &format!(" {:>11.0} {:>8.1}x", per_s, res[0].1 / per_s);
+        o.num("tonic_uds_p50_ns", p50);
+        o.num("tonic_uds_calls_per_s", per_s);
+        o.num("ref_over_tonic_uds_throughput", res[0].1 / per_s);
     }
     say!("{line}");
     o

@@ -182,8 +182,9 @@ pub enum Listen {
 /// Starts the service on a runtime of its own (two worker threads, like
 /// a default tonic server on this machine) and returns its address
 /// (`host:port`, or the socket's path), serving until the process ends.
-/// `next`: the TCP address of the next chain tier for `Go`, or the
-/// comma-separated addresses of the workers of a load balancer.
+/// `next`: the address of the next chain tier for `Go` (`host:port`, or
+/// a Unix socket's path), or the comma-separated addresses of the workers
+/// of a load balancer.
 pub fn serve(listen: Listen, next: Option<&str>) -> Result<String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -192,10 +193,7 @@ pub fn serve(listen: Listen, next: Option<&str>) -> Result<String> {
     let mut to = Vec::new();
     for addr in next.into_iter().flat_map(|n| n.split(',')) {
         let _in_rt = rt.enter();
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-            .tcp_nodelay(true)
-            .connect_lazy();
-        to.push(tonic::client::Grpc::new(ch));
+        to.push(tonic::client::Grpc::new(Target::of(addr)?.lazy()));
     }
     let next = Next {
         to,
@@ -245,6 +243,66 @@ pub fn serve(listen: Listen, next: Option<&str>) -> Result<String> {
         .map_err(|e| anyhow!("gRPC server: {e}"))
 }
 
+/// Where a channel goes: a TCP address (`host:port`), or a Unix socket
+/// (an absolute path).
+enum Target {
+    Tcp(tonic::transport::Endpoint),
+    Uds(tonic::transport::Endpoint, std::path::PathBuf),
+}
+
+impl Target {
+    fn of(addr: &str) -> Result<Target> {
+        Ok(if addr.starts_with('/') {
+            Target::Uds(
+                tonic::transport::Endpoint::try_from("http://uds.invalid")?,
+                addr.into(),
+            )
+        } else {
+            Target::Tcp(
+                tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+                    .tcp_nodelay(true),
+            )
+        })
+    }
+
+    /// Connects to a Unix socket at `path` for every connection the
+    /// channel makes.
+    fn uds(
+        path: std::path::PathBuf,
+    ) -> impl tower_service::Service<
+        http::Uri,
+        Response = hyper_util::rt::TokioIo<tokio::net::UnixStream>,
+        Error = std::io::Error,
+        Future = impl Send,
+    > + Clone
+           + Send {
+        tower::service_fn(move |_: http::Uri| {
+            let path = path.clone();
+            async move {
+                Ok(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        })
+    }
+
+    /// A channel that connects on first use (inside a runtime).
+    fn lazy(self) -> Channel {
+        match self {
+            Target::Tcp(e) => e.connect_lazy(),
+            Target::Uds(e, path) => e.connect_with_connector_lazy(Self::uds(path)),
+        }
+    }
+
+    /// A channel connected now.
+    async fn connect(self) -> Result<Channel, tonic::transport::Error> {
+        match self {
+            Target::Tcp(e) => e.connect().await,
+            Target::Uds(e, path) => e.connect_with_connector(Self::uds(path)).await,
+        }
+    }
+}
+
 /// A blocking client of the peer: each call runs on a single-threaded
 /// runtime of the client's own.
 #[derive(Debug)]
@@ -259,26 +317,7 @@ impl Client {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let channel = rt.block_on(async {
-            if addr.starts_with('/') {
-                let path = std::path::PathBuf::from(addr);
-                tonic::transport::Endpoint::try_from("http://uds.invalid")?
-                    .connect_with_connector(tower::service_fn(move |_: http::Uri| {
-                        let path = path.clone();
-                        async move {
-                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                                tokio::net::UnixStream::connect(path).await?,
-                            ))
-                        }
-                    }))
-                    .await
-            } else {
-                tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-                    .tcp_nodelay(true)
-                    .connect()
-                    .await
-            }
-        })?;
+        let channel = rt.block_on(Target::of(addr)?.connect())?;
         Ok(Client {
             rt,
             grpc: tonic::client::Grpc::new(channel),

@@ -7,8 +7,10 @@
 //! `unserve` (a no-op RPC service), `chain NAME NEXT|- ref|value` (a tier
 //! of bench chain), `lb NAME W1,W2 ref|value` (bench lb's balancer),
 //! `image ROLE NAME MODE NEXT KEY MS` (a tier of bench image),
-//! `social ROLE MODE ID` (a service of bench social), `iox NAME` and
-//! `ioxecho NAME MAX` (iceoryx2 servers, with the feature), `quit`.
+//! `social ROLE MODE ID` (a service of bench social), `grpc tcp NEXT|-`
+//! and `grpc uds PATH [NEXT|-]` (the tonic peer, over loopback TCP or a
+//! Unix socket, forwarding `Go` to NEXT), `iox NAME` and `ioxecho NAME
+//! MAX` (iceoryx2 servers, with the feature), `quit`.
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
@@ -139,7 +141,8 @@ pub fn peer(a: PeerArgs) -> Result<()> {
             }
             (Some("grpc"), Some("uds"), Some(path)) => {
                 let l = super::grpc::Listen::Uds(path.into());
-                format!("ok {}", super::grpc::serve(l, None)?)
+                let next = fourth.as_deref().filter(|n| *n != "-");
+                format!("ok {}", super::grpc::serve(l, next)?)
             }
             #[cfg(feature = "iceoryx2")]
             (Some("iox"), Some(service), _) => {
