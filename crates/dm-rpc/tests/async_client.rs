@@ -538,3 +538,68 @@ fn services_calling_each_other_through_small_rings_do_not_deadlock() {
     drop((c, to_a, to_b));
     stop_and_check(&tp, node, [a_svc, b_svc]);
 }
+
+/// Many calls of one async client in flight through rings that hold a few
+/// frames each way (the server takes a request only when it has room to
+/// answer it): whoever waits for room to send must not stop the answers
+/// from being read. On a runtime of one thread and of two, under the
+/// default policy and without spin (answers left to the pump).
+#[test]
+fn many_async_calls_through_small_rings_all_finish() {
+    for (threads, wait) in [
+        (1, WaitPolicy::default()),
+        (2, WaitPolicy::default()),
+        (1, WaitPolicy::park_only()),
+        (2, WaitPolicy::park_only()),
+    ] {
+        let tp = TempPool::with(PoolConfig {
+            size: 64 << 20,
+            ring_size: 4096,
+            channels: Some(8),
+            ..Default::default()
+        });
+        let node = Node::with_config(
+            tp.attach(),
+            Config {
+                wait,
+                inline_max: usize::MAX,
+                ..Config::default()
+            },
+        );
+        let name = format!("async/crowd/{threads}/{}", std::process::id());
+        let svc = node
+            .server(&name)
+            .method("echo", |c| Ok(c.take_payload()))
+            .spawn()
+            .unwrap();
+        let c = node.connect_async(&name).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut set = tokio::task::JoinSet::new();
+            for t in 0..16u8 {
+                let c = c.clone();
+                set.spawn(async move {
+                    for i in 0..100usize {
+                        let data = vec![t; 1000 + i % 7];
+                        let opts = CallOptions::deadline(Duration::from_secs(20));
+                        let got = c.call_with("echo", Payload::from_vec(data.clone()), opts);
+                        let got = got
+                            .await
+                            .unwrap_or_else(|e| panic!("task {t} call {i}: {e}"));
+                        assert_eq!(got.to_vec().unwrap(), data);
+                    }
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                r.unwrap();
+            }
+        });
+        drop(rt);
+        drop(c);
+        stop_and_check(&tp, node, [svc]);
+    }
+}

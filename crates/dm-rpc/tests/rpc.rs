@@ -1222,3 +1222,60 @@ fn callers_sharing_a_connection_sleep_and_are_woken() {
     drop(node);
     tp.assert_clean();
 }
+
+/// Many threads share one client and call with `size`-byte arguments, more
+/// in flight than the connection holds (over shared memory, rings that
+/// hold a few frames each way). The caller reading answers may itself find
+/// no room to send while the server, its answers unread, waits for room to
+/// answer: whoever holds the receiving half must keep reading while it
+/// waits to send.
+fn crowd(t: Transport, size: usize) {
+    let tp = TempPool::with(PoolConfig {
+        size: 64 << 20,
+        ring_size: 4096,
+        channels: Some(8),
+        ..Default::default()
+    });
+    let node = Node::with_config(
+        tp.attach(),
+        Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+    );
+    let name = unique("crowd");
+    let svc = spawn_svc(&node, &name, &t);
+    let c = node.connect(&name).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..8u8 {
+            let c = c.clone();
+            s.spawn(move || {
+                for i in 0..200usize {
+                    let data = vec![t; size + i % 7];
+                    let opts = CallOptions::deadline(Duration::from_secs(20));
+                    let got = c.call_with("echo", Payload::from_vec(data.clone()), opts);
+                    assert_eq!(got.unwrap().to_vec().unwrap(), data, "thread {t} call {i}");
+                }
+            });
+        }
+    });
+    drop(c);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
+#[test]
+fn many_callers_on_one_client_all_finish_over_shm() {
+    crowd(Transport::Shm, 1000);
+}
+
+#[test]
+fn many_callers_on_one_client_all_finish_over_tcp() {
+    crowd(Transport::Tcp("127.0.0.1:0".into()), 1 << 20);
+}
+
+#[test]
+fn many_callers_on_one_client_all_finish_in_memory() {
+    crowd(Transport::Mem, 1000);
+}

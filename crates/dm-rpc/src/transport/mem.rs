@@ -107,11 +107,13 @@ pub fn connect(name: &str) -> Result<Connection, TransportError> {
     })
 }
 
-/// Sends with back-pressure: waits for room until `deadline`.
+/// Sends with back-pressure: waits for room until `deadline`, running
+/// `idle` before each pause.
 fn send_bounded<T>(
     tx: &SyncSender<T>,
     mut v: T,
     deadline: Option<Instant>,
+    mut idle: impl FnMut() -> Result<(), TransportError>,
 ) -> Result<bool, TransportError> {
     loop {
         match tx.try_send(v) {
@@ -124,6 +126,7 @@ fn send_bounded<T>(
                     return Ok(false);
                 }
                 v = back;
+                idle()?;
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
@@ -144,7 +147,21 @@ fn check_size(f: &Frame) -> Result<(), TransportError> {
 impl FrameTx for MemTx {
     fn send(&mut self, f: &Frame, deadline: Option<Instant>) -> Result<bool, TransportError> {
         check_size(f)?;
-        send_bounded(&self.tx, Event::Frame(self.id, f.clone()), deadline)
+        send_bounded(&self.tx, Event::Frame(self.id, f.clone()), deadline, || {
+            Ok(())
+        })
+    }
+
+    fn send_reading(
+        &mut self,
+        f: &Frame,
+        deadline: Option<Instant>,
+        rx: &mut dyn FrameRx,
+        got: &mut dyn FnMut(Frame),
+    ) -> Result<bool, TransportError> {
+        check_size(f)?;
+        let v = Event::Frame(self.id, f.clone());
+        send_bounded(&self.tx, v, deadline, || super::drain(rx, got))
     }
 }
 
@@ -210,7 +227,7 @@ impl Listener for MemListener {
         // A client that does not read its answers for a second loses its
         // connection rather than stalling the server.
         let deadline = Instant::now() + Duration::from_secs(1);
-        match send_bounded(tx, f.clone(), Some(deadline)) {
+        match send_bounded(tx, f.clone(), Some(deadline), || Ok(())) {
             Ok(true) => Ok(()),
             Ok(false) => {
                 self.conns.remove(&conn);

@@ -68,6 +68,36 @@ impl From<RingError> for TransportError {
 pub trait FrameTx: Send {
     /// Sends `f`, waiting for room until `deadline` (then `Ok(false)`).
     fn send(&mut self, f: &Frame, deadline: Option<Instant>) -> Result<bool, TransportError>;
+
+    /// Sends `f` as [`send`](Self::send) does, for a caller that holds
+    /// this connection's receiving half `rx`: while it waits for room, it
+    /// reads what arrives and hands each frame to `got`. A server may take
+    /// a request only when it has room to answer it, so a caller that
+    /// stopped reading answers while it waits to send could wait on the
+    /// server while the server waits on it. An error reading `rx` ends
+    /// the send with that error. (The default just sends: for a transport
+    /// whose server reads requests ahead of room for their answers.)
+    fn send_reading(
+        &mut self,
+        f: &Frame,
+        deadline: Option<Instant>,
+        rx: &mut dyn FrameRx,
+        got: &mut dyn FnMut(Frame),
+    ) -> Result<bool, TransportError> {
+        let _ = (rx, got);
+        self.send(f, deadline)
+    }
+}
+
+/// Hands every frame already in `rx` to `got`, without waiting.
+pub(crate) fn drain(
+    rx: &mut dyn FrameRx,
+    got: &mut dyn FnMut(Frame),
+) -> Result<(), TransportError> {
+    while let Some(f) = rx.try_recv()? {
+        got(f);
+    }
+    Ok(())
 }
 
 /// The receiving half of a client connection.

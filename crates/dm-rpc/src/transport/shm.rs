@@ -230,6 +230,44 @@ impl FrameTx for ShmTx {
             sh.check_peer()
         })
     }
+
+    /// Waits for room and for answers at once: on the ring's room bell
+    /// and on `rx`'s doorbell (`futex_waitv`), reading answers as they
+    /// come. (The server takes a request only when the response ring has
+    /// room for its answer.)
+    fn send_reading(
+        &mut self,
+        f: &Frame,
+        deadline: Option<Instant>,
+        rx: &mut dyn FrameRx,
+        got: &mut dyn FnMut(Frame),
+    ) -> Result<bool, TransportError> {
+        let len = f.encoded_len();
+        if self.prod.try_push(len, |put| f.encode_with(put))? {
+            return Ok(true);
+        }
+        let Some(answers) = rx.bell() else {
+            return self.send(f, deadline);
+        };
+        let bells = [self.prod.bell().0, answers];
+        let (prod, sh) = (&mut self.prod, &self.sh);
+        let room = self.waiter.wait(
+            Bells(&bells),
+            deadline,
+            || match super::drain(rx, got) {
+                Err(e) => Some(Err(e)),
+                Ok(()) => prod.fits(len).then_some(Ok(())),
+            },
+            || sh.check_peer(),
+        )?;
+        match room {
+            None => Ok(false),
+            Some(r) => {
+                r?;
+                Ok(self.prod.try_push(len, |put| f.encode_with(put))?)
+            }
+        }
+    }
 }
 
 impl ShmRx {
