@@ -2,9 +2,12 @@
 //! be outstanding on one connection.
 //!
 //! Sending happens in the calling task (a push into a ring or a socket
-//! write, which waits only when the transport is full). Answers complete
-//! each call's oneshot; a call's future then resolves on whatever runtime
-//! awaits it. Who reads the answers is chosen when a call first waits:
+//! write, which waits only when the transport is full). A call that reads
+//! its own answer while it spins takes it straight from the transport (an
+//! answer read by someone else meanwhile is left in its slot); a call
+//! that awaits gets it through a oneshot channel, made only then, and its
+//! future resolves on whatever runtime awaits it. Who reads the answers
+//! is chosen when a call first waits:
 //!
 //! * a client whose first call is awaited by a server's async handler, on
 //!   a transport with a doorbell (shared-memory rings), is read by that
@@ -49,6 +52,43 @@ use tokio::sync::oneshot;
 
 type Reply = oneshot::Sender<Result<Frame, RpcError>>;
 
+/// Where a pending call's answer goes.
+enum Slot {
+    /// The call reads its own answer while it spins: one read by someone
+    /// else meanwhile is left here (as `Ready`), with no channel made for
+    /// it.
+    Spinning,
+    /// The answer (or the error that broke the connection), read by
+    /// someone else while the call spun.
+    Ready(Result<Frame, RpcError>),
+    /// The call awaits its answer on this channel.
+    Waiting(Reply),
+}
+
+/// Call ids are a counter: one multiplication spreads them over the whole
+/// hash (the map's control bytes come from its top bits), with none of
+/// the default hasher's cost per call.
+#[derive(Default)]
+struct CallIdHasher(u64);
+
+impl std::hash::Hasher for CallIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type Pending = HashMap<u64, Slot, std::hash::BuildHasherDefault<CallIdHasher>>;
+
 /// An async connection to one service. Cheap to clone.
 #[derive(Clone)]
 pub struct AsyncClient {
@@ -83,6 +123,9 @@ struct Reader {
     /// Calls in `state.pending` (read without the lock by a watching
     /// listener, which skips an idle client with one load).
     waiting: AtomicUsize,
+    /// `Slot::Ready` entries in `state.pending`: a spinning call looks
+    /// for its answer there only when there are any.
+    ready: AtomicUsize,
     /// Who reads answers: [`NO_READER`], [`PUMP`] or [`LISTENER`].
     driver: AtomicU8,
     /// The pump thread waits here, under `state`, until a call relies on
@@ -105,7 +148,7 @@ const LISTENER: u8 = 2;
 
 #[derive(Default)]
 struct State {
-    pending: HashMap<u64, Reply>,
+    pending: Pending,
     broken: Option<RpcError>,
     /// A pending call waits on the pump thread (it reads answers until
     /// none is pending).
@@ -143,15 +186,27 @@ pub(crate) fn polling_with<R>(watch: Option<&Arc<WatchSet>>, f: impl FnOnce() ->
 }
 
 impl Reader {
-    fn insert(&self, st: &mut State, id: u64, reply: Reply) {
-        st.pending.insert(id, reply);
+    fn insert(&self, st: &mut State, id: u64, slot: Slot) {
+        st.pending.insert(id, slot);
         self.waiting.store(st.pending.len(), Ordering::Release);
     }
 
-    fn remove(&self, st: &mut State, id: u64) -> Option<Reply> {
+    fn remove(&self, st: &mut State, id: u64) -> Option<Slot> {
         let r = st.pending.remove(&id);
+        if let Some(Slot::Ready(_)) = r {
+            self.ready.fetch_sub(1, Ordering::Relaxed);
+        }
         self.waiting.store(st.pending.len(), Ordering::Release);
         r
+    }
+
+    /// Forgets call `id`, which gave up: an answer already read for it is
+    /// released.
+    fn forget(&self, id: u64) {
+        let gone = self.remove(&mut lock(&self.state), id);
+        if let Some(Slot::Ready(Ok(f))) = gone {
+            orphan(&self.node, f);
+        }
     }
 
     /// Hands an answer to its call (or releases what it carries if the
@@ -170,17 +225,25 @@ impl Reader {
                 return false;
             }
         };
-        let waiter = {
-            let mut st = lock(&self.state);
-            self.remove(&mut st, f.call_id)
-        };
-        match waiter {
-            Some(w) => {
-                if let Err(Ok(f)) = w.send(Ok(f)) {
-                    orphan(&self.node, f);
+        let mut st = lock(&self.state);
+        match st.pending.get_mut(&f.call_id) {
+            Some(slot @ Slot::Spinning) => {
+                *slot = Slot::Ready(Ok(f));
+                self.ready.fetch_add(1, Ordering::Release);
+            }
+            Some(Slot::Waiting(_)) => {
+                if let Some(Slot::Waiting(w)) = self.remove(&mut st, f.call_id) {
+                    drop(st);
+                    if let Err(Ok(f)) = w.send(Ok(f)) {
+                        orphan(&self.node, f);
+                    }
                 }
             }
-            None => orphan(&self.node, f),
+            // No such call (it gave up), or a second answer to one.
+            Some(Slot::Ready(_)) | None => {
+                drop(st);
+                orphan(&self.node, f);
+            }
         }
         true
     }
@@ -189,10 +252,23 @@ impl Reader {
     fn break_all(&self, e: RpcError) {
         let mut st = lock(&self.state);
         st.broken.get_or_insert(e.clone());
-        for (_, w) in st.pending.drain() {
-            let _ = w.send(Err(e.clone()));
-        }
-        self.waiting.store(0, Ordering::Release);
+        let mut readied = 0;
+        st.pending.retain(|_, slot| match slot {
+            Slot::Waiting(_) => {
+                if let Slot::Waiting(w) = std::mem::replace(slot, Slot::Spinning) {
+                    let _ = w.send(Err(e.clone()));
+                }
+                false
+            }
+            Slot::Spinning => {
+                *slot = Slot::Ready(Err(e.clone()));
+                readied += 1;
+                true
+            }
+            Slot::Ready(_) => true,
+        });
+        self.ready.fetch_add(readied, Ordering::Release);
+        self.waiting.store(st.pending.len(), Ordering::Release);
     }
 
     /// Delivers the answers already there, without waiting (a client
@@ -213,11 +289,68 @@ impl Reader {
         self.drain(lock(&self.rx))
     }
 
-    /// Delivers the answers already there, if nobody else is reading (a
-    /// call reading its own while it spins).
-    fn read_some(&self) {
-        if let Ok(rx) = self.rx.try_lock() {
-            self.drain(rx);
+    /// Call `id`'s answer, if it is there: read now (if nobody else is
+    /// reading; the answers to other calls read before it are delivered),
+    /// or left in its slot by whoever read it (a call reading its own
+    /// while it spins).
+    fn take_own(&self, id: u64) -> Option<Result<Frame, RpcError>> {
+        if let Ok(mut rx) = self.rx.try_lock() {
+            loop {
+                match rx.try_recv() {
+                    Ok(None) => break,
+                    Ok(Some(f)) if f.call_id == id && f.kind == Kind::Response => {
+                        drop(rx);
+                        // (A second answer read meanwhile is the peer's
+                        // fault: released, as `deliver` does.)
+                        self.forget(id);
+                        return Some(Ok(f));
+                    }
+                    Ok(Some(f)) => {
+                        if !self.deliver(Ok(f)) {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        drop(rx);
+                        self.deliver(Err(e));
+                        break;
+                    }
+                }
+            }
+        }
+        if self.ready.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut st = lock(&self.state);
+        if !matches!(st.pending.get(&id), Some(Slot::Ready(_))) {
+            return None;
+        }
+        match self.remove(&mut st, id) {
+            Some(Slot::Ready(r)) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The call `id`, whose spin ran out, awaits its answer: on a channel
+    /// that the reader completes, unless the answer came meanwhile.
+    fn await_own(
+        &self,
+        id: u64,
+    ) -> Result<oneshot::Receiver<Result<Frame, RpcError>>, Result<Frame, RpcError>> {
+        let mut st = lock(&self.state);
+        match st.pending.get_mut(&id) {
+            Some(slot @ Slot::Spinning) => {
+                let (reply, waiting) = oneshot::channel();
+                *slot = Slot::Waiting(reply);
+                Ok(waiting)
+            }
+            Some(Slot::Ready(_)) => match self.remove(&mut st, id) {
+                Some(Slot::Ready(r)) => Err(r),
+                _ => unreachable!("the slot was ready"),
+            },
+            Some(Slot::Waiting(_)) | None => {
+                Err(Err(RpcError::internal("a waiting call lost its place")))
+            }
         }
     }
 
@@ -336,26 +469,17 @@ impl Reader {
     }
 
     /// Reads answers while spinning, for up to the spin of the waiting
-    /// policy: the call's own answer (or error), if it comes by then.
+    /// policy: call `id`'s own answer (or error), if it comes by then.
     fn spin_for(
         &self,
-        mine: &mut oneshot::Receiver<Result<Frame, RpcError>>,
+        id: u64,
         deadline: Option<Instant>,
     ) -> (Option<Result<Frame, RpcError>>, Duration) {
         let mut w = lock(&self.spinner).clone();
         let spun = w.spin();
         let got = w.spin_phase(
             deadline,
-            || {
-                self.read_some();
-                match mine.try_recv() {
-                    Ok(r) => Some(r),
-                    Err(oneshot::error::TryRecvError::Empty) => None,
-                    Err(oneshot::error::TryRecvError::Closed) => {
-                        Some(Err(RpcError::unavailable("the connection closed")))
-                    }
-                }
-            },
+            || self.take_own(id),
             // A dead peer fails the pending calls, ours included.
             || {
                 self.check();
@@ -424,6 +548,7 @@ impl AsyncClient {
             rx: Mutex::new(conn.rx),
             state: Mutex::new(State::default()),
             waiting: AtomicUsize::new(0),
+            ready: AtomicUsize::new(0),
             driver: AtomicU8::new(NO_READER),
             pump_cv: Condvar::new(),
             spinner: Mutex::new(node.cfg.wait.waiter()),
@@ -490,12 +615,14 @@ impl AsyncClient {
         let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
         let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        let (reply, mut waiting) = oneshot::channel();
         let r = &i.reader;
         if let Err(e) = r.ensure_reader() {
             lent.release(&i.node);
             return Err(e);
         }
+        // A call whose answers a listener reads awaits them from the
+        // start; any other first reads its own while it spins.
+        let mut waiting = None;
         {
             let mut st = lock(&r.state);
             if let Some(e) = &st.broken {
@@ -504,13 +631,20 @@ impl AsyncClient {
                 lent.release(&i.node);
                 return Err(e);
             }
-            r.insert(&mut st, id, reply);
+            let slot = if r.driver.load(Ordering::Acquire) == LISTENER {
+                let (reply, w) = oneshot::channel();
+                waiting = Some(w);
+                Slot::Waiting(reply)
+            } else {
+                Slot::Spinning
+            };
+            r.insert(&mut st, id, slot);
         }
         let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
         let sent = r.send(&i.tx, &frame, deadline);
         drop(frame);
         let fail = |e: RpcError| {
-            r.remove(&mut lock(&r.state), id);
+            r.forget(id);
             e
         };
         match sent {
@@ -529,29 +663,37 @@ impl AsyncClient {
         // Read our own answer while we spin; past the spin, the pump reads.
         // (`spun`: the spin that ran out, and when.)
         let mut spun = None;
-        let own = if r.driver.load(Ordering::Acquire) == PUMP {
-            let (got, spin) = r.spin_for(&mut waiting, deadline);
-            let missed = got.is_none().then(Instant::now);
-            // (Past the deadline, the wait below ends at once.)
-            if let Some(at) = missed.filter(|&at| deadline.is_none_or(|d| at < d)) {
-                spun = Some((spin, at));
-                if let Err(e) = r.want_pump() {
-                    r.remove(&mut lock(&r.state), id);
-                    lent.release(&i.node);
-                    return Err(e);
+        let mut own = None;
+        if waiting.is_none() {
+            let (got, spin) = r.spin_for(id, deadline);
+            own = got;
+            if own.is_none() {
+                match r.await_own(id) {
+                    Err(x) => own = Some(x),
+                    Ok(w) => {
+                        waiting = Some(w);
+                        let at = Instant::now();
+                        // (Past the deadline, the wait below ends at once.)
+                        if deadline.is_none_or(|d| at < d) {
+                            spun = Some((spin, at));
+                            if let Err(e) = r.want_pump() {
+                                r.forget(id);
+                                lent.release(&i.node);
+                                return Err(e);
+                            }
+                        }
+                    }
                 }
             }
-            got
-        } else {
-            None
-        };
-        let got = match (own, deadline) {
-            (Some(x), _) => Ok(x),
-            (None, None) => waiting.await,
-            (None, Some(d)) => match tokio::time::timeout_at(d.into(), waiting).await {
+        }
+        let got = match (own, waiting, deadline) {
+            (Some(x), _, _) => Ok(x),
+            (None, None, _) => Ok(Err(RpcError::internal("a call lost its answer"))),
+            (None, Some(w), None) => w.await,
+            (None, Some(w), Some(d)) => match tokio::time::timeout_at(d.into(), w).await {
                 Ok(r) => r,
                 Err(_) => {
-                    r.remove(&mut lock(&r.state), id);
+                    r.forget(id);
                     lent.release(&i.node);
                     let _ = lock(&i.tx).send(&Frame::cancel(id), Some(Instant::now()));
                     return Err(RpcError::deadline_exceeded(format!(
@@ -611,5 +753,98 @@ fn pump(reader: Weak<Reader>) {
             lock(&r.state).pumping = false;
             return;
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::frame::{Body, Status};
+    use std::sync::mpsc;
+
+    /// A receiving half fed by the test.
+    struct FedRx(mpsc::Receiver<Frame>);
+
+    impl FrameRx for FedRx {
+        fn recv(&mut self, _deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
+            Ok(self.0.try_recv().ok())
+        }
+    }
+
+    /// A sending half that takes everything.
+    struct Sink;
+
+    impl FrameTx for Sink {
+        fn send(&mut self, _f: &Frame, _d: Option<Instant>) -> Result<bool, TransportError> {
+            Ok(true)
+        }
+    }
+
+    fn answer(id: u64, byte: u8) -> Frame {
+        Frame::response(id, Status::Ok, Body::Inline(vec![byte]))
+    }
+
+    fn byte(got: Option<Result<Frame, RpcError>>) -> u8 {
+        match got {
+            Some(Ok(Frame {
+                payload: Body::Inline(b),
+                ..
+            })) => b[0],
+            other => panic!("no answer: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn spinning_calls_take_their_own_answers_and_find_the_others_in_their_slots() {
+        let tp = dm_pool::testing::TempPool::new(16 << 20);
+        let node = Node::new(tp.attach());
+        let (feed, rx) = mpsc::channel();
+        let conn = Connection {
+            tx: Box::new(Sink),
+            rx: Box::new(FedRx(rx)),
+            max_inline: 1 << 20,
+            refs: crate::transport::Sharing::POOL,
+        };
+        let c = AsyncClient::new(node, "test/slots", conn);
+        let r = &c.inner.reader;
+        r.driver.store(PUMP, Ordering::Release);
+        for id in 1..=4 {
+            r.insert(&mut lock(&r.state), id, Slot::Spinning);
+        }
+        // Call 1 reads past call 2's answer to its own: call 2's waits in
+        // its slot.
+        feed.send(answer(2, 20)).unwrap();
+        feed.send(answer(1, 10)).unwrap();
+        assert_eq!(byte(r.take_own(1)), 10);
+        assert_eq!(r.ready.load(Ordering::Relaxed), 1);
+        assert_eq!(byte(r.take_own(2)), 20);
+        assert_eq!(r.ready.load(Ordering::Relaxed), 0);
+        assert!(r.take_own(3).is_none(), "no answer yet");
+        // Call 3's spin ran out after its answer came: it takes it
+        // instead of waiting on a channel.
+        feed.send(answer(3, 30)).unwrap();
+        assert!(r.take_own(4).is_none());
+        match r.await_own(3) {
+            Err(got) => assert_eq!(byte(Some(got)), 30),
+            Ok(_) => panic!("call 3 would wait for an answer already there"),
+        }
+        // Call 4 awaits on a channel; a second answer to it is dropped.
+        let mut w = r
+            .await_own(4)
+            .unwrap_or_else(|_| panic!("call 4 has no answer yet"));
+        feed.send(answer(4, 40)).unwrap();
+        feed.send(answer(4, 41)).unwrap();
+        assert!(r.take_own(99).is_none());
+        assert_eq!(byte(w.try_recv().ok()), 40);
+        assert_eq!(lock(&r.state).pending.len(), 0);
+        // A connection that breaks while a call spins fails that call.
+        r.insert(&mut lock(&r.state), 5, Slot::Spinning);
+        r.break_all(RpcError::unavailable("gone"));
+        match r.take_own(5) {
+            Some(Err(e)) => assert_eq!(e.status, Status::Unavailable),
+            other => panic!("call 5 got {other:?}"),
+        }
+        assert_eq!(r.ready.load(Ordering::Relaxed), 0);
+        assert_eq!(r.waiting.load(Ordering::Relaxed), 0);
     }
 }
