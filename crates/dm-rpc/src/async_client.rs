@@ -36,7 +36,7 @@
 //! deadline fails the call with `DeadlineExceeded` and sends a cancel, as
 //! the blocking client does.
 
-use crate::client::{answer, orphan, outgoing};
+use crate::client::{answer, orphan, outgoing, send_holding_rx};
 use crate::error::RpcError;
 use crate::frame::{method_id, Frame, Kind};
 use crate::node::Node;
@@ -45,7 +45,7 @@ use crate::transport::{Connection, FrameRx, FrameTx, Looked, TransportError, Wat
 use crate::wait::Waiter;
 use crate::CallOptions;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -126,6 +126,8 @@ struct Reader {
     /// `Slot::Ready` entries in `state.pending`: a spinning call looks
     /// for its answer there only when there are any.
     ready: AtomicUsize,
+    /// `state.broken` is set (read without the lock by a lone caller).
+    broken: AtomicBool,
     /// Who reads answers: [`NO_READER`], [`PUMP`] or [`LISTENER`].
     driver: AtomicU8,
     /// The pump thread waits here, under `state`, until a call relies on
@@ -252,6 +254,7 @@ impl Reader {
     fn break_all(&self, e: RpcError) {
         let mut st = lock(&self.state);
         st.broken.get_or_insert(e.clone());
+        self.broken.store(true, Ordering::Release);
         let mut readied = 0;
         st.pending.retain(|_, slot| match slot {
             Slot::Waiting(_) => {
@@ -329,6 +332,36 @@ impl Reader {
             Some(Slot::Ready(r)) => Some(r),
             _ => None,
         }
+    }
+
+    /// The lone caller `id`, whose spin ran out (it holds the receiving
+    /// half), awaits its answer: on a channel that the reader completes.
+    fn await_lone(
+        &self,
+        id: u64,
+    ) -> Result<oneshot::Receiver<Result<Frame, RpcError>>, Result<Frame, RpcError>> {
+        let mut st = lock(&self.state);
+        if let Some(e) = &st.broken {
+            return Err(Err(e.clone()));
+        }
+        let (reply, waiting) = oneshot::channel();
+        self.insert(&mut st, id, Slot::Waiting(reply));
+        Ok(waiting)
+    }
+
+    /// Sends `f` as the lone caller, holding the receiving half `rx`: the
+    /// answers that come while it waits go to their calls.
+    fn send_lone(
+        &self,
+        tx: &Mutex<Box<dyn FrameTx>>,
+        f: &Frame,
+        deadline: Option<Instant>,
+        rx: &mut MutexGuard<'_, Box<dyn FrameRx>>,
+    ) -> Result<bool, TransportError> {
+        let yield_for = self.node.cfg.wait.yield_for;
+        send_holding_rx(tx, f, deadline, rx, yield_for, &mut |a| {
+            self.deliver(Ok(a));
+        })
     }
 
     /// The call `id`, whose spin ran out, awaits its answer: on a channel
@@ -475,22 +508,85 @@ impl Reader {
         id: u64,
         deadline: Option<Instant>,
     ) -> (Option<Result<Frame, RpcError>>, Duration) {
-        let mut w = lock(&self.spinner).clone();
-        let spun = w.spin();
-        let got = w.spin_phase(
+        self.spin_with(
             deadline,
             || self.take_own(id),
             // A dead peer fails the pending calls, ours included.
             || {
                 self.check();
             },
-        );
+        )
+    }
+
+    /// The lone caller's spin: reads answers with the receiving half `rx`,
+    /// taken before it sent, until call `id`'s (no slot: nobody else can
+    /// read it), delivering the others; for up to the spin of the waiting
+    /// policy.
+    fn spin_lone(
+        &self,
+        rx: &mut MutexGuard<'_, Box<dyn FrameRx>>,
+        id: u64,
+        deadline: Option<Instant>,
+    ) -> (Option<Result<Frame, RpcError>>, Duration) {
+        let check_due = std::cell::Cell::new(false);
+        let fail = |e: TransportError| {
+            let e = RpcError::from(e);
+            self.break_all(e.clone());
+            Some(Err(e))
+        };
+        self.spin_with(
+            deadline,
+            || {
+                if check_due.replace(false) {
+                    if let Err(e) = rx.check_peer() {
+                        return fail(e);
+                    }
+                }
+                loop {
+                    if self.broken.load(Ordering::Acquire) {
+                        return Some(Err(self.broken_error()));
+                    }
+                    match rx.try_recv() {
+                        Ok(None) => return None,
+                        Ok(Some(f)) if f.call_id == id && f.kind == Kind::Response => {
+                            return Some(Ok(f))
+                        }
+                        Ok(Some(f)) => {
+                            self.deliver(Ok(f));
+                        }
+                        Err(e) => return fail(e),
+                    }
+                }
+            },
+            || check_due.set(true),
+        )
+    }
+
+    /// Checks `ready` while spinning (see [`Waiter::spin_phase`]), with
+    /// the spin this client has adapted to: what it gave, and the spin.
+    fn spin_with<T>(
+        &self,
+        deadline: Option<Instant>,
+        ready: impl FnMut() -> Option<T>,
+        idle: impl FnMut(),
+    ) -> (Option<T>, Duration) {
+        let mut w = lock(&self.spinner).clone();
+        let spun = w.spin();
+        let got = w.spin_phase(deadline, ready, idle);
         if w.spin() != spun {
             // (Unchanged, as when the answer came within the spin: no
             // second lock.)
             *lock(&self.spinner) = w;
         }
         (got, spun)
+    }
+
+    /// The error that broke the connection.
+    fn broken_error(&self) -> RpcError {
+        lock(&self.state)
+            .broken
+            .clone()
+            .unwrap_or_else(|| RpcError::internal("the connection broke"))
     }
 
     /// Grows the spin again after a wait that ended `waited` after it
@@ -549,6 +645,7 @@ impl AsyncClient {
             state: Mutex::new(State::default()),
             waiting: AtomicUsize::new(0),
             ready: AtomicUsize::new(0),
+            broken: AtomicBool::new(false),
             driver: AtomicU8::new(NO_READER),
             pump_cv: Condvar::new(),
             spinner: Mutex::new(node.cfg.wait.waiter()),
@@ -621,71 +718,96 @@ impl AsyncClient {
             return Err(e);
         }
         // A call whose answers a listener reads awaits them from the
-        // start; any other first reads its own while it spins.
-        let mut waiting = None;
-        {
-            let mut st = lock(&r.state);
-            if let Some(e) = &st.broken {
-                let e = e.clone();
-                drop(st);
+        // start. Any other first reads its own while it spins: if nobody
+        // reads now (the lone caller), with the receiving half taken before
+        // it sends and no slot, as the blocking client's lone caller does;
+        // else through its slot. (In a block: the half's guard must not
+        // live across an await.)
+        let (own, waiting, spun) = {
+            let mut lone = None;
+            if r.driver.load(Ordering::Acquire) == PUMP && !r.broken.load(Ordering::Acquire) {
+                lone = r.rx.try_lock().ok();
+            }
+            let mut waiting = None;
+            if lone.is_none() {
+                let mut st = lock(&r.state);
+                if let Some(e) = &st.broken {
+                    let e = e.clone();
+                    drop(st);
+                    lent.release(&i.node);
+                    return Err(e);
+                }
+                let slot = if r.driver.load(Ordering::Acquire) == LISTENER {
+                    let (reply, w) = oneshot::channel();
+                    waiting = Some(w);
+                    Slot::Waiting(reply)
+                } else {
+                    Slot::Spinning
+                };
+                r.insert(&mut st, id, slot);
+            }
+            let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
+            let sent = match lone {
+                Some(ref mut rx) => r.send_lone(&i.tx, &frame, deadline, rx),
+                None => r.send(&i.tx, &frame, deadline),
+            };
+            drop(frame);
+            let unsent = match sent {
+                Ok(true) => None,
+                Ok(false) => Some(RpcError::deadline_exceeded(
+                    "no room to send before the deadline",
+                )),
+                Err(e) => Some(e.into()),
+            };
+            if let Some(e) = unsent {
+                match lone {
+                    Some(rx) => drop(rx),
+                    None => r.forget(id),
+                }
                 lent.release(&i.node);
                 return Err(e);
             }
-            let slot = if r.driver.load(Ordering::Acquire) == LISTENER {
-                let (reply, w) = oneshot::channel();
-                waiting = Some(w);
-                Slot::Waiting(reply)
-            } else {
-                Slot::Spinning
-            };
-            r.insert(&mut st, id, slot);
-        }
-        let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
-        let sent = r.send(&i.tx, &frame, deadline);
-        drop(frame);
-        let fail = |e: RpcError| {
-            r.forget(id);
-            e
-        };
-        match sent {
-            Ok(true) => {}
-            Ok(false) => {
-                lent.release(&i.node);
-                return Err(fail(RpcError::deadline_exceeded(
-                    "no room to send before the deadline",
-                )));
-            }
-            Err(e) => {
-                lent.release(&i.node);
-                return Err(fail(e.into()));
-            }
-        }
-        // Read our own answer while we spin; past the spin, the pump reads.
-        // (`spun`: the spin that ran out, and when.)
-        let mut spun = None;
-        let mut own = None;
-        if waiting.is_none() {
-            let (got, spin) = r.spin_for(id, deadline);
-            own = got;
-            if own.is_none() {
-                match r.await_own(id) {
-                    Err(x) => own = Some(x),
-                    Ok(w) => {
-                        waiting = Some(w);
-                        let at = Instant::now();
-                        // (Past the deadline, the wait below ends at once.)
-                        if deadline.is_none_or(|d| at < d) {
-                            spun = Some((spin, at));
-                            if let Err(e) = r.want_pump() {
-                                r.forget(id);
-                                lent.release(&i.node);
-                                return Err(e);
+            // Read our own answer while we spin; past the spin, the pump
+            // reads. (`spun`: the spin that ran out, and when.)
+            let mut spun = None;
+            let mut own = None;
+            if waiting.is_none() {
+                let (got, spin) = match lone {
+                    Some(ref mut rx) => r.spin_lone(rx, id, deadline),
+                    None => r.spin_for(id, deadline),
+                };
+                own = got;
+                if own.is_none() {
+                    let awaited = match lone.take() {
+                        // The lone caller's slot goes in before it lets
+                        // the half go (to the pump, or another caller).
+                        Some(rx) => {
+                            let a = r.await_lone(id);
+                            drop(rx);
+                            a
+                        }
+                        None => r.await_own(id),
+                    };
+                    match awaited {
+                        Err(x) => own = Some(x),
+                        Ok(w) => {
+                            waiting = Some(w);
+                            let at = Instant::now();
+                            // (Past the deadline, the wait below ends at once.)
+                            if deadline.is_none_or(|d| at < d) {
+                                spun = Some((spin, at));
+                                if let Err(e) = r.want_pump() {
+                                    r.forget(id);
+                                    lent.release(&i.node);
+                                    return Err(e);
+                                }
                             }
                         }
                     }
                 }
             }
-        }
+            (own, waiting, spun)
+        };
         let got = match (own, waiting, deadline) {
             (Some(x), _, _) => Ok(x),
             (None, None, _) => Ok(Err(RpcError::internal("a call lost its answer"))),
@@ -846,5 +968,54 @@ mod tests {
         }
         assert_eq!(r.ready.load(Ordering::Relaxed), 0);
         assert_eq!(r.waiting.load(Ordering::Relaxed), 0);
+    }
+
+    fn fed_client(
+        wait: crate::WaitPolicy,
+    ) -> (dm_pool::testing::TempPool, AsyncClient, mpsc::Sender<Frame>) {
+        let tp = dm_pool::testing::TempPool::new(16 << 20);
+        let node = Node::with_config(
+            tp.attach(),
+            crate::Config {
+                wait,
+                ..Default::default()
+            },
+        );
+        let (feed, rx) = mpsc::channel();
+        let conn = Connection {
+            tx: Box::new(Sink),
+            rx: Box::new(FedRx(rx)),
+            max_inline: 1 << 20,
+            refs: crate::transport::Sharing::POOL,
+        };
+        (tp, AsyncClient::new(node, "test/lone", conn), feed)
+    }
+
+    #[test]
+    fn a_lone_call_reads_its_own_answer_and_hands_the_others_theirs() {
+        let (_tp, c, feed) = fed_client(crate::WaitPolicy::default());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        // Another call (id 100) spins meanwhile, through its slot.
+        let r = c.inner.reader.clone();
+        r.insert(&mut lock(&r.state), 100, Slot::Spinning);
+        feed.send(answer(100, 7)).unwrap();
+        feed.send(answer(1, 10)).unwrap();
+        let got = rt.block_on(c.call("m", Payload::empty())).unwrap();
+        assert_eq!(got.to_vec().unwrap(), [10]);
+        assert!(!c.has_pump(), "the answer was there: no pump");
+        assert_eq!(byte(r.take_own(100)), 7);
+        // A lone call whose spin runs out leaves its answer to the pump.
+        let (_tp, c, feed) = fed_client(crate::WaitPolicy::park_only());
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            feed.send(answer(1, 11)).unwrap();
+        });
+        let got = rt.block_on(c.call("m", Payload::empty())).unwrap();
+        assert_eq!(got.to_vec().unwrap(), [11]);
+        assert!(c.has_pump());
+        late.join().unwrap();
     }
 }

@@ -157,6 +157,42 @@ pub(crate) fn orphan(node: &Node, f: Frame) {
     }
 }
 
+/// Sends `f` for a caller that holds the connection's receiving half
+/// `rx`, reading what arrives meanwhile into `got`: while it waits for the
+/// sending half `tx` (another caller may hold it, waiting for room that
+/// only this reading makes), then while it waits for room
+/// ([`FrameTx::send_reading`]).
+pub(crate) fn send_holding_rx(
+    tx: &Mutex<Box<dyn FrameTx>>,
+    f: &Frame,
+    deadline: Option<Instant>,
+    rx: &mut Box<dyn FrameRx>,
+    yield_for: Duration,
+    got: &mut dyn FnMut(Frame),
+) -> Result<bool, crate::transport::TransportError> {
+    let mut since = None;
+    let mut tx = loop {
+        match tx.try_lock() {
+            Ok(tx) => break tx,
+            Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {}
+        }
+        crate::transport::drain(&mut **rx, got)?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(false);
+        }
+        // Yield at first (the half is usually free within microseconds),
+        // then pause: a server that is slow to make room may keep the
+        // other caller waiting for a while.
+        if since.get_or_insert_with(Instant::now).elapsed() < yield_for {
+            dm_sys::sched_yield();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    };
+    tx.send_reading(f, deadline, &mut **rx, got)
+}
+
 impl Client {
     pub(crate) fn new(node: Node, name: &str, conn: Connection) -> Client {
         Client {
@@ -290,11 +326,8 @@ impl Client {
         }
     }
 
-    /// Sends `f` as the holder of the receiving half: the answers that
-    /// come while it waits for room go to their callers (the server may
-    /// wait for room for them before it takes more requests). So does a
-    /// wait for the sending half itself: another caller may hold it while
-    /// it waits for room that only our reading makes.
+    /// Sends `f` as the holder of the receiving half ([`send_holding_rx`]):
+    /// the answers that come meanwhile go to their callers.
     fn send_reading(
         &self,
         f: &Frame,
@@ -312,27 +345,7 @@ impl Client {
             self.deliver(&mut st, a);
             self.notify(&st);
         };
-        let mut since = None;
-        let mut tx = loop {
-            match i.tx.try_lock() {
-                Ok(tx) => break tx,
-                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => {}
-            }
-            crate::transport::drain(&mut ***rx, &mut got)?;
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Ok(false);
-            }
-            // Yield at first (the half is usually free within
-            // microseconds), then pause: a server that is slow to make
-            // room may keep the other caller waiting for a while.
-            if since.get_or_insert_with(Instant::now).elapsed() < i.node.cfg.wait.yield_for {
-                dm_sys::sched_yield();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-        };
-        let sent = tx.send_reading(f, deadline, &mut ***rx, &mut got);
+        let sent = send_holding_rx(&i.tx, f, deadline, rx, i.node.cfg.wait.yield_for, &mut got);
         if stray {
             return Err(crate::transport::TransportError::Protocol(
                 "the server sent a frame that is not a response".into(),
