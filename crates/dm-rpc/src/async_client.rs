@@ -34,7 +34,10 @@
 //!
 //! A dead peer fails every pending and future call with `Unavailable`; a
 //! deadline fails the call with `DeadlineExceeded` and sends a cancel, as
-//! the blocking client does.
+//! the blocking client does. Dropping a call's future while it waits (a
+//! timeout around it, a `select!` that took another branch) cancels it
+//! the same way: the Ref made for its argument is released at once, and
+//! so is its answer when it comes.
 
 use crate::client::{answer, orphan, outgoing, send_holding_rx};
 use crate::error::RpcError;
@@ -808,6 +811,13 @@ impl AsyncClient {
             }
             (own, waiting, spun)
         };
+        // From here the future may be dropped at an await: the call is
+        // then cancelled (see `Cancel`).
+        let mut cancel = Cancel {
+            inner: i,
+            id,
+            lent: Some(lent),
+        };
         let got = match (own, waiting, deadline) {
             (Some(x), _, _) => Ok(x),
             (None, None, _) => Ok(Err(RpcError::internal("a call lost its answer"))),
@@ -815,9 +825,7 @@ impl AsyncClient {
             (None, Some(w), Some(d)) => match tokio::time::timeout_at(d.into(), w).await {
                 Ok(r) => r,
                 Err(_) => {
-                    r.forget(id);
-                    lent.release(&i.node);
-                    let _ = lock(&i.tx).send(&Frame::cancel(id), Some(Instant::now()));
+                    drop(cancel);
                     return Err(RpcError::deadline_exceeded(format!(
                         "no answer from {:?} before the deadline",
                         i.name
@@ -825,6 +833,7 @@ impl AsyncClient {
                 }
             },
         };
+        let lent = cancel.disarm();
         if let Some((spin, at)) = spun {
             // The wait began a spin before it ran out.
             r.ended_after_spin(spin, spin + at.elapsed());
@@ -841,6 +850,40 @@ impl AsyncClient {
             }
         };
         answer(&i.node, f, lent)
+    }
+}
+
+/// A call that gave up its answer: its deadline passed, or its future was
+/// dropped while it waited (a timeout around it, a `select!` that took
+/// another branch). On drop, unless disarmed, it forgets the call (an
+/// answer read later is released), releases what the argument lent, and
+/// tells the server (best effort, without waiting: a queued request is
+/// then skipped).
+struct Cancel<'a> {
+    inner: &'a Inner,
+    id: u64,
+    lent: Option<crate::payload::Lent>,
+}
+
+impl Cancel<'_> {
+    /// The call completed: what its argument lent, to end with it.
+    fn disarm(&mut self) -> crate::payload::Lent {
+        self.lent.take().unwrap_or_default()
+    }
+}
+
+impl Drop for Cancel<'_> {
+    fn drop(&mut self) {
+        let Some(lent) = self.lent.take() else {
+            return;
+        };
+        let i = self.inner;
+        i.reader.forget(self.id);
+        lent.release(&i.node);
+        // (Not waiting for the sending half: a drop must not block.)
+        if let Ok(mut tx) = i.tx.try_lock() {
+            let _ = tx.send(&Frame::cancel(self.id), Some(Instant::now()));
+        }
     }
 }
 

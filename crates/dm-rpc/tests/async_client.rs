@@ -603,3 +603,65 @@ fn many_async_calls_through_small_rings_all_finish() {
         stop_and_check(&tp, node, [svc]);
     }
 }
+
+/// Dropping an async call's future (a timeout around it, a `select!` that
+/// took another branch) cancels the call: the Ref made for its argument is
+/// released, the server is told, and the answer that comes later is
+/// released too. Over every transport, for a call awaiting a channel
+/// (the pump or a listener reads) and one that reads its own answer.
+#[test]
+fn a_dropped_call_releases_what_it_lent() {
+    for (t, wait) in [
+        (Transport::Shm, WaitPolicy::default()),
+        (Transport::Shm, WaitPolicy::park_only()),
+        (Transport::Tcp("127.0.0.1:0".into()), WaitPolicy::default()),
+        (Transport::Mem, WaitPolicy::park_only()),
+    ] {
+        let tp = TempPool::with(PoolConfig {
+            size: 64 << 20,
+            channels: Some(8),
+            ..Default::default()
+        });
+        let node = Node::with_config(
+            tp.attach(),
+            Config {
+                wait,
+                inline_max: 4096,
+                ..Config::default()
+            },
+        );
+        let kind = match t {
+            Transport::Shm => "shm",
+            Transport::Mem => "mem",
+            _ => "tcp",
+        };
+        let name = format!("async/dropped/{kind}/{}", std::process::id());
+        let svc = node
+            .server(&name)
+            .transport(t)
+            .method("slow", |c| {
+                std::thread::sleep(Duration::from_millis(100));
+                Ok(c.take_payload())
+            })
+            .spawn()
+            .unwrap();
+        let c = match svc.tcp_addr() {
+            Some(addr) => node.connect_tcp_async(addr).unwrap(),
+            None => node.connect_async(&name).unwrap(),
+        };
+        let rt = rt();
+        rt.block_on(async {
+            for _ in 0..3 {
+                let arg = Payload::from_vec(vec![7u8; 100_000]);
+                let r = tokio::time::timeout(Duration::from_millis(20), c.call("slow", arg)).await;
+                assert!(r.is_err(), "the call should still have been running");
+            }
+            // The connection still works.
+            let got = c.call("slow", vec![1u8; 10]).await.unwrap();
+            assert_eq!(got.to_vec().unwrap(), vec![1u8; 10]);
+        });
+        drop(rt);
+        drop(c);
+        stop_and_check(&tp, node, [svc]);
+    }
+}
