@@ -301,27 +301,12 @@ impl Reader {
     /// while it spins).
     fn take_own(&self, id: u64) -> Option<Result<Frame, RpcError>> {
         if let Ok(mut rx) = self.rx.try_lock() {
-            loop {
-                match rx.try_recv() {
-                    Ok(None) => break,
-                    Ok(Some(f)) if f.call_id == id && f.kind == Kind::Response => {
-                        drop(rx);
-                        // (A second answer read meanwhile is the peer's
-                        // fault: released, as `deliver` does.)
-                        self.forget(id);
-                        return Some(Ok(f));
-                    }
-                    Ok(Some(f)) => {
-                        if !self.deliver(Ok(f)) {
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        drop(rx);
-                        self.deliver(Err(e));
-                        break;
-                    }
-                }
+            if let Some(got) = self.read_until(&mut rx, id) {
+                drop(rx);
+                // (A second answer read meanwhile is the peer's fault:
+                // released, as `deliver` does.)
+                self.forget(id);
+                return Some(got);
             }
         }
         if self.ready.load(Ordering::Acquire) == 0 {
@@ -532,34 +517,15 @@ impl Reader {
         deadline: Option<Instant>,
     ) -> (Option<Result<Frame, RpcError>>, Duration) {
         let check_due = std::cell::Cell::new(false);
-        let fail = |e: TransportError| {
-            let e = RpcError::from(e);
-            self.break_all(e.clone());
-            Some(Err(e))
-        };
         self.spin_with(
             deadline,
             || {
                 if check_due.replace(false) {
                     if let Err(e) = rx.check_peer() {
-                        return fail(e);
+                        return Some(Err(self.fail(e)));
                     }
                 }
-                loop {
-                    if self.broken.load(Ordering::Acquire) {
-                        return Some(Err(self.broken_error()));
-                    }
-                    match rx.try_recv() {
-                        Ok(None) => return None,
-                        Ok(Some(f)) if f.call_id == id && f.kind == Kind::Response => {
-                            return Some(Ok(f))
-                        }
-                        Ok(Some(f)) => {
-                            self.deliver(Ok(f));
-                        }
-                        Err(e) => return fail(e),
-                    }
-                }
+                self.read_until(rx, id)
             },
             || check_due.set(true),
         )
@@ -582,6 +548,31 @@ impl Reader {
             *lock(&self.spinner) = w;
         }
         (got, spun)
+    }
+
+    /// Reads the answers already in `rx` until call `id`'s (or an error,
+    /// which breaks the connection), delivering the others.
+    fn read_until(&self, rx: &mut Box<dyn FrameRx>, id: u64) -> Option<Result<Frame, RpcError>> {
+        loop {
+            if self.broken.load(Ordering::Acquire) {
+                return Some(Err(self.broken_error()));
+            }
+            match rx.try_recv() {
+                Ok(None) => return None,
+                Ok(Some(f)) if f.call_id == id && f.kind == Kind::Response => return Some(Ok(f)),
+                Ok(Some(f)) => {
+                    self.deliver(Ok(f));
+                }
+                Err(e) => return Some(Err(self.fail(e))),
+            }
+        }
+    }
+
+    /// Breaks the connection with `e`: the error every call now gets.
+    fn fail(&self, e: TransportError) -> RpcError {
+        let e = RpcError::from(e);
+        self.break_all(e.clone());
+        e
     }
 
     /// The error that broke the connection.
