@@ -552,6 +552,7 @@ impl Reader {
 
     /// Reads the answers already in `rx` until call `id`'s (or an error,
     /// which breaks the connection), delivering the others.
+    #[inline]
     fn read_until(&self, rx: &mut Box<dyn FrameRx>, id: u64) -> Option<Result<Frame, RpcError>> {
         loop {
             if self.broken.load(Ordering::Acquire) {
