@@ -4,7 +4,8 @@
 //! The dispatcher is one thread per server. It takes requests from every
 //! connection in fair order, answers a request whose deadline passed while
 //! it was queued with `DeadlineExceeded` (without running the handler),
-//! drops requests the caller cancelled before they ran, and turns a
+//! drops requests the caller cancelled before they ran (and the futures of
+//! async handlers' calls cancelled while they run), and turns a
 //! handler's panic into `Internal` for that call alone. A handler may make
 //! nested calls and forward the payload it received.
 //!
@@ -307,7 +308,8 @@ pub struct Stats {
     pub calls: AtomicU64,
     /// Requests answered with an error status.
     pub errors: AtomicU64,
-    /// Requests dropped because the caller cancelled them before they ran.
+    /// Requests dropped because the caller cancelled them before they ran
+    /// (or, with an async handler, while it ran).
     pub cancelled: AtomicU64,
     /// Requests whose deadline passed before they ran.
     pub expired: AtomicU64,
@@ -500,8 +502,11 @@ impl Dispatcher {
             match p.frame.kind {
                 Kind::Request => self.serve(p),
                 // Every transport keeps a connection's frames in order, so
-                // the request of a cancel read here was served already.
-                Kind::Cancel => {}
+                // the request of a cancel read here was served already, or
+                // is an async handler's call in progress.
+                Kind::Cancel => {
+                    self.cancel_task(p.conn, p.frame.call_id);
+                }
                 // Clients do not send responses: ignore.
                 Kind::Response => {}
             }
@@ -527,6 +532,8 @@ impl Dispatcher {
                         conn,
                         &Frame::response(frame.call_id, Status::Cancelled, Body::None),
                     );
+                } else {
+                    self.cancel_task(conn, frame.call_id);
                 }
                 continue;
             }
@@ -622,6 +629,39 @@ impl Dispatcher {
             waker,
         });
         self.poll_task(slot);
+    }
+
+    /// Cancels call `id` of `conn` if an async handler is running it: drops
+    /// its future, which cancels the calls it awaits in turn (an async
+    /// client's dropped call sends a cancel and releases what it lent), so
+    /// a cancel travels down a chain of async services; answers it
+    /// `Cancelled`. Blocking handlers run to the end.
+    fn cancel_task(&mut self, conn: ConnId, id: u64) {
+        let t = &mut self.tasks;
+        let Some(slot) = t.slots.iter().position(|s| {
+            s.as_ref()
+                .is_some_and(|s| s.to.conn == conn && s.to.id == id)
+        }) else {
+            return;
+        };
+        let Some(task) = t.slots[slot].take() else {
+            return;
+        };
+        t.free.push(slot);
+        let Task { to, fut, .. } = task;
+        {
+            // Dropped as it is polled: in the runtime's context, its
+            // clients read by this listener, a panic caught.
+            let _rt = self.rt.as_ref().map(|rt| rt.enter());
+            polling_with(self.watch.as_ref(), || {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(fut)));
+            });
+        }
+        self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        self.answer(
+            to,
+            Err(RpcError::new(Status::Cancelled, "cancelled by the caller")),
+        );
     }
 
     /// Polls the calls whose futures were woken, until none is.

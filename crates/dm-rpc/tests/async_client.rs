@@ -665,3 +665,89 @@ fn a_dropped_call_releases_what_it_lent() {
         stop_and_check(&tp, node, [svc]);
     }
 }
+
+/// Counts a handler's future dropped before it completed.
+struct CountsDrop(std::sync::Arc<std::sync::atomic::AtomicU32>, bool);
+
+impl Drop for CountsDrop {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// A cancel travels down a chain of async services: the caller gives up
+/// (its deadline passes, or it drops its call), the first service drops
+/// its handler's future, whose nested call is cancelled in turn, and the
+/// last service drops its own long before it would have finished; what
+/// was lent on the way is released.
+#[test]
+fn a_cancel_travels_down_a_chain_of_async_services() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    for t in [Transport::Shm, Transport::Tcp("127.0.0.1:0".into())] {
+        let (tp, node) = pool_and_node(8, None, 4096);
+        let kind = if t == Transport::Shm { "shm" } else { "tcp" };
+        let pid = std::process::id();
+        let (a_name, b_name) = (
+            format!("async/cancel/{kind}/a/{pid}"),
+            format!("async/cancel/{kind}/b/{pid}"),
+        );
+        let dropped = std::sync::Arc::new(AtomicU32::new(0));
+        let d = dropped.clone();
+        let b = node
+            .server(&b_name)
+            .transport(t.clone())
+            .method_async("wait", move |c| {
+                let d = d.clone();
+                async move {
+                    let mut g = CountsDrop(d, false);
+                    let n = c.payload.len();
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    g.1 = true;
+                    Ok(Payload::from_vec(n.to_le_bytes().to_vec()))
+                }
+            })
+            .spawn()
+            .unwrap();
+        let next = Slot::default();
+        let to = b_name.clone();
+        let a = node
+            .server(&a_name)
+            .transport(t)
+            .method_async("fwd", move |c| {
+                let cl = client_in(&next, &c.node, &to);
+                async move { cl?.call("wait", c.payload.forward()?).await }
+            })
+            .spawn()
+            .unwrap();
+        let c = node.connect_async(&a_name).unwrap();
+        rt().block_on(async {
+            let t0 = std::time::Instant::now();
+            let arg = Payload::from_vec(vec![3u8; 100_000]);
+            let opts = CallOptions::deadline(Duration::from_millis(100));
+            let e = c.call_with("fwd", arg, opts).await.unwrap_err();
+            assert_eq!(e.status, Status::DeadlineExceeded);
+            while dropped.load(Ordering::SeqCst) < 1 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(2),
+                    "the deadline's cancel did not reach the last service"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let t0 = std::time::Instant::now();
+            let arg = Payload::from_vec(vec![4u8; 100_000]);
+            let r = tokio::time::timeout(Duration::from_millis(100), c.call("fwd", arg)).await;
+            assert!(r.is_err(), "the call should still have been running");
+            while dropped.load(Ordering::SeqCst) < 2 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(2),
+                    "a dropped call's cancel did not reach the last service"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        drop(c);
+        stop_and_check(&tp, node, [a, b]);
+    }
+}
