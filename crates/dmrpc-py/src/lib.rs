@@ -1,9 +1,10 @@
 //! The `dmrpc` Python package's native module (`dmrpc._native`): one
 //! module per wrapped concept — [`pool`], [`buffer`], [`refs`], [`node`]
 //! (services and clients), [`payload`] (what calls carry), [`mem`] (memory
-//! servers) — the exceptions in [`errors`], and how bytes-like arguments
-//! are read ([`bytes`]).
+//! servers), [`aio`] (calls as asyncio futures) — the exceptions in
+//! [`errors`], and how bytes-like arguments are read ([`bytes`]).
 
+mod aio;
 mod buffer;
 mod bytes;
 mod errors;
@@ -23,6 +24,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::PyNode>()?;
     m.add_class::<node::PyServer>()?;
     m.add_class::<node::PyClient>()?;
+    m.add_class::<aio::PyAsyncClient>()?;
+    m.add_class::<aio::PyCallHandle>()?;
     m.add_class::<payload::PyPayload>()?;
     m.add_class::<mem::PyMemPool>()?;
     m.add_class::<mem::PyMemBuffer>()?;

@@ -7,6 +7,7 @@
 //! is a `dmrpc.Payload`, a read-only view with no copy (see
 //! [`crate::payload`]).
 
+use crate::aio::PyAsyncClient;
 use crate::errors::{to_py, Error as PyDmError};
 use crate::mem::PyMemPool;
 use crate::payload::{to_payload, PyPayload};
@@ -28,7 +29,7 @@ thread_local! {
 /// a hand-off of the GIL and not also the creation and deletion of a
 /// thread state (which costs several microseconds per call). The state is
 /// left to the interpreter, which clears it at exit.
-fn keep_thread_state() {
+pub(crate) fn keep_thread_state() {
     PRIMED.with(|p| {
         if !p.get() {
             // SAFETY: the interpreter is initialised (this module was
@@ -163,6 +164,22 @@ impl PyNode {
             node: self.node.clone(),
         })
     }
+
+    /// Connects to service `name` for asyncio code (see `dmrpc.aio`).
+    fn connect_async(&self, py: Python<'_>, name: &str) -> PyResult<PyAsyncClient> {
+        let client = py
+            .allow_threads(|| self.node.connect_async(name))
+            .map_err(to_py)?;
+        Ok(PyAsyncClient::new(client, self.node.clone()))
+    }
+
+    /// Connects to a service by TCP address for asyncio code.
+    fn connect_tcp_async(&self, py: Python<'_>, addr: &str) -> PyResult<PyAsyncClient> {
+        let client = py
+            .allow_threads(|| self.node.connect_tcp_async(addr))
+            .map_err(to_py)?;
+        Ok(PyAsyncClient::new(client, self.node.clone()))
+    }
 }
 
 /// A running service; `shutdown()` (or garbage collection) stops it.
@@ -197,6 +214,19 @@ impl Drop for PyServer {
     }
 }
 
+/// A call's options from its `timeout` in seconds.
+pub(crate) fn call_options(timeout: Option<f64>) -> PyResult<CallOptions> {
+    match timeout {
+        Some(t) if t.is_finite() && t >= 0.0 => {
+            Ok(CallOptions::deadline(Duration::from_secs_f64(t)))
+        }
+        Some(t) => Err(to_py(RpcError::invalid_argument(format!(
+            "timeout {t} is not a duration"
+        )))),
+        None => Ok(CallOptions::default()),
+    }
+}
+
 /// A connection to a service.
 #[pyclass(module = "dmrpc._native", name = "Client", frozen)]
 pub struct PyClient {
@@ -218,17 +248,7 @@ impl PyClient {
         timeout: Option<f64>,
     ) -> PyResult<PyPayload> {
         let p = to_payload(py, &self.node, data)?;
-        let opts = match timeout {
-            Some(t) if t.is_finite() && t >= 0.0 => {
-                CallOptions::deadline(Duration::from_secs_f64(t))
-            }
-            Some(t) => {
-                return Err(to_py(RpcError::invalid_argument(format!(
-                    "timeout {t} is not a duration"
-                ))))
-            }
-            None => CallOptions::default(),
-        };
+        let opts = call_options(timeout)?;
         let out = py
             .allow_threads(|| self.client.call_with(method, p, opts))
             .map_err(to_py)?;

@@ -391,6 +391,55 @@ def test_services_in_two_pools_pass_payloads_by_memory_server_ref(memserver, tmp
             os.unlink(path)
 
 
+def test_asyncio_calls_are_futures_with_no_thread_each_and_cancel_cleanly(pool):
+    import asyncio
+    import threading
+
+    import dmrpc.aio
+
+    p, _ = pool
+    node = dmrpc.Node(p)
+    name = f"py/aio/{os.getpid()}/{next(_N)}"
+
+    def slow(arg):
+        time.sleep(0.3)
+        return len(arg).to_bytes(8, "little")
+
+    srv = node.serve(name, {"len": lambda arg: len(arg).to_bytes(8, "little"), "slow": slow})
+    try:
+
+        async def main():
+            threads = threading.active_count()
+            async with dmrpc.aio.connect(node, name) as c:
+                # Far more calls in flight than any thread pool would run.
+                outs = await asyncio.gather(*(c.call("len", bytes(i % 300)) for i in range(500)))
+                assert [int.from_bytes(o.tobytes(), "little") for o in outs] == [i % 300 for i in range(500)]
+                assert threading.active_count() <= threads + 3, "a thread per call?"
+                # Cancelling the awaiting task cancels the call; its
+                # argument (by Ref: 200 KB) is released, and the
+                # connection goes on.
+                t = asyncio.create_task(c.call("slow", bytes(200_000)))
+                await asyncio.sleep(0.05)
+                assert p.check()["refs"] == 1, "the argument went by Ref"
+                t.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await t
+                # Released at once, while the service still runs the call.
+                for _ in range(20):
+                    if p.check()["refs"] == 0:
+                        break
+                    await asyncio.sleep(0.005)
+                assert p.check()["refs"] == 0, "the cancelled call still holds its argument's Ref"
+                with pytest.raises(dmrpc.DeadlineExceeded):
+                    await c.call("slow", bytes(200_000), timeout=0.05)
+                assert int.from_bytes((await c.call("len", bytes(70_000))).tobytes(), "little") == 70_000
+            await asyncio.sleep(0.4)
+
+        asyncio.run(main())
+    finally:
+        srv.shutdown()
+
+
 def test_asyncio_client_does_not_block_the_loop(pool):
     import asyncio
 

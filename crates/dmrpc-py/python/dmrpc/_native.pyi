@@ -125,6 +125,24 @@ class Client:
 
     def call(self, method: str, data: Data = None, timeout: float | None = None) -> Payload: ...
 
+class CallHandle:
+    """A call started by `AsyncClient.start`."""
+
+    def cancel(self) -> None: ...
+
+class AsyncClient:
+    """A connection to a service for asyncio code (wrapped by `dmrpc.aio`)."""
+
+    def start(
+        self,
+        method: str,
+        data: Data,
+        timeout: float | None,
+        event_loop: Any,
+        fut: Any,
+        resolve: Callable[[Any, bool, Any], None],
+    ) -> CallHandle: ...
+
 Handler = Callable[[Payload], Data]
 
 class Node:
@@ -134,3 +152,5 @@ class Node:
     def serve(self, name: str, handlers: dict[str, Handler], tcp: str | None = None) -> Server: ...
     def connect(self, name: str) -> Client: ...
     def connect_tcp(self, addr: str) -> Client: ...
+    def connect_async(self, name: str) -> AsyncClient: ...
+    def connect_tcp_async(self, addr: str) -> AsyncClient: ...

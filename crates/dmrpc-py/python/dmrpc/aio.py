@@ -1,9 +1,11 @@
 """An asyncio client: `await client.call(...)` without blocking the event loop.
 
-Each call runs the blocking `dmrpc.Client.call` on a thread of a pool of
-the client's own (the GIL is released while a call waits), so any number
-of calls can be awaited together up to `max_concurrency`; the connection
-itself carries them concurrently.
+Each call is a future of the running event loop, completed by dmrpc's own
+runtime (one thread for all the async clients of the process) with no
+thread per call: any number of calls can be awaited together, and the
+connection carries them concurrently. Cancelling the task that awaits a
+call cancels the call: the server is told, and what its argument lent is
+released.
 
     import asyncio, dmrpc, dmrpc.aio
 
@@ -16,44 +18,69 @@ itself carries them concurrently.
 from __future__ import annotations
 
 import asyncio
-import functools
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._native import Client as _Client
+from ._native import AsyncClient as _AsyncClient
 from ._native import Node, Payload
 
 __all__ = ["AsyncClient", "connect", "connect_tcp"]
 
 
+def _resolve(fut: asyncio.Future[Payload], ok: bool, value: Any) -> None:
+    # Runs on the loop: a call whose awaiting task was cancelled drops its
+    # answer (a Payload releases what it holds when collected).
+    if fut.done():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
 class AsyncClient:
     """A connection to a service, for asyncio code."""
 
-    def __init__(self, client: _Client, max_concurrency: int = 16) -> None:
+    def __init__(self, client: _AsyncClient, max_concurrency: int | None = None) -> None:
         self._client = client
-        self._threads = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="dmrpc-aio")
+        self._limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self._in_flight: set[asyncio.Future[Payload]] = set()
 
     async def call(self, method: str, data: Any = None, timeout: float | None = None) -> Payload:
         """Calls `method` (see `dmrpc.Client.call`); the same exceptions."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._threads, functools.partial(self._client.call, method, data, timeout))
+        if self._limit is None:
+            return await self._call(method, data, timeout)
+        async with self._limit:
+            return await self._call(method, data, timeout)
 
-    def close(self) -> None:
-        """Waits for calls in flight, then stops the threads."""
-        self._threads.shutdown(wait=True)
+    async def _call(self, method: str, data: Any, timeout: float | None) -> Payload:
+        fut: asyncio.Future[Payload] = asyncio.get_running_loop().create_future()
+        handle = self._client.start(method, data, timeout, asyncio.get_running_loop(), fut, _resolve)
+        self._in_flight.add(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        finally:
+            self._in_flight.discard(fut)
+
+    async def aclose(self) -> None:
+        """Waits for the calls in flight."""
+        await asyncio.gather(*self._in_flight, return_exceptions=True)
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.close)
+        await self.aclose()
 
 
-def connect(node: Node, name: str, max_concurrency: int = 16) -> AsyncClient:
-    """Connects to service `name` (see `dmrpc.Node.connect`)."""
-    return AsyncClient(node.connect(name), max_concurrency)
+def connect(node: Node, name: str, max_concurrency: int | None = None) -> AsyncClient:
+    """Connects to service `name` (see `dmrpc.Node.connect`); at most
+    `max_concurrency` calls in flight at once, if given."""
+    return AsyncClient(node.connect_async(name), max_concurrency)
 
 
-def connect_tcp(node: Node, addr: str, max_concurrency: int = 16) -> AsyncClient:
+def connect_tcp(node: Node, addr: str, max_concurrency: int | None = None) -> AsyncClient:
     """Connects to a service by TCP address (see `dmrpc.Node.connect_tcp`)."""
-    return AsyncClient(node.connect_tcp(addr), max_concurrency)
+    return AsyncClient(node.connect_tcp_async(addr), max_concurrency)

@@ -1,0 +1,104 @@
+//! `dmrpc._native.AsyncClient`: calls that complete asyncio futures, with
+//! no thread per call. A call is a task of one tokio runtime shared by the
+//! process's async clients (one worker thread, started on first use),
+//! running [`dm_rpc::AsyncClient`]'s call: it reads its own answer while it
+//! spins, or leaves the wait to the connection's pump. When it completes,
+//! the task hands the `Payload` (or the exception) to the caller's event
+//! loop with `call_soon_threadsafe`. Cancelling the call (the awaiting
+//! task was cancelled) drops the task's future, which cancels the call as
+//! a dropped Rust call does: the server is told, and what the argument
+//! lent is released. `dmrpc.aio` wraps this in coroutines.
+
+use crate::errors::to_py;
+use crate::node::{call_options, keep_thread_state};
+use crate::payload::{to_payload, PyPayload};
+use dm_rpc::{AsyncClient, Node, RpcError};
+use pyo3::prelude::*;
+use std::sync::OnceLock;
+
+/// The runtime of every async client's calls in this process.
+fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    if let Some(rt) = RT.get() {
+        return Ok(rt);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("dmrpc-aio")
+        .enable_all()
+        .build()
+        .map_err(|e| to_py(RpcError::internal(format!("cannot start a runtime: {e}"))))?;
+    // (Two threads racing here each build one; the loser's is dropped.)
+    Ok(RT.get_or_init(|| rt))
+}
+
+/// An async connection to a service.
+#[pyclass(module = "dmrpc._native", name = "AsyncClient", frozen)]
+pub struct PyAsyncClient {
+    client: AsyncClient,
+    node: Node,
+}
+
+impl PyAsyncClient {
+    pub(crate) fn new(client: AsyncClient, node: Node) -> Self {
+        PyAsyncClient { client, node }
+    }
+}
+
+#[pymethods]
+impl PyAsyncClient {
+    /// Starts a call of `method` with `data` (as `Client.call`) and returns
+    /// at once. When the call completes, `resolve(fut, ok, value)` is
+    /// scheduled on `event_loop`: `ok` True with the answer's `Payload`,
+    /// or False with the exception. The `CallHandle` returned cancels the
+    /// call.
+    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve))]
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &self,
+        py: Python<'_>,
+        method: String,
+        data: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        event_loop: Py<PyAny>,
+        fut: Py<PyAny>,
+        resolve: Py<PyAny>,
+    ) -> PyResult<PyCallHandle> {
+        let p = to_payload(py, &self.node, data)?;
+        let opts = call_options(timeout)?;
+        let (client, node) = (self.client.clone(), self.node.clone());
+        let task = runtime()?.spawn(async move {
+            let r = client.call_with(&method, p, opts).await;
+            keep_thread_state();
+            Python::with_gil(|py| {
+                let (ok, value) = match r.map(|out| Py::new(py, PyPayload::new(out, node))) {
+                    Ok(Ok(v)) => (true, v.into_any()),
+                    Ok(Err(e)) => (false, e.into_value(py).into_any()),
+                    Err(e) => (false, to_py(e).into_value(py).into_any()),
+                };
+                // A closed loop has nobody left to tell: the answer goes
+                // with `value`.
+                let _ =
+                    event_loop.call_method1(py, "call_soon_threadsafe", (resolve, fut, ok, value));
+            });
+        });
+        Ok(PyCallHandle {
+            task: task.abort_handle(),
+        })
+    }
+}
+
+/// A call started by `AsyncClient.start`.
+#[pyclass(module = "dmrpc._native", name = "CallHandle", frozen)]
+pub struct PyCallHandle {
+    task: tokio::task::AbortHandle,
+}
+
+#[pymethods]
+impl PyCallHandle {
+    /// Cancels the call if it has not completed: the server is told, and
+    /// what its argument lent is released.
+    fn cancel(&self) {
+        self.task.abort();
+    }
+}
