@@ -953,16 +953,7 @@ mod tests {
 
     #[test]
     fn spinning_calls_take_their_own_answers_and_find_the_others_in_their_slots() {
-        let tp = dm_pool::testing::TempPool::new(16 << 20);
-        let node = Node::new(tp.attach());
-        let (feed, rx) = mpsc::channel();
-        let conn = Connection {
-            tx: Box::new(Sink),
-            rx: Box::new(FedRx(rx)),
-            max_inline: 1 << 20,
-            refs: crate::transport::Sharing::POOL,
-        };
-        let c = AsyncClient::new(node, "test/slots", conn);
+        let (_tp, c, feed) = fed_client(crate::WaitPolicy::default());
         let r = &c.inner.reader;
         r.driver.store(PUMP, Ordering::Release);
         for id in 1..=4 {
@@ -1005,6 +996,8 @@ mod tests {
         assert_eq!(r.waiting.load(Ordering::Relaxed), 0);
     }
 
+    /// A client whose connection takes every frame and whose answers the
+    /// test feeds, on a pool of its own.
     fn fed_client(
         wait: crate::WaitPolicy,
     ) -> (dm_pool::testing::TempPool, AsyncClient, mpsc::Sender<Frame>) {

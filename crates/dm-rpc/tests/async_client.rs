@@ -292,6 +292,16 @@ fn client_in(slot: &Slot, node: &Node, to: &str) -> Result<dm_rpc::AsyncClient, 
 /// A pool of `channels` channels (rings of `ring_size` bytes, or the
 /// default) and a node that sends up to `inline_max` bytes inline.
 fn pool_and_node(channels: u32, ring_size: Option<u32>, inline_max: usize) -> (TempPool, Node) {
+    waiting_node(channels, ring_size, inline_max, WaitPolicy::default())
+}
+
+/// [`pool_and_node`], the node waiting by `wait`.
+fn waiting_node(
+    channels: u32,
+    ring_size: Option<u32>,
+    inline_max: usize,
+    wait: WaitPolicy,
+) -> (TempPool, Node) {
     let d = PoolConfig::default();
     let tp = TempPool::with(PoolConfig {
         size: 256 << 20,
@@ -301,6 +311,7 @@ fn pool_and_node(channels: u32, ring_size: Option<u32>, inline_max: usize) -> (T
     });
     let cfg = dm_rpc::Config {
         inline_max,
+        wait,
         ..Default::default()
     };
     let node = Node::with_config(tp.attach(), cfg);
@@ -552,20 +563,7 @@ fn many_async_calls_through_small_rings_all_finish() {
         (1, WaitPolicy::park_only()),
         (2, WaitPolicy::park_only()),
     ] {
-        let tp = TempPool::with(PoolConfig {
-            size: 64 << 20,
-            ring_size: 4096,
-            channels: Some(8),
-            ..Default::default()
-        });
-        let node = Node::with_config(
-            tp.attach(),
-            Config {
-                wait,
-                inline_max: usize::MAX,
-                ..Config::default()
-            },
-        );
+        let (tp, node) = waiting_node(8, Some(4096), usize::MAX, wait);
         let name = format!("async/crowd/{threads}/{}", std::process::id());
         let svc = node
             .server(&name)
@@ -617,19 +615,7 @@ fn a_dropped_call_releases_what_it_lent() {
         (Transport::Tcp("127.0.0.1:0".into()), WaitPolicy::default()),
         (Transport::Mem, WaitPolicy::park_only()),
     ] {
-        let tp = TempPool::with(PoolConfig {
-            size: 64 << 20,
-            channels: Some(8),
-            ..Default::default()
-        });
-        let node = Node::with_config(
-            tp.attach(),
-            Config {
-                wait,
-                inline_max: 4096,
-                ..Config::default()
-            },
-        );
+        let (tp, node) = waiting_node(8, None, 4096, wait);
         let kind = match t {
             Transport::Shm => "shm",
             Transport::Mem => "mem",

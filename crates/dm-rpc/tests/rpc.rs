@@ -706,17 +706,22 @@ fn idle_server_parks_and_wakes() {
     tp.assert_clean();
 }
 
+/// A pool whose rings (4 KiB) hold a frame or two of a kilobyte.
+fn small_rings() -> TempPool {
+    TempPool::with(PoolConfig {
+        size: 64 << 20,
+        ring_size: 4096,
+        channels: Some(8),
+        ..Default::default()
+    })
+}
+
 #[test]
 fn a_client_that_stops_reading_does_not_stall_others() {
     // The raw transport lets a client send without reading answers: its
     // response ring fills, the server stops reading its requests
     // (back-pressure), and serves everyone else.
-    let tp = TempPool::with(PoolConfig {
-        size: 64 << 20,
-        ring_size: 4096,
-        channels: Some(8),
-        ..Default::default()
-    });
+    let tp = small_rings();
     let node = Node::new(tp.attach());
     let name = unique("greedy");
     let svc = spawn_svc(&node, &name, &Transport::Shm);
@@ -761,12 +766,7 @@ fn a_server_waiting_for_room_for_an_answer_wakes_when_the_client_reads() {
     // requests it parks, with a park slice of a minute, until the client
     // reads that answer. Reading must wake it (it used to wait out the
     // slice: the client rang a bell nobody waited on).
-    let tp = TempPool::with(PoolConfig {
-        size: 64 << 20,
-        ring_size: 4096,
-        channels: Some(8),
-        ..Default::default()
-    });
+    let tp = small_rings();
     let node = Node::with_config(
         tp.attach(),
         Config {
@@ -1230,12 +1230,7 @@ fn callers_sharing_a_connection_sleep_and_are_woken() {
 /// answer: whoever holds the receiving half must keep reading while it
 /// waits to send.
 fn crowd(t: Transport, size: usize) {
-    let tp = TempPool::with(PoolConfig {
-        size: 64 << 20,
-        ring_size: 4096,
-        channels: Some(8),
-        ..Default::default()
-    });
+    let tp = small_rings();
     let node = Node::with_config(
         tp.attach(),
         Config {
