@@ -162,6 +162,7 @@ pub(crate) fn orphan(node: &Node, f: Frame) {
 /// sending half `tx` (another caller may hold it, waiting for room that
 /// only this reading makes), then while it waits for room
 /// ([`FrameTx::send_reading`]).
+#[inline]
 pub(crate) fn send_holding_rx(
     tx: &Mutex<Box<dyn FrameTx>>,
     f: &Frame,
