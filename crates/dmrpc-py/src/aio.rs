@@ -1,10 +1,12 @@
 //! `dmrpc._native.AsyncClient`: calls that complete asyncio futures, with
-//! no thread per call. A call is a task of one tokio runtime shared by the
+//! no thread per call. A call is [`dm_rpc::AsyncClient`]'s: it reads its
+//! own answer while it spins, or leaves the wait to the connection's pump.
+//! It is first polled on the caller's thread (without the GIL): an answer
+//! that comes within the spin completes the asyncio future at once.
+//! Otherwise the call becomes a task of one tokio runtime shared by the
 //! process's async clients (one worker thread, started on first use),
-//! running [`dm_rpc::AsyncClient`]'s call: it reads its own answer while it
-//! spins, or leaves the wait to the connection's pump. When it completes,
-//! the task hands the `Payload` (or the exception) to the caller's event
-//! loop with `call_soon_threadsafe`. Cancelling the call (the awaiting
+//! which hands the `Payload` (or the exception) to the caller's event loop
+//! with `call_soon_threadsafe` when it completes. Cancelling the call (the awaiting
 //! task was cancelled) drops the task's future, which cancels the call as
 //! a dropped Rust call does: the server is told, and what the argument
 //! lent is released. `dmrpc.aio` wraps this in coroutines.
@@ -14,7 +16,9 @@ use crate::node::{call_options, keep_thread_state};
 use crate::payload::{to_payload, PyPayload};
 use dm_rpc::{AsyncClient, Node, RpcError};
 use pyo3::prelude::*;
+use std::future::Future;
 use std::sync::OnceLock;
+use std::task::{Context, Poll, Waker};
 
 /// The runtime of every async client's calls in this process.
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
@@ -67,15 +71,27 @@ impl PyAsyncClient {
         let p = to_payload(py, &self.node, data)?;
         let opts = call_options(timeout)?;
         let (client, node) = (self.client.clone(), self.node.clone());
-        let task = runtime()?.spawn(async move {
-            let r = client.call_with(&method, p, opts).await;
+        let rt = runtime()?;
+        let mut call = Box::pin(async move { client.call_with(&method, p, opts).await });
+        // First polled here, without the GIL: a call whose answer comes
+        // within its spin (the waiting policy's, adaptive) completes with
+        // no thread in between, as a Rust async call does. Only a call
+        // still waiting after it goes to the runtime.
+        let first = py.allow_threads(|| {
+            let _in_rt = rt.enter();
+            let mut cx = Context::from_waker(Waker::noop());
+            call.as_mut().poll(&mut cx)
+        });
+        if let Poll::Ready(r) = first {
+            let (ok, value) = outcome(py, r, node);
+            resolve.call1(py, (fut, ok, value))?;
+            return Ok(PyCallHandle { task: None });
+        }
+        let task = rt.spawn(async move {
+            let r = call.await;
             keep_thread_state();
             Python::with_gil(|py| {
-                let (ok, value) = match r.map(|out| Py::new(py, PyPayload::new(out, node))) {
-                    Ok(Ok(v)) => (true, v.into_any()),
-                    Ok(Err(e)) => (false, e.into_value(py).into_any()),
-                    Err(e) => (false, to_py(e).into_value(py).into_any()),
-                };
+                let (ok, value) = outcome(py, r, node);
                 // A closed loop has nobody left to tell: the answer goes
                 // with `value`.
                 let _ =
@@ -83,15 +99,26 @@ impl PyAsyncClient {
             });
         });
         Ok(PyCallHandle {
-            task: task.abort_handle(),
+            task: Some(task.abort_handle()),
         })
+    }
+}
+
+/// A call's result for `resolve`: whether it succeeded, and the answer's
+/// `Payload` or the exception.
+fn outcome(py: Python<'_>, r: Result<dm_rpc::Payload, RpcError>, node: Node) -> (bool, Py<PyAny>) {
+    match r.map(|out| Py::new(py, PyPayload::new(out, node))) {
+        Ok(Ok(v)) => (true, v.into_any()),
+        Ok(Err(e)) => (false, e.into_value(py).into_any()),
+        Err(e) => (false, to_py(e).into_value(py).into_any()),
     }
 }
 
 /// A call started by `AsyncClient.start`.
 #[pyclass(module = "dmrpc._native", name = "CallHandle", frozen)]
 pub struct PyCallHandle {
-    task: tokio::task::AbortHandle,
+    /// The runtime's task, if the call did not complete in `start`.
+    task: Option<tokio::task::AbortHandle>,
 }
 
 #[pymethods]
@@ -99,6 +126,8 @@ impl PyCallHandle {
     /// Cancels the call if it has not completed: the server is told, and
     /// what its argument lent is released.
     fn cancel(&self) {
-        self.task.abort();
+        if let Some(t) = &self.task {
+            t.abort();
+        }
     }
 }
