@@ -51,10 +51,12 @@ impl PyAsyncClient {
 
 #[pymethods]
 impl PyAsyncClient {
-    /// Starts a call of `method` with `data` (as `Client.call`) and returns
-    /// at once. When the call completes, `resolve(fut, ok, value)` is
-    /// scheduled on `event_loop`: `ok` True with the answer's `Payload`,
-    /// or False with the exception. The `CallHandle` returned cancels the
+    /// Starts a call of `method` with `data` (as `Client.call`). When the
+    /// call completes, `resolve(fut, ok, value)` is called: `ok` True with
+    /// the answer's `Payload`, or False with the exception. That happens
+    /// here if the answer comes within the spin of the first poll (or the
+    /// call fails at once), else later on `event_loop`
+    /// (`call_soon_threadsafe`). The `CallHandle` returned cancels the
     /// call.
     #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve))]
     #[allow(clippy::too_many_arguments)]

@@ -4,7 +4,8 @@ Each call is a future of the running event loop, with no thread per
 call: any number of calls can be awaited together, and the connection
 carries them concurrently. A call first waits for its answer on the
 loop's thread, without the GIL, for the waiting policy's spin (at most
-20 us by default, less once answers take longer); a call still waiting
+20 us by default, less once answers take longer; and, when the connection
+is full, for room to send, as a Rust async call does); a call still waiting
 then is completed by dmrpc's own runtime (one thread for all the async
 clients of the process). Cancelling the task that awaits a call cancels
 the call: the server is told, and what its argument lent is released.
