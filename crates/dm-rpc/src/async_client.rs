@@ -312,11 +312,15 @@ impl Reader {
         if self.ready.load(Ordering::Acquire) == 0 {
             return None;
         }
-        let mut st = lock(&self.state);
+        self.take_ready(&mut lock(&self.state), id)
+    }
+
+    /// Call `id`'s answer, if someone else read it into its slot.
+    fn take_ready(&self, st: &mut State, id: u64) -> Option<Result<Frame, RpcError>> {
         if !matches!(st.pending.get(&id), Some(Slot::Ready(_))) {
             return None;
         }
-        match self.remove(&mut st, id) {
+        match self.remove(st, id) {
             Some(Slot::Ready(r)) => Some(r),
             _ => None,
         }
@@ -359,19 +363,16 @@ impl Reader {
         id: u64,
     ) -> Result<oneshot::Receiver<Result<Frame, RpcError>>, Result<Frame, RpcError>> {
         let mut st = lock(&self.state);
+        if let Some(r) = self.take_ready(&mut st, id) {
+            return Err(r);
+        }
         match st.pending.get_mut(&id) {
             Some(slot @ Slot::Spinning) => {
                 let (reply, waiting) = oneshot::channel();
                 *slot = Slot::Waiting(reply);
                 Ok(waiting)
             }
-            Some(Slot::Ready(_)) => match self.remove(&mut st, id) {
-                Some(Slot::Ready(r)) => Err(r),
-                _ => unreachable!("the slot was ready"),
-            },
-            Some(Slot::Waiting(_)) | None => {
-                Err(Err(RpcError::internal("a waiting call lost its place")))
-            }
+            _ => Err(Err(RpcError::internal("a waiting call lost its place"))),
         }
     }
 

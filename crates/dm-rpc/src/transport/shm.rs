@@ -204,31 +204,54 @@ pub fn connect(
     })
 }
 
+/// Pushes `f`, waiting for room until `deadline`: parked on `sleeper`
+/// (the ring's room bell, or several bells), running `meanwhile` before
+/// each look at the room (an error from it ends the wait) and `check`
+/// between park slices.
 fn push(
     prod: &mut Producer<'static, RawData>,
     f: &Frame,
     waiter: &mut Waiter,
     deadline: Option<Instant>,
+    sleeper: impl crate::wait::Sleeper,
+    mut meanwhile: impl FnMut() -> Result<(), TransportError>,
     check: impl FnMut() -> Result<(), TransportError>,
 ) -> Result<bool, TransportError> {
     let len = f.encoded_len();
     if prod.try_push(len, |put| f.encode_with(put))? {
         return Ok(true);
     }
-    let bell = prod.bell();
-    let room = waiter.wait(bell, deadline, || prod.fits(len).then_some(()), check)?;
-    if room.is_none() {
-        return Ok(false);
+    let room = waiter.wait(
+        sleeper,
+        deadline,
+        || match meanwhile() {
+            Err(e) => Some(Err(e)),
+            Ok(()) => prod.fits(len).then_some(Ok(())),
+        },
+        check,
+    )?;
+    match room {
+        None => Ok(false),
+        Some(r) => {
+            r?;
+            Ok(prod.try_push(len, |put| f.encode_with(put))?)
+        }
     }
-    Ok(prod.try_push(len, |put| f.encode_with(put))?)
 }
 
 impl FrameTx for ShmTx {
     fn send(&mut self, f: &Frame, deadline: Option<Instant>) -> Result<bool, TransportError> {
-        let sh = &self.sh;
-        push(&mut self.prod, f, &mut self.waiter, deadline, || {
-            sh.check_peer()
-        })
+        let (sh, bell) = (&self.sh, self.prod.bell());
+        let check = || sh.check_peer();
+        push(
+            &mut self.prod,
+            f,
+            &mut self.waiter,
+            deadline,
+            bell,
+            || Ok(()),
+            check,
+        )
     }
 
     /// Waits for room and for answers at once: on the ring's room bell
@@ -242,31 +265,21 @@ impl FrameTx for ShmTx {
         rx: &mut dyn FrameRx,
         got: &mut dyn FnMut(Frame),
     ) -> Result<bool, TransportError> {
-        let len = f.encoded_len();
-        if self.prod.try_push(len, |put| f.encode_with(put))? {
-            return Ok(true);
-        }
         let Some(answers) = rx.bell() else {
             return self.send(f, deadline);
         };
         let bells = [self.prod.bell().0, answers];
-        let (prod, sh) = (&mut self.prod, &self.sh);
-        let room = self.waiter.wait(
-            Bells(&bells),
+        let sh = &self.sh;
+        let (read, check) = (|| super::drain(rx, got), || sh.check_peer());
+        push(
+            &mut self.prod,
+            f,
+            &mut self.waiter,
             deadline,
-            || match super::drain(rx, got) {
-                Err(e) => Some(Err(e)),
-                Ok(()) => prod.fits(len).then_some(Ok(())),
-            },
-            || sh.check_peer(),
-        )?;
-        match room {
-            None => Ok(false),
-            Some(r) => {
-                r?;
-                Ok(self.prod.try_push(len, |put| f.encode_with(put))?)
-            }
-        }
+            Bells(&bells),
+            read,
+            check,
+        )
     }
 }
 
@@ -656,11 +669,14 @@ impl Listener for ShmListener {
         let c = &mut self.conns[k];
         c.owed = c.owed.saturating_sub(1);
         let (pool, ch) = (&self.pool, c.ch);
+        let bell = self.conns[k].resp.bell();
         let r = push(
             &mut self.conns[k].resp,
             f,
             &mut self.reply_waiter,
             None,
+            bell,
+            || Ok(()),
             || match pool.channel_peer(ch, Side::Server) {
                 Peer::Live => Ok(()),
                 _ => Err(TransportError::Unavailable("client gone".into())),
