@@ -39,7 +39,7 @@
 //! the same way: the Ref made for its argument is released at once, and
 //! so is its answer when it comes.
 
-use crate::client::{answer, orphan, outgoing, send_holding_rx};
+use crate::client::{answer, orphan, outgoing, send_holding_rx, send_unheld};
 use crate::error::RpcError;
 use crate::frame::{method_id, Frame, Kind};
 use crate::node::Node;
@@ -419,7 +419,8 @@ impl Reader {
     /// listener takes its own answers while it waits: the listener's
     /// dispatcher is most likely this very thread (polling the handler
     /// that calls), and the service may wait for room to answer before it
-    /// reads more requests.
+    /// reads more requests. Any other reads them if nobody else does
+    /// ([`send_unheld`]: the pump may have stopped, its calls done).
     fn send(
         &self,
         tx: &Mutex<Box<dyn FrameTx>>,
@@ -427,7 +428,10 @@ impl Reader {
         deadline: Option<Instant>,
     ) -> Result<bool, TransportError> {
         if self.driver.load(Ordering::Acquire) != LISTENER {
-            return lock(tx).send(f, deadline);
+            let yield_for = self.node.cfg.wait.yield_for;
+            return send_unheld(tx, &self.rx, f, deadline, yield_for, &mut |a| {
+                self.deliver(Ok(a));
+            });
         }
         let mut last_check = Instant::now();
         loop {

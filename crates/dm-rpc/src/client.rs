@@ -12,8 +12,10 @@
 //! (for room, or for the sending half): a server takes a request only when
 //! it has room to answer it, so answers left unread there would stall
 //! every caller of the connection (found with eight threads on one client
-//! over 4 KiB rings). A peer that dies fails every pending and future call
-//! on the connection with `Unavailable`.
+//! over 4 KiB rings). A caller without the half that finds no room takes
+//! the half if nobody holds it, and reads too: answers to calls that gave
+//! up would otherwise stall it. A peer that dies fails every pending and
+//! future call on the connection with `Unavailable`.
 
 use crate::error::RpcError;
 use crate::frame::{method_id, Body, Frame, Kind, Status};
@@ -194,6 +196,45 @@ pub(crate) fn send_holding_rx(
     tx.send_reading(f, deadline, &mut **rx, got)
 }
 
+/// How long a caller that does not hold the receiving half waits for room
+/// at a time before it looks again whether anyone holds it.
+const ROOM_SLICE: Duration = Duration::from_millis(1);
+
+/// Sends `f` for a caller that does not hold the connection's receiving
+/// half `rx`. Room to send may come only once answers are read
+/// ([`FrameTx::room_needs_reader`]): while another caller holds the half,
+/// that caller reads them; when nobody does (its holder got its answer
+/// and left, and what is left are answers to calls that gave up), this
+/// caller takes the half and reads while it waits ([`send_holding_rx`]),
+/// handing what it reads to `got`. It lets the half go before it returns.
+pub(crate) fn send_unheld(
+    tx: &Mutex<Box<dyn FrameTx>>,
+    rx: &Mutex<Box<dyn FrameRx>>,
+    f: &Frame,
+    deadline: Option<Instant>,
+    yield_for: Duration,
+    got: &mut dyn FnMut(Frame),
+) -> Result<bool, crate::transport::TransportError> {
+    // The first try does not wait: room is usually there.
+    let mut slice = Duration::ZERO;
+    loop {
+        let mut t = lock(tx);
+        if !t.room_needs_reader() {
+            return t.send(f, deadline);
+        }
+        let until = Instant::now() + slice;
+        match t.send(f, Some(deadline.map_or(until, |d| d.min(until)))) {
+            Ok(false) if deadline.is_none_or(|d| Instant::now() < d) => {}
+            done => return done,
+        }
+        drop(t);
+        if let Ok(mut rx) = rx.try_lock() {
+            return send_holding_rx(tx, f, deadline, &mut rx, yield_for, got);
+        }
+        slice = ROOM_SLICE;
+    }
+}
+
 impl Client {
     pub(crate) fn new(node: Node, name: &str, conn: Connection) -> Client {
         Client {
@@ -261,11 +302,8 @@ impl Client {
             st.waiting.push((id, None));
         }
         let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
-        let sent = match reader {
-            // Reading answers while it waits for room (see `send_reading`).
-            Some(ref mut rx) => self.send_reading(&frame, deadline, rx),
-            None => lock(&i.tx).send(&frame, deadline),
-        };
+        // Reading answers while it waits for room (see `send_reading`).
+        let sent = self.send_reading(&frame, deadline, reader.as_mut());
         drop(frame);
         let unsent = match sent {
             Ok(true) => None,
@@ -327,13 +365,14 @@ impl Client {
         }
     }
 
-    /// Sends `f` as the holder of the receiving half ([`send_holding_rx`]):
-    /// the answers that come meanwhile go to their callers.
+    /// Sends `f`, as the holder of the receiving half `rx`
+    /// ([`send_holding_rx`]) or as a caller without it ([`send_unheld`]):
+    /// the answers read meanwhile go to their callers.
     fn send_reading(
         &self,
         f: &Frame,
         deadline: Option<Instant>,
-        rx: &mut MutexGuard<'_, Box<dyn FrameRx>>,
+        rx: Option<&mut MutexGuard<'_, Box<dyn FrameRx>>>,
     ) -> Result<bool, crate::transport::TransportError> {
         let i = &*self.inner;
         let mut stray = false;
@@ -346,7 +385,11 @@ impl Client {
             self.deliver(&mut st, a);
             self.notify(&st);
         };
-        let sent = send_holding_rx(&i.tx, f, deadline, rx, i.node.cfg.wait.yield_for, &mut got);
+        let yield_for = i.node.cfg.wait.yield_for;
+        let sent = match rx {
+            Some(rx) => send_holding_rx(&i.tx, f, deadline, rx, yield_for, &mut got),
+            None => send_unheld(&i.tx, &i.rx, f, deadline, yield_for, &mut got),
+        };
         if stray {
             return Err(crate::transport::TransportError::Protocol(
                 "the server sent a frame that is not a response".into(),

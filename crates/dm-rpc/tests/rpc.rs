@@ -1274,3 +1274,72 @@ fn many_callers_on_one_client_all_finish_over_tcp() {
 fn many_callers_on_one_client_all_finish_in_memory() {
     crowd(Transport::Mem, 1000);
 }
+
+#[test]
+fn a_caller_waiting_to_send_reads_answers_nobody_else_reads() {
+    // Over 4 KiB rings a server takes a request only when the response
+    // ring is empty. D holds the receiving half (its call is running);
+    // three callers queue requests and give up; C, sending a large
+    // argument, finds no room and waits. When D's answer comes and D
+    // leaves, the answer to the first given-up request fills the response
+    // ring: the server waits for it to be read, and the request ring stays
+    // too full for C. Nobody else is left to read it: C must, while it
+    // waits to send (it used to wait out its deadline).
+    let tp = small_rings();
+    let node = Node::with_config(
+        tp.attach(),
+        Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+    );
+    let name = unique("unread");
+    let (started, running) = std::sync::mpsc::channel();
+    let started = std::sync::Mutex::new(started);
+    let svc = node
+        .server(&name)
+        .method("hold", move |_| {
+            let _ = started.lock().unwrap().send(());
+            std::thread::sleep(Duration::from_millis(300));
+            Ok(Payload::empty())
+        })
+        .method("echo", |c| Ok(c.take_payload()))
+        .spawn()
+        .unwrap();
+    let c = node.connect(&name).unwrap();
+    std::thread::scope(|s| {
+        let d = c.clone();
+        let holder = s.spawn(move || d.call("hold", Payload::empty()));
+        running.recv_timeout(Duration::from_secs(10)).unwrap();
+        let mut given_up = Vec::new();
+        for size in [0, 1500, 1500] {
+            let o = c.clone();
+            given_up.push(s.spawn(move || {
+                let opts = CallOptions::deadline(Duration::from_millis(50));
+                o.call_with("echo", Payload::from_vec(vec![1; size]), opts)
+            }));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let waits = c.clone();
+        let big = pattern(2000, 9);
+        let want = big.clone();
+        let last = s.spawn(move || {
+            let opts = CallOptions::deadline(Duration::from_secs(10));
+            let t = Instant::now();
+            let got = waits.call_with("echo", Payload::from_vec(big), opts);
+            (got.map(|p| p.to_vec().unwrap()), t.elapsed())
+        });
+        holder.join().unwrap().unwrap();
+        for o in given_up {
+            let e = o.join().unwrap().unwrap_err();
+            assert_eq!(e.status, Status::DeadlineExceeded, "{e}");
+        }
+        let (got, took) = last.join().unwrap();
+        assert_eq!(got.unwrap(), want);
+        assert!(took < Duration::from_secs(5), "the last call took {took:?}");
+    });
+    drop(c);
+    drop(svc);
+    drop(node);
+    tp.assert_clean();
+}

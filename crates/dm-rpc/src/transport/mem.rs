@@ -163,6 +163,10 @@ impl FrameTx for MemTx {
         let v = Event::Frame(self.id, f.clone());
         send_bounded(&self.tx, v, deadline, || super::drain(rx, got))
     }
+
+    fn room_needs_reader(&self) -> bool {
+        true
+    }
 }
 
 impl FrameRx for MemRx {

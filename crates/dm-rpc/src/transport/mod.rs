@@ -87,6 +87,16 @@ pub trait FrameTx: Send {
         let _ = (rx, got);
         self.send(f, deadline)
     }
+
+    /// Whether room to send may wait on answers being read (a server that
+    /// takes a request only when it has room to answer it), with a send
+    /// that runs out of time sending nothing, so that a caller may wait in
+    /// slices and look between them for answers nobody reads. The default
+    /// is no: a server that reads requests ahead of room for their answers
+    /// (and a stream, where a send cut short breaks the connection).
+    fn room_needs_reader(&self) -> bool {
+        false
+    }
 }
 
 /// Hands every frame already in `rx` to `got`, without waiting.

@@ -281,6 +281,10 @@ impl FrameTx for ShmTx {
             check,
         )
     }
+
+    fn room_needs_reader(&self) -> bool {
+        true
+    }
 }
 
 impl ShmRx {
