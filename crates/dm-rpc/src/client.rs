@@ -27,17 +27,36 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Options of one call.
+///
+/// A call made while a handler serves a call (on the dispatcher's thread)
+/// waits no longer than the served call's caller does: it takes the
+/// earlier of its own deadline and the served one (see [`crate::deadline`]),
+/// unless it is `detached`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CallOptions {
     /// How long to wait for the answer (the server also skips the call if
     /// it is still queued when this passes). None: the node's default.
     pub deadline: Option<Duration>,
+    /// Do not inherit the deadline of the call being served (for work
+    /// meant to outlive it).
+    pub detached: bool,
 }
 
 impl CallOptions {
     /// Options with a deadline.
     pub fn deadline(d: Duration) -> Self {
-        CallOptions { deadline: Some(d) }
+        CallOptions {
+            deadline: Some(d),
+            detached: false,
+        }
+    }
+
+    /// These options, not inheriting the deadline of the call being served.
+    pub fn detached(self) -> Self {
+        CallOptions {
+            detached: true,
+            ..self
+        }
     }
 }
 
@@ -119,14 +138,38 @@ pub(crate) fn outgoing(
     opts: CallOptions,
 ) -> Result<Outgoing, RpcError> {
     let budget = opts.deadline.or(node.cfg.default_deadline);
+    let served = if opts.detached {
+        None
+    } else {
+        crate::deadline::served()
+    };
+    let (deadline, deadline_us) = match (budget, served) {
+        (None, None) => (None, 0),
+        _ => {
+            let now = Instant::now();
+            let own = budget.map(|d| now + d);
+            let d = match (own, served) {
+                (Some(a), Some(b)) => a.min(b),
+                (a, b) => a.or(b).unwrap_or(now),
+            };
+            if d <= now && served.is_some_and(|s| s <= d) {
+                // Its caller gave up already: nothing to send.
+                return Err(RpcError::deadline_exceeded(
+                    "the deadline of the call being served has passed",
+                ));
+            }
+            let left = d.saturating_duration_since(now).as_micros();
+            (Some(d), left.clamp(1, u32::MAX as u128) as u32)
+        }
+    };
     let inline_max = node.cfg.inline_max.min(max_inline);
     let (body, lent) = payload.into_body(node, inline_max, Dir::Request, refs)?;
     crate::stats::count(&body, true);
     Ok(Outgoing {
         body,
         lent,
-        deadline: budget.map(|d| Instant::now() + d),
-        deadline_us: budget.map_or(0, |d| d.as_micros().clamp(1, u32::MAX as u128) as u32),
+        deadline,
+        deadline_us,
     })
 }
 

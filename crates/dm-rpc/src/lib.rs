@@ -12,6 +12,8 @@
 //! * [`registry`] — names to endpoints: the trait, and its home in the pool.
 //! * [`node`], [`server`], [`client`], [`async_client`] — what applications
 //!   program against (blocking and tokio).
+//! * [`deadline`] — a handler's calls inherit the deadline of the call it
+//!   serves.
 //!
 //! ```no_run
 //! use dm_rpc::{Node, Payload};
@@ -42,6 +44,8 @@ pub mod wait;
 pub mod async_client;
 #[cfg(not(loom))]
 pub mod client;
+#[cfg(not(loom))]
+pub mod deadline;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]

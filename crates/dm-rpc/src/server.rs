@@ -88,7 +88,9 @@ enum Method {
 pub struct AsyncCall {
     /// The request's payload.
     pub payload: Payload,
-    /// When the caller stops waiting, if it set a deadline.
+    /// When the caller stops waiting, if it set a deadline. Calls the
+    /// handler's future makes while it is polled inherit it
+    /// ([`crate::deadline`]).
     pub deadline: Option<Instant>,
     /// The method's name.
     pub method: String,
@@ -117,7 +119,7 @@ impl Call<'_> {
     }
 
     /// When the caller stops waiting, if it set a deadline. Nested calls
-    /// should not outlive it.
+    /// made while the handler runs inherit it ([`crate::deadline`]).
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
     }
@@ -437,6 +439,8 @@ struct Task {
     to: To,
     /// The method's id (for a panic's message).
     method: u32,
+    /// The call's deadline, which calls made while it is polled inherit.
+    deadline: Option<Instant>,
     fut: HandlerFuture,
     waker: std::task::Waker,
 }
@@ -580,14 +584,16 @@ impl Dispatcher {
                                 let _rt = self.rt.as_ref().map(|rt| rt.enter());
                                 let h = h.clone();
                                 polling_with(self.watch.as_ref(), || {
-                                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                        h(call)
-                                    }))
+                                    crate::deadline::serving(deadline, || {
+                                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                                            || h(call),
+                                        ))
+                                    })
                                 })
                             };
                             match fut {
                                 Ok(fut) => {
-                                    self.start_async(to, frame.method, fut);
+                                    self.start_async(to, frame.method, deadline, fut);
                                     self.drain();
                                     return;
                                 }
@@ -611,7 +617,7 @@ impl Dispatcher {
 
     /// Starts an async handler's call: polls it at once (it runs up to
     /// its first await), and keeps it until it completes.
-    fn start_async(&mut self, to: To, method: u32, fut: HandlerFuture) {
+    fn start_async(&mut self, to: To, method: u32, deadline: Option<Instant>, fut: HandlerFuture) {
         let t = &mut self.tasks;
         let slot = t.free.pop().unwrap_or_else(|| {
             t.slots.push(None);
@@ -625,6 +631,7 @@ impl Dispatcher {
         t.slots[slot] = Some(Task {
             to,
             method,
+            deadline,
             fut,
             waker,
         });
@@ -702,9 +709,11 @@ impl Dispatcher {
             let _rt = self.rt.as_ref().map(|rt| rt.enter());
             let mut cx = std::task::Context::from_waker(&task.waker);
             polling_with(self.watch.as_ref(), || {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    task.fut.as_mut().poll(&mut cx)
-                }))
+                crate::deadline::serving(task.deadline, || {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        task.fut.as_mut().poll(&mut cx)
+                    }))
+                })
             })
         };
         let r = match polled {
@@ -779,7 +788,10 @@ fn run_handler(
         method: name,
         node,
     };
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&mut call))) {
+    let r = crate::deadline::serving(deadline, || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&mut call)))
+    });
+    match r {
         Ok(r) => r,
         Err(p) => Err(panicked(name, &*p)),
     }

@@ -1118,9 +1118,7 @@ fn a_late_echo_does_not_release_the_upstream_ref() {
         .server(&format!("{base}/a"))
         .method("go", move |c| {
             let cl = n.connect(&b_name)?;
-            let opts = CallOptions {
-                deadline: Some(Duration::from_millis(10)),
-            };
+            let opts = CallOptions::deadline(Duration::from_millis(10));
             let late = cl.call_with("slow", c.payload().forward()?, opts);
             assert_eq!(late.unwrap_err().status, Status::DeadlineExceeded);
             std::thread::sleep(Duration::from_millis(120));
@@ -1340,6 +1338,167 @@ fn a_caller_waiting_to_send_reads_answers_nobody_else_reads() {
     });
     drop(c);
     drop(svc);
+    drop(node);
+    tp.assert_clean();
+}
+
+/// How much of its caller's deadline a call had left when it arrived, in
+/// µs (0: no deadline).
+fn left_us(c: &dm_rpc::Call<'_>) -> Payload {
+    let left = c.deadline().map_or(0, |d| {
+        d.saturating_duration_since(Instant::now()).as_micros() as u64 + 1
+    });
+    Payload::from_vec(left.to_le_bytes().to_vec())
+}
+
+fn as_u64(p: Payload) -> u64 {
+    u64::from_le_bytes(p.to_vec().unwrap().try_into().unwrap())
+}
+
+/// The options a front service's nested call uses, by the request's first
+/// byte: none of its own, a longer deadline, detached, a shorter deadline.
+fn nested_opts(mode: u8) -> CallOptions {
+    match mode {
+        0 => CallOptions::default(),
+        1 => CallOptions::deadline(Duration::from_secs(30)),
+        2 => CallOptions::default().detached(),
+        _ => CallOptions::deadline(Duration::from_millis(50)),
+    }
+}
+
+#[test]
+fn a_handlers_calls_inherit_the_deadline_of_the_call_it_serves() {
+    // A front service (blocking and async handlers) calls a leaf: its call
+    // waits no longer than its own caller does, the leaf sees what is left
+    // of that deadline, and a call started after it passed fails at once
+    // without reaching the leaf.
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    for t in [
+        Transport::Shm,
+        Transport::Tcp("127.0.0.1:0".into()),
+        Transport::Mem,
+    ] {
+        let leaf = unique("leaf");
+        let reached = std::sync::Arc::new(AtomicU32::new(0));
+        let r = reached.clone();
+        let leaf_svc = node
+            .server(&leaf)
+            .transport(t.clone())
+            .method("left", move |c| {
+                r.fetch_add(1, Ordering::Relaxed);
+                Ok(left_us(c))
+            })
+            .method("sleep", |_| {
+                std::thread::sleep(Duration::from_millis(800));
+                Ok(Payload::empty())
+            })
+            .spawn()
+            .unwrap();
+        let front = unique("front");
+        let stuck_for = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (n, l, na, la) = (node.clone(), leaf.clone(), node.clone(), leaf.clone());
+        let (nl, ll, ns, ls, sf) = (
+            node.clone(),
+            leaf.clone(),
+            node.clone(),
+            leaf.clone(),
+            stuck_for.clone(),
+        );
+        let front_svc = node
+            .server(&front)
+            .transport(t.clone())
+            .method("via", move |c| {
+                let mode = c.payload().to_vec()?[0];
+                n.connect(&l)?
+                    .call_with("left", Payload::empty(), nested_opts(mode))
+            })
+            .method_async("via_async", move |c| {
+                let (n, l) = (na.clone(), la.clone());
+                async move {
+                    let mode = c.payload.to_vec()?[0];
+                    let cl = n.connect_async(&l)?;
+                    cl.call_with("left", Payload::empty(), nested_opts(mode))
+                        .await
+                }
+            })
+            // Starts its call after its caller's deadline passed.
+            .method("late", move |c| {
+                let cl = nl.connect(&ll)?;
+                std::thread::sleep(
+                    c.deadline().unwrap() - Instant::now() + Duration::from_millis(5),
+                );
+                cl.call("left", Payload::empty())
+            })
+            // Its call would take 800 ms; its caller waits 150 ms.
+            .method("stuck", move |_| {
+                let cl = ns.connect(&ls)?;
+                let t0 = Instant::now();
+                let r = cl.call("sleep", Payload::empty());
+                sf.store(t0.elapsed().as_micros() as u64 + 1, Ordering::Relaxed);
+                r
+            })
+            .spawn()
+            .unwrap();
+        let c = node.connect(&front).unwrap();
+        let within = CallOptions::deadline(Duration::from_secs(2));
+        for via in ["via", "via_async"] {
+            let call = |mode: u8, opts| {
+                as_u64(
+                    c.call_with(via, Payload::from_vec(vec![mode]), opts)
+                        .unwrap(),
+                )
+            };
+            // No deadline anywhere: none inherited.
+            assert_eq!(call(0, CallOptions::default()), 0, "{via} {t:?}");
+            for (mode, most) in [(0, 2_000_000), (1, 2_000_000), (3, 50_000)] {
+                let left = call(mode, within);
+                assert!(
+                    left > 0 && left <= most + 1,
+                    "{via} {t:?} mode {mode}: {left} µs left"
+                );
+            }
+            // Detached: its own (none).
+            assert_eq!(call(2, within), 0, "{via} {t:?} detached");
+        }
+        let before = reached.load(Ordering::Relaxed);
+        let e = c
+            .call_with(
+                "late",
+                Payload::empty(),
+                CallOptions::deadline(Duration::from_millis(100)),
+            )
+            .unwrap_err();
+        assert_eq!(e.status, Status::DeadlineExceeded, "{t:?}: {e}");
+        // Give the front time to try, then check the leaf saw nothing.
+        let ping = c.call_with("via", Payload::from_vec(vec![0]), CallOptions::default());
+        assert_eq!(as_u64(ping.unwrap()), 0);
+        assert_eq!(
+            reached.load(Ordering::Relaxed),
+            before + 1,
+            "{t:?}: the late call reached the leaf"
+        );
+        let e = c
+            .call_with(
+                "stuck",
+                Payload::empty(),
+                CallOptions::deadline(Duration::from_millis(150)),
+            )
+            .unwrap_err();
+        assert_eq!(e.status, Status::DeadlineExceeded, "{t:?}: {e}");
+        let until = Instant::now() + Duration::from_secs(10);
+        while stuck_for.load(Ordering::Relaxed) == 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let took = Duration::from_micros(stuck_for.load(Ordering::Relaxed));
+        assert!(
+            took > Duration::ZERO && took < Duration::from_millis(600),
+            "{t:?}: the front's nested call took {took:?} (its caller waited 150 ms)"
+        );
+        drop(c);
+        front_svc.shutdown();
+        leaf_svc.shutdown();
+    }
     drop(node);
     tp.assert_clean();
 }

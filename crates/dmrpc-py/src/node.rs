@@ -238,17 +238,22 @@ pub struct PyClient {
 impl PyClient {
     /// Calls `method` with `data` (None, a bytes-like object, a `Buffer`
     /// or a `Payload`); returns the answer as a `Payload`. `timeout` in
-    /// seconds.
-    #[pyo3(signature = (method, data=None, timeout=None))]
+    /// seconds. Called from a service's handler, the call waits no longer
+    /// than the handler's own caller does, unless `detached`.
+    #[pyo3(signature = (method, data=None, timeout=None, detached=false))]
     fn call<'py>(
         &self,
         py: Python<'py>,
         method: &str,
         data: Option<&Bound<'py, PyAny>>,
         timeout: Option<f64>,
+        detached: bool,
     ) -> PyResult<PyPayload> {
         let p = to_payload(py, &self.node, data)?;
-        let opts = call_options(timeout)?;
+        let mut opts = call_options(timeout)?;
+        if detached {
+            opts = opts.detached();
+        }
         let out = py
             .allow_threads(|| self.client.call_with(method, p, opts))
             .map_err(to_py)?;

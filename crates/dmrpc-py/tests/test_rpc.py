@@ -82,6 +82,50 @@ def test_python_service_and_client_in_one_process(pool):
     srv.shutdown()
 
 
+def test_a_handlers_calls_wait_no_longer_than_its_caller(pool):
+    # A handler's nested call inherits the deadline of the call it serves:
+    # when the first caller gives up, so does the call it caused, unless
+    # it is detached.
+    p, _ = pool
+    node = dmrpc.Node(p)
+    base = f"py/deadline/{os.getpid()}/{next(_N)}"
+
+    def slow(b):
+        time.sleep(0.6)
+        return b"done"
+
+    leaf = node.serve(f"{base}/leaf", {"slow": slow})
+    seen = []
+
+    def via(b):
+        c = node.connect(f"{base}/leaf")
+        t0 = time.monotonic()
+        try:
+            r = bytes(c.call("slow", b"", detached=bytes(b) == b"detached"))
+        except dmrpc.DeadlineExceeded:
+            r = b"gave up"
+        seen.append((r, time.monotonic() - t0))
+        return r
+
+    front = node.serve(f"{base}/front", {"via": via})
+    c = node.connect(f"{base}/front")
+    for how, want in [(b"", b"gave up"), (b"detached", b"done")]:
+        with pytest.raises(dmrpc.DeadlineExceeded):
+            c.call("via", how, timeout=0.15)
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r, took = seen.pop()
+        assert r == want, how
+        if want == b"gave up":
+            assert took < 0.45, took
+    # Without a deadline of its own, the front's call has none to inherit.
+    assert bytes(c.call("via", b"")) == b"done"
+    del c
+    front.shutdown()
+    leaf.shutdown()
+
+
 SERVER = textwrap.dedent(
     """
     import sys, dmrpc

@@ -123,7 +123,10 @@ class Server:
 class Client:
     """A connection to a service."""
 
-    def call(self, method: str, data: Data = None, timeout: float | None = None) -> Payload: ...
+    def call(self, method: str, data: Data = None, timeout: float | None = None, detached: bool = False) -> Payload:
+        """Calls `method`; from a service's handler, waits no longer than
+        the handler's own caller does, unless `detached`."""
+        ...
 
 class CallHandle:
     """A call started by `AsyncClient.start`."""
