@@ -7,7 +7,10 @@
 //! drops requests the caller cancelled before they ran (and the futures of
 //! async handlers' calls cancelled while they run), and turns a
 //! handler's panic into `Internal` for that call alone. A handler may make
-//! nested calls and forward the payload it received.
+//! nested calls (they inherit its call's deadline: [`crate::deadline`])
+//! and forward the payload it received. A graceful shutdown
+//! ([`Server::shutdown_gracefully`]) serves what was sent before it began
+//! and answers what comes after with `Unavailable`.
 //!
 //! Blocking handlers run on the dispatcher, one call at a time. Async
 //! handlers' calls are futures the dispatcher polls too, many in progress
@@ -33,7 +36,7 @@ use crate::transport::{ConnId, Listener, Waker, WatchSet};
 use dm_pool::{Endpoint, Ref, ServiceInfo};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::Poll;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -274,12 +277,15 @@ impl ServerBuilder {
             None
         };
         let watch = rt.as_ref().and_then(|_| listener.watch_set());
+        let drain_by = Arc::new(OnceLock::new());
         let d = Dispatcher {
             watch,
             node: node.clone(),
             methods: self.methods,
             listener,
             stop: stop.clone(),
+            drain_by: drain_by.clone(),
+            draining: None,
             stats: stats.clone(),
             queue: VecDeque::new(),
             tasks: Tasks::default(),
@@ -296,6 +302,7 @@ impl ServerBuilder {
             node,
             reg,
             stop,
+            drain_by,
             waker,
             stats,
             thread: Some(thread),
@@ -315,6 +322,9 @@ pub struct Stats {
     pub cancelled: AtomicU64,
     /// Requests whose deadline passed before they ran.
     pub expired: AtomicU64,
+    /// Requests refused because they came while the server drained
+    /// ([`Server::shutdown_gracefully`]).
+    pub refused: AtomicU64,
 }
 
 /// Where a server's name is registered.
@@ -332,6 +342,8 @@ pub struct Server {
     node: Node,
     reg: Option<Reg>,
     stop: Arc<AtomicBool>,
+    /// Set when the server starts draining: the time it stops at the latest.
+    drain_by: Arc<OnceLock<Instant>>,
     waker: Waker,
     stats: Arc<Stats>,
     thread: Option<JoinHandle<()>>,
@@ -360,7 +372,26 @@ impl Server {
     }
 
     /// Stops taking requests, closes every connection and unregisters.
+    /// Calls queued or in progress fail with `Unavailable` (a blocking
+    /// handler running at that moment finishes first).
     pub fn shutdown(mut self) {
+        self.stop_now();
+    }
+
+    /// Stops taking new calls and finishes those it has, then shuts down:
+    /// unregisters at once (no new client finds it), serves every request
+    /// already sent to it (read, or waiting in its connections) and lets
+    /// async handlers' calls in progress complete, and answers requests
+    /// that come after with `Unavailable`. Returns when nothing is left,
+    /// or once `grace` has passed: what is still queued or in progress
+    /// then fails with `Unavailable`, as with [`shutdown`](Self::shutdown).
+    pub fn shutdown_gracefully(mut self, grace: Duration) {
+        self.unregister();
+        let _ = self.drain_by.set(Instant::now() + grace);
+        self.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
         self.stop_now();
     }
 
@@ -373,7 +404,7 @@ impl Server {
         self.stop_now();
     }
 
-    fn stop_now(&mut self) {
+    fn unregister(&mut self) {
         match self.reg.take() {
             Some(Reg::Pool(s)) => {
                 let _ = self.node.pool.unregister(&s);
@@ -383,6 +414,10 @@ impl Server {
             }
             None => {}
         }
+    }
+
+    fn stop_now(&mut self) {
+        self.unregister();
         self.stop.store(true, Ordering::Release);
         self.waker.wake();
         if let Some(t) = self.thread.take() {
@@ -473,6 +508,11 @@ struct Dispatcher {
     methods: Methods,
     listener: Box<dyn Listener>,
     stop: Arc<AtomicBool>,
+    /// Set by [`Server::shutdown_gracefully`].
+    drain_by: Arc<OnceLock<Instant>>,
+    /// Draining, until this time at the latest: requests read now are
+    /// refused.
+    draining: Option<Instant>,
     stats: Arc<Stats>,
     queue: VecDeque<Pending>,
     /// Async handlers' calls in progress (dropped before the runtime their
@@ -495,11 +535,14 @@ impl Dispatcher {
             if self.rt.is_some() {
                 self.poll_woken();
             }
+            if self.drained() {
+                return;
+            }
             let p = match self.queue.pop_front() {
                 Some(p) => p,
-                None => match self.listener.next(None) {
-                    Ok(Some((conn, frame))) => pending(conn, frame),
-                    Ok(None) => continue,
+                None => match self.listener.next(self.draining) {
+                    Ok(Some((conn, frame))) if !self.refused(conn, &frame) => pending(conn, frame),
+                    Ok(_) => continue,
                     Err(_) => return,
                 },
             };
@@ -515,6 +558,35 @@ impl Dispatcher {
                 Kind::Response => {}
             }
         }
+    }
+
+    /// Whether a graceful shutdown is done: nothing queued or in progress,
+    /// or its time is up. The first time it sees one begin, it queues what
+    /// was sent before (to be served): what comes after is refused.
+    fn drained(&mut self) -> bool {
+        let Some(by) = self.draining else {
+            let Some(&by) = self.drain_by.get() else {
+                return false;
+            };
+            self.drain();
+            self.draining = Some(by);
+            return false;
+        };
+        let busy = self.tasks.slots.len() > self.tasks.free.len();
+        (self.queue.is_empty() && !busy) || Instant::now() >= by
+    }
+
+    /// Answers `f` with `Unavailable` if it is a request read while the
+    /// server drains (true), instead of taking it.
+    fn refused(&mut self, conn: ConnId, f: &Frame) -> bool {
+        if self.draining.is_none() || f.kind != Kind::Request {
+            return false;
+        }
+        self.stats.refused.fetch_add(1, Ordering::Relaxed);
+        let why = b"the service is shutting down".to_vec();
+        let answer = Frame::response(f.call_id, Status::Unavailable, Body::Inline(why));
+        let _ = self.listener.reply(conn, &answer);
+        true
     }
 
     /// Moves every frame already waiting into the queue, applying cancels,
@@ -539,6 +611,9 @@ impl Dispatcher {
                 } else {
                     self.cancel_task(conn, frame.call_id);
                 }
+                continue;
+            }
+            if self.refused(conn, &frame) {
                 continue;
             }
             self.queue.push_back(pending(conn, frame));

@@ -1502,3 +1502,117 @@ fn a_handlers_calls_inherit_the_deadline_of_the_call_it_serves() {
     drop(node);
     tp.assert_clean();
 }
+
+/// A service for the graceful shutdown tests: `hold` runs 300 ms on the
+/// dispatcher (it says when it starts), `later` awaits `ms` (its argument)
+/// without holding the dispatcher, `echo` answers at once.
+fn draining_svc(
+    node: &Node,
+    name: &str,
+    t: &Transport,
+    started: std::sync::mpsc::Sender<()>,
+) -> dm_rpc::Server {
+    let started = std::sync::Mutex::new(started);
+    node.server(name)
+        .transport(t.clone())
+        .method("hold", move |c| {
+            let _ = started.lock().unwrap().send(());
+            std::thread::sleep(Duration::from_millis(300));
+            Ok(c.take_payload())
+        })
+        .method("echo", |c| Ok(c.take_payload()))
+        .method_async("later", |c| async move {
+            let ms = u64::from_le_bytes(c.payload.to_vec()?.try_into().unwrap_or([0; 8]));
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok(c.payload)
+        })
+        .spawn()
+        .unwrap()
+}
+
+fn ms(n: u64) -> Payload {
+    Payload::from_vec(n.to_le_bytes().to_vec())
+}
+
+#[test]
+fn a_graceful_shutdown_finishes_what_was_sent_and_refuses_what_comes_after() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    for t in [
+        Transport::Shm,
+        Transport::Tcp("127.0.0.1:0".into()),
+        Transport::Mem,
+    ] {
+        // In progress (async), running (blocking) and queued behind it
+        // when the shutdown begins: all three are served.
+        let name = unique("graceful");
+        let (started, running) = std::sync::mpsc::channel();
+        let svc = draining_svc(&node, &name, &t, started);
+        let c = node.connect(&name).unwrap();
+        std::thread::scope(|s| {
+            let later = s.spawn(|| c.call("later", ms(400)));
+            std::thread::sleep(Duration::from_millis(50));
+            let hold = s.spawn(|| c.call("hold", vec![2u8; 3000]));
+            running.recv_timeout(Duration::from_secs(10)).unwrap();
+            let queued = s.spawn(|| c.call("echo", vec![3u8; 5]));
+            std::thread::sleep(Duration::from_millis(50));
+            let t0 = Instant::now();
+            let stopping = s.spawn(move || svc.shutdown_gracefully(Duration::from_secs(20)));
+            assert_eq!(as_u64(later.join().unwrap().unwrap()), 400, "{t:?}");
+            assert_eq!(
+                hold.join().unwrap().unwrap().to_vec().unwrap(),
+                vec![2u8; 3000]
+            );
+            assert_eq!(
+                queued.join().unwrap().unwrap().to_vec().unwrap(),
+                vec![3u8; 5]
+            );
+            stopping.join().unwrap();
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{t:?}: {:?}",
+                t0.elapsed()
+            );
+        });
+        let e = c.call("echo", vec![4u8]).unwrap_err();
+        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+        drop(c);
+
+        // While it waits for a call in progress, a new request is refused.
+        let name = unique("graceful");
+        let (started, _running) = std::sync::mpsc::channel();
+        let svc = draining_svc(&node, &name, &t, started);
+        let c = node.connect(&name).unwrap();
+        std::thread::scope(|s| {
+            let later = s.spawn(|| c.call("later", ms(600)));
+            std::thread::sleep(Duration::from_millis(50));
+            let stopping = s.spawn(move || svc.shutdown_gracefully(Duration::from_secs(20)));
+            std::thread::sleep(Duration::from_millis(150));
+            let e = c.call("echo", vec![5u8]).unwrap_err();
+            assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+            assert!(e.message.contains("shutting down"), "{t:?}: {e}");
+            assert_eq!(as_u64(later.join().unwrap().unwrap()), 600, "{t:?}");
+            stopping.join().unwrap();
+        });
+        drop(c);
+
+        // Out of time: a call still in progress when the grace ends fails.
+        let name = unique("graceful");
+        let (started, _running) = std::sync::mpsc::channel();
+        let svc = draining_svc(&node, &name, &t, started);
+        let c = node.connect(&name).unwrap();
+        std::thread::scope(|s| {
+            let later = s.spawn(|| c.call("later", ms(5000)));
+            std::thread::sleep(Duration::from_millis(50));
+            let t0 = Instant::now();
+            svc.shutdown_gracefully(Duration::from_millis(200));
+            let took = t0.elapsed();
+            assert!(took < Duration::from_secs(3), "{t:?}: {took:?}");
+            let e = later.join().unwrap().unwrap_err();
+            assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+        });
+        drop(c);
+    }
+    drop(node);
+    tp.assert_clean();
+}

@@ -197,11 +197,27 @@ impl PyServer {
         g.as_ref()?.tcp_addr().map(str::to_owned)
     }
 
-    /// Stops taking calls and unregisters.
-    fn shutdown(&self, py: Python<'_>) {
+    /// Stops taking calls and unregisters. With `grace` (seconds), first
+    /// serves every call already sent and refuses new ones (`Unavailable`),
+    /// for at most that long.
+    #[pyo3(signature = (grace=None))]
+    fn shutdown(&self, py: Python<'_>, grace: Option<f64>) -> PyResult<()> {
+        let grace = match grace {
+            Some(g) if g.is_finite() && g >= 0.0 => Some(Duration::from_secs_f64(g)),
+            Some(g) => {
+                return Err(to_py(RpcError::invalid_argument(format!(
+                    "grace {g} is not a duration"
+                ))))
+            }
+            None => None,
+        };
         let s = self.server.lock().ok().and_then(|mut g| g.take());
         // Without the GIL: a handler in flight may need it to finish.
-        py.allow_threads(|| drop(s));
+        py.allow_threads(|| match (s, grace) {
+            (Some(s), Some(g)) => s.shutdown_gracefully(g),
+            (s, _) => drop(s),
+        });
+        Ok(())
     }
 }
 

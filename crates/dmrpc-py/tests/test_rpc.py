@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -124,6 +125,30 @@ def test_a_handlers_calls_wait_no_longer_than_its_caller(pool):
     del c
     front.shutdown()
     leaf.shutdown()
+
+
+def test_a_graceful_shutdown_serves_the_calls_already_sent(pool):
+    p, _ = pool
+    node = dmrpc.Node(p)
+    name = f"py/graceful/{os.getpid()}/{next(_N)}"
+
+    def slow(b):
+        time.sleep(0.3)
+        return bytes(b)
+
+    srv = node.serve(name, {"slow": slow})
+    c = node.connect(name)
+    got = []
+    t = threading.Thread(target=lambda: got.append(bytes(c.call("slow", b"abc"))))
+    t.start()
+    time.sleep(0.1)
+    srv.shutdown(grace=10.0)
+    t.join()
+    assert got == [b"abc"]
+    with pytest.raises(dmrpc.Unavailable):
+        c.call("slow", b"x")
+    with pytest.raises(dmrpc.InvalidArgument):
+        node.serve(f"{name}/2", {"slow": slow}).shutdown(grace=-1.0)
 
 
 SERVER = textwrap.dedent(

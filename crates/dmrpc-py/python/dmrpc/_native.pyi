@@ -118,7 +118,10 @@ class Server:
 
     @property
     def tcp_addr(self) -> str | None: ...
-    def shutdown(self) -> None: ...
+    def shutdown(self, grace: float | None = None) -> None:
+        """Stops the service; with `grace` (seconds), first serves the calls
+        already sent (refusing new ones) for at most that long."""
+        ...
 
 class Client:
     """A connection to a service."""
