@@ -716,6 +716,18 @@ fn small_rings() -> TempPool {
     })
 }
 
+/// [`small_rings`], and a node that sends every payload inline (up to
+/// what a ring carries).
+fn small_rings_inline() -> (TempPool, Node) {
+    let tp = small_rings();
+    let cfg = Config {
+        inline_max: usize::MAX,
+        ..Default::default()
+    };
+    let node = Node::with_config(tp.attach(), cfg);
+    (tp, node)
+}
+
 #[test]
 fn a_client_that_stops_reading_does_not_stall_others() {
     // The raw transport lets a client send without reading answers: its
@@ -1228,14 +1240,7 @@ fn callers_sharing_a_connection_sleep_and_are_woken() {
 /// answer: whoever holds the receiving half must keep reading while it
 /// waits to send.
 fn crowd(t: Transport, size: usize) {
-    let tp = small_rings();
-    let node = Node::with_config(
-        tp.attach(),
-        Config {
-            inline_max: usize::MAX,
-            ..Default::default()
-        },
-    );
+    let (tp, node) = small_rings_inline();
     let name = unique("crowd");
     let svc = spawn_svc(&node, &name, &t);
     let c = node.connect(&name).unwrap();
@@ -1253,9 +1258,7 @@ fn crowd(t: Transport, size: usize) {
         }
     });
     drop(c);
-    drop(svc);
-    drop(node);
-    tp.assert_clean();
+    close(tp, node, svc);
 }
 
 #[test]
@@ -1283,14 +1286,7 @@ fn a_caller_waiting_to_send_reads_answers_nobody_else_reads() {
     // ring: the server waits for it to be read, and the request ring stays
     // too full for C. Nobody else is left to read it: C must, while it
     // waits to send (it used to wait out its deadline).
-    let tp = small_rings();
-    let node = Node::with_config(
-        tp.attach(),
-        Config {
-            inline_max: usize::MAX,
-            ..Default::default()
-        },
-    );
+    let (tp, node) = small_rings_inline();
     let name = unique("unread");
     let (started, running) = std::sync::mpsc::channel();
     let started = std::sync::Mutex::new(started);
@@ -1337,9 +1333,7 @@ fn a_caller_waiting_to_send_reads_answers_nobody_else_reads() {
         assert!(took < Duration::from_secs(5), "the last call took {took:?}");
     });
     drop(c);
-    drop(svc);
-    drop(node);
-    tp.assert_clean();
+    close(tp, node, svc);
 }
 
 /// How much of its caller's deadline a call had left when it arrived, in
