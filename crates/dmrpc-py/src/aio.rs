@@ -58,7 +58,7 @@ impl PyAsyncClient {
     /// call fails at once), else later on `event_loop`
     /// (`call_soon_threadsafe`). The `CallHandle` returned cancels the
     /// call.
-    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve))]
+    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, detached=false))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         &self,
@@ -69,9 +69,10 @@ impl PyAsyncClient {
         event_loop: Py<PyAny>,
         fut: Py<PyAny>,
         resolve: Py<PyAny>,
+        detached: bool,
     ) -> PyResult<PyCallHandle> {
         let p = to_payload(py, &self.node, data)?;
-        let opts = call_options(timeout)?;
+        let opts = call_options(timeout, detached)?;
         let (client, node) = (self.client.clone(), self.node.clone());
         let rt = runtime()?;
         let mut call = Box::pin(async move { client.call_with(&method, p, opts).await });

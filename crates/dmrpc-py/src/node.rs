@@ -230,17 +230,19 @@ impl Drop for PyServer {
     }
 }
 
-/// A call's options from its `timeout` in seconds.
-pub(crate) fn call_options(timeout: Option<f64>) -> PyResult<CallOptions> {
-    match timeout {
-        Some(t) if t.is_finite() && t >= 0.0 => {
-            Ok(CallOptions::deadline(Duration::from_secs_f64(t)))
+/// A call's options from its `timeout` in seconds, and whether it is
+/// `detached` from the deadline of a call being served.
+pub(crate) fn call_options(timeout: Option<f64>, detached: bool) -> PyResult<CallOptions> {
+    let opts = match timeout {
+        Some(t) if t.is_finite() && t >= 0.0 => CallOptions::deadline(Duration::from_secs_f64(t)),
+        Some(t) => {
+            return Err(to_py(RpcError::invalid_argument(format!(
+                "timeout {t} is not a duration"
+            ))))
         }
-        Some(t) => Err(to_py(RpcError::invalid_argument(format!(
-            "timeout {t} is not a duration"
-        )))),
-        None => Ok(CallOptions::default()),
-    }
+        None => CallOptions::default(),
+    };
+    Ok(if detached { opts.detached() } else { opts })
 }
 
 /// A connection to a service.
@@ -266,10 +268,7 @@ impl PyClient {
         detached: bool,
     ) -> PyResult<PyPayload> {
         let p = to_payload(py, &self.node, data)?;
-        let mut opts = call_options(timeout)?;
-        if detached {
-            opts = opts.detached();
-        }
+        let opts = call_options(timeout, detached)?;
         let out = py
             .allow_threads(|| self.client.call_with(method, p, opts))
             .map_err(to_py)?;

@@ -108,18 +108,37 @@ def test_a_handlers_calls_wait_no_longer_than_its_caller(pool):
         seen.append((r, time.monotonic() - t0))
         return r
 
-    front = node.serve(f"{base}/front", {"via": via})
+    def via_aio(b):
+        # An asyncio call started by the handler inherits too.
+        import asyncio
+
+        import dmrpc.aio
+
+        async def main():
+            async with dmrpc.aio.connect(node, f"{base}/leaf") as c:
+                return bytes(await c.call("slow", b"", detached=bytes(b) == b"detached"))
+
+        t0 = time.monotonic()
+        try:
+            r = asyncio.run(main())
+        except dmrpc.DeadlineExceeded:
+            r = b"gave up"
+        seen.append((r, time.monotonic() - t0))
+        return r
+
+    front = node.serve(f"{base}/front", {"via": via, "via_aio": via_aio})
     c = node.connect(f"{base}/front")
-    for how, want in [(b"", b"gave up"), (b"detached", b"done")]:
-        with pytest.raises(dmrpc.DeadlineExceeded):
-            c.call("via", how, timeout=0.15)
-        deadline = time.monotonic() + 10
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-        r, took = seen.pop()
-        assert r == want, how
-        if want == b"gave up":
-            assert took < 0.45, took
+    for method in ["via", "via_aio"]:
+        for how, want in [(b"", b"gave up"), (b"detached", b"done")]:
+            with pytest.raises(dmrpc.DeadlineExceeded):
+                c.call(method, how, timeout=0.15)
+            deadline = time.monotonic() + 10
+            while not seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+            r, took = seen.pop()
+            assert r == want, (method, how)
+            if want == b"gave up":
+                assert took < 0.45, took
     # Without a deadline of its own, the front's call has none to inherit.
     assert bytes(c.call("via", b"")) == b"done"
     del c

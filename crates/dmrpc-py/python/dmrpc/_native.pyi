@@ -147,6 +147,7 @@ class AsyncClient:
         event_loop: Any,
         fut: Any,
         resolve: Callable[[Any, bool, Any], None],
+        detached: bool = False,
     ) -> CallHandle: ...
 
 Handler = Callable[[Payload], Data]

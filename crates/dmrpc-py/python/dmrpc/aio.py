@@ -48,16 +48,19 @@ class AsyncClient:
         self._limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         self._in_flight: set[asyncio.Future[Payload]] = set()
 
-    async def call(self, method: str, data: Any = None, timeout: float | None = None) -> Payload:
+    async def call(
+        self, method: str, data: Any = None, timeout: float | None = None, detached: bool = False
+    ) -> Payload:
         """Calls `method` (see `dmrpc.Client.call`); the same exceptions."""
         if self._limit is None:
-            return await self._call(method, data, timeout)
+            return await self._call(method, data, timeout, detached)
         async with self._limit:
-            return await self._call(method, data, timeout)
+            return await self._call(method, data, timeout, detached)
 
-    async def _call(self, method: str, data: Any, timeout: float | None) -> Payload:
+    async def _call(self, method: str, data: Any, timeout: float | None, detached: bool) -> Payload:
         fut: asyncio.Future[Payload] = asyncio.get_running_loop().create_future()
-        handle = self._client.start(method, data, timeout, asyncio.get_running_loop(), fut, _resolve)
+        loop = asyncio.get_running_loop()
+        handle = self._client.start(method, data, timeout, loop, fut, _resolve, detached)
         self._in_flight.add(fut)
         try:
             return await fut
