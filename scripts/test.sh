@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, the demo and a benchmark smoke run,
-# the loom models, then every unit, property, multi-process and fuzz-corpus
-# test. Needs a Rust toolchain (stable; the loom step uses stable too);
-# scripts/deps.sh installs the rest (redis-server for the memory-server
+# the loom models, the unsafe and decoding code's unit tests under Miri,
+# then every unit, property, multi-process and fuzz-corpus test. Needs a
+# Rust toolchain (stable; the loom step uses stable too, Miri the nightly
+# one, whose miri component it adds); scripts/deps.sh installs the rest (redis-server for the memory-server
 # bench's peer) from the distribution's packages, scripts/python.sh the
 # Python package and its PyPI dependencies (Ray for `bench ray`).
 set -euo pipefail
@@ -47,6 +48,15 @@ step "loom models of the lock-free protocols"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
   cargo test -p dm-pool -p dm-rpc --release --test loom
 
+step "Miri: the unit tests of the unsafe and decoding code (scripts/miri.sh)"
+if cargo +nightly miri --version >/dev/null 2>&1 \
+  || rustup component add --toolchain nightly miri rust-src >/dev/null 2>&1; then
+  ./scripts/miri.sh 2>&1 | tee target/miri-output.log
+else
+  echo "SKIPPED: no nightly toolchain with Miri here, and rustup could not add it"
+  : > target/miri-output.log
+fi
+
 step "unit, property, multi-process tests, and the fuzz targets over their saved corpus"
 mkdir -p target
 cargo test --workspace 2>&1 | tee target/test-output.log
@@ -57,4 +67,4 @@ step "Python bindings: build with maturin, pytest (scripts/python.sh)"
 # One closing line with the totals of every test binary above.
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      / passed in / && !/^test result/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
-     END { printf "\ntests: %d passed, %d failed\n", p, f }' target/test-output.log
+     END { printf "\ntests: %d passed, %d failed\n", p, f }' target/miri-output.log target/test-output.log
