@@ -1,6 +1,7 @@
 //! RPC across real processes over shared-memory channels: nested calls
 //! through six processes, fan-out, servers and clients killed with
-//! `kill -9` mid-call. Every test ends with `pool check` clean.
+//! `kill -9` mid-call, a deadline inherited down a chain, a graceful
+//! shutdown. Every test ends with `pool check` clean.
 #![allow(clippy::unwrap_used)]
 
 use dm_pool::testing::TempPool;
@@ -53,6 +54,13 @@ impl Agent {
         drop(self.stdin.take());
         let st = self.child.wait().unwrap();
         assert!(st.success(), "agent exited with {st}");
+    }
+
+    fn say(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
     }
 
     fn kill9(mut self) {
@@ -384,5 +392,83 @@ fn async_handler_whose_callee_is_killed_mid_call_gets_unavailable() {
     drop((c, next));
     front_svc.shutdown();
     drop(node);
+    settle(&tp);
+}
+
+fn ms(n: u64) -> Payload {
+    Payload::from_vec(n.to_le_bytes().to_vec())
+}
+
+#[test]
+fn a_deadline_travels_down_a_chain_of_processes() {
+    // h0 -> h1 -> h2, blocking services: h2 sleeps 1.5 s, the caller waits
+    // 150 ms. h0's and h1's nested calls inherit that deadline, so both
+    // give up with it and are free again at once (without it, h0 would
+    // wait for h2 with no deadline, and a call to h0 would queue behind).
+    let tp = pool();
+    let base = format!("mp/deadline/{}", std::process::id());
+    let (h0, h1, h2) = (
+        format!("{base}/h0"),
+        format!("{base}/h1"),
+        format!("{base}/h2"),
+    );
+    let agents = vec![
+        Agent::serve(&tp, &h2, &[]),
+        Agent::serve(&tp, &h1, &["--next", &h2]),
+        Agent::serve(&tp, &h0, &["--next", &h1]),
+    ];
+    let node = node(&tp);
+    let c = node.connect(&h0).unwrap();
+    let t0 = Instant::now();
+    let e = c
+        .call_with(
+            "wait",
+            ms(1500),
+            CallOptions::deadline(Duration::from_millis(150)),
+        )
+        .unwrap_err();
+    assert_eq!(e.status, Status::DeadlineExceeded);
+    // h0 gave up when its caller did: it serves the next call at once.
+    std::thread::sleep(Duration::from_millis(100));
+    c.call_with(
+        "sleep",
+        ms(0),
+        CallOptions::deadline(Duration::from_secs(10)),
+    )
+    .unwrap();
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(1000),
+        "h0 was held for {took:?}"
+    );
+    drop(c);
+    drop(node);
+    for a in agents {
+        a.stop();
+    }
+    settle(&tp);
+}
+
+#[test]
+fn a_graceful_shutdown_across_processes_finishes_the_call_in_progress() {
+    let tp = pool();
+    let name = format!("mp/graceful/{}", std::process::id());
+    let mut agent = Agent::serve(&tp, &name, &[]);
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    std::thread::scope(|s| {
+        let running = s.spawn(|| c.call("sleep", ms(400)));
+        std::thread::sleep(Duration::from_millis(100));
+        agent.say("drain");
+        // The call in progress completes; then the service is gone.
+        running.join().unwrap().unwrap();
+        assert_eq!(agent.line(), "drained");
+    });
+    let e = c.call("sleep", ms(0)).unwrap_err();
+    assert_eq!(e.status, Status::Unavailable, "{e}");
+    assert_eq!(node.connect(&name).unwrap_err().status, Status::NotFound);
+    drop(c);
+    drop(node);
+    agent.stop();
     settle(&tp);
 }

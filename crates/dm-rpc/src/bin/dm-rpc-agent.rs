@@ -7,7 +7,10 @@
 //!                      --fan service) and answers theirs; without either,
 //!                      answers hash (8) | pid (4) | in_pool (1) | Ref (40?)
 //!              sleep — sleeps the u64 ms in the payload, answers empty
-//!     prints "ready" once registered; stops cleanly when stdin closes
+//!              wait  — forwards the payload to --next's wait (its caller's
+//!                      deadline inherited); without --next, sleep
+//!     prints "ready" once registered; stops cleanly when stdin closes, or
+//!     gracefully on a line "drain" (then prints "drained")
 //! dm-rpc-agent POOL call NAME METHOD LEN
 //!     one call with LEN pattern bytes (or, for sleep, LEN ms); prints
 //!     "calling" before and "ok N" / "err STATUS" after
@@ -80,6 +83,7 @@ mod agent {
         };
         let clients: Vec<OnceLock<Client>> = next.iter().map(|_| OnceLock::new()).collect();
         let n = node.clone();
+        let (wait_next, wait_client, wn) = (next.first().cloned(), OnceLock::new(), node.clone());
         let transport = if args.iter().any(|a| a == "--tcp") {
             dm_rpc::Transport::Tcp("127.0.0.1:0".into())
         } else {
@@ -132,22 +136,44 @@ mod agent {
                 }
                 Ok(Payload::from_vec(out))
             })
-            .method("sleep", |c| {
-                let b = c.payload().to_vec()?;
-                let ms = u64::from_le_bytes(
-                    b.try_into()
-                        .map_err(|_| RpcError::invalid_argument("u64 ms"))?,
-                );
-                std::thread::sleep(std::time::Duration::from_millis(ms));
-                Ok(Payload::empty())
+            .method("sleep", |c| sleep(c.payload()))
+            .method("wait", move |c| {
+                let Some(to) = &wait_next else {
+                    return sleep(c.payload());
+                };
+                if wait_client.get().is_none() {
+                    let _ = wait_client.set(wn.connect(to)?);
+                }
+                let cl: &Client = wait_client
+                    .get()
+                    .ok_or_else(|| RpcError::internal("client"))?;
+                cl.call("wait", c.payload().forward()?)
             })
             .spawn()
             .unwrap();
         println!("ready");
         std::io::stdout().flush().unwrap();
-        // Serve until the parent closes stdin.
-        for _ in std::io::stdin().lock().lines() {}
+        // Serve until the parent closes stdin, or says "drain".
+        for line in std::io::stdin().lock().lines() {
+            if line.is_ok_and(|l| l.trim() == "drain") {
+                server.shutdown_gracefully(std::time::Duration::from_secs(20));
+                println!("drained");
+                std::io::stdout().flush().unwrap();
+                return;
+            }
+        }
         server.shutdown();
+    }
+
+    /// Sleeps the u64 ms in `p`.
+    fn sleep(p: &Payload) -> Result<Payload, RpcError> {
+        let b = p.to_vec()?;
+        let ms = u64::from_le_bytes(
+            b.try_into()
+                .map_err(|_| RpcError::invalid_argument("u64 ms"))?,
+        );
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        Ok(Payload::empty())
     }
 
     fn call(node: &Node, args: &[String]) {
