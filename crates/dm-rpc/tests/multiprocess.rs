@@ -104,6 +104,14 @@ fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7 + 1) as u8).collect()
 }
 
+/// Stops every agent, then checks the pool is clean.
+fn stop_all(agents: Vec<Agent>, tp: &TempPool) {
+    for a in agents {
+        a.stop();
+    }
+    settle(tp);
+}
+
 /// After every process left: wait out leases and TTLs, gc, check clean.
 fn settle(tp: &TempPool) {
     std::thread::sleep(Duration::from_millis(1700));
@@ -179,10 +187,7 @@ fn nested_calls_through_six_processes_forward_one_ref() {
     );
     drop(c);
     drop(node);
-    for a in agents {
-        a.stop();
-    }
-    settle(&tp);
+    stop_all(agents, &tp);
 }
 
 #[test]
@@ -210,10 +215,7 @@ fn fan_out_one_ref_to_three_processes() {
     );
     drop(c);
     drop(node);
-    for a in agents {
-        a.stop();
-    }
-    settle(&tp);
+    stop_all(agents, &tp);
 }
 
 #[test]
@@ -443,10 +445,7 @@ fn a_deadline_travels_down_a_chain_of_processes() {
     );
     drop(c);
     drop(node);
-    for a in agents {
-        a.stop();
-    }
-    settle(&tp);
+    stop_all(agents, &tp);
 }
 
 #[test]

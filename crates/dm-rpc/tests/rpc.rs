@@ -20,6 +20,15 @@ fn pool() -> TempPool {
     })
 }
 
+/// Shared-memory rings, TCP on loopback, in-process queues.
+fn every_transport() -> [Transport; 3] {
+    [
+        Transport::Shm,
+        Transport::Tcp("127.0.0.1:0".into()),
+        Transport::Mem,
+    ]
+}
+
 fn unique(name: &str) -> String {
     format!(
         "test/{name}/{}-{}",
@@ -1201,11 +1210,7 @@ fn a_forged_echo_is_refused() {
 fn callers_sharing_a_connection_sleep_and_are_woken() {
     let tp = pool();
     let node = Node::new(tp.attach());
-    for t in [
-        Transport::Shm,
-        Transport::Tcp("127.0.0.1:0".into()),
-        Transport::Mem,
-    ] {
+    for t in every_transport() {
         let name = unique("sleepers");
         let svc = spawn_svc(&node, &name, &t);
         let c = match &t {
@@ -1368,11 +1373,7 @@ fn a_handlers_calls_inherit_the_deadline_of_the_call_it_serves() {
     // without reaching the leaf.
     let tp = pool();
     let node = Node::new(tp.attach());
-    for t in [
-        Transport::Shm,
-        Transport::Tcp("127.0.0.1:0".into()),
-        Transport::Mem,
-    ] {
+    for t in every_transport() {
         let leaf = unique("leaf");
         let reached = std::sync::Arc::new(AtomicU32::new(0));
         let r = reached.clone();
@@ -1532,11 +1533,7 @@ fn ms(n: u64) -> Payload {
 fn a_graceful_shutdown_finishes_what_was_sent_and_refuses_what_comes_after() {
     let tp = pool();
     let node = Node::new(tp.attach());
-    for t in [
-        Transport::Shm,
-        Transport::Tcp("127.0.0.1:0".into()),
-        Transport::Mem,
-    ] {
+    for t in every_transport() {
         // In progress (async), running (blocking) and queued behind it
         // when the shutdown begins: all three are served.
         let name = unique("graceful");
