@@ -1498,31 +1498,40 @@ fn a_handlers_calls_inherit_the_deadline_of_the_call_it_serves() {
     tp.assert_clean();
 }
 
+type Started = std::sync::mpsc::Receiver<&'static str>;
+
 /// A service for the graceful shutdown tests: `hold` runs 300 ms on the
-/// dispatcher (it says when it starts), `later` awaits `ms` (its argument)
-/// without holding the dispatcher, `echo` answers at once.
-fn draining_svc(
-    node: &Node,
-    name: &str,
-    t: &Transport,
-    started: std::sync::mpsc::Sender<()>,
-) -> dm_rpc::Server {
-    let started = std::sync::Mutex::new(started);
-    node.server(name)
+/// dispatcher, `later` awaits `ms` (its argument) without holding the
+/// dispatcher (both say when they start, on the receiver returned),
+/// `echo` answers at once.
+fn draining_svc(node: &Node, name: &str, t: &Transport) -> (dm_rpc::Server, Started) {
+    let (tx, started) = std::sync::mpsc::channel();
+    let (hold, later) = (std::sync::Mutex::new(tx.clone()), std::sync::Mutex::new(tx));
+    let svc = node
+        .server(name)
         .transport(t.clone())
         .method("hold", move |c| {
-            let _ = started.lock().unwrap().send(());
+            let _ = hold.lock().unwrap().send("hold");
             std::thread::sleep(Duration::from_millis(300));
             Ok(c.take_payload())
         })
         .method("echo", |c| Ok(c.take_payload()))
-        .method_async("later", |c| async move {
-            let ms = u64::from_le_bytes(c.payload.to_vec()?.try_into().unwrap_or([0; 8]));
-            tokio::time::sleep(Duration::from_millis(ms)).await;
-            Ok(c.payload)
+        .method_async("later", move |c| {
+            let _ = later.lock().unwrap().send("later");
+            async move {
+                let ms = u64::from_le_bytes(c.payload.to_vec()?.try_into().unwrap_or([0; 8]));
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok(c.payload)
+            }
         })
         .spawn()
-        .unwrap()
+        .unwrap();
+    (svc, started)
+}
+
+/// Waits until the draining service says `what` started.
+fn started(s: &Started, what: &str) {
+    while s.recv_timeout(Duration::from_secs(10)).unwrap() != what {}
 }
 
 fn ms(n: u64) -> Payload {
@@ -1537,14 +1546,13 @@ fn a_graceful_shutdown_finishes_what_was_sent_and_refuses_what_comes_after() {
         // In progress (async), running (blocking) and queued behind it
         // when the shutdown begins: all three are served.
         let name = unique("graceful");
-        let (started, running) = std::sync::mpsc::channel();
-        let svc = draining_svc(&node, &name, &t, started);
+        let (svc, running) = draining_svc(&node, &name, &t);
         let c = node.connect(&name).unwrap();
         std::thread::scope(|s| {
             let later = s.spawn(|| c.call("later", ms(400)));
-            std::thread::sleep(Duration::from_millis(50));
+            started(&running, "later");
             let hold = s.spawn(|| c.call("hold", vec![2u8; 3000]));
-            running.recv_timeout(Duration::from_secs(10)).unwrap();
+            started(&running, "hold");
             let queued = s.spawn(|| c.call("echo", vec![3u8; 5]));
             std::thread::sleep(Duration::from_millis(50));
             let t0 = Instant::now();
@@ -1569,32 +1577,37 @@ fn a_graceful_shutdown_finishes_what_was_sent_and_refuses_what_comes_after() {
         assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
         drop(c);
 
-        // While it waits for a call in progress, a new request is refused.
+        // While it waits for a call in progress, a new request is refused
+        // (once the dispatcher sees the shutdown begin).
         let name = unique("graceful");
-        let (started, _running) = std::sync::mpsc::channel();
-        let svc = draining_svc(&node, &name, &t, started);
+        let (svc, running) = draining_svc(&node, &name, &t);
         let c = node.connect(&name).unwrap();
         std::thread::scope(|s| {
-            let later = s.spawn(|| c.call("later", ms(600)));
-            std::thread::sleep(Duration::from_millis(50));
+            let later = s.spawn(|| c.call("later", ms(1500)));
+            started(&running, "later");
             let stopping = s.spawn(move || svc.shutdown_gracefully(Duration::from_secs(20)));
-            std::thread::sleep(Duration::from_millis(150));
-            let e = c.call("echo", vec![5u8]).unwrap_err();
+            let until = Instant::now() + Duration::from_secs(10);
+            let e = loop {
+                match c.call("echo", vec![5u8]) {
+                    Err(e) => break e,
+                    Ok(_) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
+                    Ok(_) => panic!("{t:?}: still served 10 s into the shutdown"),
+                }
+            };
             assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
             assert!(e.message.contains("shutting down"), "{t:?}: {e}");
-            assert_eq!(as_u64(later.join().unwrap().unwrap()), 600, "{t:?}");
+            assert_eq!(as_u64(later.join().unwrap().unwrap()), 1500, "{t:?}");
             stopping.join().unwrap();
         });
         drop(c);
 
         // Out of time: a call still in progress when the grace ends fails.
         let name = unique("graceful");
-        let (started, _running) = std::sync::mpsc::channel();
-        let svc = draining_svc(&node, &name, &t, started);
+        let (svc, running) = draining_svc(&node, &name, &t);
         let c = node.connect(&name).unwrap();
         std::thread::scope(|s| {
             let later = s.spawn(|| c.call("later", ms(5000)));
-            std::thread::sleep(Duration::from_millis(50));
+            started(&running, "later");
             let t0 = Instant::now();
             svc.shutdown_gracefully(Duration::from_millis(200));
             let took = t0.elapsed();
