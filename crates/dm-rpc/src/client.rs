@@ -152,7 +152,7 @@ pub(crate) fn outgoing(
                 (Some(a), Some(b)) => a.min(b),
                 (a, b) => a.or(b).unwrap_or(now),
             };
-            if d <= now && served.is_some_and(|s| s <= d) {
+            if served.is_some_and(|s| s <= now) {
                 // Its caller gave up already: nothing to send.
                 return Err(RpcError::deadline_exceeded(
                     "the deadline of the call being served has passed",

@@ -658,13 +658,7 @@ impl Dispatcher {
                                 // its first await.
                                 let _rt = self.rt.as_ref().map(|rt| rt.enter());
                                 let h = h.clone();
-                                polling_with(self.watch.as_ref(), || {
-                                    crate::deadline::serving(deadline, || {
-                                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(
-                                            || h(call),
-                                        ))
-                                    })
-                                })
+                                polling_with(self.watch.as_ref(), || guarded(deadline, || h(call)))
                             };
                             match fut {
                                 Ok(fut) => {
@@ -784,11 +778,7 @@ impl Dispatcher {
             let _rt = self.rt.as_ref().map(|rt| rt.enter());
             let mut cx = std::task::Context::from_waker(&task.waker);
             polling_with(self.watch.as_ref(), || {
-                crate::deadline::serving(task.deadline, || {
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        task.fut.as_mut().poll(&mut cx)
-                    }))
-                })
+                guarded(task.deadline, || task.fut.as_mut().poll(&mut cx))
             })
         };
         let r = match polled {
@@ -863,13 +853,19 @@ fn run_handler(
         method: name,
         node,
     };
-    let r = crate::deadline::serving(deadline, || {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&mut call)))
-    });
-    match r {
+    match guarded(deadline, || h(&mut call)) {
         Ok(r) => r,
         Err(p) => Err(panicked(name, &*p)),
     }
+}
+
+/// Runs `f`, a handler's work on a call whose deadline is `deadline`: the
+/// calls it makes inherit that deadline ([`crate::deadline`]), and a panic
+/// is caught.
+fn guarded<R>(deadline: Option<Instant>, f: impl FnOnce() -> R) -> std::thread::Result<R> {
+    crate::deadline::serving(deadline, || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+    })
 }
 
 /// A handler's panic as the call's `Internal` error.
