@@ -32,7 +32,9 @@
 //!   `DMRPC_WAIT=0,0,20`) never holds it and leaves every wait to the
 //!   pump.
 //!
-//! A dead peer fails every pending and future call with `Unavailable`; a
+//! A dead peer fails every pending and future call on the connection with
+//! `Unavailable` (until a call finds the service registered again:
+//! [`crate::reconnect`]); a
 //! deadline fails the call with `DeadlineExceeded` and sends a cancel, as
 //! the blocking client does. Dropping a call's future while it waits (a
 //! timeout around it, a `select!` that took another branch) cancels it
@@ -44,9 +46,11 @@ use crate::error::RpcError;
 use crate::frame::{method_id, Frame, Kind};
 use crate::node::Node;
 use crate::payload::Payload;
+use crate::reconnect::{Connected, Redial};
 use crate::transport::{Connection, FrameRx, FrameTx, Looked, TransportError, WatchSet, Watched};
 use crate::wait::Waiter;
 use crate::CallOptions;
+use arc_swap::Guard;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -92,21 +96,24 @@ impl std::hash::Hasher for CallIdHasher {
 
 type Pending = HashMap<u64, Slot, std::hash::BuildHasherDefault<CallIdHasher>>;
 
-/// An async connection to one service. Cheap to clone.
+/// An async client of one service. Cheap to clone. Its connection is
+/// replaced when it breaks and the service is registered again
+/// ([`crate::reconnect`]).
 #[derive(Clone)]
 pub struct AsyncClient {
-    inner: Arc<Inner>,
+    h: Arc<Redial<Inner>>,
 }
 
 impl std::fmt::Debug for AsyncClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AsyncClient")
-            .field("service", &self.inner.name)
+            .field("service", &self.h.target())
             .finish()
     }
 }
 
-struct Inner {
+/// One connection of an [`AsyncClient`].
+pub(crate) struct Inner {
     node: Node,
     name: String,
     tx: Mutex<Box<dyn FrameTx>>,
@@ -637,8 +644,8 @@ impl Watched for WatchedClient {
     }
 }
 
-impl AsyncClient {
-    pub(crate) fn new(node: Node, name: &str, conn: Connection) -> AsyncClient {
+impl Connected for Inner {
+    fn open(node: Node, name: &str, conn: Connection) -> Inner {
         let reader = Arc::new(Reader {
             node: node.clone(),
             rx: Mutex::new(conn.rx),
@@ -652,34 +659,49 @@ impl AsyncClient {
             choosing: Mutex::new(()),
             name: name.to_owned(),
         });
-        AsyncClient {
-            inner: Arc::new(Inner {
-                node,
-                name: name.to_owned(),
-                tx: Mutex::new(conn.tx),
-                reader,
-                next_id: AtomicU64::new(1),
-                max_inline: conn.max_inline,
-                refs: conn.refs,
-            }),
+        Inner {
+            node,
+            name: name.to_owned(),
+            tx: Mutex::new(conn.tx),
+            reader,
+            next_id: AtomicU64::new(1),
+            max_inline: conn.max_inline,
+            refs: conn.refs,
         }
+    }
+
+    #[inline]
+    fn is_broken(&self) -> bool {
+        self.reader.broken.load(Ordering::Acquire)
+    }
+}
+
+impl AsyncClient {
+    pub(crate) fn new(h: Redial<Inner>) -> AsyncClient {
+        AsyncClient { h: Arc::new(h) }
     }
 
     /// The service this client calls.
     pub fn service(&self) -> &str {
-        &self.inner.name
+        self.h.target()
+    }
+
+    /// How many times the client connected again after its connection
+    /// broke.
+    pub fn reconnects(&self) -> u64 {
+        self.h.redials()
     }
 
     /// Whether a server's listener reads this client's answers (no pump
     /// thread of its own; see the module's documentation).
     pub fn answers_read_by_listener(&self) -> bool {
-        self.inner.reader.driver.load(Ordering::Acquire) == LISTENER
+        self.h.current().reader.driver.load(Ordering::Acquire) == LISTENER
     }
 
     /// Whether this client has a pump thread (started when a call first
     /// outlasted its spin; see the module's documentation).
     pub fn has_pump(&self) -> bool {
-        lock(&self.inner.reader.state).pumping
+        lock(&self.h.current().reader.state).pumping
     }
 
     /// Calls `method` with `payload`.
@@ -696,9 +718,9 @@ impl AsyncClient {
     /// is written straight into the pool (`call(method, data)` copies it
     /// into a vector first).
     pub async fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
-        let i = &*self.inner;
+        let i = Guard::into_inner(self.h.live());
         let p = Payload::copy_for(&i.node, i.max_inline, i.refs, data)?;
-        self.call_with(method, p, CallOptions::default()).await
+        i.call_with(method, p, CallOptions::default()).await
     }
 
     /// Calls `method` with options.
@@ -708,7 +730,21 @@ impl AsyncClient {
         payload: Payload,
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
-        let i = &*self.inner;
+        // (Held as an Arc: a guard is no thing to keep across awaits.)
+        Guard::into_inner(self.h.live())
+            .call_with(method, payload, opts)
+            .await
+    }
+}
+
+impl Inner {
+    async fn call_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+    ) -> Result<Payload, RpcError> {
+        let i = self;
         let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
         let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
@@ -757,6 +793,9 @@ impl AsyncClient {
                 Ok(false) => Some(RpcError::deadline_exceeded(
                     "no room to send before the deadline",
                 )),
+                // (A send that fails with the connection lost may be the
+                // first to see it: no answer is read before a call.)
+                Err(e) if e.breaks_connection() => Some(r.fail(e)),
                 Err(e) => Some(e.into()),
             };
             if let Some(e) = unsent {
@@ -959,7 +998,8 @@ mod tests {
     #[test]
     fn spinning_calls_take_their_own_answers_and_find_the_others_in_their_slots() {
         let (_tp, c, feed) = fed_client(crate::WaitPolicy::default());
-        let r = &c.inner.reader;
+        let i = c.h.current();
+        let r = &i.reader;
         r.driver.store(PUMP, Ordering::Release);
         for id in 1..=4 {
             r.insert(&mut lock(&r.state), id, Slot::Spinning);
@@ -1021,7 +1061,9 @@ mod tests {
             max_inline: 1 << 20,
             refs: crate::transport::Sharing::POOL,
         };
-        (tp, AsyncClient::new(node, "test/lone", conn), feed)
+        let target = crate::reconnect::Target::Name("test/lone".into());
+        let h = Redial::new(node, target, crate::reconnect::Origin::Addr, conn);
+        (tp, AsyncClient::new(h), feed)
     }
 
     #[test]
@@ -1032,7 +1074,7 @@ mod tests {
             .build()
             .unwrap();
         // Another call (id 100) spins meanwhile, through its slot.
-        let r = c.inner.reader.clone();
+        let r = c.h.current().reader.clone();
         r.insert(&mut lock(&r.state), 100, Slot::Spinning);
         feed.send(answer(100, 7)).unwrap();
         feed.send(answer(1, 10)).unwrap();

@@ -15,12 +15,15 @@
 //! over 4 KiB rings). A caller without the half that finds no room takes
 //! the half if nobody holds it, and reads too: answers to calls that gave
 //! up would otherwise stall it. A peer that dies fails every pending and
-//! future call on the connection with `Unavailable`.
+//! future call on the connection with `Unavailable`; the client replaces
+//! the connection when a later call finds the service registered again
+//! ([`crate::reconnect`]).
 
 use crate::error::RpcError;
 use crate::frame::{method_id, Body, Frame, Kind, Status};
 use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
+use crate::reconnect::{Connected, Redial};
 use crate::transport::{Connection, FrameRx, FrameTx};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -60,21 +63,23 @@ impl CallOptions {
     }
 }
 
-/// A connection to one service.
+/// A client of one service. Its connection is replaced when it breaks
+/// and the service is registered again ([`crate::reconnect`]).
 #[derive(Clone)]
 pub struct Client {
-    inner: Arc<Inner>,
+    h: Arc<Redial<Inner>>,
 }
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
-            .field("service", &self.inner.name)
+            .field("service", &self.h.target())
             .finish()
     }
 }
 
-struct Inner {
+/// One connection of a [`Client`].
+pub(crate) struct Inner {
     node: Node,
     name: String,
     tx: Mutex<Box<dyn FrameTx>>,
@@ -278,27 +283,42 @@ pub(crate) fn send_unheld(
     }
 }
 
-impl Client {
-    pub(crate) fn new(node: Node, name: &str, conn: Connection) -> Client {
-        Client {
-            inner: Arc::new(Inner {
-                node,
-                name: name.to_owned(),
-                tx: Mutex::new(conn.tx),
-                rx: Mutex::new(conn.rx),
-                state: Mutex::new(State::default()),
-                broken: AtomicBool::new(false),
-                cv: Condvar::new(),
-                next_id: AtomicU64::new(1),
-                max_inline: conn.max_inline,
-                refs: conn.refs,
-            }),
+impl Connected for Inner {
+    fn open(node: Node, name: &str, conn: Connection) -> Inner {
+        Inner {
+            node,
+            name: name.to_owned(),
+            tx: Mutex::new(conn.tx),
+            rx: Mutex::new(conn.rx),
+            state: Mutex::new(State::default()),
+            broken: AtomicBool::new(false),
+            cv: Condvar::new(),
+            next_id: AtomicU64::new(1),
+            max_inline: conn.max_inline,
+            refs: conn.refs,
         }
+    }
+
+    #[inline]
+    fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+}
+
+impl Client {
+    pub(crate) fn new(h: Redial<Inner>) -> Client {
+        Client { h: Arc::new(h) }
     }
 
     /// The service this client calls.
     pub fn service(&self) -> &str {
-        &self.inner.name
+        self.h.target()
+    }
+
+    /// How many times the client connected again after its connection
+    /// broke.
+    pub fn reconnects(&self) -> u64 {
+        self.h.redials()
     }
 
     /// Calls `method` with `payload` and waits for the answer.
@@ -310,9 +330,9 @@ impl Client {
     /// is written straight into the pool (`call(method, data)` copies it
     /// into a vector first).
     pub fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
-        let i = &*self.inner;
+        let i = self.h.live();
         let p = Payload::copy_for(&i.node, i.max_inline, i.refs, data)?;
-        self.call_with(method, p, CallOptions::default())
+        i.call_with(method, p, CallOptions::default())
     }
 
     /// Calls `method` with options.
@@ -322,7 +342,18 @@ impl Client {
         payload: Payload,
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
-        let i = &*self.inner;
+        self.h.live().call_with(method, payload, opts)
+    }
+}
+
+impl Inner {
+    fn call_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+    ) -> Result<Payload, RpcError> {
+        let i = self;
         let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
         let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
@@ -354,7 +385,8 @@ impl Client {
                 "no room to send to {:?} before the deadline",
                 i.name
             ))),
-            Err(e) => Some(self.fail(e.into())),
+            Err(e) if e.breaks_connection() => Some(self.fail(e.into())),
+            Err(e) => Some(e.into()),
         };
         if let Some(e) = unsent {
             match reader {
@@ -386,7 +418,7 @@ impl Client {
 
     /// Marks the connection broken (every pending and future call fails).
     fn fail(&self, e: RpcError) -> RpcError {
-        let mut st = lock(&self.inner.state);
+        let mut st = lock(&self.state);
         self.broken(&mut st, e)
     }
 
@@ -394,7 +426,7 @@ impl Client {
     /// call now gets.
     fn broken(&self, st: &mut State, e: RpcError) -> RpcError {
         let e = st.broken.get_or_insert(e).clone();
-        self.inner.broken.store(true, Ordering::Release);
+        self.broken.store(true, Ordering::Release);
         self.notify(st);
         e
     }
@@ -404,7 +436,7 @@ impl Client {
     fn deliver(&self, st: &mut State, f: Frame) {
         match st.slot(f.call_id) {
             Some(slot) => *slot = Some(f),
-            None => orphan(&self.inner.node, f),
+            None => orphan(&self.node, f),
         }
     }
 
@@ -417,7 +449,7 @@ impl Client {
         deadline: Option<Instant>,
         rx: Option<&mut MutexGuard<'_, Box<dyn FrameRx>>>,
     ) -> Result<bool, crate::transport::TransportError> {
-        let i = &*self.inner;
+        let i = self;
         let mut stray = false;
         let mut got = |a: Frame| {
             if a.kind != Kind::Response {
@@ -449,7 +481,7 @@ impl Client {
         id: u64,
         deadline: Option<Instant>,
     ) -> Result<Frame, RpcError> {
-        let i = &*self.inner;
+        let i = self;
         let r = loop {
             match rx.recv(deadline) {
                 Ok(Some(f)) if f.kind == Kind::Response => {
@@ -486,7 +518,7 @@ impl Client {
     /// fall between the two.)
     fn hand_over(&self, rx: MutexGuard<'_, Box<dyn FrameRx>>) {
         drop(rx);
-        let st = lock(&self.inner.state);
+        let st = lock(&self.state);
         if !st.waiting.is_empty() {
             self.notify(&st);
         }
@@ -495,12 +527,12 @@ impl Client {
     /// Wakes the callers asleep on the condition variable, if any.
     fn notify(&self, st: &State) {
         if st.sleepers > 0 {
-            self.inner.cv.notify_all();
+            self.cv.notify_all();
         }
     }
 
     fn wait_for(&self, id: u64, deadline: Option<Instant>) -> Result<Frame, RpcError> {
-        let i = &*self.inner;
+        let i = self;
         let yielding = Instant::now();
         let mut st = lock(&i.state);
         loop {

@@ -4,8 +4,8 @@
 //!
 //! The dispatcher marks its thread as serving a call while a blocking
 //! handler runs and while an async handler's future is polled
-//! ([`serving`]); a call started then takes the earlier of its own
-//! deadline and the served one ([`crate::client::outgoing`]), and sends
+//! (`serving`); a call started then takes the earlier of its own
+//! deadline and the served one (`client::outgoing`), and sends
 //! what is left of it, so the next service inherits it in turn. A call
 //! marked [`CallOptions::detached`](crate::CallOptions) keeps only its own.
 //! Work the handler hands to another thread (a spawned task, a thread of

@@ -10,6 +10,8 @@
 //! * [`wait`] — the spin/yield/futex waiting policy and the doorbell.
 //! * [`payload`] — size-aware payloads.
 //! * [`registry`] — names to endpoints: the trait, and its home in the pool.
+//! * [`reconnect`] — a client's connection replaced when it breaks and
+//!   its service is registered again.
 //! * [`node`], [`server`], [`client`], [`async_client`] — what applications
 //!   program against (blocking and tokio).
 //! * [`deadline`] — a handler's calls inherit the deadline of the call it
@@ -54,6 +56,8 @@ pub mod frame;
 pub mod node;
 #[cfg(not(loom))]
 pub mod payload;
+#[cfg(not(loom))]
+pub mod reconnect;
 #[cfg(not(loom))]
 pub mod registry;
 #[cfg(not(loom))]

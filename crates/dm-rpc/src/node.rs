@@ -6,7 +6,8 @@
 use crate::async_client::AsyncClient;
 use crate::client::Client;
 use crate::error::RpcError;
-use crate::registry::{PoolRegistry, Registry, ServiceEntry};
+use crate::reconnect::{Connected, How, Origin, Redial, Route, Target};
+use crate::registry::{PoolRegistry, Registry};
 use crate::server::ServerBuilder;
 use crate::transport::Connection;
 use crate::wait::WaitPolicy;
@@ -175,41 +176,79 @@ impl Node {
 
     /// Connects to service `name`: a service of this process bound on the
     /// in-memory transport, else a TCP service in the node's registry, else
-    /// a service in the pool's registry.
+    /// a service in the pool's registry. The client reconnects when its
+    /// connection breaks and the name is registered again (see
+    /// [`crate::reconnect`]).
     pub fn connect(&self, name: &str) -> Result<Client, RpcError> {
-        Ok(Client::new(self.clone(), name, self.open(name)?))
+        Ok(Client::new(self.redialer(Target::Name(name.to_owned()))?))
     }
 
     /// Like [`connect`](Self::connect), for async callers: calls are
     /// futures, any number may be outstanding on the connection.
     pub fn connect_async(&self, name: &str) -> Result<AsyncClient, RpcError> {
-        Ok(AsyncClient::new(self.clone(), name, self.open(name)?))
+        Ok(AsyncClient::new(
+            self.redialer(Target::Name(name.to_owned()))?,
+        ))
     }
 
-    /// Resolves `name` and opens a transport connection to it.
-    fn open(&self, name: &str) -> Result<Connection, RpcError> {
-        if crate::transport::mem::is_bound(name) {
-            return Ok(crate::transport::mem::connect(name)?);
+    /// Resolves `target` and opens a first connection to it.
+    fn redialer<C: Connected>(&self, target: Target) -> Result<Redial<C>, RpcError> {
+        let route = self.resolve(&target)?;
+        let conn = self.dial(&target, &route)?;
+        Ok(Redial::new(self.clone(), target, route.origin, conn))
+    }
+
+    /// Where `target` is now, and which registration that is.
+    pub(crate) fn resolve(&self, target: &Target) -> Result<Route, RpcError> {
+        let name = match target {
+            Target::Addr(addr) => {
+                return Ok(Route {
+                    how: How::Tcp(addr.clone()),
+                    origin: Origin::Addr,
+                })
+            }
+            Target::Name(name) => name,
+        };
+        if let Some(b) = crate::transport::mem::binding(name) {
+            return Ok(Route {
+                how: How::Mem(b),
+                origin: Origin::Mem(b),
+            });
         }
-        if let Some(ServiceEntry {
-            endpoint: Endpoint::Tcp(addr),
-            ..
-        }) = self.registry.lookup(name)?
-        {
-            return self.open_tcp(&addr);
+        if let Some(e) = self.registry.lookup(name)? {
+            if let Endpoint::Tcp(addr) = &e.endpoint {
+                return Ok(Route {
+                    how: How::Tcp(addr.clone()),
+                    origin: Origin::Entry {
+                        endpoint: e.endpoint.clone(),
+                        owner: e.owner,
+                        handle: e.handle,
+                    },
+                });
+            }
         }
         let svc = self
             .pool
             .lookup(name)?
             .ok_or_else(|| RpcError::not_found(format!("no service named {name:?}")))?;
-        match &svc.endpoint {
-            Endpoint::Shm => Ok(crate::transport::shm::connect(
-                &self.pool,
-                &svc,
-                self.cfg.wait,
-            )?),
-            Endpoint::Tcp(addr) => self.open_tcp(addr),
-        }
+        let origin = Origin::Pool {
+            index: svc.index,
+            generation: svc.generation,
+        };
+        let how = match &svc.endpoint {
+            Endpoint::Shm => How::Shm(Box::new(svc)),
+            Endpoint::Tcp(addr) => How::Tcp(addr.clone()),
+        };
+        Ok(Route { how, origin })
+    }
+
+    /// Opens a transport connection along `route` (resolved for `target`).
+    pub(crate) fn dial(&self, target: &Target, route: &Route) -> Result<Connection, RpcError> {
+        Ok(match &route.how {
+            How::Mem(b) => crate::transport::mem::connect_to(target.text(), Some(*b))?,
+            How::Tcp(addr) => self.open_tcp(addr)?,
+            How::Shm(svc) => crate::transport::shm::connect(&self.pool, svc, self.cfg.wait)?,
+        })
     }
 
     fn open_tcp(&self, addr: &str) -> Result<Connection, RpcError> {
@@ -225,11 +264,13 @@ impl Node {
     /// whose registry this process cannot see (another host). Refs travel
     /// only if the server is attached to this node's pool.
     pub fn connect_tcp(&self, addr: &str) -> Result<Client, RpcError> {
-        Ok(Client::new(self.clone(), addr, self.open_tcp(addr)?))
+        Ok(Client::new(self.redialer(Target::Addr(addr.to_owned()))?))
     }
 
     /// Like [`connect_tcp`](Self::connect_tcp), for async callers.
     pub fn connect_tcp_async(&self, addr: &str) -> Result<AsyncClient, RpcError> {
-        Ok(AsyncClient::new(self.clone(), addr, self.open_tcp(addr)?))
+        Ok(AsyncClient::new(
+            self.redialer(Target::Addr(addr.to_owned()))?,
+        ))
     }
 }

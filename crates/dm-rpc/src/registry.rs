@@ -25,6 +25,11 @@ pub struct ServiceEntry {
     pub owner: String,
     /// Whether the registry still considers it alive.
     pub live: bool,
+    /// Which registration this is (the [`Registration::handle`] it
+    /// returned): registering the name again gives another, so a client
+    /// can tell a restarted service from the one it lost. 0 from a
+    /// registry that cannot tell.
+    pub handle: u64,
 }
 
 /// What a registration returns, to remove it later.
@@ -63,8 +68,15 @@ impl PoolRegistry {
     }
 }
 
+/// The handle of a registration in the pool: its record and the record's
+/// generation.
+fn handle(s: &dm_pool::ServiceInfo) -> u64 {
+    s.index as u64 | (s.generation as u64) << 32
+}
+
 fn entry(s: dm_pool::ServiceInfo) -> ServiceEntry {
     ServiceEntry {
+        handle: handle(&s),
         owner: format!("pid {}", s.pid),
         name: s.name,
         endpoint: s.endpoint,
@@ -76,8 +88,8 @@ impl Registry for PoolRegistry {
     fn register(&self, name: &str, endpoint: &Endpoint) -> Result<Registration, RpcError> {
         let s = self.pool.register(name, endpoint)?;
         Ok(Registration {
+            handle: handle(&s),
             name: s.name,
-            handle: s.index as u64 | (s.generation as u64) << 32,
         })
     }
 
@@ -86,7 +98,7 @@ impl Registry for PoolRegistry {
             .pool
             .services()
             .into_iter()
-            .find(|s| s.index as u64 | (s.generation as u64) << 32 == r.handle)
+            .find(|s| handle(s) == r.handle)
             .ok_or_else(|| RpcError::not_found(format!("{:?} is not registered", r.name)))?;
         Ok(self.pool.unregister(&info)?)
     }

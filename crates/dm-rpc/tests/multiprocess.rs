@@ -1,6 +1,7 @@
 //! RPC across real processes over shared-memory channels: nested calls
 //! through six processes, fan-out, servers and clients killed with
-//! `kill -9` mid-call, a deadline inherited down a chain, a graceful
+//! `kill -9` mid-call (and a client calling the process that takes the
+//! killed server's name), a deadline inherited down a chain, a graceful
 //! shutdown. Every test ends with `pool check` clean.
 #![allow(clippy::unwrap_used)]
 
@@ -264,8 +265,27 @@ fn server_killed(transport: &[&str]) {
     std::thread::sleep(Duration::from_millis(600));
     node.pool().maintain().unwrap();
     assert_eq!(node.connect(&name).unwrap_err().status, Status::NotFound);
+    // A new process takes the name: the client calls it, by Ref too.
+    let successor = Agent::serve(&tp, &name, transport);
+    let until = Instant::now() + Duration::from_secs(5);
+    let got = loop {
+        match c.call("hop", pattern(100_000)) {
+            Ok(p) => break p.to_vec().unwrap(),
+            Err(e) => {
+                assert_eq!(e.status, Status::Unavailable, "{e}");
+                assert!(Instant::now() < until, "the successor is not called: {e}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    };
+    assert_eq!(
+        u64::from_le_bytes(got[..8].try_into().unwrap()),
+        hash(&pattern(100_000))
+    );
+    assert_eq!(c.reconnects(), 1);
     drop(c);
     drop(node);
+    successor.stop();
     settle(&tp);
 }
 

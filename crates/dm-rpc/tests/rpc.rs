@@ -953,6 +953,7 @@ impl dm_rpc::Registry for MapRegistry {
                 endpoint: e.clone(),
                 owner: "test".into(),
                 live: true,
+                handle: 0,
             }))
     }
     fn list(&self) -> Result<Vec<dm_rpc::ServiceEntry>, RpcError> {
@@ -1618,5 +1619,109 @@ fn a_graceful_shutdown_finishes_what_was_sent_and_refuses_what_comes_after() {
         drop(c);
     }
     drop(node);
+    tp.assert_clean();
+}
+
+/// Calls `method` with `arg` until it succeeds, for up to 5 s: every
+/// failure meanwhile is `Unavailable`.
+fn call_until_served(c: &dm_rpc::Client, method: &str, arg: &[u8]) -> Payload {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        match c.call_slice(method, arg) {
+            Ok(p) => return p,
+            Err(e) => {
+                assert_eq!(e.status, Status::Unavailable, "{e}");
+                assert!(Instant::now() < until, "not served again: {e}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+}
+
+/// A server that leaves and a new one registered under its name: the
+/// clients of the first, blocking and async, and an async service's client
+/// to the next tier (whose answers its server's listener reads), call the
+/// second. Until it is there, calls fail at once with `Unavailable`.
+#[test]
+fn clients_call_the_service_registered_again_after_their_server_left() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let big = pattern(300_000, 9);
+    for t in every_transport() {
+        let name = unique("again");
+        let svc = spawn_svc(&node, &name, &t);
+        // An async front service forwarding to it through one client.
+        let front_name = unique("again-front");
+        let leaf = node.connect_async(&name).unwrap();
+        let via = leaf.clone();
+        let front = node
+            .server(&front_name)
+            .transport(t.clone())
+            .method_async("via", move |c| {
+                let via = via.clone();
+                async move { via.call("echo", c.payload.forward()?).await }
+            })
+            .spawn()
+            .unwrap();
+        let c = node.connect(&name).unwrap();
+        let c2 = c.clone();
+        let front_c = node.connect(&front_name).unwrap();
+        assert_eq!(c.call_slice("echo", &big).unwrap().to_vec().unwrap(), big);
+        assert_eq!(
+            front_c.call_slice("via", &big).unwrap().to_vec().unwrap(),
+            big
+        );
+        let ac = node.connect_async(&name).unwrap();
+        rt.block_on(ac.call("echo", vec![1u8])).unwrap();
+
+        svc.shutdown();
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let e = c.call("echo", vec![1u8]).unwrap_err();
+            assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+            let e = rt.block_on(ac.call("echo", vec![1u8])).unwrap_err();
+            assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+            let e = front_c.call("via", vec![1u8]).unwrap_err();
+            assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+            assert!(t0.elapsed() < Duration::from_millis(100), "{t:?}");
+        }
+        assert_eq!((c.reconnects(), ac.reconnects()), (0, 0), "{t:?}");
+
+        let svc = spawn_svc(&node, &name, &t);
+        let got = call_until_served(&c, "echo", &big);
+        assert_eq!(got.to_vec().unwrap(), big, "{t:?}");
+        // Clones share the new connection.
+        assert_eq!(c2.call_slice("echo", &big).unwrap().to_vec().unwrap(), big);
+        assert_eq!((c.reconnects(), c2.reconnects()), (1, 1), "{t:?}");
+        // By Ref, as on the first connection.
+        let (len, by_ref, _) = inspect(&node, &c, big.clone());
+        assert_eq!((len, by_ref), (big.len() as u64, true), "{t:?}");
+        let got = call_until_served(&front_c, "via", &big);
+        assert_eq!(got.to_vec().unwrap(), big, "{t:?}");
+        assert_eq!(leaf.reconnects(), 1, "{t:?}");
+        let until = Instant::now() + Duration::from_secs(5);
+        let got = loop {
+            match rt.block_on(ac.call_slice("echo", &big)) {
+                Ok(p) => break p,
+                Err(e) if Instant::now() < until => {
+                    assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => panic!("{t:?}: {e}"),
+            }
+        };
+        assert_eq!(got.to_vec().unwrap(), big, "{t:?}");
+        assert_eq!(ac.reconnects(), 1, "{t:?}");
+        drop((c, c2, ac, front_c, leaf));
+        front.shutdown();
+        svc.shutdown();
+    }
+    drop((rt, node));
+    // (Pump threads notice their dropped clients within 100 ms.)
+    std::thread::sleep(Duration::from_millis(300));
     tp.assert_clean();
 }

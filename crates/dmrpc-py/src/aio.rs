@@ -51,6 +51,12 @@ impl PyAsyncClient {
 
 #[pymethods]
 impl PyAsyncClient {
+    /// How many times the client connected again (see `Client.reconnects`).
+    #[getter]
+    fn reconnects(&self) -> u64 {
+        self.client.reconnects()
+    }
+
     /// Starts a call of `method` with `data` (as `Client.call`). When the
     /// call completes, `resolve(fut, ok, value)` is called: `ok` True with
     /// the answer's `Payload`, or False with the exception. That happens

@@ -274,4 +274,12 @@ impl PyClient {
             .map_err(to_py)?;
         Ok(PyPayload::new(out, self.node.clone()))
     }
+
+    /// How many times the client connected again: after its connection
+    /// broke, a call finds the service registered again (a restarted
+    /// server, or another process taking its name) and calls it.
+    #[getter]
+    fn reconnects(&self) -> u64 {
+        self.client.reconnects()
+    }
 }

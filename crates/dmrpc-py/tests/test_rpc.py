@@ -1,6 +1,7 @@
 """Services and clients from Python: across processes, Python to Rust and
 Rust to Python, errors as typed exceptions."""
 
+import asyncio
 import itertools
 import os
 import subprocess
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import dmrpc
+import dmrpc.aio
 
 _N = itertools.count()
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
@@ -181,6 +183,54 @@ SERVER = textwrap.dedent(
     srv.shutdown()
     """
 )
+
+
+def _until_served(call):
+    """`call()` until it succeeds (for up to 5 s): meanwhile it raises `Unavailable`."""
+    until = time.monotonic() + 5
+    while True:
+        try:
+            return call()
+        except dmrpc.Unavailable:
+            assert time.monotonic() < until, "the service is not called again"
+            time.sleep(0.005)
+
+
+def test_a_client_calls_the_process_that_takes_its_servers_name(pool):
+    p, path = pool
+    name = f"py/again/{os.getpid()}/{next(_N)}"
+    node = dmrpc.Node(p)
+
+    def start():
+        child = subprocess.Popen([sys.executable, "-c", SERVER, path, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        return child
+
+    def stop(child):
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=10) == 0
+
+    first = start()
+    try:
+        c = node.connect(name)
+        ac = dmrpc.aio.connect(node, name)
+        assert bytes(c.call("rev", b"abc")) == b"cba"
+        assert bytes(asyncio.run(ac.call("rev", b"xy"))) == b"yx"
+    finally:
+        stop(first)
+    with pytest.raises(dmrpc.Unavailable):
+        c.call("rev", b"abc")
+    with pytest.raises(dmrpc.Unavailable):
+        asyncio.run(ac.call("rev", b"abc"))
+    second = start()
+    try:
+        assert bytes(_until_served(lambda: c.call("len", bytes(3 << 20)))) == str(3 << 20).encode()
+        assert bytes(_until_served(lambda: asyncio.run(ac.call("rev", b"abc")))) == b"cba"
+        assert (c.reconnects, ac.reconnects) == (1, 1)
+        del c, ac
+    finally:
+        stop(second)
 
 
 def test_python_client_and_server_in_two_processes(pool):

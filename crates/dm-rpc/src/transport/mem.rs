@@ -23,8 +23,13 @@ enum Event {
     Wake,
 }
 
-fn table() -> &'static Mutex<HashMap<String, SyncSender<Event>>> {
-    static T: OnceLock<Mutex<HashMap<String, SyncSender<Event>>>> = OnceLock::new();
+/// The services bound in this process: each name's binding (a number no
+/// other binding of this process gets, so a client can tell a service
+/// bound again from the one it lost) and its queue.
+type Table = HashMap<String, (u64, SyncSender<Event>)>;
+
+fn table() -> &'static Mutex<Table> {
+    static T: OnceLock<Mutex<Table>> = OnceLock::new();
     T.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
@@ -47,7 +52,10 @@ pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
         return None;
     }
     let (tx, rx) = sync_channel(QUEUE_DEPTH);
-    t.insert(name.to_owned(), tx.clone());
+    t.insert(
+        name.to_owned(),
+        (IDS.fetch_add(1, Ordering::Relaxed), tx.clone()),
+    );
     Some(MemListener {
         name: name.to_owned(),
         rx,
@@ -59,10 +67,16 @@ pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
 
 /// Whether `name` is bound in this process.
 pub fn is_bound(name: &str) -> bool {
+    binding(name).is_some()
+}
+
+/// The binding of `name` in this process, if it is bound.
+pub fn binding(name: &str) -> Option<u64> {
     table()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .contains_key(name)
+        .get(name)
+        .map(|(b, _)| *b)
 }
 
 impl Drop for MemListener {
@@ -89,11 +103,18 @@ impl Drop for MemTx {
 
 /// Connects to `name` in this process.
 pub fn connect(name: &str) -> Result<Connection, TransportError> {
+    connect_to(name, None)
+}
+
+/// Connects to `name` in this process if it is still bound as `binding`
+/// ([`binding`]; None: however it is bound).
+pub fn connect_to(name: &str, binding: Option<u64>) -> Result<Connection, TransportError> {
     let tx = table()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get(name)
-        .cloned()
+        .filter(|(b, _)| binding.is_none_or(|want| want == *b))
+        .map(|(_, tx)| tx.clone())
         .ok_or_else(|| TransportError::Unavailable(format!("no in-process service {name:?}")))?;
     let id = IDS.fetch_add(1, Ordering::Relaxed);
     let (rtx, rrx) = sync_channel(QUEUE_DEPTH);

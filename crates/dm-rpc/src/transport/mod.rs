@@ -52,6 +52,14 @@ pub enum TransportError {
     Pool(#[from] dm_pool::Error),
 }
 
+impl TransportError {
+    /// Whether the connection is lost with this error: every error but a
+    /// frame refused before any of it was sent.
+    pub fn breaks_connection(&self) -> bool {
+        !matches!(self, TransportError::TooLarge { .. })
+    }
+}
+
 impl From<RingError> for TransportError {
     fn from(e: RingError) -> Self {
         match e {

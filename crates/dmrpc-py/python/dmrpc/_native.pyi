@@ -124,7 +124,14 @@ class Server:
         ...
 
 class Client:
-    """A connection to a service."""
+    """A connection to a service. When it breaks, a later call finds the
+    service registered again (a restarted server, or another process taking
+    its name) and calls it; calls in flight then fail with `Unavailable`."""
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the client connected again."""
+        ...
 
     def call(self, method: str, data: Data = None, timeout: float | None = None, detached: bool = False) -> Payload:
         """Calls `method`; from a service's handler, waits no longer than
@@ -138,6 +145,11 @@ class CallHandle:
 
 class AsyncClient:
     """A connection to a service for asyncio code (wrapped by `dmrpc.aio`)."""
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the client connected again (see `Client.reconnects`)."""
+        ...
 
     def start(
         self,

@@ -70,6 +70,11 @@ class AsyncClient:
         finally:
             self._in_flight.discard(fut)
 
+    @property
+    def reconnects(self) -> int:
+        """How many times the client connected again (see `dmrpc.Client.reconnects`)."""
+        return self._client.reconnects
+
     async def aclose(self) -> None:
         """Waits for the calls in flight."""
         await asyncio.gather(*self._in_flight, return_exceptions=True)
