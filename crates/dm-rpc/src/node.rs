@@ -6,7 +6,7 @@
 use crate::async_client::AsyncClient;
 use crate::client::Client;
 use crate::error::RpcError;
-use crate::reconnect::{Connected, How, Origin, Redial, Route, Target};
+use crate::reconnect::{Connected, How, Origin, Redial, Route, Target, CONNECT_TIMEOUT};
 use crate::registry::{PoolRegistry, Registry};
 use crate::server::ServerBuilder;
 use crate::transport::Connection;
@@ -194,7 +194,7 @@ impl Node {
     /// Resolves `target` and opens a first connection to it.
     fn redialer<C: Connected>(&self, target: Target) -> Result<Redial<C>, RpcError> {
         let route = self.resolve(&target)?;
-        let conn = self.dial(&target, &route)?;
+        let conn = self.dial(&target, &route, CONNECT_TIMEOUT)?;
         Ok(Redial::new(self.clone(), target, route.origin, conn))
     }
 
@@ -242,20 +242,26 @@ impl Node {
         Ok(Route { how, origin })
     }
 
-    /// Opens a transport connection along `route` (resolved for `target`).
-    pub(crate) fn dial(&self, target: &Target, route: &Route) -> Result<Connection, RpcError> {
+    /// Opens a transport connection along `route` (resolved for
+    /// `target`), waiting at most `patience` for a TCP peer to accept.
+    pub(crate) fn dial(
+        &self,
+        target: &Target,
+        route: &Route,
+        patience: Duration,
+    ) -> Result<Connection, RpcError> {
         Ok(match &route.how {
             How::Mem(b) => crate::transport::mem::connect_to(target.text(), Some(*b))?,
-            How::Tcp(addr) => self.open_tcp(addr)?,
+            How::Tcp(addr) => self.open_tcp(addr, patience)?,
             How::Shm(svc) => crate::transport::shm::connect(&self.pool, svc, self.cfg.wait)?,
         })
     }
 
-    fn open_tcp(&self, addr: &str) -> Result<Connection, RpcError> {
+    fn open_tcp(&self, addr: &str, patience: Duration) -> Result<Connection, RpcError> {
         Ok(crate::transport::tcp::connect(
             addr,
             self.identity(),
-            Duration::from_secs(5),
+            patience,
             self.cfg.tcp_spin,
         )?)
     }

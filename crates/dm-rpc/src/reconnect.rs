@@ -7,11 +7,15 @@
 //!   whether the server ran them is unknown, so none is sent again.
 //! * A call that finds the connection broken looks the service up again
 //!   (its name, in this process, the node's registry and the pool's; or
-//!   its TCP address) and dials what it finds, unless that is the very
-//!   registration whose connection broke: a server that died on another
-//!   host stays registered until its lease ends, and a new connection to
-//!   it would only wait for that. Until another registration appears,
-//!   calls fail at once with the error that broke the connection.
+//!   its TCP address) and dials what it finds. Over TCP that may be the
+//!   same registration (a connection can break while both ends live:
+//!   the network, a proxy), dialled with [`REDIAL_TIMEOUT`]. Over shared
+//!   memory or in memory a connection breaks only when its server closes
+//!   it or dies, so the registration whose connection broke is not
+//!   dialled again: a server that died on another host stays registered
+//!   until its lease ends, and a new connection to it would only wait for
+//!   that. Until there is something to dial, calls fail at once with the
+//!   error that broke the connection.
 //! * Lookups are spaced out, from [`FIRST_BACKOFF`] doubling up to
 //!   [`MAX_BACKOFF`] while they find nothing new: a caller retrying in a
 //!   loop neither scans the registry nor dials on every call. A call in
@@ -32,6 +36,11 @@ use dm_pool::{Endpoint, ServiceInfo};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// How long `connect` waits for a TCP peer to accept.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a call that redials waits for a TCP peer to accept (a peer
+/// that does not answer then is tried again after the backoff).
+pub const REDIAL_TIMEOUT: Duration = Duration::from_secs(1);
 /// The first pause after a lookup that found nothing new.
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(1);
 /// The longest pause between lookups.
@@ -68,8 +77,7 @@ pub(crate) enum Origin {
         owner: String,
         handle: u64,
     },
-    /// A bare TCP address: there is no registration to tell apart, so it
-    /// is always dialled again.
+    /// A bare TCP address.
     Addr,
 }
 
@@ -196,14 +204,15 @@ impl<C: Connected> Redial<C> {
         }
     }
 
-    /// A connection to the service's current registration, if that is not
-    /// `lost` (and it answers).
+    /// A connection to the service's current registration, unless that is
+    /// `lost` over a transport whose connections break only with their
+    /// server (and if it answers).
     fn open_new(&self, lost: &Origin) -> Option<(Connection, Origin)> {
         let route = self.node.resolve(&self.target).ok()?;
-        if route.origin == *lost && route.origin != Origin::Addr {
+        if route.origin == *lost && !matches!(route.how, How::Tcp(_)) {
             return None;
         }
-        let conn = self.node.dial(&self.target, &route).ok()?;
+        let conn = self.node.dial(&self.target, &route, REDIAL_TIMEOUT).ok()?;
         Some((conn, route.origin))
     }
 }
@@ -245,7 +254,7 @@ mod tests {
     fn redial(node: &Node, name: &str) -> Redial<Probe> {
         let target = Target::Name(name.into());
         let route = node.resolve(&target).unwrap();
-        let conn = node.dial(&target, &route).unwrap();
+        let conn = node.dial(&target, &route, CONNECT_TIMEOUT).unwrap();
         Redial::new(node.clone(), target, route.origin, conn)
     }
 

@@ -1725,3 +1725,118 @@ fn clients_call_the_service_registered_again_after_their_server_left() {
     std::thread::sleep(Duration::from_millis(300));
     tp.assert_clean();
 }
+
+/// A TCP forwarder that can cut every connection through it while both
+/// ends live, as a network (or a proxy) may.
+struct Cutter {
+    addr: String,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    accept: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Cutter {
+    fn new(upstream: &str) -> Cutter {
+        use std::net::{TcpListener, TcpStream};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::<TcpStream>::new()));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (c, st, up) = (conns.clone(), stop.clone(), upstream.to_owned());
+        let accept = std::thread::spawn(move || {
+            for down in l.incoming() {
+                if st.load(Ordering::Acquire) {
+                    return;
+                }
+                let down = down.unwrap();
+                let up = TcpStream::connect(&up).unwrap();
+                for s in [&down, &up] {
+                    s.set_nodelay(true).unwrap();
+                    c.lock().unwrap().push(s.try_clone().unwrap());
+                }
+                let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                };
+                pipe(down.try_clone().unwrap(), up.try_clone().unwrap());
+                pipe(up, down);
+            }
+        });
+        Cutter {
+            addr,
+            conns,
+            stop,
+            accept: Some(accept),
+        }
+    }
+
+    /// Cuts every connection made through it so far.
+    fn cut(&self) {
+        for s in self.conns.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for Cutter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = std::net::TcpStream::connect(&self.addr);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        self.cut();
+    }
+}
+
+/// A TCP connection cut while its server lives: the clients dial the same
+/// service again, by its address and by its name (the same registration:
+/// over TCP a connection can break with both ends alive).
+#[test]
+fn tcp_clients_whose_connections_were_cut_dial_the_same_service_again() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let svc = spawn_svc(&node, &unique("cut"), &Transport::Tcp("127.0.0.1:0".into()));
+    let cutter = Cutter::new(svc.tcp_addr().unwrap());
+    let reg: std::sync::Arc<dyn dm_rpc::Registry> = std::sync::Arc::new(MapRegistry::default());
+    let name = unique("cut-by-name");
+    reg.register(&name, &dm_pool::Endpoint::Tcp(cutter.addr.clone()))
+        .unwrap();
+    let named = Node::new(tp.attach()).with_registry(reg);
+    let by_addr = node.connect_tcp(&cutter.addr).unwrap();
+    let by_name = named.connect(&name).unwrap();
+    let ac = named.connect_async(&name).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let big = pattern(200_000, 3);
+    for c in [&by_addr, &by_name] {
+        assert_eq!(c.call_slice("echo", &big).unwrap().to_vec().unwrap(), big);
+    }
+    rt.block_on(ac.call("echo", vec![1u8])).unwrap();
+    cutter.cut();
+    for c in [&by_addr, &by_name] {
+        let got = call_until_served(c, "echo", &big);
+        assert_eq!(got.to_vec().unwrap(), big);
+        assert_eq!(c.reconnects(), 1, "{c:?}");
+        // By Ref (one pool) on the new connection, as on the first.
+        let (len, by_ref, _) = inspect(&node, c, big.clone());
+        assert_eq!((len, by_ref), (big.len() as u64, true));
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    while let Err(e) = rt.block_on(ac.call("echo", vec![2u8])) {
+        assert_eq!(e.status, Status::Unavailable, "{e}");
+        assert!(Instant::now() < until, "not served again: {e}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(ac.reconnects(), 1);
+    assert_eq!(svc.stats().refused.load(Ordering::Relaxed), 0);
+    drop((by_addr, by_name, ac, cutter, rt));
+    svc.shutdown();
+    drop((node, named));
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}
