@@ -5,7 +5,9 @@
 //! connection in fair order, answers a request whose deadline passed while
 //! it was queued with `DeadlineExceeded` (without running the handler),
 //! drops requests the caller cancelled before they ran (and the futures of
-//! async handlers' calls cancelled while they run), and turns a
+//! async handlers' calls cancelled while they run; a blocking handler
+//! learns of its call's cancel when it asks, [`Call::cancelled`]), and
+//! turns a
 //! handler's panic into `Internal` for that call alone. A handler may make
 //! nested calls (they inherit its call's deadline: [`crate::deadline`])
 //! and forward the payload it received. A graceful shutdown
@@ -125,6 +127,14 @@ impl Call<'_> {
     /// made while the handler runs inherit it ([`crate::deadline`]).
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
+    }
+
+    /// Whether the caller gave up on this call: its deadline passed, or it
+    /// cancelled it ([`crate::deadline::cancelled`]). A handler with long
+    /// work may look now and then and stop early: what it answers then is
+    /// dropped.
+    pub fn cancelled(&self) -> bool {
+        crate::deadline::cancelled()
     }
 
     /// The method's name.
@@ -579,47 +589,21 @@ impl Dispatcher {
     /// Answers `f` with `Unavailable` if it is a request read while the
     /// server drains (true), instead of taking it.
     fn refused(&mut self, conn: ConnId, f: &Frame) -> bool {
-        if self.draining.is_none() || f.kind != Kind::Request {
-            return false;
-        }
-        self.stats.refused.fetch_add(1, Ordering::Relaxed);
-        let why = b"the service is shutting down".to_vec();
-        let answer = Frame::response(f.call_id, Status::Unavailable, Body::Inline(why));
-        let _ = self.listener.reply(conn, &answer);
-        true
+        refuse(&mut *self.listener, &self.stats, self.draining, conn, f)
     }
 
     /// Moves every frame already waiting into the queue, applying cancels,
     /// so that a request cancelled while queued never runs.
     fn drain(&mut self) {
-        while let Ok(Some((conn, frame))) = self.listener.poll() {
-            if frame.kind == Kind::Cancel {
-                // Every request gets exactly one answer (transports count on
-                // it to bound what they owe a client): a cancelled one gets
-                // `Cancelled`, which its caller, gone, drops.
-                if let Some(k) = self
-                    .queue
-                    .iter()
-                    .position(|q| q.conn == conn && q.frame.call_id == frame.call_id)
-                {
-                    self.queue.remove(k);
-                    self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-                    let _ = self.listener.reply(
-                        conn,
-                        &Frame::response(frame.call_id, Status::Cancelled, Body::None),
-                    );
-                } else {
-                    self.cancel_task(conn, frame.call_id);
-                }
-                continue;
-            }
-            if self.refused(conn, &frame) {
-                continue;
-            }
-            self.queue.push_back(pending(conn, frame));
-            if self.queue.len() > 4096 {
-                break;
-            }
+        let (cancels, _) = intake(
+            &mut *self.listener,
+            &mut self.queue,
+            &self.stats,
+            self.draining,
+            None,
+        );
+        for (conn, id) in cancels {
+            self.cancel_task(conn, id);
         }
     }
 
@@ -637,6 +621,8 @@ impl Dispatcher {
                 _ => None,
             },
         };
+        // Cancels of async calls read while a blocking handler ran.
+        let mut later = Vec::new();
         let result = if deadline.is_some_and(|d| Instant::now() >= d) {
             self.stats.expired.fetch_add(1, Ordering::Relaxed);
             Err(RpcError::deadline_exceeded(
@@ -673,7 +659,22 @@ impl Dispatcher {
                     }
                 }
                 Some((name, Method::Blocking(h))) => {
-                    run_handler(h, name, &self.node, frame.payload, deadline)
+                    // What the handler's looks for a cancel of its call
+                    // read: requests are queued, cancels of queued ones
+                    // applied, those of async calls kept for after it.
+                    let (listener, queue) = (&mut self.listener, &mut self.queue);
+                    let (stats, draining) = (&self.stats, self.draining);
+                    let running = Some((conn, frame.call_id));
+                    let mut seen = false;
+                    let mut check = || {
+                        if !seen {
+                            let (c, hit) = intake(&mut **listener, queue, stats, draining, running);
+                            later.extend(c);
+                            seen = hit;
+                        }
+                        seen
+                    };
+                    run_handler(h, name, &self.node, frame.payload, deadline, &mut check)
                 }
                 None => Err(RpcError::not_found(format!(
                     "no method with id {:#x}",
@@ -681,6 +682,9 @@ impl Dispatcher {
                 ))),
             }
         };
+        for (conn, id) in later {
+            self.cancel_task(conn, id);
+        }
         self.answer(to, result);
     }
 
@@ -711,7 +715,8 @@ impl Dispatcher {
     /// its future, which cancels the calls it awaits in turn (an async
     /// client's dropped call sends a cancel and releases what it lent), so
     /// a cancel travels down a chain of async services; answers it
-    /// `Cancelled`. Blocking handlers run to the end.
+    /// `Cancelled`. (A blocking handler learns of its call's cancel when it
+    /// asks: [`Call::cancelled`].)
     fn cancel_task(&mut self, conn: ConnId, id: u64) {
         let t = &mut self.tasks;
         let Some(slot) = t.slots.iter().position(|s| {
@@ -836,6 +841,70 @@ impl Dispatcher {
     }
 }
 
+/// Answers `f` with `Unavailable` if it is a request read while the
+/// server drains (`draining`), instead of taking it (true).
+fn refuse(
+    listener: &mut dyn Listener,
+    stats: &Stats,
+    draining: Option<Instant>,
+    conn: ConnId,
+    f: &Frame,
+) -> bool {
+    if draining.is_none() || f.kind != Kind::Request {
+        return false;
+    }
+    stats.refused.fetch_add(1, Ordering::Relaxed);
+    let why = b"the service is shutting down".to_vec();
+    let answer = Frame::response(f.call_id, Status::Unavailable, Body::Inline(why));
+    let _ = listener.reply(conn, &answer);
+    true
+}
+
+/// Moves every frame already waiting in `listener` into `queue`, applying
+/// cancels: a cancelled request still queued is answered `Cancelled` and
+/// never runs. Returns the other cancels (of calls in progress), and
+/// whether one was of `running`, the call a blocking handler runs now.
+fn intake(
+    listener: &mut dyn Listener,
+    queue: &mut VecDeque<Pending>,
+    stats: &Stats,
+    draining: Option<Instant>,
+    running: Option<(ConnId, u64)>,
+) -> (Vec<(ConnId, u64)>, bool) {
+    let (mut cancels, mut hit) = (Vec::new(), false);
+    while let Ok(Some((conn, frame))) = listener.poll() {
+        if frame.kind == Kind::Cancel {
+            // Every request gets exactly one answer (transports count on
+            // it to bound what they owe a client): a cancelled one gets
+            // `Cancelled`, which its caller, gone, drops.
+            if let Some(k) = queue
+                .iter()
+                .position(|q| q.conn == conn && q.frame.call_id == frame.call_id)
+            {
+                queue.remove(k);
+                stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                let _ = listener.reply(
+                    conn,
+                    &Frame::response(frame.call_id, Status::Cancelled, Body::None),
+                );
+            } else if running == Some((conn, frame.call_id)) {
+                hit = true;
+            } else {
+                cancels.push((conn, frame.call_id));
+            }
+            continue;
+        }
+        if refuse(listener, stats, draining, conn, &frame) {
+            continue;
+        }
+        queue.push_back(pending(conn, frame));
+        if queue.len() > 4096 {
+            break;
+        }
+    }
+    (cancels, hit)
+}
+
 /// Runs a blocking handler on the dispatcher's thread (borrowed where it is
 /// registered: no reference count is touched per call).
 fn run_handler(
@@ -844,6 +913,7 @@ fn run_handler(
     node: &Node,
     body: Body,
     deadline: Option<Instant>,
+    cancelled: &mut dyn FnMut() -> bool,
 ) -> Result<Payload, RpcError> {
     crate::stats::count(&body, false);
     let payload = Payload::from_request_body(body, node)?;
@@ -853,7 +923,7 @@ fn run_handler(
         method: name,
         node,
     };
-    match guarded(deadline, || h(&mut call)) {
+    match crate::deadline::watching(cancelled, || guarded(deadline, || h(&mut call))) {
         Ok(r) => r,
         Err(p) => Err(panicked(name, &*p)),
     }

@@ -1840,3 +1840,83 @@ fn tcp_clients_whose_connections_were_cut_dial_the_same_service_again() {
     std::thread::sleep(Duration::from_millis(300));
     tp.assert_clean();
 }
+
+/// A blocking handler with long work that looks whether its call was
+/// given up: it stops when its caller cancels (an async call dropped, with
+/// no deadline) or when the deadline passes, and the requests read while
+/// it looked are served after it, in order.
+#[test]
+fn a_blocking_handler_learns_that_its_call_was_given_up() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for t in every_transport() {
+        let name = unique("given-up");
+        let (stopped_tx, stopped) = std::sync::mpsc::channel::<(bool, Duration)>();
+        let stopped_tx = std::sync::Mutex::new(stopped_tx);
+        let svc = node
+            .server(&name)
+            .transport(t.clone())
+            // Works for up to 5 s, looking every millisecond.
+            .method("long", move |c| {
+                let t0 = Instant::now();
+                let mut gave_up = false;
+                while t0.elapsed() < Duration::from_secs(5) {
+                    if c.cancelled() {
+                        gave_up = true;
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let _ = stopped_tx.lock().unwrap().send((gave_up, t0.elapsed()));
+                Ok(Payload::empty())
+            })
+            .method("echo", |c| Ok(c.take_payload()))
+            .spawn()
+            .unwrap();
+
+        // Cancelled: an async call with no deadline, dropped at 100 ms.
+        let ac = node.connect_async(&name).unwrap();
+        let other = node.connect(&name).unwrap();
+        let late = std::thread::scope(|s| {
+            // Sent while the handler runs: read by its looks, served after.
+            let late = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(40));
+                other.call("echo", vec![9u8; 3]).unwrap().to_vec().unwrap()
+            });
+            let r = rt.block_on(async {
+                tokio::time::timeout(Duration::from_millis(100), ac.call("long", vec![1u8])).await
+            });
+            assert!(r.is_err(), "{t:?}: the call was dropped");
+            late.join().unwrap()
+        });
+        assert_eq!(late, [9u8; 3], "{t:?}");
+        let (gave_up, took) = stopped.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(gave_up, "{t:?}: worked for {took:?}");
+        assert!(took < Duration::from_secs(3), "{t:?}: {took:?}");
+
+        // Its deadline passed. (The handler stops as the deadline passes
+        // on its side, so its empty answer may beat the caller's.)
+        let c = node.connect(&name).unwrap();
+        let r = c.call_with(
+            "long",
+            Payload::empty(),
+            CallOptions::deadline(Duration::from_millis(100)),
+        );
+        if let Err(e) = r {
+            assert_eq!(e.status, Status::DeadlineExceeded, "{t:?}");
+        }
+        let (gave_up, took) = stopped.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(gave_up && took < Duration::from_secs(3), "{t:?}: {took:?}");
+        // Still serving.
+        assert_eq!(c.call("echo", vec![4u8]).unwrap().to_vec().unwrap(), [4]);
+        drop((c, ac, other));
+        svc.shutdown();
+    }
+    drop((rt, node));
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}

@@ -16,8 +16,18 @@ mod refs;
 
 use pyo3::prelude::*;
 
+/// Whether the call this thread serves was given up: its deadline passed,
+/// or its caller cancelled it. A handler with long work may look now and
+/// then and stop early (what it answers then is dropped). False outside a
+/// handler.
+#[pyfunction]
+fn cancelled() -> bool {
+    dm_rpc::deadline::cancelled()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cancelled, m)?)?;
     m.add_class::<pool::PyPool>()?;
     m.add_class::<buffer::PyBuffer>()?;
     m.add_class::<refs::PyRef>()?;

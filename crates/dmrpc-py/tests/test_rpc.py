@@ -185,6 +185,47 @@ SERVER = textwrap.dedent(
 )
 
 
+def test_a_handler_stops_when_its_call_is_given_up(pool):
+    p, _ = pool
+    node = dmrpc.Node(p)
+    name = f"py/given-up/{os.getpid()}/{next(_N)}"
+    stopped = []
+
+    def long(b):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            if dmrpc.cancelled():
+                stopped.append(time.monotonic() - t0)
+                break
+            time.sleep(0.001)
+        return b""
+
+    srv = node.serve(name, {"long": long})
+    try:
+        assert not dmrpc.cancelled()
+        c = node.connect(name)
+        # Dropped by an asyncio caller with no deadline: a cancel.
+        ac = dmrpc.aio.connect(node, name)
+
+        async def give_up():
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(ac.call("long", b"x"), 0.1)
+
+        asyncio.run(give_up())
+        # The deadline of a blocking caller (the handler stops as it passes
+        # on its side, so its empty answer may beat the caller's).
+        try:
+            c.call("long", b"x", timeout=0.1)
+        except dmrpc.DeadlineExceeded:
+            pass
+        until = time.monotonic() + 5
+        while len(stopped) < 2 and time.monotonic() < until:
+            time.sleep(0.01)
+        assert len(stopped) == 2 and max(stopped) < 3, stopped
+    finally:
+        srv.shutdown()
+
+
 def _until_served(call):
     """`call()` until it succeeds (for up to 5 s): meanwhile it raises `Unavailable`."""
     until = time.monotonic() + 5

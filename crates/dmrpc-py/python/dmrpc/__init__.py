@@ -22,6 +22,7 @@ from ._native import (
     ResourceExhausted,
     Server,
     Unavailable,
+    cancelled,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "ResourceExhausted",
     "Server",
     "Unavailable",
+    "cancelled",
 ]
