@@ -731,9 +731,16 @@ impl AsyncClient {
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
-        Guard::into_inner(self.h.live())
-            .call_with(method, payload, opts)
-            .await
+        let mut c = Guard::into_inner(self.h.live());
+        if opts.wait_for_ready && c.is_broken() {
+            let (until, _) = crate::client::deadline_of(&c.node, opts, Instant::now());
+            while c.is_broken() {
+                let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
+                tokio::time::sleep_until(at.into()).await;
+                c = Guard::into_inner(self.h.live());
+            }
+        }
+        c.call_with(method, payload, opts).await
     }
 }
 

@@ -43,6 +43,10 @@ pub struct CallOptions {
     /// Do not inherit the deadline of the call being served (for work
     /// meant to outlive it).
     pub detached: bool,
+    /// If the connection broke and the service is not registered again
+    /// yet, wait (until the deadline) for it to come back instead of
+    /// failing at once with `Unavailable` (gRPC's `wait_for_ready`).
+    pub wait_for_ready: bool,
 }
 
 impl CallOptions {
@@ -50,7 +54,16 @@ impl CallOptions {
     pub fn deadline(d: Duration) -> Self {
         CallOptions {
             deadline: Some(d),
-            detached: false,
+            ..CallOptions::default()
+        }
+    }
+
+    /// These options, waiting for a service that went away to come back
+    /// (see [`wait_for_ready`](Self::wait_for_ready)).
+    pub fn wait_for_ready(self) -> Self {
+        CallOptions {
+            wait_for_ready: true,
+            ..self
         }
     }
 
@@ -134,6 +147,23 @@ pub(crate) struct Outgoing {
     pub(crate) deadline_us: u32,
 }
 
+/// When a call with `opts` gives up (the earlier of its own deadline, or
+/// the node's default, and the served one unless detached), and whether
+/// the served call's caller gave up already.
+pub(crate) fn deadline_of(node: &Node, opts: CallOptions, now: Instant) -> (Option<Instant>, bool) {
+    let own = opts.deadline.or(node.cfg.default_deadline).map(|d| now + d);
+    let served = if opts.detached {
+        None
+    } else {
+        crate::deadline::served()
+    };
+    let d = match (own, served) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    (d, served.is_some_and(|s| s <= now))
+}
+
 /// Applies the size-aware rule and the deadline to a call.
 pub(crate) fn outgoing(
     node: &Node,
@@ -142,29 +172,27 @@ pub(crate) fn outgoing(
     payload: Payload,
     opts: CallOptions,
 ) -> Result<Outgoing, RpcError> {
-    let budget = opts.deadline.or(node.cfg.default_deadline);
-    let served = if opts.detached {
-        None
+    let (deadline, deadline_us) = if opts.deadline.is_none()
+        && node.cfg.default_deadline.is_none()
+        && (opts.detached || crate::deadline::served().is_none())
+    {
+        // (No clock read on the common path.)
+        (None, 0)
     } else {
-        crate::deadline::served()
-    };
-    let (deadline, deadline_us) = match (budget, served) {
-        (None, None) => (None, 0),
-        _ => {
-            let now = Instant::now();
-            let own = budget.map(|d| now + d);
-            let d = match (own, served) {
-                (Some(a), Some(b)) => a.min(b),
-                (a, b) => a.or(b).unwrap_or(now),
-            };
-            if served.is_some_and(|s| s <= now) {
-                // Its caller gave up already: nothing to send.
-                return Err(RpcError::deadline_exceeded(
-                    "the deadline of the call being served has passed",
-                ));
+        let now = Instant::now();
+        let (d, gone) = deadline_of(node, opts, now);
+        if gone {
+            // Its caller gave up already: nothing to send.
+            return Err(RpcError::deadline_exceeded(
+                "the deadline of the call being served has passed",
+            ));
+        }
+        match d {
+            None => (None, 0),
+            Some(d) => {
+                let left = d.saturating_duration_since(now).as_micros();
+                (Some(d), left.clamp(1, u32::MAX as u128) as u32)
             }
-            let left = d.saturating_duration_since(now).as_micros();
-            (Some(d), left.clamp(1, u32::MAX as u128) as u32)
         }
     };
     let inline_max = node.cfg.inline_max.min(max_inline);
@@ -342,7 +370,16 @@ impl Client {
         payload: Payload,
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
-        self.h.live().call_with(method, payload, opts)
+        let mut c = self.h.live();
+        if opts.wait_for_ready && c.is_broken() {
+            let (until, _) = deadline_of(&c.node, opts, Instant::now());
+            while c.is_broken() {
+                let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
+                std::thread::sleep(at.saturating_duration_since(Instant::now()));
+                c = self.h.live();
+            }
+        }
+        c.call_with(method, payload, opts)
     }
 }
 

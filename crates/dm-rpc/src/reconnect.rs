@@ -29,6 +29,7 @@
 //! thread (an async call too: a lookup, and opening a channel in the pool
 //! or a TCP connection, as `connect` does).
 
+use crate::error::RpcError;
 use crate::node::Node;
 use crate::transport::Connection;
 use arc_swap::{ArcSwap, Guard};
@@ -163,6 +164,27 @@ impl<C: Connected> Redial<C> {
             return c;
         }
         self.redial(c)
+    }
+
+    /// For a call waiting for its service to come back: when to look
+    /// again (the next lookup the backoff allows, or a moment from now),
+    /// or None once `until` has passed.
+    pub(crate) fn next_look(&self, until: Option<Instant>) -> Option<Instant> {
+        let now = Instant::now();
+        if until.is_some_and(|u| now >= u) {
+            return None;
+        }
+        let soonest = now + Duration::from_micros(100);
+        let at = self.lock().next.map_or(soonest, |n| n.max(soonest));
+        Some(until.map_or(at, |u| at.min(u)))
+    }
+
+    /// The error of a call that waited for its service until its deadline.
+    pub(crate) fn not_back(&self) -> RpcError {
+        RpcError::deadline_exceeded(format!(
+            "{:?} did not come back before the deadline",
+            self.target()
+        ))
     }
 
     /// How many times the client connected again.

@@ -1920,3 +1920,65 @@ fn a_blocking_handler_learns_that_its_call_was_given_up() {
     std::thread::sleep(Duration::from_millis(300));
     tp.assert_clean();
 }
+
+/// A call that waits for ready waits, until its deadline, for a service
+/// that went away to be registered again, instead of failing at once.
+#[test]
+fn a_call_that_waits_for_ready_waits_for_the_service_to_come_back() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ready = |ms| CallOptions::deadline(Duration::from_millis(ms)).wait_for_ready();
+    for t in every_transport() {
+        let name = unique("ready");
+        let svc = spawn_svc(&node, &name, &t);
+        let c = node.connect(&name).unwrap();
+        let ac = node.connect_async(&name).unwrap();
+        c.call("echo", vec![1u8]).unwrap();
+        rt.block_on(ac.call("echo", vec![1u8])).unwrap();
+        svc.shutdown();
+        // Broken: without waiting, at once.
+        let e = c.call("echo", vec![1u8]).unwrap_err();
+        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+        let e = rt.block_on(ac.call("echo", vec![1u8])).unwrap_err();
+        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+        // Waiting, until the deadline.
+        let t0 = Instant::now();
+        let e = c
+            .call_with("echo", Payload::from_vec(vec![1]), ready(150))
+            .unwrap_err();
+        assert_eq!(e.status, Status::DeadlineExceeded, "{t:?}: {e}");
+        let e = rt
+            .block_on(ac.call_with("echo", Payload::from_vec(vec![1]), ready(150)))
+            .unwrap_err();
+        assert_eq!(e.status, Status::DeadlineExceeded, "{t:?}: {e}");
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(290) && took < Duration::from_secs(3),
+            "{t:?}: {took:?}"
+        );
+        // Back 200 ms from now: both calls get through.
+        let (svc, got, agot) = std::thread::scope(|s| {
+            let back = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(200));
+                spawn_svc(&node, &name, &t)
+            });
+            let waiter = s.spawn(|| {
+                rt.block_on(ac.call_with("echo", Payload::from_vec(vec![3]), ready(5000)))
+            });
+            let got = c.call_with("echo", Payload::from_vec(vec![2]), ready(5000));
+            (back.join().unwrap(), got, waiter.join().unwrap())
+        });
+        assert_eq!(got.unwrap().to_vec().unwrap(), [2], "{t:?}");
+        assert_eq!(agot.unwrap().to_vec().unwrap(), [3], "{t:?}");
+        assert_eq!((c.reconnects(), ac.reconnects()), (1, 1), "{t:?}");
+        drop((c, ac));
+        svc.shutdown();
+    }
+    drop((rt, node));
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}

@@ -232,7 +232,11 @@ impl Drop for PyServer {
 
 /// A call's options from its `timeout` in seconds, and whether it is
 /// `detached` from the deadline of a call being served.
-pub(crate) fn call_options(timeout: Option<f64>, detached: bool) -> PyResult<CallOptions> {
+pub(crate) fn call_options(
+    timeout: Option<f64>,
+    detached: bool,
+    wait_for_ready: bool,
+) -> PyResult<CallOptions> {
     let opts = match timeout {
         Some(t) if t.is_finite() && t >= 0.0 => CallOptions::deadline(Duration::from_secs_f64(t)),
         Some(t) => {
@@ -242,7 +246,12 @@ pub(crate) fn call_options(timeout: Option<f64>, detached: bool) -> PyResult<Cal
         }
         None => CallOptions::default(),
     };
-    Ok(if detached { opts.detached() } else { opts })
+    let opts = if detached { opts.detached() } else { opts };
+    Ok(if wait_for_ready {
+        opts.wait_for_ready()
+    } else {
+        opts
+    })
 }
 
 /// A connection to a service.
@@ -257,8 +266,11 @@ impl PyClient {
     /// Calls `method` with `data` (None, a bytes-like object, a `Buffer`
     /// or a `Payload`); returns the answer as a `Payload`. `timeout` in
     /// seconds. Called from a service's handler, the call waits no longer
-    /// than the handler's own caller does, unless `detached`.
-    #[pyo3(signature = (method, data=None, timeout=None, detached=false))]
+    /// than the handler's own caller does, unless `detached`. With
+    /// `wait_for_ready`, a call whose service went away waits (until its
+    /// timeout) for it to be registered again instead of raising
+    /// `Unavailable` at once.
+    #[pyo3(signature = (method, data=None, timeout=None, detached=false, wait_for_ready=false))]
     fn call<'py>(
         &self,
         py: Python<'py>,
@@ -266,9 +278,10 @@ impl PyClient {
         data: Option<&Bound<'py, PyAny>>,
         timeout: Option<f64>,
         detached: bool,
+        wait_for_ready: bool,
     ) -> PyResult<PyPayload> {
         let p = to_payload(py, &self.node, data)?;
-        let opts = call_options(timeout, detached)?;
+        let opts = call_options(timeout, detached, wait_for_ready)?;
         let out = py
             .allow_threads(|| self.client.call_with(method, p, opts))
             .map_err(to_py)?;

@@ -264,14 +264,23 @@ def test_a_client_calls_the_process_that_takes_its_servers_name(pool):
         c.call("rev", b"abc")
     with pytest.raises(dmrpc.Unavailable):
         asyncio.run(ac.call("rev", b"abc"))
-    second = start()
+    with pytest.raises(dmrpc.DeadlineExceeded):
+        c.call("rev", b"abc", timeout=0.1, wait_for_ready=True)
+    # Waiting for ready, a call gets through once the name is taken again.
+    started = []
+    t = threading.Thread(target=lambda: (time.sleep(0.2), started.append(start())))
+    t.start()
     try:
-        assert bytes(_until_served(lambda: c.call("len", bytes(3 << 20)))) == str(3 << 20).encode()
+        assert bytes(c.call("len", bytes(3 << 20), timeout=20, wait_for_ready=True)) == str(3 << 20).encode()
+        t.join()
         assert bytes(_until_served(lambda: asyncio.run(ac.call("rev", b"abc")))) == b"cba"
+        assert bytes(asyncio.run(ac.call("rev", b"de", timeout=5, wait_for_ready=True))) == b"ed"
         assert (c.reconnects, ac.reconnects) == (1, 1)
         del c, ac
     finally:
-        stop(second)
+        t.join()
+        for child in started:
+            stop(child)
 
 
 def test_python_client_and_server_in_two_processes(pool):

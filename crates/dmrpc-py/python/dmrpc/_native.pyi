@@ -133,9 +133,18 @@ class Client:
         """How many times the client connected again."""
         ...
 
-    def call(self, method: str, data: Data = None, timeout: float | None = None, detached: bool = False) -> Payload:
+    def call(
+        self,
+        method: str,
+        data: Data = None,
+        timeout: float | None = None,
+        detached: bool = False,
+        wait_for_ready: bool = False,
+    ) -> Payload:
         """Calls `method`; from a service's handler, waits no longer than
-        the handler's own caller does, unless `detached`."""
+        the handler's own caller does, unless `detached`. With
+        `wait_for_ready`, a call whose service went away waits (until its
+        timeout) for it to be registered again."""
         ...
 
 class CallHandle:
@@ -160,6 +169,7 @@ class AsyncClient:
         fut: Any,
         resolve: Callable[[Any, bool, Any], None],
         detached: bool = False,
+        wait_for_ready: bool = False,
     ) -> CallHandle: ...
 
 Handler = Callable[[Payload], Data]

@@ -49,18 +49,25 @@ class AsyncClient:
         self._in_flight: set[asyncio.Future[Payload]] = set()
 
     async def call(
-        self, method: str, data: Any = None, timeout: float | None = None, detached: bool = False
+        self,
+        method: str,
+        data: Any = None,
+        timeout: float | None = None,
+        detached: bool = False,
+        wait_for_ready: bool = False,
     ) -> Payload:
         """Calls `method` (see `dmrpc.Client.call`); the same exceptions."""
         if self._limit is None:
-            return await self._call(method, data, timeout, detached)
+            return await self._call(method, data, timeout, detached, wait_for_ready)
         async with self._limit:
-            return await self._call(method, data, timeout, detached)
+            return await self._call(method, data, timeout, detached, wait_for_ready)
 
-    async def _call(self, method: str, data: Any, timeout: float | None, detached: bool) -> Payload:
+    async def _call(
+        self, method: str, data: Any, timeout: float | None, detached: bool, wait_for_ready: bool
+    ) -> Payload:
         fut: asyncio.Future[Payload] = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
-        handle = self._client.start(method, data, timeout, loop, fut, _resolve, detached)
+        handle = self._client.start(method, data, timeout, loop, fut, _resolve, detached, wait_for_ready)
         self._in_flight.add(fut)
         try:
             return await fut
