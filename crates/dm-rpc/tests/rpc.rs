@@ -1687,7 +1687,8 @@ fn clients_call_the_service_registered_again_after_their_server_left() {
             assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
             let e = front_c.call("via", vec![1u8]).unwrap_err();
             assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
-            assert!(t0.elapsed() < Duration::from_millis(100), "{t:?}");
+            // (At once: not after a lease or a connect timeout.)
+            assert!(t0.elapsed() < Duration::from_secs(1), "{t:?}");
         }
         assert_eq!((c.reconnects(), ac.reconnects()), (0, 0), "{t:?}");
 
