@@ -118,6 +118,8 @@ pub(crate) struct Inner {
     name: String,
     tx: Mutex<Box<dyn FrameTx>>,
     reader: Arc<Reader>,
+    /// New calls go elsewhere ([`Connected::retire`]).
+    retired: AtomicBool,
     next_id: AtomicU64,
     max_inline: usize,
     refs: crate::transport::Sharing,
@@ -664,6 +666,7 @@ impl Connected for Inner {
             name: name.to_owned(),
             tx: Mutex::new(conn.tx),
             reader,
+            retired: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             max_inline: conn.max_inline,
             refs: conn.refs,
@@ -671,8 +674,12 @@ impl Connected for Inner {
     }
 
     #[inline]
-    fn is_broken(&self) -> bool {
-        self.reader.broken.load(Ordering::Acquire)
+    fn is_spent(&self) -> bool {
+        self.reader.broken.load(Ordering::Acquire) || self.retired.load(Ordering::Acquire)
+    }
+
+    fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
     }
 }
 
@@ -732,15 +739,21 @@ impl AsyncClient {
     ) -> Result<Payload, RpcError> {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
-        if opts.wait_for_ready && c.is_broken() {
+        if opts.wait_for_ready && c.is_spent() {
             let (until, _) = crate::client::deadline_of(&c.node, opts, Instant::now());
-            while c.is_broken() {
+            while c.is_spent() {
                 let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
                 tokio::time::sleep_until(at.into()).await;
                 c = Guard::into_inner(self.h.live());
             }
         }
-        c.call_with(method, payload, opts).await
+        let r = c.call_with(method, payload, opts).await;
+        if let Err(e) = &r {
+            if e.status == crate::Status::Unavailable && !c.is_spent() {
+                self.h.recheck(&c);
+            }
+        }
+        r
     }
 }
 

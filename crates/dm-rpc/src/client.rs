@@ -100,6 +100,8 @@ pub(crate) struct Inner {
     state: Mutex<State>,
     /// `state.broken` is set (read without the lock by a lone caller).
     broken: AtomicBool,
+    /// New calls go elsewhere ([`Connected::retire`]).
+    retired: AtomicBool,
     cv: Condvar,
     next_id: AtomicU64,
     max_inline: usize,
@@ -320,6 +322,7 @@ impl Connected for Inner {
             rx: Mutex::new(conn.rx),
             state: Mutex::new(State::default()),
             broken: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
             cv: Condvar::new(),
             next_id: AtomicU64::new(1),
             max_inline: conn.max_inline,
@@ -328,14 +331,24 @@ impl Connected for Inner {
     }
 
     #[inline]
-    fn is_broken(&self) -> bool {
-        self.broken.load(Ordering::Acquire)
+    fn is_spent(&self) -> bool {
+        self.broken.load(Ordering::Acquire) || self.retired.load(Ordering::Acquire)
+    }
+
+    fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
     }
 }
 
 impl Client {
     pub(crate) fn new(h: Redial<Inner>) -> Client {
         Client { h: Arc::new(h) }
+    }
+
+    /// Whether new calls would go over the current connection (false
+    /// once it broke or was retired, until a call replaces it).
+    pub fn is_connected(&self) -> bool {
+        !self.h.current().is_spent()
     }
 
     /// The service this client calls.
@@ -371,15 +384,21 @@ impl Client {
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
         let mut c = self.h.live();
-        if opts.wait_for_ready && c.is_broken() {
+        if opts.wait_for_ready && c.is_spent() {
             let (until, _) = deadline_of(&c.node, opts, Instant::now());
-            while c.is_broken() {
+            while c.is_spent() {
                 let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
                 std::thread::sleep(at.saturating_duration_since(Instant::now()));
                 c = self.h.live();
             }
         }
-        c.call_with(method, payload, opts)
+        let r = c.call_with(method, payload, opts);
+        if let Err(e) = &r {
+            if e.status == Status::Unavailable && !c.is_spent() {
+                self.h.recheck(&c);
+            }
+        }
+        r
     }
 }
 

@@ -1983,3 +1983,76 @@ fn a_call_that_waits_for_ready_waits_for_the_service_to_come_back() {
     std::thread::sleep(Duration::from_millis(300));
     tp.assert_clean();
 }
+
+/// A graceful restart: the old server drains while its successor takes
+/// the name. A call in progress completes on the old server; a client
+/// loses at most one call to the refusals of the drain (blocking and
+/// async), and its calls after go to the successor.
+#[test]
+fn clients_move_to_the_successor_of_a_server_that_shuts_down_gracefully() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for t in every_transport() {
+        let name = unique("successor");
+        let (old, running) = draining_svc(&node, &name, &t);
+        let c = node.connect(&name).unwrap();
+        let ac = node.connect_async(&name).unwrap();
+        c.call("echo", vec![1u8]).unwrap();
+        rt.block_on(ac.call("echo", vec![1u8])).unwrap();
+        std::thread::scope(|s| {
+            let c2 = c.clone();
+            let later = s.spawn(move || c2.call("later", ms(800)));
+            started(&running, "later");
+            let stopping = s.spawn(move || old.shutdown_gracefully(Duration::from_secs(20)));
+            // The name is free at once: the successor takes it.
+            let until = Instant::now() + Duration::from_secs(5);
+            let successor = loop {
+                let svc = node
+                    .server(&name)
+                    .transport(t.clone())
+                    .method("who", |_| Ok(Payload::from_vec(b"new".to_vec())))
+                    .spawn();
+                match svc {
+                    Ok(svc) => break svc,
+                    Err(e) => {
+                        assert!(Instant::now() < until, "{t:?}: {e}");
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                }
+            };
+            // The old server, draining, refuses (`who` is not its method);
+            // the successor answers.
+            let mut refused = 0;
+            for _ in 0..3 {
+                match c.call("who", Payload::empty()) {
+                    Ok(p) => assert_eq!(p.to_vec().unwrap(), b"new", "{t:?}"),
+                    Err(e) => {
+                        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+                        refused += 1;
+                    }
+                }
+                match rt.block_on(ac.call("who", Payload::empty())) {
+                    Ok(p) => assert_eq!(p.to_vec().unwrap(), b"new", "{t:?}"),
+                    Err(e) => {
+                        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+                        refused += 1;
+                    }
+                }
+            }
+            assert!(refused <= 2, "{t:?}: {refused} calls refused");
+            assert_eq!((c.reconnects(), ac.reconnects()), (1, 1), "{t:?}");
+            // The call in progress completed on the old server.
+            assert_eq!(as_u64(later.join().unwrap().unwrap()), 800, "{t:?}");
+            stopping.join().unwrap();
+            successor.shutdown();
+        });
+        drop((c, ac));
+    }
+    drop((rt, node));
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}
