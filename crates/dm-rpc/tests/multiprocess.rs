@@ -2,7 +2,7 @@
 //! through six processes, fan-out, servers and clients killed with
 //! `kill -9` mid-call (and a client calling the process that takes the
 //! killed server's name), a deadline inherited down a chain, a graceful
-//! shutdown. Every test ends with `pool check` clean.
+//! shutdown and a rolling restart. Every test ends with `pool check` clean.
 #![allow(clippy::unwrap_used)]
 
 use dm_pool::testing::TempPool;
@@ -490,4 +490,55 @@ fn a_graceful_shutdown_across_processes_finishes_the_call_in_progress() {
     drop(node);
     agent.stop();
     settle(&tp);
+}
+
+/// A rolling restart across processes: the old server drains while a new
+/// process takes the name. The call in progress completes on the old one;
+/// the client loses at most one call, and its calls after go to the new
+/// process.
+#[test]
+fn a_rolling_restart_across_processes_loses_at_most_one_call() {
+    let tp = pool();
+    let name = format!("mp/rolling/{}", std::process::id());
+    let mut old = Agent::serve(&tp, &name, &[]);
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    let successor = std::thread::scope(|s| {
+        let c2 = c.clone();
+        let running = s.spawn(move || c2.call("sleep", ms(800)));
+        std::thread::sleep(Duration::from_millis(100));
+        old.say("drain");
+        // Unregistered at once: the successor can take the name.
+        let until = Instant::now() + Duration::from_secs(5);
+        while node.pool().lookup(&name).unwrap().is_some() {
+            assert!(Instant::now() < until, "still registered");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let successor = Agent::serve(&tp, &name, &[]);
+        let mut refused = 0;
+        for len in [10usize, 100_000, 10, 100_000] {
+            match c.call("hop", pattern(len)) {
+                Ok(p) => {
+                    let got = p.to_vec().unwrap();
+                    assert_eq!(
+                        u64::from_le_bytes(got[..8].try_into().unwrap()),
+                        hash(&pattern(len))
+                    );
+                }
+                Err(e) => {
+                    assert_eq!(e.status, Status::Unavailable, "{e}");
+                    refused += 1;
+                }
+            }
+        }
+        assert!(refused <= 1, "{refused} calls refused");
+        assert_eq!(c.reconnects(), 1);
+        // The call in progress completed on the old server.
+        running.join().unwrap().unwrap();
+        assert_eq!(old.line(), "drained");
+        successor
+    });
+    drop(c);
+    drop(node);
+    stop_all(vec![old, successor], &tp);
 }
