@@ -195,7 +195,8 @@ impl<C: Connected> Redial<C> {
     /// After a call on `c` failed with `Unavailable` from its server (a
     /// server that shuts down gracefully refuses new requests that way,
     /// having unregistered at once): if `c` is current and its service's
-    /// registration is no longer the one `c` was opened to, retires `c`,
+    /// registration is no longer the one `c` was opened to (another, or
+    /// none; not a registry that failed to answer), retires `c`,
     /// so that the next call dials the successor (or fails at once, or
     /// waits for one) instead of being refused again.
     pub(crate) fn recheck(&self, c: &C) {
@@ -214,8 +215,11 @@ impl<C: Connected> Redial<C> {
             return;
         }
         d.rechecked = Some(at);
-        let now = self.node.resolve(&self.target).ok().map(|r| r.origin);
-        if now.as_ref() != Some(&d.origin) {
+        let changed = match self.node.resolve(&self.target) {
+            Ok(r) => r.origin != d.origin,
+            Err(e) => e.status == crate::Status::NotFound,
+        };
+        if changed {
             c.retire();
             d.next = None;
         }
@@ -389,6 +393,34 @@ mod tests {
         assert_eq!(got.as_deref(), Some(&[8u8][..]));
         assert_eq!(c.reconnects(), 1);
         drop(c);
+        svc.shutdown();
+        drop(node);
+        tp.assert_clean();
+    }
+
+    #[test]
+    fn a_connection_whose_registration_changed_is_retired() {
+        let tp = dm_pool::testing::TempPool::new(16 << 20);
+        let node = Node::new(tp.attach());
+        let name = format!("test/recheck/{}", std::process::id());
+        let svc = serve(&node, &name);
+        let r = redial(&node, &name);
+        let c = r.current();
+        r.recheck(&c);
+        assert!(!c.is_spent(), "the same registration: kept");
+        svc.shutdown();
+        let svc = serve(&node, &name);
+        r.lock().rechecked = Some(Instant::now());
+        r.recheck(&c);
+        assert!(!c.is_spent(), "one lookup a millisecond at most");
+        std::thread::sleep(FIRST_BACKOFF * 2);
+        r.recheck(&c);
+        assert!(c.is_spent(), "registered again: retired");
+        // The next call dials the new registration at once.
+        let next = r.live();
+        assert!(!Arc::ptr_eq(&next, &c) && !next.is_spent());
+        assert_eq!(r.redials(), 1);
+        drop((c, next, r));
         svc.shutdown();
         drop(node);
         tp.assert_clean();
