@@ -354,21 +354,22 @@ mod tests {
 
         // Gone: lookups find nothing, and space out.
         svc.shutdown();
-        let mut last = Duration::ZERO;
-        for _ in 0..6 {
-            std::thread::sleep(last + Duration::from_millis(1));
+        for k in 0..10 {
+            // Past the pause: a lookup, which doubles the next pause.
+            std::thread::sleep(pause(&r).unwrap_or_default());
+            let before = r.lock().backoff;
             assert!(Arc::ptr_eq(&r.live(), &first));
-            let p = pause(&r).unwrap();
-            assert!(p >= last, "the pauses grow: {p:?} after {last:?}");
-            last = p;
+            let after = r.lock().backoff;
+            assert_eq!(after, (before * 2).min(MAX_BACKOFF), "lookup {k}");
         }
-        assert!(last >= Duration::from_millis(16), "{last:?}");
+        assert_eq!(r.lock().backoff, MAX_BACKOFF);
         assert_eq!(r.redials(), 0);
 
         // Registered again: the first call after the pause dials it.
         let svc = serve(&node, &name);
+        r.lock().next = Some(Instant::now() + Duration::from_secs(60));
         assert!(Arc::ptr_eq(&r.live(), &first), "within the pause");
-        std::thread::sleep(last + Duration::from_millis(1));
+        r.lock().next = Some(Instant::now());
         let second = r.live();
         assert!(!Arc::ptr_eq(&second, &first));
         assert!(!second.is_spent());
