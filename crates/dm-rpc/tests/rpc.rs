@@ -1622,6 +1622,20 @@ fn a_graceful_shutdown_finishes_what_was_sent_and_refuses_what_comes_after() {
     tp.assert_clean();
 }
 
+fn current_thread_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Checks the pool is clean once the pump threads of dropped async
+/// clients have noticed (they look every 100 ms).
+fn assert_clean_after_pumps(tp: &TempPool) {
+    std::thread::sleep(Duration::from_millis(300));
+    tp.assert_clean();
+}
+
 /// Calls `method` with `arg` until it succeeds, for up to 5 s: every
 /// failure meanwhile is `Unavailable`.
 fn call_until_served(c: &dm_rpc::Client, method: &str, arg: &[u8]) -> Payload {
@@ -1646,10 +1660,7 @@ fn call_until_served(c: &dm_rpc::Client, method: &str, arg: &[u8]) -> Payload {
 fn clients_call_the_service_registered_again_after_their_server_left() {
     let tp = pool();
     let node = Node::new(tp.attach());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = current_thread_rt();
     let big = pattern(300_000, 9);
     for t in every_transport() {
         let name = unique("again");
@@ -1722,9 +1733,7 @@ fn clients_call_the_service_registered_again_after_their_server_left() {
         svc.shutdown();
     }
     drop((rt, node));
-    // (Pump threads notice their dropped clients within 100 ms.)
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    assert_clean_after_pumps(&tp);
 }
 
 /// A TCP forwarder that can cut every connection through it while both
@@ -1809,10 +1818,7 @@ fn tcp_clients_whose_connections_were_cut_dial_the_same_service_again() {
     let by_addr = node.connect_tcp(&cutter.addr).unwrap();
     let by_name = named.connect(&name).unwrap();
     let ac = named.connect_async(&name).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = current_thread_rt();
     let big = pattern(200_000, 3);
     for c in [&by_addr, &by_name] {
         assert_eq!(c.call_slice("echo", &big).unwrap().to_vec().unwrap(), big);
@@ -1838,8 +1844,7 @@ fn tcp_clients_whose_connections_were_cut_dial_the_same_service_again() {
     drop((by_addr, by_name, ac, cutter, rt));
     svc.shutdown();
     drop((node, named));
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    assert_clean_after_pumps(&tp);
 }
 
 /// A blocking handler with long work that looks whether its call was
@@ -1850,10 +1855,7 @@ fn tcp_clients_whose_connections_were_cut_dial_the_same_service_again() {
 fn a_blocking_handler_learns_that_its_call_was_given_up() {
     let tp = pool();
     let node = Node::new(tp.attach());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = current_thread_rt();
     for t in every_transport() {
         let name = unique("given-up");
         let (stopped_tx, stopped) = std::sync::mpsc::channel::<(bool, Duration)>();
@@ -1918,8 +1920,7 @@ fn a_blocking_handler_learns_that_its_call_was_given_up() {
         svc.shutdown();
     }
     drop((rt, node));
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    assert_clean_after_pumps(&tp);
 }
 
 /// A call that waits for ready waits, until its deadline, for a service
@@ -1928,10 +1929,7 @@ fn a_blocking_handler_learns_that_its_call_was_given_up() {
 fn a_call_that_waits_for_ready_waits_for_the_service_to_come_back() {
     let tp = pool();
     let node = Node::new(tp.attach());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = current_thread_rt();
     let ready = |ms| CallOptions::deadline(Duration::from_millis(ms)).wait_for_ready();
     for t in every_transport() {
         let name = unique("ready");
@@ -1980,8 +1978,7 @@ fn a_call_that_waits_for_ready_waits_for_the_service_to_come_back() {
         svc.shutdown();
     }
     drop((rt, node));
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    assert_clean_after_pumps(&tp);
 }
 
 /// A graceful restart: the old server drains while its successor takes
@@ -1992,10 +1989,7 @@ fn a_call_that_waits_for_ready_waits_for_the_service_to_come_back() {
 fn clients_move_to_the_successor_of_a_server_that_shuts_down_gracefully() {
     let tp = pool();
     let node = Node::new(tp.attach());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = current_thread_rt();
     for t in every_transport() {
         let name = unique("successor");
         let (old, running) = draining_svc(&node, &name, &t);
@@ -2053,6 +2047,5 @@ fn clients_move_to_the_successor_of_a_server_that_shuts_down_gracefully() {
         drop((c, ac));
     }
     drop((rt, node));
-    std::thread::sleep(Duration::from_millis(300));
-    tp.assert_clean();
+    assert_clean_after_pumps(&tp);
 }
