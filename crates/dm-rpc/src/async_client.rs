@@ -681,6 +681,17 @@ impl Connected for Inner {
     fn retire(&self) {
         self.retired.store(true, Ordering::Release);
     }
+
+    fn break_with(&self, e: RpcError) {
+        self.reader.break_all(e);
+    }
+
+    fn failure(&self) -> Option<RpcError> {
+        self.reader
+            .broken
+            .load(Ordering::Acquire)
+            .then(|| self.reader.broken_error())
+    }
 }
 
 impl AsyncClient {
@@ -746,6 +757,10 @@ impl AsyncClient {
                 tokio::time::sleep_until(at.into()).await;
                 c = Guard::into_inner(self.h.live());
             }
+        }
+        if let Some(e) = c.failure() {
+            // Nothing to connect to: the argument is not even placed.
+            return Err(e);
         }
         let r = c.call_with(method, payload, opts).await;
         if let Err(e) = &r {

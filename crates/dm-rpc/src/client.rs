@@ -338,6 +338,17 @@ impl Connected for Inner {
     fn retire(&self) {
         self.retired.store(true, Ordering::Release);
     }
+
+    fn break_with(&self, e: RpcError) {
+        self.fail(e);
+    }
+
+    fn failure(&self) -> Option<RpcError> {
+        if !self.broken.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.state).broken.clone()
+    }
 }
 
 impl Client {
@@ -391,6 +402,10 @@ impl Client {
                 std::thread::sleep(at.saturating_duration_since(Instant::now()));
                 c = self.h.live();
             }
+        }
+        if let Some(e) = c.failure() {
+            // Nothing to connect to: the argument is not even placed.
+            return Err(e);
         }
         let r = c.call_with(method, payload, opts);
         if let Err(e) = &r {

@@ -191,6 +191,28 @@ impl Node {
         ))
     }
 
+    /// A client of service `name` that connects on its first call, for a
+    /// caller that may start before the service does: until the name is
+    /// registered, calls fail at once with `Unavailable`, or, with
+    /// [`CallOptions::wait_for_ready`](crate::CallOptions), wait for it
+    /// until their deadline. Then as [`connect`](Self::connect).
+    pub fn connect_lazily(&self, name: &str) -> Result<Client, RpcError> {
+        dm_pool::registry::validate_name(name)?;
+        Ok(Client::new(Redial::unconnected(
+            self.clone(),
+            Target::Name(name.to_owned()),
+        )))
+    }
+
+    /// Like [`connect_lazily`](Self::connect_lazily), for async callers.
+    pub fn connect_async_lazily(&self, name: &str) -> Result<AsyncClient, RpcError> {
+        dm_pool::registry::validate_name(name)?;
+        Ok(AsyncClient::new(Redial::unconnected(
+            self.clone(),
+            Target::Name(name.to_owned()),
+        )))
+    }
+
     /// Resolves `target` and opens a first connection to it.
     fn redialer<C: Connected>(&self, target: Target) -> Result<Redial<C>, RpcError> {
         let route = self.resolve(&target)?;

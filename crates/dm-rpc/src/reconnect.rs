@@ -113,6 +113,10 @@ pub(crate) trait Connected: Send + Sync + Sized + 'static {
     /// Sends no more new calls over the connection (its service's
     /// registration changed); calls in flight go on.
     fn retire(&self);
+    /// Breaks the connection with `e` (every call on it fails so).
+    fn break_with(&self, e: RpcError);
+    /// The error that broke it, if it broke.
+    fn failure(&self) -> Option<RpcError>;
 }
 
 /// The current connection of a client, replaced when it breaks and its
@@ -126,8 +130,9 @@ pub(crate) struct Redial<C> {
 
 /// The state of redialling.
 struct Dial {
-    /// The registration the current connection was opened to.
-    origin: Origin,
+    /// The registration the current connection was opened to (None: not
+    /// connected yet).
+    origin: Option<Origin>,
     /// No lookup before this.
     next: Option<Instant>,
     /// The pause after the next lookup that finds nothing new.
@@ -142,6 +147,25 @@ impl<C: Connected> Redial<C> {
     /// A client's first connection, opened to `origin` over `conn`.
     pub(crate) fn new(node: Node, target: Target, origin: Origin, conn: Connection) -> Self {
         let first = C::open(node.clone(), target.text(), conn);
+        Redial::with(node, target, Some(origin), first)
+    }
+
+    /// A client that connects on its first call (and until one connects,
+    /// on every call, spaced out as redials are).
+    pub(crate) fn unconnected(node: Node, target: Target) -> Self {
+        let name = target.text().to_owned();
+        let none = C::open(
+            node.clone(),
+            &name,
+            crate::transport::Unconnected::connection(&name),
+        );
+        none.break_with(RpcError::unavailable(format!(
+            "{name:?} is not connected: no such service was found yet"
+        )));
+        Redial::with(node, target, None, none)
+    }
+
+    fn with(node: Node, target: Target, origin: Option<Origin>, first: C) -> Self {
         Redial {
             cur: ArcSwap::from_pointee(first),
             node,
@@ -216,7 +240,7 @@ impl<C: Connected> Redial<C> {
         }
         d.rechecked = Some(at);
         let changed = match self.node.resolve(&self.target) {
-            Ok(r) => r.origin != d.origin,
+            Ok(r) => Some(r.origin) != d.origin,
             Err(e) => e.status == crate::Status::NotFound,
         };
         if changed {
@@ -254,14 +278,15 @@ impl<C: Connected> Redial<C> {
         if d.next.is_some_and(|n| at < n) {
             return broken;
         }
-        match self.open_new(&d.origin) {
+        match self.open_new(d.origin.as_ref()) {
             Some((conn, origin)) => {
                 self.cur
                     .store(Arc::new(C::open(self.node.clone(), self.target(), conn)));
-                d.origin = origin;
+                // (A lazy client's first connection is no redial.)
+                d.redials += d.origin.is_some() as u64;
+                d.origin = Some(origin);
                 d.next = None;
                 d.backoff = FIRST_BACKOFF;
-                d.redials += 1;
                 self.cur.load()
             }
             None => {
@@ -275,9 +300,9 @@ impl<C: Connected> Redial<C> {
     /// A connection to the service's current registration, unless that is
     /// `lost` over a transport whose connections break only with their
     /// server (and if it answers).
-    fn open_new(&self, lost: &Origin) -> Option<(Connection, Origin)> {
+    fn open_new(&self, lost: Option<&Origin>) -> Option<(Connection, Origin)> {
         let route = self.node.resolve(&self.target).ok()?;
-        if route.origin == *lost && !matches!(route.how, How::Tcp(_)) {
+        if lost == Some(&route.origin) && !matches!(route.how, How::Tcp(_)) {
             return None;
         }
         let conn = self.node.dial(&self.target, &route, REDIAL_TIMEOUT).ok()?;
@@ -312,6 +337,14 @@ mod tests {
 
         fn retire(&self) {
             self.broken.store(true, Ordering::Release);
+        }
+
+        fn break_with(&self, _: RpcError) {
+            self.broken.store(true, Ordering::Release);
+        }
+
+        fn failure(&self) -> Option<RpcError> {
+            self.is_spent().then(|| RpcError::unavailable("broken"))
         }
     }
 

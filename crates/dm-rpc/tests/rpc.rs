@@ -2049,3 +2049,55 @@ fn clients_move_to_the_successor_of_a_server_that_shuts_down_gracefully() {
     drop((rt, node));
     assert_clean_after_pumps(&tp);
 }
+
+/// A client made before its service exists: calls fail at once with
+/// `Unavailable`, or wait for the service with `wait_for_ready`, until it
+/// registers; then the client is connected.
+#[test]
+fn a_lazy_client_connects_once_its_service_is_registered() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = current_thread_rt();
+    let ready = |ms| CallOptions::deadline(Duration::from_millis(ms)).wait_for_ready();
+    let e = node.connect_lazily("not a name!").unwrap_err();
+    assert_eq!(e.status, Status::InvalidArgument, "{e}");
+    let big = pattern(300_000, 5);
+    for t in every_transport() {
+        let name = unique("lazy");
+        let c = node.connect_lazily(&name).unwrap();
+        let ac = node.connect_async_lazily(&name).unwrap();
+        assert!(!c.is_connected());
+        let e = c.call("echo", vec![1u8]).unwrap_err();
+        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+        let e = rt.block_on(ac.call("echo", vec![1u8])).unwrap_err();
+        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+        let e = c
+            .call_with("echo", Payload::from_vec(vec![1]), ready(100))
+            .unwrap_err();
+        assert_eq!(e.status, Status::DeadlineExceeded, "{t:?}: {e}");
+        // Registered 150 ms from now: calls waiting for it get through.
+        let (svc, got, agot) = std::thread::scope(|s| {
+            let up = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(150));
+                spawn_svc(&node, &name, &t)
+            });
+            let waiter = s.spawn(|| {
+                rt.block_on(ac.call_with("echo", Payload::from_vec(vec![3]), ready(5000)))
+            });
+            let p = Payload::from_vec(big.clone());
+            let got = c.call_with("echo", p, ready(5000));
+            (up.join().unwrap(), got, waiter.join().unwrap())
+        });
+        assert_eq!(got.unwrap().to_vec().unwrap(), big, "{t:?}");
+        assert_eq!(agot.unwrap().to_vec().unwrap(), [3], "{t:?}");
+        assert!(c.is_connected(), "{t:?}");
+        assert_eq!((c.reconnects(), ac.reconnects()), (0, 0), "{t:?}");
+        // By Ref, as a client connected at once.
+        let (len, by_ref, _) = inspect(&node, &c, big.clone());
+        assert_eq!((len, by_ref), (big.len() as u64, true), "{t:?}");
+        drop((c, ac));
+        svc.shutdown();
+    }
+    drop((rt, node));
+    assert_clean_after_pumps(&tp);
+}

@@ -142,10 +142,17 @@ impl PyNode {
         })
     }
 
-    /// Connects to service `name` (found in the pool's registry).
-    fn connect(&self, py: Python<'_>, name: &str) -> PyResult<PyClient> {
+    /// Connects to service `name` (found in the pool's registry). `lazy`:
+    /// connect on the first call instead, for a caller that may start
+    /// before the service (until it registers, calls raise `Unavailable`,
+    /// or wait for it with `wait_for_ready=True`).
+    #[pyo3(signature = (name, lazy=false))]
+    fn connect(&self, py: Python<'_>, name: &str, lazy: bool) -> PyResult<PyClient> {
         let client = py
-            .allow_threads(|| self.node.connect(name))
+            .allow_threads(|| match lazy {
+                true => self.node.connect_lazily(name),
+                false => self.node.connect(name),
+            })
             .map_err(to_py)?;
         Ok(PyClient {
             client,
@@ -165,10 +172,15 @@ impl PyNode {
         })
     }
 
-    /// Connects to service `name` for asyncio code (see `dmrpc.aio`).
-    fn connect_async(&self, py: Python<'_>, name: &str) -> PyResult<PyAsyncClient> {
+    /// Connects to service `name` for asyncio code (see `dmrpc.aio`;
+    /// `lazy` as in `connect`).
+    #[pyo3(signature = (name, lazy=false))]
+    fn connect_async(&self, py: Python<'_>, name: &str, lazy: bool) -> PyResult<PyAsyncClient> {
         let client = py
-            .allow_threads(|| self.node.connect_async(name))
+            .allow_threads(|| match lazy {
+                true => self.node.connect_async_lazily(name),
+                false => self.node.connect_async(name),
+            })
             .map_err(to_py)?;
         Ok(PyAsyncClient::new(client, self.node.clone()))
     }

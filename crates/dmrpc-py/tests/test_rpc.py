@@ -226,6 +226,29 @@ def test_a_handler_stops_when_its_call_is_given_up(pool):
         srv.shutdown()
 
 
+def test_a_lazy_client_waits_for_a_service_that_starts_later(pool):
+    p, _ = pool
+    node = dmrpc.Node(p)
+    name = f"py/lazy/{os.getpid()}/{next(_N)}"
+    c = node.connect(name, lazy=True)
+    ac = dmrpc.aio.connect(node, name, lazy=True)
+    with pytest.raises(dmrpc.Unavailable):
+        c.call("rev", b"abc")
+    with pytest.raises(dmrpc.NotFound):
+        node.connect(name)
+    servers = []
+    t = threading.Thread(target=lambda: (time.sleep(0.2), servers.append(node.serve(name, {"rev": lambda b: bytes(b)[::-1]}))))
+    t.start()
+    try:
+        assert bytes(c.call("rev", b"abc", timeout=20, wait_for_ready=True)) == b"cba"
+        assert bytes(asyncio.run(ac.call("rev", b"xy", timeout=20, wait_for_ready=True))) == b"yx"
+        assert (c.reconnects, ac.reconnects) == (0, 0)
+    finally:
+        t.join()
+        for s in servers:
+            s.shutdown()
+
+
 def _until_served(call):
     """`call()` until it succeeds (for up to 5 s): meanwhile it raises `Unavailable`."""
     until = time.monotonic() + 5

@@ -107,6 +107,40 @@ pub trait FrameTx: Send {
     }
 }
 
+/// The connection of a client that has not connected yet
+/// ([`Node::connect_lazily`](crate::Node::connect_lazily)): every send
+/// and receive fails with `Unavailable`.
+#[derive(Debug)]
+pub(crate) struct Unconnected(pub(crate) String);
+
+impl Unconnected {
+    fn error(&self) -> TransportError {
+        TransportError::Unavailable(format!("{:?} is not connected", self.0))
+    }
+
+    /// Its two halves, as a connection.
+    pub(crate) fn connection(name: &str) -> Connection {
+        Connection {
+            tx: Box::new(Unconnected(name.to_owned())),
+            rx: Box::new(Unconnected(name.to_owned())),
+            max_inline: 0,
+            refs: Sharing::default(),
+        }
+    }
+}
+
+impl FrameTx for Unconnected {
+    fn send(&mut self, _: &Frame, _: Option<Instant>) -> Result<bool, TransportError> {
+        Err(self.error())
+    }
+}
+
+impl FrameRx for Unconnected {
+    fn recv(&mut self, _: Option<Instant>) -> Result<Option<Frame>, TransportError> {
+        Err(self.error())
+    }
+}
+
 /// Hands every frame already in `rx` to `got`, without waiting.
 pub(crate) fn drain(
     rx: &mut dyn FrameRx,

@@ -93,10 +93,10 @@ class AsyncClient:
         await self.aclose()
 
 
-def connect(node: Node, name: str, max_concurrency: int | None = None) -> AsyncClient:
-    """Connects to service `name` (see `dmrpc.Node.connect`); at most
-    `max_concurrency` calls in flight at once, if given."""
-    return AsyncClient(node.connect_async(name), max_concurrency)
+def connect(node: Node, name: str, max_concurrency: int | None = None, lazy: bool = False) -> AsyncClient:
+    """Connects to service `name` (see `dmrpc.Node.connect`, and its `lazy`);
+    at most `max_concurrency` calls in flight at once, if given."""
+    return AsyncClient(node.connect_async(name, lazy), max_concurrency)
 
 
 def connect_tcp(node: Node, addr: str, max_concurrency: int | None = None) -> AsyncClient:
