@@ -1517,6 +1517,7 @@ fn draining_svc(node: &Node, name: &str, t: &Transport) -> (dm_rpc::Server, Star
             Ok(c.take_payload())
         })
         .method("echo", |c| Ok(c.take_payload()))
+        .method("who", |_| Ok(Payload::from_vec(b"old".to_vec())))
         .method_async("later", move |c| {
             let _ = later.lock().unwrap().send("later");
             async move {
@@ -2018,25 +2019,32 @@ fn clients_move_to_the_successor_of_a_server_that_shuts_down_gracefully() {
                     }
                 }
             };
-            // The old server, draining, refuses (`who` is not its method);
-            // the successor answers.
+            // The old server answers `old` until its dispatcher sees the
+            // drain begin, then refuses; a client refused once moves to the
+            // successor, which answers `new`.
+            let who = |r: Result<Payload, RpcError>, refused: &mut u32| match r {
+                Ok(p) => p.to_vec().unwrap() == b"new",
+                Err(e) => {
+                    assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+                    *refused += 1;
+                    false
+                }
+            };
             let mut refused = 0;
-            for _ in 0..3 {
-                match c.call("who", Payload::empty()) {
-                    Ok(p) => assert_eq!(p.to_vec().unwrap(), b"new", "{t:?}"),
-                    Err(e) => {
-                        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
-                        refused += 1;
-                    }
-                }
-                match rt.block_on(ac.call("who", Payload::empty())) {
-                    Ok(p) => assert_eq!(p.to_vec().unwrap(), b"new", "{t:?}"),
-                    Err(e) => {
-                        assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
-                        refused += 1;
-                    }
-                }
+            let until = Instant::now() + Duration::from_secs(5);
+            while !who(c.call("who", Payload::empty()), &mut refused) {
+                assert!(Instant::now() < until, "{t:?}: never the successor");
+                std::thread::sleep(Duration::from_millis(1));
             }
+            while !who(rt.block_on(ac.call("who", Payload::empty())), &mut refused) {
+                assert!(Instant::now() < until, "{t:?}: never the successor");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Once moved, they stay.
+            assert_eq!(
+                c.call("who", Payload::empty()).unwrap().to_vec().unwrap(),
+                b"new"
+            );
             assert!(refused <= 2, "{t:?}: {refused} calls refused");
             assert_eq!((c.reconnects(), ac.reconnects()), (1, 1), "{t:?}");
             // The call in progress completed on the old server.
