@@ -750,6 +750,7 @@ impl AsyncClient {
     ) -> Result<Payload, RpcError> {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
+        let mut opts = opts;
         if opts.wait_for_ready && c.is_spent() {
             let (until, _) = crate::client::deadline_of(&c.node, opts, Instant::now());
             while c.is_spent() {
@@ -757,6 +758,7 @@ impl AsyncClient {
                 tokio::time::sleep_until(at.into()).await;
                 c = Guard::into_inner(self.h.live());
             }
+            opts = opts.after_waiting(until);
         }
         if let Some(e) = c.failure() {
             // Nothing to connect to: the argument is not even placed.

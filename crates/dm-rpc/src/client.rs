@@ -58,6 +58,19 @@ impl CallOptions {
         }
     }
 
+    /// These options for the rest of a call that waited for ready: its
+    /// deadline is what is left until `until` (the deadline of the whole
+    /// call).
+    pub(crate) fn after_waiting(self, until: Option<Instant>) -> Self {
+        match until {
+            Some(u) => CallOptions {
+                deadline: Some(u.saturating_duration_since(Instant::now())),
+                ..self
+            },
+            None => self,
+        }
+    }
+
     /// These options, waiting for a service that went away to come back
     /// (see [`wait_for_ready`](Self::wait_for_ready)).
     pub fn wait_for_ready(self) -> Self {
@@ -395,6 +408,7 @@ impl Client {
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
         let mut c = self.h.live();
+        let mut opts = opts;
         if opts.wait_for_ready && c.is_spent() {
             let (until, _) = deadline_of(&c.node, opts, Instant::now());
             while c.is_spent() {
@@ -402,6 +416,7 @@ impl Client {
                 std::thread::sleep(at.saturating_duration_since(Instant::now()));
                 c = self.h.live();
             }
+            opts = opts.after_waiting(until);
         }
         if let Some(e) = c.failure() {
             // Nothing to connect to: the argument is not even placed.

@@ -1975,6 +1975,20 @@ fn a_call_that_waits_for_ready_waits_for_the_service_to_come_back() {
         assert_eq!(got.unwrap().to_vec().unwrap(), [2], "{t:?}");
         assert_eq!(agot.unwrap().to_vec().unwrap(), [3], "{t:?}");
         assert_eq!((c.reconnects(), ac.reconnects()), (1, 1), "{t:?}");
+        // The deadline bounds the wait and the call together: back after
+        // 200 ms, a 500 ms call no longer fits in 600.
+        svc.shutdown();
+        assert!(c.call("echo", vec![1u8]).is_err());
+        let (svc, got) = std::thread::scope(|s| {
+            let back = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(200));
+                spawn_svc(&node, &name, &t)
+            });
+            let got = c.call_with("sleep", ms(500), ready(600));
+            (back.join().unwrap(), got)
+        });
+        let e = got.unwrap_err();
+        assert_eq!(e.status, Status::DeadlineExceeded, "{t:?}: {e}");
         drop((c, ac));
         svc.shutdown();
     }
