@@ -41,9 +41,9 @@
 //! the same way: the Ref made for its argument is released at once, and
 //! so is its answer when it comes.
 
-use crate::client::{answer, orphan, outgoing, send_holding_rx, send_unheld};
+use crate::client::{answer, orphan, outgoing, send_holding_rx, send_unheld, Failure, Refused};
 use crate::error::RpcError;
-use crate::frame::{method_id, Frame, Kind};
+use crate::frame::{method_id, Body, Frame, Kind, FLAG_REFUSED};
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
@@ -736,9 +736,11 @@ impl AsyncClient {
     /// is written straight into the pool (`call(method, data)` copies it
     /// into a vector first).
     pub async fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
-        let i = Guard::into_inner(self.h.live());
-        let p = Payload::copy_for(&i.node, i.max_inline, i.refs, data)?;
-        i.call_with(method, p, CallOptions::default()).await
+        let p = {
+            let i = self.h.live();
+            Payload::copy_for(&i.node, i.max_inline, i.refs, data)?
+        };
+        self.call_with(method, p, CallOptions::default()).await
     }
 
     /// Calls `method` with options.
@@ -752,25 +754,61 @@ impl AsyncClient {
         let mut c = Guard::into_inner(self.h.live());
         let mut opts = opts;
         if opts.wait_for_ready && c.is_spent() {
-            let (until, _) = crate::client::deadline_of(&c.node, opts, Instant::now());
-            while c.is_spent() {
-                let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
-                tokio::time::sleep_until(at.into()).await;
-                c = Guard::into_inner(self.h.live());
-            }
+            let until = crate::client::deadline_of(&c.node, opts, Instant::now()).0;
+            c = self.ready(c, until).await?;
             opts = opts.after_waiting(until);
         }
         if let Some(e) = c.failure() {
             // Nothing to connect to: the argument is not even placed.
             return Err(e);
         }
-        let r = c.call_with(method, payload, opts).await;
-        if let Err(e) = &r {
-            if e.status == crate::Status::Unavailable && !c.is_spent() {
-                self.h.recheck(&c);
+        let mut r = c.call_with(method, payload, opts).await;
+        // A request refused unrun by a server shutting down goes to its
+        // successor (as the blocking client does).
+        for _ in 0..3 {
+            let Err(Failure::Refused(x)) = r else { break };
+            self.h.refused(&c);
+            let mut n = Guard::into_inner(self.h.live());
+            if opts.wait_for_ready && n.is_spent() {
+                match self.ready(n, x.deadline).await {
+                    Ok(ready) => n = ready,
+                    Err(e) => {
+                        x.lent.release(&c.node);
+                        return Err(e);
+                    }
+                }
+            }
+            if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
+                return Err(x.fail(&c.node));
+            }
+            c = n;
+            r = c.resend(*x).await;
+        }
+        match r {
+            Ok(p) => Ok(p),
+            Err(Failure::Refused(x)) => Err(x.fail(&c.node)),
+            Err(Failure::Error(e)) => {
+                if e.status == crate::Status::Unavailable && !c.is_spent() {
+                    self.h.recheck(&c);
+                }
+                Err(e)
             }
         }
-        r
+    }
+
+    /// Waits until the connection `c` is replaced by one new calls can use
+    /// (a call that waits for ready), or `until` passes.
+    async fn ready(
+        &self,
+        mut c: Arc<Inner>,
+        until: Option<Instant>,
+    ) -> Result<Arc<Inner>, RpcError> {
+        while c.is_spent() {
+            let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
+            tokio::time::sleep_until(at.into()).await;
+            c = Guard::into_inner(self.h.live());
+        }
+        Ok(c)
     }
 }
 
@@ -780,15 +818,48 @@ impl Inner {
         method: &str,
         payload: Payload,
         opts: CallOptions,
-    ) -> Result<Payload, RpcError> {
+    ) -> Result<Payload, Failure> {
+        let out = outgoing(&self.node, self.max_inline, self.refs, payload, opts)?;
+        let deadline_us = out.deadline_us;
+        self.send_and_wait(
+            method_id(method),
+            out.body,
+            out.lent,
+            out.deadline,
+            deadline_us,
+        )
+        .await
+    }
+
+    /// Sends again, on this connection, a request another refused.
+    async fn resend(&self, r: Refused) -> Result<Payload, Failure> {
+        let Some(deadline_us) = r.deadline_us() else {
+            r.lent.release(&self.node);
+            return Err(RpcError::deadline_exceeded(format!(
+                "the deadline passed before {:?} could be called again",
+                self.name
+            ))
+            .into());
+        };
+        self.send_and_wait(r.method, r.body, r.lent, r.deadline, deadline_us)
+            .await
+    }
+
+    /// Sends a request and awaits its answer.
+    async fn send_and_wait(
+        &self,
+        method: u32,
+        body: Body,
+        lent: crate::payload::Lent,
+        deadline: Option<Instant>,
+        deadline_us: u32,
+    ) -> Result<Payload, Failure> {
         let i = self;
-        let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
-        let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         let r = &i.reader;
         if let Err(e) = r.ensure_reader() {
             lent.release(&i.node);
-            return Err(e);
+            return Err(e.into());
         }
         // A call whose answers a listener reads awaits them from the
         // start. Any other first reads its own while it spins: if nobody
@@ -796,7 +867,7 @@ impl Inner {
         // it sends and no slot, as the blocking client's lone caller does;
         // else through its slot. (In a block: the half's guard must not
         // live across an await.)
-        let (own, waiting, spun) = {
+        let (own, waiting, spun, frame) = {
             let mut lone = None;
             if r.driver.load(Ordering::Acquire) == PUMP && !r.broken.load(Ordering::Acquire) {
                 lone = r.rx.try_lock().ok();
@@ -808,7 +879,7 @@ impl Inner {
                     let e = e.clone();
                     drop(st);
                     lent.release(&i.node);
-                    return Err(e);
+                    return Err(e.into());
                 }
                 let slot = if r.driver.load(Ordering::Acquire) == LISTENER {
                     let (reply, w) = oneshot::channel();
@@ -819,12 +890,12 @@ impl Inner {
                 };
                 r.insert(&mut st, id, slot);
             }
-            let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
+            // (Kept until the answer: a refused request is sent again.)
+            let frame = Frame::request(id, method, deadline_us, body);
             let sent = match lone {
                 Some(ref mut rx) => r.send_lone(&i.tx, &frame, deadline, rx),
                 None => r.send(&i.tx, &frame, deadline),
             };
-            drop(frame);
             let unsent = match sent {
                 Ok(true) => None,
                 Ok(false) => Some(RpcError::deadline_exceeded(
@@ -841,7 +912,7 @@ impl Inner {
                     None => r.forget(id),
                 }
                 lent.release(&i.node);
-                return Err(e);
+                return Err(e.into());
             }
             // Read our own answer while we spin; past the spin, the pump
             // reads. (`spun`: the spin that ran out, and when.)
@@ -875,14 +946,14 @@ impl Inner {
                                 if let Err(e) = r.want_pump() {
                                     r.forget(id);
                                     lent.release(&i.node);
-                                    return Err(e);
+                                    return Err(e.into());
                                 }
                             }
                         }
                     }
                 }
             }
-            (own, waiting, spun)
+            (own, waiting, spun, frame)
         };
         // From here the future may be dropped at an await: the call is
         // then cancelled (see `Cancel`).
@@ -902,7 +973,8 @@ impl Inner {
                     return Err(RpcError::deadline_exceeded(format!(
                         "no answer from {:?} before the deadline",
                         i.name
-                    )));
+                    ))
+                    .into());
                 }
             },
         };
@@ -915,14 +987,19 @@ impl Inner {
             Ok(Ok(f)) => f,
             Ok(Err(e)) => {
                 lent.release(&i.node);
-                return Err(e);
+                return Err(e.into());
             }
             Err(_) => {
                 lent.release(&i.node);
-                return Err(RpcError::unavailable("the connection closed"));
+                return Err(RpcError::unavailable("the connection closed").into());
             }
         };
-        answer(&i.node, f, lent)
+        if f.flags & FLAG_REFUSED != 0 {
+            let r = Refused::new(frame, f, lent, deadline, i.refs, i.max_inline);
+            return Err(Failure::Refused(Box::new(r)));
+        }
+        drop(frame);
+        Ok(answer(&i.node, f, lent)?)
     }
 }
 

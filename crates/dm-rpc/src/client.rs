@@ -20,7 +20,7 @@
 //! ([`crate::reconnect`]).
 
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, Status};
+use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_REFUSED};
 use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
 use crate::reconnect::{Connected, Redial};
@@ -229,11 +229,93 @@ pub(crate) fn answer(node: &Node, f: Frame, lent: Lent) -> Result<Payload, RpcEr
         return lent.answer(node, f.flags, f.payload);
     }
     lent.release(node);
-    let message = match f.payload {
+    Err(RpcError::new(f.status, message_of(f.payload)))
+}
+
+/// How a call on one connection failed.
+pub(crate) enum Failure {
+    /// With this error.
+    Error(RpcError),
+    /// Refused unrun by a server shutting down ([`FLAG_REFUSED`]): it may
+    /// be sent again elsewhere.
+    Refused(Box<Refused>),
+}
+
+impl From<RpcError> for Failure {
+    fn from(e: RpcError) -> Self {
+        Failure::Error(e)
+    }
+}
+
+/// A request a server refused without running it, with what it takes to
+/// send it again: its method, its payload as it was sent (its Refs still
+/// lent) and its deadline.
+pub(crate) struct Refused {
+    pub(crate) method: u32,
+    pub(crate) body: Body,
+    pub(crate) lent: Lent,
+    pub(crate) deadline: Option<Instant>,
+    /// The connection's sharing and inline limit it was placed for.
+    refs: crate::transport::Sharing,
+    max_inline: usize,
+    /// The refusal: the call's error if it is not sent again.
+    error: RpcError,
+}
+
+impl Refused {
+    /// The refusal of the request `frame`, answered by `answer`.
+    pub(crate) fn new(
+        frame: Frame,
+        answer: Frame,
+        lent: Lent,
+        deadline: Option<Instant>,
+        refs: crate::transport::Sharing,
+        max_inline: usize,
+    ) -> Refused {
+        let error = RpcError::new(Status::Unavailable, message_of(answer.payload));
+        Refused {
+            method: frame.method,
+            body: frame.payload,
+            lent,
+            deadline,
+            refs,
+            max_inline,
+            error,
+        }
+    }
+
+    /// Whether a connection with `refs` and `max_inline` can carry it as
+    /// it is (its Refs usable at the other end, its inline bytes within
+    /// the limit).
+    pub(crate) fn fits(&self, refs: crate::transport::Sharing, max_inline: usize) -> bool {
+        refs == self.refs && (max_inline >= self.max_inline || self.body.len() <= max_inline)
+    }
+
+    /// What is left of its deadline, in a request's microseconds (None:
+    /// passed).
+    pub(crate) fn deadline_us(&self) -> Option<u32> {
+        match self.deadline {
+            None => Some(0),
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now()).as_micros();
+                (left > 0).then(|| left.min(u32::MAX as u128) as u32)
+            }
+        }
+    }
+
+    /// Gives up sending it: ends what it lent; the refusal.
+    pub(crate) fn fail(self, node: &Node) -> RpcError {
+        self.lent.release(node);
+        self.error
+    }
+}
+
+/// The message an error answer carries.
+fn message_of(b: Body) -> String {
+    match b {
         Body::Inline(m) => String::from_utf8_lossy(&m).into_owned(),
         _ => String::new(),
-    };
-    Err(RpcError::new(f.status, message))
+    }
 }
 
 /// An answer nobody waits for (its caller gave up): a Ref in it was made
@@ -397,7 +479,8 @@ impl Client {
     pub fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
         let i = self.h.live();
         let p = Payload::copy_for(&i.node, i.max_inline, i.refs, data)?;
-        i.call_with(method, p, CallOptions::default())
+        drop(i);
+        self.call_with(method, p, CallOptions::default())
     }
 
     /// Calls `method` with options.
@@ -410,25 +493,61 @@ impl Client {
         let mut c = self.h.live();
         let mut opts = opts;
         if opts.wait_for_ready && c.is_spent() {
-            let (until, _) = deadline_of(&c.node, opts, Instant::now());
-            while c.is_spent() {
-                let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
-                std::thread::sleep(at.saturating_duration_since(Instant::now()));
-                c = self.h.live();
-            }
+            let until = deadline_of(&c.node, opts, Instant::now()).0;
+            c = self.ready(c, until)?;
             opts = opts.after_waiting(until);
         }
         if let Some(e) = c.failure() {
             // Nothing to connect to: the argument is not even placed.
             return Err(e);
         }
-        let r = c.call_with(method, payload, opts);
-        if let Err(e) = &r {
-            if e.status == Status::Unavailable && !c.is_spent() {
-                self.h.recheck(&c);
+        let mut r = c.call_with(method, payload, opts);
+        // A request refused unrun by a server shutting down goes to its
+        // successor (a few times at most: it may be shutting down too).
+        for _ in 0..3 {
+            let Err(Failure::Refused(x)) = r else { break };
+            self.h.refused(&c);
+            let mut n = self.h.live();
+            if opts.wait_for_ready && n.is_spent() {
+                match self.ready(n, x.deadline) {
+                    Ok(ready) => n = ready,
+                    Err(e) => {
+                        x.lent.release(&c.node);
+                        return Err(e);
+                    }
+                }
+            }
+            if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
+                return Err(x.fail(&c.node));
+            }
+            c = n;
+            r = c.resend(*x);
+        }
+        match r {
+            Ok(p) => Ok(p),
+            Err(Failure::Refused(x)) => Err(x.fail(&c.node)),
+            Err(Failure::Error(e)) => {
+                if e.status == Status::Unavailable && !c.is_spent() {
+                    self.h.recheck(&c);
+                }
+                Err(e)
             }
         }
-        r
+    }
+
+    /// Waits until the connection `c` is replaced by one new calls can use
+    /// (a call that waits for ready), or `until` passes.
+    fn ready(
+        &self,
+        mut c: arc_swap::Guard<Arc<Inner>>,
+        until: Option<Instant>,
+    ) -> Result<arc_swap::Guard<Arc<Inner>>, RpcError> {
+        while c.is_spent() {
+            let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
+            std::thread::sleep(at.saturating_duration_since(Instant::now()));
+            c = self.h.live();
+        }
+        Ok(c)
     }
 }
 
@@ -438,10 +557,41 @@ impl Inner {
         method: &str,
         payload: Payload,
         opts: CallOptions,
-    ) -> Result<Payload, RpcError> {
+    ) -> Result<Payload, Failure> {
+        let out = outgoing(&self.node, self.max_inline, self.refs, payload, opts)?;
+        let deadline_us = out.deadline_us;
+        self.send_and_wait(
+            method_id(method),
+            out.body,
+            out.lent,
+            out.deadline,
+            deadline_us,
+        )
+    }
+
+    /// Sends again, on this connection, a request another refused.
+    fn resend(&self, r: Refused) -> Result<Payload, Failure> {
+        let Some(deadline_us) = r.deadline_us() else {
+            r.lent.release(&self.node);
+            return Err(RpcError::deadline_exceeded(format!(
+                "the deadline passed before {:?} could be called again",
+                self.name
+            ))
+            .into());
+        };
+        self.send_and_wait(r.method, r.body, r.lent, r.deadline, deadline_us)
+    }
+
+    /// Sends a request and waits for its answer.
+    fn send_and_wait(
+        &self,
+        method: u32,
+        body: Body,
+        lent: Lent,
+        deadline: Option<Instant>,
+        deadline_us: u32,
+    ) -> Result<Payload, Failure> {
         let i = self;
-        let out = outgoing(&i.node, i.max_inline, i.refs, payload, opts)?;
-        let (deadline, lent) = (out.deadline, out.lent);
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         // Nobody reading answers: read our own (taken before sending, so
         // no one else can take our answer).
@@ -457,14 +607,14 @@ impl Inner {
                 let e = e.clone();
                 drop(st);
                 lent.release(&i.node);
-                return Err(e);
+                return Err(e.into());
             }
             st.waiting.push((id, None));
         }
-        let frame = Frame::request(id, method_id(method), out.deadline_us, out.body);
+        // (Kept until the answer: a refused request is sent again.)
+        let frame = Frame::request(id, method, deadline_us, body);
         // Reading answers while it waits for room (see `send_reading`).
         let sent = self.send_reading(&frame, deadline, reader.as_mut());
-        drop(frame);
         let unsent = match sent {
             Ok(true) => None,
             Ok(false) => Some(RpcError::deadline_exceeded(format!(
@@ -482,7 +632,7 @@ impl Inner {
                 }
             }
             lent.release(&i.node);
-            return Err(e);
+            return Err(e.into());
         }
         let got = match reader {
             Some(rx) => self.read_own(rx, id, deadline),
@@ -496,10 +646,14 @@ impl Inner {
                     // Best effort: a queued request is then skipped.
                     let _ = lock(&i.tx).send(&Frame::cancel(id), Some(Instant::now()));
                 }
-                return Err(e);
+                return Err(e.into());
             }
         };
-        answer(&i.node, f, lent)
+        if f.flags & FLAG_REFUSED != 0 {
+            let r = Refused::new(frame, f, lent, deadline, i.refs, i.max_inline);
+            return Err(Failure::Refused(Box::new(r)));
+        }
+        Ok(answer(&i.node, f, lent)?)
     }
 
     /// Marks the connection broken (every pending and future call fails).

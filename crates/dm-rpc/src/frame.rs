@@ -1,4 +1,4 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 2).
+//! Where frames are parsed: the wire format of dmrpc calls (version 3).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
@@ -9,7 +9,7 @@
 //! | 0..2   | magic        | `D5 52`                                                |
 //! | 2      | version      | [`FRAME_VERSION`]                                      |
 //! | 3      | kind         | [`Kind`]: request, response, cancel                    |
-//! | 4..6   | flags        | [`FLAG_ECHO`]; every other bit must be zero            |
+//! | 4..6   | flags        | [`FLAG_ECHO`], [`FLAG_REFUSED`]; others must be zero   |
 //! | 6      | payload kind | 0 none, 1 inline bytes, 2 Refs                         |
 //! | 7      | status       | [`Status`]; zero except in responses                   |
 //! | 8..16  | call id      | chosen by the caller, echoed by the response           |
@@ -22,6 +22,10 @@
 //! An answer's Ref is made for its caller, who releases it, except in an
 //! answer flagged [`FLAG_ECHO`]: its one Ref is the request's own, passed
 //! back as it came, which the caller already holds (and releases once).
+//! An answer flagged [`FLAG_REFUSED`] (status `Unavailable`, inline or no
+//! payload) says its request was not run: the server is shutting down and
+//! takes no new requests, so the caller may send it to the server's
+//! successor.
 //! The decoder checks every field and every Ref encoding, bounds the payload
 //! by [`Limits`], returns `Ok(None)` when more bytes are needed (streams), and
 //! never panics, whatever the bytes: it is fuzzed (`fuzz/fuzz_targets/frame_decode.rs`).
@@ -29,11 +33,14 @@
 use dm_pool::{Ref, RefDecodeError};
 
 /// Frame encoding version written and read by this build. History: 1 —
-/// no flags; 2 — [`FLAG_ECHO`].
-pub const FRAME_VERSION: u8 = 2;
+/// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`].
+pub const FRAME_VERSION: u8 = 3;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
 pub const FLAG_ECHO: u16 = 1;
+/// Flag of an `Unavailable` answer whose request was not run: the server
+/// refused it, shutting down (it may be sent again elsewhere).
+pub const FLAG_REFUSED: u16 = 2;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 32;
 const MAGIC: [u8; 2] = [0xD5, 0x52];
@@ -119,7 +126,8 @@ impl Body {
         }
     }
 
-    fn len(&self) -> usize {
+    /// Its encoded length.
+    pub(crate) fn len(&self) -> usize {
         match self {
             Body::None => 0,
             Body::Inline(b) => b.len(),
@@ -141,7 +149,7 @@ pub struct Frame {
     pub deadline_us: u32,
     /// Outcome (responses; `Ok` otherwise).
     pub status: Status,
-    /// [`FLAG_ECHO`] or nothing.
+    /// [`FLAG_ECHO`], [`FLAG_REFUSED`] or nothing.
     pub flags: u16,
     /// Body.
     pub payload: Body,
@@ -274,6 +282,19 @@ impl Frame {
         Frame {
             flags: FLAG_ECHO,
             ..Frame::response(call_id, Status::Ok, Body::Refs(vec![r]))
+        }
+    }
+
+    /// The answer of a request the server refused without running it,
+    /// with why ([`FLAG_REFUSED`]).
+    pub fn refused(call_id: u64, why: &str) -> Frame {
+        Frame {
+            flags: FLAG_REFUSED,
+            ..Frame::response(
+                call_id,
+                Status::Unavailable,
+                Body::Inline(why.as_bytes().to_vec()),
+            )
         }
     }
 
@@ -431,7 +452,7 @@ impl Head {
         }
         let kind = Kind::from_u8(h[3]).ok_or(FrameError::Kind(h[3]))?;
         let flags = u16_at(4);
-        if flags & !FLAG_ECHO != 0 {
+        if flags & !(FLAG_ECHO | FLAG_REFUSED) != 0 {
             return Err(FrameError::Reserved("flags"));
         }
         if u32_at(28) != 0 {
@@ -468,6 +489,13 @@ impl Head {
             {
                 return Err(FrameError::Inconsistent(
                     "only an answer of one Ref passes it back",
+                ))
+            }
+            _ if flags & FLAG_REFUSED != 0
+                && (kind != Kind::Response || status != Status::Unavailable) =>
+            {
+                return Err(FrameError::Inconsistent(
+                    "only an Unavailable answer refuses its request",
                 ))
             }
             _ => {}
@@ -623,11 +651,12 @@ mod tests {
                 )
             }),
         ];
-        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..4).prop_map(|(id, m, dl, p, k)| {
+        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..5).prop_map(|(id, m, dl, p, k)| {
             match (k, p) {
                 (0, p) => Frame::request(id, m, dl, p),
                 (1, p) => Frame::response(id, Status::Ok, p),
                 (2, Body::Refs(rs)) => Frame::echo(id, rs[0]),
+                (3, _) => Frame::refused(id, "shutting down"),
                 _ => Frame::cancel(id),
             }
         })
@@ -699,8 +728,24 @@ mod tests {
         );
         assert_eq!(bad(2, 9), Err(FrameError::Version(9)));
         assert_eq!(bad(3, 0), Err(FrameError::Kind(0)));
-        assert_eq!(bad(4, 2), Err(FrameError::Reserved("flags")));
+        assert_eq!(bad(4, 4), Err(FrameError::Reserved("flags")));
         assert_eq!(bad(5, 1), Err(FrameError::Reserved("flags")));
+        assert!(
+            matches!(bad(4, 2), Err(FrameError::Inconsistent(_))),
+            "a request flagged as refused"
+        );
+        let refused = Frame::refused(5, "shutting down");
+        let (back, _) = Frame::decode(&refused.encode(), &l).unwrap().unwrap();
+        assert_eq!(back, refused);
+        let mut ok_refused = Frame::response(5, Status::Ok, Body::None);
+        ok_refused.flags = FLAG_REFUSED;
+        assert!(
+            matches!(
+                Frame::decode(&ok_refused.encode(), &l),
+                Err(FrameError::Inconsistent(_))
+            ),
+            "a successful answer flagged as refused"
+        );
         assert!(
             matches!(bad(4, 1), Err(FrameError::Inconsistent(_))),
             "a request flagged as an echo"

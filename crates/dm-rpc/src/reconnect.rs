@@ -4,7 +4,8 @@
 //! over its name, is called through the clients its predecessor had.
 //!
 //! * Calls in flight when the connection breaks fail with `Unavailable`:
-//!   whether the server ran them is unknown, so none is sent again.
+//!   whether the server ran them is unknown, so none is sent again (only
+//!   a request refused unrun is: see below).
 //! * A call that finds the connection broken looks the service up again
 //!   (its name, in this process, the node's registry and the pool's; or
 //!   its TCP address) and dials what it finds. Over TCP that may be the
@@ -21,11 +22,15 @@
 //!   loop neither scans the registry nor dials on every call. A call in
 //!   between fails at once.
 //! * A server that shuts down gracefully unregisters at once and refuses
-//!   new requests with `Unavailable` while it drains: a call refused so
-//!   (an `Unavailable` answer) looks the service up, and if its
-//!   registration changed, the connection is retired: calls in flight on
-//!   it go on, new ones go to the successor. So a client loses at most one
-//!   call to a graceful restart.
+//!   new requests while it drains, with an `Unavailable` answer flagged
+//!   [`FLAG_REFUSED`](crate::frame::FLAG_REFUSED): the request was not
+//!   run. The connection is then retired (calls in flight on it go on,
+//!   new ones go to the successor) and the refused request is sent again
+//!   to the successor, as it was (its Refs still lent), if there is one
+//!   and it can carry it (the same sharing of Refs, room for its inline
+//!   bytes); else the call fails with the refusal. Any other `Unavailable`
+//!   answer looks the service up, and retires the connection if its
+//!   registration changed.
 //! * Callers use the connection through an [`ArcSwap`]: a call loads it
 //!   with no lock (about 5 ns on the test machine), and a call in flight
 //!   keeps the connection it was sent on; the broken one closes when its
@@ -244,6 +249,17 @@ impl<C: Connected> Redial<C> {
             Err(e) => e.status == crate::Status::NotFound,
         };
         if changed {
+            c.retire();
+            d.next = None;
+        }
+    }
+
+    /// After a call on `c` was refused unrun by its server (it shuts
+    /// down, and unregistered): retires `c` if it is current, so that the
+    /// next call, and the refused one sent again, dial the successor.
+    pub(crate) fn refused(&self, c: &C) {
+        let mut d = self.lock();
+        if std::ptr::eq(&**self.cur.load(), c) {
             c.retire();
             d.next = None;
         }

@@ -265,7 +265,8 @@ impl ServerBuilder {
                         self.name
                     ))
                 })?;
-                (Box::new(l), None)
+                let reg = Reg::Mem(self.name.clone(), l.binding());
+                (Box::new(l), Some(reg))
             }
         };
         let waker = listener.waker();
@@ -343,6 +344,8 @@ enum Reg {
     Pool(ServiceInfo),
     /// In the node's registry (TCP services).
     Registry(crate::registry::Registration),
+    /// Bound in this process (in-memory services): the name and binding.
+    Mem(String, u64),
 }
 
 /// A running service. Stops (and unregisters) on [`shutdown`](Self::shutdown) or drop.
@@ -422,6 +425,7 @@ impl Server {
             Some(Reg::Registry(r)) => {
                 let _ = self.node.registry.unregister(&r);
             }
+            Some(Reg::Mem(name, binding)) => crate::transport::mem::unbind(&name, binding),
             None => {}
         }
     }
@@ -854,8 +858,7 @@ fn refuse(
         return false;
     }
     stats.refused.fetch_add(1, Ordering::Relaxed);
-    let why = b"the service is shutting down".to_vec();
-    let answer = Frame::response(f.call_id, Status::Unavailable, Body::Inline(why));
+    let answer = Frame::refused(f.call_id, "the service is shutting down");
     let _ = listener.reply(conn, &answer);
     true
 }

@@ -43,6 +43,8 @@ pub struct MemListener {
     tx: SyncSender<Event>,
     conns: HashMap<ConnId, SyncSender<Frame>>,
     stop: Arc<AtomicBool>,
+    /// Its binding ([`binding`]).
+    binding: u64,
 }
 
 /// Binds `name` in this process. `Ok(None)` if it is taken.
@@ -52,17 +54,34 @@ pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
         return None;
     }
     let (tx, rx) = sync_channel(QUEUE_DEPTH);
-    t.insert(
-        name.to_owned(),
-        (IDS.fetch_add(1, Ordering::Relaxed), tx.clone()),
-    );
+    let binding = IDS.fetch_add(1, Ordering::Relaxed);
+    t.insert(name.to_owned(), (binding, tx.clone()));
     Some(MemListener {
         name: name.to_owned(),
         rx,
         tx,
         conns: HashMap::new(),
         stop,
+        binding,
     })
+}
+
+impl MemListener {
+    /// Its binding: the number [`binding`] gives for its name while it
+    /// holds the name.
+    pub fn binding(&self) -> u64 {
+        self.binding
+    }
+}
+
+/// Removes `name`'s binding if it is still `binding` (a listener that
+/// stopped does not unbind its successor); connections already open go
+/// on, new ones are refused.
+pub fn unbind(name: &str, binding: u64) {
+    let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
+    if t.get(name).is_some_and(|(b, _)| *b == binding) {
+        t.remove(name);
+    }
 }
 
 /// Whether `name` is bound in this process.
@@ -81,8 +100,7 @@ pub fn binding(name: &str) -> Option<u64> {
 
 impl Drop for MemListener {
     fn drop(&mut self) {
-        let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
-        t.remove(&self.name);
+        unbind(&self.name, self.binding);
     }
 }
 
