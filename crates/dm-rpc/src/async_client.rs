@@ -833,15 +833,8 @@ impl Inner {
 
     /// Sends again, on this connection, a request another refused.
     async fn resend(&self, r: Refused) -> Result<Payload, Failure> {
-        let Some(deadline_us) = r.deadline_us() else {
-            r.lent.release(&self.node);
-            return Err(RpcError::deadline_exceeded(format!(
-                "the deadline passed before {:?} could be called again",
-                self.name
-            ))
-            .into());
-        };
-        self.send_and_wait(r.method, r.body, r.lent, r.deadline, deadline_us)
+        let (r, us) = r.left(&self.node, &self.name)?;
+        self.send_and_wait(r.method, r.body, r.lent, r.deadline, us)
             .await
     }
 

@@ -291,15 +291,21 @@ impl Refused {
         refs == self.refs && (max_inline >= self.max_inline || self.body.len() <= max_inline)
     }
 
-    /// What is left of its deadline, in a request's microseconds (None:
-    /// passed).
-    pub(crate) fn deadline_us(&self) -> Option<u32> {
-        match self.deadline {
-            None => Some(0),
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now()).as_micros();
-                (left > 0).then(|| left.min(u32::MAX as u128) as u32)
+    /// It, with what is left of its deadline in a request's microseconds
+    /// (0: none), to send it again to `name`; or, if its deadline passed,
+    /// the call's error (what it lent released).
+    pub(crate) fn left(self, node: &Node, name: &str) -> Result<(Refused, u32), RpcError> {
+        let Some(d) = self.deadline else {
+            return Ok((self, 0));
+        };
+        match d.saturating_duration_since(Instant::now()).as_micros() {
+            0 => {
+                self.lent.release(node);
+                Err(RpcError::deadline_exceeded(format!(
+                    "the deadline passed before {name:?} could be called again"
+                )))
             }
+            us => Ok((self, us.min(u32::MAX as u128) as u32)),
         }
     }
 
@@ -571,15 +577,8 @@ impl Inner {
 
     /// Sends again, on this connection, a request another refused.
     fn resend(&self, r: Refused) -> Result<Payload, Failure> {
-        let Some(deadline_us) = r.deadline_us() else {
-            r.lent.release(&self.node);
-            return Err(RpcError::deadline_exceeded(format!(
-                "the deadline passed before {:?} could be called again",
-                self.name
-            ))
-            .into());
-        };
-        self.send_and_wait(r.method, r.body, r.lent, r.deadline, deadline_us)
+        let (r, us) = r.left(&self.node, &self.name)?;
+        self.send_and_wait(r.method, r.body, r.lent, r.deadline, us)
     }
 
     /// Sends a request and waits for its answer.
@@ -840,5 +839,44 @@ impl Inner {
                 st.sleepers -= 1;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::transport::Sharing;
+
+    fn refused(deadline: Option<Instant>, inline: usize) -> Refused {
+        let req = Frame::request(1, 7, 0, Body::Inline(vec![1; inline]));
+        let answer = Frame::refused(1, "the service is shutting down");
+        Refused::new(req, answer, Lent::default(), deadline, Sharing::POOL, 1000)
+    }
+
+    #[test]
+    fn a_refused_request_goes_again_only_where_it_fits_and_in_time() {
+        let tp = dm_pool::testing::TempPool::new(16 << 20);
+        let node = Node::new(tp.attach());
+        let r = refused(None, 800);
+        assert_eq!((r.method, r.body.len()), (7, 800));
+        // The same sharing, and room for its bytes.
+        assert!(r.fits(Sharing::POOL, 1000));
+        assert!(r.fits(Sharing::POOL, 800));
+        assert!(!r.fits(Sharing::POOL, 799));
+        assert!(!r.fits(Sharing::ALL, 1000));
+        assert_eq!(r.left(&node, "s").unwrap().1, 0, "no deadline");
+        let soon = Instant::now() + Duration::from_secs(5);
+        let us = refused(Some(soon), 1).left(&node, "s").unwrap().1;
+        assert!(us > 4_000_000 && us <= 5_000_000, "{us}");
+        let Err(e) = refused(Some(Instant::now()), 1).left(&node, "s") else {
+            panic!("sent again after its deadline");
+        };
+        assert_eq!(e.status, Status::DeadlineExceeded);
+        let e = refused(None, 1).fail(&node);
+        assert_eq!(e.status, Status::Unavailable);
+        assert!(e.message.contains("shutting down"), "{e}");
+        drop(node);
+        tp.assert_clean();
     }
 }
