@@ -753,14 +753,17 @@ impl AsyncClient {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
         let mut opts = opts;
-        if opts.wait_for_ready && c.is_spent() {
-            let until = crate::client::deadline_of(&c.node, opts, Instant::now()).0;
-            c = self.ready(c, until).await?;
-            opts = opts.after_waiting(until);
-        }
-        if let Some(e) = c.failure() {
-            // Nothing to connect to: the argument is not even placed.
-            return Err(e);
+        if c.is_spent() {
+            // Broken or retired, with nothing new to dial.
+            if opts.wait_for_ready {
+                let until = crate::client::deadline_of(&c.node, opts, Instant::now()).0;
+                c = self.ready(c, until).await?;
+                opts = opts.after_waiting(until);
+            }
+            if let Some(e) = c.failure() {
+                // Nothing to connect to: the argument is not even placed.
+                return Err(e);
+            }
         }
         let mut r = c.call_with(method, payload, opts).await;
         // A request refused unrun by a server shutting down goes to its
@@ -784,16 +787,7 @@ impl AsyncClient {
             c = n;
             r = c.resend(*x).await;
         }
-        match r {
-            Ok(p) => Ok(p),
-            Err(Failure::Refused(x)) => Err(x.fail(&c.node)),
-            Err(Failure::Error(e)) => {
-                if e.status == crate::Status::Unavailable && !c.is_spent() {
-                    self.h.recheck(&c);
-                }
-                Err(e)
-            }
-        }
+        self.h.settle(&c, r)
     }
 
     /// Waits until the connection `c` is replaced by one new calls can use
@@ -988,7 +982,7 @@ impl Inner {
             }
         };
         if f.flags & FLAG_REFUSED != 0 {
-            let r = Refused::new(frame, f, lent, deadline, i.refs, i.max_inline);
+            let r = Refused::new(frame, f, lent, deadline, i.refs);
             return Err(Failure::Refused(Box::new(r)));
         }
         drop(frame);

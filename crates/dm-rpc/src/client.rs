@@ -255,9 +255,8 @@ pub(crate) struct Refused {
     pub(crate) body: Body,
     pub(crate) lent: Lent,
     pub(crate) deadline: Option<Instant>,
-    /// The connection's sharing and inline limit it was placed for.
+    /// The sharing of Refs of the connection it was placed for.
     refs: crate::transport::Sharing,
-    max_inline: usize,
     /// The refusal: the call's error if it is not sent again.
     error: RpcError,
 }
@@ -270,7 +269,6 @@ impl Refused {
         lent: Lent,
         deadline: Option<Instant>,
         refs: crate::transport::Sharing,
-        max_inline: usize,
     ) -> Refused {
         let error = RpcError::new(Status::Unavailable, message_of(answer.payload));
         Refused {
@@ -279,7 +277,6 @@ impl Refused {
             lent,
             deadline,
             refs,
-            max_inline,
             error,
         }
     }
@@ -288,7 +285,7 @@ impl Refused {
     /// it is (its Refs usable at the other end, its inline bytes within
     /// the limit).
     pub(crate) fn fits(&self, refs: crate::transport::Sharing, max_inline: usize) -> bool {
-        refs == self.refs && (max_inline >= self.max_inline || self.body.len() <= max_inline)
+        refs == self.refs && self.body.len() <= max_inline
     }
 
     /// It, with what is left of its deadline in a request's microseconds
@@ -498,14 +495,17 @@ impl Client {
     ) -> Result<Payload, RpcError> {
         let mut c = self.h.live();
         let mut opts = opts;
-        if opts.wait_for_ready && c.is_spent() {
-            let until = deadline_of(&c.node, opts, Instant::now()).0;
-            c = self.ready(c, until)?;
-            opts = opts.after_waiting(until);
-        }
-        if let Some(e) = c.failure() {
-            // Nothing to connect to: the argument is not even placed.
-            return Err(e);
+        if c.is_spent() {
+            // Broken or retired, with nothing new to dial.
+            if opts.wait_for_ready {
+                let until = deadline_of(&c.node, opts, Instant::now()).0;
+                c = self.ready(c, until)?;
+                opts = opts.after_waiting(until);
+            }
+            if let Some(e) = c.failure() {
+                // Nothing to connect to: the argument is not even placed.
+                return Err(e);
+            }
         }
         let mut r = c.call_with(method, payload, opts);
         // A request refused unrun by a server shutting down goes to its
@@ -529,16 +529,7 @@ impl Client {
             c = n;
             r = c.resend(*x);
         }
-        match r {
-            Ok(p) => Ok(p),
-            Err(Failure::Refused(x)) => Err(x.fail(&c.node)),
-            Err(Failure::Error(e)) => {
-                if e.status == Status::Unavailable && !c.is_spent() {
-                    self.h.recheck(&c);
-                }
-                Err(e)
-            }
-        }
+        self.h.settle(&c, r)
     }
 
     /// Waits until the connection `c` is replaced by one new calls can use
@@ -649,7 +640,7 @@ impl Inner {
             }
         };
         if f.flags & FLAG_REFUSED != 0 {
-            let r = Refused::new(frame, f, lent, deadline, i.refs, i.max_inline);
+            let r = Refused::new(frame, f, lent, deadline, i.refs);
             return Err(Failure::Refused(Box::new(r)));
         }
         Ok(answer(&i.node, f, lent)?)
@@ -851,7 +842,7 @@ mod tests {
     fn refused(deadline: Option<Instant>, inline: usize) -> Refused {
         let req = Frame::request(1, 7, 0, Body::Inline(vec![1; inline]));
         let answer = Frame::refused(1, "the service is shutting down");
-        Refused::new(req, answer, Lent::default(), deadline, Sharing::POOL, 1000)
+        Refused::new(req, answer, Lent::default(), deadline, Sharing::POOL)
     }
 
     #[test]

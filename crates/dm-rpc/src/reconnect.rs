@@ -40,8 +40,10 @@
 //! thread (an async call too: a lookup, and opening a channel in the pool
 //! or a TCP connection, as `connect` does).
 
+use crate::client::Failure;
 use crate::error::RpcError;
 use crate::node::Node;
+use crate::payload::Payload;
 use crate::transport::Connection;
 use arc_swap::{ArcSwap, Guard};
 use dm_pool::{Endpoint, ServiceInfo};
@@ -262,6 +264,23 @@ impl<C: Connected> Redial<C> {
         if std::ptr::eq(&**self.cur.load(), c) {
             c.retire();
             d.next = None;
+        }
+    }
+
+    /// What a call that ended on `c` with `r` returns: a refusal that was
+    /// not sent again fails with it (what it lent released); another
+    /// `Unavailable` answer makes the client look whether the service
+    /// moved ([`recheck`](Self::recheck)).
+    pub(crate) fn settle(&self, c: &C, r: Result<Payload, Failure>) -> Result<Payload, RpcError> {
+        match r {
+            Ok(p) => Ok(p),
+            Err(Failure::Refused(x)) => Err(x.fail(&self.node)),
+            Err(Failure::Error(e)) => {
+                if e.status == crate::Status::Unavailable && !c.is_spent() {
+                    self.recheck(c);
+                }
+                Err(e)
+            }
         }
     }
 

@@ -101,6 +101,11 @@ fn hash(b: &[u8]) -> u64 {
         .fold(0u64, |a, &x| a.wrapping_mul(31).wrapping_add(x as u64))
 }
 
+/// The hash of its argument an agent's `hop` answers with.
+fn hash_in(got: &[u8]) -> u64 {
+    u64::from_le_bytes(got[..8].try_into().unwrap())
+}
+
 fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7 + 1) as u8).collect()
 }
@@ -145,10 +150,7 @@ fn nested_calls_through_six_processes_forward_one_ref() {
         b.write(0, &data).unwrap();
         let got = c.call("hop", b).unwrap().to_vec().unwrap();
         let after = node.pool().counters();
-        assert_eq!(
-            u64::from_le_bytes(got[..8].try_into().unwrap()),
-            hash(&data)
-        );
+        assert_eq!(hash_in(&got), hash(&data));
         let last_pid = u32::from_le_bytes(got[8..12].try_into().unwrap());
         assert_eq!(last_pid, pids[0], "the answer comes from the last hop");
         let by_ref = len > node.config().inline_max;
@@ -182,10 +184,7 @@ fn nested_calls_through_six_processes_forward_one_ref() {
     let e = c.call("nope", Payload::empty()).unwrap_err();
     assert_eq!(e.status, Status::NotFound);
     let got = c.call("hop", vec![3u8; 3]).unwrap().to_vec().unwrap();
-    assert_eq!(
-        u64::from_le_bytes(got[..8].try_into().unwrap()),
-        hash(&[3, 3, 3])
-    );
+    assert_eq!(hash_in(&got), hash(&[3, 3, 3]));
     drop(c);
     drop(node);
     stop_all(agents, &tp);
@@ -278,10 +277,7 @@ fn server_killed(transport: &[&str]) {
             }
         }
     };
-    assert_eq!(
-        u64::from_le_bytes(got[..8].try_into().unwrap()),
-        hash(&pattern(100_000))
-    );
+    assert_eq!(hash_in(&got), hash(&pattern(100_000)));
     assert_eq!(c.reconnects(), 1);
     drop(c);
     drop(node);
@@ -302,10 +298,7 @@ fn client_killed_mid_call_does_not_disturb_the_server() {
     let c = node.connect(&name).unwrap();
     for len in [5usize, 100_000] {
         let got = c.call("hop", pattern(len)).unwrap().to_vec().unwrap();
-        assert_eq!(
-            u64::from_le_bytes(got[..8].try_into().unwrap()),
-            hash(&pattern(len))
-        );
+        assert_eq!(hash_in(&got), hash(&pattern(len)));
     }
     // Another client process completes normally meanwhile.
     let mut other = Agent::start(&tp, &["call", &name, "hop", "1000000", "--lease", "400"]);
@@ -390,10 +383,7 @@ fn async_handler_whose_callee_is_killed_mid_call_gets_unavailable() {
     let c = node.connect(&front).unwrap();
     let data = pattern(1 << 20);
     let got = c.call("via", data.clone()).unwrap().to_vec().unwrap();
-    assert_eq!(
-        u64::from_le_bytes(got[..8].try_into().unwrap()),
-        hash(&data)
-    );
+    assert_eq!(hash_in(&got), hash(&data));
     assert!(next.get().unwrap().answers_read_by_listener());
     let c2 = c.clone();
     let pending = std::thread::spawn(move || {
@@ -521,10 +511,7 @@ fn a_rolling_restart_across_processes_loses_at_most_one_call() {
             match c.call("hop", pattern(len)) {
                 Ok(p) => {
                     let got = p.to_vec().unwrap();
-                    assert_eq!(
-                        u64::from_le_bytes(got[..8].try_into().unwrap()),
-                        hash(&pattern(len))
-                    );
+                    assert_eq!(hash_in(&got), hash(&pattern(len)));
                 }
                 Err(e) => {
                     assert_eq!(e.status, Status::Unavailable, "{e}");
