@@ -271,15 +271,20 @@ impl<C: Connected> Redial<C> {
     /// not sent again fails with it (what it lent released); another
     /// `Unavailable` answer makes the client look whether the service
     /// moved ([`recheck`](Self::recheck)).
+    #[inline]
     pub(crate) fn settle(&self, c: &C, r: Result<Payload, Failure>) -> Result<Payload, RpcError> {
-        match r {
-            Ok(p) => Ok(p),
-            Err(Failure::Refused(x)) => Err(x.fail(&self.node)),
-            Err(Failure::Error(e)) => {
+        r.map_err(|f| self.settle_failure(c, f))
+    }
+
+    #[cold]
+    fn settle_failure(&self, c: &C, f: Failure) -> RpcError {
+        match f {
+            Failure::Refused(x) => x.fail(&self.node),
+            Failure::Error(e) => {
                 if e.status == crate::Status::Unavailable && !c.is_spent() {
                     self.recheck(c);
                 }
-                Err(e)
+                e
             }
         }
     }

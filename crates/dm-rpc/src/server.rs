@@ -599,12 +599,14 @@ impl Dispatcher {
     /// Moves every frame already waiting into the queue, applying cancels,
     /// so that a request cancelled while queued never runs.
     fn drain(&mut self) {
-        let (cancels, _) = intake(
+        let mut cancels = Vec::new();
+        let (stats, draining) = (&self.stats, self.draining);
+        intake(
             &mut *self.listener,
             &mut self.queue,
-            &self.stats,
-            self.draining,
-            None,
+            stats,
+            draining,
+            &mut cancels,
         );
         for (conn, id) in cancels {
             self.cancel_task(conn, id);
@@ -668,13 +670,15 @@ impl Dispatcher {
                     // applied, those of async calls kept for after it.
                     let (listener, queue) = (&mut self.listener, &mut self.queue);
                     let (stats, draining) = (&self.stats, self.draining);
-                    let running = Some((conn, frame.call_id));
+                    let running = (conn, frame.call_id);
                     let mut seen = false;
                     let mut check = || {
                         if !seen {
-                            let (c, hit) = intake(&mut **listener, queue, stats, draining, running);
-                            later.extend(c);
-                            seen = hit;
+                            intake(&mut **listener, queue, stats, draining, &mut later);
+                            if let Some(k) = later.iter().position(|c| *c == running) {
+                                later.swap_remove(k);
+                                seen = true;
+                            }
                         }
                         seen
                     };
@@ -865,16 +869,14 @@ fn refuse(
 
 /// Moves every frame already waiting in `listener` into `queue`, applying
 /// cancels: a cancelled request still queued is answered `Cancelled` and
-/// never runs. Returns the other cancels (of calls in progress), and
-/// whether one was of `running`, the call a blocking handler runs now.
+/// never runs; the other cancels (of calls in progress) go to `cancels`.
 fn intake(
     listener: &mut dyn Listener,
     queue: &mut VecDeque<Pending>,
     stats: &Stats,
     draining: Option<Instant>,
-    running: Option<(ConnId, u64)>,
-) -> (Vec<(ConnId, u64)>, bool) {
-    let (mut cancels, mut hit) = (Vec::new(), false);
+    cancels: &mut Vec<(ConnId, u64)>,
+) {
     while let Ok(Some((conn, frame))) = listener.poll() {
         if frame.kind == Kind::Cancel {
             // Every request gets exactly one answer (transports count on
@@ -890,8 +892,6 @@ fn intake(
                     conn,
                     &Frame::response(frame.call_id, Status::Cancelled, Body::None),
                 );
-            } else if running == Some((conn, frame.call_id)) {
-                hit = true;
             } else {
                 cancels.push((conn, frame.call_id));
             }
@@ -905,7 +905,6 @@ fn intake(
             break;
         }
     }
-    (cancels, hit)
 }
 
 /// Runs a blocking handler on the dispatcher's thread (borrowed where it is
