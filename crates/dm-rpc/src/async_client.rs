@@ -41,9 +41,11 @@
 //! the same way: the Ref made for its argument is released at once, and
 //! so is its answer when it comes.
 
-use crate::client::{answer, orphan, outgoing, send_holding_rx, send_unheld, Failure, Refused};
+use crate::client::{
+    answer, orphan, outgoing, refusal, send_holding_rx, send_unheld, Failure, Refused,
+};
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, FLAG_REFUSED};
+use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_REFUSED};
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
@@ -123,6 +125,7 @@ pub(crate) struct Inner {
     next_id: AtomicU64,
     max_inline: usize,
     refs: crate::transport::Sharing,
+    goaway: Arc<dyn crate::transport::GoAway>,
 }
 
 /// The receiving half and the calls waiting for answers. Whoever reads
@@ -670,6 +673,7 @@ impl Connected for Inner {
             next_id: AtomicU64::new(1),
             max_inline: conn.max_inline,
             refs: conn.refs,
+            goaway: conn.goaway,
         }
     }
 
@@ -883,20 +887,26 @@ impl Inner {
                 Some(ref mut rx) => r.send_lone(&i.tx, &frame, deadline, rx),
                 None => r.send(&i.tx, &frame, deadline),
             };
+            // (The error, and whether the connection broke: then the
+            // request was not sent, and may go elsewhere.)
             let unsent = match sent {
                 Ok(true) => None,
-                Ok(false) => Some(RpcError::deadline_exceeded(
-                    "no room to send before the deadline",
+                Ok(false) => Some((
+                    RpcError::deadline_exceeded("no room to send before the deadline"),
+                    false,
                 )),
                 // (A send that fails with the connection lost may be the
                 // first to see it: no answer is read before a call.)
-                Err(e) if e.breaks_connection() => Some(r.fail(e)),
-                Err(e) => Some(e.into()),
+                Err(e) if e.breaks_connection() => Some((r.fail(e), true)),
+                Err(e) => Some((e.into(), false)),
             };
-            if let Some(e) = unsent {
+            if let Some((e, again)) = unsent {
                 match lone {
                     Some(rx) => drop(rx),
                     None => r.forget(id),
+                }
+                if again {
+                    return Err(i.not_run(frame, e, lent, deadline));
                 }
                 lent.release(&i.node);
                 return Err(e.into());
@@ -970,23 +980,36 @@ impl Inner {
             // The wait began a spin before it ran out.
             r.ended_after_spin(spin, spin + at.elapsed());
         }
+        let got = got.unwrap_or_else(|_| Err(RpcError::unavailable("the connection closed")));
         let f = match got {
-            Ok(Ok(f)) => f,
-            Ok(Err(e)) => {
+            Ok(f) => f,
+            Err(e) => {
+                if e.status == Status::Unavailable && i.goaway.unread(id) {
+                    // Its server stopped without taking it.
+                    return Err(i.not_run(frame, e, lent, deadline));
+                }
                 lent.release(&i.node);
                 return Err(e.into());
             }
-            Err(_) => {
-                lent.release(&i.node);
-                return Err(RpcError::unavailable("the connection closed").into());
-            }
         };
         if f.flags & FLAG_REFUSED != 0 {
-            let r = Refused::new(frame, f, lent, deadline, i.refs);
-            return Err(Failure::Refused(Box::new(r)));
+            return Err(i.not_run(frame, refusal(f), lent, deadline));
         }
         drop(frame);
         Ok(answer(&i.node, f, lent)?)
+    }
+
+    /// The failure of request `frame`, known not to have run because of
+    /// `e`: it may be sent again elsewhere.
+    #[cold]
+    fn not_run(
+        &self,
+        frame: Frame,
+        e: RpcError,
+        lent: crate::payload::Lent,
+        d: Option<Instant>,
+    ) -> Failure {
+        Failure::Refused(Box::new(Refused::new(frame, e, lent, d, self.refs)))
     }
 }
 
@@ -1061,7 +1084,7 @@ fn pump(reader: Weak<Reader>) {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-    use crate::frame::{Body, Status};
+    use crate::frame::Body;
     use std::sync::mpsc;
 
     /// A receiving half fed by the test.
@@ -1161,6 +1184,7 @@ mod tests {
             rx: Box::new(FedRx(rx)),
             max_inline: 1 << 20,
             refs: crate::transport::Sharing::POOL,
+            goaway: crate::transport::silent(),
         };
         let target = crate::reconnect::Target::Name("test/lone".into());
         let h = Redial::new(node, target, crate::reconnect::Origin::Addr, conn);

@@ -119,6 +119,7 @@ pub(crate) struct Inner {
     next_id: AtomicU64,
     max_inline: usize,
     refs: crate::transport::Sharing,
+    goaway: Arc<dyn crate::transport::GoAway>,
 }
 
 /// Calls waiting for answers (a short list: one entry per concurrent
@@ -236,8 +237,10 @@ pub(crate) fn answer(node: &Node, f: Frame, lent: Lent) -> Result<Payload, RpcEr
 pub(crate) enum Failure {
     /// With this error.
     Error(RpcError),
-    /// Refused unrun by a server shutting down ([`FLAG_REFUSED`]): it may
-    /// be sent again elsewhere.
+    /// Not run, and known not to be: refused by a server shutting down
+    /// ([`FLAG_REFUSED`]), never taken by a server that stopped
+    /// ([`crate::transport::GoAway`]), or never sent (the connection
+    /// broke first). It may be sent again elsewhere.
     Refused(Box<Refused>),
 }
 
@@ -247,9 +250,9 @@ impl From<RpcError> for Failure {
     }
 }
 
-/// A request a server refused without running it, with what it takes to
-/// send it again: its method, its payload as it was sent (its Refs still
-/// lent) and its deadline.
+/// A request known not to have run ([`Failure::Refused`]), with what it
+/// takes to send it again: its method, its payload as it was sent (its
+/// Refs still lent) and its deadline.
 pub(crate) struct Refused {
     pub(crate) method: u32,
     pub(crate) body: Body,
@@ -257,20 +260,24 @@ pub(crate) struct Refused {
     pub(crate) deadline: Option<Instant>,
     /// The sharing of Refs of the connection it was placed for.
     refs: crate::transport::Sharing,
-    /// The refusal: the call's error if it is not sent again.
+    /// Why it did not run: the call's error if it is not sent again.
     error: RpcError,
 }
 
+/// The error of a refusal answer ([`FLAG_REFUSED`]).
+pub(crate) fn refusal(answer: Frame) -> RpcError {
+    RpcError::new(Status::Unavailable, message_of(answer.payload))
+}
+
 impl Refused {
-    /// The refusal of the request `frame`, answered by `answer`.
+    /// The request `frame`, which did not run because of `error`.
     pub(crate) fn new(
         frame: Frame,
-        answer: Frame,
+        error: RpcError,
         lent: Lent,
         deadline: Option<Instant>,
         refs: crate::transport::Sharing,
     ) -> Refused {
-        let error = RpcError::new(Status::Unavailable, message_of(answer.payload));
         Refused {
             method: frame.method,
             body: frame.payload,
@@ -425,6 +432,7 @@ impl Connected for Inner {
             next_id: AtomicU64::new(1),
             max_inline: conn.max_inline,
             refs: conn.refs,
+            goaway: conn.goaway,
         }
     }
 
@@ -605,21 +613,29 @@ impl Inner {
         let frame = Frame::request(id, method, deadline_us, body);
         // Reading answers while it waits for room (see `send_reading`).
         let sent = self.send_reading(&frame, deadline, reader.as_mut());
+        // (The error, and whether the connection broke: then the request
+        // was not sent, and may go elsewhere.)
         let unsent = match sent {
             Ok(true) => None,
-            Ok(false) => Some(RpcError::deadline_exceeded(format!(
-                "no room to send to {:?} before the deadline",
-                i.name
-            ))),
-            Err(e) if e.breaks_connection() => Some(self.fail(e.into())),
-            Err(e) => Some(e.into()),
+            Ok(false) => Some((
+                RpcError::deadline_exceeded(format!(
+                    "no room to send to {:?} before the deadline",
+                    i.name
+                )),
+                false,
+            )),
+            Err(e) if e.breaks_connection() => Some((self.fail(e.into()), true)),
+            Err(e) => Some((e.into(), false)),
         };
-        if let Some(e) = unsent {
+        if let Some((e, again)) = unsent {
             match reader {
                 Some(rx) => self.hand_over(rx),
                 None => {
                     lock(&i.state).remove(id);
                 }
+            }
+            if again {
+                return Err(self.not_run(frame, e, lent, deadline));
             }
             lent.release(&i.node);
             return Err(e.into());
@@ -630,6 +646,10 @@ impl Inner {
         };
         let f = match got {
             Ok(f) => f,
+            Err(e) if e.status == Status::Unavailable && i.goaway.unread(id) => {
+                // Its server stopped without taking it.
+                return Err(self.not_run(frame, e, lent, deadline));
+            }
             Err(e) => {
                 lent.release(&i.node);
                 if e.status == Status::DeadlineExceeded {
@@ -640,10 +660,16 @@ impl Inner {
             }
         };
         if f.flags & FLAG_REFUSED != 0 {
-            let r = Refused::new(frame, f, lent, deadline, i.refs);
-            return Err(Failure::Refused(Box::new(r)));
+            return Err(self.not_run(frame, refusal(f), lent, deadline));
         }
         Ok(answer(&i.node, f, lent)?)
+    }
+
+    /// The failure of request `frame`, known not to have run because of
+    /// `e`: it may be sent again elsewhere.
+    #[cold]
+    fn not_run(&self, frame: Frame, e: RpcError, lent: Lent, d: Option<Instant>) -> Failure {
+        Failure::Refused(Box::new(Refused::new(frame, e, lent, d, self.refs)))
     }
 
     /// Marks the connection broken (every pending and future call fails).
@@ -842,7 +868,13 @@ mod tests {
     fn refused(deadline: Option<Instant>, inline: usize) -> Refused {
         let req = Frame::request(1, 7, 0, Body::Inline(vec![1; inline]));
         let answer = Frame::refused(1, "the service is shutting down");
-        Refused::new(req, answer, Lent::default(), deadline, Sharing::POOL)
+        Refused::new(
+            req,
+            refusal(answer),
+            Lent::default(),
+            deadline,
+            Sharing::POOL,
+        )
     }
 
     #[test]

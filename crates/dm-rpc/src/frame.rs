@@ -1,4 +1,4 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 3).
+//! Where frames are parsed: the wire format of dmrpc calls (version 4).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
@@ -8,7 +8,7 @@
 //! |--------|--------------|--------------------------------------------------------|
 //! | 0..2   | magic        | `D5 52`                                                |
 //! | 2      | version      | [`FRAME_VERSION`]                                      |
-//! | 3      | kind         | [`Kind`]: request, response, cancel                    |
+//! | 3      | kind         | [`Kind`]: request, response, cancel, go-away           |
 //! | 4..6   | flags        | [`FLAG_ECHO`], [`FLAG_REFUSED`]; others must be zero   |
 //! | 6      | payload kind | 0 none, 1 inline bytes, 2 Refs                         |
 //! | 7      | status       | [`Status`]; zero except in responses                   |
@@ -26,6 +26,10 @@
 //! payload) says its request was not run: the server is shutting down and
 //! takes no new requests, so the caller may send it to the server's
 //! successor.
+//! A go-away frame (server to client, TCP) says that the server stopped
+//! reading the connection, and which requests it took: every request whose
+//! call id is above the frame's call id was never taken, and never will be
+//! (see [`crate::transport::GoAway`]). It carries nothing else.
 //! The decoder checks every field and every Ref encoding, bounds the payload
 //! by [`Limits`], returns `Ok(None)` when more bytes are needed (streams), and
 //! never panics, whatever the bytes: it is fuzzed (`fuzz/fuzz_targets/frame_decode.rs`).
@@ -33,8 +37,8 @@
 use dm_pool::{Ref, RefDecodeError};
 
 /// Frame encoding version written and read by this build. History: 1 —
-/// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`].
-pub const FRAME_VERSION: u8 = 3;
+/// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`]; 4 — [`Kind::GoAway`].
+pub const FRAME_VERSION: u8 = 4;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
 pub const FLAG_ECHO: u16 = 1;
@@ -55,6 +59,9 @@ pub enum Kind {
     Response = 2,
     /// The caller gave up on the call with this id.
     Cancel = 3,
+    /// The server stopped reading the connection; it took no request with
+    /// an id above this frame's call id (server to client).
+    GoAway = 4,
 }
 
 /// Outcome of a call, carried by responses.
@@ -85,6 +92,7 @@ impl Kind {
             1 => Kind::Request,
             2 => Kind::Response,
             3 => Kind::Cancel,
+            4 => Kind::GoAway,
             _ => return None,
         })
     }
@@ -311,6 +319,15 @@ impl Frame {
         }
     }
 
+    /// The go-away of a server that stopped reading a connection on which
+    /// the highest call id it took was `last_taken` (0: none).
+    pub fn go_away(last_taken: u64) -> Frame {
+        Frame {
+            kind: Kind::GoAway,
+            ..Frame::cancel(last_taken)
+        }
+    }
+
     /// Encoded size.
     pub fn encoded_len(&self) -> usize {
         HEADER_LEN + self.payload.len()
@@ -471,14 +488,14 @@ impl Head {
             Kind::Request if method == 0 => {
                 return Err(FrameError::Inconsistent("a request names no method"))
             }
-            Kind::Response | Kind::Cancel if method != 0 || deadline_us != 0 => {
+            Kind::Response | Kind::Cancel | Kind::GoAway if method != 0 || deadline_us != 0 => {
                 return Err(FrameError::Inconsistent(
                     "only requests carry a method and a deadline",
                 ))
             }
-            Kind::Cancel if status != Status::Ok || pkind != 0 => {
+            Kind::Cancel | Kind::GoAway if status != Status::Ok || pkind != 0 => {
                 return Err(FrameError::Inconsistent(
-                    "a cancel carries no status or payload",
+                    "a cancel or go-away carries no status or payload",
                 ))
             }
             Kind::Response if status != Status::Ok && pkind == 2 => {
@@ -651,12 +668,13 @@ mod tests {
                 )
             }),
         ];
-        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..5).prop_map(|(id, m, dl, p, k)| {
+        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..6).prop_map(|(id, m, dl, p, k)| {
             match (k, p) {
                 (0, p) => Frame::request(id, m, dl, p),
                 (1, p) => Frame::response(id, Status::Ok, p),
                 (2, Body::Refs(rs)) => Frame::echo(id, rs[0]),
                 (3, _) => Frame::refused(id, "shutting down"),
+                (4, _) => Frame::go_away(id),
                 _ => Frame::cancel(id),
             }
         })
@@ -808,12 +826,21 @@ mod tests {
             Frame::decode(&many, &l),
             Err(FrameError::TooManyRefs { count: 65, max: 64 })
         );
-        let mut c = Frame::cancel(3).encode();
-        c[24] = 1;
-        assert!(matches!(
-            Frame::decode(&c, &l),
-            Err(FrameError::Inconsistent(_))
-        ));
+        for f in [Frame::cancel(3), Frame::go_away(3)] {
+            // A payload length, a method, a deadline, a status, a flag.
+            for (at, v) in [(24, 1), (16, 1), (20, 1), (7, 4), (4, 2)] {
+                let mut c = f.encode();
+                c[at] = v;
+                assert!(
+                    matches!(Frame::decode(&c, &l), Err(FrameError::Inconsistent(_))),
+                    "{:?} with byte {at} = {v}",
+                    f.kind
+                );
+            }
+        }
+        let mut g = Frame::go_away(3).encode();
+        g[3] = 5;
+        assert_eq!(Frame::decode(&g, &l), Err(FrameError::Kind(5)));
         let err_refs = Frame::response(1, Status::Internal, Body::Refs(vec![a_ref()])).encode();
         assert!(matches!(
             Frame::decode(&err_refs, &l),

@@ -35,7 +35,11 @@
 
 #![cfg_attr(loom, allow(dead_code, unused_imports))]
 
-// Under loom only the lock-free parts build: the ring and the doorbell.
+// Under loom only the lock-free parts build: the ring, the go-away word
+// and the doorbell.
+#[cfg(loom)]
+#[path = "transport/goaway.rs"]
+pub mod goaway;
 #[cfg(loom)]
 #[path = "transport/ring.rs"]
 pub mod ring;

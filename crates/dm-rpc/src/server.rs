@@ -12,7 +12,11 @@
 //! nested calls (they inherit its call's deadline: [`crate::deadline`])
 //! and forward the payload it received. A graceful shutdown
 //! ([`Server::shutdown_gracefully`]) serves what was sent before it began
-//! and answers what comes after with `Unavailable`.
+//! and refuses what comes after (`Unavailable`, flagged as not run). When
+//! a server stops, however it stops, it refuses what it took and did not
+//! run, and tells each client the highest call id it took
+//! ([`crate::transport::GoAway`]): no request it did not run is lost, as
+//! its callers send them all to its successor.
 //!
 //! Blocking handlers run on the dispatcher, one call at a time. Async
 //! handlers' calls are futures the dispatcher polls too, many in progress
@@ -333,8 +337,9 @@ pub struct Stats {
     pub cancelled: AtomicU64,
     /// Requests whose deadline passed before they ran.
     pub expired: AtomicU64,
-    /// Requests refused because they came while the server drained
-    /// ([`Server::shutdown_gracefully`]).
+    /// Requests refused unrun because the server was stopping: they came
+    /// while it drained ([`Server::shutdown_gracefully`]), or were still
+    /// queued when it stopped.
     pub refused: AtomicU64,
 }
 
@@ -385,8 +390,12 @@ impl Server {
     }
 
     /// Stops taking requests, closes every connection and unregisters.
-    /// Calls queued or in progress fail with `Unavailable` (a blocking
-    /// handler running at that moment finishes first).
+    /// Calls in progress fail with `Unavailable` (a blocking handler
+    /// running at that moment finishes first). Requests not run yet are
+    /// refused, and each client is told which requests were taken: the
+    /// others, still waiting in the connections, were never read. Clients
+    /// send both kinds to the server registered under the name next, if
+    /// any (see [`crate::transport::GoAway`]).
     pub fn shutdown(mut self) {
         self.stop_now();
     }
@@ -395,9 +404,11 @@ impl Server {
     /// unregisters at once (no new client finds it), serves every request
     /// already sent to it (read, or waiting in its connections) and lets
     /// async handlers' calls in progress complete, and answers requests
-    /// that come after with `Unavailable`. Returns when nothing is left,
-    /// or once `grace` has passed: what is still queued or in progress
-    /// then fails with `Unavailable`, as with [`shutdown`](Self::shutdown).
+    /// that come after with `Unavailable`, refused: their callers send
+    /// them to the server registered under the name next, if any.
+    /// Returns when nothing is left, or once `grace` has passed: then
+    /// calls in progress fail and requests still queued are refused, as
+    /// with [`shutdown`](Self::shutdown).
     pub fn shutdown_gracefully(mut self, grace: Duration) {
         self.unregister();
         let _ = self.drain_by.set(Instant::now() + grace);
@@ -545,6 +556,26 @@ struct Dispatcher {
 
 impl Dispatcher {
     fn run(mut self) {
+        self.serve_until_stopped();
+        self.close();
+    }
+
+    /// The end, however the server stops: the requests taken and never
+    /// run are refused ([`FLAG_REFUSED`](crate::frame::FLAG_REFUSED)),
+    /// and every client is told which of its requests were taken
+    /// ([`Listener::go_away`]): their callers send the others elsewhere.
+    fn close(&mut self) {
+        for p in std::mem::take(&mut self.queue) {
+            if p.frame.kind == Kind::Request {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                let answer = Frame::refused(p.frame.call_id, "the service is shutting down");
+                let _ = self.listener.reply(p.conn, &answer);
+            }
+        }
+        self.listener.go_away();
+    }
+
+    fn serve_until_stopped(&mut self) {
         while !self.stop.load(Ordering::Acquire) {
             if self.rt.is_some() {
                 self.poll_woken();
@@ -568,8 +599,8 @@ impl Dispatcher {
                 Kind::Cancel => {
                     self.cancel_task(p.conn, p.frame.call_id);
                 }
-                // Clients do not send responses: ignore.
-                Kind::Response => {}
+                // Clients do not send responses or go-aways: ignore.
+                Kind::Response | Kind::GoAway => {}
             }
         }
     }

@@ -9,9 +9,13 @@
 //!   (the consumer rings the producer's bell lazily per record, and with
 //!   the fence when it finds the ring empty: a producer parked for room is
 //!   never left asleep);
-//! * many ringers and one waiter on a doorbell: the waiter always wakes.
+//! * many ringers and one waiter on a doorbell: the waiter always wakes;
+//! * a server that stops says, in the go-away word, the highest call id it
+//!   took: a client that finds the connection closed sees the word, and
+//!   every request it sent is either taken or judged unread, never both.
 #![cfg(loom)]
 
+use dm_rpc::goaway;
 use dm_rpc::ring::{Consumer, Producer, RingControl, RingData};
 use dm_rpc::wait::Bell;
 use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -133,6 +137,57 @@ fn a_doorbell_with_two_ringers_never_loses_a_wake_up() {
         wait_until(&bell, || work.load(Ordering::Acquire) == 2);
         for r in ringers {
             r.join().unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_request_is_taken_or_known_unread() {
+    model(|| {
+        // The server takes what it finds in two looks, says the highest id
+        // it took and closes its end (`closed` stands for the channel's
+        // state word: an AcqRel compare-and-swap there, Acquire loads).
+        let sh = Arc::new(Shared {
+            ctl: RingControl::default(),
+            data: Bytes((0..32).map(|_| AtomicU64::new(0)).collect()),
+            consumer_bell: AtomicU32::new(0),
+        });
+        let word = Arc::new(AtomicU64::new(0));
+        let closed = Arc::new(AtomicU32::new(0));
+        let taken = Arc::new(AtomicU64::new(0));
+        let (s2, w2, c2, t2) = (sh.clone(), word.clone(), closed.clone(), taken.clone());
+        let server = thread::spawn(move || {
+            let mut c = Consumer::new(&s2.ctl, &s2.data);
+            let (mut out, mut last) = (Vec::new(), 0u64);
+            for _ in 0..2 {
+                if c.try_pop(&mut out).unwrap() {
+                    let id = u64::from(out[0]);
+                    t2.fetch_or(1 << id, Ordering::Relaxed);
+                    last = last.max(id);
+                }
+            }
+            goaway::say(&w2, last);
+            c2.store(1, Ordering::Release);
+        });
+        let mut p = Producer::new(&sh.ctl, &sh.data, &sh.consumer_bell);
+        for id in 1..=3u8 {
+            assert!(p.try_push(1, |put| put(&[id])).unwrap());
+        }
+        while closed.load(Ordering::Acquire) == 0 {
+            thread::yield_now();
+        }
+        assert!(goaway::said(&word).is_some(), "closed without the word");
+        let unread: Vec<bool> = (1..=3).map(|id| goaway::unread(&word, id)).collect();
+        server.join().unwrap();
+        let mask = taken.load(Ordering::Relaxed);
+        for (k, &u) in unread.iter().enumerate() {
+            let was_taken = mask & (1 << (k + 1)) != 0;
+            assert_ne!(
+                was_taken,
+                u,
+                "request {}: taken {was_taken}, unread {u}",
+                k + 1
+            );
         }
     });
 }

@@ -2072,6 +2072,188 @@ fn clients_move_to_the_successor_of_a_server_that_shuts_down_gracefully() {
     assert_clean_after_pumps(&tp);
 }
 
+type RawPair = (
+    Box<dyn dm_rpc::transport::Listener>,
+    dm_rpc::transport::Connection,
+    Option<dm_pool::ServiceInfo>,
+);
+
+/// A listener and a client connection to it, on transport `t` (with the
+/// registration to remove, over shared memory).
+fn raw_pair(node: &Node, t: &Transport) -> RawPair {
+    use dm_rpc::transport::{mem, shm, tcp, Listener};
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let name = unique("raw");
+    match t {
+        Transport::Shm => {
+            let svc = node
+                .pool()
+                .register(&name, &dm_pool::Endpoint::Shm)
+                .unwrap();
+            let l = shm::ShmListener::new(node.pool(), svc.clone(), WaitPolicy::default(), stop, 0);
+            let c = shm::connect(node.pool(), &svc, WaitPolicy::default()).unwrap();
+            (Box::new(l.unwrap()), c, Some(svc))
+        }
+        Transport::Tcp(_) => {
+            let me = tcp::Identity::default();
+            let spin = dm_rpc::DEFAULT_TCP_SPIN;
+            let mut l = tcp::TcpListener::bind("127.0.0.1:0", me, stop, spin).unwrap();
+            let addr = l.local_addr().to_string();
+            // The hello is answered by the listener's turns.
+            let c = std::thread::scope(|s| {
+                let c = s.spawn(|| tcp::connect(&addr, me, Duration::from_secs(5), spin));
+                while !c.is_finished() {
+                    l.next(Some(Instant::now() + Duration::from_millis(1)))
+                        .unwrap();
+                }
+                c.join().unwrap().unwrap()
+            });
+            (Box::new(l), c, None)
+        }
+        Transport::Mem => {
+            let l = mem::bind(&name, stop).unwrap();
+            (Box::new(l), mem::connect(&name).unwrap(), None)
+        }
+    }
+}
+
+/// A listener that takes the first of three requests and goes away tells
+/// the client just that: the other two were never taken (transport level;
+/// over TCP the three are in the server's buffer already).
+#[test]
+fn a_listener_that_goes_away_says_which_requests_it_took() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    for t in every_transport() {
+        let (mut l, mut c, reg) = raw_pair(&node, &t);
+        for id in [7, 8, 9] {
+            let f = dm_rpc::Frame::request(id, 1, 0, dm_rpc::Body::Inline(vec![id as u8; 100]));
+            assert!(c.tx.send(&f, None).unwrap(), "{t:?}");
+        }
+        let until = Instant::now() + Duration::from_secs(5);
+        let (conn, first) = loop {
+            let soon = Instant::now() + Duration::from_millis(5);
+            if let Some(x) = l.next(Some(soon)).unwrap() {
+                break x;
+            }
+            assert!(Instant::now() < until, "{t:?}: nothing came");
+        };
+        assert_eq!(first.call_id, 7, "{t:?}");
+        // Its answer goes before the go-away.
+        let answer = dm_rpc::Frame::response(7, Status::Ok, dm_rpc::Body::None);
+        l.reply(conn, &answer).unwrap();
+        assert!(!c.goaway.unread(8), "{t:?}: said before the server spoke");
+        l.go_away();
+        drop(l);
+        let got = c.rx.recv(Some(until)).unwrap().unwrap();
+        assert_eq!(got.call_id, 7, "{t:?}");
+        let e = loop {
+            match c.rx.recv(Some(until)) {
+                Err(e) => break e,
+                Ok(x) => assert!(x.is_none() && Instant::now() < until, "{t:?}: {x:?}"),
+            }
+        };
+        assert!(
+            matches!(e, dm_rpc::transport::TransportError::Unavailable(_)),
+            "{t:?}: {e}"
+        );
+        let unread: Vec<bool> = [6, 7, 8, 9].iter().map(|&id| c.goaway.unread(id)).collect();
+        assert_eq!(unread, [false, false, true, true], "{t:?}");
+        if let Some(svc) = reg {
+            node.pool().unregister(&svc).unwrap();
+        }
+    }
+    drop(node);
+    tp.assert_clean();
+}
+
+/// A server stopped at once (`shutdown`, no drain) while requests wait in
+/// its connections, unread behind a running call: it tells each client
+/// which requests it took (the go-away), so the others go to the server
+/// registered next, with their Refs, and none fails; without a successor
+/// they fail with `Unavailable` and lend nothing any more.
+#[test]
+fn requests_a_stopped_server_never_took_go_to_its_successor() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = current_thread_rt();
+    let ready = CallOptions::deadline(Duration::from_secs(20)).wait_for_ready();
+    let big = pattern(300_000, 9);
+    for t in every_transport() {
+        let name = unique("goaway");
+        let (old, running) = draining_svc(&node, &name, &t);
+        let c = node.connect(&name).unwrap();
+        let ac = node.connect_async(&name).unwrap();
+        let small = node.connect(&name).unwrap();
+        rt.block_on(ac.call("echo", vec![1u8])).unwrap();
+        std::thread::scope(|s| {
+            let hold = s.spawn(|| c.call("hold", vec![2u8; 100]));
+            started(&running, "hold");
+            // Sent while the one dispatcher runs `hold`: not read yet.
+            let queued: Vec<_> = (0..3)
+                .map(|_| {
+                    let c = c.clone();
+                    s.spawn(move || c.call_with("who", Payload::empty(), ready))
+                })
+                .collect();
+            let by_ref = s.spawn(|| {
+                let arg = Payload::from_vec(big.clone());
+                small.call_with("echo", arg, ready)
+            });
+            let asynced = s.spawn(|| rt.block_on(ac.call_with("who", Payload::empty(), ready)));
+            std::thread::sleep(Duration::from_millis(100));
+            // Waits for `hold` (a running blocking handler finishes).
+            old.shutdown();
+            let new = node
+                .server(&name)
+                .transport(t.clone())
+                .method("who", |_| Ok(Payload::from_vec(b"new".to_vec())))
+                .method("echo", |c| Ok(c.take_payload()))
+                .spawn()
+                .unwrap();
+            assert_eq!(
+                hold.join().unwrap().unwrap().to_vec().unwrap(),
+                [2u8; 100],
+                "{t:?}"
+            );
+            for q in queued {
+                let got = q.join().unwrap();
+                assert_eq!(got.unwrap().to_vec().unwrap(), b"new", "{t:?}");
+            }
+            let got = asynced.join().unwrap();
+            assert_eq!(got.unwrap().to_vec().unwrap(), b"new", "{t:?}");
+            assert_eq!(
+                by_ref.join().unwrap().unwrap().to_vec().unwrap(),
+                big,
+                "{t:?}"
+            );
+            assert_eq!(
+                (c.reconnects(), ac.reconnects(), small.reconnects()),
+                (1, 1, 1),
+                "{t:?}"
+            );
+            // Without a successor, the request fails and its Ref is
+            // released (the pool is checked clean below).
+            let (held, running) = draining_svc(&node, &unique("goaway"), &t);
+            let c = node.connect(held.name()).unwrap();
+            let c2 = c.clone();
+            let hold = s.spawn(move || c2.call("hold", vec![3u8]));
+            started(&running, "hold");
+            let arg = Payload::from_vec(big.clone());
+            let alone = s.spawn(move || c.call("echo", arg));
+            std::thread::sleep(Duration::from_millis(100));
+            held.shutdown();
+            assert!(hold.join().unwrap().is_ok(), "{t:?}");
+            let e = alone.join().unwrap().unwrap_err();
+            assert_eq!(e.status, Status::Unavailable, "{t:?}: {e}");
+            new.shutdown();
+        });
+        drop((c, ac, small));
+    }
+    drop((rt, node));
+    assert_clean_after_pumps(&tp);
+}
+
 /// A client made before its service exists: calls fail at once with
 /// `Unavailable`, or wait for the service with `wait_for_ready`, until it
 /// registers; then the client is connected.

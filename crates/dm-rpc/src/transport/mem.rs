@@ -3,7 +3,7 @@
 //! when the other end is dropped). Services bound on it are found by name
 //! in a process-wide table, not in the pool's registry.
 
-use super::{ConnId, Connection, FrameRx, FrameTx, Listener, TransportError, Waker};
+use super::{ConnId, Connection, FrameRx, FrameTx, GoAwayWord, Listener, TransportError, Waker};
 use crate::frame::Frame;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,7 +17,7 @@ pub const QUEUE_DEPTH: usize = 256;
 pub const MAX_INLINE: usize = 128 << 10;
 
 enum Event {
-    Open(ConnId, SyncSender<Frame>),
+    Open(ConnId, SyncSender<Frame>, Arc<GoAwayWord>),
     Frame(ConnId, Frame),
     Close(ConnId),
     Wake,
@@ -35,13 +35,23 @@ fn table() -> &'static Mutex<Table> {
 
 static IDS: AtomicU64 = AtomicU64::new(1);
 
+/// A client's connection, as its listener holds it.
+#[derive(Debug)]
+struct MemConn {
+    answers: SyncSender<Frame>,
+    /// The highest call id of the requests taken, said in `goaway` when
+    /// the server stops.
+    taken: u64,
+    goaway: Arc<GoAwayWord>,
+}
+
 /// A service bound on the in-memory transport.
 #[derive(Debug)]
 pub struct MemListener {
     name: String,
     rx: Receiver<Event>,
     tx: SyncSender<Event>,
-    conns: HashMap<ConnId, SyncSender<Frame>>,
+    conns: HashMap<ConnId, MemConn>,
     stop: Arc<AtomicBool>,
     /// Its binding ([`binding`]).
     binding: u64,
@@ -136,13 +146,15 @@ pub fn connect_to(name: &str, binding: Option<u64>) -> Result<Connection, Transp
         .ok_or_else(|| TransportError::Unavailable(format!("no in-process service {name:?}")))?;
     let id = IDS.fetch_add(1, Ordering::Relaxed);
     let (rtx, rrx) = sync_channel(QUEUE_DEPTH);
-    tx.send(Event::Open(id, rtx))
+    let goaway = Arc::new(GoAwayWord::default());
+    tx.send(Event::Open(id, rtx, goaway.clone()))
         .map_err(|_| TransportError::Unavailable(format!("service {name:?} is gone")))?;
     Ok(Connection {
         tx: Box::new(MemTx { id, tx }),
         rx: Box::new(MemRx { rx: rrx }),
         max_inline: MAX_INLINE,
         refs: super::Sharing::ALL,
+        goaway,
     })
 }
 
@@ -242,13 +254,23 @@ impl Listener for MemListener {
                     .recv_timeout(d.saturating_duration_since(Instant::now())),
             };
             match ev {
-                Ok(Event::Open(id, tx)) => {
-                    self.conns.insert(id, tx);
+                Ok(Event::Open(id, answers, goaway)) => {
+                    let c = MemConn {
+                        answers,
+                        taken: 0,
+                        goaway,
+                    };
+                    self.conns.insert(id, c);
                 }
-                Ok(Event::Frame(id, f)) if self.conns.contains_key(&id) => {
-                    return Ok(Some((id, f)))
+                Ok(Event::Frame(id, f)) => {
+                    let Some(c) = self.conns.get_mut(&id) else {
+                        continue;
+                    };
+                    if f.kind == crate::frame::Kind::Request {
+                        c.taken = c.taken.max(f.call_id);
+                    }
+                    return Ok(Some((id, f)));
                 }
-                Ok(Event::Frame(..)) => {}
                 Ok(Event::Wake) => return Ok(None),
                 Ok(Event::Close(id)) => {
                     self.conns.remove(&id);
@@ -262,7 +284,7 @@ impl Listener for MemListener {
 
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
         check_size(f)?;
-        let Some(tx) = self.conns.get(&conn) else {
+        let Some(tx) = self.conns.get(&conn).map(|c| &c.answers) else {
             return Err(TransportError::Unavailable(format!(
                 "connection {conn} is gone"
             )));
@@ -291,6 +313,24 @@ impl Listener for MemListener {
 
     fn connections(&self) -> usize {
         self.conns.len()
+    }
+
+    /// Says each connection's go-away, opening first the connections whose
+    /// clients wait to be let in (they took nothing); the queue, with the
+    /// frames nobody took, goes with the listener.
+    fn go_away(&mut self) {
+        while let Ok(ev) = self.rx.try_recv() {
+            match ev {
+                Event::Open(_, _, goaway) => goaway.say(0),
+                Event::Close(id) => {
+                    self.conns.remove(&id);
+                }
+                Event::Frame(..) | Event::Wake => {}
+            }
+        }
+        for c in self.conns.values() {
+            c.goaway.say(c.taken);
+        }
     }
 
     fn waker(&self) -> Waker {

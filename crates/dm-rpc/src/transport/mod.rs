@@ -17,6 +17,7 @@ use crate::frame::{Frame, FrameError};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
+pub mod goaway;
 pub mod mem;
 pub mod ring;
 pub mod shm;
@@ -72,6 +73,39 @@ impl From<RingError> for TransportError {
     }
 }
 
+/// What the server of a client connection said when it stopped: which
+/// requests it took ([`goaway`]).
+pub trait GoAway: Send + Sync {
+    /// Whether the request with call id `id` was never taken by the
+    /// server, and never will be: it stopped reading the connection and
+    /// said so. False while it runs, and if it stopped without a word
+    /// (killed): then nobody knows.
+    fn unread(&self, id: u64) -> bool;
+}
+
+/// A go-away word shared in this process (the TCP client's, set when it
+/// reads the go-away frame; the in-memory transport's, set by the server).
+#[derive(Debug, Default)]
+pub struct GoAwayWord(crate::sync::AtomicU64);
+
+impl GoAwayWord {
+    /// The server says it took nothing above `last_taken`.
+    pub fn say(&self, last_taken: u64) {
+        goaway::say(&self.0, last_taken)
+    }
+}
+
+impl GoAway for GoAwayWord {
+    fn unread(&self, id: u64) -> bool {
+        goaway::unread(&self.0, id)
+    }
+}
+
+/// The go-away of a connection whose server never says one.
+pub(crate) fn silent() -> std::sync::Arc<dyn GoAway> {
+    std::sync::Arc::new(GoAwayWord::default())
+}
+
 /// The sending half of a client connection.
 pub trait FrameTx: Send {
     /// Sends `f`, waiting for room until `deadline` (then `Ok(false)`).
@@ -125,6 +159,7 @@ impl Unconnected {
             rx: Box::new(Unconnected(name.to_owned())),
             max_inline: 0,
             refs: Sharing::default(),
+            goaway: silent(),
         }
     }
 }
@@ -287,6 +322,8 @@ pub struct Connection {
     /// Which Refs may travel to the server (none: every payload goes
     /// inline, by value).
     pub refs: Sharing,
+    /// What the server says when it stops: the requests it never took.
+    pub goaway: std::sync::Arc<dyn GoAway>,
 }
 
 /// Which Refs a connection's two ends can both use.
@@ -356,6 +393,11 @@ pub trait Listener: Send {
     fn watch_set(&self) -> Option<std::sync::Arc<WatchSet>> {
         None
     }
+    /// The server stops: tells every connection's client the highest call
+    /// id it took from it ([`GoAway`]), so that the requests it never
+    /// took go elsewhere. The last call on a listener, before it is
+    /// dropped: nothing is taken after it.
+    fn go_away(&mut self);
 }
 
 /// Wakes a server's listener from another thread (shutdown).

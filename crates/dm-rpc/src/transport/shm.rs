@@ -10,6 +10,8 @@
 //! 64   request ring cursors  (head, tail, producer bell: 3 cache lines)
 //! 256  response ring cursors (head, tail, producer bell: unused, below)
 //! 448  the client's bell (the response ring's consumer parks on it)
+//! 512  the go-away word (u64, written by the server when it stops: see
+//!      `transport::goaway`)
 //! ```
 //!
 //! The request rings of all of a service's connections share one consumer
@@ -27,6 +29,10 @@
 //! on one word (control version 2; in version 1 the room was signalled on
 //! the response ring's bell, where the waiting server did not listen, and
 //! it noticed only at the end of a 20 ms park slice).
+//!
+//! A server that stops writes the go-away word before it closes its end:
+//! the highest call id it took, so the client sends the requests it never
+//! took to another server (control version 3).
 
 use super::ring::{self, Consumer, Producer, RawData, RingControl};
 use super::{
@@ -34,7 +40,7 @@ use super::{
     Watched,
 };
 use crate::frame::{Frame, Kind, Limits, HEADER_LEN};
-use crate::sync::{AtomicU32, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::wait::{Bell, Bells, WaitPolicy, Waiter};
 use dm_pool::{ChannelId, ChannelMemory, Peer, Pool, ServiceInfo, Side};
 use std::sync::atomic::AtomicBool;
@@ -43,12 +49,13 @@ use std::time::{Duration, Instant};
 
 /// Version of the control-page layout and bells above. History: 1 — the
 /// response ring's consumer rings the ring's producer bell; 2 — it rings
-/// the server's doorbell.
-pub const CONTROL_VERSION: u32 = 2;
+/// the server's doorbell; 3 — the go-away word.
+pub const CONTROL_VERSION: u32 = 3;
 const MAGIC: u32 = 0x4443_0000 | CONTROL_VERSION << 8 | super::RING_VERSION;
 const REQ_CTL: usize = 64;
 const RESP_CTL: usize = 256;
 const CLIENT_BELL: usize = 448;
+const GOAWAY: usize = 512;
 const SERVER_BELL: usize = 0;
 const CONN_EPOCH: usize = 16;
 
@@ -63,6 +70,7 @@ struct ChannelParts {
     resp: &'static RingControl,
     client_bell: &'static AtomicU32,
     magic: &'static AtomicU32,
+    goaway: &'static AtomicU64,
     req_data: RawData,
     resp_data: RawData,
 }
@@ -72,14 +80,16 @@ struct ChannelParts {
 /// a clone of `pool` alive at least as long as it uses them.
 unsafe fn parts(m: &ChannelMemory) -> ChannelParts {
     // SAFETY: (for all derefs below) the control page is 4032 bytes, 64-byte
-    // aligned, inside the pool mapping, and every offset used fits in it;
-    // RingControl and AtomicU32 are valid for any bit pattern.
+    // aligned, inside the pool mapping, and every offset used fits in it
+    // (with the alignment of its type); RingControl, AtomicU32 and
+    // AtomicU64 are valid for any bit pattern.
     unsafe {
         ChannelParts {
             req: &*(m.control.add(REQ_CTL) as *const RingControl),
             resp: &*(m.control.add(RESP_CTL) as *const RingControl),
             client_bell: &*(m.control.add(CLIENT_BELL) as *const AtomicU32),
             magic: &*(m.control as *const AtomicU32),
+            goaway: &*(m.control.add(GOAWAY) as *const AtomicU64),
             req_data: RawData::new(m.requests, m.ring_size),
             resp_data: RawData::new(m.responses, m.ring_size),
         }
@@ -124,6 +134,19 @@ impl Drop for ClientShared {
         if let Ok(w) = service_words(&self.pool, &self.svc) {
             Bell(&w[SERVER_BELL]).ring();
         }
+    }
+}
+
+/// The go-away word of a client's channel.
+struct ShmGoAway {
+    word: &'static AtomicU64,
+    // Keeps the pool mapped (and the channel open).
+    _sh: Arc<ClientShared>,
+}
+
+impl super::GoAway for ShmGoAway {
+    fn unread(&self, id: u64) -> bool {
+        super::goaway::unread(self.word, id)
     }
 }
 
@@ -194,6 +217,10 @@ pub fn connect(
         },
         sh,
     };
+    let goaway = Arc::new(ShmGoAway {
+        word: p.goaway,
+        _sh: rx.sh.clone(),
+    });
     words[CONN_EPOCH].fetch_add(1, Ordering::AcqRel);
     Bell(&words[SERVER_BELL]).ring();
     Ok(Connection {
@@ -201,6 +228,7 @@ pub fn connect(
         rx: Box::new(rx),
         max_inline,
         refs: super::Sharing::POOL,
+        goaway,
     })
 }
 
@@ -343,6 +371,10 @@ struct ServerConn {
     /// Requests taken but not answered yet: each holds room for one
     /// answer in `resp`.
     owed: usize,
+    /// The highest call id of the requests taken, and the go-away word
+    /// it is said in when the server stops.
+    taken: u64,
+    goaway: &'static AtomicU64,
 }
 
 /// The server's end: every channel opened to one registered service.
@@ -477,6 +509,8 @@ impl ShmListener {
                 resp: Producer::new(p.resp, p.resp_data, p.client_bell)
                     .room_bell(&self.words[SERVER_BELL]),
                 owed: 0,
+                taken: 0,
+                goaway: p.goaway,
             });
             self.next_id += 1;
         }
@@ -502,7 +536,9 @@ impl ShmListener {
         match Frame::decode_record(h, std::mem::take(&mut self.rest), &self.limits) {
             Ok(f) => {
                 if f.kind == Kind::Request {
-                    self.conns[i].owed += 1;
+                    let c = &mut self.conns[i];
+                    c.owed += 1;
+                    c.taken = c.taken.max(f.call_id);
                 }
                 Some(f)
             }
@@ -702,6 +738,17 @@ impl Listener for ShmListener {
 
     fn watch_set(&self) -> Option<Arc<WatchSet>> {
         Some(self.watch.clone())
+    }
+
+    /// Writes each connection's go-away word; the channels close when the
+    /// listener is dropped, right after. Channels opened since the last
+    /// look are accepted first, so that their clients learn that nothing
+    /// was taken.
+    fn go_away(&mut self) {
+        self.accept_new();
+        for c in &self.conns {
+            super::goaway::say(c.goaway, c.taken);
+        }
     }
 
     fn waker(&self) -> Waker {

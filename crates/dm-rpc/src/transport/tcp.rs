@@ -12,6 +12,10 @@
 //! payload travels inline (by value, up to [`MAX_INLINE`]). (Version 1's
 //! hello was `DMRPCTCP` and the pool id: a version-1 peer is refused.)
 //!
+//! A server that stops sends each client a go-away frame with the highest
+//! call id it took from it, then closes: the client sends the requests it
+//! never took to another server (see `transport::goaway`).
+//!
 //! The server has no I/O thread: its dispatcher waits on the sockets
 //! itself (epoll), reads the requests and writes the answers, so a call
 //! crosses no thread inside the server. It reads a connection only when
@@ -144,15 +148,18 @@ fn handshake(mut s: TcpStream, me: Identity, spin: Duration) -> Result<Connectio
     s.read_exact(&mut h).map_err(unavailable)?;
     let refs = me.sharing(parse_hello(&h)?);
     let r = s.try_clone().map_err(unavailable)?;
+    let goaway = Arc::new(super::GoAwayWord::default());
     Ok(Connection {
         tx: Box::new(TcpTx { s }),
         rx: Box::new(TcpRx {
             s: r,
             rx: Incoming::new(),
             spin: Spin::new(spin),
+            goaway: goaway.clone(),
         }),
         max_inline: MAX_INLINE,
         refs,
+        goaway,
     })
 }
 
@@ -361,9 +368,25 @@ struct TcpRx {
     rx: Incoming,
     /// The busy-poll before a blocking read.
     spin: Spin,
+    /// Set from the server's go-away frame.
+    goaway: Arc<super::GoAwayWord>,
 }
 
 impl TcpRx {
+    /// The next whole frame buffered, if any. A go-away ends the
+    /// connection: it is recorded, and the connection is unavailable.
+    fn take(&mut self) -> Result<Option<Frame>, TransportError> {
+        match self.rx.take()? {
+            Some(f) if f.kind == crate::frame::Kind::GoAway => {
+                self.goaway.say(f.call_id);
+                Err(TransportError::Unavailable(
+                    "the server stopped reading the TCP connection (go-away)".into(),
+                ))
+            }
+            f => Ok(f),
+        }
+    }
+
     /// Takes the result of a read into the buffer's free space: `Ok(true)`
     /// to look again (bytes came, or the read was interrupted),
     /// `Ok(false)` if nothing came in time.
@@ -393,7 +416,7 @@ impl TcpRx {
 impl FrameRx for TcpRx {
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         loop {
-            if let Some(f) = self.rx.take()? {
+            if let Some(f) = self.take()? {
                 return Ok(Some(f));
             }
             let wait = match deadline {
@@ -419,7 +442,7 @@ impl FrameRx for TcpRx {
     /// answer while it spins).
     fn try_recv(&mut self) -> Result<Option<Frame>, TransportError> {
         loop {
-            if let Some(f) = self.rx.take()? {
+            if let Some(f) = self.take()? {
                 return Ok(Some(f));
             }
             let r = dm_sys::poll::recv_nowait(self.s.as_raw_fd(), self.rx.space());
@@ -450,6 +473,8 @@ struct ServerConn {
     pending: VecDeque<Frame>,
     /// Payload bytes in `pending`.
     pending_bytes: usize,
+    /// The highest call id of the requests taken (said in the go-away).
+    taken: u64,
 }
 
 impl ServerConn {
@@ -547,6 +572,9 @@ impl TcpListener {
                 continue;
             };
             let Some(f) = c.pop() else { continue };
+            if f.kind == crate::frame::Kind::Request {
+                c.taken = c.taken.max(f.call_id);
+            }
             if c.pending.is_empty() {
                 match c.rx.take() {
                     Ok(Some(g)) => c.push(g),
@@ -593,6 +621,7 @@ impl TcpListener {
                     rx: Incoming::new(),
                     pending: VecDeque::new(),
                     pending_bytes: 0,
+                    taken: 0,
                 },
             );
             self.hellos += 1;
@@ -865,6 +894,25 @@ impl Listener for TcpListener {
 
     fn connections(&self) -> usize {
         self.conns.len() - self.hellos
+    }
+
+    /// Sends each client that said hello its go-away (within the time an
+    /// answer gets), then ends the stream; the sockets close when the
+    /// listener is dropped.
+    fn go_away(&mut self) {
+        let told: Vec<(ConnId, u64)> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.refs.is_some())
+            .map(|(id, c)| (*id, c.taken))
+            .collect();
+        for (id, taken) in told {
+            if self.reply(id, &Frame::go_away(taken)).is_ok() {
+                if let Some(c) = self.conns.get(&id) {
+                    let _ = c.s.shutdown(std::net::Shutdown::Write);
+                }
+            }
+        }
     }
 
     fn waker(&self) -> Waker {
