@@ -770,8 +770,9 @@ impl AsyncClient {
             }
         }
         let mut r = c.call_with(method, payload, opts).await;
-        // A request refused unrun by a server shutting down goes to its
-        // successor (as the blocking client does).
+        // A request known not to have run, or an idempotent one whose
+        // connection broke, goes to the service's next server (as the
+        // blocking client does).
         for _ in 0..3 {
             let Err(Failure::Refused(x)) = r else { break };
             self.h.refused(&c);
@@ -825,6 +826,7 @@ impl Inner {
             out.lent,
             out.deadline,
             deadline_us,
+            opts.idempotent,
         )
         .await
     }
@@ -832,11 +834,13 @@ impl Inner {
     /// Sends again, on this connection, a request another refused.
     async fn resend(&self, r: Refused) -> Result<Payload, Failure> {
         let (r, us) = r.left(&self.node, &self.name)?;
-        self.send_and_wait(r.method, r.body, r.lent, r.deadline, us)
+        let again = r.idempotent;
+        self.send_and_wait(r.method, r.body, r.lent, r.deadline, us, again)
             .await
     }
 
-    /// Sends a request and awaits its answer.
+    /// Sends a request and awaits its answer. An `idempotent` one is
+    /// treated as not run if the connection breaks before its answer.
     async fn send_and_wait(
         &self,
         method: u32,
@@ -844,6 +848,7 @@ impl Inner {
         lent: crate::payload::Lent,
         deadline: Option<Instant>,
         deadline_us: u32,
+        idempotent: bool,
     ) -> Result<Payload, Failure> {
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
@@ -906,7 +911,7 @@ impl Inner {
                     None => r.forget(id),
                 }
                 if again {
-                    return Err(i.not_run(frame, e, lent, deadline));
+                    return Err(i.not_run(frame, e, lent, deadline, idempotent));
                 }
                 lent.release(&i.node);
                 return Err(e.into());
@@ -984,23 +989,31 @@ impl Inner {
         let f = match got {
             Ok(f) => f,
             Err(e) => {
-                if e.status == Status::Unavailable && i.goaway.unread(id) {
-                    // Its server stopped without taking it.
-                    return Err(i.not_run(frame, e, lent, deadline));
+                if e.status == Status::Unavailable && i.may_resend(id, idempotent) {
+                    // Its server stopped without taking it, or it may run twice.
+                    return Err(i.not_run(frame, e, lent, deadline, idempotent));
                 }
                 lent.release(&i.node);
                 return Err(e.into());
             }
         };
         if f.flags & FLAG_REFUSED != 0 {
-            return Err(i.not_run(frame, refusal(f), lent, deadline));
+            return Err(i.not_run(frame, refusal(f), lent, deadline, idempotent));
         }
         drop(frame);
         Ok(answer(&i.node, f, lent)?)
     }
 
-    /// The failure of request `frame`, known not to have run because of
-    /// `e`: it may be sent again elsewhere.
+    /// Whether the request `id`, whose call failed with `Unavailable`, may
+    /// be sent again: its server said it never took it, or the connection
+    /// broke and the call may run twice.
+    #[cold]
+    fn may_resend(&self, id: u64, idempotent: bool) -> bool {
+        self.goaway.unread(id) || (idempotent && self.reader.broken.load(Ordering::Acquire))
+    }
+
+    /// The failure of request `frame`, which did not run (or may run
+    /// again: `idempotent`) because of `e`: it may be sent again elsewhere.
     #[cold]
     fn not_run(
         &self,
@@ -1008,8 +1021,11 @@ impl Inner {
         e: RpcError,
         lent: crate::payload::Lent,
         d: Option<Instant>,
+        idempotent: bool,
     ) -> Failure {
-        Failure::Refused(Box::new(Refused::new(frame, e, lent, d, self.refs)))
+        let mut r = Refused::new(frame, e, lent, d, self.refs);
+        r.idempotent = idempotent;
+        Failure::Refused(Box::new(r))
     }
 }
 

@@ -47,6 +47,12 @@ pub struct CallOptions {
     /// yet, wait (until the deadline) for it to come back instead of
     /// failing at once with `Unavailable` (gRPC's `wait_for_ready`).
     pub wait_for_ready: bool,
+    /// The call may run more than once: if its connection breaks while it
+    /// is in flight (its server died, or closed the connection without
+    /// saying which requests it took), it is sent again, as a request
+    /// known not to have run is, to the service registered next (up to
+    /// three times, within its deadline).
+    pub idempotent: bool,
 }
 
 impl CallOptions {
@@ -76,6 +82,15 @@ impl CallOptions {
     pub fn wait_for_ready(self) -> Self {
         CallOptions {
             wait_for_ready: true,
+            ..self
+        }
+    }
+
+    /// These options, for a call that may run more than once (see
+    /// [`idempotent`](Self::idempotent)).
+    pub fn idempotent(self) -> Self {
+        CallOptions {
+            idempotent: true,
             ..self
         }
     }
@@ -262,6 +277,8 @@ pub(crate) struct Refused {
     refs: crate::transport::Sharing,
     /// Why it did not run: the call's error if it is not sent again.
     error: RpcError,
+    /// It may run more than once ([`CallOptions::idempotent`]).
+    pub(crate) idempotent: bool,
 }
 
 /// The error of a refusal answer ([`FLAG_REFUSED`]).
@@ -285,6 +302,7 @@ impl Refused {
             deadline,
             refs,
             error,
+            idempotent: false,
         }
     }
 
@@ -516,8 +534,10 @@ impl Client {
             }
         }
         let mut r = c.call_with(method, payload, opts);
-        // A request refused unrun by a server shutting down goes to its
-        // successor (a few times at most: it may be shutting down too).
+        // A request known not to have run (refused by a server shutting
+        // down, never taken by one that stopped, never sent) goes to the
+        // service's next server, and so does an idempotent one whose
+        // connection broke (a few times at most: it may be stopping too).
         for _ in 0..3 {
             let Err(Failure::Refused(x)) = r else { break };
             self.h.refused(&c);
@@ -571,16 +591,19 @@ impl Inner {
             out.lent,
             out.deadline,
             deadline_us,
+            opts.idempotent,
         )
     }
 
     /// Sends again, on this connection, a request another refused.
     fn resend(&self, r: Refused) -> Result<Payload, Failure> {
         let (r, us) = r.left(&self.node, &self.name)?;
-        self.send_and_wait(r.method, r.body, r.lent, r.deadline, us)
+        let again = r.idempotent;
+        self.send_and_wait(r.method, r.body, r.lent, r.deadline, us, again)
     }
 
-    /// Sends a request and waits for its answer.
+    /// Sends a request and waits for its answer. An `idempotent` one is
+    /// treated as not run if the connection breaks before its answer.
     fn send_and_wait(
         &self,
         method: u32,
@@ -588,6 +611,7 @@ impl Inner {
         lent: Lent,
         deadline: Option<Instant>,
         deadline_us: u32,
+        idempotent: bool,
     ) -> Result<Payload, Failure> {
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
@@ -635,7 +659,7 @@ impl Inner {
                 }
             }
             if again {
-                return Err(self.not_run(frame, e, lent, deadline));
+                return Err(self.not_run(frame, e, lent, deadline, idempotent));
             }
             lent.release(&i.node);
             return Err(e.into());
@@ -646,9 +670,9 @@ impl Inner {
         };
         let f = match got {
             Ok(f) => f,
-            Err(e) if e.status == Status::Unavailable && i.goaway.unread(id) => {
-                // Its server stopped without taking it.
-                return Err(self.not_run(frame, e, lent, deadline));
+            Err(e) if e.status == Status::Unavailable && self.may_resend(id, idempotent) => {
+                // Its server stopped without taking it, or it may run twice.
+                return Err(self.not_run(frame, e, lent, deadline, idempotent));
             }
             Err(e) => {
                 lent.release(&i.node);
@@ -660,16 +684,33 @@ impl Inner {
             }
         };
         if f.flags & FLAG_REFUSED != 0 {
-            return Err(self.not_run(frame, refusal(f), lent, deadline));
+            return Err(self.not_run(frame, refusal(f), lent, deadline, idempotent));
         }
         Ok(answer(&i.node, f, lent)?)
     }
 
-    /// The failure of request `frame`, known not to have run because of
-    /// `e`: it may be sent again elsewhere.
+    /// Whether the request `id`, whose call failed with `Unavailable`, may
+    /// be sent again: its server said it never took it, or the connection
+    /// broke and the call may run twice.
     #[cold]
-    fn not_run(&self, frame: Frame, e: RpcError, lent: Lent, d: Option<Instant>) -> Failure {
-        Failure::Refused(Box::new(Refused::new(frame, e, lent, d, self.refs)))
+    fn may_resend(&self, id: u64, idempotent: bool) -> bool {
+        self.goaway.unread(id) || (idempotent && self.broken.load(Ordering::Acquire))
+    }
+
+    /// The failure of request `frame`, which did not run (or may run
+    /// again: `idempotent`) because of `e`: it may be sent again elsewhere.
+    #[cold]
+    fn not_run(
+        &self,
+        frame: Frame,
+        e: RpcError,
+        lent: Lent,
+        d: Option<Instant>,
+        idempotent: bool,
+    ) -> Failure {
+        let mut r = Refused::new(frame, e, lent, d, self.refs);
+        r.idempotent = idempotent;
+        Failure::Refused(Box::new(r))
     }
 
     /// Marks the connection broken (every pending and future call fails).

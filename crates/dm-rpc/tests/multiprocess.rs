@@ -245,6 +245,17 @@ fn server_killed(transport: &[&str]) {
     std::thread::sleep(Duration::from_millis(200));
     let in_flight = c.clone();
     let by_ref = std::thread::spawn(move || in_flight.call("hop", big).map(|p| p.len()));
+    // An idempotent call in flight is sent again, once a server is back.
+    let retried = c.clone();
+    let idempotent = std::thread::spawn(move || {
+        let o = CallOptions::deadline(Duration::from_secs(30))
+            .idempotent()
+            .wait_for_ready();
+        let arg = Payload::from_vec(pattern(100_000));
+        retried
+            .call_with("hop", arg, o)
+            .map(|p| p.to_vec().unwrap())
+    });
     std::thread::sleep(Duration::from_millis(100));
     server.kill9();
     let (r, took) = pending.join().unwrap();
@@ -277,6 +288,8 @@ fn server_killed(transport: &[&str]) {
             }
         }
     };
+    assert_eq!(hash_in(&got), hash(&pattern(100_000)));
+    let got = idempotent.join().unwrap().unwrap();
     assert_eq!(hash_in(&got), hash(&pattern(100_000)));
     assert_eq!(c.reconnects(), 1);
     drop(c);

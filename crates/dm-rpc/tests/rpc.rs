@@ -1848,6 +1848,43 @@ fn tcp_clients_whose_connections_were_cut_dial_the_same_service_again() {
     assert_clean_after_pumps(&tp);
 }
 
+/// Calls in flight when their TCP connection is cut: whether the server
+/// ran them is unknown, so they fail with `Unavailable`, except those
+/// marked idempotent, which are sent again on the new connection.
+#[test]
+fn idempotent_calls_in_flight_when_their_connection_breaks_are_sent_again() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let svc = spawn_svc(&node, &unique("cut"), &Transport::Tcp("127.0.0.1:0".into()));
+    let cutter = Cutter::new(svc.tcp_addr().unwrap());
+    let c = node.connect_tcp(&cutter.addr).unwrap();
+    let ac = node.connect_tcp_async(&cutter.addr).unwrap();
+    let rt = current_thread_rt();
+    let again = CallOptions::deadline(Duration::from_secs(20)).idempotent();
+    let big = pattern(200_000, 4);
+    c.call("echo", vec![1u8]).unwrap();
+    std::thread::scope(|s| {
+        // The first runs (300 ms); the others wait behind it.
+        let plain = s.spawn(|| c.call("sleep", ms(300)));
+        std::thread::sleep(Duration::from_millis(30));
+        let marked = s.spawn(|| c.call_with("sleep", ms(300), again));
+        let by_ref = s.spawn(|| c.call_with("echo", Payload::from_vec(big.clone()), again));
+        let asynced = s.spawn(|| rt.block_on(ac.call_with("echo", ms(7), again)));
+        std::thread::sleep(Duration::from_millis(100));
+        cutter.cut();
+        let e = plain.join().unwrap().unwrap_err();
+        assert_eq!(e.status, Status::Unavailable, "{e}");
+        assert!(marked.join().unwrap().is_ok());
+        assert_eq!(by_ref.join().unwrap().unwrap().to_vec().unwrap(), big);
+        assert_eq!(as_u64(asynced.join().unwrap().unwrap()), 7);
+    });
+    assert_eq!((c.reconnects(), ac.reconnects()), (1, 1));
+    drop((c, ac, cutter, rt));
+    svc.shutdown();
+    drop(node);
+    assert_clean_after_pumps(&tp);
+}
+
 /// A blocking handler with long work that looks whether its call was
 /// given up: it stops when its caller cancels (an async call dropped, with
 /// no deadline) or when the deadline passes, and the requests read while

@@ -64,7 +64,7 @@ impl PyAsyncClient {
     /// call fails at once), else later on `event_loop`
     /// (`call_soon_threadsafe`). The `CallHandle` returned cancels the
     /// call.
-    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, detached=false, wait_for_ready=false))]
+    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, detached=false, wait_for_ready=false, idempotent=false))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         &self,
@@ -77,9 +77,10 @@ impl PyAsyncClient {
         resolve: Py<PyAny>,
         detached: bool,
         wait_for_ready: bool,
+        idempotent: bool,
     ) -> PyResult<PyCallHandle> {
         let p = to_payload(py, &self.node, data)?;
-        let opts = call_options(timeout, detached, wait_for_ready)?;
+        let opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
         let (client, node) = (self.client.clone(), self.node.clone());
         let rt = runtime()?;
         let mut call = Box::pin(async move { client.call_with(&method, p, opts).await });

@@ -242,12 +242,14 @@ impl Drop for PyServer {
     }
 }
 
-/// A call's options from its `timeout` in seconds, and whether it is
-/// `detached` from the deadline of a call being served.
+/// A call's options from its `timeout` in seconds, whether it is
+/// `detached` from the deadline of a call being served, waits for its
+/// service to be back (`wait_for_ready`) and may run twice (`idempotent`).
 pub(crate) fn call_options(
     timeout: Option<f64>,
     detached: bool,
     wait_for_ready: bool,
+    idempotent: bool,
 ) -> PyResult<CallOptions> {
     let opts = match timeout {
         Some(t) if t.is_finite() && t >= 0.0 => CallOptions::deadline(Duration::from_secs_f64(t)),
@@ -259,6 +261,7 @@ pub(crate) fn call_options(
         None => CallOptions::default(),
     };
     let opts = if detached { opts.detached() } else { opts };
+    let opts = if idempotent { opts.idempotent() } else { opts };
     Ok(if wait_for_ready {
         opts.wait_for_ready()
     } else {
@@ -281,8 +284,10 @@ impl PyClient {
     /// than the handler's own caller does, unless `detached`. With
     /// `wait_for_ready`, a call whose service went away waits (until its
     /// timeout) for it to be registered again instead of raising
-    /// `Unavailable` at once.
-    #[pyo3(signature = (method, data=None, timeout=None, detached=false, wait_for_ready=false))]
+    /// `Unavailable` at once. An `idempotent` call may run twice: if its
+    /// connection breaks while it is in flight, it is sent again.
+    #[pyo3(signature = (method, data=None, timeout=None, detached=false, wait_for_ready=false, idempotent=false))]
+    #[allow(clippy::too_many_arguments)]
     fn call<'py>(
         &self,
         py: Python<'py>,
@@ -291,9 +296,10 @@ impl PyClient {
         timeout: Option<f64>,
         detached: bool,
         wait_for_ready: bool,
+        idempotent: bool,
     ) -> PyResult<PyPayload> {
         let p = to_payload(py, &self.node, data)?;
-        let opts = call_options(timeout, detached, wait_for_ready)?;
+        let opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
         let out = py
             .allow_threads(|| self.client.call_with(method, p, opts))
             .map_err(to_py)?;

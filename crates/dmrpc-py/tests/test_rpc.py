@@ -281,6 +281,8 @@ def test_a_client_calls_the_process_that_takes_its_servers_name(pool):
         ac = dmrpc.aio.connect(node, name)
         assert bytes(c.call("rev", b"abc")) == b"cba"
         assert bytes(asyncio.run(ac.call("rev", b"xy"))) == b"yx"
+        assert bytes(c.call("rev", b"ab", idempotent=True)) == b"ba"
+        assert bytes(asyncio.run(ac.call("rev", b"cd", idempotent=True))) == b"dc"
     finally:
         stop(first)
     with pytest.raises(dmrpc.Unavailable):

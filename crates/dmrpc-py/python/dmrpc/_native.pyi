@@ -140,11 +140,14 @@ class Client:
         timeout: float | None = None,
         detached: bool = False,
         wait_for_ready: bool = False,
+        idempotent: bool = False,
     ) -> Payload:
         """Calls `method`; from a service's handler, waits no longer than
         the handler's own caller does, unless `detached`. With
         `wait_for_ready`, a call whose service went away waits (until its
-        timeout) for it to be registered again."""
+        timeout) for it to be registered again. An `idempotent` call may
+        run twice: if its connection breaks while it is in flight, it is
+        sent again."""
         ...
 
 class CallHandle:
@@ -170,6 +173,7 @@ class AsyncClient:
         resolve: Callable[[Any, bool, Any], None],
         detached: bool = False,
         wait_for_ready: bool = False,
+        idempotent: bool = False,
     ) -> CallHandle: ...
 
 Handler = Callable[[Payload], Data]

@@ -55,19 +55,21 @@ class AsyncClient:
         timeout: float | None = None,
         detached: bool = False,
         wait_for_ready: bool = False,
+        idempotent: bool = False,
     ) -> Payload:
         """Calls `method` (see `dmrpc.Client.call`); the same exceptions."""
+        flags = (detached, wait_for_ready, idempotent)
         if self._limit is None:
-            return await self._call(method, data, timeout, detached, wait_for_ready)
+            return await self._call(method, data, timeout, flags)
         async with self._limit:
-            return await self._call(method, data, timeout, detached, wait_for_ready)
+            return await self._call(method, data, timeout, flags)
 
     async def _call(
-        self, method: str, data: Any, timeout: float | None, detached: bool, wait_for_ready: bool
+        self, method: str, data: Any, timeout: float | None, flags: tuple[bool, bool, bool]
     ) -> Payload:
         fut: asyncio.Future[Payload] = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
-        handle = self._client.start(method, data, timeout, loop, fut, _resolve, detached, wait_for_ready)
+        handle = self._client.start(method, data, timeout, loop, fut, _resolve, *flags)
         self._in_flight.add(fut)
         try:
             return await fut
