@@ -363,6 +363,31 @@ impl crate::pool::Pool {
         }
     }
 
+    /// Gives up channel `id` as its client before its server accepted it
+    /// (the service went away as the client connected): the channel is
+    /// freed at once, unless the server accepts it meanwhile, and is then
+    /// closed on the client's side as [`close_channel`](Self::close_channel)
+    /// does. (A client that only closed its side would leave a channel
+    /// nobody accepts in use until its server's process ends.)
+    pub fn abandon_channel(&self, id: ChannelId) {
+        while let Ok((c, w)) = self.chan(id) {
+            let (gen, _, flags) = unst(w);
+            if flags & (ACCEPTED | CLIENT_CLOSED) != 0 {
+                self.close_channel(id, Side::Client);
+                return;
+            }
+            // (The server's accept is a compare-and-swap on this word too:
+            // exactly one of the two happens.)
+            let freed = st(gen.wrapping_add(1), FREE, 0);
+            if c.state
+                .compare_exchange(w, freed, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                return;
+            }
+        }
+    }
+
     /// The state of the other end of channel `id`, seen from `side`.
     pub fn channel_peer(&self, id: ChannelId, side: Side) -> Peer {
         let Ok((c, w)) = self.chan(id) else {

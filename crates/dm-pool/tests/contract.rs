@@ -392,6 +392,22 @@ fn registry_names_and_channel_lifecycle() {
         "a freed channel is gone"
     );
 
+    // Abandoned before it was accepted: freed at once, and the server
+    // cannot accept it any more; after it was accepted: closed on the
+    // client's side only.
+    let ch = client.open_channel(&svc).unwrap();
+    client.abandon_channel(ch);
+    assert_eq!(tp_check(&tp).channels, 0);
+    assert!(server.accept_channel(ch).is_err());
+    assert!(server.pending_channels(&svc).is_empty());
+    let ch = client.open_channel(&svc).unwrap();
+    server.accept_channel(ch).unwrap();
+    client.abandon_channel(ch);
+    assert_eq!(server.channel_peer(ch, Side::Server), Peer::Closed);
+    assert_eq!(tp_check(&tp).channels, 1);
+    server.close_channel(ch, Side::Server);
+    assert_eq!(tp_check(&tp).channels, 0);
+
     server.unregister(&svc).unwrap();
     server.unregister(&tcp).unwrap();
     assert!(client.services().is_empty());

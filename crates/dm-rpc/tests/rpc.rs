@@ -2204,6 +2204,29 @@ fn a_listener_that_goes_away_says_which_requests_it_took() {
     tp.assert_clean();
 }
 
+/// A client that dials a registration it looked up just before its server
+/// stopped is told so at once: the channel would never be accepted, and
+/// its calls would wait out their deadlines.
+#[test]
+fn dialling_a_server_that_just_stopped_fails_at_once() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("stale");
+    let svc = spawn_svc(&node, &name, &Transport::Shm);
+    let info = node.pool().lookup(&name).unwrap().unwrap();
+    svc.shutdown();
+    let r = dm_rpc::transport::shm::connect(node.pool(), &info, WaitPolicy::default());
+    let Err(e) = r else {
+        panic!("connected to a stopped server")
+    };
+    assert!(
+        matches!(e, dm_rpc::transport::TransportError::Unavailable(_)),
+        "{e}"
+    );
+    drop(node);
+    tp.assert_clean();
+}
+
 /// A server stopped at once (`shutdown`, no drain) while requests wait in
 /// its connections, unread behind a running call: it tells each client
 /// which requests it took (the go-away), so the others go to the server

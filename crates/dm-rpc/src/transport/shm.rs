@@ -40,7 +40,7 @@ use super::{
     Watched,
 };
 use crate::frame::{Frame, Kind, Limits, HEADER_LEN};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
 use crate::wait::{Bell, Bells, WaitPolicy, Waiter};
 use dm_pool::{ChannelId, ChannelMemory, Peer, Pool, ServiceInfo, Side};
 use std::sync::atomic::AtomicBool;
@@ -222,6 +222,19 @@ pub fn connect(
         _sh: rx.sh.clone(),
     });
     words[CONN_EPOCH].fetch_add(1, Ordering::AcqRel);
+    // A server that stops unregisters, then fences and looks for new
+    // channels one last time (`go_away`): with this fence, either it sees
+    // this channel (and accepts it, and says what it took), or this sees
+    // the registration gone. Else the channel would never be accepted,
+    // and its calls would wait out their deadlines.
+    fence(Ordering::SeqCst);
+    if !pool.service_current(svc) {
+        pool.abandon_channel(rx.sh.ch);
+        return Err(TransportError::Unavailable(format!(
+            "service {:?} stopped as this client connected",
+            svc.name
+        )));
+    }
     Bell(&words[SERVER_BELL]).ring();
     Ok(Connection {
         tx: Box::new(tx),
@@ -745,6 +758,8 @@ impl Listener for ShmListener {
     /// look are accepted first, so that their clients learn that nothing
     /// was taken.
     fn go_away(&mut self) {
+        // (Unregistered before: see the fence in `connect`.)
+        fence(Ordering::SeqCst);
         self.accept_new();
         for c in &self.conns {
             super::goaway::say(c.goaway, c.taken);
