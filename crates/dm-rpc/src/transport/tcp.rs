@@ -836,15 +836,69 @@ impl Listener for TcpListener {
     }
 
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
+        self.send_within(conn, f, Instant::now() + REPLY_TIMEOUT)
+    }
+
+    fn max_inline(&self) -> usize {
+        MAX_INLINE
+    }
+
+    fn refs(&self, conn: ConnId) -> Sharing {
+        self.conns
+            .get(&conn)
+            .and_then(|c| c.refs)
+            .unwrap_or_default()
+    }
+
+    fn connections(&self) -> usize {
+        self.conns.len() - self.hellos
+    }
+
+    /// Sends each client that said hello its go-away (all within the time
+    /// one answer gets), then ends the stream; the sockets close when the
+    /// listener is dropped.
+    fn go_away(&mut self) {
+        let told: Vec<(ConnId, u64)> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.refs.is_some())
+            .map(|(id, c)| (*id, c.taken))
+            .collect();
+        let until = Instant::now() + REPLY_TIMEOUT;
+        for (id, taken) in told {
+            if self.send_within(id, &Frame::go_away(taken), until).is_ok() {
+                if let Some(c) = self.conns.get(&id) {
+                    let _ = c.s.shutdown(std::net::Shutdown::Write);
+                }
+            }
+        }
+    }
+
+    fn waker(&self) -> Waker {
+        let w = self.wake_tx.clone();
+        Waker(Arc::new(move || {
+            let _ = (&*w).write(&[1]);
+        }))
+    }
+}
+
+impl TcpListener {
+    /// Writes `f` to connection `conn`, waiting for room in its socket
+    /// until `until` at the latest (then the connection is dropped).
+    fn send_within(
+        &mut self,
+        conn: ConnId,
+        f: &Frame,
+        until: Instant,
+    ) -> Result<(), TransportError> {
         let (head, mut encoded) = (f.header(), Vec::new());
         let mut parts = frame_parts(f, &head, &mut encoded);
         let mut parts: &mut [std::io::IoSlice<'_>] = &mut parts;
-        // A client that does not take its answers for a second (its
-        // socket stays full) loses its connection rather than stalling
-        // the server. While it waits for room, the dispatcher reads that
+        // A client that does not take its answers by `until` (a second
+        // for an answer: its socket stays full) loses its connection
+        // rather than stalling the server. While it waits for room, the dispatcher reads that
         // client's next request, so a client busy sending one (and reading
         // its answers only after) is no deadlock.
-        let until = Instant::now() + REPLY_TIMEOUT;
         let why = loop {
             let Some(c) = self.conns.get_mut(&conn) else {
                 return Err(TransportError::Unavailable(format!(
@@ -879,47 +933,6 @@ impl Listener for TcpListener {
         Err(TransportError::Unavailable(format!(
             "connection {conn} dropped: {why}"
         )))
-    }
-
-    fn max_inline(&self) -> usize {
-        MAX_INLINE
-    }
-
-    fn refs(&self, conn: ConnId) -> Sharing {
-        self.conns
-            .get(&conn)
-            .and_then(|c| c.refs)
-            .unwrap_or_default()
-    }
-
-    fn connections(&self) -> usize {
-        self.conns.len() - self.hellos
-    }
-
-    /// Sends each client that said hello its go-away (within the time an
-    /// answer gets), then ends the stream; the sockets close when the
-    /// listener is dropped.
-    fn go_away(&mut self) {
-        let told: Vec<(ConnId, u64)> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.refs.is_some())
-            .map(|(id, c)| (*id, c.taken))
-            .collect();
-        for (id, taken) in told {
-            if self.reply(id, &Frame::go_away(taken)).is_ok() {
-                if let Some(c) = self.conns.get(&id) {
-                    let _ = c.s.shutdown(std::net::Shutdown::Write);
-                }
-            }
-        }
-    }
-
-    fn waker(&self) -> Waker {
-        let w = self.wake_tx.clone();
-        Waker(Arc::new(move || {
-            let _ = (&*w).write(&[1]);
-        }))
     }
 }
 
