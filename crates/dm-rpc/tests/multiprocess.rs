@@ -2,7 +2,8 @@
 //! through six processes, fan-out, servers and clients killed with
 //! `kill -9` mid-call (and a client calling the process that takes the
 //! killed server's name), a deadline inherited down a chain, a graceful
-//! shutdown and a rolling restart. Every test ends with `pool check` clean.
+//! shutdown, a rolling restart, and restarts under load. Every test ends
+//! with `pool check` clean.
 #![allow(clippy::unwrap_used)]
 
 use dm_pool::testing::TempPool;
@@ -545,4 +546,84 @@ fn a_rolling_restart_across_processes_loses_no_call() {
     drop(c);
     drop(node);
     stop_all(vec![old, successor], &tp);
+}
+
+/// Restarts under load: three threads call the service (small requests
+/// inline, large ones by Ref) while its process is replaced four times,
+/// in turn gracefully (the new process takes the name during the drain)
+/// and at once (the old one stops, then the new one starts; calls wait
+/// for ready). No call fails, and every answer is right: each request is
+/// run by the old process, or refused by it, or never taken by it (and
+/// told so), and then run by the new one.
+#[test]
+fn restarts_under_load_lose_no_call() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let tp = pool();
+    let name = format!("mp/restarts/{}", std::process::id());
+    let mut current = Some(Agent::serve(&tp, &name, &[]));
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    let done = AtomicBool::new(false);
+    let opts = CallOptions::deadline(Duration::from_secs(20)).wait_for_ready();
+    let calls = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..3usize)
+            .map(|k| {
+                let (c, done) = (c.clone(), &done);
+                s.spawn(move || {
+                    let mut n = 0usize;
+                    while !done.load(Ordering::Relaxed) {
+                        let len = if (n + k).is_multiple_of(4) {
+                            100_000
+                        } else {
+                            10 + k
+                        };
+                        let arg = Payload::from_vec(pattern(len));
+                        let got = c.call_with("hop", arg, opts);
+                        let got = got.unwrap_or_else(|e| panic!("call {n} of {k}: {e}"));
+                        assert_eq!(hash_in(&got.to_vec().unwrap()), hash(&pattern(len)));
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        for round in 0..4u32 {
+            std::thread::sleep(Duration::from_millis(150));
+            if round.is_multiple_of(2) {
+                current.as_mut().unwrap().say("drain");
+                let until = Instant::now() + Duration::from_secs(5);
+                while node.pool().lookup(&name).unwrap().is_some() {
+                    assert!(Instant::now() < until, "still registered");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let next = Agent::serve(&tp, &name, &[]);
+                let mut old = current.replace(next).unwrap();
+                assert_eq!(old.line(), "drained");
+                old.stop();
+            } else {
+                // (Stopped in the other thread, so that the successor
+                // starts as soon as the name is free.)
+                let old = current.take().unwrap();
+                let stopping = s.spawn(move || old.stop());
+                let until = Instant::now() + Duration::from_secs(5);
+                while node.pool().lookup(&name).unwrap().is_some() {
+                    assert!(Instant::now() < until, "still registered");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                current = Some(Agent::serve(&tp, &name, &[]));
+                stopping.join().unwrap();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(150));
+        done.store(true, Ordering::Relaxed);
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap())
+            .sum::<usize>()
+    });
+    assert!(calls > 100, "only {calls} calls");
+    assert_eq!(c.reconnects(), 4);
+    drop(c);
+    drop(node);
+    stop_all(current.into_iter().collect(), &tp);
 }
