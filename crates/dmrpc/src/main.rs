@@ -1,5 +1,6 @@
 //! The `dmrpc` command-line tool. Subcommands live in `cmd/` (pool
-//! management, the demo) and `bench/` (benchmarks against baselines).
+//! management, `ls`, `call`, the demo, the memory server) and `bench/`
+//! (benchmarks against baselines).
 
 mod bench;
 mod cmd;
@@ -28,6 +29,8 @@ enum Cmd {
     Demo(cmd::demo::DemoArgs),
     /// List the services registered in a pool.
     Ls(cmd::ls::LsArgs),
+    /// Call a method of a service and print its answer.
+    Call(cmd::call::CallArgs),
     /// Serve disaggregated memory over TCP (a memory server, DmRPC-net).
     Memserver(cmd::memserver::MemserverArgs),
     /// Run a benchmark against its baseline (see BENCHMARKS.md).
@@ -47,6 +50,11 @@ fn main() {
         Cmd::Pool(c) => cmd::pool::run(c),
         Cmd::Demo(a) => cmd::demo::run(a),
         Cmd::Ls(a) => cmd::ls::run(a),
+        Cmd::Call(a) => match cmd::call::run(a) {
+            Ok(0) => Ok(()),
+            Ok(code) => std::process::exit(code),
+            Err(e) => Err(e),
+        },
         Cmd::Memserver(a) => cmd::memserver::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::DemoService(a) => cmd::demo::service(a),

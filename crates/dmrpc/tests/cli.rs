@@ -1,4 +1,5 @@
-//! The `dmrpc` tool against live pools: `ls` shows registered services.
+//! The `dmrpc` tool against live pools: `ls` shows registered services,
+//! `call` calls them.
 #![allow(clippy::unwrap_used)]
 
 use dm_pool::testing::TempPool;
@@ -63,5 +64,149 @@ fn ls_lists_services_with_their_connections() {
     drop(node);
     let (_, out) = dmrpc(&["ls", "--path", path]);
     assert!(out.contains("no services"), "{out}");
+    tp.assert_clean();
+}
+
+/// `dmrpc` with `args`: its exit code, stdout and stderr.
+fn dmrpc_out(args: &[&str]) -> (i32, Vec<u8>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dmrpc"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        out.stdout,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn call_calls_a_service_from_the_shell() {
+    let tp = TempPool::new(64 << 20);
+    let path = tp.path.to_str().unwrap();
+    let node = Node::new(tp.attach());
+    let svc = |t: dm_rpc::Transport| {
+        node.server(&format!(
+            "cli/echo/{}",
+            matches!(t, dm_rpc::Transport::Tcp(_))
+        ))
+        .transport(t)
+        .method("echo", |c| Ok(c.take_payload()))
+        .method("len", |c| {
+            Ok(Payload::from_vec(
+                c.payload().len().to_string().into_bytes(),
+            ))
+        })
+        .method("fail", |_| {
+            Err(dm_rpc::RpcError::invalid_argument("no thanks"))
+        })
+        .spawn()
+        .unwrap()
+    };
+    let shm = svc(dm_rpc::Transport::Shm);
+    let (code, out, err) = dmrpc_out(&[
+        "call",
+        "--path",
+        path,
+        "cli/echo/false",
+        "echo",
+        "--data",
+        "hello",
+    ]);
+    assert_eq!((code, out.as_slice()), (0, &b"hello"[..]), "{err}");
+    assert!(err.contains("ok: 5 bytes inline"), "{err}");
+    // A large argument from a file goes by Ref, and comes back as it went.
+    let dir = std::env::temp_dir().join(format!("dmrpc-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let big: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    let file = dir.join("big");
+    std::fs::write(&file, &big).unwrap();
+    let f = file.to_str().unwrap();
+    let (code, out, err) = dmrpc_out(&[
+        "call",
+        "--path",
+        path,
+        "cli/echo/false",
+        "echo",
+        "--file",
+        f,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out == big, "the answer differs from the file");
+    assert!(err.contains("by Ref"), "{err}");
+    let (code, out, err) = dmrpc_out(&[
+        "call",
+        "--path",
+        path,
+        "cli/echo/false",
+        "len",
+        "--data",
+        "abc",
+        "--hex",
+        "--repeat",
+        "20",
+    ]);
+    assert_eq!(
+        (code, String::from_utf8_lossy(&out).trim()),
+        (0, "33"),
+        "{err}"
+    );
+    assert!(err.contains("20 calls") && err.contains("p99"), "{err}");
+    // Typed failures: the call's status (1), or no such service (2).
+    let (code, _, err) = dmrpc_out(&["call", "--path", path, "cli/echo/false", "fail"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("invalid argument: no thanks"), "{err}");
+    let (code, _, err) = dmrpc_out(&["call", "--path", path, "cli/echo/false", "nope"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("not found"), "{err}");
+    let (code, _, err) = dmrpc_out(&["call", "--path", path, "cli/none", "echo"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not found"), "{err}");
+    let (code, _, err) = dmrpc_out(&[
+        "call",
+        "--path",
+        path,
+        "cli/none",
+        "echo",
+        "--wait-for-ready",
+        "--timeout",
+        "0.2",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("deadline exceeded"), "{err}");
+    // Over TCP from a process with no pool: a private pool, gone after.
+    let tcp = svc(dm_rpc::Transport::Tcp("127.0.0.1:0".into()));
+    let addr = tcp.tcp_addr().unwrap().to_owned();
+    let nowhere = dir.join("no.pool");
+    let args = [
+        "call",
+        "--path",
+        nowhere.to_str().unwrap(),
+        "--tcp",
+        &addr,
+        "x",
+        "echo",
+        "--file",
+        f,
+    ];
+    let child = Command::new(env!("CARGO_BIN_EXE_dmrpc"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let private = std::env::temp_dir().join(format!("dmrpc-call-{}.pool", child.id()));
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        out.stdout == big,
+        "the answer over TCP differs from the file"
+    );
+    assert!(!nowhere.exists() && !private.exists(), "a pool is left");
+    std::fs::remove_dir_all(&dir).unwrap();
+    shm.shutdown();
+    tcp.shutdown();
+    drop(node);
     tp.assert_clean();
 }

@@ -1,5 +1,6 @@
 //! The subcommands of the `dmrpc` tool.
 
+pub mod call;
 pub mod demo;
 pub mod ls;
 pub mod memserver;

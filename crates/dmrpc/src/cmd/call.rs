@@ -1,0 +1,206 @@
+//! `dmrpc call`: calls a method of a service from the shell (as `grpcurl`
+//! does for gRPC), by name through a pool's registry or by TCP address.
+//!
+//! The argument comes from `--data`, a file or stdin; a large one goes by
+//! Ref, written into the pool once (the size-aware rule). The answer's
+//! bytes go to stdout as they are (or as hex), what it was to stderr. A
+//! failed call prints its typed status and exits with 1 (2: the service
+//! could not be reached at all). With `--repeat N` the call is made N
+//! times and the latencies are summarised: a quick check of a live
+//! service from where its callers run.
+
+use super::pool::Target;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dm_pool::{AttachOptions, Pool, PoolConfig};
+use dm_rpc::{CallOptions, Client, Node, Payload};
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct CallArgs {
+    /// Service name (`shop/images/resize`), looked up in the pool's
+    /// registry; with --tcp, any label.
+    pub service: String,
+    /// Method name.
+    pub method: String,
+    /// The argument, as text.
+    #[arg(long, conflicts_with = "file")]
+    pub data: Option<String>,
+    /// The argument, read from this file ("-": stdin).
+    #[arg(long)]
+    pub file: Option<std::path::PathBuf>,
+    /// Call the service listening at this TCP address instead of looking
+    /// it up (without the pool file, a private pool is made for the call).
+    #[arg(long)]
+    pub tcp: Option<String>,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub timeout: f64,
+    /// Wait (within --timeout) for the service to be registered.
+    #[arg(long)]
+    pub wait_for_ready: bool,
+    /// Print the answer as hex instead of its raw bytes.
+    #[arg(long)]
+    pub hex: bool,
+    /// Make the call this many times and print latency percentiles.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
+    /// The pool (default: the pool named "default").
+    #[arg(long, default_value = "default")]
+    pub pool: String,
+    /// The pool's file, instead of its name.
+    #[arg(long)]
+    pub path: Option<std::path::PathBuf>,
+}
+
+/// What the call ends with: 0 done, 1 the call failed, 2 no connection.
+pub fn run(a: CallArgs) -> Result<i32> {
+    if !(a.timeout.is_finite() && a.timeout > 0.0) {
+        bail!("--timeout must be a positive number of seconds");
+    }
+    if a.repeat == 0 {
+        bail!("--repeat must be at least 1");
+    }
+    let arg = argument(&a)?;
+    let target = Target {
+        name: a.pool.clone(),
+        path: a.path.clone(),
+    };
+    let path = target.path();
+    let opts = AttachOptions {
+        name: Some("dmrpc-call".into()),
+        ..Default::default()
+    };
+    // A TCP call needs no shared pool: without one, a private one holds
+    // this process's buffers, and goes with it.
+    let (pool, private) = match (&a.tcp, path.exists()) {
+        (Some(_), false) => {
+            let p = std::env::temp_dir().join(format!("dmrpc-call-{}.pool", std::process::id()));
+            let cfg = PoolConfig {
+                size: 64 << 20,
+                ..Default::default()
+            };
+            let pool = Pool::create(&p, &cfg).and_then(|_| Pool::open(&p, opts));
+            (
+                pool.with_context(|| format!("making a private pool at {}", p.display()))?,
+                Some(p),
+            )
+        }
+        _ => (
+            Pool::open(&path, opts).with_context(|| format!("attaching to {}", path.display()))?,
+            None,
+        ),
+    };
+    let node = Node::new(pool);
+    let code = call(&a, &node, &arg);
+    drop(node);
+    if let Some(p) = private {
+        let _ = Pool::destroy(&p);
+    }
+    code
+}
+
+fn argument(a: &CallArgs) -> Result<Vec<u8>> {
+    Ok(match (&a.data, &a.file) {
+        (Some(d), _) => d.as_bytes().to_vec(),
+        (None, Some(f)) if f.as_os_str() == "-" => {
+            let mut b = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut b)
+                .context("reading stdin")?;
+            b
+        }
+        (None, Some(f)) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
+        (None, None) => Vec::new(),
+    })
+}
+
+fn call(a: &CallArgs, node: &Node, arg: &[u8]) -> Result<i32> {
+    let connected = match &a.tcp {
+        Some(addr) => node.connect_tcp(addr),
+        None if a.wait_for_ready => node.connect_lazily(&a.service),
+        None => node.connect(&a.service),
+    };
+    let client = match connected {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!(
+                "cannot reach {}: {e}",
+                a.tcp.as_deref().unwrap_or(&a.service)
+            );
+            return Ok(2);
+        }
+    };
+    let mut opts = CallOptions::deadline(Duration::from_secs_f64(a.timeout));
+    if a.wait_for_ready {
+        opts = opts.wait_for_ready();
+    }
+    let mut took = Vec::with_capacity(a.repeat as usize);
+    let mut last = None;
+    for _ in 0..a.repeat {
+        let t0 = Instant::now();
+        match once(&client, node, &a.method, arg, opts) {
+            Ok(p) => {
+                took.push(t0.elapsed());
+                last = Some(p);
+            }
+            Err(e) => {
+                eprintln!("{} {}: {e}", a.service, a.method);
+                return Ok(1);
+            }
+        }
+    }
+    let Some(answer) = last else {
+        return Ok(1);
+    };
+    let how = if answer.in_pool() { "by Ref" } else { "inline" };
+    let bytes = answer.to_vec()?;
+    let mut out = std::io::stdout().lock();
+    if a.hex {
+        for line in bytes.chunks(32) {
+            let h: Vec<String> = line.iter().map(|b| format!("{b:02x}")).collect();
+            writeln!(out, "{}", h.join(" "))?;
+        }
+    } else {
+        out.write_all(&bytes)?;
+    }
+    out.flush()?;
+    took.sort();
+    let pct = |q: f64| took[((took.len() - 1) as f64 * q).round() as usize];
+    if took.len() == 1 {
+        eprintln!("ok: {} bytes {how} in {:.1} µs", bytes.len(), us(took[0]));
+    } else {
+        eprintln!(
+            "ok: {} calls, answer {} bytes {how}; p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
+            took.len(),
+            bytes.len(),
+            us(pct(0.5)),
+            us(pct(0.99)),
+            us(pct(1.0)),
+        );
+    }
+    Ok(0)
+}
+
+/// One call with `arg` (copied once: into the pool when it goes by Ref).
+fn once(
+    c: &Client,
+    node: &Node,
+    method: &str,
+    arg: &[u8],
+    opts: CallOptions,
+) -> Result<Payload, dm_rpc::RpcError> {
+    let p = if arg.len() > node.config().inline_max {
+        let mut b = node.pool().alloc(arg.len() as u64)?;
+        b.write(0, arg)?;
+        Payload::from(b)
+    } else {
+        Payload::from_vec(arg.to_vec())
+    };
+    c.call_with(method, p, opts)
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
