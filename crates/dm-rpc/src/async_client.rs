@@ -911,7 +911,9 @@ impl Inner {
                     None => r.forget(id),
                 }
                 if again {
-                    return Err(i.not_run(frame, e, lent, deadline, idempotent));
+                    return Err(Failure::not_run(
+                        frame, e, lent, deadline, i.refs, idempotent,
+                    ));
                 }
                 lent.release(&i.node);
                 return Err(e.into());
@@ -991,14 +993,23 @@ impl Inner {
             Err(e) => {
                 if e.status == Status::Unavailable && i.may_resend(id, idempotent) {
                     // Its server stopped without taking it, or it may run twice.
-                    return Err(i.not_run(frame, e, lent, deadline, idempotent));
+                    return Err(Failure::not_run(
+                        frame, e, lent, deadline, i.refs, idempotent,
+                    ));
                 }
                 lent.release(&i.node);
                 return Err(e.into());
             }
         };
         if f.flags & FLAG_REFUSED != 0 {
-            return Err(i.not_run(frame, refusal(f), lent, deadline, idempotent));
+            return Err(Failure::not_run(
+                frame,
+                refusal(f),
+                lent,
+                deadline,
+                i.refs,
+                idempotent,
+            ));
         }
         drop(frame);
         Ok(answer(&i.node, f, lent)?)
@@ -1010,22 +1021,6 @@ impl Inner {
     #[cold]
     fn may_resend(&self, id: u64, idempotent: bool) -> bool {
         self.goaway.unread(id) || (idempotent && self.reader.broken.load(Ordering::Acquire))
-    }
-
-    /// The failure of request `frame`, which did not run (or may run
-    /// again: `idempotent`) because of `e`: it may be sent again elsewhere.
-    #[cold]
-    fn not_run(
-        &self,
-        frame: Frame,
-        e: RpcError,
-        lent: crate::payload::Lent,
-        d: Option<Instant>,
-        idempotent: bool,
-    ) -> Failure {
-        let mut r = Refused::new(frame, e, lent, d, self.refs);
-        r.idempotent = idempotent;
-        Failure::Refused(Box::new(r))
     }
 }
 

@@ -259,6 +259,25 @@ pub(crate) enum Failure {
     Refused(Box<Refused>),
 }
 
+impl Failure {
+    /// The failure of request `frame`, placed for a connection with
+    /// `refs`, which did not run (or may run again: `idempotent`) because
+    /// of `e`: it may be sent again elsewhere.
+    #[cold]
+    pub(crate) fn not_run(
+        frame: Frame,
+        e: RpcError,
+        lent: Lent,
+        deadline: Option<Instant>,
+        refs: crate::transport::Sharing,
+        idempotent: bool,
+    ) -> Failure {
+        let mut r = Refused::new(frame, e, lent, deadline, refs);
+        r.idempotent = idempotent;
+        Failure::Refused(Box::new(r))
+    }
+}
+
 impl From<RpcError> for Failure {
     fn from(e: RpcError) -> Self {
         Failure::Error(e)
@@ -659,7 +678,9 @@ impl Inner {
                 }
             }
             if again {
-                return Err(self.not_run(frame, e, lent, deadline, idempotent));
+                return Err(Failure::not_run(
+                    frame, e, lent, deadline, i.refs, idempotent,
+                ));
             }
             lent.release(&i.node);
             return Err(e.into());
@@ -672,7 +693,9 @@ impl Inner {
             Ok(f) => f,
             Err(e) if e.status == Status::Unavailable && self.may_resend(id, idempotent) => {
                 // Its server stopped without taking it, or it may run twice.
-                return Err(self.not_run(frame, e, lent, deadline, idempotent));
+                return Err(Failure::not_run(
+                    frame, e, lent, deadline, i.refs, idempotent,
+                ));
             }
             Err(e) => {
                 lent.release(&i.node);
@@ -684,7 +707,14 @@ impl Inner {
             }
         };
         if f.flags & FLAG_REFUSED != 0 {
-            return Err(self.not_run(frame, refusal(f), lent, deadline, idempotent));
+            return Err(Failure::not_run(
+                frame,
+                refusal(f),
+                lent,
+                deadline,
+                i.refs,
+                idempotent,
+            ));
         }
         Ok(answer(&i.node, f, lent)?)
     }
@@ -695,22 +725,6 @@ impl Inner {
     #[cold]
     fn may_resend(&self, id: u64, idempotent: bool) -> bool {
         self.goaway.unread(id) || (idempotent && self.broken.load(Ordering::Acquire))
-    }
-
-    /// The failure of request `frame`, which did not run (or may run
-    /// again: `idempotent`) because of `e`: it may be sent again elsewhere.
-    #[cold]
-    fn not_run(
-        &self,
-        frame: Frame,
-        e: RpcError,
-        lent: Lent,
-        d: Option<Instant>,
-        idempotent: bool,
-    ) -> Failure {
-        let mut r = Refused::new(frame, e, lent, d, self.refs);
-        r.idempotent = idempotent;
-        Failure::Refused(Box::new(r))
     }
 
     /// Marks the connection broken (every pending and future call fails).

@@ -104,15 +104,12 @@ fn call_calls_a_service_from_the_shell() {
         .unwrap()
     };
     let shm = svc(dm_rpc::Transport::Shm);
-    let (code, out, err) = dmrpc_out(&[
-        "call",
-        "--path",
-        path,
-        "cli/echo/false",
-        "echo",
-        "--data",
-        "hello",
-    ]);
+    let call = |args: &[&str]| {
+        let mut all = vec!["call", "--path", path];
+        all.extend_from_slice(args);
+        dmrpc_out(&all)
+    };
+    let (code, out, err) = call(&["cli/echo/false", "echo", "--data", "hello"]);
     assert_eq!((code, out.as_slice()), (0, &b"hello"[..]), "{err}");
     assert!(err.contains("ok: 5 bytes inline"), "{err}");
     // A large argument from a file goes by Ref, and comes back as it went.
@@ -122,22 +119,11 @@ fn call_calls_a_service_from_the_shell() {
     let file = dir.join("big");
     std::fs::write(&file, &big).unwrap();
     let f = file.to_str().unwrap();
-    let (code, out, err) = dmrpc_out(&[
-        "call",
-        "--path",
-        path,
-        "cli/echo/false",
-        "echo",
-        "--file",
-        f,
-    ]);
+    let (code, out, err) = call(&["cli/echo/false", "echo", "--file", f]);
     assert_eq!(code, 0, "{err}");
     assert!(out == big, "the answer differs from the file");
     assert!(err.contains("by Ref"), "{err}");
-    let (code, out, err) = dmrpc_out(&[
-        "call",
-        "--path",
-        path,
+    let (code, out, err) = call(&[
         "cli/echo/false",
         "len",
         "--data",
@@ -153,25 +139,16 @@ fn call_calls_a_service_from_the_shell() {
     );
     assert!(err.contains("20 calls") && err.contains("p99"), "{err}");
     // Typed failures: the call's status (1), or no such service (2).
-    let (code, _, err) = dmrpc_out(&["call", "--path", path, "cli/echo/false", "fail"]);
+    let (code, _, err) = call(&["cli/echo/false", "fail"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("invalid argument: no thanks"), "{err}");
-    let (code, _, err) = dmrpc_out(&["call", "--path", path, "cli/echo/false", "nope"]);
+    let (code, _, err) = call(&["cli/echo/false", "nope"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("not found"), "{err}");
-    let (code, _, err) = dmrpc_out(&["call", "--path", path, "cli/none", "echo"]);
+    let (code, _, err) = call(&["cli/none", "echo"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("not found"), "{err}");
-    let (code, _, err) = dmrpc_out(&[
-        "call",
-        "--path",
-        path,
-        "cli/none",
-        "echo",
-        "--wait-for-ready",
-        "--timeout",
-        "0.2",
-    ]);
+    let (code, _, err) = call(&["cli/none", "echo", "--wait-for-ready", "--timeout", "0.2"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("deadline exceeded"), "{err}");
     // Over TCP from a process with no pool: a private pool, gone after.
