@@ -211,7 +211,9 @@ impl PyServer {
 
     /// Stops taking calls and unregisters. With `grace` (seconds), first
     /// serves every call already sent and refuses new ones (`Unavailable`),
-    /// for at most that long.
+    /// for at most that long. Requests it did not run are refused or
+    /// marked unread, and their callers send them to the service's next
+    /// server, if any.
     #[pyo3(signature = (grace=None))]
     fn shutdown(&self, py: Python<'_>, grace: Option<f64>) -> PyResult<()> {
         let grace = match grace {

@@ -120,13 +120,16 @@ class Server:
     def tcp_addr(self) -> str | None: ...
     def shutdown(self, grace: float | None = None) -> None:
         """Stops the service; with `grace` (seconds), first serves the calls
-        already sent (refusing new ones) for at most that long."""
+        already sent (refusing new ones) for at most that long. Requests it
+        did not run go to the service's next server, if any."""
         ...
 
 class Client:
     """A connection to a service. When it breaks, a later call finds the
     service registered again (a restarted server, or another process taking
-    its name) and calls it; calls in flight then fail with `Unavailable`."""
+    its name) and calls it; calls in flight then fail with `Unavailable`,
+    except those known not to have run (a server that stops says which it
+    took) and those marked `idempotent`, which go to the new server."""
 
     @property
     def reconnects(self) -> int:
