@@ -42,10 +42,11 @@
 //! so is its answer when it comes.
 
 use crate::client::{
-    answer, orphan, outgoing, refusal, send_holding_rx, send_unheld, Failure, Refused,
+    answer, orphan, outgoing, refusal, send_holding_rx, send_unheld, Failure, Outgoing, Refused,
 };
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_REFUSED};
+use crate::frame::{Frame, Kind, Status, FLAG_REFUSED};
+use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
@@ -754,6 +755,19 @@ impl AsyncClient {
         payload: Payload,
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
+        self.call_with_metadata(method, payload, opts, Metadata::new())
+            .await
+    }
+
+    /// Calls `method` with options and metadata, which the handler reads
+    /// ([`Call::metadata`](crate::server::Call::metadata)).
+    pub async fn call_with_metadata(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Payload, RpcError> {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
         let mut opts = opts;
@@ -769,7 +783,7 @@ impl AsyncClient {
                 return Err(e);
             }
         }
-        let mut r = c.call_with(method, payload, opts).await;
+        let mut r = c.call_with(method, payload, opts, meta).await;
         // A request known not to have run, or an idempotent one whose
         // connection broke, goes to the service's next server (as the
         // blocking client does).
@@ -778,12 +792,9 @@ impl AsyncClient {
             self.h.refused(&c);
             let mut n = Guard::into_inner(self.h.live());
             if opts.wait_for_ready && n.is_spent() {
-                match self.ready(n, x.deadline).await {
+                match self.ready(n, x.deadline()).await {
                     Ok(ready) => n = ready,
-                    Err(e) => {
-                        x.lent.release(&c.node);
-                        return Err(e);
-                    }
+                    Err(e) => return Err(x.drop_with(&c.node, e)),
                 }
             }
             if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
@@ -817,39 +828,31 @@ impl Inner {
         method: &str,
         payload: Payload,
         opts: CallOptions,
+        meta: Metadata,
     ) -> Result<Payload, Failure> {
-        let out = outgoing(&self.node, self.max_inline, self.refs, payload, opts)?;
-        let deadline_us = out.deadline_us;
-        self.send_and_wait(
-            method_id(method),
-            out.body,
-            out.lent,
-            out.deadline,
-            deadline_us,
-            opts.idempotent,
-        )
-        .await
+        let (node, refs) = (&self.node, self.refs);
+        let out = outgoing(node, self.max_inline, refs, method, payload, opts, meta)?;
+        self.send_and_wait(out).await
     }
 
     /// Sends again, on this connection, a request another refused.
     async fn resend(&self, r: Refused) -> Result<Payload, Failure> {
-        let (r, us) = r.left(&self.node, &self.name)?;
-        let again = r.idempotent;
-        self.send_and_wait(r.method, r.body, r.lent, r.deadline, us, again)
-            .await
+        let req = r.left(&self.node, &self.name)?;
+        self.send_and_wait(req).await
     }
 
-    /// Sends a request and awaits its answer. An `idempotent` one is
-    /// treated as not run if the connection breaks before its answer.
-    async fn send_and_wait(
-        &self,
-        method: u32,
-        body: Body,
-        lent: crate::payload::Lent,
-        deadline: Option<Instant>,
-        deadline_us: u32,
-        idempotent: bool,
-    ) -> Result<Payload, Failure> {
+    /// Sends a request and awaits its answer. An idempotent one is treated
+    /// as not run if the connection breaks before its answer.
+    async fn send_and_wait(&self, out: Outgoing) -> Result<Payload, Failure> {
+        let Outgoing {
+            method,
+            body,
+            meta,
+            lent,
+            deadline,
+            deadline_us,
+            idempotent,
+        } = out;
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         let r = &i.reader;
@@ -887,7 +890,7 @@ impl Inner {
                 r.insert(&mut st, id, slot);
             }
             // (Kept until the answer: a refused request is sent again.)
-            let frame = Frame::request(id, method, deadline_us, body);
+            let frame = Frame::request(id, method, deadline_us, body).with_meta(meta);
             let sent = match lone {
                 Some(ref mut rx) => r.send_lone(&i.tx, &frame, deadline, rx),
                 None => r.send(&i.tx, &frame, deadline),

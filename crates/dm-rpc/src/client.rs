@@ -21,6 +21,7 @@
 
 use crate::error::RpcError;
 use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_REFUSED};
+use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
 use crate::reconnect::{Connected, Redial};
@@ -167,15 +168,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A request ready to send: what both clients compute from a call.
+/// A request ready to send: what both clients compute from a call (and
+/// keep of a request to send it again).
 pub(crate) struct Outgoing {
+    pub(crate) method: u32,
     pub(crate) body: Body,
+    pub(crate) meta: Metadata,
     /// What the argument lends (the Ref the framework made for it, or the
     /// payload it forwards): ended when the call completes, whatever its
     /// outcome.
     pub(crate) lent: Lent,
     pub(crate) deadline: Option<Instant>,
+    /// What is left of the deadline, as the request says it (0: none).
     pub(crate) deadline_us: u32,
+    /// It may run more than once ([`CallOptions::idempotent`]).
+    pub(crate) idempotent: bool,
 }
 
 /// When a call with `opts` gives up (the earlier of its own deadline, or
@@ -195,13 +202,16 @@ pub(crate) fn deadline_of(node: &Node, opts: CallOptions, now: Instant) -> (Opti
     (d, served.is_some_and(|s| s <= now))
 }
 
-/// Applies the size-aware rule and the deadline to a call.
+/// Applies the size-aware rule and the deadline to a call of `method`
+/// with `meta`.
 pub(crate) fn outgoing(
     node: &Node,
     max_inline: usize,
     refs: crate::transport::Sharing,
+    method: &str,
     payload: Payload,
     opts: CallOptions,
+    meta: Metadata,
 ) -> Result<Outgoing, RpcError> {
     let (deadline, deadline_us) = if opts.deadline.is_none()
         && node.cfg.default_deadline.is_none()
@@ -226,14 +236,21 @@ pub(crate) fn outgoing(
             }
         }
     };
-    let inline_max = node.cfg.inline_max.min(max_inline);
+    // (The metadata travels in the frame too.)
+    let inline_max = node
+        .cfg
+        .inline_max
+        .min(max_inline.saturating_sub(meta.encoded_len()));
     let (body, lent) = payload.into_body(node, inline_max, Dir::Request, refs)?;
     crate::stats::count(&body, true);
     Ok(Outgoing {
+        method: method_id(method),
         body,
+        meta,
         lent,
         deadline,
         deadline_us,
+        idempotent: opts.idempotent,
     })
 }
 
@@ -272,8 +289,7 @@ impl Failure {
         refs: crate::transport::Sharing,
         idempotent: bool,
     ) -> Failure {
-        let mut r = Refused::new(frame, e, lent, deadline, refs);
-        r.idempotent = idempotent;
+        let r = Refused::new(frame, e, lent, deadline, refs, idempotent);
         Failure::Refused(Box::new(r))
     }
 }
@@ -286,18 +302,13 @@ impl From<RpcError> for Failure {
 
 /// A request known not to have run ([`Failure::Refused`]), with what it
 /// takes to send it again: its method, its payload as it was sent (its
-/// Refs still lent) and its deadline.
+/// Refs still lent), its metadata and its deadline.
 pub(crate) struct Refused {
-    pub(crate) method: u32,
-    pub(crate) body: Body,
-    pub(crate) lent: Lent,
-    pub(crate) deadline: Option<Instant>,
+    pub(crate) req: Outgoing,
     /// The sharing of Refs of the connection it was placed for.
     refs: crate::transport::Sharing,
     /// Why it did not run: the call's error if it is not sent again.
     error: RpcError,
-    /// It may run more than once ([`CallOptions::idempotent`]).
-    pub(crate) idempotent: bool,
 }
 
 /// The error of a refusal answer ([`FLAG_REFUSED`]).
@@ -313,46 +324,64 @@ impl Refused {
         lent: Lent,
         deadline: Option<Instant>,
         refs: crate::transport::Sharing,
+        idempotent: bool,
     ) -> Refused {
-        Refused {
+        let req = Outgoing {
             method: frame.method,
             body: frame.payload,
+            meta: frame.meta,
             lent,
             deadline,
-            refs,
-            error,
-            idempotent: false,
-        }
+            deadline_us: frame.deadline_us,
+            idempotent,
+        };
+        Refused { req, refs, error }
+    }
+
+    /// When the call gives up.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        self.req.deadline
     }
 
     /// Whether a connection with `refs` and `max_inline` can carry it as
-    /// it is (its Refs usable at the other end, its inline bytes within
-    /// the limit).
+    /// it is (its Refs usable at the other end, its inline bytes and
+    /// metadata within the limit).
     pub(crate) fn fits(&self, refs: crate::transport::Sharing, max_inline: usize) -> bool {
-        refs == self.refs && self.body.len() <= max_inline
+        refs == self.refs && self.req.body.len() + self.req.meta.encoded_len() <= max_inline
     }
 
-    /// It, with what is left of its deadline in a request's microseconds
-    /// (0: none), to send it again to `name`; or, if its deadline passed,
-    /// the call's error (what it lent released).
-    pub(crate) fn left(self, node: &Node, name: &str) -> Result<(Refused, u32), RpcError> {
-        let Some(d) = self.deadline else {
-            return Ok((self, 0));
+    /// Gives up sending it again, with `e`: ends what it lent.
+    pub(crate) fn drop_with(self, node: &Node, e: RpcError) -> RpcError {
+        self.req.lent.release(node);
+        e
+    }
+
+    /// The request to send again to `name`, with what is left of its
+    /// deadline; or, if its deadline passed, the call's error (what it
+    /// lent released).
+    pub(crate) fn left(self, node: &Node, name: &str) -> Result<Outgoing, RpcError> {
+        let mut req = self.req;
+        let Some(d) = req.deadline else {
+            req.deadline_us = 0;
+            return Ok(req);
         };
         match d.saturating_duration_since(Instant::now()).as_micros() {
             0 => {
-                self.lent.release(node);
+                req.lent.release(node);
                 Err(RpcError::deadline_exceeded(format!(
                     "the deadline passed before {name:?} could be called again"
                 )))
             }
-            us => Ok((self, us.min(u32::MAX as u128) as u32)),
+            us => {
+                req.deadline_us = us.min(u32::MAX as u128) as u32;
+                Ok(req)
+            }
         }
     }
 
     /// Gives up sending it: ends what it lent; the refusal.
     pub(crate) fn fail(self, node: &Node) -> RpcError {
-        self.lent.release(node);
+        self.req.lent.release(node);
         self.error
     }
 }
@@ -538,6 +567,18 @@ impl Client {
         payload: Payload,
         opts: CallOptions,
     ) -> Result<Payload, RpcError> {
+        self.call_with_metadata(method, payload, opts, Metadata::new())
+    }
+
+    /// Calls `method` with options and metadata, which the handler reads
+    /// ([`Call::metadata`](crate::server::Call::metadata)).
+    pub fn call_with_metadata(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Payload, RpcError> {
         let mut c = self.h.live();
         let mut opts = opts;
         if c.is_spent() {
@@ -552,7 +593,7 @@ impl Client {
                 return Err(e);
             }
         }
-        let mut r = c.call_with(method, payload, opts);
+        let mut r = c.call_with(method, payload, opts, meta);
         // A request known not to have run (refused by a server shutting
         // down, never taken by one that stopped, never sent) goes to the
         // service's next server, and so does an idempotent one whose
@@ -562,12 +603,9 @@ impl Client {
             self.h.refused(&c);
             let mut n = self.h.live();
             if opts.wait_for_ready && n.is_spent() {
-                match self.ready(n, x.deadline) {
+                match self.ready(n, x.deadline()) {
                     Ok(ready) => n = ready,
-                    Err(e) => {
-                        x.lent.release(&c.node);
-                        return Err(e);
-                    }
+                    Err(e) => return Err(x.drop_with(&c.node, e)),
                 }
             }
             if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
@@ -601,37 +639,31 @@ impl Inner {
         method: &str,
         payload: Payload,
         opts: CallOptions,
+        meta: Metadata,
     ) -> Result<Payload, Failure> {
-        let out = outgoing(&self.node, self.max_inline, self.refs, payload, opts)?;
-        let deadline_us = out.deadline_us;
-        self.send_and_wait(
-            method_id(method),
-            out.body,
-            out.lent,
-            out.deadline,
-            deadline_us,
-            opts.idempotent,
-        )
+        let (node, refs) = (&self.node, self.refs);
+        let out = outgoing(node, self.max_inline, refs, method, payload, opts, meta)?;
+        self.send_and_wait(out)
     }
 
     /// Sends again, on this connection, a request another refused.
     fn resend(&self, r: Refused) -> Result<Payload, Failure> {
-        let (r, us) = r.left(&self.node, &self.name)?;
-        let again = r.idempotent;
-        self.send_and_wait(r.method, r.body, r.lent, r.deadline, us, again)
+        let req = r.left(&self.node, &self.name)?;
+        self.send_and_wait(req)
     }
 
-    /// Sends a request and waits for its answer. An `idempotent` one is
+    /// Sends a request and waits for its answer. An idempotent one is
     /// treated as not run if the connection breaks before its answer.
-    fn send_and_wait(
-        &self,
-        method: u32,
-        body: Body,
-        lent: Lent,
-        deadline: Option<Instant>,
-        deadline_us: u32,
-        idempotent: bool,
-    ) -> Result<Payload, Failure> {
+    fn send_and_wait(&self, out: Outgoing) -> Result<Payload, Failure> {
+        let Outgoing {
+            method,
+            body,
+            meta,
+            lent,
+            deadline,
+            deadline_us,
+            idempotent,
+        } = out;
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         // Nobody reading answers: read our own (taken before sending, so
@@ -653,7 +685,7 @@ impl Inner {
             st.waiting.push((id, None));
         }
         // (Kept until the answer: a refused request is sent again.)
-        let frame = Frame::request(id, method, deadline_us, body);
+        let frame = Frame::request(id, method, deadline_us, body).with_meta(meta);
         // Reading answers while it waits for room (see `send_reading`).
         let sent = self.send_reading(&frame, deadline, reader.as_mut());
         // (The error, and whether the connection broke: then the request
@@ -920,38 +952,47 @@ mod tests {
     use super::*;
     use crate::transport::Sharing;
 
-    fn refused(deadline: Option<Instant>, inline: usize) -> Refused {
-        let req = Frame::request(1, 7, 0, Body::Inline(vec![1; inline]));
+    fn refused(deadline: Option<Instant>, inline: usize, meta: Metadata) -> Refused {
+        let req = Frame::request(1, 7, 9, Body::Inline(vec![1; inline])).with_meta(meta);
         let answer = Frame::refused(1, "the service is shutting down");
-        Refused::new(
-            req,
-            refusal(answer),
-            Lent::default(),
-            deadline,
-            Sharing::POOL,
-        )
+        let lent = Lent::default();
+        Refused::new(req, refusal(answer), lent, deadline, Sharing::POOL, true)
     }
 
     #[test]
     fn a_refused_request_goes_again_only_where_it_fits_and_in_time() {
         let tp = dm_pool::testing::TempPool::new(16 << 20);
         let node = Node::new(tp.attach());
-        let r = refused(None, 800);
-        assert_eq!((r.method, r.body.len()), (7, 800));
-        // The same sharing, and room for its bytes.
+        let none = Metadata::new;
+        let r = refused(None, 800, none());
+        assert_eq!((r.req.method, r.req.body.len()), (7, 800));
+        // The same sharing, and room for its bytes (and its metadata).
         assert!(r.fits(Sharing::POOL, 1000));
         assert!(r.fits(Sharing::POOL, 800));
         assert!(!r.fits(Sharing::POOL, 799));
         assert!(!r.fits(Sharing::ALL, 1000));
-        assert_eq!(r.left(&node, "s").unwrap().1, 0, "no deadline");
+        let meta = Metadata::new().with("k", "v").unwrap();
+        let m = refused(None, 800, meta.clone());
+        assert!(m.fits(Sharing::POOL, 805) && !m.fits(Sharing::POOL, 804));
+        // Sent again as it was, with what is left of its deadline.
+        let again = m.left(&node, "s").unwrap();
+        assert_eq!(
+            (again.deadline_us, again.idempotent),
+            (0, true),
+            "no deadline"
+        );
+        assert_eq!((again.method, again.meta), (7, meta));
         let soon = Instant::now() + Duration::from_secs(5);
-        let us = refused(Some(soon), 1).left(&node, "s").unwrap().1;
+        let us = refused(Some(soon), 1, none())
+            .left(&node, "s")
+            .unwrap()
+            .deadline_us;
         assert!(us > 4_000_000 && us <= 5_000_000, "{us}");
-        let Err(e) = refused(Some(Instant::now()), 1).left(&node, "s") else {
+        let Err(e) = refused(Some(Instant::now()), 1, none()).left(&node, "s") else {
             panic!("sent again after its deadline");
         };
         assert_eq!(e.status, Status::DeadlineExceeded);
-        let e = refused(None, 1).fail(&node);
+        let e = refused(None, 1, none()).fail(&node);
         assert_eq!(e.status, Status::Unavailable);
         assert!(e.message.contains("shutting down"), "{e}");
         drop(node);

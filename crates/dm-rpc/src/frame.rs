@@ -1,8 +1,9 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 4).
+//! Where frames are parsed: the wire format of dmrpc calls (version 5).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
-//! two belongs to the layer above). All integers are little-endian.
+//! two belongs to the layer above), then the request's metadata, if any
+//! ([`crate::metadata`]). All integers are little-endian.
 //!
 //! | bytes  | field        | notes                                                  |
 //! |--------|--------------|--------------------------------------------------------|
@@ -16,7 +17,7 @@
 //! | 16..20 | method       | [`method_id`] of the method's full name (requests)     |
 //! | 20..24 | deadline     | microseconds the caller will wait, 0 = none (requests) |
 //! | 24..28 | length       | payload bytes                                          |
-//! | 28..32 | reserved     | must be zero                                           |
+//! | 28..32 | meta length  | bytes of metadata after the payload (requests), 0 none |
 //!
 //! A Refs payload is one or more 40-byte encoded Refs (`dm_pool::refs`).
 //! An answer's Ref is made for its caller, who releases it, except in an
@@ -34,11 +35,13 @@
 //! by [`Limits`], returns `Ok(None)` when more bytes are needed (streams), and
 //! never panics, whatever the bytes: it is fuzzed (`fuzz/fuzz_targets/frame_decode.rs`).
 
+use crate::metadata::Metadata;
 use dm_pool::{Ref, RefDecodeError};
 
 /// Frame encoding version written and read by this build. History: 1 —
-/// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`]; 4 — [`Kind::GoAway`].
-pub const FRAME_VERSION: u8 = 4;
+/// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`]; 4 — [`Kind::GoAway`];
+/// 5 — request metadata (header bytes 28..32, reserved before).
+pub const FRAME_VERSION: u8 = 5;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
 pub const FLAG_ECHO: u16 = 1;
@@ -161,6 +164,8 @@ pub struct Frame {
     pub flags: u16,
     /// Body.
     pub payload: Body,
+    /// The request's metadata (requests only; empty otherwise).
+    pub meta: Metadata,
 }
 
 /// Bounds the decoder enforces on what a peer may send.
@@ -171,6 +176,8 @@ pub struct Limits {
     pub max_payload: u32,
     /// Most Refs in one frame. Default 64.
     pub max_refs: u32,
+    /// Most bytes of metadata in one frame. Default 16 KiB.
+    pub max_meta: u32,
 }
 
 impl Default for Limits {
@@ -178,6 +185,7 @@ impl Default for Limits {
         Self {
             max_payload: 16 << 20,
             max_refs: 64,
+            max_meta: 16 << 10,
         }
     }
 }
@@ -233,6 +241,17 @@ pub enum FrameError {
         /// What is wrong with it.
         error: RefDecodeError,
     },
+    /// Metadata above the receiver's limit.
+    #[error("metadata of {len} bytes exceeds the limit of {max}")]
+    MetaTooLarge {
+        /// Announced length.
+        len: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// A malformed metadata section.
+    #[error("malformed metadata: {0}")]
+    Metadata(&'static str),
     /// A record (a ring's unit) that is not exactly one frame.
     #[error("a record of {record} bytes holds a frame of {} bytes", frame.map_or("too few".into(), |f| f.to_string()))]
     Record {
@@ -268,7 +287,13 @@ impl Frame {
             status: Status::Ok,
             flags: 0,
             payload,
+            meta: Metadata::default(),
         }
+    }
+
+    /// This request, with `meta`.
+    pub fn with_meta(self, meta: Metadata) -> Frame {
+        Frame { meta, ..self }
     }
 
     /// A response.
@@ -281,6 +306,7 @@ impl Frame {
             status,
             flags: 0,
             payload,
+            meta: Metadata::default(),
         }
     }
 
@@ -316,6 +342,7 @@ impl Frame {
             status: Status::Ok,
             flags: 0,
             payload: Body::None,
+            meta: Metadata::default(),
         }
     }
 
@@ -330,13 +357,14 @@ impl Frame {
 
     /// Encoded size.
     pub fn encoded_len(&self) -> usize {
-        HEADER_LEN + self.payload.len()
+        HEADER_LEN + self.payload.len() + self.meta.encoded_len()
     }
 
-    /// The fixed header of this frame. Panics only if the payload exceeds
-    /// 4 GiB, which no caller can build within [`Limits`].
+    /// The fixed header of this frame. (A payload above 4 GiB, which no
+    /// caller can build within [`Limits`], would be announced as 4 GiB.)
     pub fn header(&self) -> [u8; HEADER_LEN] {
         let len = u32::try_from(self.payload.len()).unwrap_or(u32::MAX);
+        let meta = u32::try_from(self.meta.encoded_len()).unwrap_or(u32::MAX);
         let mut h = [0u8; HEADER_LEN];
         h[0..2].copy_from_slice(&MAGIC);
         h[2] = FRAME_VERSION;
@@ -348,11 +376,13 @@ impl Frame {
         h[16..20].copy_from_slice(&self.method.to_le_bytes());
         h[20..24].copy_from_slice(&self.deadline_us.to_le_bytes());
         h[24..28].copy_from_slice(&len.to_le_bytes());
+        h[28..32].copy_from_slice(&meta.to_le_bytes());
         h
     }
 
-    /// Calls `put` with the encoding in pieces (header, then payload), so a
-    /// transport can write a frame straight into its ring or socket buffer.
+    /// Calls `put` with the encoding in pieces (header, payload, metadata),
+    /// so a transport can write a frame straight into its ring or socket
+    /// buffer.
     pub fn encode_with(&self, mut put: impl FnMut(&[u8])) {
         put(&self.header());
         match &self.payload {
@@ -364,6 +394,7 @@ impl Frame {
                 }
             }
         }
+        self.meta.encode_with(&mut put);
     }
 
     /// Appends the encoding to `out`.
@@ -390,15 +421,20 @@ impl Frame {
             return Ok(None);
         };
         let head = Head::parse(h, limits)?;
-        let total = HEADER_LEN + head.len as usize;
-        let Some(body) = buf.get(HEADER_LEN..total) else {
+        let at_meta = HEADER_LEN + head.len as usize;
+        let total = at_meta + head.meta as usize;
+        let Some(body) = buf.get(HEADER_LEN..at_meta) else {
+            return Ok(None);
+        };
+        let Some(meta) = buf.get(at_meta..total) else {
             return Ok(None);
         };
         let payload = match head.pkind {
             1 => Body::Inline(body.to_vec()),
             _ => head.body(body)?,
         };
-        Ok(Some((head.frame(payload), total)))
+        let meta = Metadata::decode(meta)?;
+        Ok(Some((head.frame(payload, meta), total)))
     }
 
     /// Decodes one whole record (a ring's unit) that must hold exactly one
@@ -407,7 +443,11 @@ impl Frame {
     /// becomes `rest` itself, with no further copy. Same checks as
     /// [`decode`](Self::decode), plus the length: a record shorter or longer
     /// than its frame is [`FrameError::Record`].
-    pub fn decode_record(head: &[u8], rest: Vec<u8>, limits: &Limits) -> Result<Frame, FrameError> {
+    pub fn decode_record(
+        head: &[u8],
+        mut rest: Vec<u8>,
+        limits: &Limits,
+    ) -> Result<Frame, FrameError> {
         let record = head.len() + rest.len();
         let Some(h) = head.get(..HEADER_LEN).filter(|_| head.len() == HEADER_LEN) else {
             Self::early(head)?;
@@ -417,17 +457,29 @@ impl Frame {
             });
         };
         let head = Head::parse(h, limits)?;
-        if rest.len() != head.len as usize {
+        let len = head.len as usize;
+        if rest.len() != len + head.meta as usize {
             return Err(FrameError::Record {
                 record,
-                frame: Some(HEADER_LEN + head.len as usize),
+                frame: Some(HEADER_LEN + len + head.meta as usize),
             });
         }
+        // (The payload is checked before the metadata, as in `decode`.)
+        if head.pkind == 2 {
+            let payload = head.body(&rest[..len])?;
+            let meta = Metadata::decode(&rest[len..])?;
+            return Ok(head.frame(payload, meta));
+        }
+        let meta = match head.meta {
+            0 => Metadata::default(),
+            _ => Metadata::decode(&rest[len..])?,
+        };
+        rest.truncate(len);
         let payload = match head.pkind {
             1 => Body::Inline(rest),
-            _ => head.body(&rest)?,
+            _ => Body::None,
         };
-        Ok(head.frame(payload))
+        Ok(head.frame(payload, meta))
     }
 
     /// The errors the first bytes of a header show before it is whole.
@@ -453,6 +505,7 @@ struct Head {
     flags: u16,
     pkind: u8,
     len: u32,
+    meta: u32,
 }
 
 impl Head {
@@ -472,15 +525,13 @@ impl Head {
         if flags & !(FLAG_ECHO | FLAG_REFUSED) != 0 {
             return Err(FrameError::Reserved("flags"));
         }
-        if u32_at(28) != 0 {
-            return Err(FrameError::Reserved("bytes 28..32"));
-        }
         let pkind = h[6];
         if pkind > 2 {
             return Err(FrameError::PayloadKind(pkind));
         }
         let status = Status::from_u8(h[7]).ok_or(FrameError::Status(h[7]))?;
         let (call_id, method, deadline_us, len) = (u64_at(8), u32_at(16), u32_at(20), u32_at(24));
+        let meta = u32_at(28);
         match kind {
             Kind::Request if status != Status::Ok => {
                 return Err(FrameError::Inconsistent("a request carries a status"))
@@ -515,12 +566,21 @@ impl Head {
                     "only an Unavailable answer refuses its request",
                 ))
             }
+            _ if meta != 0 && kind != Kind::Request => {
+                return Err(FrameError::Inconsistent("only requests carry metadata"))
+            }
             _ => {}
         }
         if len > limits.max_payload {
             return Err(FrameError::TooLarge {
                 len,
                 max: limits.max_payload,
+            });
+        }
+        if meta > limits.max_meta {
+            return Err(FrameError::MetaTooLarge {
+                len: meta,
+                max: limits.max_meta,
             });
         }
         match pkind {
@@ -547,6 +607,7 @@ impl Head {
             flags,
             pkind,
             len,
+            meta,
         })
     }
 
@@ -570,7 +631,7 @@ impl Head {
         })
     }
 
-    fn frame(self, payload: Body) -> Frame {
+    fn frame(self, payload: Body, meta: Metadata) -> Frame {
         Frame {
             kind: self.kind,
             call_id: self.call_id,
@@ -579,6 +640,7 @@ impl Head {
             status: self.status,
             flags: self.flags,
             payload,
+            meta,
         }
     }
 }
@@ -594,22 +656,26 @@ pub fn fuzz_decode(data: &[u8]) {
     let limits = Limits {
         max_payload: 1 << 16,
         max_refs: 8,
+        max_meta: 1 << 10,
     };
     let cut = data.len().min(HEADER_LEN);
     let record = Frame::decode_record(&data[..cut], data[cut..].to_vec(), &limits);
-    // The length the header announces, if the header is whole.
-    let whole = data
-        .get(24..28)
-        .filter(|_| data.len() >= HEADER_LEN)
-        .map(|l| HEADER_LEN + u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize);
+    // The length the header announces (payload and metadata), if the
+    // header is whole.
+    let u32_at = |i: usize| u32::from_le_bytes([data[i], data[i + 1], data[i + 2], data[i + 3]]);
+    let whole =
+        (data.len() >= HEADER_LEN).then(|| HEADER_LEN + u32_at(24) as usize + u32_at(28) as usize);
     match Frame::decode(data, &limits) {
         Ok(Some((f, used))) if used == data.len() => {
             assert_eq!(record, Ok(f), "one record, one frame: both decoders agree")
         }
-        // A bad header, or a bad payload of exactly one frame: the same
-        // error. (A bad payload followed by more bytes: the record decoder
-        // refuses the length first.)
-        Err(e) if whole.is_none_or(|w| w == data.len()) || !matches!(e, FrameError::Ref { .. }) => {
+        // A bad header, or a bad payload or metadata of exactly one frame:
+        // the same error. (A bad payload or metadata followed by more
+        // bytes: the record decoder refuses the length first.)
+        Err(e)
+            if whole.is_none_or(|w| w == data.len())
+                || !matches!(e, FrameError::Ref { .. } | FrameError::Metadata(_)) =>
+        {
             assert_eq!(record, Err(e), "both decoders give the same error")
         }
         _ => assert!(
@@ -668,13 +734,20 @@ mod tests {
                 )
             }),
         ];
-        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..6).prop_map(|(id, m, dl, p, k)| {
+        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..7).prop_map(|(id, m, dl, p, k)| {
             match (k, p) {
                 (0, p) => Frame::request(id, m, dl, p),
                 (1, p) => Frame::response(id, Status::Ok, p),
                 (2, Body::Refs(rs)) => Frame::echo(id, rs[0]),
                 (3, _) => Frame::refused(id, "shutting down"),
                 (4, _) => Frame::go_away(id),
+                (5, p) => {
+                    let meta = crate::metadata::Metadata::new()
+                        .with("trace-id", id.to_le_bytes().to_vec())
+                        .and_then(|m| m.with("x", vec![0; (dl % 300) as usize]))
+                        .unwrap_or_default();
+                    Frame::request(id, m, dl, p).with_meta(meta)
+                }
                 _ => Frame::cancel(id),
             }
         })
@@ -798,7 +871,41 @@ mod tests {
                 frame: None
             })
         );
-        assert_eq!(bad(30, 1), Err(FrameError::Reserved("bytes 28..32")));
+        assert_eq!(
+            bad(30, 1),
+            Err(FrameError::MetaTooLarge {
+                len: 1 << 16,
+                max: l.max_meta
+            })
+        );
+        // Metadata: only on requests, and well formed, in both decoders.
+        let meta = crate::metadata::Metadata::new()
+            .with("trace-id", "t1")
+            .unwrap();
+        let with = Frame::request(4, 9, 0, Body::Inline(vec![1, 2, 3])).with_meta(meta);
+        let b = with.encode();
+        assert_eq!(Frame::decode(&b, &l), Ok(Some((with.clone(), b.len()))));
+        let rest = b[HEADER_LEN..].to_vec();
+        assert_eq!(Frame::decode_record(&b[..HEADER_LEN], rest, &l), Ok(with));
+        assert_eq!(Frame::decode(&b[..b.len() - 1], &l), Ok(None), "cut short");
+        let mut upper = b.clone();
+        upper[HEADER_LEN + 3 + 1] = b'T';
+        assert!(matches!(
+            Frame::decode(&upper, &l),
+            Err(FrameError::Metadata(_))
+        ));
+        let rest = upper[HEADER_LEN..].to_vec();
+        assert!(matches!(
+            Frame::decode_record(&upper[..HEADER_LEN], rest, &l),
+            Err(FrameError::Metadata(_))
+        ));
+        let mut answer = Frame::response(4, Status::Ok, Body::None).encode();
+        answer[28] = 3;
+        answer.extend_from_slice(&[1, b'k', 0]);
+        assert!(matches!(
+            Frame::decode(&answer, &l),
+            Err(FrameError::Inconsistent(_))
+        ));
         assert_eq!(bad(6, 3), Err(FrameError::PayloadKind(3)));
         assert_eq!(bad(7, 99), Err(FrameError::Status(99)));
         assert!(

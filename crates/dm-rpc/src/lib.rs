@@ -57,6 +57,8 @@ pub mod error;
 #[cfg(not(loom))]
 pub mod frame;
 #[cfg(not(loom))]
+pub mod metadata;
+#[cfg(not(loom))]
 pub mod node;
 #[cfg(not(loom))]
 pub mod payload;
@@ -79,6 +81,8 @@ pub use client::{CallOptions, Client};
 pub use error::RpcError;
 #[cfg(not(loom))]
 pub use frame::{Body, Frame, FrameError, Kind, Status};
+#[cfg(not(loom))]
+pub use metadata::Metadata;
 #[cfg(not(loom))]
 pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN};
 #[cfg(not(loom))]

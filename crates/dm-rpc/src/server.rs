@@ -36,6 +36,7 @@
 use crate::async_client::polling_with;
 use crate::error::RpcError;
 use crate::frame::{method_id, Body, Frame, Kind, Status};
+use crate::metadata::Metadata;
 use crate::node::{Node, Transport};
 use crate::payload::{Dir, Payload};
 use crate::transport::{ConnId, Listener, Waker, WatchSet};
@@ -105,6 +106,8 @@ pub struct AsyncCall {
     pub method: String,
     /// This process's node, for nested calls.
     pub node: Node,
+    /// The request's metadata ([`crate::metadata`]).
+    pub metadata: Metadata,
 }
 
 /// One call, as a handler sees it.
@@ -114,6 +117,7 @@ pub struct Call<'a> {
     deadline: Option<Instant>,
     method: &'a str,
     node: &'a Node,
+    metadata: Metadata,
 }
 
 impl Call<'_> {
@@ -144,6 +148,11 @@ impl Call<'_> {
     /// The method's name.
     pub fn method(&self) -> &str {
         self.method
+    }
+
+    /// The request's metadata (empty if the caller sent none).
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
     }
 
     /// This process's node, for nested calls.
@@ -675,6 +684,7 @@ impl Dispatcher {
                                 deadline,
                                 method: name.clone(),
                                 node: self.node.clone(),
+                                metadata: frame.meta,
                             };
                             let fut = {
                                 // Entered: a handler may touch tokio before
@@ -713,7 +723,8 @@ impl Dispatcher {
                         }
                         seen
                     };
-                    run_handler(h, name, &self.node, frame.payload, deadline, &mut check)
+                    let req = (frame.payload, frame.meta);
+                    run_handler(h, name, &self.node, req, deadline, &mut check)
                 }
                 None => Err(RpcError::not_found(format!(
                     "no method with id {:#x}",
@@ -944,7 +955,7 @@ fn run_handler(
     h: &Handler,
     name: &str,
     node: &Node,
-    body: Body,
+    (body, metadata): (Body, Metadata),
     deadline: Option<Instant>,
     cancelled: &mut dyn FnMut() -> bool,
 ) -> Result<Payload, RpcError> {
@@ -955,6 +966,7 @@ fn run_handler(
         deadline,
         method: name,
         node,
+        metadata,
     };
     match crate::deadline::watching(cancelled, || guarded(deadline, || h(&mut call))) {
         Ok(r) => r,

@@ -2109,6 +2109,105 @@ fn clients_move_to_the_successor_of_a_server_that_shuts_down_gracefully() {
     assert_clean_after_pumps(&tp);
 }
 
+/// The handler's view of a call's metadata: `key=value` lines.
+fn meta_lines(m: &dm_rpc::Metadata) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (k, v) in m.iter() {
+        out.extend_from_slice(k.as_bytes());
+        out.push(b'=');
+        out.extend_from_slice(v);
+        out.push(b'\n');
+    }
+    out
+}
+
+/// Metadata a caller attaches reaches the handler (blocking and async,
+/// from blocking and async clients) over every transport, with inline and
+/// by-Ref payloads, and the largest inline payload still fits beside it.
+#[test]
+fn metadata_reaches_the_handler_over_every_transport() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = current_thread_rt();
+    let meta = dm_rpc::Metadata::new()
+        .with("trace-id", "0af7651916cd43dd")
+        .and_then(|m| m.with("tenant", vec![0u8, 1, 255]))
+        .and_then(|m| m.with("trace-id", "again"))
+        .unwrap();
+    let by_value = Node::with_config(
+        tp.attach(),
+        Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+    );
+    let want = meta_lines(&meta);
+    let expect = |arg: &[u8]| {
+        let s = sum(&Payload::from_vec(arg.to_vec()));
+        [want.clone(), s.to_le_bytes().to_vec()].concat()
+    };
+    let big = pattern(300_000, 2);
+    for t in every_transport() {
+        let name = unique("meta");
+        let svc = node
+            .server(&name)
+            .transport(t.clone())
+            .method("meta", |c| {
+                let mut out = meta_lines(c.metadata());
+                out.extend_from_slice(&sum(c.payload()).to_le_bytes());
+                Ok(Payload::from_vec(out))
+            })
+            .method_async("meta_async", |c| async move {
+                let mut out = meta_lines(&c.metadata);
+                out.extend_from_slice(&sum(&c.payload).to_le_bytes());
+                Ok(Payload::from_vec(out))
+            })
+            .spawn()
+            .unwrap();
+        let c = node.connect(&name).unwrap();
+        let ac = node.connect_async(&name).unwrap();
+        let opts = CallOptions::default();
+        for arg in [vec![7u8; 10], big.clone()] {
+            for method in ["meta", "meta_async"] {
+                let p = Payload::from_vec(arg.clone());
+                let got = c.call_with_metadata(method, p, opts, meta.clone()).unwrap();
+                assert_eq!(got.to_vec().unwrap(), expect(&arg), "{t:?} {method}");
+                let p = Payload::from_vec(arg.clone());
+                let got = rt.block_on(ac.call_with_metadata(method, p, opts, meta.clone()));
+                let got = got.unwrap().to_vec().unwrap();
+                assert_eq!(got, expect(&arg), "{t:?} {method} async");
+            }
+        }
+        // None: nothing reaches the handler.
+        let got = c.call("meta", vec![1u8]).unwrap().to_vec().unwrap();
+        assert_eq!(got.len(), 8, "{t:?}");
+        // The largest payload a transport carries inline, from a node that
+        // sends everything it can inline: with metadata beside it, it goes
+        // by Ref instead of failing as too large.
+        let max = match &t {
+            Transport::Shm => dm_rpc::transport::shm::ring_max_inline(node.pool()),
+            Transport::Tcp(_) => dm_rpc::transport::tcp::MAX_INLINE,
+            Transport::Mem => dm_rpc::transport::mem::MAX_INLINE,
+        };
+        let edge = pattern(max, 3);
+        let cv = by_value.connect(&name).unwrap();
+        for m in [dm_rpc::Metadata::new(), meta.clone()] {
+            let p = Payload::from_vec(edge.clone());
+            let got = cv.call_with_metadata("meta", p, opts, m.clone()).unwrap();
+            let s = sum(&Payload::from_vec(edge.clone())).to_le_bytes();
+            assert_eq!(
+                got.to_vec().unwrap(),
+                [meta_lines(&m), s.to_vec()].concat(),
+                "{t:?}"
+            );
+        }
+        drop((c, ac, cv));
+        svc.shutdown();
+    }
+    drop((rt, node, by_value));
+    assert_clean_after_pumps(&tp);
+}
+
 type RawPair = (
     Box<dyn dm_rpc::transport::Listener>,
     dm_rpc::transport::Connection,
@@ -2261,6 +2360,9 @@ fn requests_a_stopped_server_never_took_go_to_its_successor() {
                 small.call_with("echo", arg, ready)
             });
             let asynced = s.spawn(|| rt.block_on(ac.call_with("who", Payload::empty(), ready)));
+            // Sent again with its metadata.
+            let meta = dm_rpc::Metadata::new().with("trace-id", "t7").unwrap();
+            let with_meta = s.spawn(|| c.call_with_metadata("meta", Payload::empty(), ready, meta));
             std::thread::sleep(Duration::from_millis(100));
             // Waits for `hold` (a running blocking handler finishes).
             old.shutdown();
@@ -2269,6 +2371,7 @@ fn requests_a_stopped_server_never_took_go_to_its_successor() {
                 .transport(t.clone())
                 .method("who", |_| Ok(Payload::from_vec(b"new".to_vec())))
                 .method("echo", |c| Ok(c.take_payload()))
+                .method("meta", |c| Ok(Payload::from_vec(meta_lines(c.metadata()))))
                 .spawn()
                 .unwrap();
             assert_eq!(
@@ -2276,6 +2379,8 @@ fn requests_a_stopped_server_never_took_go_to_its_successor() {
                 [2u8; 100],
                 "{t:?}"
             );
+            let got = with_meta.join().unwrap().unwrap().to_vec().unwrap();
+            assert_eq!(got, b"trace-id=t7\n", "{t:?}");
             for q in queued {
                 let got = q.join().unwrap();
                 assert_eq!(got.unwrap().to_vec().unwrap(), b"new", "{t:?}");

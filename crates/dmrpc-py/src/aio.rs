@@ -64,7 +64,7 @@ impl PyAsyncClient {
     /// call fails at once), else later on `event_loop`
     /// (`call_soon_threadsafe`). The `CallHandle` returned cancels the
     /// call.
-    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, detached=false, wait_for_ready=false, idempotent=false))]
+    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, detached=false, wait_for_ready=false, idempotent=false, metadata=None))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         &self,
@@ -78,12 +78,15 @@ impl PyAsyncClient {
         detached: bool,
         wait_for_ready: bool,
         idempotent: bool,
+        metadata: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyCallHandle> {
+        let meta = crate::meta::metadata_of(metadata)?;
         let p = to_payload(py, &self.node, data)?;
         let opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
         let (client, node) = (self.client.clone(), self.node.clone());
         let rt = runtime()?;
-        let mut call = Box::pin(async move { client.call_with(&method, p, opts).await });
+        let mut call =
+            Box::pin(async move { client.call_with_metadata(&method, p, opts, meta).await });
         // First polled here, without the GIL: a call whose answer comes
         // within its spin (the waiting policy's, adaptive) completes with
         // no thread in between, as a Rust async call does. Only a call

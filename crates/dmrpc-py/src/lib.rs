@@ -1,7 +1,8 @@
 //! The `dmrpc` Python package's native module (`dmrpc._native`): one
 //! module per wrapped concept — [`pool`], [`buffer`], [`refs`], [`node`]
 //! (services and clients), [`payload`] (what calls carry), [`mem`] (memory
-//! servers), [`aio`] (calls as asyncio futures) — the exceptions in
+//! servers), [`aio`] (calls as asyncio futures), [`meta`] (call metadata) —
+//! the exceptions in
 //! [`errors`], and how bytes-like arguments are read ([`bytes`]).
 
 mod aio;
@@ -9,6 +10,7 @@ mod buffer;
 mod bytes;
 mod errors;
 mod mem;
+mod meta;
 mod node;
 mod payload;
 mod pool;
@@ -28,6 +30,7 @@ fn cancelled() -> bool {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cancelled, m)?)?;
+    m.add_function(wrap_pyfunction!(meta::metadata, m)?)?;
     m.add_class::<pool::PyPool>()?;
     m.add_class::<buffer::PyBuffer>()?;
     m.add_class::<refs::PyRef>()?;

@@ -129,10 +129,12 @@ impl PyNode {
                 let node = call.node().clone();
                 let arg = PyPayload::new(call.take_payload(), node.clone());
                 keep_thread_state();
-                Python::with_gil(|py| {
-                    f.call1(py, (arg,))
-                        .and_then(|r| to_payload(py, &node, Some(r.bind(py))))
-                        .map_err(|e| to_rpc(py, e))
+                crate::meta::serving(call.metadata(), || {
+                    Python::with_gil(|py| {
+                        f.call1(py, (arg,))
+                            .and_then(|r| to_payload(py, &node, Some(r.bind(py))))
+                            .map_err(|e| to_rpc(py, e))
+                    })
                 })
             });
         }
@@ -288,7 +290,10 @@ impl PyClient {
     /// timeout) for it to be registered again instead of raising
     /// `Unavailable` at once. An `idempotent` call may run twice: if its
     /// connection breaks while it is in flight, it is sent again.
-    #[pyo3(signature = (method, data=None, timeout=None, detached=false, wait_for_ready=false, idempotent=false))]
+    /// `metadata` (a dict, or `(key, value)` pairs; values `str` or
+    /// bytes-like) goes with the call; the handler reads it with
+    /// `dmrpc.metadata()`.
+    #[pyo3(signature = (method, data=None, timeout=None, detached=false, wait_for_ready=false, idempotent=false, metadata=None))]
     #[allow(clippy::too_many_arguments)]
     fn call<'py>(
         &self,
@@ -299,11 +304,13 @@ impl PyClient {
         detached: bool,
         wait_for_ready: bool,
         idempotent: bool,
+        metadata: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PyPayload> {
+        let meta = crate::meta::metadata_of(metadata)?;
         let p = to_payload(py, &self.node, data)?;
         let opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
         let out = py
-            .allow_threads(|| self.client.call_with(method, p, opts))
+            .allow_threads(|| self.client.call_with_metadata(method, p, opts, meta))
             .map_err(to_py)?;
         Ok(PyPayload::new(out, self.node.clone()))
     }

@@ -85,6 +85,32 @@ def test_python_service_and_client_in_one_process(pool):
     srv.shutdown()
 
 
+def test_metadata_goes_with_a_call_to_the_handler(pool):
+    p, _ = pool
+    node = dmrpc.Node(p)
+    name = f"py/meta/{os.getpid()}/{next(_N)}"
+
+    def show(b):
+        return repr(dmrpc.metadata()).encode()
+
+    srv = node.serve(name, {"show": show})
+    try:
+        c = node.connect(name)
+        ac = dmrpc.aio.connect(node, name)
+        assert bytes(c.call("show", b"")) == b"()"
+        got = bytes(c.call("show", b"", metadata={"trace-id": "t1", "bin": b"\x00\xff"}))
+        assert got == repr((("trace-id", b"t1"), ("bin", b"\x00\xff"))).encode()
+        pairs = [("k", "1"), ("k", bytearray(b"2"))]
+        got = bytes(asyncio.run(ac.call("show", b"x", metadata=pairs)))
+        assert got == repr((("k", b"1"), ("k", b"2"))).encode()
+        assert dmrpc.metadata() == (), "outside a handler"
+        with pytest.raises(dmrpc.InvalidArgument):
+            c.call("show", b"", metadata={"Not A Key": "v"})
+        del c, ac
+    finally:
+        srv.shutdown()
+
+
 def test_a_handlers_calls_wait_no_longer_than_its_caller(pool):
     # A handler's nested call inherits the deadline of the call it serves:
     # when the first caller gives up, so does the call it caused, unless

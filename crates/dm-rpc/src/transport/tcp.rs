@@ -192,19 +192,26 @@ impl FrameTx for TcpTx {
     }
 }
 
-/// `f`'s bytes as two slices: its header (`head`, from [`Frame::header`])
-/// and an inline payload where it lies (no copy into one buffer); a frame
-/// of Refs encoded whole into `encoded` (the second slice then empty).
+/// `f`'s bytes as three slices: its header (`head`, from
+/// [`Frame::header`]), an inline payload where it lies (no copy into one
+/// buffer) and its metadata, encoded into `encoded`; a frame of Refs
+/// encoded whole into `encoded` (the other slices then empty).
 fn frame_parts<'a>(
     f: &'a Frame,
     head: &'a [u8; HEADER_LEN],
     encoded: &'a mut Vec<u8>,
-) -> [std::io::IoSlice<'a>; 2] {
+) -> [std::io::IoSlice<'a>; 3] {
+    use std::io::IoSlice;
     match &f.payload {
-        crate::frame::Body::Inline(b) => [std::io::IoSlice::new(head), std::io::IoSlice::new(b)],
+        crate::frame::Body::Inline(b) => {
+            if !f.meta.is_empty() {
+                *encoded = f.meta.encode();
+            }
+            [IoSlice::new(head), IoSlice::new(b), IoSlice::new(encoded)]
+        }
         _ => {
             *encoded = f.encode();
-            [std::io::IoSlice::new(encoded), std::io::IoSlice::new(&[])]
+            [IoSlice::new(encoded), IoSlice::new(&[]), IoSlice::new(&[])]
         }
     }
 }
@@ -233,10 +240,12 @@ struct Partial {
 impl Partial {
     /// After [`Frame::decode`] asked for more bytes of `have` (so its
     /// header, if whole, is valid): a partial frame for a large payload,
-    /// with the payload bytes already buffered, and the bytes it took.
+    /// with the payload (and metadata) bytes already buffered, and the
+    /// bytes it took.
     fn start(have: &[u8]) -> Option<(Partial, usize)> {
         let h = have.get(..HEADER_LEN)?;
-        let len = u32::from_le_bytes([h[24], h[25], h[26], h[27]]) as usize;
+        let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let len = u32_at(24) as usize + u32_at(28) as usize;
         if len <= DIRECT {
             return None;
         }

@@ -23,6 +23,7 @@ from ._native import (
     Server,
     Unavailable,
     cancelled,
+    metadata,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "Server",
     "Unavailable",
     "cancelled",
+    "metadata",
 ]

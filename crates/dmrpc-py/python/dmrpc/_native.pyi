@@ -144,13 +144,15 @@ class Client:
         detached: bool = False,
         wait_for_ready: bool = False,
         idempotent: bool = False,
+        metadata: Metadata | None = None,
     ) -> Payload:
         """Calls `method`; from a service's handler, waits no longer than
         the handler's own caller does, unless `detached`. With
         `wait_for_ready`, a call whose service went away waits (until its
         timeout) for it to be registered again. An `idempotent` call may
         run twice: if its connection breaks while it is in flight, it is
-        sent again."""
+        sent again. `metadata` goes with the call (the handler reads it
+        with `dmrpc.metadata()`)."""
         ...
 
 class CallHandle:
@@ -177,9 +179,13 @@ class AsyncClient:
         detached: bool = False,
         wait_for_ready: bool = False,
         idempotent: bool = False,
+        metadata: Metadata | None = None,
     ) -> CallHandle: ...
 
 Handler = Callable[[Payload], Data]
+# Call metadata: a dict, or (key, value) pairs; keys of a-z, 0-9, '-', '_',
+# '.'; values str or bytes-like.
+Metadata = dict[str, str | bytes] | list[tuple[str, str | bytes]] | tuple[tuple[str, str | bytes], ...]
 
 class Node:
     """This process's RPC endpoint on a pool."""
@@ -200,4 +206,10 @@ def cancelled() -> bool:
     passed, or its caller cancelled it. A handler with long work may look
     now and then and stop early (what it answers then is dropped). False
     outside a handler."""
+    ...
+
+def metadata() -> tuple[tuple[str, bytes], ...]:
+    """The metadata of the call this thread serves, as (key, value) pairs in
+    the order the caller gave them (a key may repeat); empty outside a
+    handler, or if the caller sent none."""
     ...

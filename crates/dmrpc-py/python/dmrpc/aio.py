@@ -56,20 +56,19 @@ class AsyncClient:
         detached: bool = False,
         wait_for_ready: bool = False,
         idempotent: bool = False,
+        metadata: Any = None,
     ) -> Payload:
         """Calls `method` (see `dmrpc.Client.call`); the same exceptions."""
-        flags = (detached, wait_for_ready, idempotent)
+        extra = (detached, wait_for_ready, idempotent, metadata)
         if self._limit is None:
-            return await self._call(method, data, timeout, flags)
+            return await self._call(method, data, timeout, extra)
         async with self._limit:
-            return await self._call(method, data, timeout, flags)
+            return await self._call(method, data, timeout, extra)
 
-    async def _call(
-        self, method: str, data: Any, timeout: float | None, flags: tuple[bool, bool, bool]
-    ) -> Payload:
+    async def _call(self, method: str, data: Any, timeout: float | None, extra: tuple[Any, ...]) -> Payload:
         fut: asyncio.Future[Payload] = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
-        handle = self._client.start(method, data, timeout, loop, fut, _resolve, *flags)
+        handle = self._client.start(method, data, timeout, loop, fut, _resolve, *extra)
         self._in_flight.add(fut)
         try:
             return await fut

@@ -1,0 +1,192 @@
+//! Call metadata: named values a caller attaches to a request (a trace id,
+//! an authentication token, a tenant), apart from the payload, as gRPC's
+//! metadata. The handler reads them ([`crate::server::Call::metadata`]).
+//!
+//! In a frame (version 5) they follow the payload, `meta length` bytes
+//! (header bytes 28..32) of entries, each:
+//!
+//! | bytes | field |
+//! |-------|-------|
+//! | 1     | key length *k*, 1..=255 |
+//! | *k*   | key: lowercase ASCII letters, digits, `-`, `_`, `.` |
+//! | 2     | value length *v* (little-endian) |
+//! | *v*   | value: any bytes |
+//!
+//! A key may repeat (its values keep their order). The decoder checks
+//! every entry and that they fill the section exactly, within
+//! [`Limits::max_meta`](crate::frame::Limits) bytes.
+
+use crate::frame::FrameError;
+
+/// Longest key.
+pub const MAX_KEY: usize = 255;
+/// Longest value.
+pub const MAX_VALUE: usize = u16::MAX as usize;
+
+/// A request's metadata: keys and values, in order. Empty (the common
+/// case) costs nothing: no allocation, no bytes in the frame.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Metadata(Vec<(String, Vec<u8>)>);
+
+/// Why a key or value cannot be metadata.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MetadataError {
+    /// Empty, too long, or with a character outside `[a-z0-9._-]`.
+    #[error("metadata key {0:?} is not 1 to 255 of a-z, 0-9, '-', '_', '.'")]
+    Key(String),
+    /// Longer than [`MAX_VALUE`].
+    #[error("metadata value of {0} bytes exceeds {MAX_VALUE}")]
+    Value(usize),
+}
+
+fn valid_key(k: &[u8]) -> bool {
+    !k.is_empty()
+        && k.len() <= MAX_KEY
+        && k.iter()
+            .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"-_.".contains(&c))
+}
+
+impl Metadata {
+    /// No metadata.
+    pub fn new() -> Metadata {
+        Metadata::default()
+    }
+
+    /// Adds `value` under `key` (after any value the key has).
+    pub fn insert(&mut self, key: &str, value: impl Into<Vec<u8>>) -> Result<(), MetadataError> {
+        if !valid_key(key.as_bytes()) {
+            return Err(MetadataError::Key(key.to_owned()));
+        }
+        let value = value.into();
+        if value.len() > MAX_VALUE {
+            return Err(MetadataError::Value(value.len()));
+        }
+        self.0.push((key.to_owned(), value));
+        Ok(())
+    }
+
+    /// This metadata with `value` added under `key`.
+    pub fn with(mut self, key: &str, value: impl Into<Vec<u8>>) -> Result<Self, MetadataError> {
+        self.insert(key, value)?;
+        Ok(self)
+    }
+
+    /// The first value of `key`.
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// Every value of `key`, in order.
+    pub fn get_all<'a>(&'a self, key: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.0
+            .iter()
+            .filter(move |(k, _)| k == key)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// Every key and value, in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v.as_slice()))
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Entries.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Bytes of its encoding in a frame.
+    pub fn encoded_len(&self) -> usize {
+        self.0.iter().map(|(k, v)| 3 + k.len() + v.len()).sum()
+    }
+
+    /// Calls `put` with its encoding, in pieces.
+    pub(crate) fn encode_with(&self, put: &mut impl FnMut(&[u8])) {
+        for (k, v) in &self.0 {
+            // (Lengths checked on insert and on decode.)
+            put(&[k.len() as u8]);
+            put(k.as_bytes());
+            put(&(v.len() as u16).to_le_bytes());
+            put(v);
+        }
+    }
+
+    /// Its encoding.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len());
+        self.encode_with(&mut |b| out.extend_from_slice(b));
+        out
+    }
+
+    /// Decodes a frame's metadata section, exactly `b`.
+    pub(crate) fn decode(mut b: &[u8]) -> Result<Metadata, FrameError> {
+        let mut out = Vec::new();
+        while let Some((&klen, rest)) = b.split_first() {
+            let klen = klen as usize;
+            let key = rest
+                .get(..klen)
+                .filter(|k| valid_key(k))
+                .ok_or(FrameError::Metadata("a key is malformed or cut short"))?;
+            let rest = &rest[klen..];
+            let vlen = rest
+                .get(..2)
+                .map(|l| u16::from_le_bytes([l[0], l[1]]) as usize)
+                .ok_or(FrameError::Metadata("a value's length is cut short"))?;
+            let value = rest
+                .get(2..2 + vlen)
+                .ok_or(FrameError::Metadata("a value is cut short"))?;
+            // (A valid key is ASCII.)
+            out.push((String::from_utf8_lossy(key).into_owned(), value.to_vec()));
+            b = &rest[2 + vlen..];
+        }
+        Ok(Metadata(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_in_order_and_bad_ones_are_refused() {
+        let m = Metadata::new()
+            .with("trace-id", "abc")
+            .unwrap()
+            .with("x.tenant_1", vec![0u8, 255])
+            .unwrap()
+            .with("trace-id", "def")
+            .unwrap();
+        let b = m.encode();
+        assert_eq!(b.len(), m.encoded_len());
+        assert_eq!(Metadata::decode(&b).unwrap(), m);
+        assert_eq!(m.get("trace-id"), Some(&b"abc"[..]));
+        assert_eq!(m.get_all("trace-id").collect::<Vec<_>>(), [b"abc", b"def"]);
+        assert_eq!(m.get("none"), None);
+        assert_eq!(Metadata::decode(&[]).unwrap(), Metadata::new());
+        for bad in ["", "Trace", "a b", "ü", &"k".repeat(256)] {
+            assert!(Metadata::new().with(bad, "v").is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            Metadata::new().with("k", vec![0; MAX_VALUE + 1]),
+            Err(MetadataError::Value(MAX_VALUE + 1))
+        );
+        // Cut anywhere, or a bad key byte: refused.
+        for cut in 0..b.len() {
+            let r = Metadata::decode(&b[..cut]);
+            // (Entries end at 14 and 29 bytes.)
+            assert_eq!(r.is_ok(), [0, 14, 29].contains(&cut), "cut at {cut}: {r:?}");
+        }
+        let mut upper = b.clone();
+        upper[1] = b'T';
+        assert!(Metadata::decode(&upper).is_err());
+        assert!(Metadata::decode(&[0, 0, 0]).is_err(), "an empty key");
+    }
+}
