@@ -2191,6 +2191,12 @@ fn metadata_reaches_the_handler_over_every_transport() {
         };
         let edge = pattern(max, 3);
         let cv = by_value.connect(&name).unwrap();
+        // (And over TCP a large inline frame, read into its own vector.)
+        let p = Payload::from_vec(big.clone());
+        let got = cv
+            .call_with_metadata("meta", p, opts, meta.clone())
+            .unwrap();
+        assert_eq!(got.to_vec().unwrap(), expect(&big), "{t:?}");
         for m in [dm_rpc::Metadata::new(), meta.clone()] {
             let p = Payload::from_vec(edge.clone());
             let got = cv.call_with_metadata("meta", p, opts, m.clone()).unwrap();
