@@ -236,7 +236,14 @@ pub(crate) fn outgoing(
             }
         }
     };
-    // (The metadata travels in the frame too.)
+    // (The metadata travels in the frame too, within the receiver's limit.)
+    let max_meta = crate::frame::Limits::default().max_meta as usize;
+    if meta.encoded_len() > max_meta {
+        return Err(RpcError::invalid_argument(format!(
+            "metadata of {} bytes exceeds the limit of {max_meta}",
+            meta.encoded_len()
+        )));
+    }
     let inline_max = node
         .cfg
         .inline_max

@@ -2178,9 +2178,16 @@ fn metadata_reaches_the_handler_over_every_transport() {
                 assert_eq!(got, expect(&arg), "{t:?} {method} async");
             }
         }
+        // Too much is refused before it is sent; the connection goes on.
+        let huge = dm_rpc::Metadata::new().with("k", vec![1; 20_000]).unwrap();
+        let e = c
+            .call_with_metadata("meta", Payload::empty(), opts, huge)
+            .unwrap_err();
+        assert_eq!(e.status, Status::InvalidArgument, "{t:?}: {e}");
         // None: nothing reaches the handler.
         let got = c.call("meta", vec![1u8]).unwrap().to_vec().unwrap();
         assert_eq!(got.len(), 8, "{t:?}");
+        assert_eq!(c.reconnects(), 0, "{t:?}");
         // The largest payload a transport carries inline, from a node that
         // sends everything it can inline: with metadata beside it, it goes
         // by Ref instead of failing as too large.
