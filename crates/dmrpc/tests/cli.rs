@@ -97,6 +97,13 @@ fn call_calls_a_service_from_the_shell() {
                 c.payload().len().to_string().into_bytes(),
             ))
         })
+        .method("meta", |c| {
+            let m = c.metadata().iter();
+            let m = m.map(|(k, v)| format!("{k}={}", String::from_utf8_lossy(v)));
+            Ok(Payload::from_vec(
+                m.collect::<Vec<_>>().join(",").into_bytes(),
+            ))
+        })
         .method("fail", |_| {
             Err(dm_rpc::RpcError::invalid_argument("no thanks"))
         })
@@ -138,6 +145,16 @@ fn call_calls_a_service_from_the_shell() {
         "{err}"
     );
     assert!(err.contains("20 calls") && err.contains("p99"), "{err}");
+    let meta = ["--meta", "trace-id=t1", "--meta", "k=a=b"];
+    let (code, out, err) = call(&[&["cli/echo/false", "meta"][..], &meta].concat());
+    assert_eq!(
+        (code, out.as_slice()),
+        (0, &b"trace-id=t1,k=a=b"[..]),
+        "{err}"
+    );
+    let (code, _, err) = call(&["cli/echo/false", "meta", "--meta", "Bad=1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("metadata key"), "{err}");
     // Typed failures: the call's status (1), or no such service (2).
     let (code, _, err) = call(&["cli/echo/false", "fail"]);
     assert_eq!(code, 1, "{err}");

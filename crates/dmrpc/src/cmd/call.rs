@@ -13,7 +13,7 @@ use super::pool::Target;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use dm_pool::{AttachOptions, Pool, PoolConfig};
-use dm_rpc::{CallOptions, Client, Node, Payload};
+use dm_rpc::{CallOptions, Client, Metadata, Node, Payload};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,9 @@ pub struct CallArgs {
     /// Wait (within --timeout) for the service to be registered.
     #[arg(long)]
     pub wait_for_ready: bool,
+    /// Metadata to send with the call, `KEY=VALUE` (repeatable).
+    #[arg(long = "meta", value_name = "KEY=VALUE")]
+    pub meta: Vec<String>,
     /// Print the answer as hex instead of its raw bytes.
     #[arg(long)]
     pub hex: bool,
@@ -63,6 +66,13 @@ pub fn run(a: CallArgs) -> Result<i32> {
         bail!("--repeat must be at least 1");
     }
     let arg = argument(&a)?;
+    let mut meta = Metadata::new();
+    for kv in &a.meta {
+        let Some((k, v)) = kv.split_once('=') else {
+            bail!("--meta {kv:?} is not KEY=VALUE");
+        };
+        meta.insert(k, v)?;
+    }
     let target = Target {
         name: a.pool.clone(),
         path: a.path.clone(),
@@ -93,7 +103,7 @@ pub fn run(a: CallArgs) -> Result<i32> {
         ),
     };
     let node = Node::new(pool);
-    let code = call(&a, &node, &arg);
+    let code = call(&a, &node, &arg, &meta);
     drop(node);
     if let Some(p) = private {
         let _ = Pool::destroy(&p);
@@ -116,7 +126,7 @@ fn argument(a: &CallArgs) -> Result<Vec<u8>> {
     })
 }
 
-fn call(a: &CallArgs, node: &Node, arg: &[u8]) -> Result<i32> {
+fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i32> {
     let connected = match &a.tcp {
         Some(addr) => node.connect_tcp(addr),
         None if a.wait_for_ready => node.connect_lazily(&a.service),
@@ -140,7 +150,7 @@ fn call(a: &CallArgs, node: &Node, arg: &[u8]) -> Result<i32> {
     let mut last = None;
     for _ in 0..a.repeat {
         let t0 = Instant::now();
-        match once(&client, node, &a.method, arg, opts) {
+        match once(&client, node, (&a.method, arg, meta), opts) {
             Ok(p) => {
                 took.push(t0.elapsed());
                 last = Some(p);
@@ -183,12 +193,12 @@ fn call(a: &CallArgs, node: &Node, arg: &[u8]) -> Result<i32> {
     Ok(0)
 }
 
-/// One call with `arg` (copied once: into the pool when it goes by Ref).
+/// One call of `method` with `arg` (copied once: into the pool when it
+/// goes by Ref) and `meta`.
 fn once(
     c: &Client,
     node: &Node,
-    method: &str,
-    arg: &[u8],
+    (method, arg, meta): (&str, &[u8], &Metadata),
     opts: CallOptions,
 ) -> Result<Payload, dm_rpc::RpcError> {
     let p = if arg.len() > node.config().inline_max {
@@ -198,7 +208,7 @@ fn once(
     } else {
         Payload::from_vec(arg.to_vec())
     };
-    c.call_with(method, p, opts)
+    c.call_with_metadata(method, p, opts, meta.clone())
 }
 
 fn us(d: Duration) -> f64 {
