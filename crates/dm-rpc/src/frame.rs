@@ -31,8 +31,8 @@
 //! reading the connection, and which requests it took: every request whose
 //! call id is above the frame's call id was never taken, and never will be
 //! (see [`crate::transport::GoAway`]). It carries nothing else.
-//! The decoder checks every field and every Ref encoding, bounds the payload
-//! by [`Limits`], returns `Ok(None)` when more bytes are needed (streams), and
+//! The decoder checks every field, every Ref encoding and every metadata
+//! entry, bounds the payload and the metadata by [`Limits`], returns `Ok(None)` when more bytes are needed (streams), and
 //! never panics, whatever the bytes: it is fuzzed (`fuzz/fuzz_targets/frame_decode.rs`).
 
 use crate::metadata::Metadata;
