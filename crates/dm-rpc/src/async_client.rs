@@ -890,7 +890,8 @@ impl Inner {
                 r.insert(&mut st, id, slot);
             }
             // (Kept until the answer: a refused request is sent again.)
-            let frame = Frame::request(id, method, deadline_us, body).with_meta(meta);
+            let mut frame = Frame::request(id, method, deadline_us, body);
+            frame.meta = meta;
             let sent = match lone {
                 Some(ref mut rx) => r.send_lone(&i.tx, &frame, deadline, rx),
                 None => r.send(&i.tx, &frame, deadline),

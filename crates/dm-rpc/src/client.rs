@@ -20,7 +20,7 @@
 //! ([`crate::reconnect`]).
 
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_REFUSED};
+use crate::frame::{method_id, Body, Frame, Kind, Limits, Status, FLAG_REFUSED};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
@@ -237,17 +237,16 @@ pub(crate) fn outgoing(
         }
     };
     // (The metadata travels in the frame too, within the receiver's limit.)
-    let max_meta = crate::frame::Limits::default().max_meta as usize;
-    if meta.encoded_len() > max_meta {
-        return Err(RpcError::invalid_argument(format!(
-            "metadata of {} bytes exceeds the limit of {max_meta}",
-            meta.encoded_len()
-        )));
+    let mut inline_max = node.cfg.inline_max.min(max_inline);
+    if !meta.is_empty() {
+        let (len, max_meta) = (meta.encoded_len(), Limits::default().max_meta as usize);
+        if len > max_meta {
+            return Err(RpcError::invalid_argument(format!(
+                "metadata of {len} bytes exceeds the limit of {max_meta}"
+            )));
+        }
+        inline_max = inline_max.min(max_inline.saturating_sub(len));
     }
-    let inline_max = node
-        .cfg
-        .inline_max
-        .min(max_inline.saturating_sub(meta.encoded_len()));
     let (body, lent) = payload.into_body(node, inline_max, Dir::Request, refs)?;
     crate::stats::count(&body, true);
     Ok(Outgoing {
@@ -692,7 +691,8 @@ impl Inner {
             st.waiting.push((id, None));
         }
         // (Kept until the answer: a refused request is sent again.)
-        let frame = Frame::request(id, method, deadline_us, body).with_meta(meta);
+        let mut frame = Frame::request(id, method, deadline_us, body);
+        frame.meta = meta;
         // Reading answers while it waits for room (see `send_reading`).
         let sent = self.send_reading(&frame, deadline, reader.as_mut());
         // (The error, and whether the connection broke: then the request

@@ -383,6 +383,7 @@ impl Frame {
     /// Calls `put` with the encoding in pieces (header, payload, metadata),
     /// so a transport can write a frame straight into its ring or socket
     /// buffer.
+    #[inline]
     pub fn encode_with(&self, mut put: impl FnMut(&[u8])) {
         put(&self.header());
         match &self.payload {
@@ -394,7 +395,9 @@ impl Frame {
                 }
             }
         }
-        self.meta.encode_with(&mut put);
+        if !self.meta.is_empty() {
+            self.meta.encode_with(&mut put);
+        }
     }
 
     /// Appends the encoding to `out`.
