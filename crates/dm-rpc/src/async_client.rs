@@ -844,17 +844,9 @@ impl Inner {
     /// Sends a request and awaits its answer. An idempotent one is treated
     /// as not run if the connection breaks before its answer.
     async fn send_and_wait(&self, out: Outgoing) -> Result<Payload, Failure> {
-        let Outgoing {
-            method,
-            body,
-            meta,
-            lent,
-            deadline,
-            deadline_us,
-            idempotent,
-        } = out;
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
+        let (frame, lent, deadline, idempotent) = out.into_frame(id);
         let r = &i.reader;
         if let Err(e) = r.ensure_reader() {
             lent.release(&i.node);
@@ -889,9 +881,6 @@ impl Inner {
                 };
                 r.insert(&mut st, id, slot);
             }
-            // (Kept until the answer: a refused request is sent again.)
-            let mut frame = Frame::request(id, method, deadline_us, body);
-            frame.meta = meta;
             let sent = match lone {
                 Some(ref mut rx) => r.send_lone(&i.tx, &frame, deadline, rx),
                 None => r.send(&i.tx, &frame, deadline),

@@ -185,6 +185,18 @@ pub(crate) struct Outgoing {
     pub(crate) idempotent: bool,
 }
 
+impl Outgoing {
+    /// Its request frame with call id `id`, and what the call keeps beside
+    /// it: what the argument lent, when it gives up, and whether it may
+    /// run twice. (The frame is kept until the answer: a request known
+    /// not to have run is sent again.)
+    pub(crate) fn into_frame(self, id: u64) -> (Frame, Lent, Option<Instant>, bool) {
+        let mut frame = Frame::request(id, self.method, self.deadline_us, self.body);
+        frame.meta = self.meta;
+        (frame, self.lent, self.deadline, self.idempotent)
+    }
+}
+
 /// When a call with `opts` gives up (the earlier of its own deadline, or
 /// the node's default, and the served one unless detached), and whether
 /// the served call's caller gave up already.
@@ -661,17 +673,9 @@ impl Inner {
     /// Sends a request and waits for its answer. An idempotent one is
     /// treated as not run if the connection breaks before its answer.
     fn send_and_wait(&self, out: Outgoing) -> Result<Payload, Failure> {
-        let Outgoing {
-            method,
-            body,
-            meta,
-            lent,
-            deadline,
-            deadline_us,
-            idempotent,
-        } = out;
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
+        let (frame, lent, deadline, idempotent) = out.into_frame(id);
         // Nobody reading answers: read our own (taken before sending, so
         // no one else can take our answer).
         let mut reader = if i.broken.load(Ordering::Acquire) {
@@ -690,9 +694,6 @@ impl Inner {
             }
             st.waiting.push((id, None));
         }
-        // (Kept until the answer: a refused request is sent again.)
-        let mut frame = Frame::request(id, method, deadline_us, body);
-        frame.meta = meta;
         // Reading answers while it waits for room (see `send_reading`).
         let sent = self.send_reading(&frame, deadline, reader.as_mut());
         // (The error, and whether the connection broke: then the request
