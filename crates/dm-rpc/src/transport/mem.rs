@@ -3,12 +3,14 @@
 //! when the other end is dropped). Services bound on it are found by name
 //! in a process-wide table, not in the pool's registry.
 
-use super::{ConnId, Connection, FrameRx, FrameTx, GoAwayWord, Listener, TransportError, Waker};
+use super::{
+    ConnId, Connection, FrameRx, FrameTx, GoAway, GoAwayWord, Listener, TransportError, Waker,
+};
 use crate::frame::Frame;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// Frames a queue holds before its sender waits.
@@ -17,7 +19,7 @@ pub const QUEUE_DEPTH: usize = 256;
 pub const MAX_INLINE: usize = 128 << 10;
 
 enum Event {
-    Open(ConnId, SyncSender<Frame>, Arc<GoAwayWord>),
+    Open(ConnId, SyncSender<Frame>, Arc<MemGoAway>),
     Frame(ConnId, Frame),
     Close(ConnId),
     Wake,
@@ -26,7 +28,7 @@ enum Event {
 /// The services bound in this process: each name's binding (a number no
 /// other binding of this process gets, so a client can tell a service
 /// bound again from the one it lost) and its queue.
-type Table = HashMap<String, (u64, SyncSender<Event>)>;
+type Table = HashMap<String, (u64, SyncSender<Event>, Weak<()>)>;
 
 fn table() -> &'static Mutex<Table> {
     static T: OnceLock<Mutex<Table>> = OnceLock::new();
@@ -42,12 +44,42 @@ struct MemConn {
     /// The highest call id of the requests taken, said in `goaway` when
     /// the server stops.
     taken: u64,
-    goaway: Arc<GoAwayWord>,
+    goaway: Arc<MemGoAway>,
+}
+
+/// What a connection's listener says when it stops, and whether it ever
+/// let the connection in: a listener gone without letting it in took
+/// nothing from it (it drops the frames of connections it does not know).
+#[derive(Debug)]
+struct MemGoAway {
+    word: GoAwayWord,
+    opened: AtomicBool,
+    listener: Weak<()>,
+}
+
+impl GoAway for MemGoAway {
+    fn unread(&self, id: u64) -> bool {
+        if self.word.unread(id) {
+            return true;
+        }
+        if self.listener.strong_count() > 0 {
+            return false;
+        }
+        // (Pairs with the release of the listener's last reference: what
+        // it did before it went is seen.)
+        std::sync::atomic::fence(Ordering::Acquire);
+        !self.opened.load(Ordering::Acquire)
+    }
 }
 
 /// A service bound on the in-memory transport.
 #[derive(Debug)]
 pub struct MemListener {
+    /// Dropped with the listener, first (before the queue and the answer
+    /// senders whose loss its clients see): a client that finds its
+    /// connection gone then knows whether it was ever let in
+    /// ([`MemGoAway`]).
+    _alive: Arc<()>,
     name: String,
     rx: Receiver<Event>,
     tx: SyncSender<Event>,
@@ -65,7 +97,11 @@ pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
     }
     let (tx, rx) = sync_channel(QUEUE_DEPTH);
     let binding = IDS.fetch_add(1, Ordering::Relaxed);
-    t.insert(name.to_owned(), (binding, tx.clone()));
+    let alive = Arc::new(());
+    t.insert(
+        name.to_owned(),
+        (binding, tx.clone(), Arc::downgrade(&alive)),
+    );
     Some(MemListener {
         name: name.to_owned(),
         rx,
@@ -73,6 +109,7 @@ pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
         conns: HashMap::new(),
         stop,
         binding,
+        _alive: alive,
     })
 }
 
@@ -89,7 +126,7 @@ impl MemListener {
 /// on, new ones are refused.
 pub fn unbind(name: &str, binding: u64) {
     let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
-    if t.get(name).is_some_and(|(b, _)| *b == binding) {
+    if t.get(name).is_some_and(|(b, _, _)| *b == binding) {
         t.remove(name);
     }
 }
@@ -105,7 +142,7 @@ pub fn binding(name: &str) -> Option<u64> {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get(name)
-        .map(|(b, _)| *b)
+        .map(|(b, _, _)| *b)
 }
 
 impl Drop for MemListener {
@@ -137,16 +174,20 @@ pub fn connect(name: &str) -> Result<Connection, TransportError> {
 /// Connects to `name` in this process if it is still bound as `binding`
 /// ([`binding`]; None: however it is bound).
 pub fn connect_to(name: &str, binding: Option<u64>) -> Result<Connection, TransportError> {
-    let tx = table()
+    let (tx, alive) = table()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get(name)
-        .filter(|(b, _)| binding.is_none_or(|want| want == *b))
-        .map(|(_, tx)| tx.clone())
+        .filter(|(b, _, _)| binding.is_none_or(|want| want == *b))
+        .map(|(_, tx, alive)| (tx.clone(), alive.clone()))
         .ok_or_else(|| TransportError::Unavailable(format!("no in-process service {name:?}")))?;
     let id = IDS.fetch_add(1, Ordering::Relaxed);
     let (rtx, rrx) = sync_channel(QUEUE_DEPTH);
-    let goaway = Arc::new(GoAwayWord::default());
+    let goaway = Arc::new(MemGoAway {
+        word: GoAwayWord::default(),
+        opened: AtomicBool::new(false),
+        listener: alive,
+    });
     tx.send(Event::Open(id, rtx, goaway.clone()))
         .map_err(|_| TransportError::Unavailable(format!("service {name:?} is gone")))?;
     Ok(Connection {
@@ -255,6 +296,7 @@ impl Listener for MemListener {
             };
             match ev {
                 Ok(Event::Open(id, answers, goaway)) => {
+                    goaway.opened.store(true, Ordering::Release);
                     let c = MemConn {
                         answers,
                         taken: 0,
@@ -315,21 +357,12 @@ impl Listener for MemListener {
         self.conns.len()
     }
 
-    /// Says each connection's go-away, opening first the connections whose
-    /// clients wait to be let in (they took nothing); the queue, with the
-    /// frames nobody took, goes with the listener.
+    /// Says each connection's go-away; the queue, with the frames nobody
+    /// took, goes with the listener (and with it the connections never let
+    /// in, whose clients know that nothing of theirs was taken).
     fn go_away(&mut self) {
-        while let Ok(ev) = self.rx.try_recv() {
-            match ev {
-                Event::Open(_, _, goaway) => goaway.say(0),
-                Event::Close(id) => {
-                    self.conns.remove(&id);
-                }
-                Event::Frame(..) | Event::Wake => {}
-            }
-        }
         for c in self.conns.values() {
-            c.goaway.say(c.taken);
+            c.goaway.word.say(c.taken);
         }
     }
 
@@ -338,5 +371,36 @@ impl Listener for MemListener {
         Waker(Arc::new(move || {
             let _ = tx.try_send(Event::Wake);
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::frame::Body;
+
+    /// A listener that stops before it lets a connection in (its `Open`
+    /// still queued) took none of its requests, and its client knows.
+    #[test]
+    fn a_connection_never_let_in_knows_nothing_was_taken() {
+        let name = format!("test/mem/never/{}", std::process::id());
+        let l = bind(&name, Arc::new(AtomicBool::new(false))).unwrap();
+        let mut c = connect(&name).unwrap();
+        let f = Frame::request(1, 1, 0, Body::Inline(vec![1]));
+        assert!(c.tx.send(&f, None).unwrap());
+        assert!(!c.goaway.unread(1), "not known while the listener lives");
+        drop(l);
+        assert!(c.rx.recv(None).is_err(), "the connection closed");
+        assert!(c.goaway.unread(1), "never let in: not taken");
+        // Let in, then gone without a word: nobody knows.
+        let mut l = bind(&name, Arc::new(AtomicBool::new(false))).unwrap();
+        let mut c = connect(&name).unwrap();
+        assert!(c.tx.send(&f, None).unwrap());
+        let soon = Some(Instant::now() + Duration::from_secs(5));
+        assert_eq!(l.next(soon).unwrap().unwrap().1.call_id, 1);
+        drop(l);
+        assert!(c.rx.recv(None).is_err());
+        assert!(!c.goaway.unread(1) && !c.goaway.unread(2));
     }
 }
