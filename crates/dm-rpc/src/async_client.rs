@@ -43,6 +43,7 @@
 
 use crate::client::{
     answer, orphan, outgoing, refusal, send_holding_rx, send_unheld, Failure, Outgoing, Refused,
+    Reply,
 };
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status, FLAG_REFUSED};
@@ -60,7 +61,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
-type Reply = oneshot::Sender<Result<Frame, RpcError>>;
+type AnswerTx = oneshot::Sender<Result<Frame, RpcError>>;
 
 /// Where a pending call's answer goes.
 enum Slot {
@@ -72,7 +73,7 @@ enum Slot {
     /// someone else while the call spun.
     Ready(Result<Frame, RpcError>),
     /// The call awaits its answer on this channel.
-    Waiting(Reply),
+    Waiting(AnswerTx),
 }
 
 /// Call ids are a counter: one multiplication spreads them over the whole
@@ -768,6 +769,20 @@ impl AsyncClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Payload, RpcError> {
+        let r = self.call_full(method, payload, opts, meta).await;
+        r.map(|r| r.payload)
+    }
+
+    /// Calls `method` with options and metadata, and returns the answer
+    /// with the metadata its handler set (on a failure, the error carries
+    /// it: [`RpcError::metadata`]).
+    pub async fn call_full(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Reply, RpcError> {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
         let mut opts = opts;
@@ -829,21 +844,21 @@ impl Inner {
         payload: Payload,
         opts: CallOptions,
         meta: Metadata,
-    ) -> Result<Payload, Failure> {
+    ) -> Result<Reply, Failure> {
         let (node, refs) = (&self.node, self.refs);
         let out = outgoing(node, self.max_inline, refs, method, payload, opts, meta)?;
         self.send_and_wait(out).await
     }
 
     /// Sends again, on this connection, a request another refused.
-    async fn resend(&self, r: Refused) -> Result<Payload, Failure> {
+    async fn resend(&self, r: Refused) -> Result<Reply, Failure> {
         let req = r.left(&self.node, &self.name)?;
         self.send_and_wait(req).await
     }
 
     /// Sends a request and awaits its answer. An idempotent one is treated
     /// as not run if the connection breaks before its answer.
-    async fn send_and_wait(&self, out: Outgoing) -> Result<Payload, Failure> {
+    async fn send_and_wait(&self, out: Outgoing) -> Result<Reply, Failure> {
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         let (frame, lent, deadline, idempotent) = out.into_frame(id);

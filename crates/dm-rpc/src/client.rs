@@ -272,15 +272,33 @@ pub(crate) fn outgoing(
     })
 }
 
+/// A call's answer with the metadata its handler set
+/// ([`crate::metadata::set_reply`]); see [`Client::call_full`].
+#[derive(Debug, Default)]
+pub struct Reply {
+    /// What the handler returned.
+    pub payload: Payload,
+    /// The answer's metadata (empty if the handler set none).
+    pub metadata: Metadata,
+}
+
 /// Turns an answer frame into the call's result, ending what the
 /// argument lent.
-pub(crate) fn answer(node: &Node, f: Frame, lent: Lent) -> Result<Payload, RpcError> {
+pub(crate) fn answer(node: &Node, f: Frame, lent: Lent) -> Result<Reply, RpcError> {
     crate::stats::count(&f.payload, false);
-    if f.status == Status::Ok {
-        return lent.answer(node, f.flags, f.payload);
+    let Frame {
+        status,
+        flags,
+        payload,
+        meta: metadata,
+        ..
+    } = f;
+    if status == Status::Ok {
+        let payload = lent.answer(node, flags, payload)?;
+        return Ok(Reply { payload, metadata });
     }
     lent.release(node);
-    Err(RpcError::new(f.status, message_of(f.payload)))
+    Err(RpcError::new(status, message_of(payload)).with_metadata(metadata))
 }
 
 /// How a call on one connection failed.
@@ -597,6 +615,20 @@ impl Client {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Payload, RpcError> {
+        self.call_full(method, payload, opts, meta)
+            .map(|r| r.payload)
+    }
+
+    /// Calls `method` with options and metadata, and returns the answer
+    /// with the metadata its handler set (on a failure, the error carries
+    /// it: [`RpcError::metadata`]).
+    pub fn call_full(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Reply, RpcError> {
         let mut c = self.h.live();
         let mut opts = opts;
         if c.is_spent() {
@@ -658,21 +690,21 @@ impl Inner {
         payload: Payload,
         opts: CallOptions,
         meta: Metadata,
-    ) -> Result<Payload, Failure> {
+    ) -> Result<Reply, Failure> {
         let (node, refs) = (&self.node, self.refs);
         let out = outgoing(node, self.max_inline, refs, method, payload, opts, meta)?;
         self.send_and_wait(out)
     }
 
     /// Sends again, on this connection, a request another refused.
-    fn resend(&self, r: Refused) -> Result<Payload, Failure> {
+    fn resend(&self, r: Refused) -> Result<Reply, Failure> {
         let req = r.left(&self.node, &self.name)?;
         self.send_and_wait(req)
     }
 
     /// Sends a request and waits for its answer. An idempotent one is
     /// treated as not run if the connection breaks before its answer.
-    fn send_and_wait(&self, out: Outgoing) -> Result<Payload, Failure> {
+    fn send_and_wait(&self, out: Outgoing) -> Result<Reply, Failure> {
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
         let (frame, lent, deadline, idempotent) = out.into_frame(id);

@@ -1,6 +1,7 @@
 //! The typed error every call returns: a [`Status`] and a message.
 
 use crate::frame::Status;
+use crate::metadata::Metadata;
 use crate::transport::TransportError;
 
 /// A failed call.
@@ -11,6 +12,11 @@ pub struct RpcError {
     pub status: Status,
     /// What happened, for people.
     pub message: String,
+    /// The metadata the failed call's answer carried (empty unless its
+    /// handler set some, [`crate::metadata::set_reply`], or returned an
+    /// error carrying some). A handler's error keeps it: returning a
+    /// nested call's error passes its metadata on.
+    pub metadata: Metadata,
 }
 
 impl RpcError {
@@ -19,7 +25,14 @@ impl RpcError {
         RpcError {
             status,
             message: message.into(),
+            metadata: Metadata::new(),
         }
+    }
+
+    /// This error, carrying `metadata` (to its caller, when a handler
+    /// returns it).
+    pub fn with_metadata(self, metadata: Metadata) -> Self {
+        RpcError { metadata, ..self }
     }
 
     /// No such service or method.
@@ -92,6 +105,16 @@ impl From<dm_pool::Error> for RpcError {
             _ => Status::Internal,
         };
         RpcError::new(status, e.to_string())
+    }
+}
+
+impl From<crate::metadata::MetadataError> for RpcError {
+    fn from(e: crate::metadata::MetadataError) -> Self {
+        use crate::metadata::MetadataError as E;
+        match e {
+            E::Key(_) | E::Value(_) => RpcError::invalid_argument(e.to_string()),
+            E::NotServing => RpcError::internal(e.to_string()),
+        }
     }
 }
 

@@ -1,8 +1,8 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 5).
+//! Where frames are parsed: the wire format of dmrpc calls (version 6).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
-//! two belongs to the layer above), then the request's metadata, if any
+//! two belongs to the layer above), then the call's metadata, if any
 //! ([`crate::metadata`]). All integers are little-endian.
 //!
 //! | bytes  | field        | notes                                                  |
@@ -17,7 +17,7 @@
 //! | 16..20 | method       | [`method_id`] of the method's full name (requests)     |
 //! | 20..24 | deadline     | microseconds the caller will wait, 0 = none (requests) |
 //! | 24..28 | length       | payload bytes                                          |
-//! | 28..32 | meta length  | bytes of metadata after the payload (requests), 0 none |
+//! | 28..32 | meta length  | bytes of metadata after the payload (requests, answers) |
 //!
 //! A Refs payload is one or more 40-byte encoded Refs (`dm_pool::refs`).
 //! An answer's Ref is made for its caller, who releases it, except in an
@@ -40,8 +40,9 @@ use dm_pool::{Ref, RefDecodeError};
 
 /// Frame encoding version written and read by this build. History: 1 —
 /// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`]; 4 — [`Kind::GoAway`];
-/// 5 — request metadata (header bytes 28..32, reserved before).
-pub const FRAME_VERSION: u8 = 5;
+/// 5 — request metadata (header bytes 28..32, reserved before); 6 —
+/// answers carry metadata too.
+pub const FRAME_VERSION: u8 = 6;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
 pub const FLAG_ECHO: u16 = 1;
@@ -164,7 +165,7 @@ pub struct Frame {
     pub flags: u16,
     /// Body.
     pub payload: Body,
-    /// The request's metadata (requests only; empty otherwise).
+    /// The call's metadata (requests and answers; empty otherwise).
     pub meta: Metadata,
 }
 
@@ -291,7 +292,7 @@ impl Frame {
         }
     }
 
-    /// This request, with `meta`.
+    /// This request or answer, with `meta`.
     pub fn with_meta(self, meta: Metadata) -> Frame {
         Frame { meta, ..self }
     }
@@ -569,8 +570,10 @@ impl Head {
                     "only an Unavailable answer refuses its request",
                 ))
             }
-            _ if meta != 0 && kind != Kind::Request => {
-                return Err(FrameError::Inconsistent("only requests carry metadata"))
+            _ if meta != 0 && !matches!(kind, Kind::Request | Kind::Response) => {
+                return Err(FrameError::Inconsistent(
+                    "only requests and answers carry metadata",
+                ))
             }
             _ => {}
         }
@@ -737,7 +740,7 @@ mod tests {
                 )
             }),
         ];
-        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..7).prop_map(|(id, m, dl, p, k)| {
+        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..8).prop_map(|(id, m, dl, p, k)| {
             match (k, p) {
                 (0, p) => Frame::request(id, m, dl, p),
                 (1, p) => Frame::response(id, Status::Ok, p),
@@ -750,6 +753,18 @@ mod tests {
                         .and_then(|m| m.with("x", vec![0; (dl % 300) as usize]))
                         .unwrap_or_default();
                     Frame::request(id, m, dl, p).with_meta(meta)
+                }
+                (6, p) => {
+                    let meta = crate::metadata::Metadata::new()
+                        .with("retry-after-ms", dl.to_string())
+                        .unwrap_or_default();
+                    let answer = match p {
+                        p if id % 2 == 0 => Frame::response(id, Status::Ok, p),
+                        // (An error's payload is its message, if any.)
+                        Body::Refs(_) => Frame::response(id, Status::Internal, Body::None),
+                        p => Frame::response(id, Status::ResourceExhausted, p),
+                    };
+                    answer.with_meta(meta)
                 }
                 _ => Frame::cancel(id),
             }
@@ -881,7 +896,8 @@ mod tests {
                 max: l.max_meta
             })
         );
-        // Metadata: only on requests, and well formed, in both decoders.
+        // Metadata: only on requests and answers, and well formed, in both
+        // decoders.
         let meta = crate::metadata::Metadata::new()
             .with("trace-id", "t1")
             .unwrap();
@@ -902,11 +918,15 @@ mod tests {
             Frame::decode_record(&upper[..HEADER_LEN], rest, &l),
             Err(FrameError::Metadata(_))
         ));
-        let mut answer = Frame::response(4, Status::Ok, Body::None).encode();
-        answer[28] = 3;
-        answer.extend_from_slice(&[1, b'k', 0]);
+        let meta = crate::metadata::Metadata::new().with("k", "v").unwrap();
+        let answer = Frame::response(4, Status::Internal, Body::None).with_meta(meta);
+        let b = answer.encode();
+        assert_eq!(Frame::decode(&b, &l), Ok(Some((answer, b.len()))));
+        let mut cancel = Frame::cancel(4).encode();
+        cancel[28] = 3;
+        cancel.extend_from_slice(&[1, b'k', 0]);
         assert!(matches!(
-            Frame::decode(&answer, &l),
+            Frame::decode(&cancel, &l),
             Err(FrameError::Inconsistent(_))
         ));
         assert_eq!(bad(6, 3), Err(FrameError::PayloadKind(3)));

@@ -76,7 +76,7 @@ pub mod transport;
 #[cfg(not(loom))]
 pub use async_client::AsyncClient;
 #[cfg(not(loom))]
-pub use client::{CallOptions, Client};
+pub use client::{CallOptions, Client, Reply};
 #[cfg(not(loom))]
 pub use error::RpcError;
 #[cfg(not(loom))]

@@ -2,8 +2,17 @@
 //! an authentication token, a tenant), apart from the payload, as gRPC's
 //! metadata. The handler reads them ([`crate::server::Call::metadata`]).
 //!
-//! In a frame (version 5) they follow the payload, `meta length` bytes
-//! (header bytes 28..32) of entries, each:
+//! An answer carries metadata too (gRPC's response headers and trailers:
+//! a server's version, a cost, a hint to retry after some time), set by
+//! the handler while it serves the call ([`set_reply`]), on a success or
+//! an error alike, and read by the caller from
+//! [`Reply::metadata`](crate::client::Reply) or
+//! [`RpcError::metadata`](crate::RpcError). An error a handler returns
+//! keeps the metadata it carries (that of a nested call's answer, say),
+//! after what the handler set.
+//!
+//! In a frame (version 6; requests only in version 5) they follow the
+//! payload, `meta length` bytes (header bytes 28..32) of entries, each:
 //!
 //! | bytes | field |
 //! |-------|-------|
@@ -17,6 +26,7 @@
 //! [`Limits::max_meta`](crate::frame::Limits) bytes.
 
 use crate::frame::FrameError;
+use std::cell::Cell;
 
 /// Longest key.
 pub const MAX_KEY: usize = 255;
@@ -41,6 +51,54 @@ pub enum MetadataError {
     /// Longer than [`MAX_VALUE`].
     #[error("metadata value of {0} bytes exceeds {MAX_VALUE}")]
     Value(usize),
+    /// [`set_reply`] on a thread that serves no call.
+    #[error("no call is being served on this thread: there is no answer to carry metadata")]
+    NotServing,
+}
+
+thread_local! {
+    /// Where the metadata of the answer to the call this thread serves
+    /// goes (a blocking handler runs on it, or an async handler's future
+    /// is being polled on it): the serving frame's slot, installed by
+    /// [`replying`]; null when it serves none. (A pointer, not the
+    /// metadata: no destructor to register, one load and one store a call.)
+    static REPLY: Cell<*mut Metadata> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+/// Sets the metadata of the answer to the call being served on this
+/// thread, replacing what was set before: a blocking handler calls it
+/// while it runs, an async handler's future anywhere in its body (it runs
+/// while polled). It goes with the answer whether the handler succeeds or
+/// fails. Fails with [`MetadataError::NotServing`] on a thread that serves
+/// no call (a thread or task the handler started). An answer's metadata
+/// counts against the frame limit as a request's does; a handler whose
+/// answer's metadata exceeds it fails with `Internal`.
+pub fn set_reply(meta: Metadata) -> Result<(), MetadataError> {
+    let slot = REPLY.with(Cell::get);
+    if slot.is_null() {
+        return Err(MetadataError::NotServing);
+    }
+    // SAFETY: `replying` installed the pointer from a live `&mut`, which
+    // nothing else uses until it returns, and removes it before that
+    // borrow ends (on return or unwind); it is used only on this thread.
+    // (The old value is dropped here, outside any other access.)
+    unsafe { *slot = meta };
+    Ok(())
+}
+
+/// Runs `f` as the serving of a call whose answer's metadata is `*reply`
+/// so far: what [`set_reply`] sets meanwhile goes to `*reply` (a
+/// handler's panic included).
+pub(crate) fn replying<R>(reply: &mut Metadata, f: impl FnOnce() -> R) -> R {
+    /// Puts the outer slot back when dropped.
+    struct Back(*mut Metadata);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            REPLY.with(|r| r.set(self.0));
+        }
+    }
+    let _back = Back(REPLY.with(|r| r.replace(reply)));
+    f()
 }
 
 fn valid_key(k: &[u8]) -> bool {
@@ -102,6 +160,15 @@ impl Metadata {
         self.entries()
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_slice()))
+    }
+
+    /// Adds every entry of `other` after its own.
+    pub fn extend(&mut self, other: Metadata) {
+        let Some(more) = other.0 else { return };
+        match &mut self.0 {
+            Some(mine) => mine.extend(*more),
+            None => self.0 = Some(more),
+        }
     }
 
     /// Whether there is none.
@@ -206,5 +273,37 @@ mod tests {
         upper[1] = b'T';
         assert!(Metadata::decode(&upper).is_err());
         assert!(Metadata::decode(&[0, 0, 0]).is_err(), "an empty key");
+    }
+
+    #[test]
+    fn an_answers_metadata_is_set_only_while_a_call_is_served() {
+        let m = |v: &str| Metadata::new().with("k", v).unwrap();
+        assert_eq!(set_reply(m("x")), Err(MetadataError::NotServing));
+        let mut outer = m("before");
+        replying(&mut outer, || {
+            set_reply(m("outer")).unwrap();
+            let mut inner = Metadata::new();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                replying(&mut inner, || {
+                    set_reply(m("inner")).unwrap();
+                    panic!("handler bug")
+                })
+            }));
+            assert!(r.is_err());
+            assert_eq!(inner, m("inner"), "kept through the panic");
+            // Another thread serves nothing.
+            let other = std::thread::spawn(|| set_reply(Metadata::new()));
+            assert_eq!(other.join().unwrap(), Err(MetadataError::NotServing));
+        });
+        assert_eq!(outer, m("outer"));
+        assert_eq!(set_reply(m("x")), Err(MetadataError::NotServing));
+        // Set or not, the slot carries over between the polls of one call.
+        let mut slot = m("first poll");
+        replying(&mut slot, || ());
+        assert_eq!(slot, m("first poll"));
+        let mut both = m("a");
+        both.extend(m("b"));
+        both.extend(Metadata::new());
+        assert_eq!(both.get_all("k").collect::<Vec<_>>(), [b"a", b"b"]);
     }
 }

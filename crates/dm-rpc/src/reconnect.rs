@@ -43,7 +43,6 @@
 use crate::client::Failure;
 use crate::error::RpcError;
 use crate::node::Node;
-use crate::payload::Payload;
 use crate::transport::Connection;
 use arc_swap::{ArcSwap, Guard};
 use dm_pool::{Endpoint, ServiceInfo};
@@ -272,7 +271,7 @@ impl<C: Connected> Redial<C> {
     /// `Unavailable` answer makes the client look whether the service
     /// moved ([`recheck`](Self::recheck)).
     #[inline]
-    pub(crate) fn settle(&self, c: &C, r: Result<Payload, Failure>) -> Result<Payload, RpcError> {
+    pub(crate) fn settle<T>(&self, c: &C, r: Result<T, Failure>) -> Result<T, RpcError> {
         r.map_err(|f| self.settle_failure(c, f))
     }
 

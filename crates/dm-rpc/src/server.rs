@@ -35,8 +35,8 @@
 
 use crate::async_client::polling_with;
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, Status};
-use crate::metadata::Metadata;
+use crate::frame::{method_id, Body, Frame, Kind, Limits, Status};
+use crate::metadata::{Metadata, MetadataError};
 use crate::node::{Node, Transport};
 use crate::payload::{Dir, Payload};
 use crate::transport::{ConnId, Listener, Waker, WatchSet};
@@ -110,6 +110,15 @@ pub struct AsyncCall {
     pub metadata: Metadata,
 }
 
+impl AsyncCall {
+    /// Sets the metadata of this call's answer, replacing what was set
+    /// before: from the handler's future itself, not from a task it
+    /// spawned ([`crate::metadata::set_reply`]).
+    pub fn set_reply_metadata(&self, meta: Metadata) -> Result<(), MetadataError> {
+        crate::metadata::set_reply(meta)
+    }
+}
+
 /// One call, as a handler sees it.
 #[derive(Debug)]
 pub struct Call<'a> {
@@ -153,6 +162,12 @@ impl Call<'_> {
     /// The request's metadata (empty if the caller sent none).
     pub fn metadata(&self) -> &Metadata {
         &self.metadata
+    }
+
+    /// Sets the metadata of this call's answer, replacing what was set
+    /// before: from the handler's thread ([`crate::metadata::set_reply`]).
+    pub fn set_reply_metadata(&mut self, meta: Metadata) -> Result<(), MetadataError> {
+        crate::metadata::set_reply(meta)
     }
 
     /// This process's node, for nested calls.
@@ -512,6 +527,8 @@ struct Task {
     deadline: Option<Instant>,
     fut: HandlerFuture,
     waker: std::task::Waker,
+    /// The answer's metadata as the handler set it so far.
+    reply: Metadata,
 }
 
 /// The waker of slot `slot`'s call: queues the slot and pokes the
@@ -669,6 +686,8 @@ impl Dispatcher {
         };
         // Cancels of async calls read while a blocking handler ran.
         let mut later = Vec::new();
+        // The answer's metadata, as the handler sets it.
+        let mut reply = Metadata::new();
         let result = if deadline.is_some_and(|d| Instant::now() >= d) {
             self.stats.expired.fetch_add(1, Ordering::Relaxed);
             Err(RpcError::deadline_exceeded(
@@ -691,11 +710,16 @@ impl Dispatcher {
                                 // its first await.
                                 let _rt = self.rt.as_ref().map(|rt| rt.enter());
                                 let h = h.clone();
-                                polling_with(self.watch.as_ref(), || guarded(deadline, || h(call)))
+                                polling_with(self.watch.as_ref(), || {
+                                    crate::metadata::replying(&mut reply, || {
+                                        guarded(deadline, || h(call))
+                                    })
+                                })
                             };
                             match fut {
                                 Ok(fut) => {
-                                    self.start_async(to, frame.method, deadline, fut);
+                                    let reply = std::mem::take(&mut reply);
+                                    self.start_async(to, frame.method, deadline, fut, reply);
                                     self.drain();
                                     return;
                                 }
@@ -724,7 +748,8 @@ impl Dispatcher {
                         seen
                     };
                     let req = (frame.payload, frame.meta);
-                    run_handler(h, name, &self.node, req, deadline, &mut check)
+                    let answer = (deadline, &mut reply);
+                    run_handler(h, name, &self.node, req, answer, &mut check)
                 }
                 None => Err(RpcError::not_found(format!(
                     "no method with id {:#x}",
@@ -735,12 +760,19 @@ impl Dispatcher {
         for (conn, id) in later {
             self.cancel_task(conn, id);
         }
-        self.answer(to, result);
+        self.answer(to, result, reply);
     }
 
     /// Starts an async handler's call: polls it at once (it runs up to
     /// its first await), and keeps it until it completes.
-    fn start_async(&mut self, to: To, method: u32, deadline: Option<Instant>, fut: HandlerFuture) {
+    fn start_async(
+        &mut self,
+        to: To,
+        method: u32,
+        deadline: Option<Instant>,
+        fut: HandlerFuture,
+        reply: Metadata,
+    ) {
         let t = &mut self.tasks;
         let slot = t.free.pop().unwrap_or_else(|| {
             t.slots.push(None);
@@ -757,6 +789,7 @@ impl Dispatcher {
             deadline,
             fut,
             waker,
+            reply,
         });
         self.poll_task(slot);
     }
@@ -789,10 +822,8 @@ impl Dispatcher {
             });
         }
         self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-        self.answer(
-            to,
-            Err(RpcError::new(Status::Cancelled, "cancelled by the caller")),
-        );
+        let cancelled = RpcError::new(Status::Cancelled, "cancelled by the caller");
+        self.answer(to, Err(cancelled), Metadata::new());
     }
 
     /// Polls the calls whose futures were woken, until none is.
@@ -832,8 +863,11 @@ impl Dispatcher {
         let polled = {
             let _rt = self.rt.as_ref().map(|rt| rt.enter());
             let mut cx = std::task::Context::from_waker(&task.waker);
+            let (fut, reply) = (&mut task.fut, &mut task.reply);
             polling_with(self.watch.as_ref(), || {
-                guarded(task.deadline, || task.fut.as_mut().poll(&mut cx))
+                crate::metadata::replying(reply, || {
+                    guarded(task.deadline, || fut.as_mut().poll(&mut cx))
+                })
             })
         };
         let r = match polled {
@@ -846,14 +880,32 @@ impl Dispatcher {
         };
         if let Some(t) = self.tasks.slots[slot].take() {
             self.tasks.free.push(slot);
-            self.answer(t.to, r);
+            self.answer(t.to, r, t.reply);
         }
     }
 
-    /// Sends the answer to a call.
-    fn answer(&mut self, to: To, result: Result<Payload, RpcError>) {
+    /// Sends the answer to a call, with `meta` (what its handler set).
+    fn answer(&mut self, to: To, result: Result<Payload, RpcError>, mut meta: Metadata) {
         let To { conn, id, echo } = to;
-        let inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
+        let mut inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
+        let mut result = result;
+        if let Err(e) = &mut result {
+            // The metadata the error carries (a nested call's answer's)
+            // goes on, after the handler's.
+            meta.extend(std::mem::take(&mut e.metadata));
+        }
+        if !meta.is_empty() {
+            // (The metadata travels in the frame too, within the limit.)
+            let (len, max_meta) = (meta.encoded_len(), Limits::default().max_meta as usize);
+            if len > max_meta {
+                result = Err(RpcError::internal(format!(
+                    "the answer's metadata of {len} bytes exceeds the limit of {max_meta}"
+                )));
+                meta = Metadata::new();
+            } else {
+                inline_max = inline_max.min(self.listener.max_inline().saturating_sub(len));
+            }
+        }
         let refs = self.listener.refs(conn);
         let dir = Dir::Answer(echo);
         let (status, body, made, echoed) =
@@ -875,11 +927,14 @@ impl Dispatcher {
         }
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         crate::stats::count(&body, true);
-        let frame = match (body, echo) {
+        let mut frame = match (body, echo) {
             // The request's own Ref, passed back.
             (Body::Refs(_), Some(r)) if echoed => Frame::echo(id, r),
             (body, _) => Frame::response(id, status, body),
         };
+        if !meta.is_empty() {
+            frame.meta = meta;
+        }
         let sent = self.listener.reply(conn, &frame);
         if sent.is_err() {
             // The caller is gone: the answer's Ref is ours to release.
@@ -956,7 +1011,7 @@ fn run_handler(
     name: &str,
     node: &Node,
     (body, metadata): (Body, Metadata),
-    deadline: Option<Instant>,
+    (deadline, reply): (Option<Instant>, &mut Metadata),
     cancelled: &mut dyn FnMut() -> bool,
 ) -> Result<Payload, RpcError> {
     crate::stats::count(&body, false);
@@ -968,7 +1023,8 @@ fn run_handler(
         node,
         metadata,
     };
-    match crate::deadline::watching(cancelled, || guarded(deadline, || h(&mut call))) {
+    let run = || guarded(deadline, || h(&mut call));
+    match crate::deadline::watching(cancelled, || crate::metadata::replying(reply, run)) {
         Ok(r) => r,
         Err(p) => Err(panicked(name, &*p)),
     }

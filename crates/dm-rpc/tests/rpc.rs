@@ -2221,6 +2221,178 @@ fn metadata_reaches_the_handler_over_every_transport() {
     assert_clean_after_pumps(&tp);
 }
 
+/// Metadata from `pairs`.
+fn md(pairs: &[(&str, &str)]) -> dm_rpc::Metadata {
+    let mut m = dm_rpc::Metadata::new();
+    for (k, v) in pairs {
+        m.insert(k, *v).unwrap();
+    }
+    m
+}
+
+/// An answer carries the metadata its handler set (blocking and async
+/// handlers, over several polls, from blocking and async clients), on a
+/// success, an answer passing its request's Ref back, an error, and an
+/// error passed on from a nested call, over every transport; a handler
+/// that sets too much fails with `Internal`, and one that sets it from a
+/// thread it started learns that nothing serves there. The largest inline
+/// answer still fits beside its metadata.
+#[test]
+fn answers_carry_the_metadata_their_handler_set_over_every_transport() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let by_value = Node::with_config(
+        tp.attach(),
+        Config {
+            inline_max: usize::MAX,
+            ..Default::default()
+        },
+    );
+    let rt = current_thread_rt();
+    let big = pattern(300_000, 5);
+    for t in every_transport() {
+        let upstream = unique("reply-up");
+        let up = node
+            .server(&upstream)
+            .transport(t.clone())
+            .method("busy", |c| {
+                c.set_reply_metadata(md(&[("retry-after-ms", "250")]))?;
+                Err(RpcError::resource_exhausted("busy"))
+            })
+            .spawn()
+            .unwrap();
+        let name = unique("reply");
+        let up_client = node.connect(&upstream).unwrap();
+        let svc = node
+            .server(&name)
+            .transport(t.clone())
+            .method("echo", |c| {
+                // What the caller sent, back as the answer's metadata.
+                let mut m = c.metadata().clone();
+                m.insert("served-by", "blocking")?;
+                c.set_reply_metadata(md(&[("replaced", "yes")]))?;
+                c.set_reply_metadata(m)?;
+                Ok(c.take_payload())
+            })
+            .method("fail", |c| {
+                c.set_reply_metadata(md(&[("set", "1")]))?;
+                let e = RpcError::invalid_argument("no");
+                Err(e.with_metadata(md(&[("carried", "2")])))
+            })
+            .method("nested", move |c| {
+                c.set_reply_metadata(md(&[("hop", "front")]))?;
+                up_client.call("busy", Payload::empty())
+            })
+            .method("too_much", |c| {
+                c.set_reply_metadata(md(&[("k", &"x".repeat(20_000))]))?;
+                Ok(Payload::from_vec(vec![1]))
+            })
+            .method_async("echo_async", |c| async move {
+                c.set_reply_metadata(md(&[("first-poll", "1")]))?;
+                tokio::task::yield_now().await;
+                let mut m = c.metadata.clone();
+                m.insert("served-by", "async")?;
+                c.set_reply_metadata(m)?;
+                tokio::task::yield_now().await;
+                Ok(c.payload)
+            })
+            .method_async("fail_async", |c| async move {
+                c.set_reply_metadata(md(&[("set", "1")]))?;
+                tokio::task::yield_now().await;
+                Err(RpcError::unavailable("down").with_metadata(md(&[("carried", "2")])))
+            })
+            .method_async("from_a_thread", |_| async move {
+                let r = std::thread::spawn(|| dm_rpc::metadata::set_reply(md(&[("k", "v")])));
+                r.join().unwrap()?;
+                Ok(Payload::empty())
+            })
+            .spawn()
+            .unwrap();
+        let c = node.connect(&name).unwrap();
+        let ac = node.connect_async(&name).unwrap();
+        let opts = CallOptions::default();
+        let sent = md(&[("trace-id", "t-1"), ("tenant", "a")]);
+        for arg in [vec![7u8; 10], big.clone()] {
+            for (method, by) in [("echo", "blocking"), ("echo_async", "async")] {
+                let mut want = sent.clone();
+                want.insert("served-by", by).unwrap();
+                let p = Payload::from_vec(arg.clone());
+                let r = c.call_full(method, p, opts, sent.clone()).unwrap();
+                assert_eq!(r.metadata, want, "{t:?} {method}");
+                assert_eq!(r.payload.to_vec().unwrap(), arg, "{t:?} {method}");
+                let p = Payload::from_vec(arg.clone());
+                let r = rt.block_on(ac.call_full(method, p, opts, sent.clone()));
+                let r = r.unwrap();
+                assert_eq!(r.metadata, want, "{t:?} {method} async");
+                assert_eq!(r.payload.to_vec().unwrap(), arg, "{t:?} {method} async");
+            }
+        }
+        // Errors carry what was set, then what the error carried.
+        let both = md(&[("set", "1"), ("carried", "2")]);
+        for (method, status) in [
+            ("fail", Status::InvalidArgument),
+            ("fail_async", Status::Unavailable),
+        ] {
+            let e = c.call(method, Payload::empty()).unwrap_err();
+            assert_eq!((e.status, &e.metadata), (status, &both), "{t:?} {method}");
+            let e = rt.block_on(ac.call(method, Payload::empty())).unwrap_err();
+            assert_eq!((e.status, &e.metadata), (status, &both), "{t:?} {method}");
+        }
+        // A nested call's error passes its metadata on.
+        let e = c.call("nested", Payload::empty()).unwrap_err();
+        let want = md(&[("hop", "front"), ("retry-after-ms", "250")]);
+        assert_eq!((e.status, &e.metadata), (Status::ResourceExhausted, &want));
+        let e = c.call("too_much", Payload::empty()).unwrap_err();
+        assert_eq!(e.status, Status::Internal, "{t:?}: {e}");
+        assert!(
+            e.metadata.is_empty() && e.message.contains("metadata"),
+            "{e}"
+        );
+        let e = c.call("from_a_thread", Payload::empty()).unwrap_err();
+        assert_eq!(e.status, Status::Internal, "{t:?}: {e}");
+        assert!(e.message.contains("no call is being served"), "{e}");
+        // Calls without metadata get answers without it.
+        let r = c.call_full("fail", Payload::empty(), opts, dm_rpc::Metadata::new());
+        assert_eq!(r.unwrap_err().metadata, both);
+        assert_eq!(c.reconnects(), 0, "{t:?}");
+
+        // The largest answer a transport carries inline, from a server
+        // that answers everything it can inline: with metadata beside it,
+        // it goes by Ref instead of failing as too large.
+        let max = match &t {
+            Transport::Shm => dm_rpc::transport::shm::ring_max_inline(node.pool()),
+            Transport::Tcp(_) => dm_rpc::transport::tcp::MAX_INLINE,
+            Transport::Mem => dm_rpc::transport::mem::MAX_INLINE,
+        };
+        let edge_name = unique("reply-edge");
+        let edge = by_value
+            .server(&edge_name)
+            .transport(t.clone())
+            .method("edge", move |c| {
+                let n = u64::from_le_bytes(c.payload().to_vec()?[..8].try_into().unwrap());
+                c.set_reply_metadata(md(&[("trace-id", "edge")]))?;
+                Ok(Payload::from_vec(pattern(max - n as usize, 9)))
+            })
+            .spawn()
+            .unwrap();
+        let ce = node.connect(&edge_name).unwrap();
+        for less in [0u64, 1, 64] {
+            let arg = Payload::from_vec(less.to_le_bytes().to_vec());
+            let r = ce.call_full("edge", arg, opts, dm_rpc::Metadata::new());
+            let r = r.unwrap();
+            assert_eq!(r.metadata, md(&[("trace-id", "edge")]), "{t:?} {less}");
+            let want = pattern(max - less as usize, 9);
+            assert_eq!(r.payload.to_vec().unwrap(), want, "{t:?} {less}");
+        }
+        drop((c, ac, ce));
+        edge.shutdown();
+        svc.shutdown();
+        up.shutdown();
+    }
+    drop((rt, node, by_value));
+    assert_clean_after_pumps(&tp);
+}
+
 type RawPair = (
     Box<dyn dm_rpc::transport::Listener>,
     dm_rpc::transport::Connection,

@@ -85,8 +85,7 @@ impl PyAsyncClient {
         let opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
         let (client, node) = (self.client.clone(), self.node.clone());
         let rt = runtime()?;
-        let mut call =
-            Box::pin(async move { client.call_with_metadata(&method, p, opts, meta).await });
+        let mut call = Box::pin(async move { client.call_full(&method, p, opts, meta).await });
         // First polled here, without the GIL: a call whose answer comes
         // within its spin (the waiting policy's, adaptive) completes with
         // no thread in between, as a Rust async call does. Only a call
@@ -120,8 +119,8 @@ impl PyAsyncClient {
 
 /// A call's result for `resolve`: whether it succeeded, and the answer's
 /// `Payload` or the exception.
-fn outcome(py: Python<'_>, r: Result<dm_rpc::Payload, RpcError>, node: Node) -> (bool, Py<PyAny>) {
-    match r.map(|out| Py::new(py, PyPayload::new(out, node))) {
+fn outcome(py: Python<'_>, r: Result<dm_rpc::Reply, RpcError>, node: Node) -> (bool, Py<PyAny>) {
+    match r.map(|out| Py::new(py, PyPayload::answer(out, node))) {
         Ok(Ok(v)) => (true, v.into_any()),
         Ok(Err(e)) => (false, e.into_value(py).into_any()),
         Err(e) => (false, to_py(e).into_value(py).into_any()),

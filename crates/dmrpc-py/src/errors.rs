@@ -53,7 +53,11 @@ pub fn to_py(e: RpcError) -> PyErr {
         _ => Internal::new_err(msg),
     };
     Python::with_gil(|py| {
-        let _ = err.value(py).setattr("status", format!("{status:?}"));
+        let v = err.value(py);
+        let _ = v.setattr("status", format!("{status:?}"));
+        if let Ok(m) = crate::meta::pairs(py, &e.metadata) {
+            let _ = v.setattr("metadata", m);
+        }
     });
     err
 }

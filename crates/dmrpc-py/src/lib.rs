@@ -31,6 +31,7 @@ fn cancelled() -> bool {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cancelled, m)?)?;
     m.add_function(wrap_pyfunction!(meta::metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(meta::set_reply_metadata, m)?)?;
     m.add_class::<pool::PyPool>()?;
     m.add_class::<buffer::PyBuffer>()?;
     m.add_class::<refs::PyRef>()?;

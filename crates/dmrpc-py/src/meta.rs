@@ -1,6 +1,8 @@
 //! Call metadata from Python: what a caller passes as `metadata=` (a dict,
 //! or pairs, of `str` keys and `str` or bytes-like values) and what a
-//! handler reads with `dmrpc.metadata()`.
+//! handler reads with `dmrpc.metadata()`; what a handler sets on its
+//! answer with `dmrpc.set_reply_metadata()` and its caller reads as
+//! `Payload.reply_metadata`, or an exception's `.metadata`.
 
 use crate::errors::to_py;
 use dm_rpc::{Metadata, RpcError};
@@ -39,6 +41,33 @@ pub(crate) fn metadata_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Metadata> 
     Ok(m)
 }
 
+/// Sets the metadata of the answer to the call this thread serves (as
+/// `metadata=` of a call takes it), replacing what was set before; it goes
+/// with the answer, whether the handler returns or raises. Outside a
+/// handler, raises `InvalidArgument`.
+#[pyfunction]
+pub(crate) fn set_reply_metadata(metadata: &Bound<'_, PyAny>) -> PyResult<()> {
+    let m = metadata_of(Some(metadata))?;
+    dm_rpc::metadata::set_reply(m).map_err(|e| to_py(RpcError::invalid_argument(e.to_string())))
+}
+
+/// `m` as `(key, value)` pairs, in order.
+pub(crate) fn pairs<'py>(py: Python<'py>, m: &Metadata) -> PyResult<Bound<'py, PyTuple>> {
+    let pairs = m
+        .iter()
+        .map(|(k, v)| {
+            PyTuple::new(
+                py,
+                [
+                    k.into_pyobject(py)?.into_any(),
+                    PyBytes::new(py, v).into_any(),
+                ],
+            )
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, pairs)
+}
+
 /// Runs `f` (a Python handler) with `meta` as the metadata it reads.
 pub(crate) fn serving<R>(meta: &Metadata, f: impl FnOnce() -> R) -> R {
     if meta.is_empty() {
@@ -55,20 +84,5 @@ pub(crate) fn serving<R>(meta: &Metadata, f: impl FnOnce() -> R) -> R {
 /// outside a handler, or if the caller sent none.
 #[pyfunction]
 pub(crate) fn metadata(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
-    SERVED.with(|s| {
-        let s = s.borrow();
-        let pairs = s
-            .iter()
-            .map(|(k, v)| {
-                PyTuple::new(
-                    py,
-                    [
-                        k.into_pyobject(py)?.into_any(),
-                        PyBytes::new(py, v).into_any(),
-                    ],
-                )
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        PyTuple::new(py, pairs)
-    })
+    SERVED.with(|s| pairs(py, &s.borrow()))
 }

@@ -46,11 +46,17 @@ pub(crate) fn keep_thread_state() {
 }
 
 /// A Python exception raised by a handler, as a typed RPC error: a
-/// `dmrpc.Error` keeps its status, anything else is `Internal`.
+/// `dmrpc.Error` keeps its status and its `.metadata` (that of a nested
+/// call's answer, or set by the handler), anything else is `Internal`.
 fn to_rpc(py: Python<'_>, e: PyErr) -> RpcError {
     let v = e.value(py);
     let msg = v.str().map(|s| s.to_string()).unwrap_or_default();
     if e.is_instance_of::<PyDmError>(py) {
+        let meta = v
+            .getattr("metadata")
+            .ok()
+            .and_then(|m| crate::meta::metadata_of(Some(&m)).ok())
+            .unwrap_or_default();
         let status = v
             .getattr("status")
             .and_then(|s| s.extract::<String>())
@@ -64,7 +70,7 @@ fn to_rpc(py: Python<'_>, e: PyErr) -> RpcError {
             "Cancelled" => Status::Cancelled,
             _ => Status::Internal,
         };
-        return RpcError::new(st, msg);
+        return RpcError::new(st, msg).with_metadata(meta);
     }
     RpcError::internal(format!(
         "{}: {msg}",
@@ -310,9 +316,9 @@ impl PyClient {
         let p = to_payload(py, &self.node, data)?;
         let opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
         let out = py
-            .allow_threads(|| self.client.call_with_metadata(method, p, opts, meta))
+            .allow_threads(|| self.client.call_full(method, p, opts, meta))
             .map_err(to_py)?;
-        Ok(PyPayload::new(out, self.node.clone()))
+        Ok(PyPayload::answer(out, self.node.clone()))
     }
 
     /// How many times the client connected again: after its connection

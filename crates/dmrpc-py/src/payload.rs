@@ -34,6 +34,8 @@ pub struct PyPayload {
     /// The data made contiguous, for pool data whose pages are not (one
     /// copy, made on the first view that needs it).
     flat: OnceLock<Vec<u8>>,
+    /// The metadata of the answer it came in (empty otherwise).
+    reply: dm_rpc::Metadata,
 }
 
 impl PyPayload {
@@ -42,6 +44,15 @@ impl PyPayload {
             p,
             node,
             flat: OnceLock::new(),
+            reply: dm_rpc::Metadata::new(),
+        }
+    }
+
+    /// The answer of a call: its payload, with its metadata.
+    pub fn answer(r: dm_rpc::Reply, node: Node) -> PyPayload {
+        PyPayload {
+            reply: r.metadata,
+            ..PyPayload::new(r.payload, node)
         }
     }
 
@@ -67,6 +78,14 @@ impl PyPayload {
 
     /// Whether the data arrived by Ref (lives in the pool or on a memory
     /// server) rather than inline in the frame.
+    /// The metadata the handler set on the answer this payload came in
+    /// (`dmrpc.set_reply_metadata`), as `(key, value)` pairs; empty for
+    /// a handler's argument (read `dmrpc.metadata()` there).
+    #[getter]
+    fn reply_metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+        crate::meta::pairs(py, &self.reply)
+    }
+
     #[getter]
     fn by_ref(&self) -> bool {
         self.p.in_pool() || self.p.is_remote()

@@ -111,6 +111,64 @@ def test_metadata_goes_with_a_call_to_the_handler(pool):
         srv.shutdown()
 
 
+def test_a_handler_sets_the_metadata_of_its_answer(pool):
+    # What a handler sets goes with its answer (Payload.reply_metadata), or
+    # with its error (the exception's .metadata); a nested call's error
+    # passed on keeps its metadata.
+    p, _ = pool
+    node = dmrpc.Node(p)
+    base = f"py/reply-meta/{os.getpid()}/{next(_N)}"
+
+    def busy(b):
+        dmrpc.set_reply_metadata({"retry-after-ms": "250"})
+        raise dmrpc.ResourceExhausted("busy")
+
+    up = node.serve(f"{base}/up", {"busy": busy})
+
+    def echo(b):
+        dmrpc.set_reply_metadata({"replaced": "yes"})
+        dmrpc.set_reply_metadata(list(dmrpc.metadata()) + [("served-by", "py")])
+        return b
+
+    def nested(b):
+        dmrpc.set_reply_metadata({"hop": "front"})
+        return node.connect(f"{base}/up").call("busy", b"")
+
+    def carried(b):
+        e = dmrpc.Unavailable("down")
+        e.metadata = {"carried": b"\x01"}
+        raise e
+
+    srv = node.serve(base, {"echo": echo, "nested": nested, "carried": carried})
+    try:
+        c = node.connect(base)
+        ac = dmrpc.aio.connect(node, base)
+        big = bytes(range(256)) * 1200
+        for data in (b"small", big):
+            r = c.call("echo", data, metadata={"trace-id": "t1"})
+            assert bytes(r) == data
+            assert r.reply_metadata == (("trace-id", b"t1"), ("served-by", b"py"))
+            r = asyncio.run(ac.call("echo", data, metadata=[("k", "v")]))
+            assert r.reply_metadata == (("k", b"v"), ("served-by", b"py"))
+        # (Released now: the exceptions' tracebacks below hold this frame.)
+        del r
+        with pytest.raises(dmrpc.ResourceExhausted) as e:
+            c.call("nested", b"")
+        assert e.value.metadata == (("hop", b"front"), ("retry-after-ms", b"250"))
+        with pytest.raises(dmrpc.Unavailable) as e:
+            c.call("carried", b"")
+        assert e.value.metadata == (("carried", b"\x01"),)
+        with pytest.raises(dmrpc.InvalidArgument):
+            dmrpc.set_reply_metadata({"k": "v"})  # outside a handler
+        with pytest.raises(dmrpc.InvalidArgument) as e:
+            c.call("echo", b"", metadata={"Bad Key": "v"})
+        assert e.value.metadata == ()
+        del c, ac
+    finally:
+        srv.shutdown()
+        up.shutdown()
+
+
 def test_a_handlers_calls_wait_no_longer_than_its_caller(pool):
     # A handler's nested call inherits the deadline of the call it serves:
     # when the first caller gives up, so does the call it caused, unless

@@ -104,7 +104,9 @@ fn call_calls_a_service_from_the_shell() {
                 m.collect::<Vec<_>>().join(",").into_bytes(),
             ))
         })
-        .method("fail", |_| {
+        .method("fail", |c| {
+            let m = dm_rpc::Metadata::new().with("retry-after-ms", "250")?;
+            c.set_reply_metadata(m.with("bin", vec![0u8, 255])?)?;
             Err(dm_rpc::RpcError::invalid_argument("no thanks"))
         })
         .spawn()
@@ -158,6 +160,11 @@ fn call_calls_a_service_from_the_shell() {
     // Typed failures: the call's status (1), or no such service (2).
     let (code, _, err) = call(&["cli/echo/false", "fail"]);
     assert_eq!(code, 1, "{err}");
+    // The answer's metadata, on stderr: text as it is, other bytes in hex.
+    assert!(
+        err.contains("< retry-after-ms: 250\n< bin: 0x00ff\n"),
+        "{err}"
+    );
     assert!(err.contains("invalid argument: no thanks"), "{err}");
     let (code, _, err) = call(&["cli/echo/false", "nope"]);
     assert_eq!(code, 1, "{err}");

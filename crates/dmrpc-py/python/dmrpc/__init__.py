@@ -24,6 +24,7 @@ from ._native import (
     Unavailable,
     cancelled,
     metadata,
+    set_reply_metadata,
 )
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "Unavailable",
     "cancelled",
     "metadata",
+    "set_reply_metadata",
 ]

@@ -4,6 +4,9 @@ from typing import Any, Callable
 
 class Error(Exception):
     status: str
+    metadata: tuple[tuple[str, bytes], ...]
+    """Raised by a call: the metadata its answer carried. Raised by a
+    handler (set or kept from a nested call's error): goes with the answer."""
 
 class NotFound(Error): ...
 class InvalidArgument(Error): ...
@@ -71,6 +74,11 @@ class Payload:
     untouched."""
 
     def __len__(self) -> int: ...
+    @property
+    def reply_metadata(self) -> tuple[tuple[str, bytes], ...]:
+        """The metadata the handler set on the answer this payload came in
+        (`set_reply_metadata`); empty for a handler's argument."""
+        ...
     @property
     def by_ref(self) -> bool: ...
     @property
@@ -206,6 +214,14 @@ def cancelled() -> bool:
     passed, or its caller cancelled it. A handler with long work may look
     now and then and stop early (what it answers then is dropped). False
     outside a handler."""
+    ...
+
+def set_reply_metadata(metadata: Metadata) -> None:
+    """Sets the metadata of the answer to the call this thread serves,
+    replacing what was set before; it goes with the answer whether the
+    handler returns or raises (its caller reads `Payload.reply_metadata`
+    or the exception's `.metadata`). Outside a handler, raises
+    `InvalidArgument`."""
     ...
 
 def metadata() -> tuple[tuple[str, bytes], ...]:

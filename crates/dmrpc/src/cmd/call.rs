@@ -156,14 +156,20 @@ fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i32> {
                 last = Some(p);
             }
             Err(e) => {
+                show_metadata(&e.metadata);
                 eprintln!("{} {}: {e}", a.service, a.method);
                 return Ok(1);
             }
         }
     }
-    let Some(answer) = last else {
+    let Some(dm_rpc::Reply {
+        payload: answer,
+        metadata,
+    }) = last
+    else {
         return Ok(1);
     };
+    show_metadata(&metadata);
     let how = if answer.in_pool() { "by Ref" } else { "inline" };
     let bytes = answer.to_vec()?;
     let mut out = std::io::stdout().lock();
@@ -200,7 +206,7 @@ fn once(
     node: &Node,
     (method, arg, meta): (&str, &[u8], &Metadata),
     opts: CallOptions,
-) -> Result<Payload, dm_rpc::RpcError> {
+) -> Result<dm_rpc::Reply, dm_rpc::RpcError> {
     let p = if arg.len() > node.config().inline_max {
         let mut b = node.pool().alloc(arg.len() as u64)?;
         b.write(0, arg)?;
@@ -208,7 +214,21 @@ fn once(
     } else {
         Payload::from_vec(arg.to_vec())
     };
-    c.call_with_metadata(method, p, opts, meta.clone())
+    c.call_full(method, p, opts, meta.clone())
+}
+
+/// Prints the metadata of an answer on stderr, `< key: value` a line: a
+/// value of printable text as it is, any other in hex (`0x…`).
+fn show_metadata(m: &Metadata) {
+    for (k, v) in m.iter() {
+        match std::str::from_utf8(v) {
+            Ok(s) if s.chars().all(|c| !c.is_control()) => eprintln!("< {k}: {s}"),
+            _ => {
+                let hex: String = v.iter().map(|b| format!("{b:02x}")).collect();
+                eprintln!("< {k}: 0x{hex}");
+            }
+        }
+    }
 }
 
 fn us(d: Duration) -> f64 {
