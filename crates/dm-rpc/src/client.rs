@@ -223,8 +223,10 @@ pub(crate) fn outgoing(
     method: &str,
     payload: Payload,
     opts: CallOptions,
-    meta: Metadata,
+    mut meta: Metadata,
 ) -> Result<Outgoing, RpcError> {
+    // What the call being served passes on (ServerBuilder::propagate_metadata).
+    crate::metadata::inherit_into(&mut meta);
     let (deadline, deadline_us) = if opts.deadline.is_none()
         && node.cfg.default_deadline.is_none()
         && (opts.detached || crate::deadline::served().is_none())

@@ -60,6 +60,16 @@ impl RpcError {
         Self::new(Status::ResourceExhausted, m)
     }
 
+    /// The caller did not prove who it is.
+    pub fn unauthenticated(m: impl Into<String>) -> Self {
+        Self::new(Status::Unauthenticated, m)
+    }
+
+    /// The caller may not make this call.
+    pub fn permission_denied(m: impl Into<String>) -> Self {
+        Self::new(Status::PermissionDenied, m)
+    }
+
     /// A failure that is nobody's input's fault.
     pub fn internal(m: impl Into<String>) -> Self {
         Self::new(Status::Internal, m)
@@ -78,6 +88,8 @@ impl Status {
             Status::ResourceExhausted => "resource exhausted",
             Status::Internal => "internal",
             Status::Cancelled => "cancelled",
+            Status::Unauthenticated => "unauthenticated",
+            Status::PermissionDenied => "permission denied",
         }
     }
 }

@@ -41,7 +41,8 @@ use dm_pool::{Ref, RefDecodeError};
 /// Frame encoding version written and read by this build. History: 1 —
 /// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`]; 4 — [`Kind::GoAway`];
 /// 5 — request metadata (header bytes 28..32, reserved before); 6 —
-/// answers carry metadata too.
+/// answers carry metadata too, and the statuses
+/// [`Status::Unauthenticated`] and [`Status::PermissionDenied`].
 pub const FRAME_VERSION: u8 = 6;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
@@ -88,6 +89,11 @@ pub enum Status {
     Internal = 6,
     /// The call was cancelled.
     Cancelled = 7,
+    /// The caller did not prove who it is (a missing, bad or expired
+    /// credential). Frames v6.
+    Unauthenticated = 8,
+    /// The caller is known and may not make this call. Frames v6.
+    PermissionDenied = 9,
 }
 
 impl Kind {
@@ -113,6 +119,8 @@ impl Status {
             5 => Status::ResourceExhausted,
             6 => Status::Internal,
             7 => Status::Cancelled,
+            8 => Status::Unauthenticated,
+            9 => Status::PermissionDenied,
             _ => return None,
         })
     }

@@ -90,5 +90,5 @@ pub use payload::Payload;
 #[cfg(not(loom))]
 pub use registry::{PoolRegistry, Registry, ServiceEntry};
 #[cfg(not(loom))]
-pub use server::{Call, Server, ServerBuilder};
+pub use server::{Call, Incoming, Server, ServerBuilder};
 pub use wait::WaitPolicy;

@@ -56,13 +56,25 @@ pub enum MetadataError {
     NotServing,
 }
 
+/// The metadata of the call a thread serves that is not the request's:
+/// what its answer will carry, and what the calls its handler makes
+/// inherit (the keys the server propagates, see
+/// [`ServerBuilder::propagate_metadata`](crate::ServerBuilder::propagate_metadata)).
+#[derive(Debug, Default)]
+pub(crate) struct Served {
+    /// The answer's metadata, as the handler set it so far.
+    pub(crate) reply: Metadata,
+    /// What the calls made while serving inherit.
+    pub(crate) inherited: Metadata,
+}
+
 thread_local! {
-    /// Where the metadata of the answer to the call this thread serves
-    /// goes (a blocking handler runs on it, or an async handler's future
-    /// is being polled on it): the serving frame's slot, installed by
-    /// [`replying`]; null when it serves none. (A pointer, not the
-    /// metadata: no destructor to register, one load and one store a call.)
-    static REPLY: Cell<*mut Metadata> = const { Cell::new(std::ptr::null_mut()) };
+    /// The [`Served`] of the call this thread serves (a blocking handler
+    /// runs on it, or an async handler's future is being polled on it),
+    /// installed by [`serving`]; null when it serves none. (A pointer, not
+    /// the metadata: no destructor to register, one load and one store a
+    /// call.)
+    static SERVED: Cell<*mut Served> = const { Cell::new(std::ptr::null_mut()) };
 }
 
 /// Sets the metadata of the answer to the call being served on this
@@ -74,30 +86,53 @@ thread_local! {
 /// counts against the frame limit as a request's does; a handler whose
 /// answer's metadata exceeds it fails with `Internal`.
 pub fn set_reply(meta: Metadata) -> Result<(), MetadataError> {
-    let slot = REPLY.with(Cell::get);
-    if slot.is_null() {
+    let served = SERVED.with(Cell::get);
+    if served.is_null() {
         return Err(MetadataError::NotServing);
     }
-    // SAFETY: `replying` installed the pointer from a live `&mut`, which
+    // SAFETY: `serving` installed the pointer from a live `&mut`, which
     // nothing else uses until it returns, and removes it before that
-    // borrow ends (on return or unwind); it is used only on this thread.
-    // (The old value is dropped here, outside any other access.)
-    unsafe { *slot = meta };
+    // borrow ends (on return or unwind); it is used only on this thread,
+    // one access at a time. (The old value is dropped here.)
+    unsafe { (*served).reply = meta };
     Ok(())
 }
 
-/// Runs `f` as the serving of a call whose answer's metadata is `*reply`
-/// so far: what [`set_reply`] sets meanwhile goes to `*reply` (a
-/// handler's panic included).
-pub(crate) fn replying<R>(reply: &mut Metadata, f: impl FnOnce() -> R) -> R {
-    /// Puts the outer slot back when dropped.
-    struct Back(*mut Metadata);
-    impl Drop for Back {
-        fn drop(&mut self) {
-            REPLY.with(|r| r.set(self.0));
+/// Adds to `meta`, the metadata of a call about to be made, what the call
+/// being served on this thread passes on ([`Served::inherited`]): each
+/// key `meta` does not have already.
+#[inline]
+pub(crate) fn inherit_into(meta: &mut Metadata) {
+    let served = SERVED.with(Cell::get);
+    if served.is_null() {
+        return;
+    }
+    // SAFETY: as in `set_reply`; read only.
+    let inherited = unsafe { &(*served).inherited };
+    if inherited.is_empty() {
+        return;
+    }
+    for (k, v) in inherited.iter() {
+        if meta.get(k).is_none() {
+            // (A key and value that were valid once still are.)
+            let _ = meta.insert(k, v);
         }
     }
-    let _back = Back(REPLY.with(|r| r.replace(reply)));
+}
+
+/// Runs `f` as the serving of a call whose answer's metadata and
+/// inherited metadata are `*served`: what [`set_reply`] sets meanwhile
+/// goes to it (a handler's panic included), and calls made read what they
+/// inherit from it.
+pub(crate) fn serving<R>(served: &mut Served, f: impl FnOnce() -> R) -> R {
+    /// Puts the outer call's back when dropped.
+    struct Back(*mut Served);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            SERVED.with(|r| r.set(self.0));
+        }
+    }
+    let _back = Back(SERVED.with(|r| r.replace(served)));
     f()
 }
 
@@ -160,6 +195,19 @@ impl Metadata {
         self.entries()
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_slice()))
+    }
+
+    /// The entries whose key is one of `keys`, in order.
+    pub fn only(&self, keys: &[String]) -> Metadata {
+        let mut out = Metadata::new();
+        for (k, v) in self.entries() {
+            if keys.iter().any(|x| x == k) {
+                out.0
+                    .get_or_insert_with(Box::default)
+                    .push((k.clone(), v.clone()));
+            }
+        }
+        out
     }
 
     /// Adds every entry of `other` after its own.
@@ -276,34 +324,60 @@ mod tests {
     }
 
     #[test]
-    fn an_answers_metadata_is_set_only_while_a_call_is_served() {
+    fn an_answers_metadata_is_set_and_inherited_only_while_a_call_is_served() {
         let m = |v: &str| Metadata::new().with("k", v).unwrap();
         assert_eq!(set_reply(m("x")), Err(MetadataError::NotServing));
-        let mut outer = m("before");
-        replying(&mut outer, || {
+        let mut none = Metadata::new();
+        inherit_into(&mut none);
+        assert!(none.is_empty(), "serving nothing: nothing to inherit");
+        let mut outer = Served {
+            reply: m("before"),
+            inherited: Metadata::new()
+                .with("trace-id", "t")
+                .and_then(|x| x.with("k", "inherited"))
+                .unwrap(),
+        };
+        serving(&mut outer, || {
             set_reply(m("outer")).unwrap();
-            let mut inner = Metadata::new();
+            // Inherited keys the call does not set itself.
+            let mut call = m("own");
+            inherit_into(&mut call);
+            let got: Vec<_> = call.iter().collect();
+            assert_eq!(got, [("k", &b"own"[..]), ("trace-id", &b"t"[..])]);
+            let mut inner = Served::default();
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                replying(&mut inner, || {
+                serving(&mut inner, || {
                     set_reply(m("inner")).unwrap();
+                    let mut call = Metadata::new();
+                    inherit_into(&mut call);
+                    assert!(call.is_empty(), "the inner call passes nothing on");
                     panic!("handler bug")
                 })
             }));
             assert!(r.is_err());
-            assert_eq!(inner, m("inner"), "kept through the panic");
+            assert_eq!(inner.reply, m("inner"), "kept through the panic");
             // Another thread serves nothing.
             let other = std::thread::spawn(|| set_reply(Metadata::new()));
             assert_eq!(other.join().unwrap(), Err(MetadataError::NotServing));
         });
-        assert_eq!(outer, m("outer"));
+        assert_eq!(outer.reply, m("outer"));
         assert_eq!(set_reply(m("x")), Err(MetadataError::NotServing));
         // Set or not, the slot carries over between the polls of one call.
-        let mut slot = m("first poll");
-        replying(&mut slot, || ());
-        assert_eq!(slot, m("first poll"));
+        let mut slot = Served {
+            reply: m("first poll"),
+            ..Served::default()
+        };
+        serving(&mut slot, || ());
+        assert_eq!(slot.reply, m("first poll"));
         let mut both = m("a");
         both.extend(m("b"));
         both.extend(Metadata::new());
         assert_eq!(both.get_all("k").collect::<Vec<_>>(), [b"a", b"b"]);
+        let keys = ["trace-id".to_string(), "none".to_string()];
+        assert_eq!(
+            outer.inherited.only(&keys),
+            Metadata::new().with("trace-id", "t").unwrap()
+        );
+        assert!(Metadata::new().only(&keys).is_empty());
     }
 }

@@ -58,6 +58,42 @@ pub type HandlerFuture =
 /// An async method's handler.
 pub type AsyncHandler = Arc<dyn Fn(AsyncCall) -> HandlerFuture + Send + Sync>;
 
+/// A check every request passes before its handler runs
+/// ([`ServerBuilder::intercept`]).
+pub type Interceptor = Arc<dyn Fn(&Incoming<'_>) -> Result<(), RpcError> + Send + Sync>;
+
+/// A request as an interceptor sees it, before its handler runs: its
+/// method, metadata, deadline and size (not its payload's bytes).
+#[derive(Debug)]
+pub struct Incoming<'a> {
+    method: &'a str,
+    metadata: &'a Metadata,
+    deadline: Option<Instant>,
+    len: u64,
+}
+
+impl Incoming<'_> {
+    /// The method's name.
+    pub fn method(&self) -> &str {
+        self.method
+    }
+
+    /// The request's metadata.
+    pub fn metadata(&self) -> &Metadata {
+        self.metadata
+    }
+
+    /// When the caller stops waiting, if it set a deadline.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// Bytes of the payload (inline or by Ref).
+    pub fn payload_len(&self) -> u64 {
+        self.len
+    }
+}
+
 /// Methods by id. The ids are FNV-1a hashes of the names already
 /// ([`method_id`]), so the map uses them as they are instead of hashing
 /// them again on every request.
@@ -183,6 +219,8 @@ pub struct ServerBuilder {
     methods: Methods,
     transport: Transport,
     clash: Option<String>,
+    interceptors: Vec<Interceptor>,
+    propagate: Vec<String>,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -191,6 +229,8 @@ impl std::fmt::Debug for ServerBuilder {
             .field("name", &self.name)
             .field("methods", &self.methods.len())
             .field("transport", &self.transport)
+            .field("interceptors", &self.interceptors.len())
+            .field("propagate", &self.propagate)
             .finish()
     }
 }
@@ -203,7 +243,39 @@ impl ServerBuilder {
             methods: Methods::default(),
             transport: Transport::Shm,
             clash: None,
+            interceptors: Vec::new(),
+            propagate: Vec::new(),
         }
+    }
+
+    /// Adds `check`, run before the handler of every request (of a
+    /// registered method), in the order added: an error it returns is the
+    /// call's answer and the handler does not run. For what every method
+    /// shares: authentication from the metadata, admission, logging. It
+    /// runs on the dispatcher thread as a blocking handler does, and may
+    /// set the answer's metadata ([`crate::metadata::set_reply`]), which a
+    /// handler that runs after it may replace.
+    pub fn intercept(
+        mut self,
+        check: impl Fn(&Incoming<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
+    ) -> Self {
+        self.interceptors.push(Arc::new(check));
+        self
+    }
+
+    /// Passes the values of these metadata keys of the call a handler
+    /// serves on to the calls it makes meanwhile (a blocking handler while
+    /// it runs, an async handler's future while it is polled), as the
+    /// deadline is: a trace id, a tenant, a request id. A call that sets a
+    /// key itself keeps its own value. Keys not listed are not passed on
+    /// (an authentication token meant for this service stays here).
+    pub fn propagate_metadata<I, K>(mut self, keys: I) -> Self
+    where
+        I: IntoIterator<Item = K>,
+        K: Into<String>,
+    {
+        self.propagate.extend(keys.into_iter().map(Into::into));
+        self
     }
 
     /// Registers `handler` for method `name`.
@@ -250,6 +322,9 @@ impl ServerBuilder {
     pub fn spawn(self) -> Result<Server, RpcError> {
         if let Some(c) = self.clash {
             return Err(RpcError::invalid_argument(c));
+        }
+        for k in &self.propagate {
+            Metadata::new().insert(k, Vec::new())?;
         }
         dm_pool::registry::validate_name(&self.name)?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -321,6 +396,8 @@ impl ServerBuilder {
             watch,
             node: node.clone(),
             methods: self.methods,
+            interceptors: self.interceptors,
+            propagate: self.propagate,
             listener,
             stop: stop.clone(),
             drain_by: drain_by.clone(),
@@ -523,12 +600,27 @@ struct Task {
     to: To,
     /// The method's id (for a panic's message).
     method: u32,
-    /// The call's deadline, which calls made while it is polled inherit.
-    deadline: Option<Instant>,
     fut: HandlerFuture,
     waker: std::task::Waker,
-    /// The answer's metadata as the handler set it so far.
-    reply: Metadata,
+    /// What it is polled in.
+    scope: Scope,
+}
+
+/// What a handler's work runs in: the call's deadline (which the calls it
+/// makes inherit), the metadata they inherit, and where its answer's
+/// metadata goes.
+struct Scope {
+    deadline: Option<Instant>,
+    meta: crate::metadata::Served,
+}
+
+impl Scope {
+    /// Runs `f`, a handler's (or interceptor's) work, in this scope; a
+    /// panic is caught.
+    fn run<R>(&mut self, f: impl FnOnce() -> R) -> std::thread::Result<R> {
+        let deadline = self.deadline;
+        crate::metadata::serving(&mut self.meta, || guarded(deadline, f))
+    }
 }
 
 /// The waker of slot `slot`'s call: queues the slot and pokes the
@@ -557,6 +649,10 @@ impl std::task::Wake for TaskWake {
 struct Dispatcher {
     node: Node,
     methods: Methods,
+    /// Run before every handler ([`ServerBuilder::intercept`]).
+    interceptors: Vec<Interceptor>,
+    /// Metadata keys passed on ([`ServerBuilder::propagate_metadata`]).
+    propagate: Vec<String>,
     listener: Box<dyn Listener>,
     stop: Arc<AtomicBool>,
     /// Set by [`Server::shutdown_gracefully`].
@@ -686,15 +782,23 @@ impl Dispatcher {
         };
         // Cancels of async calls read while a blocking handler ran.
         let mut later = Vec::new();
-        // The answer's metadata, as the handler sets it.
-        let mut reply = Metadata::new();
+        let mut scope = Scope {
+            deadline,
+            meta: Default::default(),
+        };
+        if !self.propagate.is_empty() && !frame.meta.is_empty() {
+            scope.meta.inherited = frame.meta.only(&self.propagate);
+        }
+        let method = self.methods.get(&frame.method);
         let result = if deadline.is_some_and(|d| Instant::now() >= d) {
             self.stats.expired.fetch_add(1, Ordering::Relaxed);
             Err(RpcError::deadline_exceeded(
                 "the deadline passed while the request was queued",
             ))
+        } else if let Err(e) = intercept(&self.interceptors, method, &frame, &mut scope) {
+            Err(e)
         } else {
-            match self.methods.get(&frame.method) {
+            match method {
                 Some((name, Method::Async(h))) => {
                     match Payload::from_request_body(frame.payload, &self.node) {
                         Ok(payload) => {
@@ -710,16 +814,11 @@ impl Dispatcher {
                                 // its first await.
                                 let _rt = self.rt.as_ref().map(|rt| rt.enter());
                                 let h = h.clone();
-                                polling_with(self.watch.as_ref(), || {
-                                    crate::metadata::replying(&mut reply, || {
-                                        guarded(deadline, || h(call))
-                                    })
-                                })
+                                polling_with(self.watch.as_ref(), || scope.run(|| h(call)))
                             };
                             match fut {
                                 Ok(fut) => {
-                                    let reply = std::mem::take(&mut reply);
-                                    self.start_async(to, frame.method, deadline, fut, reply);
+                                    self.start_async(to, frame.method, fut, scope);
                                     self.drain();
                                     return;
                                 }
@@ -748,8 +847,7 @@ impl Dispatcher {
                         seen
                     };
                     let req = (frame.payload, frame.meta);
-                    let answer = (deadline, &mut reply);
-                    run_handler(h, name, &self.node, req, answer, &mut check)
+                    run_handler(h, name, &self.node, req, &mut scope, &mut check)
                 }
                 None => Err(RpcError::not_found(format!(
                     "no method with id {:#x}",
@@ -760,19 +858,12 @@ impl Dispatcher {
         for (conn, id) in later {
             self.cancel_task(conn, id);
         }
-        self.answer(to, result, reply);
+        self.answer(to, result, scope.meta.reply);
     }
 
     /// Starts an async handler's call: polls it at once (it runs up to
     /// its first await), and keeps it until it completes.
-    fn start_async(
-        &mut self,
-        to: To,
-        method: u32,
-        deadline: Option<Instant>,
-        fut: HandlerFuture,
-        reply: Metadata,
-    ) {
+    fn start_async(&mut self, to: To, method: u32, fut: HandlerFuture, scope: Scope) {
         let t = &mut self.tasks;
         let slot = t.free.pop().unwrap_or_else(|| {
             t.slots.push(None);
@@ -786,10 +877,9 @@ impl Dispatcher {
         t.slots[slot] = Some(Task {
             to,
             method,
-            deadline,
             fut,
             waker,
-            reply,
+            scope,
         });
         self.poll_task(slot);
     }
@@ -863,11 +953,9 @@ impl Dispatcher {
         let polled = {
             let _rt = self.rt.as_ref().map(|rt| rt.enter());
             let mut cx = std::task::Context::from_waker(&task.waker);
-            let (fut, reply) = (&mut task.fut, &mut task.reply);
+            let (fut, scope) = (&mut task.fut, &mut task.scope);
             polling_with(self.watch.as_ref(), || {
-                crate::metadata::replying(reply, || {
-                    guarded(task.deadline, || fut.as_mut().poll(&mut cx))
-                })
+                scope.run(|| fut.as_mut().poll(&mut cx))
             })
         };
         let r = match polled {
@@ -880,7 +968,7 @@ impl Dispatcher {
         };
         if let Some(t) = self.tasks.slots[slot].take() {
             self.tasks.free.push(slot);
-            self.answer(t.to, r, t.reply);
+            self.answer(t.to, r, t.scope.meta.reply);
         }
     }
 
@@ -1011,23 +1099,57 @@ fn run_handler(
     name: &str,
     node: &Node,
     (body, metadata): (Body, Metadata),
-    (deadline, reply): (Option<Instant>, &mut Metadata),
+    scope: &mut Scope,
     cancelled: &mut dyn FnMut() -> bool,
 ) -> Result<Payload, RpcError> {
     crate::stats::count(&body, false);
     let payload = Payload::from_request_body(body, node)?;
     let mut call = Call {
         payload,
-        deadline,
+        deadline: scope.deadline,
         method: name,
         node,
         metadata,
     };
-    let run = || guarded(deadline, || h(&mut call));
-    match crate::deadline::watching(cancelled, || crate::metadata::replying(reply, run)) {
+    match crate::deadline::watching(cancelled, || scope.run(|| h(&mut call))) {
         Ok(r) => r,
         Err(p) => Err(panicked(name, &*p)),
     }
+}
+
+/// Runs the interceptors on a request of `method` (a registered one) in
+/// the call's scope: the first error is the call's.
+fn intercept(
+    interceptors: &[Interceptor],
+    method: Option<&(String, Method)>,
+    frame: &Frame,
+    scope: &mut Scope,
+) -> Result<(), RpcError> {
+    let Some((name, _)) = method.filter(|_| !interceptors.is_empty()) else {
+        return Ok(());
+    };
+    let len = match &frame.payload {
+        Body::None => 0,
+        Body::Inline(b) => b.len() as u64,
+        Body::Refs(rs) => rs.iter().map(|r| r.len).sum(),
+    };
+    let incoming = Incoming {
+        method: name,
+        metadata: &frame.meta,
+        deadline: scope.deadline,
+        len,
+    };
+    for check in interceptors {
+        match scope.run(|| check(&incoming)) {
+            Ok(r) => r?,
+            Err(p) => {
+                let what = panic_text(&*p);
+                let e = format!("an interceptor of {name:?} panicked: {what}");
+                return Err(RpcError::internal(e));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs `f`, a handler's work on a call whose deadline is `deadline`: the
@@ -1041,10 +1163,14 @@ fn guarded<R>(deadline: Option<Instant>, f: impl FnOnce() -> R) -> std::thread::
 
 /// A handler's panic as the call's `Internal` error.
 fn panicked(name: &str, p: &(dyn std::any::Any + Send)) -> RpcError {
-    let what = p
-        .downcast_ref::<&str>()
+    let what = panic_text(p);
+    RpcError::internal(format!("the handler of {name:?} panicked: {what}"))
+}
+
+/// What a panic said.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_default();
-    RpcError::internal(format!("the handler of {name:?} panicked: {what}"))
+        .unwrap_or_default()
 }

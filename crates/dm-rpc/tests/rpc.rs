@@ -2393,6 +2393,178 @@ fn answers_carry_the_metadata_their_handler_set_over_every_transport() {
     assert_clean_after_pumps(&tp);
 }
 
+/// Interceptors run before every handler of a registered method, in
+/// order, and their errors (with the metadata they set) are the answer;
+/// the keys a server propagates go on to the calls its handlers make
+/// (blocking and async), unless the call sets them itself, and the others
+/// stay; over every transport.
+#[test]
+fn interceptors_guard_every_method_and_servers_pass_chosen_metadata_on() {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = current_thread_rt();
+    for t in every_transport() {
+        let up_name = unique("guard-up");
+        let up = node
+            .server(&up_name)
+            .transport(t.clone())
+            .method("show", |c| Ok(Payload::from_vec(meta_lines(c.metadata()))))
+            .spawn()
+            .unwrap();
+        let up_client = node.connect(&up_name).unwrap();
+        let up_async = node.connect_async(&up_name).unwrap();
+        let (seen, admitted, ran) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let (seen2, admitted2, ran2, ran3) =
+            (seen.clone(), admitted.clone(), ran.clone(), ran.clone());
+        let name = unique("guard");
+        let svc = node
+            .server(&name)
+            .transport(t.clone())
+            .propagate_metadata(["trace-id", "tenant"])
+            .intercept(move |inc| {
+                seen2.fetch_add(1, Ordering::Relaxed);
+                if inc.metadata().get("token") != Some(&b"secret"[..]) {
+                    dm_rpc::metadata::set_reply(md(&[("auth", "token")]))?;
+                    return Err(RpcError::unauthenticated("no valid token"));
+                }
+                Ok(())
+            })
+            .intercept(move |inc| {
+                if inc.method() == "admin" {
+                    return Err(RpcError::permission_denied("not for you"));
+                }
+                if inc.method() == "size" && inc.payload_len() > 1000 {
+                    return Err(RpcError::resource_exhausted("too big to admit"));
+                }
+                admitted2.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            })
+            .method("relay", move |_| {
+                ran2.fetch_add(1, Ordering::Relaxed);
+                let own = md(&[("tenant", "own")]);
+                let opts = CallOptions::default();
+                up_client.call_with_metadata("show", Payload::empty(), opts, own)
+            })
+            .method_async("relay_async", move |_| {
+                let up = up_async.clone();
+                async move {
+                    tokio::task::yield_now().await;
+                    up.call("show", Payload::empty()).await
+                }
+            })
+            .method("admin", move |_| {
+                ran3.fetch_add(1, Ordering::Relaxed);
+                Ok(Payload::empty())
+            })
+            .method("size", |c| {
+                Ok(Payload::from_vec(c.payload().len().to_le_bytes().to_vec()))
+            })
+            .spawn()
+            .unwrap();
+        let c = node.connect(&name).unwrap();
+        let ac = node.connect_async(&name).unwrap();
+        let opts = CallOptions::default();
+        let creds = md(&[("token", "secret"), ("trace-id", "t-9"), ("tenant", "a")]);
+        // No token: refused before the handler, with what the check set.
+        let e = c.call("relay", Payload::empty()).unwrap_err();
+        assert_eq!(
+            (e.status, &e.metadata),
+            (Status::Unauthenticated, &md(&[("auth", "token")]))
+        );
+        let bad = md(&[("token", "guess")]);
+        let e = c
+            .call_full("relay", Payload::empty(), opts, bad)
+            .unwrap_err();
+        assert_eq!(e.status, Status::Unauthenticated, "{t:?}: {e}");
+        assert_eq!(ran.load(Ordering::Relaxed), 0, "{t:?}");
+        // Admitted: the upstream call inherits trace-id and tenant (its
+        // own tenant kept), not the token.
+        let r = c
+            .call_full("relay", Payload::empty(), opts, creds.clone())
+            .unwrap();
+        let got = r.payload.to_vec().unwrap();
+        assert_eq!(got, b"tenant=own\ntrace-id=t-9\n", "{t:?}");
+        let r = rt.block_on(ac.call_full("relay_async", Payload::empty(), opts, creds.clone()));
+        let got = r.unwrap().payload.to_vec().unwrap();
+        assert_eq!(got, b"trace-id=t-9\ntenant=a\n", "{t:?}");
+        // The second check.
+        let e = c
+            .call_full("admin", Payload::empty(), opts, creds.clone())
+            .unwrap_err();
+        assert_eq!(e.status, Status::PermissionDenied, "{t:?}: {e}");
+        assert_eq!(ran.load(Ordering::Relaxed), 1, "{t:?}: admin never ran");
+        for (len, ok) in [(10usize, true), (300_000, false)] {
+            let p = Payload::from_vec(vec![1; len]);
+            let r = c.call_full("size", p, opts, creds.clone());
+            assert_eq!(r.is_ok(), ok, "{t:?} {len}");
+        }
+        // An unknown method is not found, without the checks.
+        let before = seen.load(Ordering::Relaxed);
+        let e = c
+            .call_full("nope", Payload::empty(), opts, creds.clone())
+            .unwrap_err();
+        assert_eq!(e.status, Status::NotFound, "{t:?}");
+        assert_eq!(seen.load(Ordering::Relaxed), before, "{t:?}");
+        assert_eq!(
+            (
+                seen.load(Ordering::Relaxed),
+                admitted.load(Ordering::Relaxed)
+            ),
+            (7, 3)
+        );
+        // Outside a handler, nothing is inherited.
+        let got = node
+            .connect(&up_name)
+            .unwrap()
+            .call("show", Payload::empty())
+            .unwrap();
+        assert!(got.to_vec().unwrap().is_empty(), "{t:?}");
+        drop((c, ac));
+        svc.shutdown();
+        up.shutdown();
+    }
+    // A check that panics fails the call with Internal; the server goes on.
+    let name = unique("guard-panic");
+    let svc = node
+        .server(&name)
+        .intercept(|inc| {
+            assert!(inc.metadata().get("boom").is_none(), "boom");
+            Ok(())
+        })
+        .method("m", |_| Ok(Payload::from_vec(vec![1])))
+        .spawn()
+        .unwrap();
+    let c = node.connect(&name).unwrap();
+    let boom = md(&[("boom", "1")]);
+    let e = c
+        .call_full("m", Payload::empty(), CallOptions::default(), boom)
+        .unwrap_err();
+    assert_eq!(e.status, Status::Internal, "{e}");
+    assert!(e.message.contains("interceptor"), "{e}");
+    assert_eq!(
+        c.call("m", Payload::empty()).unwrap().to_vec().unwrap(),
+        [1]
+    );
+    drop(c);
+    svc.shutdown();
+    // Keys to propagate are checked.
+    let e = node
+        .server(&unique("guard-bad"))
+        .propagate_metadata(["Trace"])
+        .method("m", |_| Ok(Payload::empty()))
+        .spawn()
+        .unwrap_err();
+    assert_eq!(e.status, Status::InvalidArgument, "{e}");
+    drop((rt, node));
+    assert_clean_after_pumps(&tp);
+}
+
 type RawPair = (
     Box<dyn dm_rpc::transport::Listener>,
     dm_rpc::transport::Connection,

@@ -39,6 +39,18 @@ create_exception!(
     "A bug or a handler's panic on the other side."
 );
 create_exception!(dmrpc, Cancelled, Error, "The call was cancelled.");
+create_exception!(
+    dmrpc,
+    Unauthenticated,
+    Error,
+    "The caller did not prove who it is (a missing, bad or expired credential)."
+);
+create_exception!(
+    dmrpc,
+    PermissionDenied,
+    Error,
+    "The caller may not make this call."
+);
 
 /// The Python exception for a typed RPC error.
 pub fn to_py(e: RpcError) -> PyErr {
@@ -50,6 +62,8 @@ pub fn to_py(e: RpcError) -> PyErr {
         Status::Unavailable => Unavailable::new_err(msg),
         Status::ResourceExhausted => ResourceExhausted::new_err(msg),
         Status::Cancelled => Cancelled::new_err(msg),
+        Status::Unauthenticated => Unauthenticated::new_err(msg),
+        Status::PermissionDenied => PermissionDenied::new_err(msg),
         _ => Internal::new_err(msg),
     };
     Python::with_gil(|py| {
@@ -82,6 +96,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Unavailable", py.get_type::<Unavailable>())?;
     m.add("ResourceExhausted", py.get_type::<ResourceExhausted>())?;
     m.add("Internal", py.get_type::<Internal>())?;
+    m.add("Unauthenticated", py.get_type::<Unauthenticated>())?;
+    m.add("PermissionDenied", py.get_type::<PermissionDenied>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;
     // Every class says its status, so that an exception a Python handler
     // raises carries it back to the caller too.
@@ -94,8 +110,14 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         (py.get_type::<ResourceExhausted>(), "ResourceExhausted"),
         (py.get_type::<Internal>(), "Internal"),
         (py.get_type::<Cancelled>(), "Cancelled"),
+        (py.get_type::<Unauthenticated>(), "Unauthenticated"),
+        (py.get_type::<PermissionDenied>(), "PermissionDenied"),
     ] {
         t.setattr("status", s)?;
     }
+    // None unless an answer carried some, or a handler sets it before it
+    // raises (it goes with the error to the caller).
+    py.get_type::<Error>()
+        .setattr("metadata", pyo3::types::PyTuple::empty(py))?;
     Ok(())
 }

@@ -68,6 +68,8 @@ fn to_rpc(py: Python<'_>, e: PyErr) -> RpcError {
             "Unavailable" => Status::Unavailable,
             "ResourceExhausted" => Status::ResourceExhausted,
             "Cancelled" => Status::Cancelled,
+            "Unauthenticated" => Status::Unauthenticated,
+            "PermissionDenied" => Status::PermissionDenied,
             _ => Status::Internal,
         };
         return RpcError::new(st, msg).with_metadata(meta);
@@ -116,17 +118,37 @@ impl PyNode {
     /// picks one; still listed in the pool's registry). Each callable
     /// takes the `Payload` that arrived and returns None, a bytes-like
     /// object, a `Buffer`, or a `Payload` (forwarded untouched).
-    #[pyo3(signature = (name, handlers, tcp=None))]
+    /// `intercept`, if given, is called as `intercept(method, metadata)`
+    /// before every handler; a `dmrpc.Error` it raises is the call's
+    /// answer and the handler does not run. `propagate`: metadata keys
+    /// whose values the calls a handler makes inherit from the call it
+    /// serves.
+    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None))]
     fn serve(
         &self,
         py: Python<'_>,
         name: &str,
         handlers: &Bound<'_, PyDict>,
         tcp: Option<String>,
+        intercept: Option<Py<PyAny>>,
+        propagate: Option<Vec<String>>,
     ) -> PyResult<PyServer> {
         let mut b = self.node.server(name);
         if let Some(addr) = tcp {
             b = b.transport(Transport::Tcp(addr));
+        }
+        if let Some(keys) = propagate {
+            b = b.propagate_metadata(keys);
+        }
+        if let Some(f) = intercept {
+            b = b.intercept(move |inc| {
+                keep_thread_state();
+                Python::with_gil(|py| {
+                    let meta = crate::meta::pairs(py, inc.metadata())?;
+                    f.call1(py, (inc.method(), meta)).map(drop)
+                })
+                .map_err(|e| Python::with_gil(|py| to_rpc(py, e)))
+            });
         }
         for (k, v) in handlers.iter() {
             let method: String = k.extract()?;

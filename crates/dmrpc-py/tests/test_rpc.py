@@ -169,6 +169,47 @@ def test_a_handler_sets_the_metadata_of_its_answer(pool):
         up.shutdown()
 
 
+def test_an_interceptor_guards_every_method_and_chosen_metadata_goes_on(pool):
+    p, _ = pool
+    node = dmrpc.Node(p)
+    base = f"py/guard/{os.getpid()}/{next(_N)}"
+    up = node.serve(f"{base}/up", {"show": lambda b: repr(dmrpc.metadata()).encode()})
+    seen = []
+
+    def check(method, metadata):
+        seen.append(method)
+        if ("token", b"secret") not in metadata:
+            dmrpc.set_reply_metadata({"auth": "token"})
+            raise dmrpc.Unauthenticated("no valid token")
+        if method == "admin":
+            raise dmrpc.PermissionDenied("not for you")
+
+    def relay(b):
+        return node.connect(f"{base}/up").call("show", b"")
+
+    srv = node.serve(
+        base,
+        {"relay": relay, "admin": lambda b: b"ran"},
+        intercept=check,
+        propagate=["trace-id"],
+    )
+    try:
+        c = node.connect(base)
+        with pytest.raises(dmrpc.Unauthenticated) as e:
+            c.call("relay", b"")
+        assert e.value.metadata == (("auth", b"token"),)
+        creds = {"token": "secret", "trace-id": "t-9"}
+        got = bytes(c.call("relay", b"", metadata=creds))
+        assert got == repr((("trace-id", b"t-9"),)).encode()
+        with pytest.raises(dmrpc.PermissionDenied):
+            c.call("admin", b"", metadata=creds)
+        assert seen == ["relay", "relay", "admin"]
+        del c, e
+    finally:
+        srv.shutdown()
+        up.shutdown()
+
+
 def test_a_handlers_calls_wait_no_longer_than_its_caller(pool):
     # A handler's nested call inherits the deadline of the call it serves:
     # when the first caller gives up, so does the call it caused, unless
