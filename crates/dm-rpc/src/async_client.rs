@@ -106,6 +106,8 @@ type Pending = HashMap<u64, Slot, std::hash::BuildHasherDefault<CallIdHasher>>;
 #[derive(Clone)]
 pub struct AsyncClient {
     h: Arc<Redial<Inner>>,
+    /// Metadata every call carries ([`AsyncClient::with_metadata`]).
+    meta: Metadata,
 }
 
 impl std::fmt::Debug for AsyncClient {
@@ -702,7 +704,20 @@ impl Connected for Inner {
 
 impl AsyncClient {
     pub(crate) fn new(h: Redial<Inner>) -> AsyncClient {
-        AsyncClient { h: Arc::new(h) }
+        AsyncClient {
+            h: Arc::new(h),
+            meta: Metadata::new(),
+        }
+    }
+
+    /// A client on the same connection whose calls all carry `meta` (a
+    /// credential, a client name), besides their own; a key a call sets
+    /// itself keeps the call's value.
+    pub fn with_metadata(&self, meta: Metadata) -> AsyncClient {
+        AsyncClient {
+            h: self.h.clone(),
+            meta,
+        }
     }
 
     /// The service this client calls.
@@ -781,8 +796,9 @@ impl AsyncClient {
         method: &str,
         payload: Payload,
         opts: CallOptions,
-        meta: Metadata,
+        mut meta: Metadata,
     ) -> Result<Reply, RpcError> {
+        meta.fill_from(&self.meta);
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
         let mut opts = opts;

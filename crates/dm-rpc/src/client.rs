@@ -110,6 +110,8 @@ impl CallOptions {
 #[derive(Clone)]
 pub struct Client {
     h: Arc<Redial<Inner>>,
+    /// Metadata every call carries ([`Client::with_metadata`]).
+    meta: Metadata,
 }
 
 impl std::fmt::Debug for Client {
@@ -563,7 +565,20 @@ impl Connected for Inner {
 
 impl Client {
     pub(crate) fn new(h: Redial<Inner>) -> Client {
-        Client { h: Arc::new(h) }
+        Client {
+            h: Arc::new(h),
+            meta: Metadata::new(),
+        }
+    }
+
+    /// A client on the same connection whose calls all carry `meta` (a
+    /// credential, a client name), besides their own; a key a call sets
+    /// itself keeps the call's value.
+    pub fn with_metadata(&self, meta: Metadata) -> Client {
+        Client {
+            h: self.h.clone(),
+            meta,
+        }
     }
 
     /// Whether new calls would go over the current connection (false
@@ -629,8 +644,9 @@ impl Client {
         method: &str,
         payload: Payload,
         opts: CallOptions,
-        meta: Metadata,
+        mut meta: Metadata,
     ) -> Result<Reply, RpcError> {
+        meta.fill_from(&self.meta);
         let mut c = self.h.live();
         let mut opts = opts;
         if c.is_spent() {

@@ -109,15 +109,7 @@ pub(crate) fn inherit_into(meta: &mut Metadata) {
     }
     // SAFETY: as in `set_reply`; read only.
     let inherited = unsafe { &(*served).inherited };
-    if inherited.is_empty() {
-        return;
-    }
-    for (k, v) in inherited.iter() {
-        if meta.get(k).is_none() {
-            // (A key and value that were valid once still are.)
-            let _ = meta.insert(k, v);
-        }
-    }
+    meta.fill_from(inherited);
 }
 
 /// Runs `f` as the serving of a call whose answer's metadata and
@@ -208,6 +200,27 @@ impl Metadata {
             }
         }
         out
+    }
+
+    /// Adds the entries of `other` whose key it does not have, after its
+    /// own (a call's own values win over those it inherits or its client
+    /// adds).
+    pub(crate) fn fill_from(&mut self, other: &Metadata) {
+        if other.is_empty() {
+            return;
+        }
+        if self.is_empty() {
+            self.clone_from(other);
+            return;
+        }
+        let mine = self.len();
+        for (k, v) in other.iter() {
+            if !self.entries()[..mine].iter().any(|(x, _)| x == k) {
+                self.0
+                    .get_or_insert_with(Box::default)
+                    .push((k.to_owned(), v.to_vec()));
+            }
+        }
     }
 
     /// Adds every entry of `other` after its own.

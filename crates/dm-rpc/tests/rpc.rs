@@ -2493,12 +2493,26 @@ fn interceptors_guard_every_method_and_servers_pass_chosen_metadata_on() {
         let r = rt.block_on(ac.call_full("relay_async", Payload::empty(), opts, creds.clone()));
         let got = r.unwrap().payload.to_vec().unwrap();
         assert_eq!(got, b"trace-id=t-9\ntenant=a\n", "{t:?}");
+        // A client whose calls all carry the token; a call's own wins.
+        let authed = c.with_metadata(md(&[("token", "secret")]));
+        let got = authed.call("relay", Payload::empty()).unwrap();
+        assert_eq!(got.to_vec().unwrap(), b"tenant=own\n", "{t:?}");
+        let guess = md(&[("token", "guess")]);
+        let e = authed.call_with_metadata("relay", Payload::empty(), opts, guess);
+        assert_eq!(e.unwrap_err().status, Status::Unauthenticated, "{t:?}");
+        let authed_async = ac.with_metadata(md(&[("token", "secret"), ("trace-id", "c")]));
+        let r = rt.block_on(authed_async.call("relay_async", Payload::empty()));
+        assert_eq!(r.unwrap().to_vec().unwrap(), b"trace-id=c\n", "{t:?}");
+        assert!(
+            c.call("relay", Payload::empty()).is_err(),
+            "the original has none"
+        );
         // The second check.
         let e = c
             .call_full("admin", Payload::empty(), opts, creds.clone())
             .unwrap_err();
         assert_eq!(e.status, Status::PermissionDenied, "{t:?}: {e}");
-        assert_eq!(ran.load(Ordering::Relaxed), 1, "{t:?}: admin never ran");
+        assert_eq!(ran.load(Ordering::Relaxed), 2, "{t:?}: admin never ran");
         for (len, ok) in [(10usize, true), (300_000, false)] {
             let p = Payload::from_vec(vec![1; len]);
             let r = c.call_full("size", p, opts, creds.clone());
@@ -2516,7 +2530,7 @@ fn interceptors_guard_every_method_and_servers_pass_chosen_metadata_on() {
                 seen.load(Ordering::Relaxed),
                 admitted.load(Ordering::Relaxed)
             ),
-            (7, 3)
+            (11, 5)
         );
         // Outside a handler, nothing is inherited.
         let got = node
@@ -2525,7 +2539,7 @@ fn interceptors_guard_every_method_and_servers_pass_chosen_metadata_on() {
             .call("show", Payload::empty())
             .unwrap();
         assert!(got.to_vec().unwrap().is_empty(), "{t:?}");
-        drop((c, ac));
+        drop((c, ac, authed, authed_async));
         svc.shutdown();
         up.shutdown();
     }

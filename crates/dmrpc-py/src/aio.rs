@@ -51,6 +51,16 @@ impl PyAsyncClient {
 
 #[pymethods]
 impl PyAsyncClient {
+    /// A client on the same connection whose calls all carry `metadata`
+    /// (see `Client.with_metadata`).
+    fn with_metadata(&self, metadata: &Bound<'_, PyAny>) -> PyResult<PyAsyncClient> {
+        let m = crate::meta::metadata_of(Some(metadata))?;
+        Ok(PyAsyncClient::new(
+            self.client.with_metadata(m),
+            self.node.clone(),
+        ))
+    }
+
     /// How many times the client connected again (see `Client.reconnects`).
     #[getter]
     fn reconnects(&self) -> u64 {

@@ -343,6 +343,17 @@ impl PyClient {
         Ok(PyPayload::answer(out, self.node.clone()))
     }
 
+    /// A client on the same connection whose calls all carry `metadata` (a
+    /// credential, a client name), besides their own; a key a call sets
+    /// itself keeps the call's value.
+    fn with_metadata(&self, metadata: &Bound<'_, PyAny>) -> PyResult<PyClient> {
+        let m = crate::meta::metadata_of(Some(metadata))?;
+        Ok(PyClient {
+            client: self.client.with_metadata(m),
+            node: self.node.clone(),
+        })
+    }
+
     /// How many times the client connected again: after its connection
     /// broke, a call finds the service registered again (a restarted
     /// server, or another process taking its name) and calls it.

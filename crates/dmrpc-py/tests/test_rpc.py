@@ -204,7 +204,15 @@ def test_an_interceptor_guards_every_method_and_chosen_metadata_goes_on(pool):
         with pytest.raises(dmrpc.PermissionDenied):
             c.call("admin", b"", metadata=creds)
         assert seen == ["relay", "relay", "admin"]
-        del c, e
+        # Clients whose calls all carry the credential.
+        authed = c.with_metadata({"token": "secret"})
+        assert bytes(authed.call("relay", b"")) == b"()"
+        aio = dmrpc.aio.connect(node, base).with_metadata([("token", "secret"), ("trace-id", "a")])
+        got = bytes(asyncio.run(aio.call("relay", b"")))
+        assert got == repr((("trace-id", b"a"),)).encode()
+        with pytest.raises(dmrpc.Unauthenticated):
+            authed.call("relay", b"", metadata={"token": "guess"})
+        del c, e, authed, aio
     finally:
         srv.shutdown()
         up.shutdown()

@@ -146,6 +146,12 @@ class Client:
         """How many times the client connected again."""
         ...
 
+    def with_metadata(self, metadata: Metadata) -> Client:
+        """A client on the same connection whose calls all carry `metadata`
+        (a credential, a client name), besides their own; a key a call sets
+        itself keeps the call's value."""
+        ...
+
     def call(
         self,
         method: str,
@@ -176,6 +182,10 @@ class AsyncClient:
     @property
     def reconnects(self) -> int:
         """How many times the client connected again (see `Client.reconnects`)."""
+        ...
+
+    def with_metadata(self, metadata: Metadata) -> AsyncClient:
+        """A client on the same connection whose calls all carry `metadata`."""
         ...
 
     def start(

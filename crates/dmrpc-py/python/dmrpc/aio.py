@@ -78,6 +78,11 @@ class AsyncClient:
         finally:
             self._in_flight.discard(fut)
 
+    def with_metadata(self, metadata: Any) -> AsyncClient:
+        """A client on the same connection whose calls all carry `metadata`
+        (see `dmrpc.Client.with_metadata`); no limit on calls in flight."""
+        return AsyncClient(self._client.with_metadata(metadata))
+
     @property
     def reconnects(self) -> int:
         """How many times the client connected again (see `dmrpc.Client.reconnects`)."""
