@@ -104,9 +104,13 @@ impl Header {
     /// Checks a header's signature (in constant time), format and expiry
     /// at `now` (seconds since the epoch).
     pub fn verify(h: &[u8; HEADER_LEN], key: &Key, now: u64) -> Result<Header, RpcError> {
-        let reject = |why: &str| RpcError::invalid_argument(format!("token rejected: {why}"));
+        // A token that does not check out is no proof of who sent it; a
+        // request that is not one is bad input.
+        let reject = |why: &str| RpcError::unauthenticated(format!("token rejected: {why}"));
         if h[..8] != MAGIC {
-            return Err(reject("not an image request of format version 1"));
+            return Err(RpcError::invalid_argument(
+                "token rejected: not an image request of format version 1",
+            ));
         }
         let mut m = mac(key);
         m.update(&h[..32]);
@@ -805,15 +809,16 @@ mod tests {
             let expired = request(&header(now - 10), &KEY, &ppm);
             let other_key = request(&header(now + 60), &[1u8; 32], &ppm);
             let truncated = request(&header(now + 60), &KEY, &ppm[..ppm.len() / 2]);
-            for (bad, why) in [
-                (forged, "bad signature"),
-                (expired, "expired"),
-                (other_key, "bad signature"),
-                (vec![0u8; 10], "shorter than"),
-                (truncated, "does not match"),
+            let (unauthenticated, invalid) = (Status::Unauthenticated, Status::InvalidArgument);
+            for (bad, why, status) in [
+                (forged, "bad signature", unauthenticated),
+                (expired, "expired", unauthenticated),
+                (other_key, "bad signature", unauthenticated),
+                (vec![0u8; 10], "shorter than", invalid),
+                (truncated, "does not match", invalid),
             ] {
                 let e = fw.call(METHOD, bad).unwrap_err();
-                assert_eq!(e.status, Status::InvalidArgument, "{e}");
+                assert_eq!(e.status, status, "{e}");
                 assert!(e.message.contains(why), "{e} (wanted {why:?})");
             }
         }
