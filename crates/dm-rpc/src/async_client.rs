@@ -42,8 +42,8 @@
 //! so is its answer when it comes.
 
 use crate::client::{
-    answer, orphan, outgoing, refusal, send_holding_rx, send_unheld, Failure, Outgoing, Refused,
-    Reply,
+    answer, answer_error, orphan, outgoing, refusal, send_holding_rx, send_unheld, Failure,
+    Outgoing, Refused, Reply,
 };
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status, FLAG_REFUSED};
@@ -108,6 +108,8 @@ pub struct AsyncClient {
     h: Arc<Redial<Inner>>,
     /// Metadata every call carries ([`AsyncClient::with_metadata`]).
     meta: Metadata,
+    /// The retry policy of calls that set none ([`AsyncClient::with_retry`]).
+    retry: Option<crate::Retry>,
 }
 
 impl std::fmt::Debug for AsyncClient {
@@ -707,6 +709,16 @@ impl AsyncClient {
         AsyncClient {
             h: Arc::new(h),
             meta: Metadata::new(),
+            retry: None,
+        }
+    }
+
+    /// A client on the same connection whose calls that set no retry
+    /// policy of their own follow `policy` ([`crate::retry`]).
+    pub fn with_retry(&self, policy: crate::Retry) -> AsyncClient {
+        AsyncClient {
+            retry: Some(policy),
+            ..self.clone()
         }
     }
 
@@ -717,6 +729,7 @@ impl AsyncClient {
         AsyncClient {
             h: self.h.clone(),
             meta,
+            retry: self.retry,
         }
     }
 
@@ -802,6 +815,7 @@ impl AsyncClient {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
         let mut opts = opts;
+        opts.retry = opts.retry.or(self.retry);
         if c.is_spent() {
             // Broken or retired, with nothing new to dial.
             if opts.wait_for_ready {
@@ -815,20 +829,45 @@ impl AsyncClient {
             }
         }
         let mut r = c.call_with(method, payload, opts, meta).await;
-        // A request known not to have run, or an idempotent one whose
-        // connection broke, goes to the service's next server (as the
-        // blocking client does).
-        for _ in 0..3 {
-            let Err(Failure::Refused(x)) = r else { break };
-            self.h.refused(&c);
-            let mut n = Guard::into_inner(self.h.live());
-            if opts.wait_for_ready && n.is_spent() {
-                match self.ready(n, x.deadline()).await {
-                    Ok(ready) => n = ready,
-                    Err(e) => return Err(x.drop_with(&c.node, e)),
+        let mut attempt = 1;
+        loop {
+            // A request known not to have run, or an idempotent one whose
+            // connection broke, goes to the service's next server (as the
+            // blocking client does).
+            for _ in 0..3 {
+                let Err(Failure::Refused(mut x)) = r else {
+                    break;
+                };
+                self.h.refused(&c);
+                let mut n = Guard::into_inner(self.h.live());
+                if opts.wait_for_ready && n.is_spent() {
+                    let until = x.deadline();
+                    let held = Held(Some(x), c.node.clone());
+                    let ready = self.ready(n, until).await;
+                    x = held.take();
+                    match ready {
+                        Ok(ready) => n = ready,
+                        Err(e) => return Err(x.drop_with(&c.node, e)),
+                    }
                 }
+                if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
+                    return Err(x.fail(&c.node));
+                }
+                c = n;
+                r = c.resend(*x).await;
             }
-            if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
+            // An answer whose status its retry policy lists: again, after
+            // a wait (as the blocking client does).
+            let Err(Failure::Again(x)) = r else { break };
+            attempt += 1;
+            let Some(wait) = crate::client::retry_wait(&x, attempt, opts.retry) else {
+                return Err(x.fail(&c.node));
+            };
+            let held = Held(Some(x), c.node.clone());
+            tokio::time::sleep(wait).await;
+            let x = held.take();
+            let n = Guard::into_inner(self.h.live());
+            if n.is_spent() || !x.fits(n.refs, n.max_inline) {
                 return Err(x.fail(&c.node));
             }
             c = n;
@@ -877,7 +916,7 @@ impl Inner {
     async fn send_and_wait(&self, out: Outgoing) -> Result<Reply, Failure> {
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        let (frame, lent, deadline, idempotent) = out.into_frame(id);
+        let (frame, lent, deadline, again) = out.into_frame(id);
         let r = &i.reader;
         if let Err(e) = r.ensure_reader() {
             lent.release(&i.node);
@@ -929,15 +968,13 @@ impl Inner {
                 Err(e) if e.breaks_connection() => Some((r.fail(e), true)),
                 Err(e) => Some((e.into(), false)),
             };
-            if let Some((e, again)) = unsent {
+            if let Some((e, broke)) = unsent {
                 match lone {
                     Some(rx) => drop(rx),
                     None => r.forget(id),
                 }
-                if again {
-                    return Err(Failure::not_run(
-                        frame, e, lent, deadline, i.refs, idempotent,
-                    ));
+                if broke {
+                    return Err(Failure::not_run(frame, e, lent, deadline, i.refs, again));
                 }
                 lent.release(&i.node);
                 return Err(e.into());
@@ -1015,11 +1052,9 @@ impl Inner {
         let f = match got {
             Ok(f) => f,
             Err(e) => {
-                if e.status == Status::Unavailable && i.may_resend(id, idempotent) {
+                if e.status == Status::Unavailable && i.may_resend(id, again.idempotent) {
                     // Its server stopped without taking it, or it may run twice.
-                    return Err(Failure::not_run(
-                        frame, e, lent, deadline, i.refs, idempotent,
-                    ));
+                    return Err(Failure::not_run(frame, e, lent, deadline, i.refs, again));
                 }
                 lent.release(&i.node);
                 return Err(e.into());
@@ -1032,8 +1067,13 @@ impl Inner {
                 lent,
                 deadline,
                 i.refs,
-                idempotent,
+                again,
             ));
+        }
+        if f.status != Status::Ok && again.on.contains(f.status) {
+            // Its retry policy lists this status: it may go again.
+            let e = answer_error(f);
+            return Err(Failure::again(frame, e, lent, deadline, i.refs, again));
         }
         drop(frame);
         Ok(answer(&i.node, f, lent)?)
@@ -1064,6 +1104,25 @@ impl Cancel<'_> {
     /// The call completed: what its argument lent, to end with it.
     fn disarm(&mut self) -> crate::payload::Lent {
         self.lent.take().unwrap_or_default()
+    }
+}
+
+/// A request waiting to go again across an await: if the call is dropped
+/// meanwhile, what it lent is released.
+struct Held(Option<Box<Refused>>, Node);
+
+impl Held {
+    fn take(mut self) -> Box<Refused> {
+        // (Always held until taken.)
+        self.0.take().unwrap_or_else(|| unreachable!())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(x) = self.0.take() {
+            let _ = x.fail(&self.1);
+        }
     }
 }
 

@@ -25,6 +25,7 @@ use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
 use crate::reconnect::{Connected, Redial};
+use crate::retry::{Retry, Statuses};
 use crate::transport::{Connection, FrameRx, FrameTx};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -54,6 +55,11 @@ pub struct CallOptions {
     /// known not to have run is, to the service registered next (up to
     /// three times, within its deadline).
     pub idempotent: bool,
+    /// Send it again when its answer has one of these statuses, up to a
+    /// number of attempts, after growing waits, within its deadline
+    /// ([`crate::retry`]). None: the client's policy
+    /// ([`Client::with_retry`]), if any.
+    pub retry: Option<Retry>,
 }
 
 impl CallOptions {
@@ -96,6 +102,14 @@ impl CallOptions {
         }
     }
 
+    /// These options, with a retry policy (see [`retry`](Self::retry)).
+    pub fn retry(self, policy: Retry) -> Self {
+        CallOptions {
+            retry: Some(policy),
+            ..self
+        }
+    }
+
     /// These options, not inheriting the deadline of the call being served.
     pub fn detached(self) -> Self {
         CallOptions {
@@ -112,6 +126,8 @@ pub struct Client {
     h: Arc<Redial<Inner>>,
     /// Metadata every call carries ([`Client::with_metadata`]).
     meta: Metadata,
+    /// The retry policy of calls that set none ([`Client::with_retry`]).
+    retry: Option<Retry>,
 }
 
 impl std::fmt::Debug for Client {
@@ -183,19 +199,30 @@ pub(crate) struct Outgoing {
     pub(crate) deadline: Option<Instant>,
     /// What is left of the deadline, as the request says it (0: none).
     pub(crate) deadline_us: u32,
-    /// It may run more than once ([`CallOptions::idempotent`]).
+    /// When it may be sent again besides when it is known not to have run.
+    pub(crate) again: Again,
+}
+
+/// When a request may be sent again besides when it is known not to have
+/// run ([`Failure::Refused`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Again {
+    /// Its connection broke while it was in flight, and it may run twice
+    /// ([`CallOptions::idempotent`]).
     pub(crate) idempotent: bool,
+    /// Its answer has one of these statuses ([`CallOptions::retry`]).
+    pub(crate) on: Statuses,
 }
 
 impl Outgoing {
     /// Its request frame with call id `id`, and what the call keeps beside
-    /// it: what the argument lent, when it gives up, and whether it may
-    /// run twice. (The frame is kept until the answer: a request known
+    /// it: what the argument lent, when it gives up, and when it may be
+    /// sent again. (The frame is kept until the answer: a request known
     /// not to have run is sent again.)
-    pub(crate) fn into_frame(self, id: u64) -> (Frame, Lent, Option<Instant>, bool) {
+    pub(crate) fn into_frame(self, id: u64) -> (Frame, Lent, Option<Instant>, Again) {
         let mut frame = Frame::request(id, self.method, self.deadline_us, self.body);
         frame.meta = self.meta;
-        (frame, self.lent, self.deadline, self.idempotent)
+        (frame, self.lent, self.deadline, self.again)
     }
 }
 
@@ -272,8 +299,34 @@ pub(crate) fn outgoing(
         lent,
         deadline,
         deadline_us,
-        idempotent: opts.idempotent,
+        again: again_of(opts),
     })
+}
+
+/// How long a call whose answer `x` has a status its retry policy lists
+/// waits before attempt `n`; None to give up: no attempt left, the server
+/// said not to, or the wait would outlast the deadline.
+pub(crate) fn retry_wait(x: &Refused, n: u32, policy: Option<Retry>) -> Option<Duration> {
+    let wait = policy?.wait(n, x.answer_metadata())?;
+    match x.deadline() {
+        Some(d) if Instant::now() + wait >= d => None,
+        _ => Some(wait),
+    }
+}
+
+/// When a call with `opts` may be sent again: a retry policy that lists
+/// `Unavailable` makes it idempotent too.
+fn again_of(opts: CallOptions) -> Again {
+    let on = opts.retry.map(|r| r.retries_on()).unwrap_or_default();
+    Again {
+        idempotent: opts.idempotent || on.contains(Status::Unavailable),
+        on,
+    }
+}
+
+/// The error an answer of an error status carries (with its metadata).
+pub(crate) fn answer_error(f: Frame) -> RpcError {
+    RpcError::new(f.status, message_of(f.payload)).with_metadata(f.meta)
 }
 
 /// A call's answer with the metadata its handler set
@@ -314,6 +367,9 @@ pub(crate) enum Failure {
     /// ([`crate::transport::GoAway`]), or never sent (the connection
     /// broke first). It may be sent again elsewhere.
     Refused(Box<Refused>),
+    /// Run, and answered with a status its retry policy lists: it may be
+    /// sent again, to the same service, after a wait ([`crate::retry`]).
+    Again(Box<Refused>),
 }
 
 impl Failure {
@@ -327,10 +383,25 @@ impl Failure {
         lent: Lent,
         deadline: Option<Instant>,
         refs: crate::transport::Sharing,
-        idempotent: bool,
+        again: Again,
     ) -> Failure {
-        let r = Refused::new(frame, e, lent, deadline, refs, idempotent);
+        let r = Refused::new(frame, e, lent, deadline, refs, again);
         Failure::Refused(Box::new(r))
+    }
+
+    /// The failure of request `frame` (as in [`not_run`](Self::not_run))
+    /// whose answer, `e`, has a status its retry policy lists.
+    #[cold]
+    pub(crate) fn again(
+        frame: Frame,
+        e: RpcError,
+        lent: Lent,
+        deadline: Option<Instant>,
+        refs: crate::transport::Sharing,
+        again: Again,
+    ) -> Failure {
+        let r = Refused::new(frame, e, lent, deadline, refs, again);
+        Failure::Again(Box::new(r))
     }
 }
 
@@ -364,7 +435,7 @@ impl Refused {
         lent: Lent,
         deadline: Option<Instant>,
         refs: crate::transport::Sharing,
-        idempotent: bool,
+        again: Again,
     ) -> Refused {
         let req = Outgoing {
             method: frame.method,
@@ -373,9 +444,14 @@ impl Refused {
             lent,
             deadline,
             deadline_us: frame.deadline_us,
-            idempotent,
+            again,
         };
         Refused { req, refs, error }
+    }
+
+    /// The metadata of the answer that made it go again.
+    pub(crate) fn answer_metadata(&self) -> &Metadata {
+        &self.error.metadata
     }
 
     /// When the call gives up.
@@ -568,6 +644,17 @@ impl Client {
         Client {
             h: Arc::new(h),
             meta: Metadata::new(),
+            retry: None,
+        }
+    }
+
+    /// A client on the same connection whose calls that set no retry
+    /// policy of their own follow `policy` ([`crate::retry`]): the
+    /// service's retry configuration.
+    pub fn with_retry(&self, policy: Retry) -> Client {
+        Client {
+            retry: Some(policy),
+            ..self.clone()
         }
     }
 
@@ -578,6 +665,7 @@ impl Client {
         Client {
             h: self.h.clone(),
             meta,
+            retry: self.retry,
         }
     }
 
@@ -649,6 +737,7 @@ impl Client {
         meta.fill_from(&self.meta);
         let mut c = self.h.live();
         let mut opts = opts;
+        opts.retry = opts.retry.or(self.retry);
         if c.is_spent() {
             // Broken or retired, with nothing new to dial.
             if opts.wait_for_ready {
@@ -662,21 +751,38 @@ impl Client {
             }
         }
         let mut r = c.call_with(method, payload, opts, meta);
-        // A request known not to have run (refused by a server shutting
-        // down, never taken by one that stopped, never sent) goes to the
-        // service's next server, and so does an idempotent one whose
-        // connection broke (a few times at most: it may be stopping too).
-        for _ in 0..3 {
-            let Err(Failure::Refused(x)) = r else { break };
-            self.h.refused(&c);
-            let mut n = self.h.live();
-            if opts.wait_for_ready && n.is_spent() {
-                match self.ready(n, x.deadline()) {
-                    Ok(ready) => n = ready,
-                    Err(e) => return Err(x.drop_with(&c.node, e)),
+        let mut attempt = 1;
+        loop {
+            // A request known not to have run (refused by a server shutting
+            // down, never taken by one that stopped, never sent) goes to the
+            // service's next server, and so does an idempotent one whose
+            // connection broke (a few times at most: it may be stopping too).
+            for _ in 0..3 {
+                let Err(Failure::Refused(x)) = r else { break };
+                self.h.refused(&c);
+                let mut n = self.h.live();
+                if opts.wait_for_ready && n.is_spent() {
+                    match self.ready(n, x.deadline()) {
+                        Ok(ready) => n = ready,
+                        Err(e) => return Err(x.drop_with(&c.node, e)),
+                    }
                 }
+                if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
+                    return Err(x.fail(&c.node));
+                }
+                c = n;
+                r = c.resend(*x);
             }
-            if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
+            // An answer whose status its retry policy lists: again, after
+            // a wait, on the client's connection then.
+            let Err(Failure::Again(x)) = r else { break };
+            attempt += 1;
+            let Some(wait) = retry_wait(&x, attempt, opts.retry) else {
+                return Err(x.fail(&c.node));
+            };
+            std::thread::sleep(wait);
+            let n = self.h.live();
+            if n.is_spent() || !x.fits(n.refs, n.max_inline) {
                 return Err(x.fail(&c.node));
             }
             c = n;
@@ -725,7 +831,7 @@ impl Inner {
     fn send_and_wait(&self, out: Outgoing) -> Result<Reply, Failure> {
         let i = self;
         let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        let (frame, lent, deadline, idempotent) = out.into_frame(id);
+        let (frame, lent, deadline, again) = out.into_frame(id);
         // Nobody reading answers: read our own (taken before sending, so
         // no one else can take our answer).
         let mut reader = if i.broken.load(Ordering::Acquire) {
@@ -760,17 +866,15 @@ impl Inner {
             Err(e) if e.breaks_connection() => Some((self.fail(e.into()), true)),
             Err(e) => Some((e.into(), false)),
         };
-        if let Some((e, again)) = unsent {
+        if let Some((e, broke)) = unsent {
             match reader {
                 Some(rx) => self.hand_over(rx),
                 None => {
                     lock(&i.state).remove(id);
                 }
             }
-            if again {
-                return Err(Failure::not_run(
-                    frame, e, lent, deadline, i.refs, idempotent,
-                ));
+            if broke {
+                return Err(Failure::not_run(frame, e, lent, deadline, i.refs, again));
             }
             lent.release(&i.node);
             return Err(e.into());
@@ -781,11 +885,9 @@ impl Inner {
         };
         let f = match got {
             Ok(f) => f,
-            Err(e) if e.status == Status::Unavailable && self.may_resend(id, idempotent) => {
+            Err(e) if e.status == Status::Unavailable && self.may_resend(id, again.idempotent) => {
                 // Its server stopped without taking it, or it may run twice.
-                return Err(Failure::not_run(
-                    frame, e, lent, deadline, i.refs, idempotent,
-                ));
+                return Err(Failure::not_run(frame, e, lent, deadline, i.refs, again));
             }
             Err(e) => {
                 lent.release(&i.node);
@@ -803,8 +905,13 @@ impl Inner {
                 lent,
                 deadline,
                 i.refs,
-                idempotent,
+                again,
             ));
+        }
+        if f.status != Status::Ok && again.on.contains(f.status) {
+            // Its retry policy lists this status: it may go again.
+            let e = answer_error(f);
+            return Err(Failure::again(frame, e, lent, deadline, i.refs, again));
         }
         Ok(answer(&i.node, f, lent)?)
     }
@@ -1014,7 +1121,11 @@ mod tests {
         let req = Frame::request(1, 7, 9, Body::Inline(vec![1; inline])).with_meta(meta);
         let answer = Frame::refused(1, "the service is shutting down");
         let lent = Lent::default();
-        Refused::new(req, refusal(answer), lent, deadline, Sharing::POOL, true)
+        let again = Again {
+            idempotent: true,
+            ..Again::default()
+        };
+        Refused::new(req, refusal(answer), lent, deadline, Sharing::POOL, again)
     }
 
     #[test]
@@ -1035,7 +1146,7 @@ mod tests {
         // Sent again as it was, with what is left of its deadline.
         let again = m.left(&node, "s").unwrap();
         assert_eq!(
-            (again.deadline_us, again.idempotent),
+            (again.deadline_us, again.again.idempotent),
             (0, true),
             "no deadline"
         );

@@ -67,6 +67,8 @@ pub mod reconnect;
 #[cfg(not(loom))]
 pub mod registry;
 #[cfg(not(loom))]
+pub mod retry;
+#[cfg(not(loom))]
 pub mod server;
 #[cfg(not(loom))]
 pub mod stats;
@@ -89,6 +91,8 @@ pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN};
 pub use payload::Payload;
 #[cfg(not(loom))]
 pub use registry::{PoolRegistry, Registry, ServiceEntry};
+#[cfg(not(loom))]
+pub use retry::{Retry, Statuses};
 #[cfg(not(loom))]
 pub use server::{Call, Incoming, Server, ServerBuilder};
 pub use wait::WaitPolicy;

@@ -278,7 +278,7 @@ impl<C: Connected> Redial<C> {
     #[cold]
     fn settle_failure(&self, c: &C, f: Failure) -> RpcError {
         match f {
-            Failure::Refused(x) => x.fail(&self.node),
+            Failure::Refused(x) | Failure::Again(x) => x.fail(&self.node),
             Failure::Error(e) => {
                 if e.status == crate::Status::Unavailable && !c.is_spent() {
                     self.recheck(c);

@@ -2579,6 +2579,150 @@ fn interceptors_guard_every_method_and_servers_pass_chosen_metadata_on() {
     assert_clean_after_pumps(&tp);
 }
 
+/// A retry policy sends a call again when its answer has a status the
+/// policy lists: as it was (a large payload's Refs stay lent, nothing
+/// leaks), up to its attempts, after the server's pushback if it gives
+/// one, never past the deadline, and not for statuses it does not list;
+/// from blocking and async clients, per call or per client, over every
+/// transport.
+#[test]
+fn a_retry_policy_sends_a_call_again_on_the_statuses_it_lists() {
+    use dm_rpc::Retry;
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let rt = current_thread_rt();
+    let big = pattern(300_000, 4);
+    let policy = Retry::new(4, &[Status::Unavailable, Status::ResourceExhausted])
+        .backoff(Duration::from_millis(1), Duration::from_millis(5));
+    for t in every_transport() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let (flaky, busy) = (calls.clone(), calls.clone());
+        let (stop, bad, slow) = (calls.clone(), calls.clone(), calls.clone());
+        // (Whose turn it is to answer, of flaky's three.)
+        let turn = Arc::new(AtomicU64::new(0));
+        let turn_of = turn.clone();
+        let name = unique("retry");
+        let svc = node
+            .server(&name)
+            .transport(t.clone())
+            // Fails twice in three, then answers the payload's sum.
+            .method("flaky", move |c| {
+                flaky.fetch_add(1, Ordering::Relaxed);
+                if turn.fetch_add(1, Ordering::Relaxed) % 3 != 2 {
+                    return Err(RpcError::unavailable("not now"));
+                }
+                Ok(Payload::from_vec(sum(c.payload()).to_le_bytes().to_vec()))
+            })
+            .method("busy", move |c| {
+                busy.fetch_add(1, Ordering::Relaxed);
+                c.set_reply_metadata(md(&[("retry-after-ms", "40")]))?;
+                Err(RpcError::resource_exhausted("busy"))
+            })
+            .method("stop", move |c| {
+                stop.fetch_add(1, Ordering::Relaxed);
+                c.set_reply_metadata(md(&[("retry-after-ms", "never")]))?;
+                Err(RpcError::unavailable("down for good"))
+            })
+            .method("bad", move |_| {
+                bad.fetch_add(1, Ordering::Relaxed);
+                Err(RpcError::invalid_argument("no"))
+            })
+            .method("slow_fail", move |c| {
+                slow.fetch_add(1, Ordering::Relaxed);
+                c.set_reply_metadata(md(&[("retry-after-ms", "500")]))?;
+                Err(RpcError::unavailable("later"))
+            })
+            .spawn()
+            .unwrap();
+        let c = node.connect(&name).unwrap();
+        let ac = node.connect_async(&name).unwrap();
+        let opts = CallOptions::default().retry(policy);
+        let attempts = |f: &dyn Fn()| {
+            let before = calls.load(Ordering::Relaxed);
+            f();
+            calls.load(Ordering::Relaxed) - before
+        };
+        let want = sum(&Payload::from_vec(big.clone())).to_le_bytes().to_vec();
+        for arg in [vec![5u8; 10], big.clone()] {
+            let want = sum(&Payload::from_vec(arg.clone())).to_le_bytes().to_vec();
+            let n = attempts(&|| {
+                let got = c.call_with("flaky", Payload::from_vec(arg.clone()), opts);
+                assert_eq!(got.unwrap().to_vec().unwrap(), want, "{t:?}");
+            });
+            assert_eq!(n, 3, "{t:?}");
+            let n = attempts(&|| {
+                let p = Payload::from_vec(arg.clone());
+                let got = rt.block_on(ac.call_with("flaky", p, opts));
+                assert_eq!(got.unwrap().to_vec().unwrap(), want, "{t:?} async");
+            });
+            assert_eq!(n, 3, "{t:?} async");
+        }
+        // Without a policy, the first failure is the answer.
+        let n = attempts(&|| {
+            let e = c.call("flaky", Payload::empty()).unwrap_err();
+            assert_eq!(e.status, Status::Unavailable);
+        });
+        assert_eq!(n, 1, "{t:?}");
+        turn_of.store(0, Ordering::Relaxed);
+        // Pushback: 40 ms between its four attempts; the last answer wins.
+        let t0 = Instant::now();
+        let n = attempts(&|| {
+            let e = c.call_with("busy", Payload::from_vec(big.clone()), opts);
+            let e = e.unwrap_err();
+            assert_eq!(e.status, Status::ResourceExhausted);
+            assert_eq!(e.metadata, md(&[("retry-after-ms", "40")]));
+        });
+        assert_eq!(n, 4, "{t:?}");
+        assert!(t0.elapsed() >= Duration::from_millis(120), "{t:?}");
+        // A pushback that is not a number stops; an unlisted status too.
+        for method in ["stop", "bad"] {
+            let n = attempts(&|| assert!(c.call_with(method, Payload::empty(), opts).is_err()));
+            assert_eq!(n, 1, "{t:?} {method}");
+        }
+        // A wait that would outlast the deadline is not waited.
+        let t0 = Instant::now();
+        let short = opts;
+        let short = CallOptions {
+            deadline: Some(Duration::from_millis(200)),
+            ..short
+        };
+        let n = attempts(&|| {
+            let e = c
+                .call_with("slow_fail", Payload::empty(), short)
+                .unwrap_err();
+            assert_eq!(e.status, Status::Unavailable, "the server's answer");
+        });
+        assert_eq!(n, 1, "{t:?}");
+        assert!(t0.elapsed() < Duration::from_millis(400), "{t:?}");
+        // The client's policy, for calls that set none.
+        let retrying = c.with_retry(policy);
+        let n = attempts(&|| {
+            let got = retrying.call("flaky", big.clone()).unwrap();
+            assert_eq!(got.to_vec().unwrap(), want, "{t:?}");
+        });
+        assert_eq!(n, 3, "{t:?}");
+        let retrying_async = ac.with_retry(policy);
+        let n = attempts(&|| {
+            let got = rt.block_on(retrying_async.call("flaky", big.clone()));
+            assert_eq!(got.unwrap().to_vec().unwrap(), want, "{t:?}");
+        });
+        assert_eq!(n, 3, "{t:?}");
+        // An async call dropped while it waits to go again releases what
+        // it lent (the pool is checked clean below).
+        let p = Payload::from_vec(big.clone());
+        let dropped = rt.block_on(async {
+            tokio::time::timeout(Duration::from_millis(10), ac.call_with("busy", p, opts)).await
+        });
+        assert!(dropped.is_err(), "{t:?}: timed out");
+        drop((c, ac, retrying, retrying_async));
+        svc.shutdown();
+    }
+    drop((rt, node));
+    assert_clean_after_pumps(&tp);
+}
+
 type RawPair = (
     Box<dyn dm_rpc::transport::Listener>,
     dm_rpc::transport::Connection,

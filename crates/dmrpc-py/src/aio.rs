@@ -51,6 +51,16 @@ impl PyAsyncClient {
 
 #[pymethods]
 impl PyAsyncClient {
+    /// A client on the same connection whose calls that pass no `retry`
+    /// follow this policy (see `Client.with_retry`).
+    fn with_retry(&self, retry: &Bound<'_, PyAny>) -> PyResult<PyAsyncClient> {
+        let client = match crate::node::retry_of(Some(retry))? {
+            Some(r) => self.client.with_retry(r),
+            None => self.client.clone(),
+        };
+        Ok(PyAsyncClient::new(client, self.node.clone()))
+    }
+
     /// A client on the same connection whose calls all carry `metadata`
     /// (see `Client.with_metadata`).
     fn with_metadata(&self, metadata: &Bound<'_, PyAny>) -> PyResult<PyAsyncClient> {
@@ -74,7 +84,7 @@ impl PyAsyncClient {
     /// call fails at once), else later on `event_loop`
     /// (`call_soon_threadsafe`). The `CallHandle` returned cancels the
     /// call.
-    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, detached=false, wait_for_ready=false, idempotent=false, metadata=None))]
+    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, detached=false, wait_for_ready=false, idempotent=false, metadata=None, retry=None))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         &self,
@@ -89,10 +99,12 @@ impl PyAsyncClient {
         wait_for_ready: bool,
         idempotent: bool,
         metadata: Option<&Bound<'_, PyAny>>,
+        retry: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyCallHandle> {
         let meta = crate::meta::metadata_of(metadata)?;
         let p = to_payload(py, &self.node, data)?;
-        let opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
+        let mut opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
+        opts.retry = crate::node::retry_of(retry)?;
         let (client, node) = (self.client.clone(), self.node.clone());
         let rt = runtime()?;
         let mut call = Box::pin(async move { client.call_full(&method, p, opts, meta).await });

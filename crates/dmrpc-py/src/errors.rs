@@ -52,6 +52,22 @@ create_exception!(
     "The caller may not make this call."
 );
 
+/// The status a name (as `.status` gives it) stands for.
+pub fn status_named(name: &str) -> Option<Status> {
+    Some(match name {
+        "NotFound" => Status::NotFound,
+        "InvalidArgument" => Status::InvalidArgument,
+        "DeadlineExceeded" => Status::DeadlineExceeded,
+        "Unavailable" => Status::Unavailable,
+        "ResourceExhausted" => Status::ResourceExhausted,
+        "Internal" => Status::Internal,
+        "Cancelled" => Status::Cancelled,
+        "Unauthenticated" => Status::Unauthenticated,
+        "PermissionDenied" => Status::PermissionDenied,
+        _ => return None,
+    })
+}
+
 /// The Python exception for a typed RPC error.
 pub fn to_py(e: RpcError) -> PyErr {
     let (msg, status) = (e.message.clone(), e.status);

@@ -12,7 +12,7 @@ use crate::errors::{to_py, Error as PyDmError};
 use crate::mem::PyMemPool;
 use crate::payload::{to_payload, PyPayload};
 use crate::pool::PyPool;
-use dm_rpc::{CallOptions, Client, Config, Node, RpcError, Server, Status, Transport};
+use dm_rpc::{CallOptions, Client, Config, Node, Retry, RpcError, Server, Status, Transport};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -61,17 +61,7 @@ fn to_rpc(py: Python<'_>, e: PyErr) -> RpcError {
             .getattr("status")
             .and_then(|s| s.extract::<String>())
             .unwrap_or_default();
-        let st = match status.as_str() {
-            "NotFound" => Status::NotFound,
-            "InvalidArgument" => Status::InvalidArgument,
-            "DeadlineExceeded" => Status::DeadlineExceeded,
-            "Unavailable" => Status::Unavailable,
-            "ResourceExhausted" => Status::ResourceExhausted,
-            "Cancelled" => Status::Cancelled,
-            "Unauthenticated" => Status::Unauthenticated,
-            "PermissionDenied" => Status::PermissionDenied,
-            _ => Status::Internal,
-        };
+        let st = crate::errors::status_named(&status).unwrap_or(Status::Internal);
         return RpcError::new(st, msg).with_metadata(meta);
     }
     RpcError::internal(format!(
@@ -274,6 +264,52 @@ impl Drop for PyServer {
     }
 }
 
+/// A retry policy from Python: None, or a dict with `attempts` (in all,
+/// the first included), `on` (status names or `dmrpc.Error` classes),
+/// and optionally `backoff` and `max_backoff` in seconds.
+pub(crate) fn retry_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Retry>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let bad = |why: String| to_py(RpcError::invalid_argument(format!("retry: {why}")));
+    let d = obj
+        .downcast::<PyDict>()
+        .map_err(|_| bad("a dict of attempts, on, backoff, max_backoff".into()))?;
+    let attempts: u32 = match d.get_item("attempts")? {
+        Some(a) => a.extract()?,
+        None => return Err(bad("attempts missing".into())),
+    };
+    let mut on = Vec::new();
+    if let Some(list) = d.get_item("on")? {
+        for s in list.try_iter()? {
+            let s = s?;
+            // A class of exception says its status as `.status`.
+            let name: String = match s.extract() {
+                Ok(n) => n,
+                Err(_) => s.getattr("status")?.extract()?,
+            };
+            on.push(
+                crate::errors::status_named(&name)
+                    .ok_or_else(|| bad(format!("no status {name:?}")))?,
+            );
+        }
+    }
+    let secs = |k: &str, default: Duration| -> PyResult<Duration> {
+        match d.get_item(k)? {
+            None => Ok(default),
+            Some(v) => {
+                let f: f64 = v.extract()?;
+                Duration::try_from_secs_f64(f)
+                    .map_err(|_| bad(format!("{k} {f} is not a duration")))
+            }
+        }
+    };
+    let r = Retry::new(attempts, &on);
+    let backoff = secs("backoff", r.backoff)?;
+    let max = secs("max_backoff", r.max_backoff)?;
+    Ok(Some(r.backoff(backoff, max)))
+}
+
 /// A call's options from its `timeout` in seconds, whether it is
 /// `detached` from the deadline of a call being served, waits for its
 /// service to be back (`wait_for_ready`) and may run twice (`idempotent`).
@@ -321,7 +357,7 @@ impl PyClient {
     /// `metadata` (a dict, or `(key, value)` pairs; values `str` or
     /// bytes-like) goes with the call; the handler reads it with
     /// `dmrpc.metadata()`.
-    #[pyo3(signature = (method, data=None, timeout=None, detached=false, wait_for_ready=false, idempotent=false, metadata=None))]
+    #[pyo3(signature = (method, data=None, timeout=None, detached=false, wait_for_ready=false, idempotent=false, metadata=None, retry=None))]
     #[allow(clippy::too_many_arguments)]
     fn call<'py>(
         &self,
@@ -333,14 +369,29 @@ impl PyClient {
         wait_for_ready: bool,
         idempotent: bool,
         metadata: Option<&Bound<'py, PyAny>>,
+        retry: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PyPayload> {
         let meta = crate::meta::metadata_of(metadata)?;
         let p = to_payload(py, &self.node, data)?;
-        let opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
+        let mut opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
+        opts.retry = retry_of(retry)?;
         let out = py
             .allow_threads(|| self.client.call_full(method, p, opts, meta))
             .map_err(to_py)?;
         Ok(PyPayload::answer(out, self.node.clone()))
+    }
+
+    /// A client on the same connection whose calls that pass no `retry`
+    /// follow this policy (a dict, as `call`'s `retry`).
+    fn with_retry(&self, retry: &Bound<'_, PyAny>) -> PyResult<PyClient> {
+        let client = match retry_of(Some(retry))? {
+            Some(r) => self.client.with_retry(r),
+            None => self.client.clone(),
+        };
+        Ok(PyClient {
+            client,
+            node: self.node.clone(),
+        })
     }
 
     /// A client on the same connection whose calls all carry `metadata` (a

@@ -218,6 +218,41 @@ def test_an_interceptor_guards_every_method_and_chosen_metadata_goes_on(pool):
         up.shutdown()
 
 
+def test_a_retry_policy_sends_a_call_again(pool):
+    p, _ = pool
+    node = dmrpc.Node(p)
+    base = f"py/retry/{os.getpid()}/{next(_N)}"
+    tries = []
+
+    def flaky(b):
+        tries.append(len(b))
+        if len(tries) % 3:
+            raise dmrpc.Unavailable("not now")
+        return bytes(b)[:4]
+
+    srv = node.serve(base, {"flaky": flaky})
+    try:
+        c = node.connect(base)
+        policy = {"attempts": 4, "on": ["Unavailable", dmrpc.ResourceExhausted], "backoff": 0.001}
+        big = bytes(range(256)) * 1200
+        assert bytes(c.call("flaky", big, retry=policy)) == big[:4]
+        assert tries == [len(big)] * 3
+        with pytest.raises(dmrpc.Unavailable):
+            c.call("flaky", b"x")  # no policy: the first answer
+        tries.clear()
+        assert bytes(c.with_retry(policy).call("flaky", b"abcdef")) == b"abcd"
+        assert len(tries) == 3
+        tries.clear()
+        ac = dmrpc.aio.connect(node, base)
+        assert bytes(asyncio.run(ac.call("flaky", b"xyzw", retry=policy))) == b"xyzw"
+        assert len(tries) == 3
+        with pytest.raises(dmrpc.InvalidArgument):
+            c.call("flaky", b"", retry={"attempts": 2, "on": ["NoSuchStatus"]})
+        del c, ac
+    finally:
+        srv.shutdown()
+
+
 def test_a_handlers_calls_wait_no_longer_than_its_caller(pool):
     # A handler's nested call inherits the deadline of the call it serves:
     # when the first caller gives up, so does the call it caused, unless

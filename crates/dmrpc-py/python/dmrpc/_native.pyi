@@ -161,6 +161,7 @@ class Client:
         wait_for_ready: bool = False,
         idempotent: bool = False,
         metadata: Metadata | None = None,
+        retry: RetryPolicy | None = None,
     ) -> Payload:
         """Calls `method`; from a service's handler, waits no longer than
         the handler's own caller does, unless `detached`. With
@@ -168,7 +169,14 @@ class Client:
         timeout) for it to be registered again. An `idempotent` call may
         run twice: if its connection breaks while it is in flight, it is
         sent again. `metadata` goes with the call (the handler reads it
-        with `dmrpc.metadata()`)."""
+        with `dmrpc.metadata()`). `retry`: send it again when its answer's
+        status is one the policy lists, up to its attempts, after growing
+        random waits (or the server's `retry-after-ms`), within `timeout`."""
+        ...
+
+    def with_retry(self, retry: RetryPolicy) -> Client:
+        """A client on the same connection whose calls that pass no `retry`
+        follow this policy."""
         ...
 
 class CallHandle:
@@ -200,9 +208,15 @@ class AsyncClient:
         wait_for_ready: bool = False,
         idempotent: bool = False,
         metadata: Metadata | None = None,
+        retry: RetryPolicy | None = None,
     ) -> CallHandle: ...
 
+    def with_retry(self, retry: RetryPolicy) -> AsyncClient: ...
+
 Handler = Callable[[Payload], Data]
+# A retry policy: {"attempts": 3, "on": ["Unavailable", dmrpc.ResourceExhausted],
+# "backoff": 0.01, "max_backoff": 1.0} (attempts in all; waits in seconds).
+RetryPolicy = dict[str, Any]
 # Call metadata: a dict, or (key, value) pairs; keys of a-z, 0-9, '-', '_',
 # '.'; values str or bytes-like.
 Metadata = dict[str, str | bytes] | list[tuple[str, str | bytes]] | tuple[tuple[str, str | bytes], ...]

@@ -57,9 +57,10 @@ class AsyncClient:
         wait_for_ready: bool = False,
         idempotent: bool = False,
         metadata: Any = None,
+        retry: Any = None,
     ) -> Payload:
         """Calls `method` (see `dmrpc.Client.call`); the same exceptions."""
-        extra = (detached, wait_for_ready, idempotent, metadata)
+        extra = (detached, wait_for_ready, idempotent, metadata, retry)
         if self._limit is None:
             return await self._call(method, data, timeout, extra)
         async with self._limit:
@@ -77,6 +78,12 @@ class AsyncClient:
             raise
         finally:
             self._in_flight.discard(fut)
+
+    def with_retry(self, retry: Any) -> AsyncClient:
+        """A client on the same connection whose calls that pass no `retry`
+        follow this policy (see `dmrpc.Client.with_retry`); no limit on calls
+        in flight."""
+        return AsyncClient(self._client.with_retry(retry))
 
     def with_metadata(self, metadata: Any) -> AsyncClient:
         """A client on the same connection whose calls all carry `metadata`
