@@ -16,6 +16,9 @@
 //!   program against (blocking and tokio).
 //! * [`deadline`] — a handler's calls inherit the deadline of the call it
 //!   serves.
+//! * [`metadata`] — what calls and answers carry beside their payloads,
+//!   and what a handler's calls inherit.
+//! * [`retry`] — retry policies: statuses worth another attempt, waits.
 //!
 //! ```no_run
 //! use dm_rpc::{Node, Payload};
