@@ -815,7 +815,9 @@ impl AsyncClient {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
         let mut opts = opts;
-        opts.retry = opts.retry.or(self.retry);
+        if opts.retry.is_none() && self.retry.is_some() {
+            opts.retry = self.retry;
+        }
         if c.is_spent() {
             // Broken or retired, with nothing new to dial.
             if opts.wait_for_ready {

@@ -737,7 +737,9 @@ impl Client {
         meta.fill_from(&self.meta);
         let mut c = self.h.live();
         let mut opts = opts;
-        opts.retry = opts.retry.or(self.retry);
+        if opts.retry.is_none() && self.retry.is_some() {
+            opts.retry = self.retry;
+        }
         if c.is_spent() {
             // Broken or retired, with nothing new to dial.
             if opts.wait_for_ready {
@@ -750,7 +752,23 @@ impl Client {
                 return Err(e);
             }
         }
-        let mut r = c.call_with(method, payload, opts, meta);
+        let r = c.call_with(method, payload, opts, meta);
+        match r {
+            Err(Failure::Refused(_) | Failure::Again(_)) => self.again(c, r, opts),
+            r => self.h.settle(&c, r),
+        }
+    }
+
+    /// Where a call whose request may go again (`r`: refused, or answered
+    /// with a status its retry policy lists) on connection `c` ends.
+    #[cold]
+    #[inline(never)]
+    fn again(
+        &self,
+        mut c: arc_swap::Guard<Arc<Inner>>,
+        mut r: Result<Reply, Failure>,
+        opts: CallOptions,
+    ) -> Result<Reply, RpcError> {
         let mut attempt = 1;
         loop {
             // A request known not to have run (refused by a server shutting

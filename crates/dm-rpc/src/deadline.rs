@@ -90,6 +90,7 @@ impl Drop for Restore {
 }
 
 /// Runs `f` as the serving of a call whose deadline is `deadline`.
+#[inline]
 pub(crate) fn serving<R>(deadline: Option<Instant>, f: impl FnOnce() -> R) -> R {
     let _restore = Restore(SERVED.with(|c| c.replace(deadline)));
     f()

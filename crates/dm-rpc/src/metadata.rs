@@ -116,6 +116,7 @@ pub(crate) fn inherit_into(meta: &mut Metadata) {
 /// inherited metadata are `*served`: what [`set_reply`] sets meanwhile
 /// goes to it (a handler's panic included), and calls made read what they
 /// inherit from it.
+#[inline]
 pub(crate) fn serving<R>(served: &mut Served, f: impl FnOnce() -> R) -> R {
     /// Puts the outer call's back when dropped.
     struct Back(*mut Served);
@@ -205,10 +206,15 @@ impl Metadata {
     /// Adds the entries of `other` whose key it does not have, after its
     /// own (a call's own values win over those it inherits or its client
     /// adds).
+    #[inline]
     pub(crate) fn fill_from(&mut self, other: &Metadata) {
-        if other.is_empty() {
-            return;
+        if !other.is_empty() {
+            self.fill_from_entries(other);
         }
+    }
+
+    #[cold]
+    fn fill_from_entries(&mut self, other: &Metadata) {
         if self.is_empty() {
             self.clone_from(other);
             return;

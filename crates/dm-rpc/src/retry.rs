@@ -58,20 +58,27 @@ impl Statuses {
     }
 }
 
-/// How a call is tried again ([`CallOptions::retry`](crate::CallOptions)).
+/// How a call is tried again ([`CallOptions::retry`](crate::CallOptions)):
+/// up to a number of attempts in all (the first included, at most
+/// [`MAX_ATTEMPTS`]), when the answer has one of its statuses (never
+/// `Ok`), after a wait of up to `backoff` before the second attempt that
+/// doubles for each attempt after, up to `max_backoff`. Each wait is
+/// random between zero and that (full jitter), so that callers failing
+/// together do not come back together. (Compact: it rides in every
+/// call's options.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retry {
-    /// Attempts in all, the first included (at most [`MAX_ATTEMPTS`]).
-    pub attempts: u32,
-    /// The statuses worth another attempt (never `Ok`).
-    pub on: Statuses,
-    /// The longest wait before the second attempt; it doubles for each
-    /// attempt after, up to `max_backoff`. Each wait is random between
-    /// zero and that (full jitter), so that callers failing together do
-    /// not come back together.
-    pub backoff: Duration,
-    /// The longest wait between two attempts.
-    pub max_backoff: Duration,
+    attempts: u8,
+    on: Statuses,
+    /// Microseconds.
+    backoff: u32,
+    /// Microseconds.
+    max_backoff: u32,
+}
+
+/// `d` in microseconds, saturated.
+fn micros(d: Duration) -> u32 {
+    d.as_micros().min(u32::MAX as u128) as u32
 }
 
 impl Retry {
@@ -79,21 +86,41 @@ impl Retry {
     /// statuses, waiting up to 10 ms before the second, doubling to 1 s.
     pub fn new(attempts: u32, on: &[Status]) -> Retry {
         Retry {
-            attempts: attempts.min(MAX_ATTEMPTS),
+            attempts: attempts.min(MAX_ATTEMPTS) as u8,
             on: Statuses::of(on),
-            backoff: Duration::from_millis(10),
-            max_backoff: Duration::from_secs(1),
+            backoff: 10_000,
+            max_backoff: 1_000_000,
         }
     }
 
     /// This policy, waiting up to `first` before the second attempt,
-    /// doubling to `max`.
+    /// doubling to `max` (each at most about 71 minutes).
     pub fn backoff(self, first: Duration, max: Duration) -> Retry {
         Retry {
-            backoff: first,
-            max_backoff: max.max(first),
+            backoff: micros(first),
+            max_backoff: micros(max.max(first)),
             ..self
         }
+    }
+
+    /// Attempts in all, the first included.
+    pub fn attempts(&self) -> u32 {
+        self.attempts as u32
+    }
+
+    /// The statuses worth another attempt.
+    pub fn on(&self) -> Statuses {
+        self.on
+    }
+
+    /// The longest wait before the second attempt.
+    pub fn first_backoff(&self) -> Duration {
+        Duration::from_micros(self.backoff as u64)
+    }
+
+    /// The longest wait between two attempts.
+    pub fn max_backoff(&self) -> Duration {
+        Duration::from_micros(self.max_backoff as u64)
     }
 
     /// The statuses that make a call try again, if it may try again.
@@ -107,7 +134,7 @@ impl Retry {
     /// The wait before attempt `n` (2: the first retry) after an answer
     /// with metadata `meta`, or None if there is to be no attempt `n`.
     pub(crate) fn wait(&self, n: u32, meta: &Metadata) -> Option<Duration> {
-        if n > self.attempts.min(MAX_ATTEMPTS) {
+        if n > self.attempts() {
             return None;
         }
         if let Some(v) = meta.get(RETRY_AFTER) {
@@ -115,9 +142,9 @@ impl Retry {
             return Some(Duration::from_millis(ms));
         }
         let doubled = self
-            .backoff
+            .first_backoff()
             .saturating_mul(1 << (n.saturating_sub(2)).min(20))
-            .min(self.max_backoff);
+            .min(self.max_backoff());
         Some(doubled.mul_f64(jitter()))
     }
 }
@@ -172,6 +199,10 @@ mod tests {
             .retries_on()
             .is_empty());
         assert!(Retry::new(3, &[Status::Ok]).retries_on().is_empty());
-        assert_eq!(Retry::new(99, &[]).attempts, MAX_ATTEMPTS);
+        assert_eq!(Retry::new(99, &[]).attempts(), MAX_ATTEMPTS);
+        assert_eq!(r.first_backoff(), Duration::from_millis(100));
+        assert_eq!(r.max_backoff(), Duration::from_millis(250));
+        let long = Retry::new(2, &[]).backoff(Duration::from_secs(1 << 40), Duration::ZERO);
+        assert_eq!(long.first_backoff(), long.max_backoff(), "saturated");
     }
 }

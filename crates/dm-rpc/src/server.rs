@@ -617,6 +617,7 @@ struct Scope {
 impl Scope {
     /// Runs `f`, a handler's (or interceptor's) work, in this scope; a
     /// panic is caught.
+    #[inline]
     fn run<R>(&mut self, f: impl FnOnce() -> R) -> std::thread::Result<R> {
         let deadline = self.deadline;
         crate::metadata::serving(&mut self.meta, || guarded(deadline, f))

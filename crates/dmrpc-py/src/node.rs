@@ -305,8 +305,8 @@ pub(crate) fn retry_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Retry>
         }
     };
     let r = Retry::new(attempts, &on);
-    let backoff = secs("backoff", r.backoff)?;
-    let max = secs("max_backoff", r.max_backoff)?;
+    let backoff = secs("backoff", r.first_backoff())?;
+    let max = secs("max_backoff", r.max_backoff())?;
     Ok(Some(r.backoff(backoff, max)))
 }
 
