@@ -267,8 +267,10 @@ impl ServerBuilder {
     /// serves on to the calls it makes meanwhile (a blocking handler while
     /// it runs, an async handler's future while it is polled), as the
     /// deadline is: a trace id, a tenant, a request id. A call that sets a
-    /// key itself keeps its own value. Keys not listed are not passed on
-    /// (an authentication token meant for this service stays here).
+    /// key itself keeps its own value; a detached call inherits them too
+    /// (it leaves only the deadline behind). Keys not listed are not
+    /// passed on (an authentication token meant for this service stays
+    /// here).
     pub fn propagate_metadata<I, K>(mut self, keys: I) -> Self
     where
         I: IntoIterator<Item = K>,
