@@ -1074,8 +1074,8 @@ impl Inner {
         }
         if f.status != Status::Ok && again.on.contains(f.status) {
             // Its retry policy lists this status: it may go again.
-            let e = answer_error(f);
-            return Err(Failure::again(frame, e, lent, deadline, i.refs, again));
+            let r = Refused::new(frame, answer_error(f), lent, deadline, i.refs, again);
+            return Err(Failure::Again(Box::new(r)));
         }
         drop(frame);
         Ok(answer(&i.node, f, lent)?)

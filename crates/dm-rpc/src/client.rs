@@ -388,21 +388,6 @@ impl Failure {
         let r = Refused::new(frame, e, lent, deadline, refs, again);
         Failure::Refused(Box::new(r))
     }
-
-    /// The failure of request `frame` (as in [`not_run`](Self::not_run))
-    /// whose answer, `e`, has a status its retry policy lists.
-    #[cold]
-    pub(crate) fn again(
-        frame: Frame,
-        e: RpcError,
-        lent: Lent,
-        deadline: Option<Instant>,
-        refs: crate::transport::Sharing,
-        again: Again,
-    ) -> Failure {
-        let r = Refused::new(frame, e, lent, deadline, refs, again);
-        Failure::Again(Box::new(r))
-    }
 }
 
 impl From<RpcError> for Failure {
@@ -928,8 +913,8 @@ impl Inner {
         }
         if f.status != Status::Ok && again.on.contains(f.status) {
             // Its retry policy lists this status: it may go again.
-            let e = answer_error(f);
-            return Err(Failure::again(frame, e, lent, deadline, i.refs, again));
+            let r = Refused::new(frame, answer_error(f), lent, deadline, i.refs, again);
+            return Err(Failure::Again(Box::new(r)));
         }
         Ok(answer(&i.node, f, lent)?)
     }
