@@ -42,11 +42,11 @@
 //! so is its answer when it comes.
 
 use crate::client::{
-    answer, answer_error, orphan, outgoing, refusal, send_holding_rx, send_unheld, Failure,
-    Outgoing, Refused, Reply,
+    ended, orphan, outgoing, send_holding_rx, send_unheld, Defaults, Failure, Outgoing, Refused,
+    Reply,
 };
 use crate::error::RpcError;
-use crate::frame::{Frame, Kind, Status, FLAG_REFUSED};
+use crate::frame::{Frame, Kind, Status};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::Payload;
@@ -106,10 +106,7 @@ type Pending = HashMap<u64, Slot, std::hash::BuildHasherDefault<CallIdHasher>>;
 #[derive(Clone)]
 pub struct AsyncClient {
     h: Arc<Redial<Inner>>,
-    /// Metadata every call carries ([`AsyncClient::with_metadata`]).
-    meta: Metadata,
-    /// The retry policy of calls that set none ([`AsyncClient::with_retry`]).
-    retry: Option<crate::Retry>,
+    defaults: Defaults,
 }
 
 impl std::fmt::Debug for AsyncClient {
@@ -708,8 +705,7 @@ impl AsyncClient {
     pub(crate) fn new(h: Redial<Inner>) -> AsyncClient {
         AsyncClient {
             h: Arc::new(h),
-            meta: Metadata::new(),
-            retry: None,
+            defaults: Defaults::default(),
         }
     }
 
@@ -717,8 +713,8 @@ impl AsyncClient {
     /// policy of their own follow `policy` ([`crate::retry`]).
     pub fn with_retry(&self, policy: crate::Retry) -> AsyncClient {
         AsyncClient {
-            retry: Some(policy),
-            ..self.clone()
+            h: self.h.clone(),
+            defaults: self.defaults.with_retry(policy),
         }
     }
 
@@ -728,8 +724,7 @@ impl AsyncClient {
     pub fn with_metadata(&self, meta: Metadata) -> AsyncClient {
         AsyncClient {
             h: self.h.clone(),
-            meta,
-            retry: self.retry,
+            defaults: self.defaults.with_meta(meta),
         }
     }
 
@@ -809,15 +804,11 @@ impl AsyncClient {
         method: &str,
         payload: Payload,
         opts: CallOptions,
-        mut meta: Metadata,
+        meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        meta.fill_from(&self.meta);
+        let (mut opts, meta) = self.defaults.apply(opts, meta);
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
-        let mut opts = opts;
-        if opts.retry.is_none() && self.retry.is_some() {
-            opts.retry = self.retry;
-        }
         if c.is_spent() {
             // Broken or retired, with nothing new to dial.
             if opts.wait_for_ready {
@@ -1062,23 +1053,7 @@ impl Inner {
                 return Err(e.into());
             }
         };
-        if f.flags & FLAG_REFUSED != 0 {
-            return Err(Failure::not_run(
-                frame,
-                refusal(f),
-                lent,
-                deadline,
-                i.refs,
-                again,
-            ));
-        }
-        if f.status != Status::Ok && again.on.contains(f.status) {
-            // Its retry policy lists this status: it may go again.
-            let r = Refused::new(frame, answer_error(f), lent, deadline, i.refs, again);
-            return Err(Failure::Again(Box::new(r)));
-        }
-        drop(frame);
-        Ok(answer(&i.node, f, lent)?)
+        ended(&i.node, frame, f, (lent, deadline, i.refs, again))
     }
 
     /// Whether the request `id`, whose call failed with `Unavailable`, may

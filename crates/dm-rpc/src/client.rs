@@ -20,7 +20,7 @@
 //! ([`crate::reconnect`]).
 
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, Limits, Status, FLAG_REFUSED};
+use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_REFUSED};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
@@ -124,10 +124,46 @@ impl CallOptions {
 #[derive(Clone)]
 pub struct Client {
     h: Arc<Redial<Inner>>,
-    /// Metadata every call carries ([`Client::with_metadata`]).
-    meta: Metadata,
-    /// The retry policy of calls that set none ([`Client::with_retry`]).
-    retry: Option<Retry>,
+    defaults: Defaults,
+}
+
+/// What a client adds to each of its calls (both clients'
+/// `with_metadata` and `with_retry`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Defaults {
+    /// Metadata every call carries.
+    pub(crate) meta: Metadata,
+    /// The retry policy of calls that set none.
+    pub(crate) retry: Option<Retry>,
+}
+
+impl Defaults {
+    /// These defaults with `meta`.
+    pub(crate) fn with_meta(&self, meta: Metadata) -> Defaults {
+        Defaults {
+            meta,
+            retry: self.retry,
+        }
+    }
+
+    /// These defaults with `policy`.
+    pub(crate) fn with_retry(&self, policy: Retry) -> Defaults {
+        Defaults {
+            retry: Some(policy),
+            ..self.clone()
+        }
+    }
+
+    /// A call's options and metadata with these added: the call's own
+    /// keys and policy win.
+    #[inline]
+    pub(crate) fn apply(&self, opts: CallOptions, mut meta: Metadata) -> (CallOptions, Metadata) {
+        meta.fill_from(&self.meta);
+        match self.retry {
+            Some(r) if opts.retry.is_none() => (opts.retry(r), meta),
+            _ => (opts, meta),
+        }
+    }
 }
 
 impl std::fmt::Debug for Client {
@@ -280,16 +316,13 @@ pub(crate) fn outgoing(
         }
     };
     // (The metadata travels in the frame too, within the receiver's limit.)
-    let mut inline_max = node.cfg.inline_max.min(max_inline);
-    if !meta.is_empty() {
-        let (len, max_meta) = (meta.encoded_len(), Limits::default().max_meta as usize);
-        if len > max_meta {
-            return Err(RpcError::invalid_argument(format!(
-                "metadata of {len} bytes exceeds the limit of {max_meta}"
-            )));
-        }
-        inline_max = inline_max.min(max_inline.saturating_sub(len));
-    }
+    let inline_max = meta
+        .inline_room(node.cfg.inline_max, max_inline)
+        .map_err(|(len, max)| {
+            RpcError::invalid_argument(format!(
+                "metadata of {len} bytes exceeds the limit of {max}"
+            ))
+        })?;
     let (body, lent) = payload.into_body(node, inline_max, Dir::Request, refs)?;
     crate::stats::count(&body, true);
     Ok(Outgoing {
@@ -339,23 +372,48 @@ pub struct Reply {
     pub metadata: Metadata,
 }
 
+/// How the answer `f` to request `frame` ends its call: a refusal or a
+/// status its retry policy lists lets the request go again (with what it
+/// lent, its deadline, the sharing it was placed for and when it may go
+/// again); any other answer is the call's result.
+pub(crate) fn ended(
+    node: &Node,
+    frame: Frame,
+    f: Frame,
+    (lent, deadline, refs, again): (Lent, Option<Instant>, crate::transport::Sharing, Again),
+) -> Result<Reply, Failure> {
+    if f.flags & FLAG_REFUSED != 0 {
+        return Err(Failure::not_run(
+            frame,
+            refusal(f),
+            lent,
+            deadline,
+            refs,
+            again,
+        ));
+    }
+    if f.status != Status::Ok && again.on.contains(f.status) {
+        // Its retry policy lists this status: it may go again.
+        let r = Refused::new(frame, answer_error(f), lent, deadline, refs, again);
+        return Err(Failure::Again(Box::new(r)));
+    }
+    drop(frame);
+    Ok(answer(node, f, lent)?)
+}
+
 /// Turns an answer frame into the call's result, ending what the
 /// argument lent.
 pub(crate) fn answer(node: &Node, f: Frame, lent: Lent) -> Result<Reply, RpcError> {
     crate::stats::count(&f.payload, false);
-    let Frame {
-        status,
-        flags,
-        payload,
-        meta: metadata,
-        ..
-    } = f;
-    if status == Status::Ok {
-        let payload = lent.answer(node, flags, payload)?;
-        return Ok(Reply { payload, metadata });
+    if f.status != Status::Ok {
+        lent.release(node);
+        return Err(answer_error(f));
     }
-    lent.release(node);
-    Err(RpcError::new(status, message_of(payload)).with_metadata(metadata))
+    let payload = lent.answer(node, f.flags, f.payload)?;
+    Ok(Reply {
+        payload,
+        metadata: f.meta,
+    })
 }
 
 /// How a call on one connection failed.
@@ -628,8 +686,7 @@ impl Client {
     pub(crate) fn new(h: Redial<Inner>) -> Client {
         Client {
             h: Arc::new(h),
-            meta: Metadata::new(),
-            retry: None,
+            defaults: Defaults::default(),
         }
     }
 
@@ -638,8 +695,8 @@ impl Client {
     /// service's retry configuration.
     pub fn with_retry(&self, policy: Retry) -> Client {
         Client {
-            retry: Some(policy),
-            ..self.clone()
+            h: self.h.clone(),
+            defaults: self.defaults.with_retry(policy),
         }
     }
 
@@ -649,8 +706,7 @@ impl Client {
     pub fn with_metadata(&self, meta: Metadata) -> Client {
         Client {
             h: self.h.clone(),
-            meta,
-            retry: self.retry,
+            defaults: self.defaults.with_meta(meta),
         }
     }
 
@@ -717,14 +773,10 @@ impl Client {
         method: &str,
         payload: Payload,
         opts: CallOptions,
-        mut meta: Metadata,
+        meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        meta.fill_from(&self.meta);
         let mut c = self.h.live();
-        let mut opts = opts;
-        if opts.retry.is_none() && self.retry.is_some() {
-            opts.retry = self.retry;
-        }
+        let (mut opts, meta) = self.defaults.apply(opts, meta);
         if c.is_spent() {
             // Broken or retired, with nothing new to dial.
             if opts.wait_for_ready {
@@ -901,22 +953,7 @@ impl Inner {
                 return Err(e.into());
             }
         };
-        if f.flags & FLAG_REFUSED != 0 {
-            return Err(Failure::not_run(
-                frame,
-                refusal(f),
-                lent,
-                deadline,
-                i.refs,
-                again,
-            ));
-        }
-        if f.status != Status::Ok && again.on.contains(f.status) {
-            // Its retry policy lists this status: it may go again.
-            let r = Refused::new(frame, answer_error(f), lent, deadline, i.refs, again);
-            return Err(Failure::Again(Box::new(r)));
-        }
-        Ok(answer(&i.node, f, lent)?)
+        ended(&i.node, frame, f, (lent, deadline, i.refs, again))
     }
 
     /// Whether the request `id`, whose call failed with `Unavailable`, may

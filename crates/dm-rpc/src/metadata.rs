@@ -258,6 +258,29 @@ impl Metadata {
         }
     }
 
+    /// The most payload bytes that may go inline beside it in a frame of a
+    /// transport that carries `max_inline` bytes inline, given the
+    /// node's threshold `inline_max`; or, if it exceeds the receiver's
+    /// limit ([`Limits::max_meta`](crate::frame::Limits)), its size and
+    /// that limit.
+    #[inline]
+    pub(crate) fn inline_room(
+        &self,
+        inline_max: usize,
+        max_inline: usize,
+    ) -> Result<usize, (usize, usize)> {
+        let room = inline_max.min(max_inline);
+        if self.is_empty() {
+            return Ok(room);
+        }
+        let len = self.encoded_len();
+        let max_meta = crate::frame::Limits::default().max_meta as usize;
+        if len > max_meta {
+            return Err((len, max_meta));
+        }
+        Ok(room.min(max_inline.saturating_sub(len)))
+    }
+
     /// Calls `put` with its encoding, in pieces.
     #[inline]
     pub(crate) fn encode_with(&self, put: &mut impl FnMut(&[u8])) {

@@ -35,7 +35,7 @@
 
 use crate::async_client::polling_with;
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, Limits, Status};
+use crate::frame::{method_id, Body, Frame, Kind, Status};
 use crate::metadata::{Metadata, MetadataError};
 use crate::node::{Node, Transport};
 use crate::payload::{Dir, Payload};
@@ -976,27 +976,25 @@ impl Dispatcher {
     }
 
     /// Sends the answer to a call, with `meta` (what its handler set).
-    fn answer(&mut self, to: To, result: Result<Payload, RpcError>, mut meta: Metadata) {
+    fn answer(&mut self, to: To, mut result: Result<Payload, RpcError>, mut meta: Metadata) {
         let To { conn, id, echo } = to;
-        let mut inline_max = self.node.cfg.inline_max.min(self.listener.max_inline());
-        let mut result = result;
         if let Err(e) = &mut result {
             // The metadata the error carries (a nested call's answer's)
             // goes on, after the handler's.
             meta.extend(std::mem::take(&mut e.metadata));
         }
-        if !meta.is_empty() {
-            // (The metadata travels in the frame too, within the limit.)
-            let (len, max_meta) = (meta.encoded_len(), Limits::default().max_meta as usize);
-            if len > max_meta {
+        // (The metadata travels in the frame too, within the limit.)
+        let (cfg_inline, max_inline) = (self.node.cfg.inline_max, self.listener.max_inline());
+        let inline_max = match meta.inline_room(cfg_inline, max_inline) {
+            Ok(room) => room,
+            Err((len, max)) => {
                 result = Err(RpcError::internal(format!(
-                    "the answer's metadata of {len} bytes exceeds the limit of {max_meta}"
+                    "the answer's metadata of {len} bytes exceeds the limit of {max}"
                 )));
                 meta = Metadata::new();
-            } else {
-                inline_max = inline_max.min(self.listener.max_inline().saturating_sub(len));
+                cfg_inline.min(max_inline)
             }
-        }
+        };
         let refs = self.listener.refs(conn);
         let dir = Dir::Answer(echo);
         let (status, body, made, echoed) =
