@@ -8,15 +8,24 @@
 //! 8    owner incarnation (the slot's, so a reused slot is not the owner)
 //! 16   registered at, ms since the epoch
 //! 24   name length (u32) | endpoint kind (u32: 1 shm, 2 tcp)
-//! 32   endpoint length (u32), reserved
+//! 32   endpoint length (u32) | flags (u32: bit 0 replica)
 //! 64   name, 128 bytes (hierarchical: `shop/images/resize`)
 //! 192  endpoint, 128 bytes (for TCP, the address as text)
 //! 320  192 bytes owned by the RPC layer (doorbells), zeroed on registration
 //! ```
 //!
 //! Registration, lookup of a name and removal run under the registry lock
-//! (`reg_lock` in the header atomics), so a name is registered at most once;
-//! the lock names its holder, and a dead holder's lock is broken. Readers
+//! (`reg_lock` in the header atomics), so a name is registered at most once
+//! — unless every registration of it is a *replica* (flag bit 0): then any
+//! number of servers share the name and clients spread their calls over
+//! them. An exclusive registration is refused while a replica holds the
+//! name, and the other way round. The lock names its holder, and a dead
+//! holder's lock is broken.
+//!
+//! The flags word was reserved (zero) before replicas: records of pools
+//! made earlier read as exclusive, and a build that predates the flag reads
+//! a replica as an exclusive registration (it finds one of the replicas and
+//! cannot register the name), so the pool format version did not change. Readers
 //! (`list`, `lookup`) also take it: registry traffic is rare and short. A
 //! record whose owner slot is dead is removed by the pool's maintenance
 //! (any live process's lease thread, or `dmrpc pool gc`), so a crashed
@@ -37,6 +46,8 @@ pub const RPC_AREA: usize = 192;
 
 const KIND_FREE: u64 = 0;
 const KIND_LIVE: u64 = 1;
+/// Flag: the registration is one replica of its name.
+pub const FLAG_REPLICA: u32 = 1;
 
 /// A service record as laid out in the pool.
 #[repr(C)]
@@ -54,7 +65,8 @@ pub struct ServiceRecord {
     pub endpoint_kind: AtomicU32,
     /// Endpoint text length.
     pub endpoint_len: AtomicU32,
-    _pad: AtomicU32,
+    /// Flags ([`FLAG_REPLICA`]).
+    pub flags: AtomicU32,
     _rsv: [AtomicU64; 3],
     /// Name bytes.
     pub name: [AtomicU64; NAME_MAX / 8],
@@ -97,6 +109,8 @@ pub struct ServiceInfo {
     pub registered_ms: u64,
     /// Whether the owner's lease is current.
     pub live: bool,
+    /// Whether it is one replica of its name ([`Pool::register_replica`](crate::Pool::register_replica)).
+    pub replica: bool,
 }
 
 /// Checks a service name: 1 to 128 bytes of `/`-separated segments made of
@@ -230,6 +244,7 @@ impl Shm {
             pid: self.slot(slot).map_or(0, |s| s.pid.load(Ordering::Relaxed)),
             registered_ms: r.registered_ms.load(Ordering::Relaxed),
             live: self.slot_is(slot, incarnation, now),
+            replica: r.flags.load(Ordering::Relaxed) & FLAG_REPLICA != 0,
         })
     }
 
@@ -288,6 +303,18 @@ impl crate::pool::Pool {
     /// [`unregister`](Self::unregister) or its death. A name held by a live
     /// process gives `NameTaken`; one held by a dead process is taken over.
     pub fn register(&self, name: &str, endpoint: &Endpoint) -> Result<ServiceInfo> {
+        self.register_as(name, endpoint, false)
+    }
+
+    /// Registers one replica of `name` at `endpoint`: the name may have
+    /// any number of replicas (none exclusive), and [`lookup_all`](Self::lookup_all)
+    /// finds them all. A name registered exclusively by a live process
+    /// gives `NameTaken`.
+    pub fn register_replica(&self, name: &str, endpoint: &Endpoint) -> Result<ServiceInfo> {
+        self.register_as(name, endpoint, true)
+    }
+
+    fn register_as(&self, name: &str, endpoint: &Endpoint, replica: bool) -> Result<ServiceInfo> {
         validate_name(name)?;
         let text = match endpoint {
             Endpoint::Shm => "",
@@ -307,6 +334,9 @@ impl crate::pool::Pool {
         for i in 0..shm.layout.n_services {
             match shm.service_info(i, now) {
                 Some(s) if s.name == name => {
+                    if s.live && replica && s.replica {
+                        continue;
+                    }
                     if s.live {
                         return Err(Error::NameTaken(name.to_owned()));
                     }
@@ -334,6 +364,8 @@ impl crate::pool::Pool {
             .store(if text.is_empty() { 1 } else { 2 }, Ordering::Relaxed);
         r.endpoint_len.store(text.len() as u32, Ordering::Relaxed);
         store_text(&r.endpoint, text.as_bytes());
+        r.flags
+            .store(if replica { FLAG_REPLICA } else { 0 }, Ordering::Relaxed);
         for w in &r.rpc {
             w.store(0, Ordering::Relaxed);
         }
@@ -359,7 +391,20 @@ impl crate::pool::Pool {
         }
     }
 
-    /// The live registration of `name`, if any.
+    /// Every live registration of `name` (its replicas, or its one
+    /// exclusive registration), by record index.
+    pub fn lookup_all(&self, name: &str) -> Result<Vec<ServiceInfo>> {
+        validate_name(name)?;
+        Ok(self
+            .shm()
+            .list_services()
+            .into_iter()
+            .filter(|s| s.live && s.name == name)
+            .collect())
+    }
+
+    /// The live registration of `name`, if any (of a name with replicas,
+    /// the first by record index).
     pub fn lookup(&self, name: &str) -> Result<Option<ServiceInfo>> {
         validate_name(name)?;
         Ok(self

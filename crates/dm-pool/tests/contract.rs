@@ -489,3 +489,78 @@ fn recycled_pages_read_zero_where_not_written() {
     drop((a, m, big, pool));
     tp.assert_clean();
 }
+
+#[test]
+fn a_name_has_any_number_of_replicas_or_one_exclusive_registration() {
+    use dm_pool::Endpoint;
+    let tp = TempPool::new(16 << 20);
+    let (a, b, c) = (tp.attach(), tp.attach(), tp.attach());
+    let name = "shop/images/worker";
+    let ra = a.register_replica(name, &Endpoint::Shm).unwrap();
+    let rb = b.register_replica(name, &Endpoint::Shm).unwrap();
+    let rt = b
+        .register_replica(name, &Endpoint::Tcp("10.0.0.2:7000".into()))
+        .unwrap();
+    assert!(ra.replica && rb.replica && rt.replica);
+    assert_ne!(ra.index, rb.index);
+    // An exclusive registration is refused while replicas hold the name.
+    assert!(matches!(
+        c.register(name, &Endpoint::Shm),
+        Err(Error::NameTaken(_))
+    ));
+    let all = c.lookup_all(name).unwrap();
+    assert_eq!(all, vec![ra.clone(), rb.clone(), rt.clone()]);
+    assert_eq!(
+        c.lookup(name).unwrap(),
+        Some(ra.clone()),
+        "the first replica"
+    );
+    assert_eq!(c.lookup_all("shop/none").unwrap(), vec![]);
+    assert!(c.lookup_all("bad//name").is_err());
+
+    // One replica leaves: the others stay.
+    a.unregister(&ra).unwrap();
+    assert_eq!(c.lookup_all(name).unwrap(), vec![rb.clone(), rt.clone()]);
+    b.unregister(&rb).unwrap();
+    b.unregister(&rt).unwrap();
+    assert!(c.lookup_all(name).unwrap().is_empty());
+
+    // An exclusive registration keeps replicas out, and is not one.
+    let ex = a.register(name, &Endpoint::Shm).unwrap();
+    assert!(!ex.replica);
+    assert!(matches!(
+        b.register_replica(name, &Endpoint::Shm),
+        Err(Error::NameTaken(_))
+    ));
+    a.unregister(&ex).unwrap();
+
+    // A dead replica goes with its lease; the live ones stay, and a dead
+    // exclusive owner's name is free for replicas.
+    let dying = tp.attach_with(AttachOptions {
+        heartbeat: false,
+        lease_ms: Some(30),
+        ..Default::default()
+    });
+    let rd = dying.register_replica(name, &Endpoint::Shm).unwrap();
+    let rl = a.register_replica(name, &Endpoint::Shm).unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    assert_eq!(c.lookup_all(name).unwrap(), vec![rl.clone()]);
+    let rep = c.maintain().unwrap();
+    assert_eq!(rep.services_removed, 1);
+    assert!(!c
+        .services()
+        .iter()
+        .any(|s| s.index == rd.index && s.generation == rd.generation));
+    a.unregister(&rl).unwrap();
+    let dying = tp.attach_with(AttachOptions {
+        heartbeat: false,
+        lease_ms: Some(30),
+        ..Default::default()
+    });
+    let _gone = dying.register(name, &Endpoint::Shm).unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    let r = b.register_replica(name, &Endpoint::Shm).unwrap();
+    b.unregister(&r).unwrap();
+    drop((dying, a, b, c));
+    tp.assert_clean();
+}

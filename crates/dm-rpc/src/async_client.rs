@@ -765,11 +765,26 @@ impl AsyncClient {
     /// is written straight into the pool (`call(method, data)` copies it
     /// into a vector first).
     pub async fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
-        let p = {
-            let i = self.h.live();
-            Payload::copy_for(&i.node, i.max_inline, i.refs, data)?
-        };
+        let p = self.payload_for(data)?;
         self.call_with(method, p, CallOptions::default()).await
+    }
+
+    /// A copy of `data` as this client's calls send it (inline, or written
+    /// into the pool when it will travel by Ref).
+    pub(crate) fn payload_for(&self, data: &[u8]) -> Result<Payload, RpcError> {
+        let i = self.h.live();
+        Payload::copy_for(&i.node, i.max_inline, i.refs, data)
+    }
+
+    /// Its connection and how it is replaced.
+    pub(crate) fn redial(&self) -> &Redial<Inner> {
+        &self.h
+    }
+
+    /// Whether new calls would go over the current connection (false
+    /// once it broke or was retired, until a call replaces it).
+    pub fn is_connected(&self) -> bool {
+        !self.h.current().is_spent()
     }
 
     /// Calls `method` with options.

@@ -736,10 +736,20 @@ impl Client {
     /// is written straight into the pool (`call(method, data)` copies it
     /// into a vector first).
     pub fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
-        let i = self.h.live();
-        let p = Payload::copy_for(&i.node, i.max_inline, i.refs, data)?;
-        drop(i);
+        let p = self.payload_for(data)?;
         self.call_with(method, p, CallOptions::default())
+    }
+
+    /// A copy of `data` as this client's calls send it (inline, or written
+    /// into the pool when it will travel by Ref).
+    pub(crate) fn payload_for(&self, data: &[u8]) -> Result<Payload, RpcError> {
+        let i = self.h.live();
+        Payload::copy_for(&i.node, i.max_inline, i.refs, data)
+    }
+
+    /// Its connection and how it is replaced.
+    pub(crate) fn redial(&self) -> &Redial<Inner> {
+        &self.h
     }
 
     /// Calls `method` with options.

@@ -52,6 +52,8 @@ pub mod wait;
 #[cfg(not(loom))]
 pub mod async_client;
 #[cfg(not(loom))]
+pub mod balance;
+#[cfg(not(loom))]
 pub mod client;
 #[cfg(not(loom))]
 pub mod deadline;
@@ -80,6 +82,8 @@ pub mod transport;
 
 #[cfg(not(loom))]
 pub use async_client::AsyncClient;
+#[cfg(not(loom))]
+pub use balance::{AsyncBalancedClient, BalancedClient};
 #[cfg(not(loom))]
 pub use client::{CallOptions, Client, Reply};
 #[cfg(not(loom))]

@@ -4,9 +4,12 @@
 //! through it.
 
 use crate::async_client::AsyncClient;
+use crate::balance::{AsyncBalancedClient, BalancedClient};
 use crate::client::Client;
 use crate::error::RpcError;
-use crate::reconnect::{Connected, How, Origin, Redial, Route, Target, CONNECT_TIMEOUT};
+use crate::reconnect::{
+    Connected, How, Origin, Redial, Route, Target, CONNECT_TIMEOUT, REDIAL_TIMEOUT,
+};
 use crate::registry::{PoolRegistry, Registry};
 use crate::server::ServerBuilder;
 use crate::transport::Connection;
@@ -213,6 +216,37 @@ impl Node {
         )))
     }
 
+    /// A client of every replica of service `name`
+    /// ([`ServerBuilder::replica`]), spreading its calls over them and
+    /// following them as they come and go ([`crate::balance`]). A name
+    /// with one registration works too (one replica). `NotFound` if the
+    /// name has none.
+    pub fn connect_balanced(&self, name: &str) -> Result<BalancedClient, RpcError> {
+        BalancedClient::connect(self, name)
+    }
+
+    /// Like [`connect_balanced`](Self::connect_balanced), for async callers.
+    pub fn connect_balanced_async(&self, name: &str) -> Result<AsyncBalancedClient, RpcError> {
+        AsyncBalancedClient::connect(self, name)
+    }
+
+    /// A client's connection to service `name` along `route` (one of its
+    /// registrations), redialled by name when it breaks.
+    pub(crate) fn redialer_along<C: Connected>(
+        &self,
+        name: &str,
+        route: &Route,
+    ) -> Result<Redial<C>, RpcError> {
+        let target = Target::Name(name.to_owned());
+        let conn = self.dial(&target, route, REDIAL_TIMEOUT)?;
+        Ok(Redial::new(
+            self.clone(),
+            target,
+            route.origin.clone(),
+            conn,
+        ))
+    }
+
     /// Resolves `target` and opens a first connection to it.
     fn redialer<C: Connected>(&self, target: Target) -> Result<Redial<C>, RpcError> {
         let route = self.resolve(&target)?;
@@ -220,26 +254,42 @@ impl Node {
         Ok(Redial::new(self.clone(), target, route.origin, conn))
     }
 
-    /// Where `target` is now, and which registration that is.
+    /// Where `target` is now, and which registration that is (of a name
+    /// with replicas, the first of [`resolve_all`](Self::resolve_all)).
     pub(crate) fn resolve(&self, target: &Target) -> Result<Route, RpcError> {
+        self.resolve_all(target)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| RpcError::not_found(format!("no service named {:?}", target.text())))
+    }
+
+    /// Every registration of `target` now (a name's replicas, or its one
+    /// registration; a TCP address as it is), nearest transport first:
+    /// bound in this process, then shared-memory services in the pool,
+    /// then TCP services of the node's registry and of the pool's.
+    /// `NotFound` if there is none.
+    pub(crate) fn resolve_all(&self, target: &Target) -> Result<Vec<Route>, RpcError> {
         let name = match target {
             Target::Addr(addr) => {
-                return Ok(Route {
+                return Ok(vec![Route {
                     how: How::Tcp(addr.clone()),
                     origin: Origin::Addr,
-                })
+                }])
             }
             Target::Name(name) => name,
         };
-        if let Some(b) = crate::transport::mem::binding(name) {
-            return Ok(Route {
+        let mut routes: Vec<Route> = crate::transport::mem::bindings(name)
+            .into_iter()
+            .map(|b| Route {
                 how: How::Mem(b),
                 origin: Origin::Mem(b),
-            });
-        }
-        if let Some(e) = self.registry.lookup(name)? {
+            })
+            .collect();
+        let in_pool = self.pool.lookup_all(name)?;
+        let mut tcp = Vec::new();
+        for e in self.registry.lookup_all(name)? {
             if let Endpoint::Tcp(addr) = &e.endpoint {
-                return Ok(Route {
+                tcp.push(Route {
                     how: How::Tcp(addr.clone()),
                     origin: Origin::Entry {
                         endpoint: e.endpoint.clone(),
@@ -249,19 +299,36 @@ impl Node {
                 });
             }
         }
-        let svc = self
-            .pool
-            .lookup(name)?
-            .ok_or_else(|| RpcError::not_found(format!("no service named {name:?}")))?;
-        let origin = Origin::Pool {
-            index: svc.index,
-            generation: svc.generation,
-        };
-        let how = match &svc.endpoint {
-            Endpoint::Shm => How::Shm(Box::new(svc)),
-            Endpoint::Tcp(addr) => How::Tcp(addr.clone()),
-        };
-        Ok(Route { how, origin })
+        for svc in in_pool {
+            let origin = Origin::Pool {
+                index: svc.index,
+                generation: svc.generation,
+            };
+            match &svc.endpoint {
+                Endpoint::Shm => routes.push(Route {
+                    how: How::Shm(Box::new(svc)),
+                    origin,
+                }),
+                // (Found in the node's registry already when that is the
+                // pool's.)
+                Endpoint::Tcp(addr)
+                    if !tcp
+                        .iter()
+                        .any(|r: &Route| matches!(&r.how, How::Tcp(a) if a == addr)) =>
+                {
+                    tcp.push(Route {
+                        how: How::Tcp(addr.clone()),
+                        origin,
+                    })
+                }
+                Endpoint::Tcp(_) => {}
+            }
+        }
+        routes.extend(tcp);
+        if routes.is_empty() {
+            return Err(RpcError::not_found(format!("no service named {name:?}")));
+        }
+        Ok(routes)
     }
 
     /// Opens a transport connection along `route` (resolved for

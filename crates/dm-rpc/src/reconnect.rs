@@ -16,7 +16,10 @@
 //!   dialled again: a server that died on another host stays registered
 //!   until its lease ends, and a new connection to it would only wait for
 //!   that. Until there is something to dial, calls fail at once with the
-//!   error that broke the connection.
+//!   error that broke the connection. A name shared by replicas
+//!   ([`ServerBuilder::replica`](crate::ServerBuilder::replica)) has
+//!   several registrations: a connection is current while its own is
+//!   among them, and one that broke goes to another replica first.
 //! * Lookups are spaced out, from [`FIRST_BACKOFF`] doubling up to
 //!   [`MAX_BACKOFF`] while they find nothing new: a caller retrying in a
 //!   loop neither scans the registry nor dials on every call. A call in
@@ -129,6 +132,9 @@ pub(crate) trait Connected: Send + Sync + Sized + 'static {
 /// service is registered again.
 pub(crate) struct Redial<C> {
     cur: ArcSwap<C>,
+    /// How many times `cur` was replaced (read without the lock: a
+    /// balanced client learns so that one of its connections moved).
+    swaps: std::sync::atomic::AtomicU64,
     node: Node,
     target: Target,
     dial: Mutex<Dial>,
@@ -174,6 +180,7 @@ impl<C: Connected> Redial<C> {
     fn with(node: Node, target: Target, origin: Option<Origin>, first: C) -> Self {
         Redial {
             cur: ArcSwap::from_pointee(first),
+            swaps: std::sync::atomic::AtomicU64::new(0),
             node,
             target,
             dial: Mutex::new(Dial {
@@ -245,8 +252,10 @@ impl<C: Connected> Redial<C> {
             return;
         }
         d.rechecked = Some(at);
-        let changed = match self.node.resolve(&self.target) {
-            Ok(r) => Some(r.origin) != d.origin,
+        // (Of a name with replicas, any of them may be the one `c` was
+        // opened to.)
+        let changed = match self.node.resolve_all(&self.target) {
+            Ok(routes) => !routes.iter().any(|r| Some(&r.origin) == d.origin.as_ref()),
             Err(e) => e.status == crate::Status::NotFound,
         };
         if changed {
@@ -301,6 +310,13 @@ impl<C: Connected> Redial<C> {
         self.lock().redials
     }
 
+    /// How many times the connection was replaced (a lazy client's first
+    /// connection too), without a lock.
+    #[inline]
+    pub(crate) fn swaps(&self) -> u64 {
+        self.swaps.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Dial> {
         self.dial.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -321,6 +337,8 @@ impl<C: Connected> Redial<C> {
             Some((conn, origin)) => {
                 self.cur
                     .store(Arc::new(C::open(self.node.clone(), self.target(), conn)));
+                self.swaps
+                    .fetch_add(1, std::sync::atomic::Ordering::Release);
                 // (A lazy client's first connection is no redial.)
                 d.redials += d.origin.is_some() as u64;
                 d.origin = Some(origin);
@@ -336,16 +354,25 @@ impl<C: Connected> Redial<C> {
         }
     }
 
-    /// A connection to the service's current registration, unless that is
-    /// `lost` over a transport whose connections break only with their
+    /// A connection to the service's current registration (of a name with
+    /// replicas, the first that answers other than `lost`), unless that
+    /// is `lost` over a transport whose connections break only with their
     /// server (and if it answers).
     fn open_new(&self, lost: Option<&Origin>) -> Option<(Connection, Origin)> {
-        let route = self.node.resolve(&self.target).ok()?;
-        if lost == Some(&route.origin) && !matches!(route.how, How::Tcp(_)) {
-            return None;
-        }
-        let conn = self.node.dial(&self.target, &route, REDIAL_TIMEOUT).ok()?;
-        Some((conn, route.origin))
+        let routes = self.node.resolve_all(&self.target).ok()?;
+        let (others, same): (Vec<_>, Vec<_>) =
+            routes.into_iter().partition(|r| lost != Some(&r.origin));
+        let again = same.into_iter().filter(|r| matches!(r.how, How::Tcp(_)));
+        others.into_iter().chain(again).find_map(|route| {
+            let conn = self.node.dial(&self.target, &route, REDIAL_TIMEOUT).ok()?;
+            Some((conn, route.origin))
+        })
+    }
+
+    /// The registration the current connection was opened to (None: not
+    /// connected yet).
+    pub(crate) fn origin(&self) -> Option<Origin> {
+        self.lock().origin.clone()
     }
 }
 

@@ -47,10 +47,27 @@ pub trait Registry: Send + Sync + std::fmt::Debug {
     /// until [`unregister`](Self::unregister)). A name held by a live
     /// process is refused with `InvalidArgument`.
     fn register(&self, name: &str, endpoint: &Endpoint) -> Result<Registration, RpcError>;
+    /// Registers one replica of `name` at `endpoint`: a name may have any
+    /// number of replicas (servers that share it, over which balanced
+    /// clients spread their calls: [`Node::connect_balanced`](crate::Node::connect_balanced)),
+    /// or one exclusive registration ([`register`](Self::register)).
+    /// The default refuses with `InvalidArgument`: a registry that keeps
+    /// one endpoint per name.
+    fn register_replica(&self, name: &str, _endpoint: &Endpoint) -> Result<Registration, RpcError> {
+        Err(RpcError::invalid_argument(format!(
+            "cannot register a replica of {name:?}: this registry keeps one endpoint per name"
+        )))
+    }
     /// Removes a registration made through this registry.
     fn unregister(&self, r: &Registration) -> Result<(), RpcError>;
-    /// The live registration of `name`, if any.
+    /// The live registration of `name`, if any (of a name with replicas,
+    /// one of them).
     fn lookup(&self, name: &str) -> Result<Option<ServiceEntry>, RpcError>;
+    /// Every live registration of `name`: its replicas, or its one
+    /// registration. The default is [`lookup`](Self::lookup)'s.
+    fn lookup_all(&self, name: &str) -> Result<Vec<ServiceEntry>, RpcError> {
+        Ok(self.lookup(name)?.into_iter().collect())
+    }
     /// Every registration (live or not yet removed), by name.
     fn list(&self) -> Result<Vec<ServiceEntry>, RpcError>;
 }
@@ -93,6 +110,14 @@ impl Registry for PoolRegistry {
         })
     }
 
+    fn register_replica(&self, name: &str, endpoint: &Endpoint) -> Result<Registration, RpcError> {
+        let s = self.pool.register_replica(name, endpoint)?;
+        Ok(Registration {
+            handle: handle(&s),
+            name: s.name,
+        })
+    }
+
     fn unregister(&self, r: &Registration) -> Result<(), RpcError> {
         let info = self
             .pool
@@ -105,6 +130,10 @@ impl Registry for PoolRegistry {
 
     fn lookup(&self, name: &str) -> Result<Option<ServiceEntry>, RpcError> {
         Ok(self.pool.lookup(name)?.map(entry))
+    }
+
+    fn lookup_all(&self, name: &str) -> Result<Vec<ServiceEntry>, RpcError> {
+        Ok(self.pool.lookup_all(name)?.into_iter().map(entry).collect())
     }
 
     fn list(&self) -> Result<Vec<ServiceEntry>, RpcError> {

@@ -221,6 +221,8 @@ pub struct ServerBuilder {
     clash: Option<String>,
     interceptors: Vec<Interceptor>,
     propagate: Vec<String>,
+    /// Registered as one replica of the name ([`ServerBuilder::replica`]).
+    replica: bool,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -231,6 +233,7 @@ impl std::fmt::Debug for ServerBuilder {
             .field("transport", &self.transport)
             .field("interceptors", &self.interceptors.len())
             .field("propagate", &self.propagate)
+            .field("replica", &self.replica)
             .finish()
     }
 }
@@ -245,7 +248,20 @@ impl ServerBuilder {
             clash: None,
             interceptors: Vec::new(),
             propagate: Vec::new(),
+            replica: false,
         }
+    }
+
+    /// Registers the server as one replica of its name: any number of
+    /// servers, in any processes and over any transports, may serve one
+    /// name so, and balanced clients ([`Node::connect_balanced`](crate::Node::connect_balanced))
+    /// spread their calls over them (a plain client calls one of them).
+    /// A name is either shared by replicas or held by one server: a
+    /// replica is refused while a server holds the name alone, and the
+    /// other way round.
+    pub fn replica(mut self) -> Self {
+        self.replica = true;
+        self
     }
 
     /// Adds `check`, run before the handler of every request (of a
@@ -334,7 +350,11 @@ impl ServerBuilder {
         let mut endpoint = None;
         let (listener, reg): (Box<dyn Listener>, Option<Reg>) = match &self.transport {
             Transport::Shm => {
-                let svc = node.pool.register(&self.name, &Endpoint::Shm)?;
+                let svc = if self.replica {
+                    node.pool.register_replica(&self.name, &Endpoint::Shm)?
+                } else {
+                    node.pool.register(&self.name, &Endpoint::Shm)?
+                };
                 match crate::transport::shm::ShmListener::new(
                     &node.pool,
                     svc.clone(),
@@ -357,14 +377,22 @@ impl ServerBuilder {
                     node.cfg.tcp_spin,
                 )?;
                 let at = l.local_addr().to_string();
-                let r = node
-                    .registry
-                    .register(&self.name, &Endpoint::Tcp(at.clone()))?;
+                let at_ = Endpoint::Tcp(at.clone());
+                let r = if self.replica {
+                    node.registry.register_replica(&self.name, &at_)?
+                } else {
+                    node.registry.register(&self.name, &at_)?
+                };
                 endpoint = Some(at);
                 (Box::new(l), Some(Reg::Registry(r)))
             }
             Transport::Mem => {
-                let l = crate::transport::mem::bind(&self.name, stop.clone()).ok_or_else(|| {
+                let bind = if self.replica {
+                    crate::transport::mem::bind_replica
+                } else {
+                    crate::transport::mem::bind
+                };
+                let l = bind(&self.name, stop.clone()).ok_or_else(|| {
                     RpcError::invalid_argument(format!(
                         "service {:?} is already bound in this process",
                         self.name

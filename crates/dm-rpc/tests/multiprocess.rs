@@ -111,6 +111,46 @@ fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7 + 1) as u8).collect()
 }
 
+/// Three threads in `s` calling `hop` through `call` until `done`: small
+/// requests inline, every fourth one of 100 000 bytes by Ref; each answer
+/// is checked and any failure fails the test. Each returns its count.
+fn load<'s>(
+    s: &'s std::thread::Scope<'s, '_>,
+    done: &'s std::sync::atomic::AtomicBool,
+    call: impl Fn(Payload) -> Result<Payload, dm_rpc::RpcError> + Send + Sync + 's,
+) -> Vec<std::thread::ScopedJoinHandle<'s, usize>> {
+    let call = std::sync::Arc::new(call);
+    (0..3usize)
+        .map(|k| {
+            let call = call.clone();
+            s.spawn(move || {
+                let mut n = 0usize;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let len = if (n + k).is_multiple_of(4) {
+                        100_000
+                    } else {
+                        10 + k
+                    };
+                    let got = call(Payload::from_vec(pattern(len)));
+                    let got = got.unwrap_or_else(|e| panic!("call {n} of {k}: {e}"));
+                    assert_eq!(hash_in(&got.to_vec().unwrap()), hash(&pattern(len)));
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect()
+}
+
+/// Stops the threads of [`load`]: how many calls they made.
+fn stop_load(
+    done: &std::sync::atomic::AtomicBool,
+    workers: Vec<std::thread::ScopedJoinHandle<'_, usize>>,
+) -> usize {
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    workers.into_iter().map(|w| w.join().unwrap()).sum()
+}
+
 /// Stops every agent, then checks the pool is clean.
 fn stop_all(agents: Vec<Agent>, tp: &TempPool) {
     for a in agents {
@@ -557,7 +597,7 @@ fn a_rolling_restart_across_processes_loses_no_call() {
 /// told so), and then run by the new one.
 #[test]
 fn restarts_under_load_lose_no_call() {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::AtomicBool;
     let tp = pool();
     let name = format!("mp/restarts/{}", std::process::id());
     let mut current = Some(Agent::serve(&tp, &name, &[]));
@@ -566,27 +606,7 @@ fn restarts_under_load_lose_no_call() {
     let done = AtomicBool::new(false);
     let opts = CallOptions::deadline(Duration::from_secs(20)).wait_for_ready();
     let calls = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..3usize)
-            .map(|k| {
-                let (c, done) = (c.clone(), &done);
-                s.spawn(move || {
-                    let mut n = 0usize;
-                    while !done.load(Ordering::Relaxed) {
-                        let len = if (n + k).is_multiple_of(4) {
-                            100_000
-                        } else {
-                            10 + k
-                        };
-                        let arg = Payload::from_vec(pattern(len));
-                        let got = c.call_with("hop", arg, opts);
-                        let got = got.unwrap_or_else(|e| panic!("call {n} of {k}: {e}"));
-                        assert_eq!(hash_in(&got.to_vec().unwrap()), hash(&pattern(len)));
-                        n += 1;
-                    }
-                    n
-                })
-            })
-            .collect();
+        let workers = load(s, &done, |arg| c.call_with("hop", arg, opts));
         for round in 0..4u32 {
             std::thread::sleep(Duration::from_millis(150));
             if round.is_multiple_of(2) {
@@ -615,15 +635,102 @@ fn restarts_under_load_lose_no_call() {
             }
         }
         std::thread::sleep(Duration::from_millis(150));
-        done.store(true, Ordering::Relaxed);
-        workers
-            .into_iter()
-            .map(|w| w.join().unwrap())
-            .sum::<usize>()
+        stop_load(&done, workers)
     });
     assert!(calls > 100, "only {calls} calls");
     assert_eq!(c.reconnects(), 4);
     drop(c);
     drop(node);
     stop_all(current.into_iter().collect(), &tp);
+}
+
+/// Replicas in three processes behind one name: a balanced client's calls
+/// spread over them evenly; then, under load from three threads (small
+/// requests inline, large ones by Ref, idempotent), each replica in turn
+/// is restarted gracefully (its successor joins at once: replicas share
+/// the name) and one is killed with `kill -9`. No call fails: what a
+/// stopping replica refused or never took, and what the killed one had
+/// in flight, goes to another replica.
+#[test]
+fn replicas_in_three_processes_share_calls_and_survive_restarts_and_a_kill() {
+    replicas_survive(&["--replica"]);
+}
+
+/// The same over TCP, where a killed replica's connection breaks at once,
+/// while it is still registered (until its lease ends): the calls it had
+/// go to a live replica, not to its address again.
+#[test]
+fn tcp_replicas_in_three_processes_share_calls_and_survive_restarts_and_a_kill() {
+    replicas_survive(&["--replica", "--tcp"]);
+}
+
+fn replicas_survive(how: &[&str]) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let tp = pool();
+    let name = format!("mp/replicas/{}/{}", std::process::id(), how.len());
+    let mut agents: Vec<Agent> = (0..3).map(|_| Agent::serve(&tp, &name, how)).collect();
+    let node = node(&tp);
+    let c = node.connect_balanced(&name).unwrap();
+    assert_eq!(c.replicas(), 3);
+    let pid_of = |got: &[u8]| u32::from_le_bytes(got[8..12].try_into().unwrap());
+    let mut per_pid = std::collections::HashMap::new();
+    for _ in 0..90 {
+        let got = c.call("hop", pattern(10)).unwrap().to_vec().unwrap();
+        *per_pid.entry(pid_of(&got)).or_insert(0) += 1;
+    }
+    let mut pids: Vec<u32> = agents.iter().map(Agent::pid).collect();
+    pids.sort_unstable();
+    let mut seen: Vec<u32> = per_pid.keys().copied().collect();
+    seen.sort_unstable();
+    assert_eq!(seen, pids);
+    assert!(per_pid.values().all(|&n| n == 30), "{per_pid:?}");
+
+    let done = AtomicBool::new(false);
+    let opts = CallOptions::deadline(Duration::from_secs(20)).idempotent();
+    let calls = std::thread::scope(|s| {
+        let workers = load(s, &done, |arg| c.call_with("hop", arg, opts));
+        // (Stops the load on a failed assertion too, rather than hang.)
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _stop = StopOnDrop(&done);
+        // A rolling restart: each replica drains while its successor
+        // serves beside the others.
+        for _ in 0..3 {
+            std::thread::sleep(Duration::from_millis(100));
+            let mut old = agents.remove(0);
+            old.say("drain");
+            agents.push(Agent::serve(&tp, &name, how));
+            assert_eq!(old.line(), "drained");
+            old.stop();
+        }
+        // One is killed mid-load: the first registration, which a client
+        // that lost it would find first when it looks the name up again.
+        std::thread::sleep(Duration::from_millis(100));
+        let first = node.pool().lookup_all(&name).unwrap()[0].pid;
+        let k = agents.iter().position(|a| a.pid() == first).unwrap();
+        agents.remove(k).kill9();
+        std::thread::sleep(Duration::from_millis(800));
+        stop_load(&done, workers)
+    });
+    assert!(calls > 100, "only {calls} calls");
+    // After its lease, the killed replica is gone from the set.
+    std::thread::sleep(Duration::from_millis(500));
+    node.pool().maintain().unwrap();
+    c.refresh();
+    assert_eq!(c.replicas(), 2);
+    let mut left: Vec<u32> = agents.iter().map(Agent::pid).collect();
+    left.sort_unstable();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..10 {
+        let got = c.call("hop", pattern(10)).unwrap().to_vec().unwrap();
+        seen.insert(pid_of(&got));
+    }
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), left);
+    drop(c);
+    drop(node);
+    stop_all(agents, &tp);
 }

@@ -10,7 +10,8 @@ use dm_rpc::{CallOptions, Config, Node, Payload, RpcError, Status, Transport, Wa
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-static SEQ: AtomicU32 = AtomicU32::new(0);
+mod common;
+use common::{every_transport, unique};
 
 fn pool() -> TempPool {
     TempPool::with(PoolConfig {
@@ -18,23 +19,6 @@ fn pool() -> TempPool {
         channels: Some(16),
         ..Default::default()
     })
-}
-
-/// Shared-memory rings, TCP on loopback, in-process queues.
-fn every_transport() -> [Transport; 3] {
-    [
-        Transport::Shm,
-        Transport::Tcp("127.0.0.1:0".into()),
-        Transport::Mem,
-    ]
-}
-
-fn unique(name: &str) -> String {
-    format!(
-        "test/{name}/{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    )
 }
 
 fn sum(p: &Payload) -> u64 {

@@ -35,6 +35,15 @@ fn ls_lists_services_with_their_connections() {
         .method("m", |_| Ok(Payload::empty()))
         .spawn()
         .unwrap();
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            node.server("shop/workers")
+                .replica()
+                .method("m", |_| Ok(Payload::empty()))
+                .spawn()
+                .unwrap()
+        })
+        .collect();
     let c = node.connect("shop/images/resize").unwrap();
     c.call("m", Payload::empty()).unwrap();
     let (ok, out) = dmrpc(&["ls", "--path", path]);
@@ -52,7 +61,15 @@ fn ls_lists_services_with_their_connections() {
     assert_eq!(resize[2], std::process::id().to_string());
     assert_eq!(resize[3], "1", "one connection");
     assert_eq!(resize[4], "yes");
+    assert_eq!(resize[6], "sole");
     assert_eq!(line("shop/cart")[3], "0");
+    // A name shared by replicas: a line each.
+    let replicas: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("shop/workers"))
+        .collect();
+    assert_eq!(replicas.len(), 2, "{out}");
+    assert!(replicas.iter().all(|l| l.ends_with("replica")), "{out}");
     let (_, out) = dmrpc(&["ls", "--path", path, "--prefix", "shop/c"]);
     assert!(
         out.contains("shop/cart") && !out.contains("resize"),
@@ -61,6 +78,9 @@ fn ls_lists_services_with_their_connections() {
     drop(c);
     a.shutdown();
     b.shutdown();
+    for w in workers {
+        w.shutdown();
+    }
     drop(node);
     let (_, out) = dmrpc(&["ls", "--path", path]);
     assert!(out.contains("no services"), "{out}");

@@ -2,13 +2,14 @@
 //! smoke checks.
 //!
 //! ```text
-//! dm-rpc-agent POOL serve NAME [--next NAME] [--fan NAME,NAME..] [--lease MS] [--tcp]
+//! dm-rpc-agent POOL serve NAME [--next NAME] [--fan NAME,NAME..] [--lease MS] [--tcp] [--replica]
 //!     methods: hop   — forwards the payload by Ref to --next (or to every
 //!                      --fan service) and answers theirs; without either,
 //!                      answers hash (8) | pid (4) | in_pool (1) | Ref (40?)
 //!              sleep — sleeps the u64 ms in the payload, answers empty
 //!              wait  — forwards the payload to --next's wait (its caller's
 //!                      deadline inherited); without --next, sleep
+//!     registered as one replica of NAME with --replica;
 //!     prints "ready" once registered; stops cleanly when stdin closes, or
 //!     gracefully on a line "drain" (then prints "drained")
 //! dm-rpc-agent POOL call NAME METHOD LEN
@@ -89,9 +90,11 @@ mod agent {
         } else {
             dm_rpc::Transport::Shm
         };
-        let server = node
-            .server(&name)
-            .transport(transport)
+        let mut builder = node.server(&name).transport(transport);
+        if args.iter().any(|a| a == "--replica") {
+            builder = builder.replica();
+        }
+        let server = builder
             .method("hop", move |c| {
                 if next.is_empty() {
                     let p = c.payload();

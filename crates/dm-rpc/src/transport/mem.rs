@@ -25,14 +25,27 @@ enum Event {
     Wake,
 }
 
-/// The services bound in this process: each name's binding (a number no
-/// other binding of this process gets, so a client can tell a service
-/// bound again from the one it lost) and its queue.
-type Table = HashMap<String, (u64, SyncSender<Event>, Weak<()>)>;
+/// A service bound in this process: its binding (a number no other
+/// binding of this process gets, so a client can tell a service bound
+/// again from the one it lost), its queue, whether it is one replica of
+/// its name, and a weak handle on its listener's life.
+struct Bound {
+    binding: u64,
+    tx: SyncSender<Event>,
+    replica: bool,
+    alive: Weak<()>,
+}
+
+/// The services bound in this process, by name: one, or several replicas.
+type Table = HashMap<String, Vec<Bound>>;
 
 fn table() -> &'static Mutex<Table> {
     static T: OnceLock<Mutex<Table>> = OnceLock::new();
     T.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn lock_table() -> std::sync::MutexGuard<'static, Table> {
+    table().lock().unwrap_or_else(|e| e.into_inner())
 }
 
 static IDS: AtomicU64 = AtomicU64::new(1);
@@ -89,19 +102,32 @@ pub struct MemListener {
     binding: u64,
 }
 
-/// Binds `name` in this process. `Ok(None)` if it is taken.
+/// Binds `name` in this process. `None` if it is taken.
 pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
-    let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
-    if t.contains_key(name) {
+    bind_as(name, stop, false)
+}
+
+/// Binds one replica of `name` in this process: a name may have any
+/// number of replicas ([`bindings`]). `None` if it is bound otherwise.
+pub fn bind_replica(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
+    bind_as(name, stop, true)
+}
+
+fn bind_as(name: &str, stop: Arc<AtomicBool>, replica: bool) -> Option<MemListener> {
+    let mut t = lock_table();
+    let bound = t.entry(name.to_owned()).or_default();
+    if bound.iter().any(|b| !(replica && b.replica)) {
         return None;
     }
     let (tx, rx) = sync_channel(QUEUE_DEPTH);
     let binding = IDS.fetch_add(1, Ordering::Relaxed);
     let alive = Arc::new(());
-    t.insert(
-        name.to_owned(),
-        (binding, tx.clone(), Arc::downgrade(&alive)),
-    );
+    bound.push(Bound {
+        binding,
+        tx: tx.clone(),
+        replica,
+        alive: Arc::downgrade(&alive),
+    });
     Some(MemListener {
         name: name.to_owned(),
         rx,
@@ -114,20 +140,23 @@ pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
 }
 
 impl MemListener {
-    /// Its binding: the number [`binding`] gives for its name while it
-    /// holds the name.
+    /// Its binding: the number [`binding`] (or [`bindings`]) gives for
+    /// its name while it holds the name.
     pub fn binding(&self) -> u64 {
         self.binding
     }
 }
 
-/// Removes `name`'s binding if it is still `binding` (a listener that
-/// stopped does not unbind its successor); connections already open go
-/// on, new ones are refused.
+/// Removes `name`'s binding `binding` if it is still there (a listener
+/// that stopped does not unbind its successor, nor the other replicas);
+/// connections already open go on, new ones are refused.
 pub fn unbind(name: &str, binding: u64) {
-    let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
-    if t.get(name).is_some_and(|(b, _, _)| *b == binding) {
-        t.remove(name);
+    let mut t = lock_table();
+    if let Some(bound) = t.get_mut(name) {
+        bound.retain(|b| b.binding != binding);
+        if bound.is_empty() {
+            t.remove(name);
+        }
     }
 }
 
@@ -136,13 +165,19 @@ pub fn is_bound(name: &str) -> bool {
     binding(name).is_some()
 }
 
-/// The binding of `name` in this process, if it is bound.
+/// The binding of `name` in this process, if it is bound (of a name with
+/// replicas, the first bound).
 pub fn binding(name: &str) -> Option<u64> {
-    table()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    bindings(name).first().copied()
+}
+
+/// Every binding of `name` in this process (its replicas, or its one
+/// binding), in the order they were bound.
+pub fn bindings(name: &str) -> Vec<u64> {
+    lock_table()
         .get(name)
-        .map(|(b, _, _)| *b)
+        .map(|bound| bound.iter().map(|b| b.binding).collect())
+        .unwrap_or_default()
 }
 
 impl Drop for MemListener {
@@ -172,14 +207,16 @@ pub fn connect(name: &str) -> Result<Connection, TransportError> {
 }
 
 /// Connects to `name` in this process if it is still bound as `binding`
-/// ([`binding`]; None: however it is bound).
+/// ([`binding`], [`bindings`]; None: its first binding).
 pub fn connect_to(name: &str, binding: Option<u64>) -> Result<Connection, TransportError> {
-    let (tx, alive) = table()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    let (tx, alive) = lock_table()
         .get(name)
-        .filter(|(b, _, _)| binding.is_none_or(|want| want == *b))
-        .map(|(_, tx, alive)| (tx.clone(), alive.clone()))
+        .and_then(|bound| {
+            bound
+                .iter()
+                .find(|b| binding.is_none_or(|want| want == b.binding))
+        })
+        .map(|b| (b.tx.clone(), b.alive.clone()))
         .ok_or_else(|| TransportError::Unavailable(format!("no in-process service {name:?}")))?;
     let id = IDS.fetch_add(1, Ordering::Relaxed);
     let (rtx, rrx) = sync_channel(QUEUE_DEPTH);

@@ -1,4 +1,5 @@
-//! `dmrpc ls`: the services registered in a pool.
+//! `dmrpc ls`: the services registered in a pool (a name shared by
+//! replicas has a line per replica, marked `replica`).
 
 use super::pool::Target;
 use anyhow::Result;
@@ -26,7 +27,7 @@ pub fn run(a: LsArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<40} {:<22} {:>8} {:>6} {:>5} {:>10}",
+        "{:<40} {:<22} {:>8} {:>6} {:>5} {:>10}  role",
         "service", "endpoint", "pid", "conns", "live", "up"
     );
     for s in services {
@@ -36,13 +37,14 @@ pub fn run(a: LsArgs) -> Result<()> {
         };
         let up = now.saturating_sub(s.registered_ms) as f64 / 1000.0;
         println!(
-            "{:<40} {:<22} {:>8} {:>6} {:>5} {:>9.1}s",
+            "{:<40} {:<22} {:>8} {:>6} {:>5} {:>9.1}s  {}",
             s.name,
             ep,
             s.pid,
             shm.channels_of(s.index, s.generation),
             if s.live { "yes" } else { "DEAD" },
-            up
+            up,
+            if s.replica { "replica" } else { "sole" }
         );
     }
     Ok(())

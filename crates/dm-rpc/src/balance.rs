@@ -1,0 +1,560 @@
+//! Client-side load balancing over the replicas of a service: servers that
+//! share one name ([`ServerBuilder::replica`](crate::ServerBuilder::replica)),
+//! in any processes and over any transports. A [`BalancedClient`] (or
+//! [`AsyncBalancedClient`]) keeps a connection to every replica and sends
+//! each call to the replica with the fewest of its calls in flight, taking
+//! turns among equals: one caller's calls go round robin, and a slow
+//! replica gets fewer of many callers' calls (gRPC's `round_robin` and
+//! least-request policies, in one).
+//!
+//! * **Replicas come and go.** The client looks the name up again every
+//!   [`REFRESH_EVERY`], and within [`REFRESH_SOON`] after a call fails
+//!   with `Unavailable`, finds a connection spent, or failed over to
+//!   another replica, on the thread of the call that finds it due (a scan
+//!   of the registry, and dialling the replicas it has no connection to),
+//!   or when asked ([`BalancedClient::refresh`]). A new replica gets
+//!   calls from then on; the connection to a replica that left is dropped
+//!   from the set (calls in flight on it go on). (The pool's registry has
+//!   no change counter a client could watch per call without a cache
+//!   miss: its header line is written by every `create_ref`; hence the
+//!   period.)
+//! * **Each replica's connection is a client of its own**
+//!   ([`crate::reconnect`]), so what a client does holds per replica:
+//!   deadlines, metadata, retry policies, and above all failover. A
+//!   request that a replica refuses unrun as it shuts down, or never took
+//!   before it stopped (its go-away), is sent again to another replica of
+//!   the name, as it was (its Refs still lent), and so is an idempotent
+//!   one whose connection broke; a graceful restart of replicas one at a
+//!   time fails no call. A call in flight on a replica that dies
+//!   (`kill -9`) fails with `Unavailable`, unless idempotent, as with a
+//!   plain client; no new call goes to it once its connection is known
+//!   broken.
+//! * With no replica left, calls fail at once with `Unavailable` (or,
+//!   with [`CallOptions::wait_for_ready`], wait for one until their
+//!   deadline), and the client keeps looking.
+//!
+//! Picking a replica costs a load of the set (no lock), a shared counter
+//! and a scan of the replicas' in-flight counts: a few nanoseconds per
+//! replica.
+
+use crate::async_client::AsyncClient;
+use crate::client::{CallOptions, Client, Defaults, Reply};
+use crate::error::RpcError;
+use crate::metadata::Metadata;
+use crate::node::Node;
+use crate::payload::Payload;
+use crate::reconnect::{Origin, Route};
+use crate::Status;
+use arc_swap::ArcSwap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How often a balanced client looks its replicas up again.
+pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
+/// How soon after a call failed with `Unavailable` (or found no
+/// connection it could use) the replicas are looked up again.
+pub const REFRESH_SOON: Duration = Duration::from_millis(1);
+
+/// A connection to one replica, as the balancer sees it: a client of the
+/// name whose first connection went to that replica.
+pub(crate) trait Member: Send + Sync + Sized + 'static {
+    /// A client of `name` connected along `route`.
+    fn open(node: &Node, name: &str, route: &Route) -> Result<Self, RpcError>;
+    /// Whether new calls should not use it (broken, or retired).
+    fn spent(&self) -> bool;
+    /// The registration its connection went to.
+    fn origin(&self) -> Option<Origin>;
+    /// How many times its connection was replaced (it failed over to
+    /// another replica, or dialled its service again).
+    fn swaps(&self) -> u64;
+}
+
+impl Member for Client {
+    fn open(node: &Node, name: &str, route: &Route) -> Result<Self, RpcError> {
+        Ok(Client::new(node.redialer_along(name, route)?))
+    }
+
+    fn spent(&self) -> bool {
+        !self.is_connected()
+    }
+
+    fn origin(&self) -> Option<Origin> {
+        self.redial().origin()
+    }
+
+    fn swaps(&self) -> u64 {
+        self.redial().swaps()
+    }
+}
+
+impl Member for AsyncClient {
+    fn open(node: &Node, name: &str, route: &Route) -> Result<Self, RpcError> {
+        Ok(AsyncClient::new(node.redialer_along(name, route)?))
+    }
+
+    fn spent(&self) -> bool {
+        !self.is_connected()
+    }
+
+    fn origin(&self) -> Option<Origin> {
+        self.redial().origin()
+    }
+
+    fn swaps(&self) -> u64 {
+        self.redial().swaps()
+    }
+}
+
+/// One replica's connection and its calls in flight.
+struct Replica<C> {
+    client: C,
+    busy: AtomicUsize,
+    /// Its client's [`Member::swaps`] when last looked at.
+    swaps: AtomicU64,
+}
+
+impl<C: Member> Replica<C> {
+    fn new(client: C) -> Self {
+        let swaps = AtomicU64::new(client.swaps());
+        Replica {
+            client,
+            busy: AtomicUsize::new(0),
+            swaps,
+        }
+    }
+}
+
+/// A call in flight on a replica (counted until dropped: an async call
+/// dropped midway too).
+struct Busy<C>(Arc<Replica<C>>);
+
+impl<C> Busy<C> {
+    fn on(r: Arc<Replica<C>>) -> Self {
+        r.busy.fetch_add(1, Ordering::Relaxed);
+        Busy(r)
+    }
+}
+
+impl<C> Drop for Busy<C> {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The replicas of a name and the choice among them.
+struct Balancer<C> {
+    node: Node,
+    name: String,
+    /// The connections in use (never empty).
+    set: ArcSwap<Vec<Arc<Replica<C>>>>,
+    /// Whose turn it is among equals.
+    turn: AtomicUsize,
+    /// The clock of `next`.
+    epoch: Instant,
+    /// When (ns after `epoch`) the replicas are next looked up.
+    next: AtomicU64,
+    /// Held by the call that looks them up.
+    refreshing: Mutex<()>,
+}
+
+impl<C: Member> Balancer<C> {
+    /// Connects to every replica of `name` (`NotFound` if it has none;
+    /// the first error if none could be dialled).
+    fn connect(node: &Node, name: &str) -> Result<Self, RpcError> {
+        dm_pool::registry::validate_name(name)?;
+        let routes = node.resolve_all(&crate::reconnect::Target::Name(name.to_owned()))?;
+        let mut set = Vec::with_capacity(routes.len());
+        let mut first_error = None;
+        for r in &routes {
+            match C::open(node, name, r) {
+                Ok(c) => set.push(Arc::new(Replica::new(c))),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if set.is_empty() {
+            return Err(first_error
+                .unwrap_or_else(|| RpcError::not_found(format!("no service named {name:?}"))));
+        }
+        let epoch = Instant::now();
+        Ok(Balancer {
+            node: node.clone(),
+            name: name.to_owned(),
+            set: ArcSwap::from_pointee(set),
+            turn: AtomicUsize::new(0),
+            epoch,
+            next: AtomicU64::new(REFRESH_EVERY.as_nanos() as u64),
+            refreshing: Mutex::new(()),
+        })
+    }
+
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Looks the replicas up again within [`REFRESH_SOON`].
+    fn soon(&self, now: u64) {
+        self.next
+            .fetch_min(now + REFRESH_SOON.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// The replica the next call goes to: the one with the fewest calls
+    /// in flight, from whoever's turn it is (a spent one only if all are).
+    fn pick(&self) -> Arc<Replica<C>> {
+        let now = self.now();
+        if now >= self.next.load(Ordering::Relaxed) {
+            self.refresh_if_due(now, false);
+        }
+        let set = self.set.load();
+        let n = set.len();
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        let mut best: Option<&Arc<Replica<C>>> = None;
+        let mut least = usize::MAX;
+        for k in 0..n {
+            let r = &set[(turn + k) % n];
+            if r.client.spent() {
+                // Its replica left or broke: the set is looked at again.
+                self.soon(now);
+                continue;
+            }
+            let busy = r.busy.load(Ordering::Relaxed);
+            if busy < least {
+                (least, best) = (busy, Some(r));
+                if busy == 0 {
+                    break;
+                }
+            }
+        }
+        match best {
+            Some(r) => r.clone(),
+            None => {
+                // Every connection is spent: the call goes over one of them
+                // (which dials another replica if there is one, or fails
+                // at once, or waits for ready), and the set is looked up
+                // again soon.
+                self.soon(now);
+                set[turn % n].clone()
+            }
+        }
+    }
+
+    /// After a call on `on` ended with `r`: an `Unavailable` failure, or
+    /// a connection that failed over to another replica meanwhile (its
+    /// replica refused the call as it left, or broke), makes the set be
+    /// looked up again soon (the replica that left may have a successor,
+    /// and two connections may now go to one replica).
+    fn after<T>(&self, on: &Replica<C>, r: &Result<T, RpcError>) {
+        let swaps = on.client.swaps();
+        let moved = swaps != on.swaps.load(Ordering::Relaxed);
+        if moved {
+            on.swaps.store(swaps, Ordering::Relaxed);
+        }
+        if moved || matches!(r, Err(e) if e.status == Status::Unavailable) {
+            self.soon(self.now());
+        }
+    }
+
+    /// Looks the replicas up if it is time (or `now`), unless another call
+    /// is doing so.
+    fn refresh_if_due(&self, now: u64, force: bool) {
+        let Ok(_g) = self.refreshing.try_lock() else {
+            return;
+        };
+        if !force && now < self.next.load(Ordering::Relaxed) {
+            return;
+        }
+        self.next
+            .store(now + REFRESH_EVERY.as_nanos() as u64, Ordering::Relaxed);
+        self.refresh();
+    }
+
+    /// Keeps the connections to replicas still registered (one each),
+    /// dials those it has none to, and drops the rest.
+    fn refresh(&self) {
+        let target = crate::reconnect::Target::Name(self.name.clone());
+        let routes = match self.node.resolve_all(&target) {
+            Ok(r) => r,
+            Err(e) if e.status == Status::NotFound => Vec::new(),
+            // A registry that failed to answer changes nothing.
+            Err(_) => return,
+        };
+        let old = self.set.load_full();
+        let mut set = Vec::with_capacity(routes.len());
+        let mut covered: Vec<Origin> = Vec::with_capacity(routes.len());
+        for r in old.iter() {
+            if r.client.spent() {
+                continue;
+            }
+            let Some(o) = r.client.origin() else { continue };
+            // (Two connections may have gone to one replica: one failed
+            // over to it from a replica that left.)
+            if !covered.contains(&o) && routes.iter().any(|x| x.origin == o) {
+                covered.push(o);
+                set.push(r.clone());
+            }
+        }
+        for route in &routes {
+            if covered.contains(&route.origin) {
+                continue;
+            }
+            if let Ok(c) = C::open(&self.node, &self.name, route) {
+                covered.push(route.origin.clone());
+                set.push(Arc::new(Replica::new(c)));
+            }
+        }
+        if set.is_empty() {
+            // No replica: keep one connection, whose calls fail at once or
+            // wait for ready, and whose redial finds the next replica.
+            set.push(old[0].clone());
+        }
+        self.set.store(Arc::new(set));
+    }
+
+    /// How many replicas new calls may go to.
+    fn replicas(&self) -> usize {
+        self.set.load().iter().filter(|r| !r.client.spent()).count()
+    }
+}
+
+impl<C> std::fmt::Debug for Balancer<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Balancer")
+            .field("service", &self.name)
+            .field("connections", &self.set.load().len())
+            .finish()
+    }
+}
+
+/// A client of every replica of a service, spreading its calls over them
+/// (see the [module](self)). Cheap to clone: clones share the connections.
+#[derive(Clone, Debug)]
+pub struct BalancedClient {
+    b: Arc<Balancer<Client>>,
+    defaults: Defaults,
+}
+
+impl BalancedClient {
+    pub(crate) fn connect(node: &Node, name: &str) -> Result<Self, RpcError> {
+        Ok(BalancedClient {
+            b: Arc::new(Balancer::connect(node, name)?),
+            defaults: Defaults::default(),
+        })
+    }
+
+    /// The service this client calls.
+    pub fn service(&self) -> &str {
+        &self.b.name
+    }
+
+    /// How many replicas new calls may go to now.
+    pub fn replicas(&self) -> usize {
+        self.b.replicas()
+    }
+
+    /// Looks the replicas up now (new ones get calls from the next one
+    /// on), rather than at the next [`REFRESH_EVERY`].
+    pub fn refresh(&self) {
+        self.b.refresh_if_due(self.b.now(), true);
+    }
+
+    /// A client on the same connections whose calls that set no retry
+    /// policy of their own follow `policy` ([`crate::retry`]).
+    pub fn with_retry(&self, policy: crate::Retry) -> BalancedClient {
+        BalancedClient {
+            b: self.b.clone(),
+            defaults: self.defaults.with_retry(policy),
+        }
+    }
+
+    /// A client on the same connections whose calls all carry `meta`
+    /// besides their own (a key a call sets itself keeps the call's value).
+    pub fn with_metadata(&self, meta: Metadata) -> BalancedClient {
+        BalancedClient {
+            b: self.b.clone(),
+            defaults: self.defaults.with_meta(meta),
+        }
+    }
+
+    /// Calls `method` with `payload` on one replica.
+    pub fn call(&self, method: &str, payload: impl Into<Payload>) -> Result<Payload, RpcError> {
+        self.call_with(method, payload.into(), CallOptions::default())
+    }
+
+    /// Calls `method` with a copy of `data`, made once, straight into the
+    /// pool when it travels by Ref.
+    pub fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
+        let r = self.b.pick();
+        let p = r.client.payload_for(data)?;
+        self.call_on(r, method, p, CallOptions::default(), Metadata::new())
+            .map(|r| r.payload)
+    }
+
+    /// Calls `method` with options.
+    pub fn call_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+    ) -> Result<Payload, RpcError> {
+        self.call_full(method, payload, opts, Metadata::new())
+            .map(|r| r.payload)
+    }
+
+    /// Calls `method` with options and metadata.
+    pub fn call_with_metadata(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Payload, RpcError> {
+        self.call_full(method, payload, opts, meta)
+            .map(|r| r.payload)
+    }
+
+    /// Calls `method` with options and metadata on one replica, and
+    /// returns the answer with its metadata ([`Client::call_full`]).
+    pub fn call_full(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Reply, RpcError> {
+        self.call_on(self.b.pick(), method, payload, opts, meta)
+    }
+
+    fn call_on(
+        &self,
+        r: Arc<Replica<Client>>,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Reply, RpcError> {
+        let (opts, meta) = self.defaults.apply(opts, meta);
+        let busy = Busy::on(r);
+        let out = busy.0.client.call_full(method, payload, opts, meta);
+        self.b.after(&busy.0, &out);
+        out
+    }
+}
+
+/// [`BalancedClient`] for async callers: calls are futures.
+#[derive(Clone, Debug)]
+pub struct AsyncBalancedClient {
+    b: Arc<Balancer<AsyncClient>>,
+    defaults: Defaults,
+}
+
+impl AsyncBalancedClient {
+    pub(crate) fn connect(node: &Node, name: &str) -> Result<Self, RpcError> {
+        Ok(AsyncBalancedClient {
+            b: Arc::new(Balancer::connect(node, name)?),
+            defaults: Defaults::default(),
+        })
+    }
+
+    /// The service this client calls.
+    pub fn service(&self) -> &str {
+        &self.b.name
+    }
+
+    /// How many replicas new calls may go to now.
+    pub fn replicas(&self) -> usize {
+        self.b.replicas()
+    }
+
+    /// Looks the replicas up now ([`BalancedClient::refresh`]).
+    pub fn refresh(&self) {
+        self.b.refresh_if_due(self.b.now(), true);
+    }
+
+    /// A client on the same connections with a retry policy for calls
+    /// that set none.
+    pub fn with_retry(&self, policy: crate::Retry) -> AsyncBalancedClient {
+        AsyncBalancedClient {
+            b: self.b.clone(),
+            defaults: self.defaults.with_retry(policy),
+        }
+    }
+
+    /// A client on the same connections whose calls all carry `meta`.
+    pub fn with_metadata(&self, meta: Metadata) -> AsyncBalancedClient {
+        AsyncBalancedClient {
+            b: self.b.clone(),
+            defaults: self.defaults.with_meta(meta),
+        }
+    }
+
+    /// Calls `method` with `payload` on one replica.
+    pub async fn call(
+        &self,
+        method: &str,
+        payload: impl Into<Payload>,
+    ) -> Result<Payload, RpcError> {
+        self.call_with(method, payload.into(), CallOptions::default())
+            .await
+    }
+
+    /// Calls `method` with a copy of `data`, made once.
+    pub async fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
+        let r = self.b.pick();
+        let p = r.client.payload_for(data)?;
+        let out = self.call_on(r, method, p, CallOptions::default(), Metadata::new());
+        out.await.map(|r| r.payload)
+    }
+
+    /// Calls `method` with options.
+    pub async fn call_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+    ) -> Result<Payload, RpcError> {
+        let out = self.call_full(method, payload, opts, Metadata::new());
+        out.await.map(|r| r.payload)
+    }
+
+    /// Calls `method` with options and metadata.
+    pub async fn call_with_metadata(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Payload, RpcError> {
+        let out = self.call_full(method, payload, opts, meta);
+        out.await.map(|r| r.payload)
+    }
+
+    /// Calls `method` with options and metadata on one replica, and
+    /// returns the answer with its metadata.
+    pub async fn call_full(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Reply, RpcError> {
+        self.call_on(self.b.pick(), method, payload, opts, meta)
+            .await
+    }
+
+    async fn call_on(
+        &self,
+        r: Arc<Replica<AsyncClient>>,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Reply, RpcError> {
+        let (opts, meta) = self.defaults.apply(opts, meta);
+        let busy = Busy::on(r);
+        let out = busy.0.client.call_full(method, payload, opts, meta).await;
+        self.b.after(&busy.0, &out);
+        out
+    }
+}
