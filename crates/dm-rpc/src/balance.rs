@@ -316,6 +316,11 @@ impl<C: Member> Balancer<C> {
     fn replicas(&self) -> usize {
         self.set.load().iter().filter(|r| !r.client.spent()).count()
     }
+
+    /// How many times the connections in use were replaced (failed over).
+    fn failovers(&self) -> u64 {
+        self.set.load().iter().map(|r| r.client.swaps()).sum()
+    }
 }
 
 impl<C> std::fmt::Debug for Balancer<C> {
@@ -351,6 +356,12 @@ impl BalancedClient {
     /// How many replicas new calls may go to now.
     pub fn replicas(&self) -> usize {
         self.b.replicas()
+    }
+
+    /// How many times the connections in use failed over to another
+    /// replica (or connected again to their service).
+    pub fn reconnects(&self) -> u64 {
+        self.b.failovers()
     }
 
     /// Looks the replicas up now (new ones get calls from the next one
@@ -465,6 +476,12 @@ impl AsyncBalancedClient {
     /// How many replicas new calls may go to now.
     pub fn replicas(&self) -> usize {
         self.b.replicas()
+    }
+
+    /// How many times the connections in use failed over to another
+    /// replica (or connected again to their service).
+    pub fn reconnects(&self) -> u64 {
+        self.b.failovers()
     }
 
     /// Looks the replicas up now ([`BalancedClient::refresh`]).

@@ -14,7 +14,7 @@
 use crate::errors::to_py;
 use crate::node::{call_options, keep_thread_state};
 use crate::payload::{to_payload, PyPayload};
-use dm_rpc::{AsyncClient, Node, RpcError};
+use dm_rpc::{AsyncBalancedClient, AsyncClient, Node, RpcError};
 use pyo3::prelude::*;
 use std::future::Future;
 use std::sync::OnceLock;
@@ -36,15 +36,66 @@ fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     Ok(RT.get_or_init(|| rt))
 }
 
-/// An async connection to a service.
+/// What an async Python client calls through: one connection, or one to
+/// each replica of its service.
+#[derive(Clone)]
+pub(crate) enum AsyncCaller {
+    One(AsyncClient),
+    Replicas(AsyncBalancedClient),
+}
+
+impl AsyncCaller {
+    async fn call_full(
+        &self,
+        method: &str,
+        p: dm_rpc::Payload,
+        opts: dm_rpc::CallOptions,
+        meta: dm_rpc::Metadata,
+    ) -> Result<dm_rpc::Reply, RpcError> {
+        match self {
+            AsyncCaller::One(c) => c.call_full(method, p, opts, meta).await,
+            AsyncCaller::Replicas(c) => c.call_full(method, p, opts, meta).await,
+        }
+    }
+
+    fn with_retry(&self, r: dm_rpc::Retry) -> AsyncCaller {
+        match self {
+            AsyncCaller::One(c) => AsyncCaller::One(c.with_retry(r)),
+            AsyncCaller::Replicas(c) => AsyncCaller::Replicas(c.with_retry(r)),
+        }
+    }
+
+    fn with_metadata(&self, m: dm_rpc::Metadata) -> AsyncCaller {
+        match self {
+            AsyncCaller::One(c) => AsyncCaller::One(c.with_metadata(m)),
+            AsyncCaller::Replicas(c) => AsyncCaller::Replicas(c.with_metadata(m)),
+        }
+    }
+
+    fn reconnects(&self) -> u64 {
+        match self {
+            AsyncCaller::One(c) => c.reconnects(),
+            AsyncCaller::Replicas(c) => c.reconnects(),
+        }
+    }
+
+    fn replicas(&self) -> usize {
+        match self {
+            AsyncCaller::One(c) => c.is_connected() as usize,
+            AsyncCaller::Replicas(c) => c.replicas(),
+        }
+    }
+}
+
+/// An async connection to a service (or to each of its replicas).
 #[pyclass(module = "dmrpc._native", name = "AsyncClient", frozen)]
 pub struct PyAsyncClient {
-    client: AsyncClient,
+    client: AsyncCaller,
     node: Node,
 }
 
 impl PyAsyncClient {
-    pub(crate) fn new(client: AsyncClient, node: Node) -> Self {
+    pub(crate) fn new(client: AsyncCaller, node: Node) -> Self {
         PyAsyncClient { client, node }
     }
 }
@@ -75,6 +126,12 @@ impl PyAsyncClient {
     #[getter]
     fn reconnects(&self) -> u64 {
         self.client.reconnects()
+    }
+
+    /// How many replicas new calls may go to (see `Client.replicas`).
+    #[getter]
+    fn replicas(&self) -> usize {
+        self.client.replicas()
     }
 
     /// Starts a call of `method` with `data` (as `Client.call`). When the

@@ -7,12 +7,14 @@
 //! is a `dmrpc.Payload`, a read-only view with no copy (see
 //! [`crate::payload`]).
 
-use crate::aio::PyAsyncClient;
+use crate::aio::{AsyncCaller, PyAsyncClient};
 use crate::errors::{to_py, Error as PyDmError};
 use crate::mem::PyMemPool;
 use crate::payload::{to_payload, PyPayload};
 use crate::pool::PyPool;
-use dm_rpc::{CallOptions, Client, Config, Node, Retry, RpcError, Server, Status, Transport};
+use dm_rpc::{
+    BalancedClient, CallOptions, Client, Config, Node, Retry, RpcError, Server, Status, Transport,
+};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -112,8 +114,11 @@ impl PyNode {
     /// before every handler; a `dmrpc.Error` it raises is the call's
     /// answer and the handler does not run. `propagate`: metadata keys
     /// whose values the calls a handler makes inherit from the call it
-    /// serves.
-    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None))]
+    /// serves. `replica`: register as one replica of `name`, which any
+    /// number of servers may share (balanced clients spread their calls
+    /// over them: `connect(name, balanced=True)`).
+    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None, replica=false))]
+    #[allow(clippy::too_many_arguments)]
     fn serve(
         &self,
         py: Python<'_>,
@@ -122,8 +127,12 @@ impl PyNode {
         tcp: Option<String>,
         intercept: Option<Py<PyAny>>,
         propagate: Option<Vec<String>>,
+        replica: bool,
     ) -> PyResult<PyServer> {
         let mut b = self.node.server(name);
+        if replica {
+            b = b.replica();
+        }
         if let Some(addr) = tcp {
             b = b.transport(Transport::Tcp(addr));
         }
@@ -165,13 +174,25 @@ impl PyNode {
     /// Connects to service `name` (found in the pool's registry). `lazy`:
     /// connect on the first call instead, for a caller that may start
     /// before the service (until it registers, calls raise `Unavailable`,
-    /// or wait for it with `wait_for_ready=True`).
-    #[pyo3(signature = (name, lazy=false))]
-    fn connect(&self, py: Python<'_>, name: &str, lazy: bool) -> PyResult<PyClient> {
+    /// or wait for it with `wait_for_ready=True`). `balanced`: connect to
+    /// every replica of the name (`serve(..., replica=True)`) and spread
+    /// the calls over them, following replicas as they come and go.
+    #[pyo3(signature = (name, lazy=false, balanced=false))]
+    fn connect(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        lazy: bool,
+        balanced: bool,
+    ) -> PyResult<PyClient> {
         let client = py
-            .allow_threads(|| match lazy {
-                true => self.node.connect_lazily(name),
-                false => self.node.connect(name),
+            .allow_threads(|| match (lazy, balanced) {
+                (true, true) => Err(RpcError::invalid_argument(
+                    "a balanced client connects at once: lazy=True and balanced=True do not go together",
+                )),
+                (true, false) => self.node.connect_lazily(name).map(Caller::One),
+                (false, false) => self.node.connect(name).map(Caller::One),
+                (false, true) => self.node.connect_balanced(name).map(Caller::Replicas),
             })
             .map_err(to_py)?;
         Ok(PyClient {
@@ -185,6 +206,7 @@ impl PyNode {
     fn connect_tcp(&self, py: Python<'_>, addr: &str) -> PyResult<PyClient> {
         let client = py
             .allow_threads(|| self.node.connect_tcp(addr))
+            .map(Caller::One)
             .map_err(to_py)?;
         Ok(PyClient {
             client,
@@ -193,13 +215,26 @@ impl PyNode {
     }
 
     /// Connects to service `name` for asyncio code (see `dmrpc.aio`;
-    /// `lazy` as in `connect`).
-    #[pyo3(signature = (name, lazy=false))]
-    fn connect_async(&self, py: Python<'_>, name: &str, lazy: bool) -> PyResult<PyAsyncClient> {
+    /// `lazy` and `balanced` as in `connect`).
+    #[pyo3(signature = (name, lazy=false, balanced=false))]
+    fn connect_async(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        lazy: bool,
+        balanced: bool,
+    ) -> PyResult<PyAsyncClient> {
         let client = py
-            .allow_threads(|| match lazy {
-                true => self.node.connect_async_lazily(name),
-                false => self.node.connect_async(name),
+            .allow_threads(|| match (lazy, balanced) {
+                (true, true) => Err(RpcError::invalid_argument(
+                    "a balanced client connects at once: lazy=True and balanced=True do not go together",
+                )),
+                (true, false) => self.node.connect_async_lazily(name).map(AsyncCaller::One),
+                (false, false) => self.node.connect_async(name).map(AsyncCaller::One),
+                (false, true) => self
+                    .node
+                    .connect_balanced_async(name)
+                    .map(AsyncCaller::Replicas),
             })
             .map_err(to_py)?;
         Ok(PyAsyncClient::new(client, self.node.clone()))
@@ -209,6 +244,7 @@ impl PyNode {
     fn connect_tcp_async(&self, py: Python<'_>, addr: &str) -> PyResult<PyAsyncClient> {
         let client = py
             .allow_threads(|| self.node.connect_tcp_async(addr))
+            .map(AsyncCaller::One)
             .map_err(to_py)?;
         Ok(PyAsyncClient::new(client, self.node.clone()))
     }
@@ -337,10 +373,61 @@ pub(crate) fn call_options(
     })
 }
 
-/// A connection to a service.
+/// What a Python client calls through: one connection, or one to each
+/// replica of its service (`connect(name, balanced=True)`).
+#[derive(Clone)]
+enum Caller {
+    One(Client),
+    Replicas(BalancedClient),
+}
+
+impl Caller {
+    fn call_full(
+        &self,
+        method: &str,
+        p: dm_rpc::Payload,
+        opts: CallOptions,
+        meta: dm_rpc::Metadata,
+    ) -> Result<dm_rpc::Reply, RpcError> {
+        match self {
+            Caller::One(c) => c.call_full(method, p, opts, meta),
+            Caller::Replicas(c) => c.call_full(method, p, opts, meta),
+        }
+    }
+
+    fn with_retry(&self, r: Retry) -> Caller {
+        match self {
+            Caller::One(c) => Caller::One(c.with_retry(r)),
+            Caller::Replicas(c) => Caller::Replicas(c.with_retry(r)),
+        }
+    }
+
+    fn with_metadata(&self, m: dm_rpc::Metadata) -> Caller {
+        match self {
+            Caller::One(c) => Caller::One(c.with_metadata(m)),
+            Caller::Replicas(c) => Caller::Replicas(c.with_metadata(m)),
+        }
+    }
+
+    fn reconnects(&self) -> u64 {
+        match self {
+            Caller::One(c) => c.reconnects(),
+            Caller::Replicas(c) => c.reconnects(),
+        }
+    }
+
+    fn replicas(&self) -> usize {
+        match self {
+            Caller::One(c) => c.is_connected() as usize,
+            Caller::Replicas(c) => c.replicas(),
+        }
+    }
+}
+
+/// A connection to a service (or to each of its replicas).
 #[pyclass(module = "dmrpc._native", name = "Client", frozen)]
 pub struct PyClient {
-    client: Client,
+    client: Caller,
     node: Node,
 }
 
@@ -407,9 +494,17 @@ impl PyClient {
 
     /// How many times the client connected again: after its connection
     /// broke, a call finds the service registered again (a restarted
-    /// server, or another process taking its name) and calls it.
+    /// server, or another process taking its name) and calls it; of a
+    /// balanced client, how many times its connections failed over.
     #[getter]
     fn reconnects(&self) -> u64 {
         self.client.reconnects()
+    }
+
+    /// How many replicas new calls may go to (a client of one connection:
+    /// 1 while it is connected, else 0).
+    #[getter]
+    fn replicas(&self) -> usize {
+        self.client.replicas()
     }
 }

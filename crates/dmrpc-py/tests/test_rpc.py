@@ -361,6 +361,92 @@ SERVER = textwrap.dedent(
 )
 
 
+REPLICA = textwrap.dedent(
+    """
+    import os, sys, dmrpc
+    p = dmrpc.Pool(sys.argv[1])
+    node = dmrpc.Node(p)
+    who = str(os.getpid()).encode()
+    srv = node.serve(sys.argv[2], {"who": lambda b: who, "rev": lambda b: bytes(b)[::-1]}, replica=True)
+    print("ready", flush=True)
+    line = sys.stdin.readline()
+    srv.shutdown(grace=5 if line.strip() == "drain" else None)
+    print("stopped", flush=True)
+    """
+)
+
+
+def test_balanced_clients_spread_calls_over_replicas_in_several_processes(pool):
+    p, path = pool
+    name = f"py/replicas/{os.getpid()}/{next(_N)}"
+    node = dmrpc.Node(p)
+
+    def start():
+        child = subprocess.Popen([sys.executable, "-c", REPLICA, path, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        return child
+
+    children = [start(), start()]
+    me = str(os.getpid()).encode()
+    here = node.serve(name, {"who": lambda b: me, "rev": lambda b: bytes(b)[::-1]}, replica=True)
+    try:
+        with pytest.raises(dmrpc.InvalidArgument):
+            node.serve(name, {"who": lambda b: b""})  # a name is shared by replicas or held by one
+        with pytest.raises(dmrpc.InvalidArgument):
+            node.connect(name, lazy=True, balanced=True)
+        c = node.connect(name, balanced=True)
+        assert c.replicas == 3
+        served = [bytes(c.call("who")) for _ in range(30)]
+        want = {me} | {str(ch.pid).encode() for ch in children}
+        assert {w: served.count(w) for w in want} == {w: 10 for w in want}
+
+        async def async_calls():
+            async with dmrpc.aio.connect(node, name, balanced=True) as ac:
+                assert ac.replicas == 3
+                return [bytes(await ac.call("who")) for _ in range(30)]
+
+        served = asyncio.run(async_calls())
+        assert {w: served.count(w) for w in want} == {w: 10 for w in want}
+        # A large argument by Ref to every replica, intact.
+        a = np.arange(1 << 18, dtype=np.uint8)
+        for _ in range(3):
+            assert bytes(c.call("rev", a)) == a.tobytes()[::-1]
+        # One replica restarts gracefully while calls go on: none fails.
+        errors, stop = [], threading.Event()
+
+        def load():
+            while not stop.is_set():
+                try:
+                    assert bytes(c.call("rev", b"abc", timeout=10)) == b"cba"
+                except Exception as e:  # noqa: BLE001 (any failure fails the test)
+                    errors.append(e)
+
+        t = threading.Thread(target=load)
+        t.start()
+        try:
+            time.sleep(0.05)
+            old = children.pop(0)
+            old.stdin.write("drain\n")
+            old.stdin.flush()
+            children.append(start())
+            assert old.stdout.readline().strip() == "stopped"
+            old.wait(10)
+            time.sleep(0.05)
+        finally:
+            stop.set()
+            t.join()
+        assert errors == []
+        c2 = node.connect(name, balanced=True)
+        assert c2.replicas == 3
+        served = {bytes(c2.call("who")) for _ in range(30)}
+        assert served == {me} | {str(ch.pid).encode() for ch in children}
+    finally:
+        here.shutdown()
+        for ch in children:
+            ch.stdin.close()
+            ch.wait(10)
+
+
 def test_a_handler_stops_when_its_call_is_given_up(pool):
     p, _ = pool
     node = dmrpc.Node(p)

@@ -143,7 +143,14 @@ class Client:
 
     @property
     def reconnects(self) -> int:
-        """How many times the client connected again."""
+        """How many times the client connected again (of a balanced client,
+        how many times its connections failed over to another replica)."""
+        ...
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas new calls may go to (a client of one
+        connection: 1 while it is connected, else 0)."""
         ...
 
     def with_metadata(self, metadata: Metadata) -> Client:
@@ -192,6 +199,11 @@ class AsyncClient:
         """How many times the client connected again (see `Client.reconnects`)."""
         ...
 
+    @property
+    def replicas(self) -> int:
+        """How many replicas new calls may go to (see `Client.replicas`)."""
+        ...
+
     def with_metadata(self, metadata: Metadata) -> AsyncClient:
         """A client on the same connection whose calls all carry `metadata`."""
         ...
@@ -232,19 +244,25 @@ class Node:
         tcp: str | None = None,
         intercept: Callable[[str, tuple[tuple[str, bytes], ...]], None] | None = None,
         propagate: list[str] | None = None,
+        replica: bool = False,
     ) -> Server:
         """Serves `handlers` as service `name` (on TCP at `tcp` if given).
         `intercept(method, metadata)` runs before every handler: a
         `dmrpc.Error` it raises is the answer. `propagate`: metadata keys the
-        calls a handler makes inherit from the call it serves."""
+        calls a handler makes inherit from the call it serves. `replica`:
+        one of any number of servers sharing `name` (see `connect`'s
+        `balanced`)."""
         ...
-    def connect(self, name: str, lazy: bool = False) -> Client:
+    def connect(self, name: str, lazy: bool = False, balanced: bool = False) -> Client:
         """Connects to service `name`; `lazy`: on the first call instead (until
         the service registers, calls raise `Unavailable`, or wait for it with
-        `wait_for_ready=True`)."""
+        `wait_for_ready=True`). `balanced`: to every replica of `name`, each
+        call going to the one with the fewest calls in flight (in turn among
+        equals); replicas that join are found, and a request a leaving
+        replica refused or never took goes to another."""
         ...
     def connect_tcp(self, addr: str) -> Client: ...
-    def connect_async(self, name: str, lazy: bool = False) -> AsyncClient: ...
+    def connect_async(self, name: str, lazy: bool = False, balanced: bool = False) -> AsyncClient: ...
     def connect_tcp_async(self, addr: str) -> AsyncClient: ...
 
 def cancelled() -> bool:

@@ -95,6 +95,11 @@ class AsyncClient:
         """How many times the client connected again (see `dmrpc.Client.reconnects`)."""
         return self._client.reconnects
 
+    @property
+    def replicas(self) -> int:
+        """How many replicas new calls may go to (see `dmrpc.Client.replicas`)."""
+        return self._client.replicas
+
     async def aclose(self) -> None:
         """Waits for the calls in flight."""
         await asyncio.gather(*self._in_flight, return_exceptions=True)
@@ -106,10 +111,17 @@ class AsyncClient:
         await self.aclose()
 
 
-def connect(node: Node, name: str, max_concurrency: int | None = None, lazy: bool = False) -> AsyncClient:
-    """Connects to service `name` (see `dmrpc.Node.connect`, and its `lazy`);
-    at most `max_concurrency` calls in flight at once, if given."""
-    return AsyncClient(node.connect_async(name, lazy), max_concurrency)
+def connect(
+    node: Node,
+    name: str,
+    max_concurrency: int | None = None,
+    lazy: bool = False,
+    balanced: bool = False,
+) -> AsyncClient:
+    """Connects to service `name` (see `dmrpc.Node.connect`, and its `lazy`
+    and `balanced`); at most `max_concurrency` calls in flight at once, if
+    given."""
+    return AsyncClient(node.connect_async(name, lazy, balanced), max_concurrency)
 
 
 def connect_tcp(node: Node, addr: str, max_concurrency: int | None = None) -> AsyncClient:
