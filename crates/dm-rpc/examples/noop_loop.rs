@@ -3,7 +3,9 @@
 //! SIZE, BYREF=1, INLINE_MAX, ECHO=1, SUM=1, POLICY=spin|park|yield,
 //! TCP=1: over the TCP transport on loopback instead of shm rings,
 //! TCP_SPIN_US: its busy-poll budget, SERVE_CPU: the server's CPU,
-//! ASYNC=1: no-op calls of the async client on a current-thread runtime).
+//! ASYNC=1: no-op calls of the async client on a current-thread runtime,
+//! BALANCED=1: the server registered as a replica, the client balanced
+//! over the name's replicas, here one).
 #![allow(clippy::unwrap_used)]
 
 #[cfg(not(loom))]
@@ -40,8 +42,11 @@ fn main() {
         // ECHO=1: answer what arrived (an echo) instead of nothing.
         let echo = std::env::var("ECHO").is_ok_and(|v| v == "1");
         let tcp = std::env::var("TCP").is_ok_and(|v| v == "1");
-        let s = node
-            .server("profile/noop")
+        let mut b = node.server("profile/noop");
+        if std::env::var("BALANCED").is_ok_and(|v| v == "1") {
+            b = b.replica();
+        }
+        let s = b
             .transport(if tcp {
                 dm_rpc::Transport::Tcp("127.0.0.1:0".into())
             } else {
@@ -103,7 +108,14 @@ fn main() {
         let _ = std::fs::remove_file(&path);
         return;
     }
-    let c = node.connect("profile/noop").unwrap();
+    // BALANCED=1: through a balanced client (its pick and bookkeeping).
+    let balanced = std::env::var("BALANCED").is_ok_and(|v| v == "1");
+    let (c, bc) = if balanced {
+        let bc = node.connect_balanced("profile/noop").unwrap();
+        (None, Some(bc))
+    } else {
+        (Some(node.connect("profile/noop").unwrap()), None)
+    };
     // SIZE bytes per call (0: none), BYREF=1 to build it in the pool.
     let size: usize = std::env::var("SIZE")
         .ok()
@@ -122,11 +134,15 @@ fn main() {
         } else {
             Payload::from_vec(data.clone())
         };
-        c.call("noop", p).unwrap();
+        match (&c, &bc) {
+            (Some(c), _) => c.call("noop", p).unwrap(),
+            (_, Some(bc)) => bc.call("noop", p).unwrap(),
+            _ => unreachable!(),
+        };
     }
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    println!("{per:.0} ns per round trip ({size} bytes, by_ref {by_ref})");
-    drop(c);
+    println!("{per:.0} ns per round trip ({size} bytes, by_ref {by_ref}, balanced {balanced})");
+    drop((c, bc));
     common::stop_peer(child);
     let _ = std::fs::remove_file(&path);
 }

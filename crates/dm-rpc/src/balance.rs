@@ -46,14 +46,16 @@ use crate::payload::Payload;
 use crate::reconnect::{Origin, Route};
 use crate::Status;
 use arc_swap::ArcSwap;
+use dm_sys::time::monotonic_ms_coarse as now_ms;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How often a balanced client looks its replicas up again.
 pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
-/// How soon after a call failed with `Unavailable` (or found no
-/// connection it could use) the replicas are looked up again.
+/// How soon after a call failed with `Unavailable` (or found a
+/// connection it could not use, or failed over) the replicas are looked
+/// up again (give or take a tick of the coarse clock).
 pub const REFRESH_SOON: Duration = Duration::from_millis(1);
 
 /// A connection to one replica, as the balancer sees it: a client of the
@@ -150,9 +152,9 @@ struct Balancer<C> {
     set: ArcSwap<Vec<Arc<Replica<C>>>>,
     /// Whose turn it is among equals.
     turn: AtomicUsize,
-    /// The clock of `next`.
-    epoch: Instant,
-    /// When (ns after `epoch`) the replicas are next looked up.
+    /// When the replicas are next looked up, in ms of the coarse
+    /// monotonic clock (read on every call: a tick is 4 ms, a fine read
+    /// costs several times as much).
     next: AtomicU64,
     /// Held by the call that looks them up.
     refreshing: Mutex<()>,
@@ -178,26 +180,24 @@ impl<C: Member> Balancer<C> {
             return Err(first_error
                 .unwrap_or_else(|| RpcError::not_found(format!("no service named {name:?}"))));
         }
-        let epoch = Instant::now();
         Ok(Balancer {
             node: node.clone(),
             name: name.to_owned(),
             set: ArcSwap::from_pointee(set),
             turn: AtomicUsize::new(0),
-            epoch,
-            next: AtomicU64::new(REFRESH_EVERY.as_nanos() as u64),
+            next: AtomicU64::new(now_ms() + REFRESH_EVERY.as_millis() as u64),
             refreshing: Mutex::new(()),
         })
     }
 
     fn now(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
+        now_ms()
     }
 
     /// Looks the replicas up again within [`REFRESH_SOON`].
     fn soon(&self, now: u64) {
         self.next
-            .fetch_min(now + REFRESH_SOON.as_nanos() as u64, Ordering::Relaxed);
+            .fetch_min(now + REFRESH_SOON.as_millis() as u64, Ordering::Relaxed);
     }
 
     /// The replica the next call goes to: the one with the fewest calls
@@ -210,6 +210,11 @@ impl<C: Member> Balancer<C> {
         let set = self.set.load();
         let n = set.len();
         let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        // Whoever's turn it is, if idle and usable (one caller: always).
+        let first = &set[turn % n];
+        if first.busy.load(Ordering::Relaxed) == 0 && !first.client.spent() {
+            return first.clone();
+        }
         let mut best: Option<&Arc<Replica<C>>> = None;
         let mut least = usize::MAX;
         for k in 0..n {
@@ -266,7 +271,7 @@ impl<C: Member> Balancer<C> {
             return;
         }
         self.next
-            .store(now + REFRESH_EVERY.as_nanos() as u64, Ordering::Relaxed);
+            .store(now + REFRESH_EVERY.as_millis() as u64, Ordering::Relaxed);
         self.refresh();
     }
 
