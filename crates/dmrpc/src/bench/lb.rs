@@ -8,7 +8,10 @@
 //! throughput with two client threads, and the payload bytes the balancer
 //! process copied per request (from its own transport counters). And the
 //! same three processes serving gRPC (tonic over loopback TCP, by value):
-//! a tonic balancer forwarding round robin to two tonic workers.
+//! a tonic balancer forwarding round robin to two tonic workers. And
+//! client-side balancing: the two workers also serve as replicas of one
+//! name, which the clients call directly with a balanced client, by Ref
+//! (no balancer hop).
 
 use super::peer::{BenchPool, Peer};
 use super::plot::Chart;
@@ -58,6 +61,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         for mode in ["ref", "value"] {
             p.cmd(&format!("chain {base}/{mode}/w{k} - {mode}"))?;
         }
+        p.cmd(&format!("replica {base}/ref/workers ref"))?;
         peers.push(p);
     }
     let mut lb_peer = Peer::spawn(path, &[])?;
@@ -75,7 +79,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let grpc_lb = lb_peer.cmd_text(&format!("grpc tcp {}", workers.join(",")))?;
     say!("bench lb: {CLIENTS} client threads -> load balancer -> 2 workers (3 processes besides this one)");
     say!(
-        "{:>8} {:>13} {:>13} {:>8} {:>16} {:>16} {:>13} {:>9}",
+        "{:>8} {:>13} {:>13} {:>8} {:>16} {:>16} {:>13} {:>9} {:>15} {:>9}",
         "size",
         "Ref calls/s",
         "value calls/s",
@@ -83,7 +87,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "LB copies (Ref)",
         "LB copies (value)",
         "tonic calls/s",
-        "Ref/tonic"
+        "Ref/tonic",
+        "no-LB calls/s",
+        "no-LB/Ref"
     );
     let mut rows = Vec::new();
     super::progress::start("lb", 4);
@@ -112,6 +118,24 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             let copied = (lb_copied(&node, &lb)? - before) as f64 / n as f64;
             res.push((rate, copied));
         }
+        // Client-side balancing over the workers as replicas, by Ref.
+        let node = Node::with_config(
+            pool.clone(),
+            Config {
+                inline_max: 0,
+                ..Default::default()
+            },
+        );
+        let replicas = format!("{base}/ref/workers");
+        let (direct, _) = closed_loop(
+            "balanced",
+            budget,
+            || Ok(node.connect_balanced(&replicas)?),
+            |c| {
+                c.call("go", super::peer::request(pool, "ref", &data)?)?;
+                Ok(())
+            },
+        )?;
         let bytes = bytes::Bytes::from(data.clone());
         let (tonic, _) = closed_loop(
             "tonic",
@@ -124,7 +148,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         )?;
         let ratio = res[0].0 / res[1].0;
         say!(
-            "{:>8} {:>13.0} {:>13.0} {:>7.1}x {:>14.0} B {:>14.0} B {:>13.0} {:>8.1}x",
+            "{:>8} {:>13.0} {:>13.0} {:>7.1}x {:>14.0} B {:>14.0} B {:>13.0} {:>8.1}x {:>15.0} {:>8.1}x",
             fmt_size(size as u64),
             res[0].0,
             res[1].0,
@@ -132,7 +156,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             res[0].1,
             res[1].1,
             tonic,
-            res[0].0 / tonic
+            res[0].0 / tonic,
+            direct,
+            direct / res[0].0
         );
         let mut o = Obj::default();
         o.num("size", size as f64);
@@ -143,6 +169,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         o.num("lb_bytes_copied_per_request_value", res[1].1);
         o.num("tonic_calls_per_s", tonic);
         o.num("ref_over_tonic", res[0].0 / tonic);
+        o.num("balanced_calls_per_s", direct);
+        o.num("balanced_over_ref", direct / res[0].0);
         rows.push(o);
         super::progress::tick(format!("{size} bytes"));
     }
@@ -151,7 +179,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     bp.check()?;
     let mut res = Obj::default();
     res.str("benchmark", "lb");
-    res.str("method", "2 client threads here; load balancer and 2 workers each in its own process over shm channels; LB copies = inline payload bytes through the LB's transports per request; tonic = the same processes serving gRPC over loopback TCP, the balancer forwarding by value round robin");
+    res.str("method", "2 client threads here; load balancer and 2 workers each in its own process over shm channels; LB copies = inline payload bytes through the LB's transports per request; tonic = the same processes serving gRPC over loopback TCP, the balancer forwarding by value round robin; balanced = the 2 workers as replicas of one name, called directly by Ref with a balanced client (no balancer)");
     res.obj("machine", &super::machine());
     res.arr("rows", &rows);
     super::write_results(
@@ -160,7 +188,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         &Chart {
             title: "bench lb: client -> load balancer -> 2 workers",
             x: "size",
-            ys: &["ref_calls_per_s", "value_calls_per_s", "tonic_calls_per_s"],
+            ys: &[
+                "ref_calls_per_s",
+                "value_calls_per_s",
+                "tonic_calls_per_s",
+                "balanced_calls_per_s",
+            ],
             by: None,
             y_label: "calls/s",
             log_x: true,
@@ -177,6 +210,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "lb_bytes_copied_per_request_value",
             "tonic_calls_per_s",
             "ref_over_tonic",
+            "balanced_calls_per_s",
+            "balanced_over_ref",
         ],
     )
 }

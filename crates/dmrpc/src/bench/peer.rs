@@ -102,7 +102,12 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 "ok".into()
             }
             (Some("chain"), Some(name), Some(next)) => {
-                servers.push(chain_tier(&pool, name, next, fourth.as_deref())?);
+                servers.push(chain_tier(&pool, name, next, fourth.as_deref(), false)?);
+                "ok".into()
+            }
+            // A last tier registered as one replica of `name`.
+            (Some("replica"), Some(name), mode) => {
+                servers.push(chain_tier(&pool, name, "-", mode, true)?);
                 "ok".into()
             }
             (Some("chainasync"), Some(name), Some(next)) => {
@@ -226,13 +231,20 @@ fn chain_async_tier(
 /// A tier of bench chain: forwards `go` to `next` (`-` for none: then it
 /// reads every byte and answers an 8-byte checksum). `mode` is `value`
 /// (every payload inline) or `ref` (size-aware, the default).
-fn chain_tier(pool: &Pool, name: &str, next: &str, mode: Option<&str>) -> Result<dm_rpc::Server> {
+fn chain_tier(
+    pool: &Pool,
+    name: &str,
+    next: &str,
+    mode: Option<&str>,
+    replica: bool,
+) -> Result<dm_rpc::Server> {
     let node = chain_node(pool, mode);
     let next = (next != "-").then(|| next.to_owned());
-    Ok(node
-        .server(name)
-        .method("go", tier(node.clone(), next, false))
-        .spawn()?)
+    let mut b = node.server(name);
+    if replica {
+        b = b.replica();
+    }
+    Ok(b.method("go", tier(node.clone(), next, false)).spawn()?)
 }
 
 /// The handler of a chain tier: forwards the payload untouched to the
