@@ -158,6 +158,13 @@ struct Balancer<C> {
     next: AtomicU64,
     /// Held by the call that looks them up.
     refreshing: Mutex<()>,
+    /// How many replicas the last look found and connected to.
+    found: AtomicUsize,
+    /// How soon (ms) to look again after a failure: [`REFRESH_SOON`],
+    /// doubling up to [`crate::reconnect::MAX_BACKOFF`] while looks find
+    /// no replica to call (a caller in a loop on a service that is gone
+    /// does not scan the registry every millisecond).
+    backoff: AtomicU64,
 }
 
 impl<C: Member> Balancer<C> {
@@ -180,6 +187,7 @@ impl<C: Member> Balancer<C> {
             return Err(first_error
                 .unwrap_or_else(|| RpcError::not_found(format!("no service named {name:?}"))));
         }
+        let found = AtomicUsize::new(set.len());
         Ok(Balancer {
             node: node.clone(),
             name: name.to_owned(),
@@ -187,6 +195,8 @@ impl<C: Member> Balancer<C> {
             turn: AtomicUsize::new(0),
             next: AtomicU64::new(now_ms() + REFRESH_EVERY.as_millis() as u64),
             refreshing: Mutex::new(()),
+            found,
+            backoff: AtomicU64::new(REFRESH_SOON.as_millis() as u64),
         })
     }
 
@@ -194,10 +204,11 @@ impl<C: Member> Balancer<C> {
         now_ms()
     }
 
-    /// Looks the replicas up again within [`REFRESH_SOON`].
+    /// Looks the replicas up again soon: within [`REFRESH_SOON`], or the
+    /// backoff while looks find no replica.
     fn soon(&self, now: u64) {
-        self.next
-            .fetch_min(now + REFRESH_SOON.as_millis() as u64, Ordering::Relaxed);
+        let after = self.backoff.load(Ordering::Relaxed);
+        self.next.fetch_min(now + after, Ordering::Relaxed);
     }
 
     /// The replica the next call goes to: the one with the fewest calls
@@ -261,11 +272,16 @@ impl<C: Member> Balancer<C> {
         }
     }
 
-    /// Looks the replicas up if it is time (or `now`), unless another call
-    /// is doing so.
+    /// Looks the replicas up if it is time, unless another call is doing
+    /// so; or, `force`d, now (after the look in progress, if any).
     fn refresh_if_due(&self, now: u64, force: bool) {
-        let Ok(_g) = self.refreshing.try_lock() else {
-            return;
+        let _g = if force {
+            self.refreshing.lock().unwrap_or_else(|e| e.into_inner())
+        } else {
+            match self.refreshing.try_lock() {
+                Ok(g) => g,
+                Err(_) => return,
+            }
         };
         if !force && now < self.next.load(Ordering::Relaxed) {
             return;
@@ -309,17 +325,26 @@ impl<C: Member> Balancer<C> {
                 set.push(Arc::new(Replica::new(c)));
             }
         }
-        if set.is_empty() {
+        self.found.store(set.len(), Ordering::Relaxed);
+        let soon = REFRESH_SOON.as_millis() as u64;
+        let backoff = if set.is_empty() {
             // No replica: keep one connection, whose calls fail at once or
             // wait for ready, and whose redial finds the next replica.
             set.push(old[0].clone());
-        }
+            let max = crate::reconnect::MAX_BACKOFF.as_millis() as u64;
+            (self.backoff.load(Ordering::Relaxed) * 2).min(max)
+        } else {
+            soon
+        };
+        self.backoff.store(backoff, Ordering::Relaxed);
         self.set.store(Arc::new(set));
     }
 
-    /// How many replicas new calls may go to.
+    /// How many replicas new calls may go to: connections not known to be
+    /// broken, to replicas the last look found.
     fn replicas(&self) -> usize {
-        self.set.load().iter().filter(|r| !r.client.spent()).count()
+        let usable = self.set.load().iter().filter(|r| !r.client.spent()).count();
+        usable.min(self.found.load(Ordering::Relaxed))
     }
 
     /// How many times the connections in use were replaced (failed over).
@@ -578,5 +603,59 @@ impl AsyncBalancedClient {
         let out = busy.0.client.call_full(method, payload, opts, meta).await;
         self.b.after(&busy.0, &out);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::Transport;
+
+    fn replica(node: &Node, name: &str) -> crate::Server {
+        node.server(name)
+            .transport(Transport::Mem)
+            .replica()
+            .method("echo", |c| Ok(c.take_payload()))
+            .spawn()
+            .unwrap()
+    }
+
+    /// Looks without replicas back off (1 ms doubling up to 0.5 s); a look
+    /// that finds one starts over, and one asked for looks at once.
+    #[test]
+    fn looks_that_find_no_replica_back_off_and_a_found_one_resets_them() {
+        let tp = dm_pool::testing::TempPool::new(16 << 20);
+        let node = Node::new(tp.attach());
+        let name = format!("test/balance/backoff/{}", std::process::id());
+        let svc = replica(&node, &name);
+        let b: Balancer<Client> = Balancer::connect(&node, &name).unwrap();
+        assert_eq!(b.replicas(), 1);
+        svc.shutdown();
+        let mut seen = Vec::new();
+        for _ in 0..12 {
+            b.refresh_if_due(b.now(), true);
+            seen.push(b.backoff.load(Ordering::Relaxed));
+        }
+        assert_eq!(seen, [2, 4, 8, 16, 32, 64, 128, 256, 500, 500, 500, 500]);
+        assert_eq!(b.replicas(), 0);
+        // A call on the connection kept fails (its server is gone): the
+        // next look comes after the backoff, not at once.
+        let now = b.now();
+        let r = b.pick();
+        let e = r.client.call("echo", crate::Payload::empty()).unwrap_err();
+        assert_eq!(e.status, Status::Unavailable, "{e}");
+        b.next.store(u64::MAX, Ordering::Relaxed);
+        b.after(&r, &Err::<(), _>(e));
+        assert!(b.next.load(Ordering::Relaxed) >= now + 500);
+        assert!(r.client.spent());
+        drop(r);
+        let back = replica(&node, &name);
+        b.refresh_if_due(b.now(), true);
+        assert_eq!((b.replicas(), b.backoff.load(Ordering::Relaxed)), (1, 1));
+        drop(b);
+        back.shutdown();
+        drop(node);
+        tp.assert_clean();
     }
 }
