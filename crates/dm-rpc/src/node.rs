@@ -89,6 +89,15 @@ pub struct Node {
     pub(crate) remote: Option<MemPool>,
 }
 
+/// What a lookup found, or, if it failed while the name is bound in this
+/// process (`in_here`), nothing.
+fn or_none<T>(r: Result<Vec<T>, RpcError>, in_here: bool) -> Result<Vec<T>, RpcError> {
+    match r {
+        Err(_) if in_here => Ok(Vec::new()),
+        r => r,
+    }
+}
+
 impl Node {
     /// A node on an attached pool with the default configuration.
     pub fn new(pool: Pool) -> Node {
@@ -285,9 +294,13 @@ impl Node {
                 origin: Origin::Mem(b),
             })
             .collect();
-        let in_pool = self.pool.lookup_all(name)?;
+        // (A registry that fails to answer fails the lookup only if
+        // nothing in this process has the name.)
+        let in_here = !routes.is_empty();
+        let in_pool = or_none(self.pool.lookup_all(name).map_err(RpcError::from), in_here)?;
+        let listed = or_none(self.registry.lookup_all(name), in_here)?;
         let mut tcp = Vec::new();
-        for e in self.registry.lookup_all(name)? {
+        for e in listed {
             if let Endpoint::Tcp(addr) = &e.endpoint {
                 tcp.push(Route {
                     how: How::Tcp(addr.clone()),
