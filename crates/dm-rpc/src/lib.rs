@@ -12,6 +12,8 @@
 //! * [`registry`] — names to endpoints: the trait, and its home in the pool.
 //! * [`reconnect`] — a client's connection replaced when it breaks and
 //!   its service is registered again.
+//! * [`balance`] — clients of every replica of a service, spreading their
+//!   calls over them.
 //! * [`node`], [`server`], [`client`], [`async_client`] — what applications
 //!   program against (blocking and tokio).
 //! * [`deadline`] — a handler's calls inherit the deadline of the call it
