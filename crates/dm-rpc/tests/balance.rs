@@ -202,10 +202,12 @@ fn many_callers_keep_away_from_a_slow_replica() {
                 [a[0] + s[0], a[1] + s[1]]
             })
         });
-        // (Not timing but turns: replica 0 is nearly always busy when a
-        // caller picks, and round robin alone would give it half.)
         assert_eq!(seen[0] + seen[1], 240);
-        assert!(seen[0] * 4 < seen[1], "{t:?}: {seen:?}");
+        // (Seen: 13-38 of 240 with a CI run loading both cores. Callers
+        // settle two on each replica, so its share follows the two
+        // replicas' latencies: under a quarter leaves room for a loaded
+        // machine, where round robin would give it half.)
+        assert!(seen[0] * 3 < seen[1], "{t:?}: {seen:?}");
         drop(c);
         for s in svcs {
             s.shutdown();
