@@ -361,6 +361,13 @@ SERVER = textwrap.dedent(
 )
 
 
+def _start(script, path, name):
+    """A Python child process running `script` on pool `path` for service `name`, once it says it is ready."""
+    child = subprocess.Popen([sys.executable, "-c", script, path, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
 REPLICA = textwrap.dedent(
     """
     import os, sys, dmrpc
@@ -382,9 +389,7 @@ def test_balanced_clients_spread_calls_over_replicas_in_several_processes(pool):
     node = dmrpc.Node(p)
 
     def start():
-        child = subprocess.Popen([sys.executable, "-c", REPLICA, path, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline().strip() == "ready"
-        return child
+        return _start(REPLICA, path, name)
 
     children = [start(), start()]
     me = str(os.getpid()).encode()
@@ -528,9 +533,7 @@ def test_a_client_calls_the_process_that_takes_its_servers_name(pool):
     node = dmrpc.Node(p)
 
     def start():
-        child = subprocess.Popen([sys.executable, "-c", SERVER, path, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline().strip() == "ready"
-        return child
+        return _start(SERVER, path, name)
 
     def stop(child):
         child.stdin.write("\n")
