@@ -69,7 +69,7 @@ pub(crate) trait Member: Send + Sync + Sized + 'static {
     fn origin(&self) -> Option<Origin>;
     /// How many times its connection was replaced (it failed over to
     /// another replica, or dialled its service again).
-    fn swaps(&self) -> u64;
+    fn redials(&self) -> u64;
 }
 
 impl Member for Client {
@@ -85,8 +85,8 @@ impl Member for Client {
         self.redial().origin()
     }
 
-    fn swaps(&self) -> u64 {
-        self.redial().swaps()
+    fn redials(&self) -> u64 {
+        self.redial().redials()
     }
 }
 
@@ -103,8 +103,8 @@ impl Member for AsyncClient {
         self.redial().origin()
     }
 
-    fn swaps(&self) -> u64 {
-        self.redial().swaps()
+    fn redials(&self) -> u64 {
+        self.redial().redials()
     }
 }
 
@@ -112,17 +112,17 @@ impl Member for AsyncClient {
 struct Replica<C> {
     client: C,
     busy: AtomicUsize,
-    /// Its client's [`Member::swaps`] when last looked at.
-    swaps: AtomicU64,
+    /// Its client's [`Member::redials`] when last looked at.
+    redials: AtomicU64,
 }
 
 impl<C: Member> Replica<C> {
     fn new(client: C) -> Self {
-        let swaps = AtomicU64::new(client.swaps());
+        let redials = AtomicU64::new(client.redials());
         Replica {
             client,
             busy: AtomicUsize::new(0),
-            swaps,
+            redials,
         }
     }
 }
@@ -262,10 +262,10 @@ impl<C: Member> Balancer<C> {
     /// looked up again soon (the replica that left may have a successor,
     /// and two connections may now go to one replica).
     fn after<T>(&self, on: &Replica<C>, r: &Result<T, RpcError>) {
-        let swaps = on.client.swaps();
-        let moved = swaps != on.swaps.load(Ordering::Relaxed);
+        let redials = on.client.redials();
+        let moved = redials != on.redials.load(Ordering::Relaxed);
         if moved {
-            on.swaps.store(swaps, Ordering::Relaxed);
+            on.redials.store(redials, Ordering::Relaxed);
         }
         if moved || matches!(r, Err(e) if e.status == Status::Unavailable) {
             self.soon(self.now());
@@ -349,7 +349,7 @@ impl<C: Member> Balancer<C> {
 
     /// How many times the connections in use were replaced (failed over).
     fn failovers(&self) -> u64 {
-        self.set.load().iter().map(|r| r.client.swaps()).sum()
+        self.set.load().iter().map(|r| r.client.redials()).sum()
     }
 }
 

@@ -132,9 +132,9 @@ pub(crate) trait Connected: Send + Sync + Sized + 'static {
 /// service is registered again.
 pub(crate) struct Redial<C> {
     cur: ArcSwap<C>,
-    /// How many times `cur` was replaced (read without the lock: a
+    /// Connections opened after the first (read without the lock: a
     /// balanced client learns so that one of its connections moved).
-    swaps: std::sync::atomic::AtomicU64,
+    redials: std::sync::atomic::AtomicU64,
     node: Node,
     target: Target,
     dial: Mutex<Dial>,
@@ -149,8 +149,6 @@ struct Dial {
     next: Option<Instant>,
     /// The pause after the next lookup that finds nothing new.
     backoff: Duration,
-    /// Connections opened after the first.
-    redials: u64,
     /// The last lookup of [`Redial::recheck`].
     rechecked: Option<Instant>,
 }
@@ -180,14 +178,13 @@ impl<C: Connected> Redial<C> {
     fn with(node: Node, target: Target, origin: Option<Origin>, first: C) -> Self {
         Redial {
             cur: ArcSwap::from_pointee(first),
-            swaps: std::sync::atomic::AtomicU64::new(0),
+            redials: std::sync::atomic::AtomicU64::new(0),
             node,
             target,
             dial: Mutex::new(Dial {
                 origin,
                 next: None,
                 backoff: FIRST_BACKOFF,
-                redials: 0,
                 rechecked: None,
             }),
         }
@@ -306,15 +303,9 @@ impl<C: Connected> Redial<C> {
     }
 
     /// How many times the client connected again.
-    pub(crate) fn redials(&self) -> u64 {
-        self.lock().redials
-    }
-
-    /// How many times the connection was replaced (a lazy client's first
-    /// connection too), without a lock.
     #[inline]
-    pub(crate) fn swaps(&self) -> u64 {
-        self.swaps.load(std::sync::atomic::Ordering::Acquire)
+    pub(crate) fn redials(&self) -> u64 {
+        self.redials.load(std::sync::atomic::Ordering::Acquire)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Dial> {
@@ -337,10 +328,11 @@ impl<C: Connected> Redial<C> {
             Some((conn, origin)) => {
                 self.cur
                     .store(Arc::new(C::open(self.node.clone(), self.target(), conn)));
-                self.swaps
-                    .fetch_add(1, std::sync::atomic::Ordering::Release);
                 // (A lazy client's first connection is no redial.)
-                d.redials += d.origin.is_some() as u64;
+                self.redials.fetch_add(
+                    d.origin.is_some() as u64,
+                    std::sync::atomic::Ordering::Release,
+                );
                 d.origin = Some(origin);
                 d.next = None;
                 d.backoff = FIRST_BACKOFF;

@@ -388,10 +388,7 @@ def test_balanced_clients_spread_calls_over_replicas_in_several_processes(pool):
     name = f"py/replicas/{os.getpid()}/{next(_N)}"
     node = dmrpc.Node(p)
 
-    def start():
-        return _start(REPLICA, path, name)
-
-    children = [start(), start()]
+    children = [_start(REPLICA, path, name), _start(REPLICA, path, name)]
     me = str(os.getpid()).encode()
     here = node.serve(name, {"who": lambda b: me, "rev": lambda b: bytes(b)[::-1]}, replica=True)
     try:
@@ -433,7 +430,7 @@ def test_balanced_clients_spread_calls_over_replicas_in_several_processes(pool):
             old = children.pop(0)
             old.stdin.write("drain\n")
             old.stdin.flush()
-            children.append(start())
+            children.append(_start(REPLICA, path, name))
             assert old.stdout.readline().strip() == "stopped"
             old.wait(10)
             time.sleep(0.05)
@@ -532,15 +529,12 @@ def test_a_client_calls_the_process_that_takes_its_servers_name(pool):
     name = f"py/again/{os.getpid()}/{next(_N)}"
     node = dmrpc.Node(p)
 
-    def start():
-        return _start(SERVER, path, name)
-
     def stop(child):
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.wait(timeout=10) == 0
 
-    first = start()
+    first = _start(SERVER, path, name)
     try:
         c = node.connect(name)
         ac = dmrpc.aio.connect(node, name)
@@ -558,7 +552,7 @@ def test_a_client_calls_the_process_that_takes_its_servers_name(pool):
         c.call("rev", b"abc", timeout=0.1, wait_for_ready=True)
     # Waiting for ready, a call gets through once the name is taken again.
     started = []
-    t = threading.Thread(target=lambda: (time.sleep(0.2), started.append(start())))
+    t = threading.Thread(target=lambda: (time.sleep(0.2), started.append(_start(SERVER, path, name))))
     t.start()
     try:
         assert bytes(c.call("len", bytes(3 << 20), timeout=20, wait_for_ready=True)) == str(3 << 20).encode()
