@@ -27,6 +27,7 @@ use crate::payload::{Dir, Lent, Payload};
 use crate::reconnect::{Connected, Redial};
 use crate::retry::{Retry, Statuses};
 use crate::transport::{Connection, FrameRx, FrameTx};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -60,9 +61,23 @@ pub struct CallOptions {
     /// ([`crate::retry`]). None: the client's policy
     /// ([`Client::with_retry`]), if any.
     pub retry: Option<Retry>,
+    /// Items a streaming call's caller holds unread at most
+    /// ([`Client::call_stream`], [`crate::stream`]); 0: the default,
+    /// [`DEFAULT_WINDOW`](crate::stream::DEFAULT_WINDOW). Unary calls
+    /// ignore it.
+    pub window: u32,
 }
 
 impl CallOptions {
+    /// These options, with a streaming call's window (see
+    /// [`window`](Self::window)).
+    pub fn window(self, items: u32) -> Self {
+        CallOptions {
+            window: items,
+            ..self
+        }
+    }
+
     /// Options with a deadline.
     pub fn deadline(d: Duration) -> Self {
         CallOptions {
@@ -198,6 +213,10 @@ pub(crate) struct Inner {
 #[derive(Default)]
 struct State {
     waiting: Vec<(u64, Option<Frame>)>,
+    /// Streams open on the connection ([`Client::call_stream`]), each with
+    /// what arrived for it and is not read yet: items, then the answer
+    /// that ends it (bounded by its window).
+    streams: Vec<(u64, VecDeque<Frame>)>,
     broken: Option<RpcError>,
     /// Callers asleep on the condition variable: it is notified only if
     /// there are any (a notification is a `futex` system call).
@@ -216,6 +235,25 @@ impl State {
         let k = self.waiting.iter().position(|(i, _)| *i == id)?;
         self.waiting.swap_remove(k).1
     }
+
+    fn stream(&mut self, id: u64) -> Option<&mut VecDeque<Frame>> {
+        self.streams
+            .iter_mut()
+            .find(|(i, _)| *i == id)
+            .map(|(_, q)| q)
+    }
+
+    /// Whether any caller waits for something to arrive.
+    fn anyone_waits(&self) -> bool {
+        !self.waiting.is_empty() || !self.streams.is_empty()
+    }
+}
+
+/// Whether a client takes frames of this kind from its server: answers,
+/// and items of the streams it opened.
+#[inline]
+fn answers(kind: Kind) -> bool {
+    matches!(kind, Kind::Response | Kind::Item)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -752,6 +790,44 @@ impl Client {
         &self.h
     }
 
+    /// Calls streaming method `method` with `payload`: its answer is a
+    /// stream of items, read as they come from the [`Streaming`]
+    /// (an iterator). See [`crate::stream`].
+    pub fn call_stream(
+        &self,
+        method: &str,
+        payload: impl Into<Payload>,
+    ) -> Result<crate::stream::Streaming, RpcError> {
+        self.call_stream_with(
+            method,
+            payload.into(),
+            CallOptions::default(),
+            Metadata::new(),
+        )
+    }
+
+    /// Calls streaming method `method` with options (the deadline bounds
+    /// the whole stream; [`CallOptions::window`] is how many items it
+    /// holds unread at most) and metadata. The request is sent and the
+    /// stream open when this returns; what the server answers comes
+    /// through the stream, its errors included.
+    pub fn call_stream_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<crate::stream::Streaming, RpcError> {
+        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (c, opts) = self.usable(opts)?;
+        let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
+        let window = match opts.window {
+            0 => crate::stream::DEFAULT_WINDOW,
+            n => n,
+        };
+        crate::stream::Streaming::open(self.clone(), Arc::clone(&*c), out, window)
+    }
+
     /// Calls `method` with options.
     pub fn call_with(
         &self,
@@ -785,25 +861,36 @@ impl Client {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Reply, RpcError> {
+        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (c, opts) = self.usable(opts)?;
+        let r = c.call_with(method, payload, opts, meta);
+        match r {
+            Err(Failure::Refused(_) | Failure::Again(_)) => self.again(c, r, opts),
+            r => self.h.settle(&c, r),
+        }
+    }
+
+    /// The connection a call with `opts` goes over, and its options then:
+    /// the current one, or, if it is broken or retired with nothing new to
+    /// dial, the one a call that waits for ready waits for; else the
+    /// failure (the argument is not even placed).
+    #[inline]
+    fn usable(
+        &self,
+        mut opts: CallOptions,
+    ) -> Result<(arc_swap::Guard<Arc<Inner>>, CallOptions), RpcError> {
         let mut c = self.h.live();
-        let (mut opts, meta) = self.defaults.apply(opts, meta);
         if c.is_spent() {
-            // Broken or retired, with nothing new to dial.
             if opts.wait_for_ready {
                 let until = deadline_of(&c.node, opts, Instant::now()).0;
                 c = self.ready(c, until)?;
                 opts = opts.after_waiting(until);
             }
             if let Some(e) = c.failure() {
-                // Nothing to connect to: the argument is not even placed.
                 return Err(e);
             }
         }
-        let r = c.call_with(method, payload, opts, meta);
-        match r {
-            Err(Failure::Refused(_) | Failure::Again(_)) => self.again(c, r, opts),
-            r => self.h.settle(&c, r),
-        }
+        Ok((c, opts))
     }
 
     /// Where a call whose request may go again (`r`: refused, or answered
@@ -992,8 +1079,14 @@ impl Inner {
     /// Gives an answer read for another caller to it (or releases what it
     /// carries if that caller gave up).
     fn deliver(&self, st: &mut State, f: Frame) {
-        match st.slot(f.call_id) {
-            Some(slot) => *slot = Some(f),
+        if f.kind == Kind::Response {
+            if let Some(slot) = st.slot(f.call_id) {
+                *slot = Some(f);
+                return;
+            }
+        }
+        match st.stream(f.call_id) {
+            Some(q) => q.push_back(f),
             None => orphan(&self.node, f),
         }
     }
@@ -1010,7 +1103,7 @@ impl Inner {
         let i = self;
         let mut stray = false;
         let mut got = |a: Frame| {
-            if a.kind != Kind::Response {
+            if !answers(a.kind) {
                 stray = true;
                 return;
             }
@@ -1042,8 +1135,8 @@ impl Inner {
         let i = self;
         let r = loop {
             match rx.recv(deadline) {
-                Ok(Some(f)) if f.kind == Kind::Response => {
-                    if f.call_id == id {
+                Ok(Some(f)) if answers(f.kind) => {
+                    if f.call_id == id && f.kind == Kind::Response {
                         break Ok(f);
                     }
                     let mut st = lock(&i.state);
@@ -1077,7 +1170,7 @@ impl Inner {
     fn hand_over(&self, rx: MutexGuard<'_, Box<dyn FrameRx>>) {
         drop(rx);
         let st = lock(&self.state);
-        if !st.waiting.is_empty() {
+        if st.anyone_waits() {
             self.notify(&st);
         }
     }
@@ -1090,25 +1183,147 @@ impl Inner {
     }
 
     fn wait_for(&self, id: u64, deadline: Option<Instant>) -> Result<Frame, RpcError> {
+        let take = |st: &mut State| match st.slot(id) {
+            Some(Some(_)) => st.remove(id),
+            _ => None,
+        };
+        let r = self.wait_until(id, deadline, take);
+        if r.is_err() {
+            // (An answer that came meanwhile is released.)
+            if let Some(f) = lock(&self.state).remove(id) {
+                orphan(&self.node, f);
+            }
+        }
+        r
+    }
+
+    /// This connection's node.
+    pub(crate) fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// A new call id.
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Whether request `req`, sent over another connection, can go over
+    /// this one as it is (its Refs usable here, its inline bytes and
+    /// metadata within the limit).
+    pub(crate) fn carries(&self, req: &Frame, refs: crate::transport::Sharing) -> bool {
+        refs == self.refs && req.payload.len() + req.meta.encoded_len() <= self.max_inline
+    }
+
+    /// Which Refs the server can use.
+    pub(crate) fn refs(&self) -> crate::transport::Sharing {
+        self.refs
+    }
+
+    /// Opens the stream of request `req` (flagged [`FLAG_STREAM`]): the
+    /// stream is registered (its items find their place even when another
+    /// caller reads them), the request sent, then the first grant of
+    /// `window` items.
+    pub(crate) fn start_stream(
+        &self,
+        req: &Frame,
+        deadline: Option<Instant>,
+        window: u32,
+    ) -> Result<(), RpcError> {
+        {
+            let mut st = lock(&self.state);
+            if let Some(e) = &st.broken {
+                return Err(e.clone());
+            }
+            st.streams.push((req.call_id, VecDeque::new()));
+        }
+        let r = self
+            .send_own(req, deadline)
+            .and_then(|()| self.send_own(&Frame::credit(req.call_id, window), deadline));
+        if r.is_err() {
+            self.close_stream(req.call_id, false);
+        }
+        r
+    }
+
+    /// The next frame of stream `id`: an item, or the answer that ends it.
+    pub(crate) fn stream_next(
+        &self,
+        id: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Frame, RpcError> {
+        self.wait_until(id, deadline, |st| {
+            st.stream(id).and_then(VecDeque::pop_front)
+        })
+    }
+
+    /// Grants stream `id` `items` more items.
+    pub(crate) fn grant(
+        &self,
+        id: u64,
+        items: u32,
+        deadline: Option<Instant>,
+    ) -> Result<(), RpcError> {
+        self.send_own(&Frame::credit(id, items), deadline)
+    }
+
+    /// Closes stream `id`: what arrived for it unread is released (and
+    /// what still comes, as it comes); with `cancel`, its server is told
+    /// (best effort, without waiting for room).
+    pub(crate) fn close_stream(&self, id: u64, cancel: bool) {
+        let left = {
+            let mut st = lock(&self.state);
+            match st.streams.iter().position(|(i, _)| *i == id) {
+                Some(k) => st.streams.swap_remove(k).1,
+                None => VecDeque::new(),
+            }
+        };
+        for f in left {
+            orphan(&self.node, f);
+        }
+        if cancel && !self.broken.load(Ordering::Acquire) {
+            let _ = lock(&self.tx).send(&Frame::cancel(id), Some(Instant::now()));
+        }
+    }
+
+    /// Sends a frame of a stream's caller, reading answers for the others
+    /// while it waits for room.
+    fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), RpcError> {
+        match self.send_reading(f, deadline, None) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(RpcError::deadline_exceeded(format!(
+                "no room to send to {:?} before the deadline",
+                self.name
+            ))),
+            Err(e) if e.breaks_connection() => Err(self.fail(e.into())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Waits until `take` gives a frame (it looks in the state for what
+    /// arrived for call `id`), reading frames when nobody else does and
+    /// handing each to its caller, or until the connection breaks or
+    /// `deadline` passes.
+    fn wait_until(
+        &self,
+        id: u64,
+        deadline: Option<Instant>,
+        mut take: impl FnMut(&mut State) -> Option<Frame>,
+    ) -> Result<Frame, RpcError> {
         let i = self;
         let yielding = Instant::now();
         let mut st = lock(&i.state);
         loop {
-            if matches!(st.slot(id), Some(Some(_))) {
-                let f = st.remove(id);
-                if !st.waiting.is_empty() {
+            if let Some(f) = take(&mut st) {
+                if st.anyone_waits() {
                     // Someone else may need to take over reading.
                     self.notify(&st);
                 }
-                return f.ok_or_else(|| RpcError::internal("answer vanished"));
+                return Ok(f);
             }
             if let Some(e) = &st.broken {
-                let e = e.clone();
-                st.remove(id);
-                return Err(e);
+                return Err(e.clone());
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                st.remove(id);
                 return Err(RpcError::deadline_exceeded(format!(
                     "no answer from {:?} before the deadline",
                     i.name
@@ -1120,7 +1335,7 @@ impl Inner {
                 st = lock(&i.state);
                 drop(rx);
                 match got {
-                    Ok(Some(f)) if f.kind == Kind::Response => {
+                    Ok(Some(f)) if answers(f.kind) => {
                         let mine = f.call_id == id;
                         self.deliver(&mut st, f);
                         if !mine {

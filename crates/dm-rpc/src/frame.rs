@@ -1,4 +1,4 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 6).
+//! Where frames are parsed: the wire format of dmrpc calls (version 7).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
@@ -9,12 +9,12 @@
 //! |--------|--------------|--------------------------------------------------------|
 //! | 0..2   | magic        | `D5 52`                                                |
 //! | 2      | version      | [`FRAME_VERSION`]                                      |
-//! | 3      | kind         | [`Kind`]: request, response, cancel, go-away           |
-//! | 4..6   | flags        | [`FLAG_ECHO`], [`FLAG_REFUSED`]; others must be zero   |
+//! | 3      | kind         | [`Kind`]: request, response, cancel, go-away, item, credit |
+//! | 4..6   | flags        | [`FLAG_ECHO`], [`FLAG_REFUSED`], [`FLAG_STREAM`]; others zero |
 //! | 6      | payload kind | 0 none, 1 inline bytes, 2 Refs                         |
 //! | 7      | status       | [`Status`]; zero except in responses                   |
 //! | 8..16  | call id      | chosen by the caller, echoed by the response           |
-//! | 16..20 | method       | [`method_id`] of the method's full name (requests)     |
+//! | 16..20 | method       | [`method_id`] of the method's full name (requests); items granted (credits) |
 //! | 20..24 | deadline     | microseconds the caller will wait, 0 = none (requests) |
 //! | 24..28 | length       | payload bytes                                          |
 //! | 28..32 | meta length  | bytes of metadata after the payload (requests, answers) |
@@ -27,6 +27,18 @@
 //! payload) says its request was not run: the server is shutting down and
 //! takes no new requests, so the caller may send it to the server's
 //! successor.
+//!
+//! **Streams** (version 7). A request flagged [`FLAG_STREAM`] asks for its
+//! answer as a stream: any number of [`Kind::Item`] frames (server to
+//! client, each with a payload as an answer has, and no metadata), then
+//! the call's one response, which ends it (its status is the stream's; an
+//! `Ok` response's payload, if it has one, is the stream's last item).
+//! Flow control is by items: the server sends an item only while the
+//! caller has granted more than it was sent, and the caller grants them
+//! in [`Kind::Credit`] frames (client to server), whose method field
+//! holds how many more items it will take (never zero). A stream starts
+//! with no credit: its caller sends its first grant right after the
+//! request. An item's Refs are made for the caller, as an answer's are.
 //! A go-away frame (server to client, TCP) says that the server stopped
 //! reading the connection, and which requests it took: every request whose
 //! call id is above the frame's call id was never taken, and never will be
@@ -42,14 +54,18 @@ use dm_pool::{Ref, RefDecodeError};
 /// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`]; 4 — [`Kind::GoAway`];
 /// 5 — request metadata (header bytes 28..32, reserved before); 6 —
 /// answers carry metadata too, and the statuses
-/// [`Status::Unauthenticated`] and [`Status::PermissionDenied`].
-pub const FRAME_VERSION: u8 = 6;
+/// [`Status::Unauthenticated`] and [`Status::PermissionDenied`]; 7 —
+/// streams: [`FLAG_STREAM`], [`Kind::Item`] and [`Kind::Credit`].
+pub const FRAME_VERSION: u8 = 7;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
 pub const FLAG_ECHO: u16 = 1;
 /// Flag of an `Unavailable` answer whose request was not run: the server
 /// refused it, shutting down (it may be sent again elsewhere).
 pub const FLAG_REFUSED: u16 = 2;
+/// Flag of a request whose caller reads its answer as a stream of items
+/// (frames v7).
+pub const FLAG_STREAM: u16 = 4;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 32;
 const MAGIC: [u8; 2] = [0xD5, 0x52];
@@ -67,6 +83,12 @@ pub enum Kind {
     /// The server stopped reading the connection; it took no request with
     /// an id above this frame's call id (server to client).
     GoAway = 4,
+    /// One item of the stream answering the call with the same id (server
+    /// to client; frames v7).
+    Item = 5,
+    /// The caller of the stream with this id takes this many more items
+    /// (in the method field; client to server; frames v7).
+    Credit = 6,
 }
 
 /// Outcome of a call, carried by responses.
@@ -103,6 +125,8 @@ impl Kind {
             2 => Kind::Response,
             3 => Kind::Cancel,
             4 => Kind::GoAway,
+            5 => Kind::Item,
+            6 => Kind::Credit,
             _ => return None,
         })
     }
@@ -364,6 +388,24 @@ impl Frame {
         }
     }
 
+    /// One item of the stream answering call `call_id`.
+    pub fn item(call_id: u64, payload: Body) -> Frame {
+        Frame {
+            kind: Kind::Item,
+            ..Frame::response(call_id, Status::Ok, payload)
+        }
+    }
+
+    /// A grant of `items` more items (at least one) of the stream
+    /// answering call `call_id`.
+    pub fn credit(call_id: u64, items: u32) -> Frame {
+        Frame {
+            kind: Kind::Credit,
+            method: items,
+            ..Frame::cancel(call_id)
+        }
+    }
+
     /// Encoded size.
     pub fn encoded_len(&self) -> usize {
         HEADER_LEN + self.payload.len() + self.meta.encoded_len()
@@ -534,7 +576,7 @@ impl Head {
         }
         let kind = Kind::from_u8(h[3]).ok_or(FrameError::Kind(h[3]))?;
         let flags = u16_at(4);
-        if flags & !(FLAG_ECHO | FLAG_REFUSED) != 0 {
+        if flags & !(FLAG_ECHO | FLAG_REFUSED | FLAG_STREAM) != 0 {
             return Err(FrameError::Reserved("flags"));
         }
         let pkind = h[6];
@@ -551,10 +593,25 @@ impl Head {
             Kind::Request if method == 0 => {
                 return Err(FrameError::Inconsistent("a request names no method"))
             }
-            Kind::Response | Kind::Cancel | Kind::GoAway if method != 0 || deadline_us != 0 => {
+            Kind::Response | Kind::Cancel | Kind::GoAway | Kind::Item
+                if method != 0 || deadline_us != 0 =>
+            {
                 return Err(FrameError::Inconsistent(
                     "only requests carry a method and a deadline",
                 ))
+            }
+            Kind::Credit if method == 0 || deadline_us != 0 => {
+                return Err(FrameError::Inconsistent(
+                    "a credit grants at least one item and carries no deadline",
+                ))
+            }
+            Kind::Item | Kind::Credit if status != Status::Ok => {
+                return Err(FrameError::Inconsistent(
+                    "an item or a credit carries no status",
+                ))
+            }
+            Kind::Credit if pkind != 0 => {
+                return Err(FrameError::Inconsistent("a credit carries no payload"))
             }
             Kind::Cancel | Kind::GoAway if status != Status::Ok || pkind != 0 => {
                 return Err(FrameError::Inconsistent(
@@ -577,6 +634,9 @@ impl Head {
                 return Err(FrameError::Inconsistent(
                     "only an Unavailable answer refuses its request",
                 ))
+            }
+            _ if flags & FLAG_STREAM != 0 && kind != Kind::Request => {
+                return Err(FrameError::Inconsistent("only a request asks for a stream"))
             }
             _ if meta != 0 && !matches!(kind, Kind::Request | Kind::Response) => {
                 return Err(FrameError::Inconsistent(
@@ -748,7 +808,7 @@ mod tests {
                 )
             }),
         ];
-        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..8).prop_map(|(id, m, dl, p, k)| {
+        (any::<u64>(), 1u32.., any::<u32>(), payload, 0u8..9).prop_map(|(id, m, dl, p, k)| {
             match (k, p) {
                 (0, p) => Frame::request(id, m, dl, p),
                 (1, p) => Frame::response(id, Status::Ok, p),
@@ -773,6 +833,13 @@ mod tests {
                         p => Frame::response(id, Status::ResourceExhausted, p),
                     };
                     answer.with_meta(meta)
+                }
+                (7, p) if id % 3 == 0 => Frame::item(id, p),
+                (7, _) if id % 3 == 1 => Frame::credit(id, m),
+                (7, p) => {
+                    let mut f = Frame::request(id, m, dl, p);
+                    f.flags = FLAG_STREAM;
+                    f
                 }
                 _ => Frame::cancel(id),
             }
@@ -823,6 +890,60 @@ mod tests {
     }
 
     #[test]
+    fn stream_frames_are_checked_for_their_kind() {
+        let l = Limits::default();
+        let decode = |f: &Frame| Frame::decode(&f.encode(), &l).map(|d| d.map(|(f, _)| f));
+        let inconsistent = |f: Frame| matches!(decode(&f), Err(FrameError::Inconsistent(_)));
+        // Well-formed: a streaming request, items of each payload kind, a
+        // credit.
+        let mut req = Frame::request(3, 9, 0, Body::Inline(vec![1]));
+        req.flags = FLAG_STREAM;
+        for f in [
+            req.clone(),
+            Frame::item(3, Body::None),
+            Frame::item(3, Body::Inline(vec![7; 10])),
+            Frame::item(3, Body::Refs(vec![a_ref()])),
+            Frame::credit(3, 16),
+        ] {
+            assert_eq!(decode(&f), Ok(Some(f.clone())));
+        }
+        // Only a request asks for a stream.
+        let mut answer = Frame::response(3, Status::Ok, Body::None);
+        answer.flags = FLAG_STREAM;
+        assert!(inconsistent(answer));
+        let mut item = Frame::item(3, Body::None);
+        item.flags = FLAG_STREAM;
+        assert!(inconsistent(item));
+        // An item carries no status, method, deadline, metadata or echo.
+        let mut item = Frame::item(3, Body::None);
+        item.status = Status::Internal;
+        assert!(inconsistent(item));
+        let mut item = Frame::item(3, Body::None);
+        item.method = 5;
+        assert!(inconsistent(item));
+        let meta = crate::metadata::Metadata::new().with("k", "v").unwrap();
+        assert!(inconsistent(Frame::item(3, Body::None).with_meta(meta)));
+        let mut item = Frame::item(3, Body::Refs(vec![a_ref()]));
+        item.flags = FLAG_ECHO;
+        assert!(inconsistent(item));
+        // A credit grants at least one item, and carries nothing else.
+        assert!(inconsistent(Frame::credit(3, 0)));
+        let mut credit = Frame::credit(3, 1);
+        credit.payload = Body::Inline(vec![1]);
+        assert!(inconsistent(credit));
+        let mut credit = Frame::credit(3, 1);
+        credit.deadline_us = 10;
+        assert!(inconsistent(credit));
+        let mut credit = Frame::credit(3, 1);
+        credit.status = Status::Cancelled;
+        assert!(inconsistent(credit));
+        // Frames of version 6 are refused (no stream kinds there).
+        let mut old = Frame::item(3, Body::None).encode();
+        old[2] = 6;
+        assert_eq!(Frame::decode(&old, &l), Err(FrameError::Version(6)));
+    }
+
+    #[test]
     fn malformed_frames_get_typed_errors() {
         let l = Limits::default();
         let good = Frame::request(
@@ -845,7 +966,7 @@ mod tests {
         );
         assert_eq!(bad(2, 9), Err(FrameError::Version(9)));
         assert_eq!(bad(3, 0), Err(FrameError::Kind(0)));
-        assert_eq!(bad(4, 4), Err(FrameError::Reserved("flags")));
+        assert_eq!(bad(4, 8), Err(FrameError::Reserved("flags")));
         assert_eq!(bad(5, 1), Err(FrameError::Reserved("flags")));
         assert!(
             matches!(bad(4, 2), Err(FrameError::Inconsistent(_))),
@@ -977,8 +1098,8 @@ mod tests {
             }
         }
         let mut g = Frame::go_away(3).encode();
-        g[3] = 5;
-        assert_eq!(Frame::decode(&g, &l), Err(FrameError::Kind(5)));
+        g[3] = 7;
+        assert_eq!(Frame::decode(&g, &l), Err(FrameError::Kind(7)));
         let err_refs = Frame::response(1, Status::Internal, Body::Refs(vec![a_ref()])).encode();
         assert!(matches!(
             Frame::decode(&err_refs, &l),

@@ -80,6 +80,8 @@ pub mod server;
 #[cfg(not(loom))]
 pub mod stats;
 #[cfg(not(loom))]
+pub mod stream;
+#[cfg(not(loom))]
 pub mod transport;
 
 #[cfg(not(loom))]
@@ -104,4 +106,6 @@ pub use registry::{PoolRegistry, Registry, ServiceEntry};
 pub use retry::{Retry, Statuses};
 #[cfg(not(loom))]
 pub use server::{Call, Incoming, Server, ServerBuilder};
+#[cfg(not(loom))]
+pub use stream::{Sink, Streaming};
 pub use wait::WaitPolicy;

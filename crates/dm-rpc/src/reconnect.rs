@@ -281,6 +281,13 @@ impl<C: Connected> Redial<C> {
         r.map_err(|f| self.settle_failure(c, f))
     }
 
+    /// The error `e` a call on `c` ended with, as [`settle`](Self::settle)
+    /// returns it (an `Unavailable` makes the client look whether the
+    /// service moved).
+    pub(crate) fn settle_error(&self, c: &C, e: RpcError) -> RpcError {
+        self.settle_failure(c, Failure::Error(e))
+    }
+
     #[cold]
     fn settle_failure(&self, c: &C, f: Failure) -> RpcError {
         match f {

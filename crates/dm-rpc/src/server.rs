@@ -35,10 +35,11 @@
 
 use crate::async_client::polling_with;
 use crate::error::RpcError;
-use crate::frame::{method_id, Body, Frame, Kind, Status};
+use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_STREAM};
 use crate::metadata::{Metadata, MetadataError};
 use crate::node::{Node, Transport};
 use crate::payload::{Dir, Payload};
+use crate::stream::Sink;
 use crate::transport::{ConnId, Listener, Waker, WatchSet};
 use dm_pool::{Endpoint, Ref, ServiceInfo};
 use std::collections::{HashMap, VecDeque};
@@ -50,6 +51,11 @@ use std::time::{Duration, Instant};
 
 /// A method's handler.
 pub type Handler = Arc<dyn Fn(&mut Call<'_>) -> Result<Payload, RpcError> + Send + Sync>;
+
+/// A streaming method's handler: it sends the items of its answer into
+/// the [`Sink`], and returns how the stream ends ([`ServerBuilder::method_stream`]).
+pub type StreamHandler =
+    Arc<dyn Fn(&mut Call<'_>, &mut Sink<'_>) -> Result<(), RpcError> + Send + Sync>;
 
 /// The future an async handler returns.
 pub type HandlerFuture =
@@ -126,6 +132,9 @@ enum Method {
     Blocking(Handler),
     /// Runs as a task on the server's runtime; many at once.
     Async(AsyncHandler),
+    /// Runs on the dispatcher thread, one call at a time, answering with
+    /// a stream of items ([`crate::stream`]).
+    Stream(StreamHandler),
 }
 
 /// One call, as an async handler sees it (owned, so it can be held across
@@ -165,7 +174,25 @@ pub struct Call<'a> {
     metadata: Metadata,
 }
 
-impl Call<'_> {
+impl<'a> Call<'a> {
+    /// The call of method `name` with a request's payload and metadata,
+    /// as a blocking handler sees it in `scope`.
+    fn of(
+        name: &'a str,
+        node: &'a Node,
+        (body, metadata): (Body, Metadata),
+        scope: &Scope,
+    ) -> Result<Self, RpcError> {
+        crate::stats::count(&body, false);
+        Ok(Call {
+            payload: Payload::from_request_body(body, node)?,
+            deadline: scope.deadline,
+            method: name,
+            node,
+            metadata,
+        })
+    }
+
     /// The request's payload.
     pub fn payload(&self) -> &Payload {
         &self.payload
@@ -321,6 +348,22 @@ impl ServerBuilder {
         )
     }
 
+    /// Registers `handler` for method `name`, whose answer is a stream of
+    /// items: the handler sends each item into its [`Sink`] as it has it
+    /// (the sink waits while the caller has taken as many as it asked
+    /// for), and returns `Ok(())` to end the stream or an error to end it
+    /// with that status. Callers read it with
+    /// [`Client::call_stream`](crate::Client::call_stream). Like a
+    /// [`method`](Self::method)'s, it runs on the dispatcher thread: the
+    /// server's other calls wait until it returns. See [`crate::stream`].
+    pub fn method_stream(
+        self,
+        name: &str,
+        handler: impl Fn(&mut Call<'_>, &mut Sink<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
+    ) -> Self {
+        self.add(name, Method::Stream(Arc::new(handler)))
+    }
+
     fn add(mut self, name: &str, m: Method) -> Self {
         let id = method_id(name);
         if let Some((other, _)) = self.methods.get(&id) {
@@ -472,6 +515,8 @@ pub struct Stats {
     /// while it drained ([`Server::shutdown_gracefully`]), or were still
     /// queued when it stopped.
     pub refused: AtomicU64,
+    /// Items sent by streaming methods ([`ServerBuilder::method_stream`]).
+    pub items: AtomicU64,
 }
 
 /// Where a server's name is registered.
@@ -596,12 +641,14 @@ struct To {
     echo: Option<Ref>,
 }
 
-struct Pending {
+pub(crate) struct Pending {
     conn: ConnId,
     frame: Frame,
     /// When the caller stops waiting (from the frame's relative deadline,
     /// counted from when the frame was read).
     deadline: Option<Instant>,
+    /// Items its caller granted while it was queued (a stream's request).
+    credit: u64,
 }
 
 fn pending(conn: ConnId, frame: Frame) -> Pending {
@@ -611,6 +658,7 @@ fn pending(conn: ConnId, frame: Frame) -> Pending {
         conn,
         frame,
         deadline,
+        credit: 0,
     }
 }
 
@@ -752,8 +800,9 @@ impl Dispatcher {
                 Kind::Cancel => {
                     self.cancel_task(p.conn, p.frame.call_id);
                 }
-                // Clients do not send responses or go-aways: ignore.
-                Kind::Response | Kind::GoAway => {}
+                // Clients do not send responses, go-aways or items, and a
+                // credit read here is for a stream that ended: ignore.
+                Kind::Response | Kind::GoAway | Kind::Item | Kind::Credit => {}
             }
         }
     }
@@ -802,6 +851,7 @@ impl Dispatcher {
             conn,
             frame,
             deadline,
+            credit,
         } = p;
         let to = To {
             conn,
@@ -879,6 +929,28 @@ impl Dispatcher {
                     };
                     let req = (frame.payload, frame.meta);
                     run_handler(h, name, &self.node, req, &mut scope, &mut check)
+                }
+                Some((name, Method::Stream(h))) => {
+                    if frame.flags & FLAG_STREAM == 0 {
+                        Err(RpcError::invalid_argument(format!(
+                            "method {name:?} answers with a stream: call it with call_stream"
+                        )))
+                    } else {
+                        let feed = crate::stream::Feed::new(
+                            &mut *self.listener,
+                            &mut self.queue,
+                            &self.stats,
+                            self.draining,
+                            ((conn, frame.call_id), credit),
+                        );
+                        let cell = std::cell::RefCell::new(feed);
+                        let mut sink =
+                            Sink::new(&cell, &self.node, &self.stop, deadline, frame.call_id);
+                        let req = (frame.payload, frame.meta);
+                        let r = run_stream(h, name, &self.node, req, &mut scope, &mut sink);
+                        later = cell.borrow_mut().take_later();
+                        r.map(|()| Payload::empty())
+                    }
                 }
                 None => Err(RpcError::not_found(format!(
                     "no method with id {:#x}",
@@ -1092,7 +1164,27 @@ fn intake(
     cancels: &mut Vec<(ConnId, u64)>,
 ) {
     while let Ok(Some((conn, frame))) = listener.poll() {
-        if frame.kind == Kind::Cancel {
+        take_in(listener, queue, stats, draining, cancels, (conn, frame));
+        if queue.len() > 4096 {
+            break;
+        }
+    }
+}
+
+/// Takes frame `frame` of connection `conn`, read while a handler runs
+/// ([`intake`]): a request is queued (or refused while draining), a cancel
+/// applied to a queued request or kept in `cancels`, a credit added to
+/// its queued request's (or dropped: its stream ended).
+pub(crate) fn take_in(
+    listener: &mut dyn Listener,
+    queue: &mut VecDeque<Pending>,
+    stats: &Stats,
+    draining: Option<Instant>,
+    cancels: &mut Vec<(ConnId, u64)>,
+    (conn, frame): (ConnId, Frame),
+) {
+    match frame.kind {
+        Kind::Cancel => {
             // Every request gets exactly one answer (transports count on
             // it to bound what they owe a client): a cancelled one gets
             // `Cancelled`, which its caller, gone, drops.
@@ -1109,15 +1201,23 @@ fn intake(
             } else {
                 cancels.push((conn, frame.call_id));
             }
-            continue;
         }
-        if refuse(listener, stats, draining, conn, &frame) {
-            continue;
+        Kind::Request => {
+            if !refuse(listener, stats, draining, conn, &frame) {
+                queue.push_back(pending(conn, frame));
+            }
         }
-        queue.push_back(pending(conn, frame));
-        if queue.len() > 4096 {
-            break;
+        Kind::Credit => {
+            // A grant for a stream whose request is queued (one for a
+            // stream that ended is dropped).
+            if let Some(q) = queue
+                .iter_mut()
+                .find(|q| q.conn == conn && q.frame.call_id == frame.call_id)
+            {
+                q.credit += u64::from(frame.method);
+            }
         }
+        Kind::Response | Kind::GoAway | Kind::Item => {}
     }
 }
 
@@ -1131,16 +1231,28 @@ fn run_handler(
     scope: &mut Scope,
     cancelled: &mut dyn FnMut() -> bool,
 ) -> Result<Payload, RpcError> {
-    crate::stats::count(&body, false);
-    let payload = Payload::from_request_body(body, node)?;
-    let mut call = Call {
-        payload,
-        deadline: scope.deadline,
-        method: name,
-        node,
-        metadata,
-    };
+    let mut call = Call::of(name, node, (body, metadata), scope)?;
     match crate::deadline::watching(cancelled, || scope.run(|| h(&mut call))) {
+        Ok(r) => r,
+        Err(p) => Err(panicked(name, &*p)),
+    }
+}
+
+/// Runs a streaming handler on the dispatcher's thread, as
+/// [`run_handler`] runs a blocking one; a look for a cancel of its call
+/// is a look through its sink's feed.
+fn run_stream(
+    h: &StreamHandler,
+    name: &str,
+    node: &Node,
+    (body, metadata): (Body, Metadata),
+    scope: &mut Scope,
+    sink: &mut Sink<'_>,
+) -> Result<(), RpcError> {
+    let mut call = Call::of(name, node, (body, metadata), scope)?;
+    let feed = sink.feed();
+    let mut check = || feed.borrow_mut().cancelled();
+    match crate::deadline::watching(&mut check, || scope.run(|| h(&mut call, sink))) {
         Ok(r) => r,
         Err(p) => Err(panicked(name, &*p)),
     }

@@ -8,27 +8,12 @@
 #![allow(clippy::unwrap_used)]
 
 use dm_pool::testing::TempPool;
-use dm_pool::PoolConfig;
 use dm_rpc::{CallOptions, Metadata, Node, Payload, Server, Status, Transport};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{every_transport, unique};
-
-fn pool() -> TempPool {
-    TempPool::with(PoolConfig {
-        size: 256 << 20,
-        channels: Some(32),
-        ..Default::default()
-    })
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
-        .collect()
-}
+use common::{every_transport, pattern, pool, unique};
 
 /// Replica `tag` of `name`: `who` answers its tag, `echo` what came,
 /// `tenant` the metadata value of that key, `slow` its tag (replica 0

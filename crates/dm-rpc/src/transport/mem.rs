@@ -386,6 +386,26 @@ impl Listener for MemListener {
         }
     }
 
+    /// Queues the item only if its client's queue has room now.
+    fn send_item(&mut self, conn: ConnId, f: &Frame) -> Result<bool, TransportError> {
+        check_size(f)?;
+        let Some(tx) = self.conns.get(&conn).map(|c| &c.answers) else {
+            return Err(TransportError::Unavailable(format!(
+                "connection {conn} is gone"
+            )));
+        };
+        match tx.try_send(f.clone()) {
+            Ok(()) => Ok(true),
+            Err(TrySendError::Full(_)) => Ok(false),
+            Err(TrySendError::Disconnected(_)) => {
+                self.conns.remove(&conn);
+                Err(TransportError::Unavailable(format!(
+                    "connection {conn} is gone"
+                )))
+            }
+        }
+    }
+
     fn max_inline(&self) -> usize {
         MAX_INLINE
     }

@@ -372,6 +372,15 @@ pub trait Listener: Send {
     }
     /// Answers on connection `conn`. An error concerns that connection only.
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError>;
+    /// Sends `f`, a frame that answers nothing (an item of a stream,
+    /// [`crate::stream`]), on connection `conn` if there is room for it
+    /// beside the answers owed to the requests taken: `Ok(false)` if there
+    /// is not (then nothing is sent: the caller waits for its client to
+    /// read). An error concerns that connection only. The default sends it
+    /// as an answer is sent (for a transport that owes no room).
+    fn send_item(&mut self, conn: ConnId, f: &Frame) -> Result<bool, TransportError> {
+        self.reply(conn, f).map(|()| true)
+    }
     /// Largest inline payload the transport carries.
     fn max_inline(&self) -> usize;
     /// Which Refs connection `conn`'s client can use (for answers).

@@ -39,10 +39,11 @@ use super::{
     ConnId, Connection, FrameRx, FrameTx, Listener, Looked, TransportError, Waker, WatchSet,
     Watched,
 };
-use crate::frame::{Frame, Kind, Limits, HEADER_LEN};
+use crate::frame::{Frame, Kind, Limits, FLAG_STREAM, HEADER_LEN};
 use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
 use crate::wait::{Bell, Bells, WaitPolicy, Waiter};
 use dm_pool::{ChannelId, ChannelMemory, Peer, Pool, ServiceInfo, Side};
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -388,6 +389,44 @@ struct ServerConn {
     /// it is said in when the server stops.
     taken: u64,
     goaway: &'static AtomicU64,
+    /// Requests read while the response ring had no room for their
+    /// answers (not taken yet: handed out in order as room comes), and
+    /// the cancels and grants of those, kept behind them. Reading on past them lets a
+    /// running stream's grants and cancels through ([`crate::stream`]);
+    /// at most a ring's worth of bytes is held ([`ShmListener::hold_max`]).
+    held: VecDeque<Frame>,
+    held_bytes: usize,
+    /// Call ids of the streams taken and not yet answered: while one
+    /// runs, the connection's other requests are held, so that its items
+    /// find room beside the one answer owed ([`ShmListener::send_item`]).
+    streams: Vec<u64>,
+}
+
+impl ServerConn {
+    /// Whether a request may be taken now: no stream runs, and the
+    /// response ring has room for its answer (of up to `reserve` bytes)
+    /// besides those owed.
+    #[inline]
+    fn can_take(&mut self, reserve: usize) -> bool {
+        self.streams.is_empty() && self.resp.fits_many(reserve, self.owed + 1)
+    }
+
+    /// Takes request `f`: its answer is owed.
+    fn took(&mut self, f: &Frame) {
+        self.owed += 1;
+        self.taken = self.taken.max(f.call_id);
+        if f.flags & FLAG_STREAM != 0 {
+            self.streams.push(f.call_id);
+        }
+    }
+}
+
+/// What [`ShmListener::poll_conns`] found on a connection.
+enum Found {
+    /// A record, taken into the listener's buffers (to decode).
+    Record(ConnId, usize),
+    /// A frame held before, handed out now.
+    Held(ConnId, Frame),
 }
 
 /// The server's end: every channel opened to one registered service.
@@ -524,6 +563,9 @@ impl ShmListener {
                 owed: 0,
                 taken: 0,
                 goaway: p.goaway,
+                held: VecDeque::new(),
+                held_bytes: 0,
+                streams: Vec::new(),
             });
             self.next_id += 1;
         }
@@ -544,22 +586,40 @@ impl ShmListener {
 
     /// Decodes the record just taken from connection `i`. A client that
     /// sends garbage loses its connection; the others are not disturbed.
+    /// A request is taken only if the response ring has room for its
+    /// answer (besides those owed) and no request read before waits for
+    /// room; else it is held (`None`), and so is a cancel of a held one.
     fn decode_for(&mut self, i: usize) -> Option<Frame> {
         let h = &self.head[..self.rec_len.min(HEADER_LEN)];
-        match Frame::decode_record(h, std::mem::take(&mut self.rest), &self.limits) {
-            Ok(f) => {
-                if f.kind == Kind::Request {
-                    let c = &mut self.conns[i];
-                    c.owed += 1;
-                    c.taken = c.taken.max(f.call_id);
-                }
-                Some(f)
-            }
+        let f = match Frame::decode_record(h, std::mem::take(&mut self.rest), &self.limits) {
+            Ok(f) => f,
             _ => {
                 self.drop_conn(i);
-                None
+                return None;
             }
+        };
+        let c = &mut self.conns[i];
+        let hold = match f.kind {
+            Kind::Request => !c.held.is_empty() || !c.can_take(self.reserve),
+            // (A cancel or a grant of a held request stays behind it.)
+            Kind::Cancel | Kind::Credit => c.held.iter().any(|h| h.call_id == f.call_id),
+            _ => false,
+        };
+        if hold {
+            c.held_bytes += f.encoded_len();
+            c.held.push_back(f);
+            return None;
         }
+        if f.kind == Kind::Request {
+            c.took(&f);
+        }
+        Some(f)
+    }
+
+    /// Most bytes of frames held for one connection: sixteen rings' worth
+    /// (beyond, the connection is not read until its held requests go).
+    fn hold_max(&self) -> usize {
+        16 * self.pool.layout().ring_size as usize
     }
 
     fn drop_conn(&mut self, k: usize) {
@@ -567,9 +627,12 @@ impl ShmListener {
         self.pool.close_channel(c.ch, Side::Server);
     }
 
-    /// Looks at each connection once, starting after the last served one.
-    fn poll_conns(&mut self) -> Option<Result<(ConnId, usize), usize>> {
+    /// Looks at each connection once, starting after the last served one:
+    /// a held frame whose turn came, or the next record. (The room for a
+    /// request's answer is checked once it is decoded: `decode_for`.)
+    fn poll_conns(&mut self) -> Option<Result<Found, usize>> {
         let n = self.conns.len();
+        let hold_max = self.hold_max();
         // Round robin from `rr` (no division: this runs on every spin of
         // a waiting server).
         let start = if self.rr < n { self.rr } else { 0 };
@@ -580,14 +643,28 @@ impl ShmListener {
                 start + k - n
             };
             let c = &mut self.conns[i];
-            if !c.req.ready() || !c.resp.fits_many(self.reserve, c.owed + 1) {
+            if let Some(f) = c.held.front() {
+                if f.kind != Kind::Request || c.can_take(self.reserve) {
+                    let f = c.held.pop_front()?;
+                    c.held_bytes -= f.encoded_len();
+                    if f.kind == Kind::Request {
+                        c.took(&f);
+                    }
+                    self.rr = i + 1;
+                    return Some(Ok(Found::Held(c.id, f)));
+                }
+                if c.held_bytes >= hold_max {
+                    continue;
+                }
+            }
+            if !c.req.ready() {
                 continue;
             }
             self.rr = i + 1;
             return Some(match c.req.try_pop_split(&mut self.head, &mut self.rest) {
                 Ok(Some(len)) => {
                     self.rec_len = len;
-                    Ok((c.id, i))
+                    Ok(Found::Record(c.id, i))
                 }
                 Ok(None) => continue,
                 Err(_) => Err(i),
@@ -688,7 +765,8 @@ impl Listener for ShmListener {
                     self.drop_conn(i);
                     continue;
                 }
-                Some(Some(Ok(x))) => x,
+                Some(Some(Ok(Found::Held(id, f)))) => return Ok(Some((id, f))),
+                Some(Some(Ok(Found::Record(id, i)))) => (id, i),
             };
             if let Some(f) = self.decode_for(i) {
                 return Ok(Some((id, f)));
@@ -704,7 +782,8 @@ impl Listener for ShmListener {
                     self.drop_conn(i);
                     continue;
                 }
-                Some(Ok(x)) => x,
+                Some(Ok(Found::Held(id, f))) => return Ok(Some((id, f))),
+                Some(Ok(Found::Record(id, i))) => (id, i),
             };
             match self.decode_for(i) {
                 Some(f) => return Ok(Some((id, f))),
@@ -721,6 +800,9 @@ impl Listener for ShmListener {
         };
         let c = &mut self.conns[k];
         c.owed = c.owed.saturating_sub(1);
+        if !c.streams.is_empty() {
+            c.streams.retain(|&id| id != f.call_id);
+        }
         let (pool, ch) = (&self.pool, c.ch);
         let bell = self.conns[k].resp.bell();
         let r = push(
@@ -739,6 +821,28 @@ impl Listener for ShmListener {
             self.drop_conn(k);
         }
         r.map(|_| ())
+    }
+
+    /// Pushes the item only if the response ring keeps room for the
+    /// answers owed besides (one record of the largest answer each); never
+    /// waits.
+    fn send_item(&mut self, conn: ConnId, f: &Frame) -> Result<bool, TransportError> {
+        let Some(k) = self.conns.iter().position(|c| c.id == conn) else {
+            return Err(TransportError::Unavailable(format!(
+                "connection {conn} is gone"
+            )));
+        };
+        let len = f.encoded_len();
+        let c = &mut self.conns[k];
+        if !c.resp.fits_many(self.reserve.max(len), c.owed + 1) {
+            if self.pool.channel_peer(c.ch, Side::Server) != Peer::Live {
+                self.drop_conn(k);
+                return Err(TransportError::Unavailable("client gone".into()));
+            }
+            return Ok(false);
+        }
+        // (It rings the client's doorbell.)
+        Ok(c.resp.try_push(len, |put| f.encode_with(put))?)
     }
 
     fn max_inline(&self) -> usize {
@@ -761,7 +865,16 @@ impl Listener for ShmListener {
         // (Unregistered before: see the fence in `connect`.)
         fence(Ordering::SeqCst);
         self.accept_new();
-        for c in &self.conns {
+        for c in &mut self.conns {
+            // Held requests were never taken: refused where there is room
+            // (one taken after them, of a higher id, would hide them from
+            // the go-away word).
+            for f in std::mem::take(&mut c.held) {
+                if f.kind == Kind::Request {
+                    let no = Frame::refused(f.call_id, "the service is shutting down");
+                    let _ = c.resp.try_push(no.encoded_len(), |put| no.encode_with(put));
+                }
+            }
             super::goaway::say(c.goaway, c.taken);
         }
     }

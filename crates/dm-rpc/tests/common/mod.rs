@@ -2,6 +2,8 @@
 //! names no other test takes.
 #![allow(dead_code)]
 
+use dm_pool::testing::TempPool;
+use dm_pool::PoolConfig;
 use dm_rpc::Transport;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -23,4 +25,20 @@ pub fn unique(name: &str) -> String {
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// A pool of 256 MiB with 32 channels.
+pub fn pool() -> TempPool {
+    TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(32),
+        ..Default::default()
+    })
+}
+
+/// `len` bytes of a pattern that differs with `seed`.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+        .collect()
 }
