@@ -825,7 +825,8 @@ impl Client {
             0 => crate::stream::DEFAULT_WINDOW,
             n => n,
         };
-        crate::stream::Streaming::open(self.clone(), Arc::clone(&*c), out, window)
+        let how = (window, opts.wait_for_ready, out.again.idempotent);
+        crate::stream::Streaming::open(self.clone(), Arc::clone(&*c), out, how)
     }
 
     /// Calls `method` with options.
@@ -945,7 +946,7 @@ impl Client {
 
     /// Waits until the connection `c` is replaced by one new calls can use
     /// (a call that waits for ready), or `until` passes.
-    fn ready(
+    pub(crate) fn ready(
         &self,
         mut c: arc_swap::Guard<Arc<Inner>>,
         until: Option<Instant>,
@@ -1214,6 +1215,31 @@ impl Inner {
         refs == self.refs && req.payload.len() + req.meta.encoded_len() <= self.max_inline
     }
 
+    /// Whether request `id` was never taken by this connection's server,
+    /// which stopped and said so (its go-away). What is left to read of a
+    /// broken connection is read first (its go-away may be there).
+    pub(crate) fn never_taken(&self, id: u64) -> bool {
+        if !self.goaway.unread(id) {
+            self.read_rest();
+        }
+        self.goaway.unread(id)
+    }
+
+    /// Reads what is already there on the connection, if nobody else
+    /// reads, handing each answer to its caller.
+    fn read_rest(&self) {
+        if let Ok(mut rx) = self.rx.try_lock() {
+            let mut got = |f: Frame| {
+                if answers(f.kind) {
+                    let mut st = lock(&self.state);
+                    self.deliver(&mut st, f);
+                    self.notify(&st);
+                }
+            };
+            let _ = crate::transport::drain(&mut **rx, &mut got);
+        }
+    }
+
     /// Which Refs the server can use.
     pub(crate) fn refs(&self) -> crate::transport::Sharing {
         self.refs
@@ -1222,23 +1248,26 @@ impl Inner {
     /// Opens the stream of request `req` (flagged [`FLAG_STREAM`]): the
     /// stream is registered (its items find their place even when another
     /// caller reads them), the request sent, then the first grant of
-    /// `window` items.
+    /// `window` items. On a failure, whether the request was sent.
     pub(crate) fn start_stream(
         &self,
         req: &Frame,
         deadline: Option<Instant>,
         window: u32,
-    ) -> Result<(), RpcError> {
+    ) -> Result<(), (RpcError, bool)> {
         {
             let mut st = lock(&self.state);
             if let Some(e) = &st.broken {
-                return Err(e.clone());
+                return Err((e.clone(), false));
             }
             st.streams.push((req.call_id, VecDeque::new()));
         }
-        let r = self
-            .send_own(req, deadline)
-            .and_then(|()| self.send_own(&Frame::credit(req.call_id, window), deadline));
+        let r = match self.send_own(req, deadline) {
+            Ok(()) => self
+                .send_own(&Frame::credit(req.call_id, window), deadline)
+                .map_err(|e| (e, true)),
+            Err(e) => Err((e, false)),
+        };
         if r.is_err() {
             self.close_stream(req.call_id, false);
         }
@@ -1312,6 +1341,7 @@ impl Inner {
         let i = self;
         let yielding = Instant::now();
         let mut st = lock(&i.state);
+        let mut read_rest = false;
         loop {
             if let Some(f) = take(&mut st) {
                 if st.anyone_waits() {
@@ -1321,6 +1351,14 @@ impl Inner {
                 return Ok(f);
             }
             if let Some(e) = &st.broken {
+                if !std::mem::replace(&mut read_rest, true) {
+                    // (What arrived before it broke, another caller's send
+                    // failing, is still delivered.)
+                    drop(st);
+                    self.read_rest();
+                    st = lock(&i.state);
+                    continue;
+                }
                 return Err(e.clone());
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {

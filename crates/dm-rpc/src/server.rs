@@ -819,7 +819,7 @@ impl Dispatcher {
             self.draining = Some(by);
             return false;
         };
-        let busy = self.tasks.slots.len() > self.tasks.free.len();
+        let busy = self.tasks.slots.len() > self.tasks.free.len() || self.listener.holding();
         (self.queue.is_empty() && !busy) || Instant::now() >= by
     }
 

@@ -38,6 +38,7 @@ use crate::frame::{Frame, Kind, FLAG_REFUSED, FLAG_STREAM};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
+use crate::reconnect::Connected;
 use crate::server::{take_in, Pending, Stats};
 use crate::transport::{ConnId, Listener, Sharing};
 use crate::Client;
@@ -272,6 +273,10 @@ impl<'a> Sink<'a> {
             // in the connection is looked for after each slice.
             let until = self.deadline.map_or(now + slice, |d| d.min(now + slice));
             f.wait(until);
+            if !f.listener.is_open(f.running.0) {
+                // Its client closed the connection, or died.
+                return Err(RpcError::unavailable("the stream's caller is gone"));
+            }
             slice = (slice * 2).min(LONGEST_WAIT);
         }
     }
@@ -293,6 +298,12 @@ pub struct Streaming {
     lent: Option<Lent>,
     deadline: Option<Instant>,
     window: u32,
+    /// A request that goes elsewhere waits for a server to come back
+    /// ([`CallOptions::wait_for_ready`](crate::CallOptions::wait_for_ready)).
+    wait_for_ready: bool,
+    /// A request whose connection breaks before any answer may go again
+    /// ([`CallOptions::idempotent`](crate::CallOptions::idempotent)).
+    idempotent: bool,
     /// Items read since the last grant.
     read: u32,
     done: bool,
@@ -315,16 +326,12 @@ impl Streaming {
         client: Client,
         conn: Arc<Inner>,
         out: Outgoing,
-        window: u32,
+        (window, wait_for_ready, idempotent): (u32, bool, bool),
     ) -> Result<Streaming, RpcError> {
         let id = conn.next_id();
         let (mut req, lent, deadline, _) = out.into_frame(id);
         req.flags |= FLAG_STREAM;
-        if let Err(e) = conn.start_stream(&req, deadline, window) {
-            lent.release(conn.node());
-            return Err(client.redial().settle_error(&conn, e));
-        }
-        Ok(Streaming {
+        let mut st = Streaming {
             client,
             conn,
             id,
@@ -332,10 +339,16 @@ impl Streaming {
             lent: Some(lent),
             deadline,
             window,
+            wait_for_ready,
+            idempotent,
             read: 0,
             done: false,
             trailer: Metadata::new(),
-        })
+        };
+        match st.launch() {
+            Ok(()) => Ok(st),
+            Err(e) => Err(st.fail(e)),
+        }
     }
 
     /// The metadata of the answer that ended the stream (empty before the
@@ -367,31 +380,65 @@ impl Streaming {
         self.client.redial().settle_error(&self.conn, e)
     }
 
-    /// Sends the request, refused unrun by a server that was stopping,
-    /// to the server the client now connects to; false if there is none
-    /// other, or the request cannot go there as it is.
-    fn send_elsewhere(&mut self) -> bool {
-        let Some(mut req) = self.request.take() else {
+    /// Moves the request, known not to have run (refused by a server that
+    /// was stopping, never taken by one that stopped, or never sent), to
+    /// the server the client now connects to (waiting for one if the call
+    /// waits for ready); false if there is none other, the request cannot
+    /// go there as it is, or its deadline passed.
+    fn move_on(&mut self, refused: bool) -> bool {
+        let Some(req) = self.request.as_mut() else {
             return false;
         };
         let h = self.client.redial();
-        h.refused(&self.conn);
-        let n = h.live();
-        if Arc::ptr_eq(&n, &self.conn) || !n.carries(&req, self.conn.refs()) {
-            return false;
+        if refused {
+            h.refused(&self.conn);
         }
-        if self.deadline.is_some_and(|d| Instant::now() >= d) {
-            return false;
+        let mut n = h.live();
+        if self.wait_for_ready && n.is_spent() {
+            match self.client.ready(n, self.deadline) {
+                Ok(r) => n = r,
+                Err(_) => return false,
+            }
         }
-        req.call_id = n.next_id();
-        if n.start_stream(&req, self.deadline, self.window).is_err() {
+        if Arc::ptr_eq(&n, &self.conn)
+            || !n.carries(req, self.conn.refs())
+            || self.deadline.is_some_and(|d| Instant::now() >= d)
+        {
             return false;
         }
         self.conn.close_stream(self.id, false);
-        self.conn = Arc::clone(&*n);
+        req.call_id = n.next_id();
         self.id = req.call_id;
-        self.request = Some(req);
+        self.conn = Arc::clone(&*n);
         true
+    }
+
+    /// Whether the request, on a connection that broke before any answer
+    /// came, may go elsewhere: its server said it never took it, or the
+    /// call may run twice.
+    fn unrun(&self) -> bool {
+        self.idempotent || self.conn.never_taken(self.id)
+    }
+
+    /// Sends the request and the first grant; again, to the next server,
+    /// while the failure leaves the request unrun (three servers at most).
+    fn launch(&mut self) -> Result<(), RpcError> {
+        for attempt in 1.. {
+            let Some(req) = &self.request else { break };
+            let (e, sent) = match self.conn.start_stream(req, self.deadline, self.window) {
+                Ok(()) => return Ok(()),
+                Err(x) => x,
+            };
+            let unrun = !sent || self.unrun();
+            if e.status != crate::Status::Unavailable
+                || !unrun
+                || attempt >= 3
+                || !self.move_on(false)
+            {
+                return Err(e);
+            }
+        }
+        Err(RpcError::internal("a stream without its request"))
     }
 
     /// The next item: `Ok(Some)`, `Ok(None)` at the end, or the error the
@@ -400,6 +447,17 @@ impl Streaming {
         loop {
             let f = match self.conn.stream_next(self.id, self.deadline) {
                 Ok(f) => f,
+                Err(e)
+                    if e.status == crate::Status::Unavailable
+                        && self.request.is_some()
+                        && self.unrun()
+                        && self.move_on(false) =>
+                {
+                    match self.launch() {
+                        Ok(()) => continue,
+                        Err(e) => return Err(self.fail(e)),
+                    }
+                }
                 Err(e) => return Err(self.fail(e)),
             };
             if f.kind == Kind::Item {
@@ -414,8 +472,11 @@ impl Streaming {
                 }
                 return Payload::from_response_body(f.payload, self.conn.node()).map(Some);
             }
-            if f.flags & FLAG_REFUSED != 0 && self.send_elsewhere() {
-                continue;
+            if f.flags & FLAG_REFUSED != 0 && self.move_on(true) {
+                match self.launch() {
+                    Ok(()) => continue,
+                    Err(e) => return Err(self.fail(e)),
+                }
             }
             // The answer that ends the stream (what the argument lent is
             // ended with it: an answer may pass the request's Ref back).

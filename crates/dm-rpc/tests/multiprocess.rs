@@ -734,3 +734,123 @@ fn replicas_survive(how: &[&str]) {
     drop(node);
     stop_all(agents, &tp);
 }
+
+/// The argument of an agent's `items` stream.
+fn items_arg(n: u32, len: u32, ms: u32) -> Vec<u8> {
+    [n, len, ms].iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+#[test]
+fn a_stream_from_another_process_carries_items_inline_and_by_ref() {
+    let tp = pool();
+    let name = format!("mp/streamer/{}", std::process::id());
+    let server = Agent::serve(&tp, &name, &[]);
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    for (n, len) in [(50u32, 100u32), (20, 1 << 20)] {
+        let st = c.call_stream("items", items_arg(n, len, 0)).unwrap();
+        let mut k = 0u32;
+        for item in st {
+            let item = item.unwrap();
+            assert_eq!(item.len(), len as u64);
+            assert_eq!(item.in_pool(), len > 64 << 10, "large items by Ref");
+            let v = item.to_vec().unwrap();
+            assert_eq!(v[0], k as u8);
+            assert_eq!(
+                v[1..],
+                (1..len as usize).map(|i| i as u8).collect::<Vec<_>>()
+            );
+            k += 1;
+        }
+        assert_eq!(k, n);
+    }
+    drop(c);
+    drop(node);
+    server.stop();
+    settle(&tp);
+}
+
+#[test]
+fn server_killed_mid_stream_ends_it_with_unavailable() {
+    server_killed_mid_stream(&[]);
+}
+
+#[test]
+fn tcp_server_killed_mid_stream_ends_it_with_unavailable() {
+    server_killed_mid_stream(&["--tcp"]);
+}
+
+fn server_killed_mid_stream(transport: &[&str]) {
+    let tp = pool();
+    let name = format!(
+        "mp/stream-victim/{}/{}",
+        std::process::id(),
+        transport.len()
+    );
+    let server = Agent::serve(&tp, &name, transport);
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    // Items of 200 KiB (by Ref over shm), one every 5 ms.
+    let mut st = c
+        .call_stream("items", items_arg(100_000, 200 << 10, 5))
+        .unwrap();
+    for _ in 0..5 {
+        st.next().unwrap().unwrap();
+    }
+    server.kill9();
+    let t0 = Instant::now();
+    let end = loop {
+        match st.next() {
+            Some(Ok(_)) => assert!(t0.elapsed() < Duration::from_secs(3), "items go on"),
+            Some(Err(e)) => break e,
+            None => panic!("a killed server's stream ended well"),
+        }
+    };
+    assert_eq!(end.status, Status::Unavailable, "{end}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "noticed after {:?}",
+        t0.elapsed()
+    );
+    assert!(st.next().is_none());
+    drop(st);
+    drop(c);
+    drop(node);
+    settle(&tp);
+}
+
+#[test]
+fn client_killed_mid_stream_does_not_disturb_the_server() {
+    let tp = pool();
+    let name = format!("mp/stream-survivor/{}", std::process::id());
+    let server = Agent::serve(&tp, &name, &[]);
+    // A client that opens an endless stream, reads one item and stops
+    // reading: the server waits for it to grant more.
+    let args = ["stream", &name, "1000000", "100000", "--lease", "400"];
+    let mut victim = Agent::start(&tp, &args);
+    assert_eq!(victim.line(), "reading");
+    std::thread::sleep(Duration::from_millis(50));
+    victim.kill9();
+    // The server notices, ends that stream, and serves the others.
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    let t0 = Instant::now();
+    let o = CallOptions::deadline(Duration::from_secs(10));
+    let got = c
+        .call_with("hop", Payload::from_vec(pattern(1000)), o)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_eq!(hash_in(&got), hash(&pattern(1000)));
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "served after {:?}",
+        t0.elapsed()
+    );
+    let st = c.call_stream("items", items_arg(3, 10, 0)).unwrap();
+    assert_eq!(st.map(Result::unwrap).count(), 3);
+    drop(c);
+    drop(node);
+    server.stop();
+    settle(&tp);
+}

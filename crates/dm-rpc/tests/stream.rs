@@ -270,3 +270,86 @@ fn streams_and_calls_share_a_connection_across_threads() {
         });
     });
 }
+
+#[test]
+fn streams_survive_a_rolling_restart() {
+    for t in every_transport() {
+        let tp = pool();
+        {
+            let node = Node::new(tp.attach());
+            let name = unique("stream-restart");
+            let mut server = Some(service(&node, &name, &t, Arc::default()));
+            let c = node.connect(&name).unwrap();
+            let done = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|sc| {
+                // Streams one after another from two threads, each checked
+                // whole: none may fail.
+                let load: Vec<_> = (0..2u8)
+                    .map(|th| {
+                        let (c, done, t) = (c.clone(), &done, &t);
+                        sc.spawn(move || {
+                            let mut n = 0;
+                            while !done.load(Ordering::Relaxed) {
+                                let len = 10 + th as u32;
+                                let o = CallOptions::deadline(Duration::from_secs(10))
+                                    .wait_for_ready()
+                                    .idempotent();
+                                let arg = Payload::from_vec(count_args(4, len));
+                                let st = c
+                                    .call_stream_with("count", arg, o, Metadata::new())
+                                    .unwrap();
+                                let items: Vec<Vec<u8>> = st
+                                    .map(|i| i.unwrap_or_else(|e| panic!("{t:?} stream {n}: {e}")))
+                                    .map(|p| p.to_vec().unwrap())
+                                    .collect();
+                                assert_eq!(items.len(), 4);
+                                assert_eq!(items[3], pattern(len as usize, 3));
+                                n += 1;
+                            }
+                            n
+                        })
+                    })
+                    .collect();
+                for _ in 0..3 {
+                    std::thread::sleep(Duration::from_millis(30));
+                    let old = server.take().unwrap();
+                    // The successor registers once the old server has
+                    // unregistered (as it starts draining).
+                    let drain = sc.spawn(move || old.shutdown_gracefully(Duration::from_secs(5)));
+                    let until = Instant::now() + Duration::from_secs(5);
+                    let next = loop {
+                        let s = node
+                            .server(&name)
+                            .transport(t.clone())
+                            .method_stream("count", |c, sink| {
+                                let a = c.payload().to_vec()?;
+                                let n = u32::from_le_bytes(a[0..4].try_into().unwrap());
+                                let len = u32::from_le_bytes(a[4..8].try_into().unwrap());
+                                for k in 0..n {
+                                    sink.send(pattern(len as usize, k as u8))?;
+                                }
+                                Ok(())
+                            })
+                            .spawn();
+                        match s {
+                            Ok(s) => break s,
+                            Err(_) => assert!(Instant::now() < until, "the name stays taken"),
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    };
+                    server = Some(next);
+                    drain.join().unwrap();
+                }
+                std::thread::sleep(Duration::from_millis(30));
+                done.store(true, Ordering::Relaxed);
+                let streams: usize = load.into_iter().map(|h| h.join().unwrap()).sum();
+                assert!(streams >= 4, "{t:?}: {streams} streams");
+            });
+            drop(c);
+            if let Some(s) = server {
+                s.shutdown();
+            }
+        }
+        tp.assert_clean();
+    }
+}

@@ -9,12 +9,18 @@
 //!              sleep — sleeps the u64 ms in the payload, answers empty
 //!              wait  — forwards the payload to --next's wait (its caller's
 //!                      deadline inherited); without --next, sleep
+//!              items — a stream: N items (u32 N | u32 LEN | u32 MS in the
+//!                      payload) of LEN pattern bytes, item k's first byte
+//!                      k, one every MS ms
 //!     registered as one replica of NAME with --replica;
 //!     prints "ready" once registered; stops cleanly when stdin closes, or
 //!     gracefully on a line "drain" (then prints "drained")
 //! dm-rpc-agent POOL call NAME METHOD LEN
 //!     one call with LEN pattern bytes (or, for sleep, LEN ms); prints
 //!     "calling" before and "ok N" / "err STATUS" after
+//! dm-rpc-agent POOL stream NAME N LEN
+//!     opens the stream of NAME's items (N items of LEN bytes), reads one,
+//!     prints "reading", and then reads no more until stdin closes
 //! ```
 #![allow(clippy::unwrap_used)]
 
@@ -68,6 +74,7 @@ mod agent {
         match args[2].as_str() {
             "serve" => serve(&node, &args),
             "call" => call(&node, &args),
+            "stream" => stream(&node, &args),
             other => {
                 eprintln!("unknown mode {other}");
                 std::process::exit(2);
@@ -140,6 +147,26 @@ mod agent {
                 Ok(Payload::from_vec(out))
             })
             .method("sleep", |c| sleep(c.payload()))
+            .method_stream("items", |c, sink| {
+                let a = c.payload().to_vec()?;
+                let word = |i: usize| {
+                    a.get(i * 4..i * 4 + 4)
+                        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                        .ok_or_else(|| RpcError::invalid_argument("u32 N | u32 LEN | u32 MS"))
+                };
+                let (n, len, ms) = (word(0)?, word(1)? as usize, word(2)?);
+                for k in 0..n {
+                    if ms > 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(ms.into()));
+                    }
+                    let mut item: Vec<u8> = (0..len).map(|i| i as u8).collect();
+                    if let Some(b) = item.first_mut() {
+                        *b = k as u8;
+                    }
+                    sink.send(item)?;
+                }
+                Ok(())
+            })
             .method("wait", move |c| {
                 let Some(to) = &wait_next else {
                     return sleep(c.payload());
@@ -177,6 +204,23 @@ mod agent {
         );
         std::thread::sleep(std::time::Duration::from_millis(ms));
         Ok(Payload::empty())
+    }
+
+    fn stream(node: &Node, args: &[String]) {
+        let (name, n, len) = (
+            &args[3],
+            args[4].parse::<u32>().unwrap(),
+            args[5].parse::<u32>().unwrap(),
+        );
+        let c = node.connect(name).unwrap();
+        let mut arg = n.to_le_bytes().to_vec();
+        arg.extend_from_slice(&len.to_le_bytes());
+        arg.extend_from_slice(&0u32.to_le_bytes());
+        let mut st = c.call_stream("items", arg).unwrap();
+        st.next().unwrap().unwrap();
+        println!("reading");
+        std::io::stdout().flush().unwrap();
+        for _ in std::io::stdin().lock().lines() {}
     }
 
     fn call(node: &Node, args: &[String]) {

@@ -406,6 +406,10 @@ impl Listener for MemListener {
         }
     }
 
+    fn is_open(&self, conn: ConnId) -> bool {
+        self.conns.contains_key(&conn)
+    }
+
     fn max_inline(&self) -> usize {
         MAX_INLINE
     }

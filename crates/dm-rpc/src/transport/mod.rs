@@ -381,6 +381,15 @@ pub trait Listener: Send {
     fn send_item(&mut self, conn: ConnId, f: &Frame) -> Result<bool, TransportError> {
         self.reply(conn, f).map(|()| true)
     }
+    /// Whether it holds requests read but not yet handed out (waiting for
+    /// room for their answers): a draining server waits for them, to
+    /// refuse them.
+    fn holding(&self) -> bool {
+        false
+    }
+    /// Whether connection `conn` is still open (false once its client
+    /// closed it or died and the listener dropped it).
+    fn is_open(&self, conn: ConnId) -> bool;
     /// Largest inline payload the transport carries.
     fn max_inline(&self) -> usize;
     /// Which Refs connection `conn`'s client can use (for answers).

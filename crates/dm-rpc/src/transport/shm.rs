@@ -845,6 +845,14 @@ impl Listener for ShmListener {
         Ok(c.resp.try_push(len, |put| f.encode_with(put))?)
     }
 
+    fn holding(&self) -> bool {
+        self.conns.iter().any(|c| !c.held.is_empty())
+    }
+
+    fn is_open(&self, conn: ConnId) -> bool {
+        self.conns.iter().any(|c| c.id == conn)
+    }
+
     fn max_inline(&self) -> usize {
         ring_max_inline(&self.pool)
     }

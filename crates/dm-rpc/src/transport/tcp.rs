@@ -848,6 +848,10 @@ impl Listener for TcpListener {
         self.send_within(conn, f, Instant::now() + REPLY_TIMEOUT)
     }
 
+    fn is_open(&self, conn: ConnId) -> bool {
+        self.conns.contains_key(&conn)
+    }
+
     fn max_inline(&self) -> usize {
         MAX_INLINE
     }
