@@ -1,7 +1,8 @@
 //! The `dmrpc` Python package's native module (`dmrpc._native`): one
 //! module per wrapped concept — [`pool`], [`buffer`], [`refs`], [`node`]
 //! (services and clients), [`payload`] (what calls carry), [`mem`] (memory
-//! servers), [`aio`] (calls as asyncio futures), [`meta`] (call metadata) —
+//! servers), [`aio`] (calls as asyncio futures), [`meta`] (call metadata),
+//! [`stream`] (streaming calls) —
 //! the exceptions in
 //! [`errors`], and how bytes-like arguments are read ([`bytes`]).
 
@@ -15,6 +16,7 @@ mod node;
 mod payload;
 mod pool;
 mod refs;
+mod stream;
 
 use pyo3::prelude::*;
 
@@ -38,6 +40,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::PyNode>()?;
     m.add_class::<node::PyServer>()?;
     m.add_class::<node::PyClient>()?;
+    m.add_class::<stream::PyStream>()?;
     m.add_class::<aio::PyAsyncClient>()?;
     m.add_class::<aio::PyCallHandle>()?;
     m.add_class::<payload::PyPayload>()?;

@@ -50,7 +50,7 @@ pub(crate) fn keep_thread_state() {
 /// A Python exception raised by a handler, as a typed RPC error: a
 /// `dmrpc.Error` keeps its status and its `.metadata` (that of a nested
 /// call's answer, or set by the handler), anything else is `Internal`.
-fn to_rpc(py: Python<'_>, e: PyErr) -> RpcError {
+pub(crate) fn to_rpc(py: Python<'_>, e: PyErr) -> RpcError {
     let v = e.value(py);
     let msg = v.str().map(|s| s.to_string()).unwrap_or_default();
     if e.is_instance_of::<PyDmError>(py) {
@@ -116,8 +116,12 @@ impl PyNode {
     /// whose values the calls a handler makes inherit from the call it
     /// serves. `replica`: register as one replica of `name`, which any
     /// number of servers may share (balanced clients spread their calls
-    /// over them: `connect(name, balanced=True)`).
-    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None, replica=false))]
+    /// over them: `connect(name, balanced=True)`). `streams`: streaming
+    /// methods ({method: callable}), each taking the `Payload` that arrived
+    /// and returning an iterable (a generator, say) of items, sent to the
+    /// caller as they come (`Client.call_stream`); raising a `dmrpc.Error`
+    /// ends the stream with its status.
+    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None, replica=false, streams=None))]
     #[allow(clippy::too_many_arguments)]
     fn serve(
         &self,
@@ -128,6 +132,7 @@ impl PyNode {
         intercept: Option<Py<PyAny>>,
         propagate: Option<Vec<String>>,
         replica: bool,
+        streams: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyServer> {
         let mut b = self.node.server(name);
         if replica {
@@ -164,6 +169,10 @@ impl PyNode {
                     })
                 })
             });
+        }
+        for (k, v) in streams.into_iter().flat_map(|d| d.iter()) {
+            let method: String = k.extract()?;
+            b = b.method_stream(&method, crate::stream::handler(v.unbind()));
         }
         let server = py.allow_threads(|| b.spawn()).map_err(to_py)?;
         Ok(PyServer {
@@ -466,6 +475,38 @@ impl PyClient {
             .allow_threads(|| self.client.call_full(method, p, opts, meta))
             .map_err(to_py)?;
         Ok(PyPayload::answer(out, self.node.clone()))
+    }
+
+    /// Calls streaming method `method` with `data`, as `call` does (the
+    /// `timeout` bounds the whole stream); returns the `Stream` of its
+    /// items, an iterator. `window`: how many items it holds unread at
+    /// most (default 16).
+    #[pyo3(signature = (method, data=None, timeout=None, window=None, wait_for_ready=false, idempotent=false, metadata=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn call_stream<'py>(
+        &self,
+        py: Python<'py>,
+        method: &str,
+        data: Option<&Bound<'py, PyAny>>,
+        timeout: Option<f64>,
+        window: Option<u32>,
+        wait_for_ready: bool,
+        idempotent: bool,
+        metadata: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<crate::stream::PyStream> {
+        let Caller::One(client) = &self.client else {
+            return Err(to_py(RpcError::invalid_argument(
+                "a balanced client does not call streaming methods yet: connect without balanced=True",
+            )));
+        };
+        let meta = crate::meta::metadata_of(metadata)?;
+        let p = to_payload(py, &self.node, data)?;
+        let opts =
+            call_options(timeout, false, wait_for_ready, idempotent)?.window(window.unwrap_or(0));
+        let st = py
+            .allow_threads(|| client.call_stream_with(method, p, opts, meta))
+            .map_err(to_py)?;
+        Ok(crate::stream::PyStream::new(st, self.node.clone()))
     }
 
     /// A client on the same connection whose calls that pass no `retry`

@@ -957,3 +957,82 @@ def test_asyncio_client_does_not_block_the_loop(pool):
     finally:
         srv.stdin.close()
         assert srv.wait(timeout=10) == 0
+
+
+def test_a_generator_streams_items_to_a_caller(pool):
+    p, path = pool
+    node = dmrpc.Node(p)
+    name = f"py/stream/{os.getpid()}/{next(_N)}"
+    closed = []
+
+    def count(b):
+        n, size = np.frombuffer(b, dtype=np.uint32)
+        for k in range(n):
+            yield np.full(size, k % 251, dtype=np.uint8)  # large ones by Ref
+        dmrpc.set_reply_metadata({"items": str(n)})
+
+    def endless(b):
+        try:
+            k = 0
+            while True:
+                yield k.to_bytes(8, "little")
+                k += 1
+        finally:
+            closed.append(True)
+
+    def fail(b):
+        yield b"one"
+        raise dmrpc.PermissionDenied("no more")
+
+    srv = node.serve(name, {"plain": lambda b: bytes(b)[::-1]}, streams={"count": count, "endless": endless, "fail": fail})
+    c = node.connect(name)
+    for n, size in [(0, 1), (3, 10), (40, 100), (5, 1 << 20)]:
+        st = c.call_stream("count", np.array([n, size], dtype=np.uint32), window=4)
+        items = [np.frombuffer(i, dtype=np.uint8) for i in st]
+        assert len(items) == n
+        for k, item in enumerate(items):
+            assert item.size == size and item[0] == k % 251 and item[-1] == k % 251
+        assert dict(st.metadata) == {"items": str(n).encode()}
+    # A stream dropped early is cancelled: the generator is closed.
+    with c.call_stream("endless") as st:
+        assert [int.from_bytes(bytes(next(st)), "little") for _ in range(3)] == [0, 1, 2]
+    for _ in range(200):
+        if closed:
+            break
+        time.sleep(0.01)
+    assert closed == [True]
+    st = c.call_stream("fail")
+    assert bytes(next(st)) == b"one"
+    with pytest.raises(dmrpc.PermissionDenied, match="no more"):
+        next(st)
+    # The deadline bounds the whole stream.
+    with pytest.raises(dmrpc.DeadlineExceeded):
+        for _ in c.call_stream("endless", timeout=0.2, window=2):
+            time.sleep(0.01)
+    # A unary method answers a stream with one item; a stream is not a call.
+    assert [bytes(i) for i in c.call_stream("plain", b"abc")] == [b"cba"]
+    with pytest.raises(dmrpc.InvalidArgument):
+        c.call("count", np.array([1, 1], dtype=np.uint32))
+    with pytest.raises(dmrpc.InvalidArgument):
+        node.connect(name, balanced=True).call_stream("count")
+    assert bytes(c.call("plain", b"xy")) == b"yx"
+    del c, st
+    srv.shutdown()
+
+
+def test_a_python_caller_reads_a_rust_stream_in_another_process(pool):
+    p, path = pool
+    name = f"py/rust-stream/{os.getpid()}/{next(_N)}"
+    child = subprocess.Popen([agent(), path, "serve", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        node = dmrpc.Node(p)
+        c = node.connect(name)
+        for n, size in [(10, 100), (4, 1 << 20)]:
+            items = list(c.call_stream("items", np.array([n, size, 0], dtype=np.uint32)))
+            assert [bytes(i)[0] for i in items] == list(range(n))
+            assert all(i.by_ref == (size > dmrpc.DEFAULT_INLINE_MAX) for i in items)
+        del c, items
+    finally:
+        child.stdin.close()
+        assert child.wait(timeout=10) == 0

@@ -1,6 +1,6 @@
 """Type stubs of dmrpc's native module."""
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 class Error(Exception):
     status: str
@@ -186,6 +186,41 @@ class Client:
         follow this policy."""
         ...
 
+    def call_stream(
+        self,
+        method: str,
+        data: Data = None,
+        timeout: float | None = None,
+        window: int | None = None,
+        wait_for_ready: bool = False,
+        idempotent: bool = False,
+        metadata: Metadata | None = None,
+    ) -> Stream:
+        """Calls streaming method `method` (served with `Node.serve(...,
+        streams=...)`); returns the `Stream` of its items. `timeout` bounds
+        the whole stream; `window`: items held unread at most (default 16:
+        the server waits while the caller holds that many). A request
+        refused by a stopping server, never taken by a stopped one, or
+        `idempotent` on a broken connection goes to the next server before
+        any item came. Not on a balanced client (`InvalidArgument`)."""
+        ...
+
+class Stream:
+    """The items of a streaming call, as they come: iterate for `Payload`s;
+    the error the stream ends with, if any, is raised. `close()` (or leaving
+    a `with` block, or dropping it) before the end cancels the call."""
+
+    def __iter__(self) -> Stream: ...
+    def __next__(self) -> Payload: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Stream: ...
+    def __exit__(self, *exc: object) -> bool: ...
+    @property
+    def metadata(self) -> tuple[tuple[str, bytes], ...]:
+        """The metadata of the answer that ended the stream (empty before
+        the end)."""
+        ...
+
 class CallHandle:
     """A call started by `AsyncClient.start`."""
 
@@ -245,13 +280,16 @@ class Node:
         intercept: Callable[[str, tuple[tuple[str, bytes], ...]], None] | None = None,
         propagate: list[str] | None = None,
         replica: bool = False,
+        streams: dict[str, Callable[[Payload], Iterable[Data]]] | None = None,
     ) -> Server:
         """Serves `handlers` as service `name` (on TCP at `tcp` if given).
         `intercept(method, metadata)` runs before every handler: a
         `dmrpc.Error` it raises is the answer. `propagate`: metadata keys the
         calls a handler makes inherit from the call it serves. `replica`:
         one of any number of servers sharing `name` (see `connect`'s
-        `balanced`)."""
+        `balanced`). `streams`: streaming methods, each returning an iterable
+        (a generator, say) of items sent as they come (`Client.call_stream`);
+        a `dmrpc.Error` raised ends the stream with its status."""
         ...
     def connect(self, name: str, lazy: bool = False, balanced: bool = False) -> Client:
         """Connects to service `name`; `lazy`: on the first call instead (until
