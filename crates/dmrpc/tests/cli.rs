@@ -129,6 +129,22 @@ fn call_calls_a_service_from_the_shell() {
             c.set_reply_metadata(m.with("bin", vec![0u8, 255])?)?;
             Err(dm_rpc::RpcError::invalid_argument("no thanks"))
         })
+        // Items "0".."N-1" for an argument of N, then one of 100 000
+        // bytes (by Ref), or an error if N is above 9.
+        .method_stream("count", |c, sink| {
+            let n: u32 = String::from_utf8_lossy(&c.payload().to_vec()?)
+                .parse()
+                .map_err(|_| dm_rpc::RpcError::invalid_argument("a number"))?;
+            if n > 9 {
+                sink.send(b"x".to_vec())?;
+                return Err(dm_rpc::RpcError::resource_exhausted("too many"));
+            }
+            for k in 0..n {
+                sink.send(k.to_string().into_bytes())?;
+            }
+            sink.send(vec![7u8; 100_000])?;
+            Ok(())
+        })
         .spawn()
         .unwrap()
     };
@@ -177,6 +193,21 @@ fn call_calls_a_service_from_the_shell() {
     let (code, _, err) = call(&["cli/echo/false", "meta", "--meta", "Bad=1"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("metadata key"), "{err}");
+    // A stream: its items as they come, then a summary.
+    let (code, out, err) = call(&["cli/echo/false", "count", "--data", "3", "--stream"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(&out[..3], b"012");
+    assert!(out[3..] == [7u8; 100_000], "the last item");
+    assert!(
+        err.contains("ok: 4 items, 100003 bytes (1 by Ref)"),
+        "{err}"
+    );
+    let (code, out, err) = call(&["cli/echo/false", "count", "--data", "12", "--stream"]);
+    assert_eq!((code, out.as_slice()), (1, &b"x"[..]), "{err}");
+    assert!(
+        err.contains("after 1 items: resource exhausted: too many"),
+        "{err}"
+    );
     // Typed failures: the call's status (1), or no such service (2).
     let (code, _, err) = call(&["cli/echo/false", "fail"]);
     assert_eq!(code, 1, "{err}");

@@ -7,7 +7,9 @@
 //! failed call prints its typed status and exits with 1 (2: the service
 //! could not be reached at all). With `--repeat N` the call is made N
 //! times and the latencies are summarised: a quick check of a live
-//! service from where its callers run.
+//! service from where its callers run. With `--stream` the method is
+//! called as a streaming one: each item's bytes go to stdout as they come
+//! (with `--hex`, one block per item), and a summary to stderr.
 
 use super::pool::Target;
 use anyhow::{bail, Context, Result};
@@ -47,8 +49,11 @@ pub struct CallArgs {
     #[arg(long)]
     pub hex: bool,
     /// Make the call this many times and print latency percentiles.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, conflicts_with = "stream")]
     pub repeat: u32,
+    /// Call a streaming method: print its items as they come.
+    #[arg(long)]
+    pub stream: bool,
     /// The pool (default: the pool named "default").
     #[arg(long, default_value = "default")]
     pub pool: String,
@@ -146,6 +151,9 @@ fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i32> {
     if a.wait_for_ready {
         opts = opts.wait_for_ready();
     }
+    if a.stream {
+        return stream(a, &client, node, (arg, meta), opts);
+    }
     let mut took = Vec::with_capacity(a.repeat as usize);
     let mut last = None;
     for _ in 0..a.repeat {
@@ -207,14 +215,72 @@ fn once(
     (method, arg, meta): (&str, &[u8], &Metadata),
     opts: CallOptions,
 ) -> Result<dm_rpc::Reply, dm_rpc::RpcError> {
-    let p = if arg.len() > node.config().inline_max {
+    c.call_full(method, argument_payload(node, arg)?, opts, meta.clone())
+}
+
+/// `arg` as a call's payload: into the pool when it goes by Ref.
+fn argument_payload(node: &Node, arg: &[u8]) -> Result<Payload, dm_rpc::RpcError> {
+    Ok(if arg.len() > node.config().inline_max {
         let mut b = node.pool().alloc(arg.len() as u64)?;
         b.write(0, arg)?;
         Payload::from(b)
     } else {
         Payload::from_vec(arg.to_vec())
+    })
+}
+
+/// Calls streaming method `a.method`, writing each item to stdout as it
+/// comes; 1 if the stream ends with an error.
+fn stream(
+    a: &CallArgs,
+    c: &Client,
+    node: &Node,
+    (arg, meta): (&[u8], &Metadata),
+    opts: CallOptions,
+) -> Result<i32> {
+    let t0 = Instant::now();
+    let (mut items, mut bytes, mut by_ref) = (0u64, 0u64, 0u64);
+    let mut out = std::io::stdout().lock();
+    let opened = argument_payload(node, arg)
+        .and_then(|p| c.call_stream_with(&a.method, p, opts, meta.clone()));
+    let mut st = match opened {
+        Ok(st) => st,
+        Err(e) => {
+            eprintln!("{} {}: {e}", a.service, a.method);
+            return Ok(1);
+        }
     };
-    c.call_full(method, p, opts, meta.clone())
+    for item in st.by_ref() {
+        let item = match item {
+            Ok(p) => p,
+            Err(e) => {
+                out.flush()?;
+                show_metadata(&e.metadata);
+                eprintln!("{} {} after {items} items: {e}", a.service, a.method);
+                return Ok(1);
+            }
+        };
+        items += 1;
+        by_ref += item.in_pool() as u64;
+        let b = item.to_vec()?;
+        bytes += b.len() as u64;
+        if a.hex {
+            for line in b.chunks(32) {
+                let h: Vec<String> = line.iter().map(|b| format!("{b:02x}")).collect();
+                writeln!(out, "{}", h.join(" "))?;
+            }
+            writeln!(out)?;
+        } else {
+            out.write_all(&b)?;
+        }
+        out.flush()?;
+    }
+    show_metadata(st.metadata());
+    eprintln!(
+        "ok: {items} items, {bytes} bytes ({by_ref} by Ref) in {:.1} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(0)
 }
 
 /// Prints the metadata of an answer on stderr, `< key: value` a line: a
