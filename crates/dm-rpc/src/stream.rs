@@ -261,7 +261,16 @@ impl<'a> Sink<'a> {
                         return Ok(());
                     }
                     // No room in the connection yet: its caller reads.
-                    Ok(false) => {}
+                    Ok(false) => {
+                        let until = self
+                            .deadline
+                            .map_or(now + LONGEST_WAIT, |d| d.min(now + LONGEST_WAIT));
+                        f.listener.wait_room(conn, frame.encoded_len(), until);
+                        if !f.listener.is_open(conn) {
+                            return Err(RpcError::unavailable("the stream's caller is gone"));
+                        }
+                        continue;
+                    }
                     Err(e) => {
                         return Err(RpcError::unavailable(format!(
                             "the stream's caller is gone: {e}"

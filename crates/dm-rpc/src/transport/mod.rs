@@ -381,6 +381,13 @@ pub trait Listener: Send {
     fn send_item(&mut self, conn: ConnId, f: &Frame) -> Result<bool, TransportError> {
         self.reply(conn, f).map(|()| true)
     }
+    /// Waits until connection `conn` may have room for a frame of `len`
+    /// bytes that answers nothing ([`send_item`](Self::send_item)), a
+    /// frame arrives on it, or `until` passes. The default returns at once
+    /// (for a transport that owes no room).
+    fn wait_room(&mut self, conn: ConnId, len: usize, until: Instant) {
+        let _ = (conn, len, until);
+    }
     /// Whether it holds requests read but not yet handed out (waiting for
     /// room for their answers): a draining server waits for them, to
     /// refuse them.

@@ -845,6 +845,23 @@ impl Listener for ShmListener {
         Ok(c.resp.try_push(len, |put| f.encode_with(put))?)
     }
 
+    /// Waits on the server's doorbell, which a client rings when it frees
+    /// room in its response ring (and when it sends).
+    fn wait_room(&mut self, conn: ConnId, len: usize, until: Instant) {
+        let Some(k) = self.conns.iter().position(|c| c.id == conn) else {
+            return;
+        };
+        let (need, words) = (self.reserve.max(len), self.words);
+        let c = &mut self.conns[k];
+        let owed = c.owed;
+        let _ = self.reply_waiter.wait(
+            Bell(&words[SERVER_BELL]),
+            Some(until),
+            || (c.resp.fits_many(need, owed + 1) || c.req.ready()).then_some(()),
+            || Ok::<(), TransportError>(()),
+        );
+    }
+
     fn holding(&self) -> bool {
         self.conns.iter().any(|c| !c.held.is_empty())
     }

@@ -18,6 +18,7 @@ mod plot;
 mod ray;
 mod rtt;
 mod social;
+mod stream;
 mod threshold;
 
 use anyhow::{bail, Result};
@@ -35,7 +36,8 @@ pub struct BenchArgs {
     /// Python, against Ray), `access` (random 64 B reads: local memory, the
     /// pool, a memory server), `image` (the 7-tier image-processing
     /// application: by Ref vs by value, pool and memory server), `social`
-    /// (the social network: throughput, latency against offered load), or
+    /// (the social network: throughput, latency against offered load),
+    /// `stream` (items of a streaming call vs one call per item), or
     /// `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
@@ -74,6 +76,7 @@ fn run_named(a: &BenchArgs) -> Result<()> {
         "access" => access::run(a),
         "image" => image::run(a),
         "social" => social::run(a),
+        "stream" => stream::run(a),
         "all" => {
             cow::run(a)?;
             rtt::run(a)?;
@@ -84,10 +87,11 @@ fn run_named(a: &BenchArgs) -> Result<()> {
             ray::run(a)?;
             access::run(a)?;
             image::run(a)?;
-            social::run(a)
+            social::run(a)?;
+            stream::run(a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, all)"
         ),
     }
 }

@@ -97,6 +97,17 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                             let h = sum(&c.payload().segments()?);
                             Ok(Payload::from_vec(h.to_le_bytes().to_vec()))
                         })
+                        // One item of the u64 size in the argument
+                        // (`bench stream`'s unary baseline), or a stream
+                        // of u64 N items of that size.
+                        .method("item", |c| super::stream::item(c.node(), c.payload()))
+                        .method_stream("items", |c, sink| {
+                            let (n, size) = super::stream::items_arg(c.payload())?;
+                            for _ in 0..n {
+                                sink.send(super::stream::item_of(c.node(), size)?)?;
+                            }
+                            Ok(())
+                        })
                         .spawn()?,
                 );
                 "ok".into()
