@@ -467,6 +467,38 @@ impl BalancedClient {
         self.call_on(self.b.pick(), method, payload, opts, meta)
     }
 
+    /// Calls streaming method `method` on one replica (the one with the
+    /// fewest calls and streams in flight; a stream counts until it is
+    /// dropped): see [`Client::call_stream`].
+    pub fn call_stream(
+        &self,
+        method: &str,
+        payload: impl Into<Payload>,
+    ) -> Result<crate::stream::Streaming, RpcError> {
+        self.call_stream_with(
+            method,
+            payload.into(),
+            CallOptions::default(),
+            Metadata::new(),
+        )
+    }
+
+    /// [`call_stream`](Self::call_stream) with options and metadata
+    /// ([`Client::call_stream_with`]).
+    pub fn call_stream_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<crate::stream::Streaming, RpcError> {
+        let (opts, meta) = self.defaults.apply(opts, meta);
+        let busy = Busy::on(self.b.pick());
+        let out = busy.0.client.call_stream_with(method, payload, opts, meta);
+        self.b.after(&busy.0, &out);
+        Ok(out?.holding(Box::new(busy)))
+    }
+
     fn call_on(
         &self,
         r: Arc<Replica<Client>>,

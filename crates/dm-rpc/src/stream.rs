@@ -317,6 +317,9 @@ pub struct Streaming {
     read: u32,
     done: bool,
     trailer: Metadata,
+    /// Kept while the stream lives (a balanced client's count of what is
+    /// in flight on the replica it went to).
+    _hold: Option<Box<dyn Send + Sync>>,
 }
 
 impl std::fmt::Debug for Streaming {
@@ -353,11 +356,18 @@ impl Streaming {
             read: 0,
             done: false,
             trailer: Metadata::new(),
+            _hold: None,
         };
         match st.launch() {
             Ok(()) => Ok(st),
             Err(e) => Err(st.fail(e)),
         }
+    }
+
+    /// This stream, keeping `hold` until it is dropped.
+    pub(crate) fn holding(mut self, hold: Box<dyn Send + Sync>) -> Self {
+        self._hold = Some(hold);
+        self
     }
 
     /// The metadata of the answer that ended the stream (empty before the

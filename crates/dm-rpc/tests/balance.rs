@@ -35,6 +35,14 @@ fn replica(node: &Node, name: &str, t: &Transport, tag: u8) -> Server {
             }
             Ok(Payload::from_vec(vec![tag]))
         })
+        // A stream of its tag, as many times as the argument's byte says.
+        .method_stream("tags", move |c, sink| {
+            let n = c.payload().to_vec()?.first().copied().unwrap_or(0);
+            for _ in 0..n {
+                sink.send(vec![tag])?;
+            }
+            Ok(())
+        })
         .spawn()
         .unwrap()
 }
@@ -113,6 +121,26 @@ fn balanced_clients_spread_calls_over_every_replica_over_every_transport() {
             .map(|s| s.stats().calls.load(Ordering::Relaxed))
             .collect();
         assert_eq!(calls, [200; 3], "{t:?}");
+        // Streams spread too, and one open counts as in flight: calls
+        // avoid its replica until it is dropped.
+        let mut st = c.call_stream("tags", vec![2u8]).unwrap();
+        let x = who(st.next().unwrap().unwrap());
+        for _ in 0..4 {
+            assert_ne!(who(c.call("who", Payload::empty()).unwrap()), x, "{t:?}");
+        }
+        assert_eq!(who(st.next().unwrap().unwrap()), x);
+        drop(st);
+        let mut seen = [0usize; 3];
+        for _ in 0..3 {
+            seen[who(c.call("who", Payload::empty()).unwrap())] += 1;
+        }
+        assert_eq!(seen, [1; 3], "{t:?}: the replica of the stream is back");
+        let mut tags: Vec<usize> = (0..3)
+            .flat_map(|_| c.call_stream("tags", vec![1u8]).unwrap())
+            .map(|i| who(i.unwrap()))
+            .collect();
+        tags.sort_unstable();
+        assert_eq!(tags, [0, 1, 2], "{t:?} streams");
 
         // Large arguments travel by Ref (over TCP between the processes
         // of one pool too) and come back intact from every replica.

@@ -494,17 +494,15 @@ impl PyClient {
         idempotent: bool,
         metadata: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<crate::stream::PyStream> {
-        let Caller::One(client) = &self.client else {
-            return Err(to_py(RpcError::invalid_argument(
-                "a balanced client does not call streaming methods yet: connect without balanced=True",
-            )));
-        };
         let meta = crate::meta::metadata_of(metadata)?;
         let p = to_payload(py, &self.node, data)?;
         let opts =
             call_options(timeout, false, wait_for_ready, idempotent)?.window(window.unwrap_or(0));
         let st = py
-            .allow_threads(|| client.call_stream_with(method, p, opts, meta))
+            .allow_threads(|| match &self.client {
+                Caller::One(c) => c.call_stream_with(method, p, opts, meta),
+                Caller::Replicas(c) => c.call_stream_with(method, p, opts, meta),
+            })
             .map_err(to_py)?;
         Ok(crate::stream::PyStream::new(st, self.node.clone()))
     }

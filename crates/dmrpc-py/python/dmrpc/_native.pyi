@@ -202,7 +202,8 @@ class Client:
         the server waits while the caller holds that many). A request
         refused by a stopping server, never taken by a stopped one, or
         `idempotent` on a broken connection goes to the next server before
-        any item came. Not on a balanced client (`InvalidArgument`)."""
+        any item came. On a balanced client, the stream goes to one replica
+        (counted in flight there until it ends or is dropped)."""
         ...
 
 class Stream:
