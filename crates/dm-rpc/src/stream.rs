@@ -15,11 +15,14 @@
 //! [`DEFAULT_WINDOW`]): the server sends an item only while the caller has
 //! granted more than it was sent, and the caller grants more as it reads
 //! (in [`Kind::Credit`](crate::Kind::Credit) frames, once half its window
-//! is read). So a slow reader holds up its own stream only: what it has
-//! not read stays within its window, in its client and in the connection,
-//! and the connection's other calls go on. A handler that sends faster
-//! than its caller reads waits in [`Sink::send`]; meanwhile its server
-//! queues the requests that come (it runs one blocking handler at a time).
+//! is read). So what a slow reader has not read stays within its window:
+//! its client never buffers more, and its connection never fills with it
+//! (the answers of the connection's other calls still get through). A
+//! handler that sends faster than its caller reads waits in
+//! [`Sink::send`]; meanwhile its server queues the requests that come (it
+//! runs one blocking handler at a time, a streaming one too; over shared
+//! memory the stream's own connection is not read for requests until it
+//! ends, so that its items have the room).
 //!
 //! **Ends.** The stream ends with the call's answer: `Ok` after the
 //! handler returned `Ok(())`, or the error it returned (or
@@ -278,8 +281,9 @@ impl<'a> Sink<'a> {
                     }
                 }
             }
-            // A grant or a cancel comes as a frame, and ends the wait; room
-            // in the connection is looked for after each slice.
+            // No grant: one (or a cancel) comes as a frame, and ends the
+            // wait; the slices only bound how long a dead caller goes
+            // unnoticed.
             let until = self.deadline.map_or(now + slice, |d| d.min(now + slice));
             f.wait(until);
             if !f.listener.is_open(f.running.0) {
