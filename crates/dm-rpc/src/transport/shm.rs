@@ -391,9 +391,10 @@ struct ServerConn {
     goaway: &'static AtomicU64,
     /// Requests read while the response ring had no room for their
     /// answers (not taken yet: handed out in order as room comes), and
-    /// the cancels and grants of those, kept behind them. Reading on past them lets a
-    /// running stream's grants and cancels through ([`crate::stream`]);
-    /// at most a ring's worth of bytes is held ([`ShmListener::hold_max`]).
+    /// the cancels and grants of those, kept behind them. Reading on past
+    /// them lets a running stream's grants and cancels through
+    /// ([`crate::stream`]); at most sixteen rings' worth of bytes is held
+    /// ([`ShmListener::hold_max`]), then the connection is not read.
     held: VecDeque<Frame>,
     held_bytes: usize,
     /// Call ids of the streams taken and not yet answered: while one
