@@ -177,6 +177,7 @@ pub struct Call<'a> {
 impl<'a> Call<'a> {
     /// The call of method `name` with a request's payload and metadata,
     /// as a blocking handler sees it in `scope`.
+    #[inline]
     fn of(
         name: &'a str,
         node: &'a Node,
@@ -1175,6 +1176,7 @@ fn intake(
 /// ([`intake`]): a request is queued (or refused while draining), a cancel
 /// applied to a queued request or kept in `cancels`, a credit added to
 /// its queued request's (or dropped: its stream ended).
+#[inline]
 pub(crate) fn take_in(
     listener: &mut dyn Listener,
     queue: &mut VecDeque<Pending>,

@@ -394,7 +394,8 @@ struct ServerConn {
     /// the cancels and grants of those, kept behind them. Reading on past
     /// them lets a running stream's grants and cancels through
     /// ([`crate::stream`]); at most sixteen rings' worth of bytes is held
-    /// ([`ShmListener::hold_max`]), then the connection is not read.
+    /// (`ShmListener::hold_max`), then the connection is
+    /// not read.
     held: VecDeque<Frame>,
     held_bytes: usize,
     /// Call ids of the streams taken and not yet answered: while one
@@ -443,6 +444,9 @@ pub struct ShmListener {
     stop: Arc<AtomicBool>,
     limits: Limits,
     reserve: usize,
+    /// Most bytes of frames held for one connection: sixteen rings' worth
+    /// (beyond, the connection is not read until its held requests go).
+    hold_max: usize,
     /// The record just taken: its header bytes, its length and the rest.
     head: [u8; HEADER_LEN],
     rec_len: usize,
@@ -500,6 +504,7 @@ impl ShmListener {
                 ..Limits::default()
             },
             reserve: HEADER_LEN + reserve_inline.min(max_inline),
+            hold_max: 16 * pool.layout().ring_size as usize,
             head: [0; HEADER_LEN],
             rec_len: 0,
             rest: Vec::new(),
@@ -617,12 +622,6 @@ impl ShmListener {
         Some(f)
     }
 
-    /// Most bytes of frames held for one connection: sixteen rings' worth
-    /// (beyond, the connection is not read until its held requests go).
-    fn hold_max(&self) -> usize {
-        16 * self.pool.layout().ring_size as usize
-    }
-
     fn drop_conn(&mut self, k: usize) {
         let c = self.conns.swap_remove(k);
         self.pool.close_channel(c.ch, Side::Server);
@@ -633,7 +632,6 @@ impl ShmListener {
     /// request's answer is checked once it is decoded: `decode_for`.)
     fn poll_conns(&mut self) -> Option<Result<Found, usize>> {
         let n = self.conns.len();
-        let hold_max = self.hold_max();
         // Round robin from `rr` (no division: this runs on every spin of
         // a waiting server).
         let start = if self.rr < n { self.rr } else { 0 };
@@ -654,7 +652,7 @@ impl ShmListener {
                     self.rr = i + 1;
                     return Some(Ok(Found::Held(c.id, f)));
                 }
-                if c.held_bytes >= hold_max {
+                if c.held_bytes >= self.hold_max {
                     continue;
                 }
             }
