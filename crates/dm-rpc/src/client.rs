@@ -400,6 +400,18 @@ pub(crate) fn answer_error(f: Frame) -> RpcError {
     RpcError::new(f.status, message_of(f.payload)).with_metadata(f.meta)
 }
 
+/// Whether a request of `len` bytes of payload and metadata, placed for a
+/// connection whose Refs are `from.0`, can go as it is over one whose Refs
+/// are `from.1` and largest inline payload `max_inline` (a request sent
+/// again elsewhere).
+fn goes_as_is(
+    len: usize,
+    (from, to): (crate::transport::Sharing, crate::transport::Sharing),
+    max_inline: usize,
+) -> bool {
+    from == to && len <= max_inline
+}
+
 /// A call's answer with the metadata its handler set
 /// ([`crate::metadata::set_reply`]); see [`Client::call_full`].
 #[derive(Debug, Default)]
@@ -544,7 +556,8 @@ impl Refused {
     /// it is (its Refs usable at the other end, its inline bytes and
     /// metadata within the limit).
     pub(crate) fn fits(&self, refs: crate::transport::Sharing, max_inline: usize) -> bool {
-        refs == self.refs && self.req.body.len() + self.req.meta.encoded_len() <= max_inline
+        let len = self.req.body.len() + self.req.meta.encoded_len();
+        goes_as_is(len, (self.refs, refs), max_inline)
     }
 
     /// Gives up sending it again, with `e`: ends what it lent.
@@ -1007,19 +1020,7 @@ impl Inner {
         let sent = self.send_reading(&frame, deadline, reader.as_mut());
         // (The error, and whether the connection broke: then the request
         // was not sent, and may go elsewhere.)
-        let unsent = match sent {
-            Ok(true) => None,
-            Ok(false) => Some((
-                RpcError::deadline_exceeded(format!(
-                    "no room to send to {:?} before the deadline",
-                    i.name
-                )),
-                false,
-            )),
-            Err(e) if e.breaks_connection() => Some((self.fail(e.into()), true)),
-            Err(e) => Some((e.into(), false)),
-        };
-        if let Some((e, broke)) = unsent {
+        if let Err((e, broke)) = self.sent(sent) {
             match reader {
                 Some(rx) => self.hand_over(rx),
                 None => {
@@ -1077,6 +1078,14 @@ impl Inner {
         e
     }
 
+    /// Hands `f`, read for another caller, to it and wakes the callers
+    /// asleep (see [`deliver`](Self::deliver)).
+    fn pass_on(&self, f: Frame) {
+        let mut st = lock(&self.state);
+        self.deliver(&mut st, f);
+        self.notify(&st);
+    }
+
     /// Gives an answer read for another caller to it (or releases what it
     /// carries if that caller gave up).
     fn deliver(&self, st: &mut State, f: Frame) {
@@ -1108,9 +1117,7 @@ impl Inner {
                 stray = true;
                 return;
             }
-            let mut st = lock(&i.state);
-            self.deliver(&mut st, a);
-            self.notify(&st);
+            self.pass_on(a);
         };
         let yield_for = i.node.cfg.wait.yield_for;
         let sent = match rx {
@@ -1140,9 +1147,7 @@ impl Inner {
                     if f.call_id == id && f.kind == Kind::Response {
                         break Ok(f);
                     }
-                    let mut st = lock(&i.state);
-                    self.deliver(&mut st, f);
-                    self.notify(&st);
+                    self.pass_on(f);
                 }
                 Ok(Some(_)) => {
                     let e = RpcError::internal("the server sent a frame that is not a response");
@@ -1212,7 +1217,8 @@ impl Inner {
     /// this one as it is (its Refs usable here, its inline bytes and
     /// metadata within the limit).
     pub(crate) fn carries(&self, req: &Frame, refs: crate::transport::Sharing) -> bool {
-        refs == self.refs && req.payload.len() + req.meta.encoded_len() <= self.max_inline
+        let len = req.payload.len() + req.meta.encoded_len();
+        goes_as_is(len, (refs, self.refs), self.max_inline)
     }
 
     /// Whether request `id` was never taken by this connection's server,
@@ -1231,9 +1237,7 @@ impl Inner {
         if let Ok(mut rx) = self.rx.try_lock() {
             let mut got = |f: Frame| {
                 if answers(f.kind) {
-                    let mut st = lock(&self.state);
-                    self.deliver(&mut st, f);
-                    self.notify(&st);
+                    self.pass_on(f);
                 }
             };
             let _ = crate::transport::drain(&mut **rx, &mut got);
@@ -1317,14 +1321,28 @@ impl Inner {
     /// Sends a frame of a stream's caller, reading answers for the others
     /// while it waits for room.
     fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), RpcError> {
-        match self.send_reading(f, deadline, None) {
+        self.sent(self.send_reading(f, deadline, None))
+            .map_err(|(e, _)| e)
+    }
+
+    /// What a send's outcome `r` means for its call: sent, or the error
+    /// and whether the connection broke with it (the frame was then not
+    /// sent: a request may go elsewhere).
+    fn sent(
+        &self,
+        r: Result<bool, crate::transport::TransportError>,
+    ) -> Result<(), (RpcError, bool)> {
+        match r {
             Ok(true) => Ok(()),
-            Ok(false) => Err(RpcError::deadline_exceeded(format!(
-                "no room to send to {:?} before the deadline",
-                self.name
-            ))),
-            Err(e) if e.breaks_connection() => Err(self.fail(e.into())),
-            Err(e) => Err(e.into()),
+            Ok(false) => Err((
+                RpcError::deadline_exceeded(format!(
+                    "no room to send to {:?} before the deadline",
+                    self.name
+                )),
+                false,
+            )),
+            Err(e) if e.breaks_connection() => Err((self.fail(e.into()), true)),
+            Err(e) => Err((e.into(), false)),
         }
     }
 

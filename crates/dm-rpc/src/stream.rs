@@ -35,7 +35,7 @@
 //!
 //! The wire format is in [`crate::frame`] (frames v7).
 
-use crate::client::{answer_error, orphan, Inner, Outgoing};
+use crate::client::{answer, orphan, Inner, Outgoing, Reply};
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, FLAG_REFUSED, FLAG_STREAM};
 use crate::metadata::Metadata;
@@ -474,12 +474,9 @@ impl Streaming {
                     if e.status == crate::Status::Unavailable
                         && self.request.is_some()
                         && self.unrun()
-                        && self.move_on(false) =>
+                        && self.went_again(false)? =>
                 {
-                    match self.launch() {
-                        Ok(()) => continue,
-                        Err(e) => return Err(self.fail(e)),
-                    }
+                    continue
                 }
                 Err(e) => return Err(self.fail(e)),
             };
@@ -493,27 +490,40 @@ impl Streaming {
                         return Err(self.fail(e));
                     }
                 }
+                crate::stats::count(&f.payload, false);
                 return Payload::from_response_body(f.payload, self.conn.node()).map(Some);
             }
-            if f.flags & FLAG_REFUSED != 0 && self.move_on(true) {
-                match self.launch() {
-                    Ok(()) => continue,
-                    Err(e) => return Err(self.fail(e)),
-                }
+            if f.flags & FLAG_REFUSED != 0 && self.went_again(true)? {
+                continue;
             }
             // The answer that ends the stream (what the argument lent is
             // ended with it: an answer may pass the request's Ref back).
             let lent = self.lent.take().unwrap_or_default();
             self.end(false);
-            self.trailer = f.meta.clone();
-            let node = self.conn.node();
-            if f.status != crate::Status::Ok {
-                lent.release(node);
-                let e = answer_error(f);
-                return Err(self.client.redial().settle_error(&self.conn, e));
-            }
-            let last = lent.answer(node, f.flags, f.payload)?;
-            return Ok((!last.is_empty()).then_some(last));
+            return match answer(self.conn.node(), f, lent) {
+                Ok(Reply { payload, metadata }) => {
+                    self.trailer = metadata;
+                    Ok((!payload.is_empty()).then_some(payload))
+                }
+                Err(e) => {
+                    self.trailer = e.metadata.clone();
+                    Err(self.client.redial().settle_error(&self.conn, e))
+                }
+            };
+        }
+    }
+
+    /// Sends the request, known not to have run, to the next server
+    /// ([`move_on`](Self::move_on), [`launch`](Self::launch)): true if it
+    /// went, false if there is none to go to; the stream's end if sending
+    /// it there failed.
+    fn went_again(&mut self, refused: bool) -> Result<bool, RpcError> {
+        if !self.move_on(refused) {
+            return Ok(false);
+        }
+        match self.launch() {
+            Ok(()) => Ok(true),
+            Err(e) => Err(self.fail(e)),
         }
     }
 }

@@ -145,6 +145,22 @@ impl MemListener {
     pub fn binding(&self) -> u64 {
         self.binding
     }
+
+    /// Queues `f` for connection `conn`'s client, waiting for room until
+    /// `until` (then `Ok(false)`); a client gone loses its connection.
+    fn push(&mut self, conn: ConnId, f: &Frame, until: Instant) -> Result<bool, TransportError> {
+        check_size(f)?;
+        let Some(tx) = self.conns.get(&conn).map(|c| &c.answers) else {
+            return Err(TransportError::Unavailable(format!(
+                "connection {conn} is gone"
+            )));
+        };
+        let r = send_bounded(tx, f.clone(), Some(until), || Ok(()));
+        if r.is_err() {
+            self.conns.remove(&conn);
+        }
+        r
+    }
 }
 
 /// Removes `name`'s binding `binding` if it is still there (a listener
@@ -362,48 +378,20 @@ impl Listener for MemListener {
     }
 
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
-        check_size(f)?;
-        let Some(tx) = self.conns.get(&conn).map(|c| &c.answers) else {
-            return Err(TransportError::Unavailable(format!(
-                "connection {conn} is gone"
-            )));
-        };
         // A client that does not read its answers for a second loses its
         // connection rather than stalling the server.
-        let deadline = Instant::now() + Duration::from_secs(1);
-        match send_bounded(tx, f.clone(), Some(deadline), || Ok(())) {
-            Ok(true) => Ok(()),
-            Ok(false) => {
-                self.conns.remove(&conn);
-                Err(TransportError::Unavailable(format!(
-                    "connection {conn} does not read its answers"
-                )))
-            }
-            Err(e) => {
-                self.conns.remove(&conn);
-                Err(e)
-            }
+        if self.push(conn, f, Instant::now() + Duration::from_secs(1))? {
+            return Ok(());
         }
+        self.conns.remove(&conn);
+        Err(TransportError::Unavailable(format!(
+            "connection {conn} does not read its answers"
+        )))
     }
 
     /// Queues the item only if its client's queue has room now.
     fn send_item(&mut self, conn: ConnId, f: &Frame) -> Result<bool, TransportError> {
-        check_size(f)?;
-        let Some(tx) = self.conns.get(&conn).map(|c| &c.answers) else {
-            return Err(TransportError::Unavailable(format!(
-                "connection {conn} is gone"
-            )));
-        };
-        match tx.try_send(f.clone()) {
-            Ok(()) => Ok(true),
-            Err(TrySendError::Full(_)) => Ok(false),
-            Err(TrySendError::Disconnected(_)) => {
-                self.conns.remove(&conn);
-                Err(TransportError::Unavailable(format!(
-                    "connection {conn} is gone"
-                )))
-            }
-        }
+        self.push(conn, f, Instant::now())
     }
 
     fn is_open(&self, conn: ConnId) -> bool {

@@ -394,8 +394,7 @@ struct ServerConn {
     /// the cancels and grants of those, kept behind them. Reading on past
     /// them lets a running stream's grants and cancels through
     /// ([`crate::stream`]); at most sixteen rings' worth of bytes is held
-    /// (`ShmListener::hold_max`), then the connection is
-    /// not read.
+    /// (`ShmListener::hold_max`), then the connection is not read.
     held: VecDeque<Frame>,
     held_bytes: usize,
     /// Call ids of the streams taken and not yet answered: while one
@@ -411,6 +410,13 @@ impl ServerConn {
     #[inline]
     fn can_take(&mut self, reserve: usize) -> bool {
         self.streams.is_empty() && self.resp.fits_many(reserve, self.owed + 1)
+    }
+
+    /// Whether a frame of `len` bytes that answers nothing fits in the
+    /// response ring beside the answers owed (of up to `reserve` bytes).
+    #[inline]
+    fn item_fits(&mut self, reserve: usize, len: usize) -> bool {
+        self.resp.fits_many(reserve.max(len), self.owed + 1)
     }
 
     /// Takes request `f`: its answer is owed.
@@ -622,6 +628,14 @@ impl ShmListener {
         Some(f)
     }
 
+    /// The position of connection `conn` in `conns`.
+    fn index(&self, conn: ConnId) -> Result<usize, TransportError> {
+        self.conns
+            .iter()
+            .position(|c| c.id == conn)
+            .ok_or_else(|| TransportError::Unavailable(format!("connection {conn} is gone")))
+    }
+
     fn drop_conn(&mut self, k: usize) {
         let c = self.conns.swap_remove(k);
         self.pool.close_channel(c.ch, Side::Server);
@@ -792,11 +806,7 @@ impl Listener for ShmListener {
     }
 
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
-        let Some(k) = self.conns.iter().position(|c| c.id == conn) else {
-            return Err(TransportError::Unavailable(format!(
-                "connection {conn} is gone"
-            )));
-        };
+        let k = self.index(conn)?;
         let c = &mut self.conns[k];
         c.owed = c.owed.saturating_sub(1);
         if !c.streams.is_empty() {
@@ -826,14 +836,10 @@ impl Listener for ShmListener {
     /// answers owed besides (one record of the largest answer each); never
     /// waits.
     fn send_item(&mut self, conn: ConnId, f: &Frame) -> Result<bool, TransportError> {
-        let Some(k) = self.conns.iter().position(|c| c.id == conn) else {
-            return Err(TransportError::Unavailable(format!(
-                "connection {conn} is gone"
-            )));
-        };
+        let k = self.index(conn)?;
         let len = f.encoded_len();
         let c = &mut self.conns[k];
-        if !c.resp.fits_many(self.reserve.max(len), c.owed + 1) {
+        if !c.item_fits(self.reserve, len) {
             if self.pool.channel_peer(c.ch, Side::Server) != Peer::Live {
                 self.drop_conn(k);
                 return Err(TransportError::Unavailable("client gone".into()));
@@ -847,16 +853,15 @@ impl Listener for ShmListener {
     /// Waits on the server's doorbell, which a client rings when it frees
     /// room in its response ring (and when it sends).
     fn wait_room(&mut self, conn: ConnId, len: usize, until: Instant) {
-        let Some(k) = self.conns.iter().position(|c| c.id == conn) else {
+        let Ok(k) = self.index(conn) else {
             return;
         };
-        let (need, words) = (self.reserve.max(len), self.words);
+        let (reserve, words) = (self.reserve, self.words);
         let c = &mut self.conns[k];
-        let owed = c.owed;
         let _ = self.reply_waiter.wait(
             Bell(&words[SERVER_BELL]),
             Some(until),
-            || (c.resp.fits_many(need, owed + 1) || c.req.ready()).then_some(()),
+            || (c.item_fits(reserve, len) || c.req.ready()).then_some(()),
             || Ok::<(), TransportError>(()),
         );
     }
