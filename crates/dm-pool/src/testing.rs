@@ -46,6 +46,26 @@ impl TempPool {
         Pool::open(&self.path, o).unwrap_or_else(|e| panic!("attach failed: {e}"))
     }
 
+    /// [`assert_clean`](Self::assert_clean), once the pool is clean or
+    /// `within` has passed (a thread that outlives what it served by a
+    /// moment, such as an async client's answer pump, lets go then).
+    pub fn assert_clean_within(&self, within: std::time::Duration) {
+        let until = std::time::Instant::now() + within;
+        while std::time::Instant::now() < until {
+            match crate::check_path(&self.path, true) {
+                Ok(r)
+                    if r.ok()
+                        && r.pages_held + r.pages_cached + r.slots_live == 0
+                        && r.services + r.channels == 0 =>
+                {
+                    return
+                }
+                _ => std::thread::sleep(std::time::Duration::from_millis(5)),
+            }
+        }
+        self.assert_clean();
+    }
+
     /// Asserts the pool invariant (deep: list pages too) and that nothing
     /// is left: no page held or cached, no slot, service or channel.
     pub fn assert_clean(&self) {

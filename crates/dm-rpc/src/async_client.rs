@@ -42,8 +42,8 @@
 //! so is its answer when it comes.
 
 use crate::client::{
-    ended, orphan, outgoing, send_holding_rx, send_unheld, Defaults, Failure, Outgoing, Refused,
-    Reply,
+    answers, carried, ended, orphan, outgoing, send_holding_rx, send_unheld, sent_as, Defaults,
+    Failure, Outgoing, Refused, Reply,
 };
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status};
@@ -55,9 +55,10 @@ use crate::transport::{Connection, FrameRx, FrameTx, Looked, TransportError, Wat
 use crate::wait::Waiter;
 use crate::CallOptions;
 use arc_swap::Guard;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
@@ -74,6 +75,30 @@ enum Slot {
     Ready(Result<Frame, RpcError>),
     /// The call awaits its answer on this channel.
     Waiting(AnswerTx),
+    /// A stream's caller ([`crate::stream::AsyncStreaming`]): the frames
+    /// that came for it.
+    Stream(Box<Fed>),
+}
+
+/// What came for a stream and is not read yet: items, then the answer
+/// that ends it (bounded by its window), or the error that broke the
+/// connection; and the task waiting for it.
+#[derive(Default)]
+struct Fed {
+    frames: VecDeque<Frame>,
+    failed: Option<RpcError>,
+    /// After `failed`, what was left on the connection was read.
+    rest_read: bool,
+    waker: Option<Waker>,
+}
+
+impl Fed {
+    /// Wakes the task waiting for the stream, if any.
+    fn wake(&mut self) {
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
 }
 
 /// Call ids are a counter: one multiplication spreads them over the whole
@@ -220,12 +245,18 @@ impl Reader {
         r
     }
 
-    /// Forgets call `id`, which gave up: an answer already read for it is
-    /// released.
+    /// Forgets call `id`, which gave up (or stream `id`, closed): what was
+    /// already read for it is released.
     fn forget(&self, id: u64) {
         let gone = self.remove(&mut lock(&self.state), id);
-        if let Some(Slot::Ready(Ok(f))) = gone {
-            orphan(&self.node, f);
+        match gone {
+            Some(Slot::Ready(Ok(f))) => orphan(&self.node, f),
+            Some(Slot::Stream(fed)) => {
+                for f in fed.frames {
+                    orphan(&self.node, f);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -233,7 +264,7 @@ impl Reader {
     /// call gave up). False if the connection is broken now.
     fn deliver(&self, got: Result<Frame, TransportError>) -> bool {
         let f = match got {
-            Ok(f) if f.kind == Kind::Response => f,
+            Ok(f) if answers(f.kind) => f,
             Ok(_) => {
                 self.break_all(RpcError::internal(
                     "the server sent a frame that is not a response",
@@ -247,6 +278,15 @@ impl Reader {
         };
         let mut st = lock(&self.state);
         match st.pending.get_mut(&f.call_id) {
+            Some(Slot::Stream(fed)) => {
+                fed.frames.push_back(f);
+                fed.wake();
+            }
+            // (An item is only ever a stream's.)
+            _ if f.kind != Kind::Response => {
+                drop(st);
+                orphan(&self.node, f);
+            }
             Some(slot @ Slot::Spinning) => {
                 *slot = Slot::Ready(Ok(f));
                 self.ready.fetch_add(1, Ordering::Release);
@@ -287,6 +327,12 @@ impl Reader {
                 true
             }
             Slot::Ready(_) => true,
+            Slot::Stream(fed) => {
+                // (What came before the break is read first.)
+                fed.failed.get_or_insert_with(|| e.clone());
+                fed.wake();
+                true
+            }
         });
         self.ready.fetch_add(readied, Ordering::Release);
         self.waiting.store(st.pending.len(), Ordering::Release);
@@ -339,6 +385,41 @@ impl Reader {
             Some(Slot::Ready(r)) => Some(r),
             _ => None,
         }
+    }
+
+    /// Stream `id`'s next frame, if one came; else the error that broke
+    /// the connection, once what came before it is read; else pending,
+    /// and the task of `cx` woken when something comes.
+    fn poll_stream(
+        &self,
+        id: u64,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Result<Frame, RpcError>> {
+        let mut st = lock(&self.state);
+        let Some(Slot::Stream(fed)) = st.pending.get_mut(&id) else {
+            return Poll::Ready(Err(RpcError::internal("a stream lost its place")));
+        };
+        if let Some(f) = fed.frames.pop_front() {
+            return Poll::Ready(Ok(f));
+        }
+        if fed.failed.is_some() && !std::mem::replace(&mut fed.rest_read, true) {
+            // The connection broke (a send failing, or the peer found
+            // dead) with frames perhaps still to read: the stream's end
+            // may be among them. Whoever holds the receiving half lets it
+            // go within moments (nobody waits long with it on a broken
+            // connection).
+            drop(st);
+            self.drain(lock(&self.rx));
+            return self.poll_stream(id, cx);
+        }
+        if let Some(e) = &fed.failed {
+            return Poll::Ready(Err(e.clone()));
+        }
+        match &mut fed.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            w => *w = Some(cx.waker().clone()),
+        }
+        Poll::Pending
     }
 
     /// The lone caller `id`, whose spin ran out (it holds the receiving
@@ -821,21 +902,8 @@ impl AsyncClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        let (mut opts, meta) = self.defaults.apply(opts, meta);
-        // (Held as an Arc: a guard is no thing to keep across awaits.)
-        let mut c = Guard::into_inner(self.h.live());
-        if c.is_spent() {
-            // Broken or retired, with nothing new to dial.
-            if opts.wait_for_ready {
-                let until = crate::client::deadline_of(&c.node, opts, Instant::now()).0;
-                c = self.ready(c, until).await?;
-                opts = opts.after_waiting(until);
-            }
-            if let Some(e) = c.failure() {
-                // Nothing to connect to: the argument is not even placed.
-                return Err(e);
-            }
-        }
+        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (mut c, opts) = self.usable(opts).await?;
         let mut r = c.call_with(method, payload, opts, meta).await;
         let mut attempt = 1;
         loop {
@@ -851,7 +919,7 @@ impl AsyncClient {
                 if opts.wait_for_ready && n.is_spent() {
                     let until = x.deadline();
                     let held = Held(Some(x), c.node.clone());
-                    let ready = self.ready(n, until).await;
+                    let ready = self.h.ready_async(n, until).await;
                     x = held.take();
                     match ready {
                         Ok(ready) => n = ready,
@@ -884,19 +952,57 @@ impl AsyncClient {
         self.h.settle(&c, r)
     }
 
-    /// Waits until the connection `c` is replaced by one new calls can use
-    /// (a call that waits for ready), or `until` passes.
-    async fn ready(
-        &self,
-        mut c: Arc<Inner>,
-        until: Option<Instant>,
-    ) -> Result<Arc<Inner>, RpcError> {
-        while c.is_spent() {
-            let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
-            tokio::time::sleep_until(at.into()).await;
-            c = Guard::into_inner(self.h.live());
+    /// The connection a call with `opts` goes over, and its options then:
+    /// the current one, or, if it is broken or retired with nothing new to
+    /// dial, the one a call that waits for ready waits for; else the
+    /// failure (the argument is not even placed).
+    async fn usable(&self, mut opts: CallOptions) -> Result<(Arc<Inner>, CallOptions), RpcError> {
+        // (Held as an Arc: a guard is no thing to keep across awaits.)
+        let mut c = Guard::into_inner(self.h.live());
+        if c.is_spent() {
+            if opts.wait_for_ready {
+                let until = crate::client::deadline_of(&c.node, opts, Instant::now()).0;
+                c = self.h.ready_async(c, until).await?;
+                opts = opts.after_waiting(until);
+            }
+            if let Some(e) = c.failure() {
+                return Err(e);
+            }
         }
-        Ok(c)
+        Ok((c, opts))
+    }
+
+    /// Calls streaming method `method` with `payload`: its answer is a
+    /// stream of items, read as they come from the
+    /// [`AsyncStreaming`](crate::stream::AsyncStreaming). See
+    /// [`crate::stream`].
+    pub async fn call_stream(
+        &self,
+        method: &str,
+        payload: impl Into<Payload>,
+    ) -> Result<crate::stream::AsyncStreaming, RpcError> {
+        let p = payload.into();
+        self.call_stream_with(method, p, CallOptions::default(), Metadata::new())
+            .await
+    }
+
+    /// Calls streaming method `method` with options (the deadline bounds
+    /// the whole stream; [`CallOptions::window`] is how many items it
+    /// holds unread at most) and metadata. The request is sent and the
+    /// stream open when this returns; what the server answers comes
+    /// through the stream, its errors included.
+    pub async fn call_stream_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<crate::stream::AsyncStreaming, RpcError> {
+        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (c, opts) = self.usable(opts).await?;
+        let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
+        let how = crate::stream::How::of(opts, &out);
+        crate::stream::AsyncStreaming::open(self.h.clone(), c, out, how).await
     }
 }
 
@@ -964,18 +1070,10 @@ impl Inner {
                 None => r.send(&i.tx, &frame, deadline),
             };
             // (The error, and whether the connection broke: then the
-            // request was not sent, and may go elsewhere.)
-            let unsent = match sent {
-                Ok(true) => None,
-                Ok(false) => Some((
-                    RpcError::deadline_exceeded("no room to send before the deadline"),
-                    false,
-                )),
-                // (A send that fails with the connection lost may be the
-                // first to see it: no answer is read before a call.)
-                Err(e) if e.breaks_connection() => Some((r.fail(e), true)),
-                Err(e) => Some((e.into(), false)),
-            };
+            // request was not sent, and may go elsewhere. A send that
+            // fails with the connection lost may be the first to see it:
+            // no answer is read before a call.)
+            let unsent = sent_as(&i.name, sent, |e| r.fail(e)).err();
             if let Some((e, broke)) = unsent {
                 match lone {
                     Some(rx) => drop(rx),
@@ -1080,6 +1178,109 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// The next frame of stream `id` (an item, or the answer that ends
+    /// it), as it comes; the error that broke the connection; or
+    /// `DeadlineExceeded` once `deadline` passes. Whoever reads the
+    /// connection's answers (its pump, or a server's listener) delivers
+    /// it.
+    pub(crate) async fn stream_next(
+        &self,
+        id: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Frame, RpcError> {
+        let next = std::future::poll_fn(|cx| self.reader.poll_stream(id, cx));
+        let Some(d) = deadline else {
+            return next.await;
+        };
+        match tokio::time::timeout_at(d.into(), next).await {
+            Ok(got) => got,
+            Err(_) => Err(RpcError::deadline_exceeded(format!(
+                "no answer from {:?} before the deadline",
+                self.name
+            ))),
+        }
+    }
+
+    /// Sends a frame of a stream's caller ([`Reader::send`]): on a
+    /// failure, the error and whether the connection broke.
+    fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), (RpcError, bool)> {
+        let r = &self.reader;
+        sent_as(&self.name, r.send(&self.tx, f, deadline), |e| r.fail(e))
+    }
+}
+
+impl crate::stream::StreamConn for Inner {
+    fn node(&self) -> &Node {
+        &self.node
+    }
+
+    fn refs(&self) -> crate::transport::Sharing {
+        self.refs
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn carries(&self, req: &Frame, refs: crate::transport::Sharing) -> bool {
+        carried(req, (refs, self.refs), self.max_inline)
+    }
+
+    fn never_taken(&self, id: u64) -> bool {
+        // (Whoever reads the connection read it to its end, the go-away
+        // with it, before the calls learnt that it broke.)
+        self.goaway.unread(id)
+    }
+
+    fn start_stream(
+        &self,
+        req: &Frame,
+        deadline: Option<Instant>,
+        window: u32,
+    ) -> Result<(), (RpcError, bool)> {
+        let (r, id) = (&self.reader, req.call_id);
+        r.ensure_reader().map_err(|e| (e, false))?;
+        {
+            let mut st = lock(&r.state);
+            if let Some(e) = &st.broken {
+                return Err((e.clone(), false));
+            }
+            r.insert(&mut st, id, Slot::Stream(Box::default()));
+        }
+        // A stream's frames come at any time: the pump reads while it is
+        // open (a server's listener reads while any call waits).
+        let mut started = Ok(());
+        if r.driver.load(Ordering::Acquire) == PUMP {
+            started = r.want_pump().map_err(|e| (e, false));
+        }
+        if started.is_ok() {
+            started = self.send_own(req, deadline).map_err(|(e, _)| (e, false));
+        }
+        if started.is_ok() {
+            started = self
+                .send_own(&Frame::credit(id, window), deadline)
+                .map_err(|(e, _)| (e, true));
+        }
+        if started.is_err() {
+            r.forget(id);
+        }
+        started
+    }
+
+    fn grant(&self, id: u64, items: u32, deadline: Option<Instant>) -> Result<(), RpcError> {
+        self.send_own(&Frame::credit(id, items), deadline)
+            .map_err(|(e, _)| e)
+    }
+
+    fn close_stream(&self, id: u64, cancel: bool) {
+        self.reader.forget(id);
+        if cancel && !self.reader.broken.load(Ordering::Acquire) {
+            let _ = lock(&self.tx).send(&Frame::cancel(id), Some(Instant::now()));
+        }
+    }
+}
+
 /// A call that gave up its answer: its deadline passed, or its future was
 /// dropped while it waited (a timeout around it, a `select!` that took
 /// another branch). On drop, unless disarmed, it forgets the call (an
@@ -1154,12 +1355,16 @@ fn pump(reader: Weak<Reader>) {
                 continue;
             }
         }
-        let got = lock(&r.rx).recv(Some(Instant::now() + Duration::from_millis(100)));
+        // (The receiving half is held until what it gave is delivered: a
+        // stream's items reach it in the order they came.)
+        let mut rx = lock(&r.rx);
+        let got = rx.recv(Some(Instant::now() + Duration::from_millis(100)));
         let alive = match got {
             Ok(None) => true,
             Ok(Some(f)) => r.deliver(Ok(f)),
             Err(e) => r.deliver(Err(e)),
         };
+        drop(rx);
         if !alive {
             lock(&r.state).pumping = false;
             return;

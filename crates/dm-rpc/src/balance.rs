@@ -622,6 +622,36 @@ impl AsyncBalancedClient {
             .await
     }
 
+    /// Calls streaming method `method` on one replica (the stream counts
+    /// as in flight there until it is dropped): see
+    /// [`AsyncClient::call_stream`].
+    pub async fn call_stream(
+        &self,
+        method: &str,
+        payload: impl Into<Payload>,
+    ) -> Result<crate::stream::AsyncStreaming, RpcError> {
+        let p = payload.into();
+        self.call_stream_with(method, p, CallOptions::default(), Metadata::new())
+            .await
+    }
+
+    /// [`call_stream`](Self::call_stream) with options and metadata
+    /// ([`AsyncClient::call_stream_with`]).
+    pub async fn call_stream_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<crate::stream::AsyncStreaming, RpcError> {
+        let (opts, meta) = self.defaults.apply(opts, meta);
+        let busy = Busy::on(self.b.pick());
+        let out = busy.0.client.call_stream_with(method, payload, opts, meta);
+        let out = out.await;
+        self.b.after(&busy.0, &out);
+        Ok(out?.holding(Box::new(busy)))
+    }
+
     async fn call_on(
         &self,
         r: Arc<Replica<AsyncClient>>,

@@ -252,7 +252,7 @@ impl State {
 /// Whether a client takes frames of this kind from its server: answers,
 /// and items of the streams it opened.
 #[inline]
-fn answers(kind: Kind) -> bool {
+pub(crate) fn answers(kind: Kind) -> bool {
     matches!(kind, Kind::Response | Kind::Item)
 }
 
@@ -398,6 +398,42 @@ fn again_of(opts: CallOptions) -> Again {
 /// The error an answer of an error status carries (with its metadata).
 pub(crate) fn answer_error(f: Frame) -> RpcError {
     RpcError::new(f.status, message_of(f.payload)).with_metadata(f.meta)
+}
+
+/// What a send's outcome `r`, over a connection to `name`, means for its
+/// call: sent, or the error and whether the connection broke with it (it
+/// is then marked broken with `broke`, and the frame was not sent: a
+/// request may go elsewhere).
+pub(crate) fn sent_as(
+    name: &str,
+    r: Result<bool, crate::transport::TransportError>,
+    broke: impl FnOnce(crate::transport::TransportError) -> RpcError,
+) -> Result<(), (RpcError, bool)> {
+    match r {
+        Ok(true) => Ok(()),
+        Ok(false) => Err((
+            RpcError::deadline_exceeded(format!("no room to send to {name:?} before the deadline")),
+            false,
+        )),
+        Err(e) if e.breaks_connection() => Err((broke(e), true)),
+        Err(e) => Err((e.into(), false)),
+    }
+}
+
+/// Whether request `req`, placed for a connection whose Refs are
+/// `sharing.0`, can go as it is over one whose Refs are `sharing.1` and
+/// largest inline payload `max_inline` (its Refs usable there, its inline
+/// bytes and metadata within the limit).
+pub(crate) fn carried(
+    req: &Frame,
+    sharing: (crate::transport::Sharing, crate::transport::Sharing),
+    max_inline: usize,
+) -> bool {
+    goes_as_is(
+        req.payload.len() + req.meta.encoded_len(),
+        sharing,
+        max_inline,
+    )
 }
 
 /// Whether a request of `len` bytes of payload and metadata, placed for a
@@ -834,12 +870,8 @@ impl Client {
         let (opts, meta) = self.defaults.apply(opts, meta);
         let (c, opts) = self.usable(opts)?;
         let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
-        let window = match opts.window {
-            0 => crate::stream::DEFAULT_WINDOW,
-            n => n,
-        };
-        let how = (window, opts.wait_for_ready, out.again.idempotent);
-        crate::stream::Streaming::open(self.clone(), Arc::clone(&*c), out, how)
+        let how = crate::stream::How::of(opts, &out);
+        crate::stream::Streaming::open(self.h.clone(), Arc::clone(&*c), out, how)
     }
 
     /// Calls `method` with options.
@@ -897,7 +929,7 @@ impl Client {
         if c.is_spent() {
             if opts.wait_for_ready {
                 let until = deadline_of(&c.node, opts, Instant::now()).0;
-                c = self.ready(c, until)?;
+                c = self.h.ready(c, until)?;
                 opts = opts.after_waiting(until);
             }
             if let Some(e) = c.failure() {
@@ -928,7 +960,7 @@ impl Client {
                 self.h.refused(&c);
                 let mut n = self.h.live();
                 if opts.wait_for_ready && n.is_spent() {
-                    match self.ready(n, x.deadline()) {
+                    match self.h.ready(n, x.deadline()) {
                         Ok(ready) => n = ready,
                         Err(e) => return Err(x.drop_with(&c.node, e)),
                     }
@@ -955,21 +987,6 @@ impl Client {
             r = c.resend(*x);
         }
         self.h.settle(&c, r)
-    }
-
-    /// Waits until the connection `c` is replaced by one new calls can use
-    /// (a call that waits for ready), or `until` passes.
-    pub(crate) fn ready(
-        &self,
-        mut c: arc_swap::Guard<Arc<Inner>>,
-        until: Option<Instant>,
-    ) -> Result<arc_swap::Guard<Arc<Inner>>, RpcError> {
-        while c.is_spent() {
-            let at = self.h.next_look(until).ok_or_else(|| self.h.not_back())?;
-            std::thread::sleep(at.saturating_duration_since(Instant::now()));
-            c = self.h.live();
-        }
-        Ok(c)
     }
 }
 
@@ -1203,32 +1220,15 @@ impl Inner {
         r
     }
 
-    /// This connection's node.
-    pub(crate) fn node(&self) -> &Node {
-        &self.node
-    }
-
-    /// A new call id.
-    pub(crate) fn next_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Whether request `req`, sent over another connection, can go over
-    /// this one as it is (its Refs usable here, its inline bytes and
-    /// metadata within the limit).
-    pub(crate) fn carries(&self, req: &Frame, refs: crate::transport::Sharing) -> bool {
-        let len = req.payload.len() + req.meta.encoded_len();
-        goes_as_is(len, (refs, self.refs), self.max_inline)
-    }
-
-    /// Whether request `id` was never taken by this connection's server,
-    /// which stopped and said so (its go-away). What is left to read of a
-    /// broken connection is read first (its go-away may be there).
-    pub(crate) fn never_taken(&self, id: u64) -> bool {
-        if !self.goaway.unread(id) {
-            self.read_rest();
-        }
-        self.goaway.unread(id)
+    /// The next frame of stream `id`: an item, or the answer that ends it.
+    pub(crate) fn stream_next(
+        &self,
+        id: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Frame, RpcError> {
+        self.wait_until(id, deadline, |st| {
+            st.stream(id).and_then(VecDeque::pop_front)
+        })
     }
 
     /// Reads what is already there on the connection, if nobody else
@@ -1244,80 +1244,6 @@ impl Inner {
         }
     }
 
-    /// Which Refs the server can use.
-    pub(crate) fn refs(&self) -> crate::transport::Sharing {
-        self.refs
-    }
-
-    /// Opens the stream of request `req` (flagged [`FLAG_STREAM`]): the
-    /// stream is registered (its items find their place even when another
-    /// caller reads them), the request sent, then the first grant of
-    /// `window` items. On a failure, whether the request was sent.
-    pub(crate) fn start_stream(
-        &self,
-        req: &Frame,
-        deadline: Option<Instant>,
-        window: u32,
-    ) -> Result<(), (RpcError, bool)> {
-        {
-            let mut st = lock(&self.state);
-            if let Some(e) = &st.broken {
-                return Err((e.clone(), false));
-            }
-            st.streams.push((req.call_id, VecDeque::new()));
-        }
-        let r = match self.send_own(req, deadline) {
-            Ok(()) => self
-                .send_own(&Frame::credit(req.call_id, window), deadline)
-                .map_err(|e| (e, true)),
-            Err(e) => Err((e, false)),
-        };
-        if r.is_err() {
-            self.close_stream(req.call_id, false);
-        }
-        r
-    }
-
-    /// The next frame of stream `id`: an item, or the answer that ends it.
-    pub(crate) fn stream_next(
-        &self,
-        id: u64,
-        deadline: Option<Instant>,
-    ) -> Result<Frame, RpcError> {
-        self.wait_until(id, deadline, |st| {
-            st.stream(id).and_then(VecDeque::pop_front)
-        })
-    }
-
-    /// Grants stream `id` `items` more items.
-    pub(crate) fn grant(
-        &self,
-        id: u64,
-        items: u32,
-        deadline: Option<Instant>,
-    ) -> Result<(), RpcError> {
-        self.send_own(&Frame::credit(id, items), deadline)
-    }
-
-    /// Closes stream `id`: what arrived for it unread is released (and
-    /// what still comes, as it comes); with `cancel`, its server is told
-    /// (best effort, without waiting for room).
-    pub(crate) fn close_stream(&self, id: u64, cancel: bool) {
-        let left = {
-            let mut st = lock(&self.state);
-            match st.streams.iter().position(|(i, _)| *i == id) {
-                Some(k) => st.streams.swap_remove(k).1,
-                None => VecDeque::new(),
-            }
-        };
-        for f in left {
-            orphan(&self.node, f);
-        }
-        if cancel && !self.broken.load(Ordering::Acquire) {
-            let _ = lock(&self.tx).send(&Frame::cancel(id), Some(Instant::now()));
-        }
-    }
-
     /// Sends a frame of a stream's caller, reading answers for the others
     /// while it waits for room.
     fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), RpcError> {
@@ -1325,25 +1251,12 @@ impl Inner {
             .map_err(|(e, _)| e)
     }
 
-    /// What a send's outcome `r` means for its call: sent, or the error
-    /// and whether the connection broke with it (the frame was then not
-    /// sent: a request may go elsewhere).
+    /// What a send's outcome `r` means for its call ([`sent_as`]).
     fn sent(
         &self,
         r: Result<bool, crate::transport::TransportError>,
     ) -> Result<(), (RpcError, bool)> {
-        match r {
-            Ok(true) => Ok(()),
-            Ok(false) => Err((
-                RpcError::deadline_exceeded(format!(
-                    "no room to send to {:?} before the deadline",
-                    self.name
-                )),
-                false,
-            )),
-            Err(e) if e.breaks_connection() => Err((self.fail(e.into()), true)),
-            Err(e) => Err((e.into(), false)),
-        }
+        sent_as(&self.name, r, |e| self.fail(e.into()))
     }
 
     /// Waits until `take` gives a frame (it looks in the state for what
@@ -1428,6 +1341,76 @@ impl Inner {
                         .0;
                 st.sleepers -= 1;
             }
+        }
+    }
+}
+
+impl crate::stream::StreamConn for Inner {
+    fn node(&self) -> &Node {
+        &self.node
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn carries(&self, req: &Frame, refs: crate::transport::Sharing) -> bool {
+        carried(req, (refs, self.refs), self.max_inline)
+    }
+
+    fn never_taken(&self, id: u64) -> bool {
+        if !self.goaway.unread(id) {
+            self.read_rest();
+        }
+        self.goaway.unread(id)
+    }
+
+    fn refs(&self) -> crate::transport::Sharing {
+        self.refs
+    }
+
+    fn start_stream(
+        &self,
+        req: &Frame,
+        deadline: Option<Instant>,
+        window: u32,
+    ) -> Result<(), (RpcError, bool)> {
+        {
+            let mut st = lock(&self.state);
+            if let Some(e) = &st.broken {
+                return Err((e.clone(), false));
+            }
+            st.streams.push((req.call_id, VecDeque::new()));
+        }
+        let r = match self.send_own(req, deadline) {
+            Ok(()) => self
+                .send_own(&Frame::credit(req.call_id, window), deadline)
+                .map_err(|e| (e, true)),
+            Err(e) => Err((e, false)),
+        };
+        if r.is_err() {
+            self.close_stream(req.call_id, false);
+        }
+        r
+    }
+
+    fn grant(&self, id: u64, items: u32, deadline: Option<Instant>) -> Result<(), RpcError> {
+        self.send_own(&Frame::credit(id, items), deadline)
+    }
+
+    fn close_stream(&self, id: u64, cancel: bool) {
+        let left = {
+            let mut st = lock(&self.state);
+            match st.streams.iter().position(|(i, _)| *i == id) {
+                Some(k) => st.streams.swap_remove(k).1,
+                None => VecDeque::new(),
+            }
+        };
+        for f in left {
+            orphan(&self.node, f);
+        }
+        if cancel && !self.broken.load(Ordering::Acquire) {
+            let _ = lock(&self.tx).send(&Frame::cancel(id), Some(Instant::now()));
         }
     }
 }

@@ -301,6 +301,35 @@ impl<C: Connected> Redial<C> {
         }
     }
 
+    /// Waits until the connection `c` is replaced by one new calls can use
+    /// (a call that waits for ready), or `until` passes.
+    pub(crate) fn ready(
+        &self,
+        mut c: Guard<Arc<C>>,
+        until: Option<Instant>,
+    ) -> Result<Guard<Arc<C>>, RpcError> {
+        while c.is_spent() {
+            let at = self.next_look(until).ok_or_else(|| self.not_back())?;
+            std::thread::sleep(at.saturating_duration_since(Instant::now()));
+            c = self.live();
+        }
+        Ok(c)
+    }
+
+    /// [`ready`](Self::ready), for async callers.
+    pub(crate) async fn ready_async(
+        &self,
+        mut c: Arc<C>,
+        until: Option<Instant>,
+    ) -> Result<Arc<C>, RpcError> {
+        while c.is_spent() {
+            let at = self.next_look(until).ok_or_else(|| self.not_back())?;
+            tokio::time::sleep_until(at.into()).await;
+            c = Guard::into_inner(self.live());
+        }
+        Ok(c)
+    }
+
     /// The error of a call that waited for its service until its deadline.
     pub(crate) fn not_back(&self) -> RpcError {
         RpcError::deadline_exceeded(format!(

@@ -2752,6 +2752,74 @@ fn raw_pair(node: &Node, t: &Transport) -> RawPair {
     }
 }
 
+/// Three streaming requests from tasks of one client, their grants sent
+/// after all three requests (the order concurrent callers give): a
+/// stream's grant reaches its server as the stream runs, though a later
+/// request waits for the stream to end (held by the shared-memory
+/// listener). Before, the grant stayed held behind that request, and the
+/// stream waited for it forever.
+#[test]
+fn a_streams_grant_is_not_held_behind_a_later_request() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    for t in every_transport() {
+        let (mut l, mut c, reg) = raw_pair(&node, &t);
+        let mut frames = Vec::new();
+        for id in [1, 2, 3] {
+            let mut f = dm_rpc::Frame::request(id, 1, 0, dm_rpc::Body::Inline(vec![id as u8]));
+            f.flags |= dm_rpc::frame::FLAG_STREAM;
+            frames.push(f);
+        }
+        frames.insert(1, dm_rpc::Frame::credit(1, 4));
+        frames.extend([2, 3].map(|id| dm_rpc::Frame::credit(id, 4)));
+        for f in &frames {
+            assert!(c.tx.send(f, None).unwrap(), "{t:?}");
+        }
+        // The server reads what is there, then answers each stream that
+        // has its grant (as a running stream's sink reads its server's
+        // connections while it waits for credit).
+        let (mut requests, mut granted, mut answered) = (Vec::new(), Vec::new(), Vec::new());
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut conn = None;
+        while answered.len() < 3 {
+            let soon = Instant::now() + Duration::from_millis(5);
+            match l.next(Some(soon)).unwrap() {
+                Some((from, f)) => {
+                    conn = Some(from);
+                    match f.kind {
+                        dm_rpc::Kind::Request => requests.push(f.call_id),
+                        dm_rpc::Kind::Credit => granted.push(f.call_id),
+                        _ => panic!("{t:?}: {f:?}"),
+                    }
+                }
+                None => {
+                    let Some(conn) = conn else { continue };
+                    for id in requests.clone() {
+                        if granted.contains(&id) && !answered.contains(&id) {
+                            let end = dm_rpc::Frame::response(id, Status::Ok, dm_rpc::Body::None);
+                            l.reply(conn, &end).unwrap();
+                            answered.push(id);
+                        }
+                    }
+                }
+            }
+            assert!(
+                Instant::now() < until,
+                "{t:?}: requests {requests:?}, grants {granted:?}: a stream waits for its grant"
+            );
+        }
+        assert_eq!(answered, [1, 2, 3], "{t:?}");
+        for id in [1, 2, 3] {
+            let got = c.rx.recv(Some(until)).unwrap().unwrap();
+            assert_eq!(got.call_id, id, "{t:?}");
+        }
+        drop((l, c));
+        if let Some(svc) = reg {
+            node.pool().unregister(&svc).unwrap();
+        }
+    }
+}
+
 /// A listener that takes the first of three requests and goes away tells
 /// the client just that: the other two were never taken (transport level;
 /// over TCP the three are in the server's buffer already).

@@ -271,6 +271,36 @@ fn streams_and_calls_share_a_connection_across_threads() {
     });
 }
 
+/// Stops `old` gracefully and starts its successor, a server of `count`
+/// alone, registered as soon as the old one unregistered (as it starts
+/// draining); returns it once the old one stopped.
+fn restart(node: &Node, name: &str, t: &Transport, old: Server) -> Server {
+    let drain = std::thread::spawn(move || old.shutdown_gracefully(Duration::from_secs(5)));
+    let until = Instant::now() + Duration::from_secs(5);
+    let next = loop {
+        let s = node
+            .server(name)
+            .transport(t.clone())
+            .method_stream("count", |c, sink| {
+                let a = c.payload().to_vec()?;
+                let n = u32::from_le_bytes(a[0..4].try_into().unwrap());
+                let len = u32::from_le_bytes(a[4..8].try_into().unwrap());
+                for k in 0..n {
+                    sink.send(pattern(len as usize, k as u8))?;
+                }
+                Ok(())
+            })
+            .spawn();
+        match s {
+            Ok(s) => break s,
+            Err(_) => assert!(Instant::now() < until, "the name stays taken"),
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    drain.join().unwrap();
+    next
+}
+
 #[test]
 fn streams_survive_a_rolling_restart() {
     for t in every_transport() {
@@ -312,33 +342,7 @@ fn streams_survive_a_rolling_restart() {
                     .collect();
                 for _ in 0..3 {
                     std::thread::sleep(Duration::from_millis(30));
-                    let old = server.take().unwrap();
-                    // The successor registers once the old server has
-                    // unregistered (as it starts draining).
-                    let drain = sc.spawn(move || old.shutdown_gracefully(Duration::from_secs(5)));
-                    let until = Instant::now() + Duration::from_secs(5);
-                    let next = loop {
-                        let s = node
-                            .server(&name)
-                            .transport(t.clone())
-                            .method_stream("count", |c, sink| {
-                                let a = c.payload().to_vec()?;
-                                let n = u32::from_le_bytes(a[0..4].try_into().unwrap());
-                                let len = u32::from_le_bytes(a[4..8].try_into().unwrap());
-                                for k in 0..n {
-                                    sink.send(pattern(len as usize, k as u8))?;
-                                }
-                                Ok(())
-                            })
-                            .spawn();
-                        match s {
-                            Ok(s) => break s,
-                            Err(_) => assert!(Instant::now() < until, "the name stays taken"),
-                        }
-                        std::thread::sleep(Duration::from_millis(1));
-                    };
-                    server = Some(next);
-                    drain.join().unwrap();
+                    server = Some(restart(&node, &name, &t, server.take().unwrap()));
                 }
                 std::thread::sleep(Duration::from_millis(30));
                 done.store(true, Ordering::Relaxed);
@@ -351,5 +355,341 @@ fn streams_survive_a_rolling_restart() {
             }
         }
         tp.assert_clean();
+    }
+}
+
+// The async client's streams ([`dm_rpc::AsyncStreaming`]): the same
+// service, read from futures.
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs `body` over every transport with an async client of a fresh
+/// `service` on a tokio runtime, then stops it and checks that the pool
+/// is clean.
+fn async_over_every_transport<F, Fut>(test: &str, body: F)
+where
+    F: Fn(Transport, dm_rpc::AsyncClient, Arc<Seen>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    for t in every_transport() {
+        let tp = pool();
+        {
+            let node = Node::new(tp.attach());
+            let name = unique(test);
+            let seen = Arc::new(Seen::default());
+            let s = service(&node, &name, &t, seen.clone());
+            let c = node.connect_async(&name).unwrap();
+            rt().block_on(body(t, c, seen));
+            s.shutdown();
+        }
+        // (Its pump thread lets the client go within 100 ms.)
+        tp.assert_clean_within(Duration::from_secs(2));
+    }
+}
+
+/// Reads a stream to its end: its items, and the error it ended with.
+async fn read_all(st: &mut dm_rpc::AsyncStreaming) -> (Vec<Vec<u8>>, Option<RpcError>) {
+    let mut items = Vec::new();
+    while let Some(item) = st.next().await {
+        match item {
+            Ok(p) => items.push(p.to_vec().unwrap()),
+            Err(e) => {
+                assert!(st.next().await.is_none(), "nothing after the error");
+                return (items, Some(e));
+            }
+        }
+    }
+    (items, None)
+}
+
+#[test]
+fn async_streams_carry_items_in_order_and_end_with_their_answer() {
+    async_over_every_transport("astream-order", |t, c, _| async move {
+        for (n, len) in [(0u32, 0u32), (1, 10), (100, 100), (40, 256 << 10)] {
+            let mut st = c.call_stream("count", count_args(n, len)).await.unwrap();
+            let (items, end) = read_all(&mut st).await;
+            assert!(end.is_none(), "{t:?}: {end:?}");
+            assert_eq!(items.len(), n as usize, "{t:?}: every item, once");
+            for (k, item) in items.iter().enumerate() {
+                assert_eq!(*item, pattern(len as usize, k as u8), "{t:?} item {k}");
+            }
+            assert!(st.is_done());
+            assert_eq!(st.metadata().get("items"), Some(n.to_string().as_bytes()));
+        }
+        // A handler's error, after its items.
+        let mut st = c.call_stream("fail", vec![]).await.unwrap();
+        let (items, end) = read_all(&mut st).await;
+        assert_eq!(items, vec![vec![1], vec![2]]);
+        assert_eq!(end.unwrap().status, Status::PermissionDenied);
+        // The other kinds of call.
+        let e = c.call("count", count_args(3, 3)).await.unwrap_err();
+        assert_eq!(e.status, Status::InvalidArgument, "{e}");
+        let mut st = c.call_stream("unary", pattern(300 << 10, 9)).await.unwrap();
+        assert_eq!(read_all(&mut st).await.0, vec![pattern(300 << 10, 9)]);
+        let mut st = c.call_stream("nope", vec![]).await.unwrap();
+        assert_eq!(read_all(&mut st).await.1.unwrap().status, Status::NotFound);
+    });
+}
+
+#[test]
+fn an_async_streams_window_bounds_the_server_and_a_drop_cancels_it() {
+    async_over_every_transport("astream-window", |t, c, seen| async move {
+        let window = 4u64;
+        let opts = CallOptions::default().window(window as u32);
+        let arg = Payload::from_vec(vec![0]);
+        let mut st = c
+            .call_stream_with("endless", arg, opts, Metadata::new())
+            .await
+            .unwrap();
+        let mut read = 0u64;
+        for _ in 0..5 {
+            let granted = window + read / (window / 2) * (window / 2);
+            let until = Instant::now() + Duration::from_secs(5);
+            while seen.sent.load(Ordering::SeqCst) != granted {
+                assert!(Instant::now() < until, "{t:?}: the server sent {granted}");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            let sent = seen.sent.load(Ordering::SeqCst);
+            assert_eq!(sent, granted, "{t:?}: no item beyond the grant");
+            for _ in 0..3 {
+                let item = st.next().await.unwrap().unwrap();
+                assert_eq!(item.to_vec().unwrap(), read.to_le_bytes());
+                read += 1;
+            }
+        }
+        drop(st);
+        let until = Instant::now() + Duration::from_secs(5);
+        while seen.ended.lock().unwrap().is_none() {
+            assert!(Instant::now() < until, "{t:?}: the handler saw the cancel");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(*seen.ended.lock().unwrap(), Some(Status::Cancelled));
+        // Large items, some unread, released with the dropped stream.
+        let mut st = c
+            .call_stream("count", count_args(1000, 64 << 10))
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            st.next().await.unwrap().unwrap();
+        }
+        drop(st);
+        let back = c.call("unary", vec![1u8]).await.unwrap();
+        assert_eq!(back.to_vec().unwrap(), vec![1u8]);
+    });
+}
+
+#[test]
+fn an_async_stream_ends_at_its_deadline_and_a_dropped_next_loses_nothing() {
+    async_over_every_transport("astream-deadline", |t, c, seen| async move {
+        // Items every 20 ms: a wait of 5 ms for the next one gives up,
+        // and the item it waited for is the next one's.
+        let mut st = c.call_stream("endless", vec![20u8]).await.unwrap();
+        for k in 0..4u64 {
+            let quick = tokio::time::timeout(Duration::from_millis(5), st.next()).await;
+            if let Ok(item) = quick {
+                // (A slow host: the item came within the 5 ms.)
+                assert_eq!(item.unwrap().unwrap().to_vec().unwrap(), k.to_le_bytes());
+                continue;
+            }
+            let item = st.next().await.unwrap().unwrap();
+            assert_eq!(item.to_vec().unwrap(), k.to_le_bytes(), "{t:?}");
+        }
+        drop(st);
+        // The deadline bounds the whole stream: items every 5 ms, for
+        // 150 ms.
+        let opts = CallOptions::deadline(Duration::from_millis(150));
+        let arg = Payload::from_vec(vec![5]);
+        let start = Instant::now();
+        let mut st = c
+            .call_stream_with("endless", arg, opts, Metadata::new())
+            .await
+            .unwrap();
+        let (items, end) = read_all(&mut st).await;
+        assert_eq!(
+            end.map(|e| e.status),
+            Some(Status::DeadlineExceeded),
+            "{t:?}"
+        );
+        assert!(!items.is_empty(), "{t:?}: items came before the deadline");
+        assert!(start.elapsed() < Duration::from_secs(2));
+        let until = Instant::now() + Duration::from_secs(5);
+        while seen.ended.lock().unwrap().is_none() {
+            assert!(Instant::now() < until, "{t:?}: the handler stopped");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let back = c.call("unary", vec![3u8]).await.unwrap();
+        assert_eq!(back.to_vec().unwrap(), vec![3u8]);
+    });
+}
+
+#[test]
+fn async_streams_and_calls_share_a_connection_across_tasks() {
+    async_over_every_transport("astream-mix", |_, c, _| async move {
+        let mut set = tokio::task::JoinSet::new();
+        for task in 0..8u32 {
+            let c = c.clone();
+            set.spawn(async move {
+                for round in 0..20u32 {
+                    if (task + round) % 2 == 0 {
+                        let n = 5 + task;
+                        let mut st = c.call_stream("count", count_args(n, 2000)).await.unwrap();
+                        let (items, end) = read_all(&mut st).await;
+                        assert!(end.is_none(), "{end:?}");
+                        assert_eq!(items.len(), n as usize);
+                        for (k, item) in items.iter().enumerate() {
+                            assert_eq!(*item, pattern(2000, k as u8));
+                        }
+                    } else {
+                        let v = vec![task as u8; 100];
+                        let back = c.call("unary", v.clone()).await.unwrap();
+                        assert_eq!(back.to_vec().unwrap(), v);
+                    }
+                }
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+    });
+}
+
+/// An async handler reads a stream of another service (its answers read
+/// by the handler's own server's listener over shm) and answers with
+/// the sum of the items' first bytes.
+#[test]
+fn an_async_handler_reads_another_services_stream() {
+    for t in every_transport() {
+        let tp = pool();
+        {
+            let node = Node::new(tp.attach());
+            let (back, front) = (unique("astream-back"), unique("astream-front"));
+            let s = service(&node, &back, &t, Arc::default());
+            let target = node.connect_async(&back).unwrap();
+            let f = node
+                .server(&front)
+                .transport(t.clone())
+                .method_async("sum", move |call| {
+                    let target = target.clone();
+                    async move {
+                        let mut st = target.call_stream("count", call.payload.to_vec()?).await?;
+                        let mut sum = 0u64;
+                        while let Some(item) = st.next().await {
+                            sum += item?.to_vec()?.first().copied().unwrap_or(0) as u64;
+                        }
+                        Ok(Payload::from_vec(sum.to_le_bytes().to_vec()))
+                    }
+                })
+                .spawn()
+                .unwrap();
+            let c = node.connect(&front).unwrap();
+            for (n, len) in [(50u32, 10u32), (20, 128 << 10)] {
+                let got = c.call("sum", count_args(n, len)).unwrap().to_vec().unwrap();
+                let want: u64 = (0..n)
+                    .map(|k| pattern(len as usize, k as u8)[0] as u64)
+                    .sum();
+                assert_eq!(got, want.to_le_bytes(), "{t:?}");
+            }
+            drop(c);
+            f.shutdown();
+            s.shutdown();
+        }
+        tp.assert_clean_within(Duration::from_secs(2));
+    }
+}
+
+#[test]
+fn async_streams_survive_a_rolling_restart_and_balance_over_replicas() {
+    for t in every_transport() {
+        let tp = pool();
+        {
+            let node = Node::new(tp.attach());
+            let name = unique("astream-restart");
+            let mut server = Some(service(&node, &name, &t, Arc::default()));
+            let c = node.connect_async(&name).unwrap();
+            let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let rt = rt();
+            // Streams one after another from two tasks, each checked
+            // whole: none may fail.
+            let load: Vec<_> = (0..2u8)
+                .map(|task| {
+                    let (c, done, t) = (c.clone(), done.clone(), t.clone());
+                    rt.spawn(async move {
+                        let mut n = 0;
+                        while !done.load(Ordering::Relaxed) {
+                            let len = 10 + task as u32;
+                            let o = CallOptions::deadline(Duration::from_secs(10))
+                                .wait_for_ready()
+                                .idempotent();
+                            let arg = Payload::from_vec(count_args(4, len));
+                            let mut st = c
+                                .call_stream_with("count", arg, o, Metadata::new())
+                                .await
+                                .unwrap_or_else(|e| panic!("{t:?} stream {n}: {e}"));
+                            let (items, end) = read_all(&mut st).await;
+                            assert!(end.is_none(), "{t:?} stream {n}: {end:?}");
+                            assert_eq!(items.len(), 4);
+                            assert_eq!(items[3], pattern(len as usize, 3));
+                            n += 1;
+                        }
+                        n
+                    })
+                })
+                .collect();
+            for _ in 0..3 {
+                std::thread::sleep(Duration::from_millis(30));
+                server = Some(restart(&node, &name, &t, server.take().unwrap()));
+            }
+            std::thread::sleep(Duration::from_millis(30));
+            done.store(true, Ordering::Relaxed);
+            let streams: usize = load.into_iter().map(|h| rt.block_on(h).unwrap()).sum();
+            assert!(streams >= 4, "{t:?}: {streams} streams");
+            drop(c);
+            if let Some(s) = server {
+                s.shutdown();
+            }
+            // Replicas: an async balanced client's streams go to each in
+            // turn, and an open one counts as in flight on its replica.
+            let rname = unique("astream-replicas");
+            let reps: Vec<Server> = (0..2)
+                .map(|k| {
+                    node.server(&rname)
+                        .transport(t.clone())
+                        .replica()
+                        .method_stream("who", move |_, sink| sink.send(vec![k as u8]))
+                        .spawn()
+                        .unwrap()
+                })
+                .collect();
+            let b = node.connect_balanced_async(&rname).unwrap();
+            rt.block_on(async {
+                let mut seen = Vec::new();
+                for _ in 0..4 {
+                    let mut st = b.call_stream("who", vec![]).await.unwrap();
+                    seen.push(read_all(&mut st).await.0[0][0]);
+                }
+                seen.sort();
+                assert_eq!(seen, vec![0, 0, 1, 1], "{t:?}: in turn");
+                // One open stream: the next two go to the other replica.
+                let mut open = b.call_stream("who", vec![]).await.unwrap();
+                let first = open.next().await.unwrap().unwrap().to_vec().unwrap()[0];
+                for _ in 0..2 {
+                    let mut st = b.call_stream("who", vec![]).await.unwrap();
+                    assert_ne!(read_all(&mut st).await.0[0][0], first, "{t:?}");
+                }
+                assert!(open.next().await.is_none());
+            });
+            drop(b);
+            for r in reps {
+                r.shutdown();
+            }
+        }
+        tp.assert_clean_within(Duration::from_secs(2));
     }
 }

@@ -419,6 +419,21 @@ impl ServerConn {
         self.resp.fits_many(reserve.max(len), self.owed + 1)
     }
 
+    /// Moves the grants and cancels of request `id`, taken from the held
+    /// frames, to their front: they go next. (Held behind it, they may be
+    /// behind later requests too, which wait while its stream runs: the
+    /// stream would wait for its grant forever.)
+    fn lift_held(&mut self, id: u64) {
+        if !self.held.iter().any(|h| h.call_id == id) {
+            return;
+        }
+        let (mut mine, rest): (VecDeque<Frame>, VecDeque<Frame>) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|h| h.call_id == id);
+        mine.extend(rest);
+        self.held = mine;
+    }
+
     /// Takes request `f`: its answer is owed.
     fn took(&mut self, f: &Frame) {
         self.owed += 1;
@@ -662,6 +677,7 @@ impl ShmListener {
                     c.held_bytes -= f.encoded_len();
                     if f.kind == Kind::Request {
                         c.took(&f);
+                        c.lift_held(f.call_id);
                     }
                     self.rr = i + 1;
                     return Some(Ok(Found::Held(c.id, f)));

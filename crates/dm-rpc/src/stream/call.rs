@@ -1,0 +1,504 @@
+//! The caller's end of a stream: one state machine ([`Opened`]) over
+//! either client's connection ([`StreamConn`]), read by the blocking
+//! client ([`Streaming`], an iterator) or the async one
+//! ([`AsyncStreaming`], whose `next` is a future). The two differ only in
+//! how they wait: for the stream's next frame, and for a server to come
+//! back when the request moves on.
+
+use crate::client::{answer, orphan, Outgoing, Reply};
+use crate::error::RpcError;
+use crate::frame::{Frame, Kind, FLAG_REFUSED, FLAG_STREAM};
+use crate::metadata::Metadata;
+use crate::node::Node;
+use crate::payload::{Lent, Payload};
+use crate::reconnect::{Connected, Redial};
+use crate::transport::Sharing;
+use crate::{CallOptions, Status};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What the caller's end of a stream needs of its client's connection
+/// (the blocking client's and the async client's).
+pub(crate) trait StreamConn: Connected {
+    /// The connection's node.
+    fn node(&self) -> &Node;
+    /// Which Refs its server can use.
+    fn refs(&self) -> Sharing;
+    /// A new call id.
+    fn next_id(&self) -> u64;
+    /// Whether request `req`, placed for a connection whose Refs are
+    /// `refs`, can go over this one as it is.
+    fn carries(&self, req: &Frame, refs: Sharing) -> bool;
+    /// Whether request `id` was never taken by this connection's server,
+    /// which stopped and said so (its go-away).
+    fn never_taken(&self, id: u64) -> bool;
+    /// Opens the stream of request `req` (flagged [`FLAG_STREAM`]): the
+    /// stream is registered (its frames find their place whoever reads
+    /// them), the request sent, then the first grant of `window` items.
+    /// On a failure, whether the request was sent.
+    fn start_stream(
+        &self,
+        req: &Frame,
+        deadline: Option<Instant>,
+        window: u32,
+    ) -> Result<(), (RpcError, bool)>;
+    /// Grants stream `id` `items` more items.
+    fn grant(&self, id: u64, items: u32, deadline: Option<Instant>) -> Result<(), RpcError>;
+    /// Closes stream `id`: what arrived for it unread is released (and
+    /// what still comes, as it comes); with `cancel`, its server is told
+    /// (best effort, without waiting for room).
+    fn close_stream(&self, id: u64, cancel: bool);
+}
+
+/// How a stream is asked for: its window, whether its request waits for
+/// a server to come back, and whether it may run twice.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct How {
+    window: u32,
+    wait_for_ready: bool,
+    idempotent: bool,
+}
+
+impl How {
+    /// The stream a call with `opts` (as the client applied its defaults)
+    /// opens with request `out`.
+    pub(crate) fn of(opts: CallOptions, out: &Outgoing) -> How {
+        How {
+            window: match opts.window {
+                0 => super::DEFAULT_WINDOW,
+                n => n,
+            },
+            wait_for_ready: opts.wait_for_ready,
+            idempotent: out.again.idempotent,
+        }
+    }
+}
+
+/// The state of a stream's caller end.
+struct Opened<C: StreamConn> {
+    h: Arc<Redial<C>>,
+    conn: Arc<C>,
+    id: u64,
+    /// The request, until the server answers anything: a request refused
+    /// unrun (its server was stopping) goes to the service's next server.
+    request: Option<Frame>,
+    /// What the argument lent, ended with the stream.
+    lent: Option<Lent>,
+    deadline: Option<Instant>,
+    how: How,
+    /// The request and first grant went over `conn` (false while the
+    /// request moves to another server).
+    started: bool,
+    /// Items read since the last grant.
+    read: u32,
+    done: bool,
+    trailer: Metadata,
+    /// Kept while the stream lives (a balanced client's count of what is
+    /// in flight on the replica it went to).
+    _hold: Option<Box<dyn Send + Sync>>,
+}
+
+impl<C: StreamConn> Opened<C> {
+    fn new(h: Arc<Redial<C>>, conn: Arc<C>, out: Outgoing, how: How) -> Self {
+        let id = conn.next_id();
+        let (mut req, lent, deadline, _) = out.into_frame(id);
+        req.flags |= FLAG_STREAM;
+        Opened {
+            h,
+            conn,
+            id,
+            request: Some(req),
+            lent: Some(lent),
+            deadline,
+            how,
+            started: false,
+            read: 0,
+            done: false,
+            trailer: Metadata::new(),
+            _hold: None,
+        }
+    }
+
+    /// Ends the stream here: what it lent is released, and with `cancel`
+    /// its server is told.
+    fn end(&mut self, cancel: bool) {
+        self.done = true;
+        self.conn.close_stream(self.id, cancel);
+        if let Some(lent) = self.lent.take() {
+            lent.release(self.conn.node());
+        }
+    }
+
+    /// Ends the stream with `e` (a failure of the connection makes the
+    /// client look whether its service moved).
+    fn fail(&mut self, e: RpcError) -> RpcError {
+        let cancel = e.status != Status::Unavailable;
+        self.end(cancel);
+        self.h.settle_error(&self.conn, e)
+    }
+
+    /// Whether `got`, what came for the stream, leaves its request unrun
+    /// before any answer, so that it may go to the service's next server:
+    /// `Some(true)` refused by a server that was stopping, `Some(false)`
+    /// on a connection that broke (never taken by its server, or the call
+    /// may run twice).
+    fn unrun_by(&self, got: &Result<Frame, RpcError>) -> Option<bool> {
+        self.request.as_ref()?;
+        match got {
+            Ok(f) => (f.kind != Kind::Item && f.flags & FLAG_REFUSED != 0).then_some(true),
+            Err(e) => (e.status == Status::Unavailable && self.unrun()).then_some(false),
+        }
+    }
+
+    /// Whether the request, on a connection that broke before any answer
+    /// came, may go elsewhere.
+    fn unrun(&self) -> bool {
+        self.how.idempotent || self.conn.never_taken(self.id)
+    }
+
+    /// Whether the request would wait for `n`, the connection it goes to
+    /// next, to be usable.
+    fn waits_for(&self, n: &C) -> bool {
+        self.how.wait_for_ready && n.is_spent()
+    }
+
+    /// The request's next connection, before any wait for it: the
+    /// client's current one (after a refusal, once it retired the
+    /// refusing one). None without a request to move.
+    fn next_conn(&self, refused: bool) -> Option<arc_swap::Guard<Arc<C>>> {
+        self.request.as_ref()?;
+        if refused {
+            self.h.refused(&self.conn);
+        }
+        Some(self.h.live())
+    }
+
+    /// Moves the request, known not to have run, to connection `n`; false
+    /// if it is the same, the request cannot go there as it is, or its
+    /// deadline passed.
+    fn move_to(&mut self, n: &Arc<C>) -> bool {
+        let Some(req) = self.request.as_mut() else {
+            return false;
+        };
+        if Arc::ptr_eq(n, &self.conn)
+            || !n.carries(req, self.conn.refs())
+            || self.deadline.is_some_and(|d| Instant::now() >= d)
+        {
+            return false;
+        }
+        self.conn.close_stream(self.id, false);
+        self.started = false;
+        req.call_id = n.next_id();
+        self.id = req.call_id;
+        self.conn = Arc::clone(n);
+        true
+    }
+
+    /// Attempt `attempt` at sending the request and the first grant. On a
+    /// failure, the error and whether the request may go to the next
+    /// server (it is known not to have run; three servers at most).
+    fn start(&mut self, attempt: u32) -> Result<(), (RpcError, bool)> {
+        let Some(req) = &self.request else {
+            return Err((RpcError::internal("a stream without its request"), false));
+        };
+        let (e, sent) = match self.conn.start_stream(req, self.deadline, self.how.window) {
+            Ok(()) => {
+                self.started = true;
+                return Ok(());
+            }
+            Err(x) => x,
+        };
+        let again = e.status == Status::Unavailable && (!sent || self.unrun()) && attempt < 3;
+        Err((e, again))
+    }
+
+    /// What the stream gives for `got`, what came for it: an item
+    /// (`Ok(Some)`), its end (`Ok(None)`, or the last item the ending
+    /// answer carries), or the error it ended with.
+    fn take(&mut self, got: Result<Frame, RpcError>) -> Result<Option<Payload>, RpcError> {
+        let f = match got {
+            Ok(f) => f,
+            Err(e) => return Err(self.fail(e)),
+        };
+        if f.kind == Kind::Item {
+            self.request = None;
+            self.read += 1;
+            if self.read >= (self.how.window / 2).max(1) {
+                let n = std::mem::take(&mut self.read);
+                if let Err(e) = self.conn.grant(self.id, n, self.deadline) {
+                    orphan(self.conn.node(), f);
+                    return Err(self.fail(e));
+                }
+            }
+            crate::stats::count(&f.payload, false);
+            return Payload::from_response_body(f.payload, self.conn.node()).map(Some);
+        }
+        // The answer that ends the stream (what the argument lent is
+        // ended with it: an answer may pass the request's Ref back).
+        let lent = self.lent.take().unwrap_or_default();
+        self.end(false);
+        match answer(self.conn.node(), f, lent) {
+            Ok(Reply { payload, metadata }) => {
+                self.trailer = metadata;
+                Ok((!payload.is_empty()).then_some(payload))
+            }
+            Err(e) => {
+                self.trailer = e.metadata.clone();
+                Err(self.h.settle_error(&self.conn, e))
+            }
+        }
+    }
+}
+
+impl<C: StreamConn> Drop for Opened<C> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.end(true);
+        }
+    }
+}
+
+impl<C: StreamConn> std::fmt::Debug for Opened<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("service", &self.h.target())
+            .field("call_id", &self.id)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The caller's end of a streaming call
+/// ([`Client::call_stream`](crate::Client::call_stream)): an iterator
+/// over the items as they come, then `None` once the stream ended well, or
+/// one `Err` with the status it ended with. Dropping it before the end
+/// cancels the call (its server is told) and releases what came and was
+/// not read.
+#[derive(Debug)]
+pub struct Streaming {
+    o: Opened<crate::client::Inner>,
+}
+
+impl Streaming {
+    /// Sends request `out` over `conn` and opens its stream.
+    pub(crate) fn open(
+        h: Arc<Redial<crate::client::Inner>>,
+        conn: Arc<crate::client::Inner>,
+        out: Outgoing,
+        how: How,
+    ) -> Result<Streaming, RpcError> {
+        let mut s = Streaming {
+            o: Opened::new(h, conn, out, how),
+        };
+        match s.launch() {
+            Ok(()) => Ok(s),
+            Err(e) => Err(s.o.fail(e)),
+        }
+    }
+
+    /// This stream, keeping `hold` until it is dropped.
+    pub(crate) fn holding(mut self, hold: Box<dyn Send + Sync>) -> Self {
+        self.o._hold = Some(hold);
+        self
+    }
+
+    /// The metadata of the answer that ended the stream (empty before the
+    /// end, and if the handler set none).
+    pub fn metadata(&self) -> &Metadata {
+        &self.o.trailer
+    }
+
+    /// Whether the stream has ended (well or not).
+    pub fn is_done(&self) -> bool {
+        self.o.done
+    }
+
+    /// Moves the request, known not to have run, to the server the
+    /// client now connects to, waiting for one if the call waits for
+    /// ready; false if there is none other ([`Opened::move_to`]).
+    fn move_on(&mut self, refused: bool) -> bool {
+        let Some(mut n) = self.o.next_conn(refused) else {
+            return false;
+        };
+        if self.o.waits_for(&n) {
+            match self.o.h.ready(n, self.o.deadline) {
+                Ok(r) => n = r,
+                Err(_) => return false,
+            }
+        }
+        self.o.move_to(&n)
+    }
+
+    /// Sends the request and the first grant; again, to the next server,
+    /// while the failure leaves the request unrun.
+    fn launch(&mut self) -> Result<(), RpcError> {
+        let mut attempt = 1;
+        loop {
+            match self.o.start(attempt) {
+                Ok(()) => return Ok(()),
+                Err((e, again)) => {
+                    if !again || !self.move_on(false) {
+                        return Err(e);
+                    }
+                }
+            }
+            attempt += 1;
+        }
+    }
+
+    /// Sends the request, known not to have run, to the next server: true
+    /// if it went, false if there is none to go to; the stream's end if
+    /// sending it there failed.
+    fn went_again(&mut self, refused: bool) -> Result<bool, RpcError> {
+        if !self.move_on(refused) {
+            return Ok(false);
+        }
+        match self.launch() {
+            Ok(()) => Ok(true),
+            Err(e) => Err(self.o.fail(e)),
+        }
+    }
+
+    /// The next item: `Ok(Some)`, `Ok(None)` at the end, or the error the
+    /// stream ended with.
+    fn step(&mut self) -> Result<Option<Payload>, RpcError> {
+        loop {
+            let got = self.o.conn.stream_next(self.o.id, self.o.deadline);
+            if let Some(refused) = self.o.unrun_by(&got) {
+                if self.went_again(refused)? {
+                    continue;
+                }
+            }
+            return self.o.take(got);
+        }
+    }
+}
+
+impl Iterator for Streaming {
+    type Item = Result<Payload, RpcError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.o.done {
+            return None;
+        }
+        self.step().transpose()
+    }
+}
+
+/// The async caller's end of a streaming call
+/// ([`AsyncClient::call_stream`](crate::AsyncClient::call_stream)):
+/// [`next`](Self::next) gives the items as they come, then `None` once the
+/// stream ended well, or one `Err` with the status it ended with.
+/// Dropping it before the end cancels the call (its server is told) and
+/// releases what came and was not read. Dropping a `next` future while it
+/// waits (a `select!`, a timeout around it) loses nothing: the item it
+/// waited for is the next one's.
+#[derive(Debug)]
+pub struct AsyncStreaming {
+    o: Opened<crate::async_client::Inner>,
+}
+
+impl AsyncStreaming {
+    /// Sends request `out` over `conn` and opens its stream.
+    pub(crate) async fn open(
+        h: Arc<Redial<crate::async_client::Inner>>,
+        conn: Arc<crate::async_client::Inner>,
+        out: Outgoing,
+        how: How,
+    ) -> Result<AsyncStreaming, RpcError> {
+        let mut s = AsyncStreaming {
+            o: Opened::new(h, conn, out, how),
+        };
+        match s.launch().await {
+            Ok(()) => Ok(s),
+            Err(e) => Err(s.o.fail(e)),
+        }
+    }
+
+    /// This stream, keeping `hold` until it is dropped.
+    pub(crate) fn holding(mut self, hold: Box<dyn Send + Sync>) -> Self {
+        self.o._hold = Some(hold);
+        self
+    }
+
+    /// The metadata of the answer that ended the stream (empty before the
+    /// end, and if the handler set none).
+    pub fn metadata(&self) -> &Metadata {
+        &self.o.trailer
+    }
+
+    /// Whether the stream has ended (well or not).
+    pub fn is_done(&self) -> bool {
+        self.o.done
+    }
+
+    /// The next item: `Some(Ok)`, `None` once the stream ended well, or
+    /// `Some(Err)` with the status it ended with (then `None`).
+    pub async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
+        if self.o.done {
+            return None;
+        }
+        self.step().await.transpose()
+    }
+
+    /// [`Streaming::move_on`], awaiting a server that comes back.
+    async fn move_on(&mut self, refused: bool) -> bool {
+        let Some(n) = self.o.next_conn(refused) else {
+            return false;
+        };
+        let mut n = arc_swap::Guard::into_inner(n);
+        if self.o.waits_for(&n) {
+            match self.o.h.ready_async(n, self.o.deadline).await {
+                Ok(r) => n = r,
+                Err(_) => return false,
+            }
+        }
+        self.o.move_to(&n)
+    }
+
+    /// [`Streaming::launch`].
+    async fn launch(&mut self) -> Result<(), RpcError> {
+        let mut attempt = 1;
+        loop {
+            match self.o.start(attempt) {
+                Ok(()) => return Ok(()),
+                Err((e, again)) => {
+                    if !again || !self.move_on(false).await {
+                        return Err(e);
+                    }
+                }
+            }
+            attempt += 1;
+        }
+    }
+
+    /// [`Streaming::went_again`].
+    async fn went_again(&mut self, refused: bool) -> Result<bool, RpcError> {
+        if !self.move_on(refused).await {
+            return Ok(false);
+        }
+        match self.launch().await {
+            Ok(()) => Ok(true),
+            Err(e) => Err(self.o.fail(e)),
+        }
+    }
+
+    /// [`Streaming::step`].
+    async fn step(&mut self) -> Result<Option<Payload>, RpcError> {
+        if !self.o.started {
+            // (A `next` dropped while its request moved to another server.)
+            if let Err(e) = self.launch().await {
+                return Err(self.o.fail(e));
+            }
+        }
+        loop {
+            let got = self.o.conn.stream_next(self.o.id, self.o.deadline).await;
+            if let Some(refused) = self.o.unrun_by(&got) {
+                if self.went_again(refused).await? {
+                    continue;
+                }
+            }
+            return self.o.take(got);
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! Streaming calls: a method that answers with a stream of items.
+//!
+//! A server registers a streaming method with
+//! [`ServerBuilder::method_stream`](crate::ServerBuilder::method_stream):
+//! its handler sends items into a [`Sink`] as it has them and returns how
+//! the stream ends. A caller opens the stream with
+//! [`Client::call_stream`](crate::Client::call_stream) and reads the items
+//! from a [`Streaming`], an iterator, as they come. Each item is a
+//! [`Payload`]: small ones travel inline, large ones as Refs made for the
+//! caller (the size-aware rule of every answer), so a stream of large
+//! items moves no bytes through the connection.
+//!
+//! **Flow control.** The caller says how many items it will hold (its
+//! window, [`CallOptions::window`](crate::CallOptions::window), default
+//! [`DEFAULT_WINDOW`]): the server sends an item only while the caller has
+//! granted more than it was sent, and the caller grants more as it reads
+//! (in [`Kind::Credit`](crate::Kind::Credit) frames, once half its window
+//! is read). So what a slow reader has not read stays within its window:
+//! its client never buffers more, and its connection never fills with it
+//! (the answers of the connection's other calls still get through). A
+//! handler that sends faster than its caller reads waits in
+//! [`Sink::send`]; meanwhile its server queues the requests that come (it
+//! runs one blocking handler at a time, a streaming one too; over shared
+//! memory the stream's own connection is not read for requests until it
+//! ends, so that its items have the room).
+//!
+//! **Ends.** The stream ends with the call's answer: `Ok` after the
+//! handler returned `Ok(())`, or the error it returned (or
+//! `DeadlineExceeded` once the call's deadline passes: the deadline
+//! bounds the whole stream). A caller that drops its [`Streaming`] before
+//! the end cancels the call: the handler's next [`Sink::send`] fails with
+//! `Cancelled` (and [`Call::cancelled`](crate::Call::cancelled) is true),
+//! and the items already sent are released. A server that dies ends its
+//! streams with `Unavailable`, as it does calls.
+//!
+//! The wire format is in [`crate::frame`] (frames v7).
+
+mod call;
+mod sink;
+
+pub use call::{AsyncStreaming, Streaming};
+pub(crate) use call::{How, StreamConn};
+pub(crate) use sink::Feed;
+pub use sink::Sink;
+
+/// Items a caller holds unread at most, unless it says otherwise
+/// ([`CallOptions::window`](crate::CallOptions::window)).
+pub const DEFAULT_WINDOW: u32 = 16;
