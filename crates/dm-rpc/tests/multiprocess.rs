@@ -819,6 +819,51 @@ fn server_killed_mid_stream(transport: &[&str]) {
     settle(&tp);
 }
 
+/// The same with an async caller: its pending `next` ends with
+/// `Unavailable` (the pump, or the liveness check, sees the server gone).
+#[test]
+fn server_killed_mid_async_stream_ends_it_with_unavailable() {
+    for transport in [&[][..], &["--tcp"][..]] {
+        let tp = pool();
+        let name = format!(
+            "mp/astream-victim/{}/{}",
+            std::process::id(),
+            transport.len()
+        );
+        let server = Agent::serve(&tp, &name, transport);
+        let node = node(&tp);
+        let c = node.connect_async(&name).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (end, took) = rt.block_on(async {
+            let arg = items_arg(100_000, 200 << 10, 5);
+            let mut st = c.call_stream("items", arg).await.unwrap();
+            for _ in 0..5 {
+                st.next().await.unwrap().unwrap();
+            }
+            server.kill9();
+            let t0 = Instant::now();
+            let end = loop {
+                match st.next().await {
+                    Some(Ok(_)) => assert!(t0.elapsed() < Duration::from_secs(3), "items go on"),
+                    Some(Err(e)) => break e,
+                    None => panic!("a killed server's stream ended well"),
+                }
+            };
+            assert!(st.next().await.is_none());
+            (end, t0.elapsed())
+        });
+        assert_eq!(end.status, Status::Unavailable, "{transport:?}: {end}");
+        assert!(took < Duration::from_secs(3), "noticed after {took:?}");
+        drop(c);
+        drop(rt);
+        drop(node);
+        settle(&tp);
+    }
+}
+
 #[test]
 fn client_killed_mid_stream_does_not_disturb_the_server() {
     let tp = pool();

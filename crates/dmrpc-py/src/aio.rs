@@ -14,10 +14,11 @@
 use crate::errors::to_py;
 use crate::node::{call_options, keep_thread_state};
 use crate::payload::{to_payload, PyPayload};
-use dm_rpc::{AsyncBalancedClient, AsyncClient, Node, RpcError};
+use dm_rpc::{AsyncBalancedClient, AsyncClient, AsyncStreaming, Node, RpcError};
 use pyo3::prelude::*;
 use std::future::Future;
-use std::sync::OnceLock;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 
 /// The runtime of every async client's calls in this process.
@@ -55,6 +56,19 @@ impl AsyncCaller {
         match self {
             AsyncCaller::One(c) => c.call_full(method, p, opts, meta).await,
             AsyncCaller::Replicas(c) => c.call_full(method, p, opts, meta).await,
+        }
+    }
+
+    async fn call_stream(
+        &self,
+        method: &str,
+        p: dm_rpc::Payload,
+        opts: dm_rpc::CallOptions,
+        meta: dm_rpc::Metadata,
+    ) -> Result<AsyncStreaming, RpcError> {
+        match self {
+            AsyncCaller::One(c) => c.call_stream_with(method, p, opts, meta).await,
+            AsyncCaller::Replicas(c) => c.call_stream_with(method, p, opts, meta).await,
         }
     }
 
@@ -162,37 +176,198 @@ impl PyAsyncClient {
         let p = to_payload(py, &self.node, data)?;
         let mut opts = call_options(timeout, detached, wait_for_ready, idempotent)?;
         opts.retry = crate::node::retry_of(retry)?;
-        let (client, node) = (self.client.clone(), self.node.clone());
-        let rt = runtime()?;
-        let mut call = Box::pin(async move { client.call_full(&method, p, opts, meta).await });
-        // First polled here, without the GIL: a call whose answer comes
-        // within its spin (the waiting policy's, adaptive) completes with
-        // no thread in between, as a Rust async call does. Only a call
-        // still waiting after it goes to the runtime.
-        let first = py.allow_threads(|| {
-            let _in_rt = rt.enter();
-            let mut cx = Context::from_waker(Waker::noop());
-            call.as_mut().poll(&mut cx)
+        let client = self.client.clone();
+        let call = async move { client.call_full(&method, p, opts, meta).await };
+        let node = self.node.clone();
+        drive(
+            py,
+            Box::pin(call),
+            (event_loop, fut, resolve),
+            move |py, r| outcome(py, r, node),
+        )
+    }
+
+    /// Starts a streaming call of `method` with `data` (as
+    /// `Client.call_stream`): `resolve(fut, ok, value)` is called with the
+    /// `AsyncStream` once the request is sent, or with the exception (as
+    /// `start` does). The `CallHandle` returned cancels the opening.
+    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, window=None, wait_for_ready=false, idempotent=false, metadata=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn start_stream(
+        &self,
+        py: Python<'_>,
+        method: String,
+        data: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        event_loop: Py<PyAny>,
+        fut: Py<PyAny>,
+        resolve: Py<PyAny>,
+        window: Option<u32>,
+        wait_for_ready: bool,
+        idempotent: bool,
+        metadata: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCallHandle> {
+        let meta = crate::meta::metadata_of(metadata)?;
+        let p = to_payload(py, &self.node, data)?;
+        let opts = call_options(timeout, false, wait_for_ready, idempotent)?;
+        let opts = opts.window(window.unwrap_or(0));
+        let client = self.client.clone();
+        let open = async move { client.call_stream(&method, p, opts, meta).await };
+        let node = self.node.clone();
+        drive(
+            py,
+            Box::pin(open),
+            (event_loop, fut, resolve),
+            move |py, r| {
+                let r = r.and_then(|st| {
+                    let st = PyAsyncStream::new(st, node);
+                    Py::new(py, st).map_err(|e| RpcError::internal(e.to_string()))
+                });
+                match r {
+                    Ok(st) => (true, st.into_any()),
+                    Err(e) => (false, to_py(e).into_value(py).into_any()),
+                }
+            },
+        )
+    }
+}
+
+/// Where a future's outcome goes: the caller's event loop, the asyncio
+/// future, and the function that completes it (`resolve(fut, ok, value)`).
+type Resolver = (Py<PyAny>, Py<PyAny>, Py<PyAny>);
+
+/// Runs `work` to its end and hands its outcome, as `outcome` makes it
+/// (`ok`, and the value or the exception), to `resolve`. It is first polled
+/// here, without the GIL: work done within its first poll (an answer that
+/// comes within its spin, the waiting policy's, adaptive; an item already
+/// there) completes with no thread in between, as a Rust async call does.
+/// Only work still waiting after it goes to the runtime, which resolves on
+/// the event loop (`call_soon_threadsafe`).
+fn drive<T: Send + 'static>(
+    py: Python<'_>,
+    mut work: Pin<Box<dyn Future<Output = T> + Send>>,
+    (event_loop, fut, resolve): Resolver,
+    outcome: impl FnOnce(Python<'_>, T) -> (bool, Py<PyAny>) + Send + 'static,
+) -> PyResult<PyCallHandle> {
+    let rt = runtime()?;
+    let first = py.allow_threads(|| {
+        let _in_rt = rt.enter();
+        let mut cx = Context::from_waker(Waker::noop());
+        work.as_mut().poll(&mut cx)
+    });
+    if let Poll::Ready(r) = first {
+        let (ok, value) = outcome(py, r);
+        resolve.call1(py, (fut, ok, value))?;
+        return Ok(PyCallHandle { task: None });
+    }
+    let task = rt.spawn(async move {
+        let r = work.await;
+        keep_thread_state();
+        Python::with_gil(|py| {
+            let (ok, value) = outcome(py, r);
+            // A closed loop has nobody left to tell: the outcome goes with
+            // `value`.
+            let _ = event_loop.call_method1(py, "call_soon_threadsafe", (resolve, fut, ok, value));
         });
-        if let Poll::Ready(r) = first {
-            let (ok, value) = outcome(py, r, node);
-            resolve.call1(py, (fut, ok, value))?;
-            return Ok(PyCallHandle { task: None });
+    });
+    Ok(PyCallHandle {
+        task: Some(task.abort_handle()),
+    })
+}
+
+/// The items of an async streaming call, read with `next` (`dmrpc.aio`
+/// makes it an async iterator). Each `next` is a task of the runtime (or
+/// done in its first poll, if the item is there): cancelling it loses
+/// nothing (the item it waited for is the next one's). `close()`, or
+/// dropping it before the end, cancels the call.
+#[pyclass(module = "dmrpc._native", name = "AsyncStream", frozen)]
+pub struct PyAsyncStream {
+    /// (Held across the wait of the `next` in progress; another waits
+    /// for it.)
+    st: Arc<tokio::sync::Mutex<Option<AsyncStreaming>>>,
+    /// The `next` in progress, cancelled by `close`.
+    reading: Mutex<Option<tokio::task::AbortHandle>>,
+    node: Node,
+}
+
+impl PyAsyncStream {
+    fn new(st: AsyncStreaming, node: Node) -> PyAsyncStream {
+        PyAsyncStream {
+            st: Arc::new(tokio::sync::Mutex::new(Some(st))),
+            reading: Mutex::new(None),
+            node,
         }
-        let task = rt.spawn(async move {
-            let r = call.await;
-            keep_thread_state();
-            Python::with_gil(|py| {
-                let (ok, value) = outcome(py, r, node);
-                // A closed loop has nobody left to tell: the answer goes
-                // with `value`.
-                let _ =
-                    event_loop.call_method1(py, "call_soon_threadsafe", (resolve, fut, ok, value));
-            });
+    }
+}
+
+#[pymethods]
+impl PyAsyncStream {
+    /// Reads the next item: `resolve(fut, True, Payload)`, `(fut, True,
+    /// None)` at the end, or `(fut, False, exception)` if the stream ended
+    /// with an error (as `start`).
+    fn next(
+        &self,
+        py: Python<'_>,
+        event_loop: Py<PyAny>,
+        fut: Py<PyAny>,
+        resolve: Py<PyAny>,
+    ) -> PyResult<PyCallHandle> {
+        let st = self.st.clone();
+        let read = async move {
+            match st.lock().await.as_mut() {
+                Some(s) => s.next().await,
+                None => None,
+            }
+        };
+        let node = self.node.clone();
+        let h = drive(
+            py,
+            Box::pin(read),
+            (event_loop, fut, resolve),
+            move |py, r| match r.map(|r| r.map(|p| Py::new(py, PyPayload::new(p, node)))) {
+                None => (true, py.None()),
+                Some(Ok(Ok(p))) => (true, p.into_any()),
+                Some(Ok(Err(e))) => (false, e.into_value(py).into_any()),
+                Some(Err(e)) => (false, to_py(e).into_value(py).into_any()),
+            },
+        )?;
+        *self.reading.lock().unwrap_or_else(|e| e.into_inner()) = h.task.clone();
+        Ok(h)
+    }
+
+    /// Cancels the call if it has not ended (its server is told), and
+    /// releases what came and was not read; a `next` in progress ends.
+    fn close(&self, py: Python<'_>) {
+        if let Some(t) = self
+            .reading
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            t.abort();
+        }
+        let st = self.st.clone();
+        py.allow_threads(|| {
+            if let Ok(mut g) = st.try_lock() {
+                drop(g.take());
+                return;
+            }
+            // (The aborted `next` lets it go on the runtime.)
+            if let Ok(rt) = runtime() {
+                rt.spawn(async move { drop(st.lock().await.take()) });
+            }
         });
-        Ok(PyCallHandle {
-            task: Some(task.abort_handle()),
-        })
+    }
+
+    /// The metadata of the answer that ended the stream, as `(key, value)`
+    /// pairs (empty before the end, and while a `next` is in progress).
+    #[getter]
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+        let empty = dm_rpc::Metadata::new();
+        match self.st.try_lock() {
+            Ok(g) => crate::meta::pairs(py, g.as_ref().map_or(&empty, |s| s.metadata())),
+            Err(_) => crate::meta::pairs(py, &empty),
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 Rust to Python, errors as typed exceptions."""
 
 import asyncio
+import gc
 import itertools
 import os
 import subprocess
@@ -1017,6 +1018,81 @@ def test_a_generator_streams_items_to_a_caller(pool):
     assert len(list(node.connect(name, balanced=True).call_stream("count", np.array([2, 5], dtype=np.uint32)))) == 2
     assert bytes(c.call("plain", b"xy")) == b"yx"
     del c, st
+    srv.shutdown()
+
+
+def test_an_asyncio_caller_reads_streams(pool):
+    p, path = pool
+    node = dmrpc.Node(p)
+    name = f"py/astream/{os.getpid()}/{next(_N)}"
+    closed = []
+
+    def count(b):
+        n, size = np.frombuffer(b, dtype=np.uint32)
+        for k in range(n):
+            yield np.full(size, k % 251, dtype=np.uint8)
+        dmrpc.set_reply_metadata({"items": str(n)})
+
+    def endless(b):
+        pause = bytes(b)[0] / 1000 if len(b) else 0
+        try:
+            k = 0
+            while True:
+                time.sleep(pause)
+                yield k.to_bytes(8, "little")
+                k += 1
+        finally:
+            closed.append(True)
+
+    def fail(b):
+        yield b"one"
+        raise dmrpc.PermissionDenied("no more")
+
+    srv = node.serve(name, {"plain": lambda b: bytes(b)[::-1]}, streams={"count": count, "endless": endless, "fail": fail})
+
+    async def main():
+        c = dmrpc.aio.connect(node, name)
+        for n, size in [(0, 1), (3, 10), (40, 100), (5, 1 << 20)]:
+            st = await c.call_stream("count", np.array([n, size], dtype=np.uint32), window=4)
+            items = [np.frombuffer(i, dtype=np.uint8) async for i in st]
+            assert len(items) == n
+            for k, item in enumerate(items):
+                assert item.size == size and item[0] == k % 251 and item[-1] == k % 251
+            assert dict(st.metadata) == {"items": str(n).encode()}
+        # Streams and calls at once on one connection.
+        async def one(k):
+            st = await c.call_stream("count", np.array([k, 64], dtype=np.uint32))
+            return [bytes(i)[0] async for i in st]
+
+        got = await asyncio.gather(*(one(k) for k in range(10)), *(c.call("plain", b"ab") for _ in range(10)))
+        assert got[:10] == [list(range(k)) for k in range(10)]
+        assert all(bytes(g) == b"ba" for g in got[10:])
+        # A read that times out loses nothing: items every 50 ms.
+        async with await c.call_stream("endless", bytes([50])) as st:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(st.__anext__(), 0.005)
+            assert [int.from_bytes(bytes(await st.__anext__()), "little") for _ in range(3)] == [0, 1, 2]
+        # Leaving the block cancelled the call: the generator is closed.
+        for _ in range(200):
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+        assert closed == [True]
+        st = await c.call_stream("fail")
+        assert bytes(await st.__anext__()) == b"one"
+        with pytest.raises(dmrpc.PermissionDenied, match="no more"):
+            await st.__anext__()
+        with pytest.raises(dmrpc.DeadlineExceeded):
+            async for _ in await c.call_stream("endless", b"", timeout=0.2, window=2):
+                await asyncio.sleep(0.01)
+        assert [bytes(i) async for i in await c.call_stream("plain", b"abc")] == [b"cba"]
+        b = dmrpc.aio.connect(node, name, balanced=True)
+        assert len([i async for i in await b.call_stream("count", np.array([2, 5], dtype=np.uint32))]) == 2
+
+    asyncio.run(main())
+    # (The coroutine's frame, with the last items it read, is freed with the
+    # tracebacks of the errors it expected: a cycle.)
+    gc.collect()
     srv.shutdown()
 
 

@@ -223,7 +223,8 @@ class Stream:
         ...
 
 class CallHandle:
-    """A call started by `AsyncClient.start`."""
+    """A call started by `AsyncClient.start` (or a stream's opening, or
+    one of its reads)."""
 
     def cancel(self) -> None: ...
 
@@ -259,7 +260,31 @@ class AsyncClient:
         retry: RetryPolicy | None = None,
     ) -> CallHandle: ...
 
+    def start_stream(
+        self,
+        method: str,
+        data: Data,
+        timeout: float | None,
+        event_loop: Any,
+        fut: Any,
+        resolve: Callable[[Any, bool, Any], None],
+        window: int | None = None,
+        wait_for_ready: bool = False,
+        idempotent: bool = False,
+        metadata: Metadata | None = None,
+    ) -> CallHandle: ...
+
     def with_retry(self, retry: RetryPolicy) -> AsyncClient: ...
+
+class AsyncStream:
+    """The items of an async streaming call (wrapped by `dmrpc.aio`):
+    `next` resolves its future with a `Payload`, None at the end, or the
+    exception the stream ended with."""
+
+    def next(self, event_loop: Any, fut: Any, resolve: Callable[[Any, bool, Any], None]) -> CallHandle: ...
+    def close(self) -> None: ...
+    @property
+    def metadata(self) -> tuple[tuple[str, bytes], ...]: ...
 
 Handler = Callable[[Payload], Data]
 # A retry policy: {"attempts": 3, "on": ["Unavailable", dmrpc.ResourceExhausted],

@@ -24,9 +24,10 @@ import asyncio
 from typing import Any
 
 from ._native import AsyncClient as _AsyncClient
+from ._native import AsyncStream as _AsyncStream
 from ._native import Node, Payload
 
-__all__ = ["AsyncClient", "connect", "connect_tcp"]
+__all__ = ["AsyncClient", "AsyncStream", "connect", "connect_tcp"]
 
 
 def _resolve(fut: asyncio.Future[Payload], ok: bool, value: Any) -> None:
@@ -38,6 +39,60 @@ def _resolve(fut: asyncio.Future[Payload], ok: bool, value: Any) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
+
+
+async def _await(start: Any) -> Any:
+    # Starts native work that resolves a future of the running loop (see
+    # `_resolve`), and awaits it; cancelling the awaiting task cancels it.
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+    handle = start(loop, fut)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        handle.cancel()
+        raise
+
+
+class AsyncStream:
+    """The items of an async streaming call (`AsyncClient.call_stream`), as
+    they come: `async for item in stream` gives `Payload`s; the error the
+    stream ends with, if any, is raised. Cancelling a task that waits for
+    an item loses nothing (the item is the next one's). `close()` (or
+    leaving an `async with` block, or dropping it) before the end cancels
+    the call."""
+
+    def __init__(self, native: _AsyncStream) -> None:
+        self._st = native
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Payload:
+        item = await _await(lambda loop, fut: self._st.next(loop, fut, _resolve))
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    def close(self) -> None:
+        """Cancels the call if it has not ended, and releases what came and
+        was not read."""
+        self._st.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    @property
+    def metadata(self) -> tuple[tuple[str, bytes], ...]:
+        """The metadata of the answer that ended the stream (empty before
+        the end)."""
+        return self._st.metadata
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
 
 class AsyncClient:
@@ -78,6 +133,24 @@ class AsyncClient:
             raise
         finally:
             self._in_flight.discard(fut)
+
+    async def call_stream(
+        self,
+        method: str,
+        data: Any = None,
+        timeout: float | None = None,
+        window: int | None = None,
+        wait_for_ready: bool = False,
+        idempotent: bool = False,
+        metadata: Any = None,
+    ) -> AsyncStream:
+        """Calls streaming method `method` (see `dmrpc.Client.call_stream`):
+        the `AsyncStream` of its items, once the request is sent."""
+        extra = (window, wait_for_ready, idempotent, metadata)
+        native = await _await(
+            lambda loop, fut: self._client.start_stream(method, data, timeout, loop, fut, _resolve, *extra)
+        )
+        return AsyncStream(native)
 
     def with_retry(self, retry: Any) -> AsyncClient:
         """A client on the same connection whose calls that pass no `retry`
