@@ -840,7 +840,7 @@ impl Client {
     }
 
     /// Calls streaming method `method` with `payload`: its answer is a
-    /// stream of items, read as they come from the [`Streaming`]
+    /// stream of items, read as they come from the [`Streaming`](crate::stream::Streaming)
     /// (an iterator). See [`crate::stream`].
     pub fn call_stream(
         &self,

@@ -5,8 +5,10 @@
 //! its handler sends items into a [`Sink`] as it has them and returns how
 //! the stream ends. A caller opens the stream with
 //! [`Client::call_stream`](crate::Client::call_stream) and reads the items
-//! from a [`Streaming`], an iterator, as they come. Each item is a
-//! [`Payload`]: small ones travel inline, large ones as Refs made for the
+//! from a [`Streaming`], an iterator, as they come (an async caller:
+//! [`AsyncClient::call_stream`](crate::AsyncClient::call_stream), and
+//! [`AsyncStreaming::next`]). Each item is a
+//! [`Payload`](crate::Payload): small ones travel inline, large ones as Refs made for the
 //! caller (the size-aware rule of every answer), so a stream of large
 //! items moves no bytes through the connection.
 //!
@@ -33,7 +35,9 @@
 //! and the items already sent are released. A server that dies ends its
 //! streams with `Unavailable`, as it does calls.
 //!
-//! The wire format is in [`crate::frame`] (frames v7).
+//! The wire format is in [`crate::frame`] (frames v7). The server's end
+//! is in `sink.rs`; the callers' (one state machine for both clients) in
+//! `call.rs`.
 
 mod call;
 mod sink;
