@@ -1228,8 +1228,13 @@ impl crate::stream::StreamConn for Inner {
     }
 
     fn never_taken(&self, id: u64) -> bool {
-        // (Whoever reads the connection read it to its end, the go-away
-        // with it, before the calls learnt that it broke.)
+        if !self.goaway.unread(id) {
+            // What is left to read of the broken connection, if nobody
+            // else reads: its go-away may be there.
+            if let Ok(rx) = self.reader.rx.try_lock() {
+                self.reader.drain(rx);
+            }
+        }
         self.goaway.unread(id)
     }
 
