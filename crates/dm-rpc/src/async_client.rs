@@ -1201,13 +1201,6 @@ impl Inner {
             ))),
         }
     }
-
-    /// Sends a frame of a stream's caller ([`Reader::send`]): on a
-    /// failure, the error and whether the connection broke.
-    fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), (RpcError, bool)> {
-        let r = &self.reader;
-        sent_as(&self.name, r.send(&self.tx, f, deadline), |e| r.fail(e))
-    }
 }
 
 impl crate::stream::StreamConn for Inner {
@@ -1238,44 +1231,30 @@ impl crate::stream::StreamConn for Inner {
         self.goaway.unread(id)
     }
 
-    fn start_stream(
-        &self,
-        req: &Frame,
-        deadline: Option<Instant>,
-        window: u32,
-    ) -> Result<(), (RpcError, bool)> {
-        let (r, id) = (&self.reader, req.call_id);
-        r.ensure_reader().map_err(|e| (e, false))?;
+    fn open_stream(&self, id: u64) -> Result<(), RpcError> {
+        let r = &self.reader;
+        r.ensure_reader()?;
         {
             let mut st = lock(&r.state);
             if let Some(e) = &st.broken {
-                return Err((e.clone(), false));
+                return Err(e.clone());
             }
             r.insert(&mut st, id, Slot::Stream(Box::default()));
         }
         // A stream's frames come at any time: the pump reads while it is
         // open (a server's listener reads while any call waits).
-        let mut started = Ok(());
         if r.driver.load(Ordering::Acquire) == PUMP {
-            started = r.want_pump().map_err(|e| (e, false));
+            if let Err(e) = r.want_pump() {
+                r.forget(id);
+                return Err(e);
+            }
         }
-        if started.is_ok() {
-            started = self.send_own(req, deadline).map_err(|(e, _)| (e, false));
-        }
-        if started.is_ok() {
-            started = self
-                .send_own(&Frame::credit(id, window), deadline)
-                .map_err(|(e, _)| (e, true));
-        }
-        if started.is_err() {
-            r.forget(id);
-        }
-        started
+        Ok(())
     }
 
-    fn grant(&self, id: u64, items: u32, deadline: Option<Instant>) -> Result<(), RpcError> {
-        self.send_own(&Frame::credit(id, items), deadline)
-            .map_err(|(e, _)| e)
+    fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), (RpcError, bool)> {
+        let r = &self.reader;
+        sent_as(&self.name, r.send(&self.tx, f, deadline), |e| r.fail(e))
     }
 
     fn close_stream(&self, id: u64, cancel: bool) {

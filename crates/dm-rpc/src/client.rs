@@ -1244,13 +1244,6 @@ impl Inner {
         }
     }
 
-    /// Sends a frame of a stream's caller, reading answers for the others
-    /// while it waits for room.
-    fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), RpcError> {
-        self.sent(self.send_reading(f, deadline, None))
-            .map_err(|(e, _)| e)
-    }
-
     /// What a send's outcome `r` means for its call ([`sent_as`]).
     fn sent(
         &self,
@@ -1369,33 +1362,17 @@ impl crate::stream::StreamConn for Inner {
         self.refs
     }
 
-    fn start_stream(
-        &self,
-        req: &Frame,
-        deadline: Option<Instant>,
-        window: u32,
-    ) -> Result<(), (RpcError, bool)> {
-        {
-            let mut st = lock(&self.state);
-            if let Some(e) = &st.broken {
-                return Err((e.clone(), false));
-            }
-            st.streams.push((req.call_id, VecDeque::new()));
+    fn open_stream(&self, id: u64) -> Result<(), RpcError> {
+        let mut st = lock(&self.state);
+        if let Some(e) = &st.broken {
+            return Err(e.clone());
         }
-        let r = match self.send_own(req, deadline) {
-            Ok(()) => self
-                .send_own(&Frame::credit(req.call_id, window), deadline)
-                .map_err(|e| (e, true)),
-            Err(e) => Err((e, false)),
-        };
-        if r.is_err() {
-            self.close_stream(req.call_id, false);
-        }
-        r
+        st.streams.push((id, VecDeque::new()));
+        Ok(())
     }
 
-    fn grant(&self, id: u64, items: u32, deadline: Option<Instant>) -> Result<(), RpcError> {
-        self.send_own(&Frame::credit(id, items), deadline)
+    fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), (RpcError, bool)> {
+        self.sent(self.send_reading(f, deadline, None))
     }
 
     fn close_stream(&self, id: u64, cancel: bool) {

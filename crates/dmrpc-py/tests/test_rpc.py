@@ -960,11 +960,13 @@ def test_asyncio_client_does_not_block_the_loop(pool):
         assert srv.wait(timeout=10) == 0
 
 
-def test_a_generator_streams_items_to_a_caller(pool):
-    p, path = pool
-    node = dmrpc.Node(p)
-    name = f"py/stream/{os.getpid()}/{next(_N)}"
-    closed = []
+def _serve_streams(node, name, closed):
+    """A service of streaming generators: `count` streams N items of SIZE
+    bytes (two u32s), item k filled with k % 251, and sets its answer's
+    metadata; `endless` counts (a u64 an item, after a pause of its
+    argument's first byte in ms) until closed, then appends to `closed`;
+    `fail` sends one item and raises. `plain` is unary: its argument
+    reversed."""
 
     def count(b):
         n, size = np.frombuffer(b, dtype=np.uint32)
@@ -973,9 +975,11 @@ def test_a_generator_streams_items_to_a_caller(pool):
         dmrpc.set_reply_metadata({"items": str(n)})
 
     def endless(b):
+        pause = bytes(b)[0] / 1000 if len(b) else 0
         try:
             k = 0
             while True:
+                time.sleep(pause)
                 yield k.to_bytes(8, "little")
                 k += 1
         finally:
@@ -985,7 +989,16 @@ def test_a_generator_streams_items_to_a_caller(pool):
         yield b"one"
         raise dmrpc.PermissionDenied("no more")
 
-    srv = node.serve(name, {"plain": lambda b: bytes(b)[::-1]}, streams={"count": count, "endless": endless, "fail": fail})
+    streams = {"count": count, "endless": endless, "fail": fail}
+    return node.serve(name, {"plain": lambda b: bytes(b)[::-1]}, streams=streams)
+
+
+def test_a_generator_streams_items_to_a_caller(pool):
+    p, path = pool
+    node = dmrpc.Node(p)
+    name = f"py/stream/{os.getpid()}/{next(_N)}"
+    closed = []
+    srv = _serve_streams(node, name, closed)
     c = node.connect(name)
     for n, size in [(0, 1), (3, 10), (40, 100), (5, 1 << 20)]:
         st = c.call_stream("count", np.array([n, size], dtype=np.uint32), window=4)
@@ -1026,29 +1039,7 @@ def test_an_asyncio_caller_reads_streams(pool):
     node = dmrpc.Node(p)
     name = f"py/astream/{os.getpid()}/{next(_N)}"
     closed = []
-
-    def count(b):
-        n, size = np.frombuffer(b, dtype=np.uint32)
-        for k in range(n):
-            yield np.full(size, k % 251, dtype=np.uint8)
-        dmrpc.set_reply_metadata({"items": str(n)})
-
-    def endless(b):
-        pause = bytes(b)[0] / 1000 if len(b) else 0
-        try:
-            k = 0
-            while True:
-                time.sleep(pause)
-                yield k.to_bytes(8, "little")
-                k += 1
-        finally:
-            closed.append(True)
-
-    def fail(b):
-        yield b"one"
-        raise dmrpc.PermissionDenied("no more")
-
-    srv = node.serve(name, {"plain": lambda b: bytes(b)[::-1]}, streams={"count": count, "endless": endless, "fail": fail})
+    srv = _serve_streams(node, name, closed)
 
     async def main():
         c = dmrpc.aio.connect(node, name)

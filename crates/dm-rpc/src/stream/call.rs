@@ -32,18 +32,40 @@ pub(crate) trait StreamConn: Connected {
     /// Whether request `id` was never taken by this connection's server,
     /// which stopped and said so (its go-away).
     fn never_taken(&self, id: u64) -> bool;
+    /// Registers stream `id` before its request goes: its frames find
+    /// their place whoever reads them (and someone reads them).
+    fn open_stream(&self, id: u64) -> Result<(), RpcError>;
+    /// Sends a frame of a stream's caller, reading answers for the others
+    /// while it waits for room: on a failure, the error and whether the
+    /// connection broke.
+    fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), (RpcError, bool)>;
     /// Opens the stream of request `req` (flagged [`FLAG_STREAM`]): the
-    /// stream is registered (its frames find their place whoever reads
-    /// them), the request sent, then the first grant of `window` items.
-    /// On a failure, whether the request was sent.
+    /// stream is registered, the request sent, then the first grant of
+    /// `window` items. On a failure, whether the request was sent.
     fn start_stream(
         &self,
         req: &Frame,
         deadline: Option<Instant>,
         window: u32,
-    ) -> Result<(), (RpcError, bool)>;
+    ) -> Result<(), (RpcError, bool)> {
+        let id = req.call_id;
+        self.open_stream(id).map_err(|e| (e, false))?;
+        let r = match self.send_own(req, deadline) {
+            Ok(()) => self
+                .send_own(&Frame::credit(id, window), deadline)
+                .map_err(|(e, _)| (e, true)),
+            Err((e, _)) => Err((e, false)),
+        };
+        if r.is_err() {
+            self.close_stream(id, false);
+        }
+        r
+    }
     /// Grants stream `id` `items` more items.
-    fn grant(&self, id: u64, items: u32, deadline: Option<Instant>) -> Result<(), RpcError>;
+    fn grant(&self, id: u64, items: u32, deadline: Option<Instant>) -> Result<(), RpcError> {
+        self.send_own(&Frame::credit(id, items), deadline)
+            .map_err(|(e, _)| e)
+    }
     /// Closes stream `id`: what arrived for it unread is released (and
     /// what still comes, as it comes); with `cancel`, its server is told
     /// (best effort, without waiting for room).
