@@ -107,5 +107,5 @@ pub use retry::{Retry, Statuses};
 #[cfg(not(loom))]
 pub use server::{Call, Incoming, Server, ServerBuilder};
 #[cfg(not(loom))]
-pub use stream::{AsyncStreaming, Sink, Streaming};
+pub use stream::{AsyncSink, AsyncStreaming, Sink, Streaming};
 pub use wait::WaitPolicy;

@@ -18,9 +18,11 @@
 //! ([`crate::transport::GoAway`]): no request it did not run is lost, as
 //! its callers send them all to its successor.
 //!
-//! Blocking handlers run on the dispatcher, one call at a time. Async
-//! handlers' calls are futures the dispatcher polls too, many in progress
-//! at once: a call that awaits (a nested call, a timer) is parked, and its
+//! Blocking handlers run on the dispatcher, one call at a time (a
+//! blocking streaming handler too, for its whole stream). Async
+//! handlers' calls, async streaming handlers' too, are futures the
+//! dispatcher polls, many in progress at once (the items an async stream
+//! queues are sent by the dispatcher between polls): a call that awaits (a nested call, a timer) is parked, and its
 //! waker queues it and pokes the dispatcher, which polls it again between
 //! requests. They are polled inside the server's tokio runtime context, so
 //! tokio timers, I/O and `tokio::spawn` work (the runtime's one worker
@@ -39,7 +41,7 @@ use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_STREAM};
 use crate::metadata::{Metadata, MetadataError};
 use crate::node::{Node, Transport};
 use crate::payload::{Dir, Payload};
-use crate::stream::Sink;
+use crate::stream::{AsyncSink, Outlet, Sink};
 use crate::transport::{ConnId, Listener, Waker, WatchSet};
 use dm_pool::{Endpoint, Ref, ServiceInfo};
 use std::collections::{HashMap, VecDeque};
@@ -63,6 +65,14 @@ pub type HandlerFuture =
 
 /// An async method's handler.
 pub type AsyncHandler = Arc<dyn Fn(AsyncCall) -> HandlerFuture + Send + Sync>;
+
+/// The future an async streaming handler returns: how its stream ends.
+pub type StreamFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), RpcError>> + Send>>;
+
+/// An async streaming method's handler
+/// ([`ServerBuilder::method_stream_async`]).
+pub type AsyncStreamHandler = Arc<dyn Fn(AsyncCall, AsyncSink) -> StreamFuture + Send + Sync>;
 
 /// A check every request passes before its handler runs
 /// ([`ServerBuilder::intercept`]).
@@ -135,6 +145,10 @@ enum Method {
     /// Runs on the dispatcher thread, one call at a time, answering with
     /// a stream of items ([`crate::stream`]).
     Stream(StreamHandler),
+    /// Answers with a stream of items, its calls polled by the dispatcher
+    /// as async handlers' are: many at once, beside the server's other
+    /// calls.
+    AsyncStream(AsyncStreamHandler),
 }
 
 /// One call, as an async handler sees it (owned, so it can be held across
@@ -365,6 +379,30 @@ impl ServerBuilder {
         self.add(name, Method::Stream(Arc::new(handler)))
     }
 
+    /// Registers an async `handler` for method `name`, whose answer is a
+    /// stream of items: its future sends each item into its [`AsyncSink`]
+    /// (`sink.send(item).await` waits while the caller has taken as many
+    /// as it asked for) and returns how the stream ends, as
+    /// [`method_stream`](Self::method_stream)'s handler does. Its calls
+    /// are futures the dispatcher polls, as
+    /// [`method_async`](Self::method_async)'s are: a stream waiting for
+    /// its caller, or for anything else, does not hold up the server's
+    /// other calls, those of its own connection included. A caller that
+    /// drops the stream cancels the call: the future is dropped. See
+    /// [`crate::stream`].
+    pub fn method_stream_async<F, Fut>(self, name: &str, handler: F) -> Self
+    where
+        F: Fn(AsyncCall, AsyncSink) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), RpcError>> + Send + 'static,
+    {
+        self.add(
+            name,
+            Method::AsyncStream(Arc::new(move |c, s| {
+                Box::pin(handler(c, s)) as StreamFuture
+            })),
+        )
+    }
+
     fn add(mut self, name: &str, m: Method) -> Self {
         let id = method_id(name);
         if let Some((other, _)) = self.methods.get(&id) {
@@ -451,7 +489,7 @@ impl ServerBuilder {
         let rt = if self
             .methods
             .values()
-            .any(|(_, m)| matches!(m, Method::Async(_)))
+            .any(|(_, m)| matches!(m, Method::Async(_) | Method::AsyncStream(_)))
         {
             Some(
                 tokio::runtime::Builder::new_multi_thread()
@@ -479,6 +517,7 @@ impl ServerBuilder {
             stats: stats.clone(),
             queue: VecDeque::new(),
             tasks: Tasks::default(),
+            outlets: Vec::new(),
             rt,
             waker: waker.clone(),
         };
@@ -640,6 +679,9 @@ struct To {
     conn: ConnId,
     id: u64,
     echo: Option<Ref>,
+    /// The request asked for a stream: its answer ends one, within
+    /// [`crate::stream::END_MAX`].
+    stream: bool,
 }
 
 pub(crate) struct Pending {
@@ -683,6 +725,8 @@ struct Task {
     waker: std::task::Waker,
     /// What it is polled in.
     scope: Scope,
+    /// An async stream's items on their way out.
+    outlet: Option<Arc<Outlet>>,
 }
 
 /// What a handler's work runs in: the call's deadline (which the calls it
@@ -745,6 +789,9 @@ struct Dispatcher {
     /// Async handlers' calls in progress (dropped before the runtime their
     /// timers and I/O belong to).
     tasks: Tasks,
+    /// The async streams in progress: their items, sent by the
+    /// dispatcher between polls.
+    outlets: Vec<Arc<Outlet>>,
     /// The context async handlers are polled in (only if the server has
     /// some): their timers, I/O and spawned tasks.
     rt: Option<tokio::runtime::Runtime>,
@@ -767,6 +814,9 @@ impl Dispatcher {
     /// and every client is told which of its requests were taken
     /// ([`Listener::go_away`]): their callers send the others elsewhere.
     fn close(&mut self) {
+        for o in std::mem::take(&mut self.outlets) {
+            o.end(&self.node, RpcError::unavailable("the server is stopping"));
+        }
         for p in std::mem::take(&mut self.queue) {
             if p.frame.kind == Kind::Request {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -782,12 +832,15 @@ impl Dispatcher {
             if self.rt.is_some() {
                 self.poll_woken();
             }
+            if !self.outlets.is_empty() {
+                self.tend_outlets();
+            }
             if self.drained() {
                 return;
             }
             let p = match self.queue.pop_front() {
                 Some(p) => p,
-                None => match self.listener.next(self.draining) {
+                None => match self.listener.next(self.wake_by()) {
                     Ok(Some((conn, frame))) if !self.refused(conn, &frame) => pending(conn, frame),
                     Ok(_) => continue,
                     Err(_) => return,
@@ -801,10 +854,79 @@ impl Dispatcher {
                 Kind::Cancel => {
                     self.cancel_task(p.conn, p.frame.call_id);
                 }
-                // Clients do not send responses, go-aways or items, and a
-                // credit read here is for a stream that ended: ignore.
-                Kind::Response | Kind::GoAway | Kind::Item | Kind::Credit => {}
+                // A grant for an async stream in progress (one for a
+                // stream that ended is dropped).
+                Kind::Credit => self.grant(p.conn, p.frame.call_id, p.frame.method),
+                // Clients do not send responses, go-aways or items.
+                Kind::Response | Kind::GoAway | Kind::Item => {}
             }
+        }
+    }
+
+    /// When the wait for the next frame ends at the latest: the end of a
+    /// graceful shutdown; with async streams in progress, their earliest
+    /// deadline, and soon enough to send items that found no room (a
+    /// millisecond) or to notice a caller gone (50 ms, as a blocking
+    /// stream's sink does).
+    fn wake_by(&self) -> Option<Instant> {
+        if self.outlets.is_empty() {
+            return self.draining;
+        }
+        let unsent = self.outlets.iter().any(|o| o.unsent());
+        let slice = Duration::from_millis(if unsent { 1 } else { 50 });
+        let mut by = Instant::now() + slice;
+        for d in self.outlets.iter().filter_map(|o| o.deadline) {
+            by = by.min(d);
+        }
+        Some(self.draining.map_or(by, |d| d.min(by)))
+    }
+
+    /// Sends the items the async streams queued, as far as their
+    /// connections have room, and ends the streams whose callers are
+    /// gone or whose deadlines passed.
+    fn tend_outlets(&mut self) {
+        let now = Instant::now();
+        let (listener, stats, node) = (&mut self.listener, &self.stats, &self.node);
+        for o in &self.outlets {
+            o.flush(node, &mut |f| listener.send_item(o.conn, f), &mut |f| {
+                stats.items.fetch_add(1, Ordering::Relaxed);
+                crate::stats::count(&f.payload, true);
+            });
+            if !listener.is_open(o.conn) {
+                o.end(node, RpcError::unavailable("the stream's caller is gone"));
+            } else if o.deadline.is_some_and(|d| now >= d) {
+                o.end(
+                    node,
+                    RpcError::deadline_exceeded("the stream's deadline passed"),
+                );
+            }
+        }
+    }
+
+    /// Stream `id` of `conn` was granted `n` more items: its sink may go
+    /// on, if it is an async stream in progress.
+    fn grant(&mut self, conn: ConnId, id: u64, n: u32) {
+        if let Some(o) = self.outlets.iter().find(|o| o.conn == conn && o.id == id) {
+            o.grant(n);
+        }
+    }
+
+    /// Applies what was read for calls in progress while a handler ran.
+    fn apply(&mut self, later: Vec<Later>) {
+        for l in later {
+            match l {
+                Later::Cancel(conn, id) => self.cancel_task(conn, id),
+                Later::Credit(conn, id, n) => self.grant(conn, id, n),
+            }
+        }
+    }
+
+    /// An async stream's call ended (answered, or cancelled): its outlet
+    /// goes, and what it still held is released.
+    fn close_outlet(&mut self, outlet: Option<Arc<Outlet>>) {
+        if let Some(o) = outlet {
+            self.outlets.retain(|x| !Arc::ptr_eq(x, &o));
+            o.end(&self.node, RpcError::unavailable("the stream has ended"));
         }
     }
 
@@ -833,18 +955,16 @@ impl Dispatcher {
     /// Moves every frame already waiting into the queue, applying cancels,
     /// so that a request cancelled while queued never runs.
     fn drain(&mut self) {
-        let mut cancels = Vec::new();
+        let mut later = Vec::new();
         let (stats, draining) = (&self.stats, self.draining);
         intake(
             &mut *self.listener,
             &mut self.queue,
             stats,
             draining,
-            &mut cancels,
+            &mut later,
         );
-        for (conn, id) in cancels {
-            self.cancel_task(conn, id);
-        }
+        self.apply(later);
     }
 
     fn serve(&mut self, p: Pending) {
@@ -861,8 +981,10 @@ impl Dispatcher {
                 Body::Refs(rs) if rs.len() == 1 => Some(rs[0]),
                 _ => None,
             },
+            stream: frame.flags & FLAG_STREAM != 0,
         };
-        // Cancels of async calls read while a blocking handler ran.
+        // Cancels of async calls and grants of async streams read while a
+        // blocking handler ran.
         let mut later = Vec::new();
         let mut scope = Scope {
             deadline,
@@ -881,31 +1003,22 @@ impl Dispatcher {
             Err(e)
         } else {
             match method {
+                Some((name, Method::Stream(_) | Method::AsyncStream(_)))
+                    if frame.flags & FLAG_STREAM == 0 =>
+                {
+                    Err(RpcError::invalid_argument(format!(
+                        "method {name:?} answers with a stream: call it with call_stream"
+                    )))
+                }
                 Some((name, Method::Async(h))) => {
-                    match Payload::from_request_body(frame.payload, &self.node) {
-                        Ok(payload) => {
-                            let call = AsyncCall {
-                                payload,
-                                deadline,
-                                method: name.clone(),
-                                node: self.node.clone(),
-                                metadata: frame.meta,
-                            };
-                            let fut = {
-                                // Entered: a handler may touch tokio before
-                                // its first await.
-                                let _rt = self.rt.as_ref().map(|rt| rt.enter());
-                                let h = h.clone();
-                                polling_with(self.watch.as_ref(), || scope.run(|| h(call)))
-                            };
-                            match fut {
-                                Ok(fut) => {
-                                    self.start_async(to, frame.method, fut, scope);
-                                    self.drain();
-                                    return;
-                                }
-                                Err(p) => Err(panicked(name, &*p)),
-                            }
+                    let h = h.clone();
+                    let started =
+                        self.start_future(name, (frame.payload, frame.meta), &mut scope, |c| h(c));
+                    match started {
+                        Ok(fut) => {
+                            self.start_async(to, frame.method, fut, scope, None);
+                            self.drain();
+                            return;
                         }
                         Err(e) => Err(e),
                     }
@@ -921,7 +1034,8 @@ impl Dispatcher {
                     let mut check = || {
                         if !seen {
                             intake(&mut **listener, queue, stats, draining, &mut later);
-                            if let Some(k) = later.iter().position(|c| *c == running) {
+                            let mine = Later::Cancel(running.0, running.1);
+                            if let Some(k) = later.iter().position(|c| *c == mine) {
                                 later.swap_remove(k);
                                 seen = true;
                             }
@@ -932,25 +1046,52 @@ impl Dispatcher {
                     run_handler(h, name, &self.node, req, &mut scope, &mut check)
                 }
                 Some((name, Method::Stream(h))) => {
-                    if frame.flags & FLAG_STREAM == 0 {
-                        Err(RpcError::invalid_argument(format!(
-                            "method {name:?} answers with a stream: call it with call_stream"
-                        )))
-                    } else {
-                        let feed = crate::stream::Feed::new(
-                            &mut *self.listener,
-                            &mut self.queue,
-                            &self.stats,
-                            self.draining,
-                            ((conn, frame.call_id), credit),
-                        );
-                        let cell = std::cell::RefCell::new(feed);
-                        let mut sink =
-                            Sink::new(&cell, &self.node, &self.stop, deadline, frame.call_id);
-                        let req = (frame.payload, frame.meta);
-                        let r = run_stream(h, name, &self.node, req, &mut scope, &mut sink);
-                        later = cell.borrow_mut().take_later();
-                        r.map(|()| Payload::empty())
+                    let feed = crate::stream::Feed::new(
+                        &mut *self.listener,
+                        &mut self.queue,
+                        &self.stats,
+                        self.draining,
+                        ((conn, frame.call_id), credit),
+                    );
+                    let cell = std::cell::RefCell::new(feed);
+                    let mut sink =
+                        Sink::new(&cell, &self.node, &self.stop, deadline, frame.call_id);
+                    let req = (frame.payload, frame.meta);
+                    let r = run_stream(h, name, &self.node, req, &mut scope, &mut sink);
+                    later = cell.borrow_mut().take_later();
+                    r.map(|()| Payload::empty())
+                }
+                Some((name, Method::AsyncStream(h))) => {
+                    let outlet = Arc::new(Outlet::new(conn, frame.call_id, deadline, credit));
+                    let (ours, max) = (self.node.cfg.inline_max, self.listener.max_inline());
+                    let sink = AsyncSink::new(
+                        outlet.clone(),
+                        self.node.clone(),
+                        self.waker.clone(),
+                        ours.min(max),
+                        self.listener.refs(conn),
+                    );
+                    let (h, o) = (h.clone(), outlet.clone());
+                    let req = (frame.payload, frame.meta);
+                    let started = self.start_future(name, req, &mut scope, move |c| {
+                        let fut = h(c, sink);
+                        Box::pin(async move {
+                            let r = fut.await;
+                            // Its items go before its end.
+                            let flushed = o.flushed().await;
+                            r.and(flushed).map(|()| Payload::empty())
+                        })
+                    });
+                    match started {
+                        Ok(fut) => {
+                            // Its connection's other requests go on beside it.
+                            self.listener.stream_beside(conn, frame.call_id);
+                            self.outlets.push(outlet.clone());
+                            self.start_async(to, frame.method, fut, scope, Some(outlet));
+                            self.drain();
+                            return;
+                        }
+                        Err(e) => Err(e),
                     }
                 }
                 None => Err(RpcError::not_found(format!(
@@ -959,15 +1100,43 @@ impl Dispatcher {
                 ))),
             }
         };
-        for (conn, id) in later {
-            self.cancel_task(conn, id);
-        }
+        self.apply(later);
         self.answer(to, result, scope.meta.reply);
+    }
+
+    /// The future of an async handler's call of method `name` with
+    /// request `req` (payload and metadata), made by `make` in the call's
+    /// scope and the server's runtime context (a handler may touch tokio
+    /// before its first await); a panic is the call's error.
+    fn start_future(
+        &self,
+        name: &str,
+        (body, metadata): (Body, Metadata),
+        scope: &mut Scope,
+        make: impl FnOnce(AsyncCall) -> HandlerFuture,
+    ) -> Result<HandlerFuture, RpcError> {
+        let call = AsyncCall {
+            payload: Payload::from_request_body(body, &self.node)?,
+            deadline: scope.deadline,
+            method: name.to_owned(),
+            node: self.node.clone(),
+            metadata,
+        };
+        let _rt = self.rt.as_ref().map(|rt| rt.enter());
+        polling_with(self.watch.as_ref(), || scope.run(|| make(call)))
+            .map_err(|p| panicked(name, &*p))
     }
 
     /// Starts an async handler's call: polls it at once (it runs up to
     /// its first await), and keeps it until it completes.
-    fn start_async(&mut self, to: To, method: u32, fut: HandlerFuture, scope: Scope) {
+    fn start_async(
+        &mut self,
+        to: To,
+        method: u32,
+        fut: HandlerFuture,
+        scope: Scope,
+        outlet: Option<Arc<Outlet>>,
+    ) {
         let t = &mut self.tasks;
         let slot = t.free.pop().unwrap_or_else(|| {
             t.slots.push(None);
@@ -984,6 +1153,7 @@ impl Dispatcher {
             fut,
             waker,
             scope,
+            outlet,
         });
         self.poll_task(slot);
     }
@@ -1006,7 +1176,9 @@ impl Dispatcher {
             return;
         };
         t.free.push(slot);
-        let Task { to, fut, .. } = task;
+        let Task {
+            to, fut, outlet, ..
+        } = task;
         {
             // Dropped as it is polled: in the runtime's context, its
             // clients read by this listener, a panic caught.
@@ -1015,6 +1187,7 @@ impl Dispatcher {
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(fut)));
             });
         }
+        self.close_outlet(outlet);
         self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
         let cancelled = RpcError::new(Status::Cancelled, "cancelled by the caller");
         self.answer(to, Err(cancelled), Metadata::new());
@@ -1072,20 +1245,32 @@ impl Dispatcher {
         };
         if let Some(t) = self.tasks.slots[slot].take() {
             self.tasks.free.push(slot);
+            self.close_outlet(t.outlet);
             self.answer(t.to, r, t.scope.meta.reply);
         }
     }
 
     /// Sends the answer to a call, with `meta` (what its handler set).
     fn answer(&mut self, to: To, mut result: Result<Payload, RpcError>, mut meta: Metadata) {
-        let To { conn, id, echo } = to;
+        let To {
+            conn,
+            id,
+            echo,
+            stream,
+        } = to;
         if let Err(e) = &mut result {
             // The metadata the error carries (a nested call's answer's)
             // goes on, after the handler's.
             meta.extend(std::mem::take(&mut e.metadata));
         }
-        // (The metadata travels in the frame too, within the limit.)
-        let (cfg_inline, max_inline) = (self.node.cfg.inline_max, self.listener.max_inline());
+        // (The metadata travels in the frame too, within the limit: for
+        // the end of a stream, the smaller room kept for it.)
+        let (mut cfg_inline, mut max_inline) =
+            (self.node.cfg.inline_max, self.listener.max_inline());
+        if stream {
+            cfg_inline = cfg_inline.min(crate::stream::END_MAX);
+            max_inline = max_inline.min(crate::stream::END_MAX);
+        }
         let inline_max = match meta.inline_room(cfg_inline, max_inline) {
             Ok(room) => room,
             Err((len, max)) => {
@@ -1154,18 +1339,29 @@ fn refuse(
     true
 }
 
+/// A frame for a call in progress, read while a handler ran: applied
+/// when it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Later {
+    /// The caller of call `.1` of connection `.0` cancelled it.
+    Cancel(ConnId, u64),
+    /// The caller of stream `.1` of connection `.0` granted `.2` more items.
+    Credit(ConnId, u64, u32),
+}
+
 /// Moves every frame already waiting in `listener` into `queue`, applying
 /// cancels: a cancelled request still queued is answered `Cancelled` and
-/// never runs; the other cancels (of calls in progress) go to `cancels`.
+/// never runs; the other cancels (of calls in progress), and grants of
+/// streams in progress, go to `later`.
 fn intake(
     listener: &mut dyn Listener,
     queue: &mut VecDeque<Pending>,
     stats: &Stats,
     draining: Option<Instant>,
-    cancels: &mut Vec<(ConnId, u64)>,
+    later: &mut Vec<Later>,
 ) {
     while let Ok(Some((conn, frame))) = listener.poll() {
-        take_in(listener, queue, stats, draining, cancels, (conn, frame));
+        take_in(listener, queue, stats, draining, later, (conn, frame));
         if queue.len() > 4096 {
             break;
         }
@@ -1174,15 +1370,16 @@ fn intake(
 
 /// Takes frame `frame` of connection `conn`, read while a handler runs
 /// ([`intake`]): a request is queued (or refused while draining), a cancel
-/// applied to a queued request or kept in `cancels`, a credit added to
-/// its queued request's (or dropped: its stream ended).
+/// applied to a queued request or kept in `later`, a credit added to its
+/// queued request's or kept in `later` (for an async stream in progress;
+/// dropped there if its stream ended).
 #[inline]
 pub(crate) fn take_in(
     listener: &mut dyn Listener,
     queue: &mut VecDeque<Pending>,
     stats: &Stats,
     draining: Option<Instant>,
-    cancels: &mut Vec<(ConnId, u64)>,
+    later: &mut Vec<Later>,
     (conn, frame): (ConnId, Frame),
 ) {
     match frame.kind {
@@ -1201,7 +1398,7 @@ pub(crate) fn take_in(
                     &Frame::response(frame.call_id, Status::Cancelled, Body::None),
                 );
             } else {
-                cancels.push((conn, frame.call_id));
+                later.push(Later::Cancel(conn, frame.call_id));
             }
         }
         Kind::Request => {
@@ -1210,13 +1407,15 @@ pub(crate) fn take_in(
             }
         }
         Kind::Credit => {
-            // A grant for a stream whose request is queued (one for a
-            // stream that ended is dropped).
+            // A grant for a stream whose request is queued, or for one in
+            // progress.
             if let Some(q) = queue
                 .iter_mut()
                 .find(|q| q.conn == conn && q.frame.call_id == frame.call_id)
             {
                 q.credit += u64::from(frame.method);
+            } else {
+                later.push(Later::Credit(conn, frame.call_id, frame.method));
             }
         }
         Kind::Response | Kind::GoAway | Kind::Item => {}

@@ -2,7 +2,10 @@
 //! and by Ref; the caller's window bounds what the server sends ahead; a
 //! dropped stream cancels its call; a stream ends with its handler's
 //! error or its deadline; unary and streaming methods each refuse or
-//! serve the other kind of call. Each test ends with the pool clean.
+//! serve the other kind of call. Each holds for blocking streaming
+//! handlers and for async ones (whose streams also run beside the
+//! server's other calls), read by the blocking and the async client.
+//! Each test ends with the pool clean.
 
 #![allow(clippy::unwrap_used)]
 
@@ -32,15 +35,67 @@ struct Seen {
     ended: Mutex<Option<Status>>,
 }
 
+/// Records how an async `endless` stream ended when its future goes:
+/// with its send's error, or dropped (`Cancelled`: its caller cancelled).
+struct OnEnd(Arc<Seen>, Option<Status>);
+
+impl Drop for OnEnd {
+    fn drop(&mut self) {
+        *self.0.ended.lock().unwrap() = Some(self.1.unwrap_or(Status::Cancelled));
+    }
+}
+
+/// The handler kinds every stream test runs over: a method's name is
+/// the blocking handler's, with this suffix the async one's.
+const KINDS: [&str; 2] = ["", "_async"];
+
 /// The service: `count` streams N items (`[n: u32, len: u32]` in its
 /// argument) of `len` bytes each, item k filled with pattern(len, k), and
 /// sets its answer's metadata; `endless` sends items (a u64 counter, every
 /// `ms` milliseconds of its argument's first byte) until a send fails;
 /// `fail` sends two items and ends with PermissionDenied; `unary` answers
-/// its argument.
+/// its argument. `count_async`, `endless_async` and `fail_async` do the
+/// same as async handlers.
 fn service(node: &Node, name: &str, t: &Transport, seen: Arc<Seen>) -> Server {
+    let seen_async = seen.clone();
     node.server(name)
         .transport(t.clone())
+        .method_stream_async("count_async", |c, mut sink| async move {
+            let a = c.payload.to_vec()?;
+            let n = u32::from_le_bytes(a[0..4].try_into().unwrap());
+            let len = u32::from_le_bytes(a[4..8].try_into().unwrap()) as usize;
+            for k in 0..n {
+                sink.send(pattern(len, k as u8)).await?;
+            }
+            let meta = Metadata::new().with("items", n.to_string()).unwrap();
+            c.set_reply_metadata(meta).unwrap();
+            Ok(())
+        })
+        .method_stream_async("endless_async", move |c, mut sink| {
+            let seen = seen_async.clone();
+            async move {
+                let ms = c.payload.to_vec()?.first().copied().unwrap_or(0);
+                seen.sent.store(0, Ordering::SeqCst);
+                let mut end = OnEnd(seen.clone(), None);
+                let mut k = 0u64;
+                loop {
+                    if ms > 0 {
+                        tokio::time::sleep(Duration::from_millis(ms as u64)).await;
+                    }
+                    if let Err(e) = sink.send(k.to_le_bytes().to_vec()).await {
+                        end.1 = Some(e.status);
+                        return Err(e);
+                    }
+                    k += 1;
+                    seen.sent.store(sink.sent(), Ordering::SeqCst);
+                }
+            }
+        })
+        .method_stream_async("fail_async", |_, mut sink| async move {
+            sink.send(vec![1]).await?;
+            sink.send(vec![2]).await?;
+            Err(RpcError::permission_denied("no more for you"))
+        })
         .method_stream("count", |c, sink| {
             let a = c.payload().to_vec()?;
             let n = u32::from_le_bytes(a[0..4].try_into().unwrap());
@@ -109,8 +164,11 @@ fn items_arrive_in_order_inline_and_by_ref_over_every_transport() {
     over_every_transport("stream-order", |t, c, s, _| {
         // Small items inline, large ones by Ref (shm, in-process) or
         // by value (TCP); more items than the window.
-        for (n, len) in [(0u32, 0u32), (1, 10), (100, 100), (40, 256 << 10)] {
-            let mut st = c.call_stream("count", count_args(n, len)).unwrap();
+        let sizes = [(0u32, 0u32), (1, 10), (100, 100), (40, 256 << 10)];
+        for (kind, (n, len)) in KINDS.iter().flat_map(|k| sizes.map(|x| (k, x))) {
+            let mut st = c
+                .call_stream(&format!("count{kind}"), count_args(n, len))
+                .unwrap();
             let mut k = 0u32;
             for item in st.by_ref() {
                 let item = item.unwrap();
@@ -126,101 +184,113 @@ fn items_arrive_in_order_inline_and_by_ref_over_every_transport() {
         // A unary call on the same connection after the streams.
         let back = c.call("unary", vec![7u8; 3]).unwrap();
         assert_eq!(back.to_vec().unwrap(), vec![7u8; 3]);
-        assert!(s.stats().items.load(Ordering::Relaxed) >= 141);
+        assert!(s.stats().items.load(Ordering::Relaxed) >= 2 * 141);
     });
 }
 
 #[test]
 fn the_window_bounds_what_the_server_sends_ahead() {
     over_every_transport("stream-window", |t, c, _, seen| {
-        let window = 4u64;
-        let opts = CallOptions::default().window(window as u32);
-        let mut st = c
-            .call_stream_with("endless", Payload::from_vec(vec![0]), opts, Metadata::new())
-            .unwrap();
-        let mut read = 0u64;
-        for _ in 0..5 {
-            // Granted: the window, and what was read in halves of it.
-            let granted = window + read / (window / 2) * (window / 2);
-            eventually("the server sent what was granted", || {
-                seen.sent.load(Ordering::SeqCst) == granted
-            });
-            std::thread::sleep(Duration::from_millis(30));
-            assert_eq!(
-                seen.sent.load(Ordering::SeqCst),
-                granted,
-                "{t:?}: no item beyond the grant"
-            );
-            for _ in 0..3 {
-                let item = st.next().unwrap().unwrap();
-                assert_eq!(item.to_vec().unwrap(), read.to_le_bytes());
-                read += 1;
+        for kind in KINDS {
+            *seen.ended.lock().unwrap() = None;
+            let window = 4u64;
+            let opts = CallOptions::default().window(window as u32);
+            let m = format!("endless{kind}");
+            let mut st = c
+                .call_stream_with(&m, Payload::from_vec(vec![0]), opts, Metadata::new())
+                .unwrap();
+            let mut read = 0u64;
+            for _ in 0..5 {
+                // Granted: the window, and what was read in halves of it.
+                let granted = window + read / (window / 2) * (window / 2);
+                eventually("the server sent what was granted", || {
+                    seen.sent.load(Ordering::SeqCst) == granted
+                });
+                std::thread::sleep(Duration::from_millis(30));
+                assert_eq!(
+                    seen.sent.load(Ordering::SeqCst),
+                    granted,
+                    "{t:?} {m}: no item beyond the grant"
+                );
+                for _ in 0..3 {
+                    let item = st.next().unwrap().unwrap();
+                    assert_eq!(item.to_vec().unwrap(), read.to_le_bytes());
+                    read += 1;
+                }
             }
+            drop(st);
+            eventually("the handler saw the cancel", || {
+                seen.ended.lock().unwrap().is_some()
+            });
+            assert_eq!(*seen.ended.lock().unwrap(), Some(Status::Cancelled), "{m}");
+            // The server serves again.
+            let back = c.call("unary", vec![1u8]).unwrap();
+            assert_eq!(back.to_vec().unwrap(), vec![1u8]);
         }
-        drop(st);
-        eventually("the handler saw the cancel", || {
-            seen.ended.lock().unwrap().is_some()
-        });
-        assert_eq!(*seen.ended.lock().unwrap(), Some(Status::Cancelled));
-        // The server serves again.
-        let back = c.call("unary", vec![1u8]).unwrap();
-        assert_eq!(back.to_vec().unwrap(), vec![1u8]);
     });
 }
 
 #[test]
 fn a_dropped_stream_cancels_its_call_and_releases_its_items() {
     over_every_transport("stream-drop", |_, c, _, seen| {
-        // Large items (by Ref where the pool is shared), some unread.
-        let mut st = c.call_stream("count", count_args(1000, 64 << 10)).unwrap();
-        for _ in 0..3 {
+        for kind in KINDS {
+            *seen.ended.lock().unwrap() = None;
+            // Large items (by Ref where the pool is shared), some unread.
+            let m = format!("count{kind}");
+            let mut st = c.call_stream(&m, count_args(1000, 64 << 10)).unwrap();
+            for _ in 0..3 {
+                st.next().unwrap().unwrap();
+            }
+            drop(st);
+            let mut st = c.call_stream(&format!("endless{kind}"), vec![1u8]).unwrap();
             st.next().unwrap().unwrap();
+            drop(st);
+            eventually("the handler saw the cancel", || {
+                seen.ended.lock().unwrap().is_some()
+            });
+            assert_eq!(*seen.ended.lock().unwrap(), Some(Status::Cancelled), "{m}");
+            let back = c.call("unary", vec![2u8]).unwrap();
+            assert_eq!(back.to_vec().unwrap(), vec![2u8]);
         }
-        drop(st);
-        let mut st = c.call_stream("endless", vec![1u8]).unwrap();
-        st.next().unwrap().unwrap();
-        drop(st);
-        eventually("the handler saw the cancel", || {
-            seen.ended.lock().unwrap().is_some()
-        });
-        assert_eq!(*seen.ended.lock().unwrap(), Some(Status::Cancelled));
-        let back = c.call("unary", vec![2u8]).unwrap();
-        assert_eq!(back.to_vec().unwrap(), vec![2u8]);
     });
 }
 
 #[test]
 fn a_stream_ends_with_its_handlers_error_or_its_deadline() {
     over_every_transport("stream-end", |t, c, _, seen| {
-        let mut st = c.call_stream("fail", vec![]).unwrap();
-        assert_eq!(st.next().unwrap().unwrap().to_vec().unwrap(), vec![1]);
-        assert_eq!(st.next().unwrap().unwrap().to_vec().unwrap(), vec![2]);
-        let e = st.next().unwrap().unwrap_err();
-        assert_eq!(e.status, Status::PermissionDenied, "{e}");
-        assert!(st.next().is_none());
-        // The deadline bounds the whole stream: items every 5 ms, for
-        // 150 ms.
-        let opts = CallOptions::deadline(Duration::from_millis(150));
-        let st = c
-            .call_stream_with("endless", Payload::from_vec(vec![5]), opts, Metadata::new())
-            .unwrap();
-        let start = Instant::now();
-        let mut items = 0;
-        let mut end = None;
-        for item in st {
-            match item {
-                Ok(_) => items += 1,
-                Err(e) => end = Some(e.status),
+        for kind in KINDS {
+            *seen.ended.lock().unwrap() = None;
+            let mut st = c.call_stream(&format!("fail{kind}"), vec![]).unwrap();
+            assert_eq!(st.next().unwrap().unwrap().to_vec().unwrap(), vec![1]);
+            assert_eq!(st.next().unwrap().unwrap().to_vec().unwrap(), vec![2]);
+            let e = st.next().unwrap().unwrap_err();
+            assert_eq!(e.status, Status::PermissionDenied, "{e}");
+            assert!(st.next().is_none());
+            // The deadline bounds the whole stream: items every 5 ms, for
+            // 150 ms.
+            let opts = CallOptions::deadline(Duration::from_millis(150));
+            let m = format!("endless{kind}");
+            let st = c
+                .call_stream_with(&m, Payload::from_vec(vec![5]), opts, Metadata::new())
+                .unwrap();
+            let start = Instant::now();
+            let mut items = 0;
+            let mut end = None;
+            for item in st {
+                match item {
+                    Ok(_) => items += 1,
+                    Err(e) => end = Some(e.status),
+                }
             }
+            assert_eq!(end, Some(Status::DeadlineExceeded), "{t:?} {m}");
+            assert!(items >= 1, "{t:?} {m}: items came before the deadline");
+            assert!(start.elapsed() < Duration::from_secs(2));
+            eventually("the handler stopped", || {
+                seen.ended.lock().unwrap().is_some()
+            });
+            let back = c.call("unary", vec![3u8]).unwrap();
+            assert_eq!(back.to_vec().unwrap(), vec![3u8]);
         }
-        assert_eq!(end, Some(Status::DeadlineExceeded), "{t:?}");
-        assert!(items >= 1, "{t:?}: items came before the deadline");
-        assert!(start.elapsed() < Duration::from_secs(2));
-        eventually("the handler stopped", || {
-            seen.ended.lock().unwrap().is_some()
-        });
-        let back = c.call("unary", vec![3u8]).unwrap();
-        assert_eq!(back.to_vec().unwrap(), vec![3u8]);
     });
 }
 
@@ -228,8 +298,12 @@ fn a_stream_ends_with_its_handlers_error_or_its_deadline() {
 fn unary_and_streaming_methods_meet_the_other_kind_of_call() {
     over_every_transport("stream-kinds", |t, c, _, _| {
         // A streaming method called as a unary one: refused.
-        let e = c.call("count", count_args(3, 3)).unwrap_err();
-        assert_eq!(e.status, Status::InvalidArgument, "{e}");
+        for kind in KINDS {
+            let e = c
+                .call(&format!("count{kind}"), count_args(3, 3))
+                .unwrap_err();
+            assert_eq!(e.status, Status::InvalidArgument, "{e}");
+        }
         // A unary method called as a stream: its answer is the one item,
         // by Ref too (the request's own Ref passed back).
         for len in [5usize, 300 << 10] {
@@ -253,7 +327,8 @@ fn streams_and_calls_share_a_connection_across_threads() {
                     for round in 0..20u32 {
                         if (th + round) % 2 == 0 {
                             let n = 5 + th;
-                            let st = c.call_stream("count", count_args(n, 2000)).unwrap();
+                            let m = format!("count{}", KINDS[(round / 2 % 2) as usize]);
+                            let st = c.call_stream(&m, count_args(n, 2000)).unwrap();
                             let got: Vec<Payload> = st.map(Result::unwrap).collect();
                             assert_eq!(got.len(), n as usize);
                             for (k, p) in got.iter().enumerate() {
@@ -411,8 +486,10 @@ async fn read_all(st: &mut dm_rpc::AsyncStreaming) -> (Vec<Vec<u8>>, Option<RpcE
 #[test]
 fn async_streams_carry_items_in_order_and_end_with_their_answer() {
     async_over_every_transport("astream-order", |t, c, _| async move {
-        for (n, len) in [(0u32, 0u32), (1, 10), (100, 100), (40, 256 << 10)] {
-            let mut st = c.call_stream("count", count_args(n, len)).await.unwrap();
+        let sizes = [(0u32, 0u32), (1, 10), (100, 100), (40, 256 << 10)];
+        for (kind, (n, len)) in KINDS.iter().flat_map(|k| sizes.map(|x| (k, x))) {
+            let m = format!("count{kind}");
+            let mut st = c.call_stream(&m, count_args(n, len)).await.unwrap();
             let (items, end) = read_all(&mut st).await;
             assert!(end.is_none(), "{t:?}: {end:?}");
             assert_eq!(items.len(), n as usize, "{t:?}: every item, once");
@@ -423,10 +500,12 @@ fn async_streams_carry_items_in_order_and_end_with_their_answer() {
             assert_eq!(st.metadata().get("items"), Some(n.to_string().as_bytes()));
         }
         // A handler's error, after its items.
-        let mut st = c.call_stream("fail", vec![]).await.unwrap();
-        let (items, end) = read_all(&mut st).await;
-        assert_eq!(items, vec![vec![1], vec![2]]);
-        assert_eq!(end.unwrap().status, Status::PermissionDenied);
+        for kind in KINDS {
+            let mut st = c.call_stream(&format!("fail{kind}"), vec![]).await.unwrap();
+            let (items, end) = read_all(&mut st).await;
+            assert_eq!(items, vec![vec![1], vec![2]]);
+            assert_eq!(end.unwrap().status, Status::PermissionDenied);
+        }
         // The other kinds of call.
         let e = c.call("count", count_args(3, 3)).await.unwrap_err();
         assert_eq!(e.status, Status::InvalidArgument, "{e}");
@@ -440,92 +519,106 @@ fn async_streams_carry_items_in_order_and_end_with_their_answer() {
 #[test]
 fn an_async_streams_window_bounds_the_server_and_a_drop_cancels_it() {
     async_over_every_transport("astream-window", |t, c, seen| async move {
-        let window = 4u64;
-        let opts = CallOptions::default().window(window as u32);
-        let arg = Payload::from_vec(vec![0]);
-        let mut st = c
-            .call_stream_with("endless", arg, opts, Metadata::new())
-            .await
-            .unwrap();
-        let mut read = 0u64;
-        for _ in 0..5 {
-            let granted = window + read / (window / 2) * (window / 2);
+        for kind in KINDS {
+            *seen.ended.lock().unwrap() = None;
+            let window = 4u64;
+            let opts = CallOptions::default().window(window as u32);
+            let arg = Payload::from_vec(vec![0]);
+            let m = format!("endless{kind}");
+            let mut st = c
+                .call_stream_with(&m, arg, opts, Metadata::new())
+                .await
+                .unwrap();
+            let mut read = 0u64;
+            for _ in 0..5 {
+                let granted = window + read / (window / 2) * (window / 2);
+                let until = Instant::now() + Duration::from_secs(5);
+                while seen.sent.load(Ordering::SeqCst) != granted {
+                    assert!(Instant::now() < until, "{t:?}: the server sent {granted}");
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                let sent = seen.sent.load(Ordering::SeqCst);
+                assert_eq!(sent, granted, "{t:?} {m}: no item beyond the grant");
+                for _ in 0..3 {
+                    let item = st.next().await.unwrap().unwrap();
+                    assert_eq!(item.to_vec().unwrap(), read.to_le_bytes());
+                    read += 1;
+                }
+            }
+            drop(st);
             let until = Instant::now() + Duration::from_secs(5);
-            while seen.sent.load(Ordering::SeqCst) != granted {
-                assert!(Instant::now() < until, "{t:?}: the server sent {granted}");
+            while seen.ended.lock().unwrap().is_none() {
+                assert!(Instant::now() < until, "{t:?}: the handler saw the cancel");
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-            tokio::time::sleep(Duration::from_millis(30)).await;
-            let sent = seen.sent.load(Ordering::SeqCst);
-            assert_eq!(sent, granted, "{t:?}: no item beyond the grant");
+            assert_eq!(*seen.ended.lock().unwrap(), Some(Status::Cancelled), "{m}");
+            // Large items, some unread, released with the dropped stream.
+            let mut st = c
+                .call_stream(&format!("count{kind}"), count_args(1000, 64 << 10))
+                .await
+                .unwrap();
             for _ in 0..3 {
-                let item = st.next().await.unwrap().unwrap();
-                assert_eq!(item.to_vec().unwrap(), read.to_le_bytes());
-                read += 1;
+                st.next().await.unwrap().unwrap();
             }
+            drop(st);
+            let back = c.call("unary", vec![1u8]).await.unwrap();
+            assert_eq!(back.to_vec().unwrap(), vec![1u8]);
         }
-        drop(st);
-        let until = Instant::now() + Duration::from_secs(5);
-        while seen.ended.lock().unwrap().is_none() {
-            assert!(Instant::now() < until, "{t:?}: the handler saw the cancel");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        assert_eq!(*seen.ended.lock().unwrap(), Some(Status::Cancelled));
-        // Large items, some unread, released with the dropped stream.
-        let mut st = c
-            .call_stream("count", count_args(1000, 64 << 10))
-            .await
-            .unwrap();
-        for _ in 0..3 {
-            st.next().await.unwrap().unwrap();
-        }
-        drop(st);
-        let back = c.call("unary", vec![1u8]).await.unwrap();
-        assert_eq!(back.to_vec().unwrap(), vec![1u8]);
     });
 }
 
 #[test]
 fn an_async_stream_ends_at_its_deadline_and_a_dropped_next_loses_nothing() {
     async_over_every_transport("astream-deadline", |t, c, seen| async move {
-        // Items every 20 ms: a wait of 5 ms for the next one gives up,
-        // and the item it waited for is the next one's.
-        let mut st = c.call_stream("endless", vec![20u8]).await.unwrap();
-        for k in 0..4u64 {
-            let quick = tokio::time::timeout(Duration::from_millis(5), st.next()).await;
-            if let Ok(item) = quick {
-                // (A slow host: the item came within the 5 ms.)
-                assert_eq!(item.unwrap().unwrap().to_vec().unwrap(), k.to_le_bytes());
-                continue;
+        for kind in KINDS {
+            *seen.ended.lock().unwrap() = None;
+            let m = format!("endless{kind}");
+            // Items every 20 ms: a wait of 5 ms for the next one gives up,
+            // and the item it waited for is the next one's.
+            let mut st = c.call_stream(&m, vec![20u8]).await.unwrap();
+            for k in 0..4u64 {
+                let quick = tokio::time::timeout(Duration::from_millis(5), st.next()).await;
+                if let Ok(item) = quick {
+                    // (A slow host: the item came within the 5 ms.)
+                    assert_eq!(item.unwrap().unwrap().to_vec().unwrap(), k.to_le_bytes());
+                    continue;
+                }
+                let item = st.next().await.unwrap().unwrap();
+                assert_eq!(item.to_vec().unwrap(), k.to_le_bytes(), "{t:?}");
             }
-            let item = st.next().await.unwrap().unwrap();
-            assert_eq!(item.to_vec().unwrap(), k.to_le_bytes(), "{t:?}");
+            drop(st);
+            // The deadline bounds the whole stream: items every 5 ms, for
+            // 150 ms.
+            let opts = CallOptions::deadline(Duration::from_millis(150));
+            let arg = Payload::from_vec(vec![5]);
+            // (The first stream's handler ends with its cancel.)
+            let until = Instant::now() + Duration::from_secs(5);
+            while seen.ended.lock().unwrap().take().is_none() {
+                assert!(Instant::now() < until, "{t:?} {m}: the first stream ended");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let start = Instant::now();
+            let mut st = c
+                .call_stream_with(&m, arg, opts, Metadata::new())
+                .await
+                .unwrap();
+            let (items, end) = read_all(&mut st).await;
+            assert_eq!(
+                end.map(|e| e.status),
+                Some(Status::DeadlineExceeded),
+                "{t:?} {m}"
+            );
+            assert!(!items.is_empty(), "{t:?}: items came before the deadline");
+            assert!(start.elapsed() < Duration::from_secs(2));
+            let until = Instant::now() + Duration::from_secs(5);
+            while seen.ended.lock().unwrap().is_none() {
+                assert!(Instant::now() < until, "{t:?}: the handler stopped");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let back = c.call("unary", vec![3u8]).await.unwrap();
+            assert_eq!(back.to_vec().unwrap(), vec![3u8]);
         }
-        drop(st);
-        // The deadline bounds the whole stream: items every 5 ms, for
-        // 150 ms.
-        let opts = CallOptions::deadline(Duration::from_millis(150));
-        let arg = Payload::from_vec(vec![5]);
-        let start = Instant::now();
-        let mut st = c
-            .call_stream_with("endless", arg, opts, Metadata::new())
-            .await
-            .unwrap();
-        let (items, end) = read_all(&mut st).await;
-        assert_eq!(
-            end.map(|e| e.status),
-            Some(Status::DeadlineExceeded),
-            "{t:?}"
-        );
-        assert!(!items.is_empty(), "{t:?}: items came before the deadline");
-        assert!(start.elapsed() < Duration::from_secs(2));
-        let until = Instant::now() + Duration::from_secs(5);
-        while seen.ended.lock().unwrap().is_none() {
-            assert!(Instant::now() < until, "{t:?}: the handler stopped");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        let back = c.call("unary", vec![3u8]).await.unwrap();
-        assert_eq!(back.to_vec().unwrap(), vec![3u8]);
     });
 }
 
@@ -539,7 +632,8 @@ fn async_streams_and_calls_share_a_connection_across_tasks() {
                 for round in 0..20u32 {
                     if (task + round) % 2 == 0 {
                         let n = 5 + task;
-                        let mut st = c.call_stream("count", count_args(n, 2000)).await.unwrap();
+                        let m = format!("count{}", KINDS[(round / 2 % 2) as usize]);
+                        let mut st = c.call_stream(&m, count_args(n, 2000)).await.unwrap();
                         let (items, end) = read_all(&mut st).await;
                         assert!(end.is_none(), "{end:?}");
                         assert_eq!(items.len(), n as usize);
@@ -558,6 +652,78 @@ fn async_streams_and_calls_share_a_connection_across_tasks() {
             r.unwrap();
         }
     });
+}
+
+/// An async stream waiting for its caller holds up nothing: calls on its
+/// own connection and on others are served meanwhile, and two streams of
+/// one connection advance together (blocking handlers' would not: the
+/// second would wait for the first to end, which waits for its caller,
+/// who reads them in turn). The items and ends of streams need less room
+/// than unary answers: three streams and a call fit one connection.
+#[test]
+fn async_streams_run_beside_the_servers_other_calls() {
+    for t in every_transport() {
+        let tp = pool();
+        {
+            let node = Node::new(tp.attach());
+            let name = unique("astream-beside");
+            let seen = Arc::new(Seen::default());
+            let s = service(&node, &name, &t, seen.clone());
+            let (c, other) = (node.connect(&name).unwrap(), node.connect(&name).unwrap());
+            let within = || CallOptions::deadline(Duration::from_secs(10));
+            // A stream that waits for its caller (one item granted, unread).
+            let arg = Payload::from_vec(vec![0]);
+            let o = within().window(1);
+            let mut waiting = c
+                .call_stream_with("endless_async", arg, o, Metadata::new())
+                .unwrap();
+            eventually("the stream waits for a grant", || {
+                seen.sent.load(Ordering::SeqCst) == 1
+            });
+            for k in 0..20u8 {
+                for cl in [&c, &other] {
+                    let arg = Payload::from_vec(vec![k; 1 + k as usize * 1000]);
+                    let back = cl.call_with("unary", arg, within()).unwrap();
+                    assert_eq!(back.to_vec().unwrap(), vec![k; 1 + k as usize * 1000]);
+                }
+            }
+            // Two more streams of the same connection, read in turn, with
+            // items inline and by Ref.
+            for len in [100u32, 200 << 10] {
+                let open = |n: u32| {
+                    let arg = Payload::from_vec(count_args(n, len));
+                    let o = within().window(2);
+                    c.call_stream_with("count_async", arg, o, Metadata::new())
+                        .unwrap()
+                };
+                let (mut a, mut b) = (open(30), open(20));
+                for k in 0..30u8 {
+                    let item = a.next().unwrap().unwrap();
+                    assert_eq!(item.to_vec().unwrap(), pattern(len as usize, k), "{t:?}");
+                    if k < 20 {
+                        let item = b.next().unwrap().unwrap();
+                        assert_eq!(item.to_vec().unwrap(), pattern(len as usize, k));
+                    }
+                }
+                assert!(a.next().is_none() && b.next().is_none(), "{t:?}");
+                assert_eq!(a.metadata().get("items"), Some(&b"30"[..]));
+            }
+            // The first stream still waits, and goes on when read.
+            assert_eq!(seen.sent.load(Ordering::SeqCst), 1, "{t:?}");
+            for k in 0..3u64 {
+                let item = waiting.next().unwrap().unwrap();
+                assert_eq!(item.to_vec().unwrap(), k.to_le_bytes(), "{t:?}");
+            }
+            drop(waiting);
+            eventually("the handler saw the cancel", || {
+                seen.ended.lock().unwrap().is_some()
+            });
+            assert_eq!(*seen.ended.lock().unwrap(), Some(Status::Cancelled));
+            drop((c, other));
+            s.shutdown();
+        }
+        tp.assert_clean();
+    }
 }
 
 /// An async handler reads a stream of another service (its answers read

@@ -3,7 +3,10 @@
 //! A server registers a streaming method with
 //! [`ServerBuilder::method_stream`](crate::ServerBuilder::method_stream):
 //! its handler sends items into a [`Sink`] as it has them and returns how
-//! the stream ends. A caller opens the stream with
+//! the stream ends. An async handler
+//! ([`ServerBuilder::method_stream_async`](crate::ServerBuilder::method_stream_async))
+//! sends them into an [`AsyncSink`] (`sink.send(item).await`), and its
+//! stream runs beside the server's other calls. A caller opens the stream with
 //! [`Client::call_stream`](crate::Client::call_stream) and reads the items
 //! from a [`Streaming`], an iterator, as they come (an async caller:
 //! [`AsyncClient::call_stream`](crate::AsyncClient::call_stream), and
@@ -24,7 +27,15 @@
 //! [`Sink::send`]; meanwhile its server queues the requests that come (it
 //! runs one blocking handler at a time, a streaming one too; over shared
 //! memory the stream's own connection is not read for requests until it
-//! ends, so that its items have the room).
+//! ends, so that its items have the room). An async handler awaits in
+//! [`AsyncSink::send`] instead, and the server goes on with its other
+//! calls, those of the stream's own connection included: its dispatcher
+//! polls the stream's future as it polls async handlers' calls, and sends
+//! the items it queued between polls. Over shared memory, a server keeps
+//! room in a connection for the answer to every request it took, so that
+//! answers never wait for a client that does not read; for a stream it
+//! keeps only the room for its end ([`END_MAX`]), so that its items have
+//! the rest.
 //!
 //! **Ends.** The stream ends with the call's answer: `Ok` after the
 //! handler returned `Ok(())`, or the error it returned (or
@@ -32,7 +43,8 @@
 //! bounds the whole stream). A caller that drops its [`Streaming`] before
 //! the end cancels the call: the handler's next [`Sink::send`] fails with
 //! `Cancelled` (and [`Call::cancelled`](crate::Call::cancelled) is true),
-//! and the items already sent are released. A server that dies ends its
+//! an async handler's future is dropped, and the items already sent are
+//! released. An async handler's items go out before its end. A server that dies ends its
 //! streams with `Unavailable`, as it does calls.
 //!
 //! The wire format is in [`crate::frame`] (frames v7). The server's end
@@ -44,8 +56,16 @@ mod sink;
 
 pub use call::{AsyncStreaming, Streaming};
 pub(crate) use call::{How, StreamConn};
-pub(crate) use sink::Feed;
-pub use sink::Sink;
+pub use sink::{AsyncSink, Sink};
+pub(crate) use sink::{Feed, Outlet};
+
+/// The most bytes of payload and metadata in the answer that ends a
+/// stream (its error message, its trailer metadata; a unary method called
+/// as a stream answers with a larger payload by Ref where the pool is
+/// shared). A server keeps room for one such answer per stream in
+/// progress, rather than for the largest answer: the stream's items need
+/// the rest.
+pub const END_MAX: usize = 16 << 10;
 
 /// Items a caller holds unread at most, unless it says otherwise
 /// ([`CallOptions::window`](crate::CallOptions::window)).

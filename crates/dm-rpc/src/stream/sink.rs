@@ -5,7 +5,7 @@ use crate::error::RpcError;
 use crate::frame::{Frame, Kind};
 use crate::node::Node;
 use crate::payload::{Dir, Payload};
-use crate::server::{take_in, Pending, Stats};
+use crate::server::{take_in, Later, Pending, Stats};
 use crate::transport::{ConnId, Listener, Sharing};
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -25,8 +25,9 @@ pub(crate) struct Feed<'a> {
     queue: &'a mut VecDeque<Pending>,
     stats: &'a Stats,
     draining: Option<Instant>,
-    /// Cancels of other calls, applied when the handler returns.
-    later: Vec<(ConnId, u64)>,
+    /// Cancels of other calls and grants of async streams, applied when
+    /// the handler returns.
+    later: Vec<Later>,
     /// The connection and call id of the stream.
     running: (ConnId, u64),
     /// Items granted and not yet sent.
@@ -55,8 +56,8 @@ impl<'a> Feed<'a> {
         }
     }
 
-    /// The cancels of other calls it read.
-    pub(crate) fn take_later(&mut self) -> Vec<(ConnId, u64)> {
+    /// The cancels of other calls and grants of async streams it read.
+    pub(crate) fn take_later(&mut self) -> Vec<Later> {
         std::mem::take(&mut self.later)
     }
 
@@ -249,5 +250,251 @@ impl<'a> Sink<'a> {
             }
             slice = (slice * 2).min(LONGEST_WAIT);
         }
+    }
+}
+
+/// What an async streaming handler's sink and its dispatcher share
+/// ([`AsyncSink`]): the sink queues items here as its caller grants them,
+/// and the dispatcher sends them between polls (it owns the connections),
+/// adds the grants it reads, and ends the stream when its caller goes.
+pub(crate) struct Outlet {
+    /// The stream's connection and call id.
+    pub(crate) conn: ConnId,
+    pub(crate) id: u64,
+    /// When the call's deadline passes (the dispatcher ends the stream).
+    pub(crate) deadline: Option<Instant>,
+    /// The dispatcher's thread: a sink used elsewhere (moved into a
+    /// spawned task) pokes it after queuing an item.
+    home: std::thread::ThreadId,
+    state: std::sync::Mutex<Outbox>,
+}
+
+#[derive(Default)]
+struct Outbox {
+    /// Items granted and not yet queued.
+    credit: u64,
+    /// Items queued and not yet sent, with the Ref each made for the
+    /// caller (released if it is never sent).
+    out: VecDeque<(Frame, Option<dm_pool::Ref>)>,
+    /// How the stream ended early (cancelled, caller gone, deadline,
+    /// server stopping): every send from then on fails with it.
+    ended: Option<RpcError>,
+    /// A send waiting for credit.
+    credit_waker: Option<std::task::Waker>,
+    /// The handler's end waiting for its items to go out.
+    flush_waker: Option<std::task::Waker>,
+}
+
+impl Outlet {
+    pub(crate) fn new(conn: ConnId, id: u64, deadline: Option<Instant>, credit: u64) -> Self {
+        Outlet {
+            conn,
+            id,
+            deadline,
+            home: std::thread::current().id(),
+            state: std::sync::Mutex::new(Outbox {
+                credit,
+                ..Outbox::default()
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Outbox> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The caller granted `n` more items.
+    pub(crate) fn grant(&self, n: u32) {
+        let mut b = self.lock();
+        b.credit += u64::from(n);
+        if let Some(w) = b.credit_waker.take() {
+            drop(b);
+            w.wake();
+        }
+    }
+
+    /// Whether items wait to be sent.
+    pub(crate) fn unsent(&self) -> bool {
+        !self.lock().out.is_empty()
+    }
+
+    /// Sends what is queued while `send` takes it (`Ok(true)`; `Ok(false)`:
+    /// no room yet), counting each item sent; an error ends the stream
+    /// (its caller is gone).
+    pub(crate) fn flush(
+        &self,
+        node: &Node,
+        send: &mut dyn FnMut(&Frame) -> Result<bool, crate::transport::TransportError>,
+        sent: &mut dyn FnMut(&Frame),
+    ) {
+        let mut b = self.lock();
+        if b.ended.is_some() {
+            return;
+        }
+        while let Some((f, _)) = b.out.front() {
+            match send(f) {
+                Ok(true) => {
+                    sent(f);
+                    b.out.pop_front();
+                }
+                Ok(false) => return,
+                Err(e) => {
+                    let e = RpcError::unavailable(format!("the stream's caller is gone: {e}"));
+                    Self::end_locked(b, node, e);
+                    return;
+                }
+            }
+        }
+        if let Some(w) = b.flush_waker.take() {
+            drop(b);
+            w.wake();
+        }
+    }
+
+    /// Ends the stream early with `e` (if it has not ended): what is
+    /// queued is released, and a waiting send or flush is woken to fail.
+    pub(crate) fn end(&self, node: &Node, e: RpcError) {
+        let b = self.lock();
+        if b.ended.is_none() {
+            Self::end_locked(b, node, e);
+        }
+    }
+
+    fn end_locked(mut b: std::sync::MutexGuard<'_, Outbox>, node: &Node, e: RpcError) {
+        b.ended = Some(e);
+        let out = std::mem::take(&mut b.out);
+        let wakers = (b.credit_waker.take(), b.flush_waker.take());
+        drop(b);
+        for (_, made) in out {
+            if let Some(r) = made {
+                let _ = node.release_ref(&r);
+            }
+        }
+        for w in [wakers.0, wakers.1].into_iter().flatten() {
+            w.wake();
+        }
+    }
+
+    /// Waits until every item queued is sent (or the stream ended early:
+    /// then its error).
+    pub(crate) async fn flushed(&self) -> Result<(), RpcError> {
+        std::future::poll_fn(|cx| {
+            let mut b = self.lock();
+            if let Some(e) = &b.ended {
+                return std::task::Poll::Ready(Err(e.clone()));
+            }
+            if b.out.is_empty() {
+                return std::task::Poll::Ready(Ok(()));
+            }
+            b.flush_waker = Some(cx.waker().clone());
+            std::task::Poll::Pending
+        })
+        .await
+    }
+
+    /// Takes one item of credit, waiting for a grant.
+    async fn take_credit(&self) -> Result<(), RpcError> {
+        std::future::poll_fn(|cx| {
+            let mut b = self.lock();
+            if let Some(e) = &b.ended {
+                return std::task::Poll::Ready(Err(e.clone()));
+            }
+            if b.credit > 0 {
+                b.credit -= 1;
+                return std::task::Poll::Ready(Ok(()));
+            }
+            b.credit_waker = Some(cx.waker().clone());
+            std::task::Poll::Pending
+        })
+        .await
+    }
+}
+
+/// Where an async streaming handler sends its items
+/// ([`ServerBuilder::method_stream_async`](crate::ServerBuilder::method_stream_async)):
+/// owned, so the handler's future holds it across awaits (or moves it
+/// into a task it spawns).
+pub struct AsyncSink {
+    outlet: std::sync::Arc<Outlet>,
+    node: Node,
+    /// Pokes the dispatcher (a sink used off its thread).
+    poke: crate::transport::Waker,
+    inline_max: usize,
+    refs: Sharing,
+    sent: u64,
+}
+
+impl std::fmt::Debug for AsyncSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncSink")
+            .field("call_id", &self.outlet.id)
+            .field("sent", &self.sent)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AsyncSink {
+    pub(crate) fn new(
+        outlet: std::sync::Arc<Outlet>,
+        node: Node,
+        poke: crate::transport::Waker,
+        inline_max: usize,
+        refs: Sharing,
+    ) -> Self {
+        AsyncSink {
+            outlet,
+            node,
+            poke,
+            inline_max,
+            refs,
+            sent: 0,
+        }
+    }
+
+    /// Items sent so far.
+    pub fn sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Sends `item` to the caller, as [`Sink::send`] does (inline if
+    /// small, else as a Ref made for the caller), awaiting a grant while
+    /// the caller holds as many unread items as it asked for: the server's
+    /// other calls go on meanwhile. The item is on its way when this
+    /// returns (the dispatcher writes it into the connection after the
+    /// poll, before the stream's end). Fails, and the handler should
+    /// return, with `DeadlineExceeded` once the call's deadline passed,
+    /// `Unavailable` if the caller is gone or the server is stopping. A
+    /// caller that drops the stream cancels the call: the handler's
+    /// future is dropped (as an async handler's is).
+    pub async fn send(&mut self, item: impl Into<Payload>) -> Result<(), RpcError> {
+        let item = item.into();
+        self.outlet.take_credit().await?;
+        let (body, lent) =
+            match item.into_body(&self.node, self.inline_max, Dir::Answer(None), self.refs) {
+                Ok(x) => x,
+                Err(e) => {
+                    self.outlet.grant(1);
+                    return Err(e);
+                }
+            };
+        let made = lent.made_ref();
+        let frame = Frame::item(self.outlet.id, body);
+        {
+            let mut b = self.outlet.lock();
+            if let Some(e) = &b.ended {
+                let e = e.clone();
+                drop(b);
+                if let Some(r) = made {
+                    let _ = self.node.release_ref(&r);
+                }
+                return Err(e);
+            }
+            b.out.push_back((frame, made));
+        }
+        self.sent += 1;
+        if std::thread::current().id() != self.outlet.home {
+            self.poke.wake();
+        }
+        Ok(())
     }
 }

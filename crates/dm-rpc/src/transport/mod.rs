@@ -388,6 +388,15 @@ pub trait Listener: Send {
     fn wait_room(&mut self, conn: ConnId, len: usize, until: Instant) {
         let _ = (conn, len, until);
     }
+    /// Stream `id` of connection `conn` runs beside the connection's other
+    /// calls (an async streaming handler's): requests that come after it
+    /// need not wait for it to end. (A transport that holds a connection's
+    /// requests while a stream of it runs, so that its items find room,
+    /// holds them for a blocking stream only: that one holds up its
+    /// server until it ends.) The default does nothing.
+    fn stream_beside(&mut self, conn: ConnId, id: u64) {
+        let _ = (conn, id);
+    }
     /// Whether it holds requests read but not yet handed out (waiting for
     /// room for their answers): a draining server waits for them, to
     /// refuse them.

@@ -193,7 +193,8 @@ pub enum RingError {
     Corrupt(String),
 }
 
-fn record_len(len: usize) -> usize {
+/// The ring bytes a record of `len` bytes takes (header and padding).
+pub fn record_len(len: usize) -> usize {
     (REC_HDR + len + REC_ALIGN - 1) & !(REC_ALIGN - 1)
 }
 
@@ -275,6 +276,16 @@ impl<'a, D: RingData> Producer<'a, D> {
     /// and the free slot is the rest).
     pub fn fits_many(&mut self, len: usize, n: usize) -> bool {
         let need = record_len(len).saturating_mul(n.saturating_add(1));
+        if self.free_space() >= need {
+            return true;
+        }
+        self.tail_cache = self.ctl.tail.0.load(Ordering::Acquire);
+        self.free_space() >= need
+    }
+
+    /// Whether `need` bytes are free now (records of known lengths, with
+    /// room for a wrap's skip counted in by the caller).
+    pub fn fits_bytes(&mut self, need: usize) -> bool {
         if self.free_space() >= need {
             return true;
         }

@@ -34,7 +34,7 @@
 //! the highest call id it took, so the client sends the requests it never
 //! took to another server (control version 3).
 
-use super::ring::{self, Consumer, Producer, RawData, RingControl};
+use super::ring::{self, record_len, Consumer, Producer, RawData, RingControl};
 use super::{
     ConnId, Connection, FrameRx, FrameTx, Listener, Looked, TransportError, Waker, WatchSet,
     Watched,
@@ -383,8 +383,11 @@ struct ServerConn {
     req: Consumer<'static, RawData>,
     resp: Producer<'static, RawData>,
     /// Requests taken but not answered yet: each holds room for one
-    /// answer in `resp`.
+    /// answer in `resp` (the largest answer, or for a stream's request
+    /// the largest answer that ends a stream: [`crate::stream::END_MAX`]).
     owed: usize,
+    /// Call ids of the streams among them.
+    ends: Vec<u64>,
     /// The highest call id of the requests taken, and the go-away word
     /// it is said in when the server stops.
     taken: u64,
@@ -397,26 +400,50 @@ struct ServerConn {
     /// (`ShmListener::hold_max`), then the connection is not read.
     held: VecDeque<Frame>,
     held_bytes: usize,
-    /// Call ids of the streams taken and not yet answered: while one
-    /// runs, the connection's other requests are held, so that its items
-    /// find room beside the one answer owed ([`ShmListener::send_item`]).
+    /// Call ids of the blocking streams taken and not yet answered: while
+    /// one runs, the connection's other requests are held (its handler
+    /// holds up the server, so their answers would keep room its items
+    /// need: [`ShmListener::send_item`]). An async stream is let go at
+    /// once ([`Listener::stream_beside`]).
     streams: Vec<u64>,
 }
 
+/// The response-ring room kept per answer owed: record lengths.
+#[derive(Debug, Clone, Copy)]
+struct Room {
+    /// The largest answer (of a unary call).
+    answer: usize,
+    /// The largest answer that ends a stream.
+    end: usize,
+}
+
 impl ServerConn {
-    /// Whether a request may be taken now: no stream runs, and the
-    /// response ring has room for its answer (of up to `reserve` bytes)
-    /// besides those owed.
+    /// The response-ring bytes kept for the answers owed.
     #[inline]
-    fn can_take(&mut self, reserve: usize) -> bool {
-        self.streams.is_empty() && self.resp.fits_many(reserve, self.owed + 1)
+    fn reserved(&self, room: Room) -> usize {
+        let ends = self.ends.len();
+        self.owed.saturating_sub(ends) * room.answer + ends * room.end
+    }
+
+    /// Whether a request (asking for a stream, or not) may be taken now:
+    /// no blocking stream runs, and the response ring has room for its
+    /// answer besides those owed (and for a wrap's skip).
+    #[inline]
+    fn can_take(&mut self, room: Room, stream: bool) -> bool {
+        let own = if stream { room.end } else { room.answer };
+        self.streams.is_empty()
+            && self
+                .resp
+                .fits_bytes(self.reserved(room) + own + room.answer)
     }
 
     /// Whether a frame of `len` bytes that answers nothing fits in the
-    /// response ring beside the answers owed (of up to `reserve` bytes).
+    /// response ring beside the answers owed (and a wrap's skip).
     #[inline]
-    fn item_fits(&mut self, reserve: usize, len: usize) -> bool {
-        self.resp.fits_many(reserve.max(len), self.owed + 1)
+    fn item_fits(&mut self, room: Room, len: usize) -> bool {
+        let rec = record_len(len);
+        self.resp
+            .fits_bytes(self.reserved(room) + rec + rec.max(room.answer))
     }
 
     /// Moves the grants and cancels of request `id`, taken from the held
@@ -440,6 +467,7 @@ impl ServerConn {
         self.taken = self.taken.max(f.call_id);
         if f.flags & FLAG_STREAM != 0 {
             self.streams.push(f.call_id);
+            self.ends.push(f.call_id);
         }
     }
 }
@@ -464,7 +492,7 @@ pub struct ShmListener {
     reply_waiter: Waiter,
     stop: Arc<AtomicBool>,
     limits: Limits,
-    reserve: usize,
+    room: Room,
     /// Most bytes of frames held for one connection: sixteen rings' worth
     /// (beyond, the connection is not read until its held requests go).
     hold_max: usize,
@@ -524,7 +552,10 @@ impl ShmListener {
                 max_payload: max_inline as u32,
                 ..Limits::default()
             },
-            reserve: HEADER_LEN + reserve_inline.min(max_inline),
+            room: Room {
+                answer: record_len(HEADER_LEN + reserve_inline.min(max_inline)),
+                end: record_len(HEADER_LEN + crate::stream::END_MAX.min(max_inline)),
+            },
             hold_max: 16 * pool.layout().ring_size as usize,
             head: [0; HEADER_LEN],
             rec_len: 0,
@@ -588,6 +619,7 @@ impl ShmListener {
                 resp: Producer::new(p.resp, p.resp_data, p.client_bell)
                     .room_bell(&self.words[SERVER_BELL]),
                 owed: 0,
+                ends: Vec::new(),
                 taken: 0,
                 goaway: p.goaway,
                 held: VecDeque::new(),
@@ -627,7 +659,9 @@ impl ShmListener {
         };
         let c = &mut self.conns[i];
         let hold = match f.kind {
-            Kind::Request => !c.held.is_empty() || !c.can_take(self.reserve),
+            Kind::Request => {
+                !c.held.is_empty() || !c.can_take(self.room, f.flags & FLAG_STREAM != 0)
+            }
             // (A cancel or a grant of a held request stays behind it.)
             Kind::Cancel | Kind::Credit => c.held.iter().any(|h| h.call_id == f.call_id),
             _ => false,
@@ -672,7 +706,8 @@ impl ShmListener {
             };
             let c = &mut self.conns[i];
             if let Some(f) = c.held.front() {
-                if f.kind != Kind::Request || c.can_take(self.reserve) {
+                let stream = f.flags & FLAG_STREAM != 0;
+                if f.kind != Kind::Request || c.can_take(self.room, stream) {
                     let f = c.held.pop_front()?;
                     c.held_bytes -= f.encoded_len();
                     if f.kind == Kind::Request {
@@ -825,7 +860,8 @@ impl Listener for ShmListener {
         let k = self.index(conn)?;
         let c = &mut self.conns[k];
         c.owed = c.owed.saturating_sub(1);
-        if !c.streams.is_empty() {
+        if !c.ends.is_empty() {
+            c.ends.retain(|&id| id != f.call_id);
             c.streams.retain(|&id| id != f.call_id);
         }
         let (pool, ch) = (&self.pool, c.ch);
@@ -855,7 +891,7 @@ impl Listener for ShmListener {
         let k = self.index(conn)?;
         let len = f.encoded_len();
         let c = &mut self.conns[k];
-        if !c.item_fits(self.reserve, len) {
+        if !c.item_fits(self.room, len) {
             if self.pool.channel_peer(c.ch, Side::Server) != Peer::Live {
                 self.drop_conn(k);
                 return Err(TransportError::Unavailable("client gone".into()));
@@ -872,14 +908,20 @@ impl Listener for ShmListener {
         let Ok(k) = self.index(conn) else {
             return;
         };
-        let (reserve, words) = (self.reserve, self.words);
+        let (room, words) = (self.room, self.words);
         let c = &mut self.conns[k];
         let _ = self.reply_waiter.wait(
             Bell(&words[SERVER_BELL]),
             Some(until),
-            || (c.item_fits(reserve, len) || c.req.ready()).then_some(()),
+            || (c.item_fits(room, len) || c.req.ready()).then_some(()),
             || Ok::<(), TransportError>(()),
         );
+    }
+
+    fn stream_beside(&mut self, conn: ConnId, id: u64) {
+        if let Ok(k) = self.index(conn) {
+            self.conns[k].streams.retain(|&s| s != id);
+        }
     }
 
     fn holding(&self) -> bool {
