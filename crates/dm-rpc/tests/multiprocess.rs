@@ -747,8 +747,12 @@ fn a_stream_from_another_process_carries_items_inline_and_by_ref() {
     let server = Agent::serve(&tp, &name, &[]);
     let node = node(&tp);
     let c = node.connect(&name).unwrap();
-    for (n, len) in [(50u32, 100u32), (20, 1 << 20)] {
-        let st = c.call_stream("items", items_arg(n, len, 0)).unwrap();
+    let cases = [(50u32, 100u32), (20, 1 << 20)];
+    for (method, (n, len)) in ["items", "items_async"]
+        .iter()
+        .flat_map(|m| cases.map(|x| (m, x)))
+    {
+        let st = c.call_stream(method, items_arg(n, len, 0)).unwrap();
         let mut k = 0u32;
         for item in st {
             let item = item.unwrap();
@@ -772,15 +776,17 @@ fn a_stream_from_another_process_carries_items_inline_and_by_ref() {
 
 #[test]
 fn server_killed_mid_stream_ends_it_with_unavailable() {
-    server_killed_mid_stream(&[]);
+    server_killed_mid_stream(&[], "items");
+    server_killed_mid_stream(&[], "items_async");
 }
 
 #[test]
 fn tcp_server_killed_mid_stream_ends_it_with_unavailable() {
-    server_killed_mid_stream(&["--tcp"]);
+    server_killed_mid_stream(&["--tcp"], "items");
+    server_killed_mid_stream(&["--tcp"], "items_async");
 }
 
-fn server_killed_mid_stream(transport: &[&str]) {
+fn server_killed_mid_stream(transport: &[&str], method: &str) {
     let tp = pool();
     let name = format!(
         "mp/stream-victim/{}/{}",
@@ -792,7 +798,7 @@ fn server_killed_mid_stream(transport: &[&str]) {
     let c = node.connect(&name).unwrap();
     // Items of 200 KiB (by Ref over shm), one every 5 ms.
     let mut st = c
-        .call_stream("items", items_arg(100_000, 200 << 10, 5))
+        .call_stream(method, items_arg(100_000, 200 << 10, 5))
         .unwrap();
     for _ in 0..5 {
         st.next().unwrap().unwrap();
@@ -806,10 +812,10 @@ fn server_killed_mid_stream(transport: &[&str]) {
             None => panic!("a killed server's stream ended well"),
         }
     };
-    assert_eq!(end.status, Status::Unavailable, "{end}");
+    assert_eq!(end.status, Status::Unavailable, "{method}: {end}");
     assert!(
         t0.elapsed() < Duration::from_secs(3),
-        "noticed after {:?}",
+        "{method}: noticed after {:?}",
         t0.elapsed()
     );
     assert!(st.next().is_none());
@@ -866,12 +872,26 @@ fn server_killed_mid_async_stream_ends_it_with_unavailable() {
 
 #[test]
 fn client_killed_mid_stream_does_not_disturb_the_server() {
+    client_killed_mid_stream("items");
+}
+
+/// The same with an async streaming handler: the server serves on at
+/// once, and ends the stream (releasing the items it queued) when it sees
+/// the caller gone.
+#[test]
+fn client_killed_mid_async_stream_does_not_disturb_the_server() {
+    client_killed_mid_stream("items_async");
+}
+
+fn client_killed_mid_stream(method: &str) {
     let tp = pool();
-    let name = format!("mp/stream-survivor/{}", std::process::id());
+    let name = format!("mp/stream-survivor/{}/{method}", std::process::id());
     let server = Agent::serve(&tp, &name, &[]);
-    // A client that opens an endless stream, reads one item and stops
-    // reading: the server waits for it to grant more.
-    let args = ["stream", &name, "1000000", "100000", "--lease", "400"];
+    // A client that opens an endless stream of items by Ref, reads one
+    // and stops reading: the server waits for it to grant more.
+    let args = [
+        "stream", &name, "1000000", "100000", "--method", method, "--lease", "400",
+    ];
     let mut victim = Agent::start(&tp, &args);
     assert_eq!(victim.line(), "reading");
     std::thread::sleep(Duration::from_millis(50));
@@ -892,7 +912,17 @@ fn client_killed_mid_stream_does_not_disturb_the_server() {
         "served after {:?}",
         t0.elapsed()
     );
-    let st = c.call_stream("items", items_arg(3, 10, 0)).unwrap();
+    // The victim's stream ended (its handler returned, or its future
+    // was dropped).
+    let running = || {
+        let n = c.call("streams", vec![]).unwrap().to_vec().unwrap();
+        u64::from_le_bytes(n.try_into().unwrap())
+    };
+    while running() != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{method} still runs");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let st = c.call_stream(method, items_arg(3, 10, 0)).unwrap();
     assert_eq!(st.map(Result::unwrap).count(), 3);
     drop(c);
     drop(node);

@@ -347,7 +347,7 @@ fn streams_and_calls_share_a_connection_across_threads() {
 }
 
 /// Stops `old` gracefully and starts its successor, a server of `count`
-/// alone, registered as soon as the old one unregistered (as it starts
+/// and `count_async` alone, registered as soon as the old one unregistered (as it starts
 /// draining); returns it once the old one stopped.
 fn restart(node: &Node, name: &str, t: &Transport, old: Server) -> Server {
     let drain = std::thread::spawn(move || old.shutdown_gracefully(Duration::from_secs(5)));
@@ -362,6 +362,15 @@ fn restart(node: &Node, name: &str, t: &Transport, old: Server) -> Server {
                 let len = u32::from_le_bytes(a[4..8].try_into().unwrap());
                 for k in 0..n {
                     sink.send(pattern(len as usize, k as u8))?;
+                }
+                Ok(())
+            })
+            .method_stream_async("count_async", |c, mut sink| async move {
+                let a = c.payload.to_vec()?;
+                let n = u32::from_le_bytes(a[0..4].try_into().unwrap());
+                let len = u32::from_le_bytes(a[4..8].try_into().unwrap());
+                for k in 0..n {
+                    sink.send(pattern(len as usize, k as u8)).await?;
                 }
                 Ok(())
             })
@@ -400,9 +409,8 @@ fn streams_survive_a_rolling_restart() {
                                     .wait_for_ready()
                                     .idempotent();
                                 let arg = Payload::from_vec(count_args(4, len));
-                                let st = c
-                                    .call_stream_with("count", arg, o, Metadata::new())
-                                    .unwrap();
+                                let m = format!("count{}", KINDS[n % 2]);
+                                let st = c.call_stream_with(&m, arg, o, Metadata::new()).unwrap();
                                 let items: Vec<Vec<u8>> = st
                                     .map(|i| i.unwrap_or_else(|e| panic!("{t:?} stream {n}: {e}")))
                                     .map(|p| p.to_vec().unwrap())
@@ -794,8 +802,9 @@ fn async_streams_survive_a_rolling_restart_and_balance_over_replicas() {
                                 .wait_for_ready()
                                 .idempotent();
                             let arg = Payload::from_vec(count_args(4, len));
+                            let m = format!("count{}", KINDS[n % 2]);
                             let mut st = c
-                                .call_stream_with("count", arg, o, Metadata::new())
+                                .call_stream_with(&m, arg, o, Metadata::new())
                                 .await
                                 .unwrap_or_else(|e| panic!("{t:?} stream {n}: {e}"));
                             let (items, end) = read_all(&mut st).await;

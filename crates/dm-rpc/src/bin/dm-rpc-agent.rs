@@ -147,23 +147,30 @@ mod agent {
                 Ok(Payload::from_vec(out))
             })
             .method("sleep", |c| sleep(c.payload()))
+            // How many `items` and `items_async` streams run now.
+            .method("streams", |_| {
+                let n = RUNNING.load(std::sync::atomic::Ordering::SeqCst);
+                Ok(Payload::from_vec(n.to_le_bytes().to_vec()))
+            })
             .method_stream("items", |c, sink| {
-                let a = c.payload().to_vec()?;
-                let word = |i: usize| {
-                    a.get(i * 4..i * 4 + 4)
-                        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-                        .ok_or_else(|| RpcError::invalid_argument("u32 N | u32 LEN | u32 MS"))
-                };
-                let (n, len, ms) = (word(0)?, word(1)? as usize, word(2)?);
+                let _running = Running::new();
+                let (n, len, ms) = items_args(c.payload())?;
                 for k in 0..n {
                     if ms > 0 {
                         std::thread::sleep(std::time::Duration::from_millis(ms.into()));
                     }
-                    let mut item: Vec<u8> = (0..len).map(|i| i as u8).collect();
-                    if let Some(b) = item.first_mut() {
-                        *b = k as u8;
+                    sink.send(item(k, len))?;
+                }
+                Ok(())
+            })
+            .method_stream_async("items_async", |c, mut sink| async move {
+                let _running = Running::new();
+                let (n, len, ms) = items_args(&c.payload)?;
+                for k in 0..n {
+                    if ms > 0 {
+                        tokio::time::sleep(std::time::Duration::from_millis(ms.into())).await;
                     }
-                    sink.send(item)?;
+                    sink.send(item(k, len)).await?;
                 }
                 Ok(())
             })
@@ -206,17 +213,60 @@ mod agent {
         Ok(Payload::empty())
     }
 
+    /// Streams of `items` and `items_async` running.
+    static RUNNING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+    /// Counts a stream in `RUNNING` while it lives (an async handler's
+    /// future dropped, or a handler that returned).
+    struct Running;
+
+    impl Running {
+        fn new() -> Self {
+            RUNNING.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Running
+        }
+    }
+
+    impl Drop for Running {
+        fn drop(&mut self) {
+            RUNNING.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// The argument of `items` and `items_async`: `u32 N | u32 LEN | u32 MS`.
+    fn items_args(p: &Payload) -> Result<(u32, usize, u32), RpcError> {
+        let a = p.to_vec()?;
+        let word = |i: usize| {
+            a.get(i * 4..i * 4 + 4)
+                .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                .ok_or_else(|| RpcError::invalid_argument("u32 N | u32 LEN | u32 MS"))
+        };
+        Ok((word(0)?, word(1)? as usize, word(2)?))
+    }
+
+    /// Item `k` of `len` bytes: k, then 1, 2, 3...
+    fn item(k: u32, len: usize) -> Vec<u8> {
+        let mut item: Vec<u8> = (0..len).map(|i| i as u8).collect();
+        if let Some(b) = item.first_mut() {
+            *b = k as u8;
+        }
+        item
+    }
+
+    /// `stream NAME N LEN [--method M]`: opens stream M (default
+    /// `items`), reads one item, says "reading" and reads no more.
     fn stream(node: &Node, args: &[String]) {
         let (name, n, len) = (
             &args[3],
             args[4].parse::<u32>().unwrap(),
             args[5].parse::<u32>().unwrap(),
         );
+        let method = arg_after(args, "--method").unwrap_or_else(|| "items".into());
         let c = node.connect(name).unwrap();
         let mut arg = n.to_le_bytes().to_vec();
         arg.extend_from_slice(&len.to_le_bytes());
         arg.extend_from_slice(&0u32.to_le_bytes());
-        let mut st = c.call_stream("items", arg).unwrap();
+        let mut st = c.call_stream(&method, arg).unwrap();
         st.next().unwrap().unwrap();
         println!("reading");
         std::io::stdout().flush().unwrap();
