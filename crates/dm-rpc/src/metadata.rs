@@ -261,8 +261,8 @@ impl Metadata {
     /// The most payload bytes that may go inline beside it in a frame of a
     /// transport that carries `max_inline` bytes inline, given the
     /// node's threshold `inline_max`; or, if it exceeds the receiver's
-    /// limit ([`Limits::max_meta`](crate::frame::Limits)), its size and
-    /// that limit.
+    /// limit ([`Limits::max_meta`](crate::frame::Limits)) or `max_inline`,
+    /// its size and the lower of the two.
     #[inline]
     pub(crate) fn inline_room(
         &self,
@@ -274,7 +274,7 @@ impl Metadata {
             return Ok(room);
         }
         let len = self.encoded_len();
-        let max_meta = crate::frame::Limits::default().max_meta as usize;
+        let max_meta = (crate::frame::Limits::default().max_meta as usize).min(max_inline);
         if len > max_meta {
             return Err((len, max_meta));
         }

@@ -679,9 +679,6 @@ struct To {
     conn: ConnId,
     id: u64,
     echo: Option<Ref>,
-    /// The request asked for a stream: its answer ends one, within
-    /// [`crate::stream::END_MAX`].
-    stream: bool,
 }
 
 pub(crate) struct Pending {
@@ -865,15 +862,16 @@ impl Dispatcher {
 
     /// When the wait for the next frame ends at the latest: the end of a
     /// graceful shutdown; with async streams in progress, their earliest
-    /// deadline, and soon enough to send items that found no room (a
-    /// millisecond) or to notice a caller gone (50 ms, as a blocking
-    /// stream's sink does).
+    /// deadline, and soon enough to notice a caller gone (50 ms, as a
+    /// blocking stream's sink does) or, over a transport whose listener
+    /// does not say when room comes, to send items that found none (a
+    /// millisecond).
     fn wake_by(&self) -> Option<Instant> {
         if self.outlets.is_empty() {
             return self.draining;
         }
-        let unsent = self.outlets.iter().any(|o| o.unsent());
-        let slice = Duration::from_millis(if unsent { 1 } else { 50 });
+        let poll = !self.listener.wakes_for_room() && self.outlets.iter().any(|o| o.unsent());
+        let slice = Duration::from_millis(if poll { 1 } else { 50 });
         let mut by = Instant::now() + slice;
         for d in self.outlets.iter().filter_map(|o| o.deadline) {
             by = by.min(d);
@@ -981,7 +979,6 @@ impl Dispatcher {
                 Body::Refs(rs) if rs.len() == 1 => Some(rs[0]),
                 _ => None,
             },
-            stream: frame.flags & FLAG_STREAM != 0,
         };
         // Cancels of async calls and grants of async streams read while a
         // blocking handler ran.
@@ -1252,24 +1249,19 @@ impl Dispatcher {
 
     /// Sends the answer to a call, with `meta` (what its handler set).
     fn answer(&mut self, to: To, mut result: Result<Payload, RpcError>, mut meta: Metadata) {
-        let To {
-            conn,
-            id,
-            echo,
-            stream,
-        } = to;
+        let To { conn, id, echo } = to;
         if let Err(e) = &mut result {
             // The metadata the error carries (a nested call's answer's)
             // goes on, after the handler's.
             meta.extend(std::mem::take(&mut e.metadata));
         }
-        // (The metadata travels in the frame too, within the limit: for
-        // the end of a stream, the smaller room kept for it.)
+        // (The metadata travels in the frame too, within the limit: the
+        // room the transport keeps for this answer, if it keeps some.)
         let (mut cfg_inline, mut max_inline) =
             (self.node.cfg.inline_max, self.listener.max_inline());
-        if stream {
-            cfg_inline = cfg_inline.min(crate::stream::END_MAX);
-            max_inline = max_inline.min(crate::stream::END_MAX);
+        if let Some(cap) = self.listener.answer_max(conn, id) {
+            cfg_inline = cfg_inline.min(cap);
+            max_inline = max_inline.min(cap);
         }
         let inline_max = match meta.inline_room(cfg_inline, max_inline) {
             Ok(room) => room,

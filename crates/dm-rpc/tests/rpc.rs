@@ -3037,3 +3037,75 @@ fn a_lazy_client_connects_once_its_service_is_registered() {
     drop((rt, node));
     assert_clean_after_pumps(&tp);
 }
+
+/// Eight calls of one connection run at once in an async server: each
+/// handler waits until all eight have arrived. Over shared memory the
+/// server keeps room in the connection for every answer it owes: the
+/// largest answer's room for the first call, a small answer's for the
+/// others (their answers above it go by Ref), so eight fit a 256 KiB
+/// ring where two full ones used to. Answers of every size arrive whole,
+/// inline or by Ref, and the pool is clean after.
+#[test]
+fn eight_async_calls_of_one_connection_run_at_once() {
+    for t in every_transport() {
+        let tp = pool();
+        {
+            let node = Node::new(tp.attach());
+            let name = unique("eight-at-once");
+            let arrived = std::sync::Arc::new(AtomicU32::new(0));
+            let a = arrived.clone();
+            let s = node
+                .server(&name)
+                .transport(t.clone())
+                .method_async("gate", move |c| {
+                    let a = a.clone();
+                    async move {
+                        a.fetch_add(1, Ordering::SeqCst);
+                        let until = Instant::now() + Duration::from_secs(5);
+                        while !a.load(Ordering::SeqCst).is_multiple_of(8) {
+                            if Instant::now() > until {
+                                let n = a.load(Ordering::SeqCst);
+                                return Err(RpcError::deadline_exceeded(format!(
+                                    "{n} calls in progress, not 8"
+                                )));
+                            }
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                        Ok(c.payload)
+                    }
+                })
+                .spawn()
+                .unwrap();
+            let c = node.connect(&name).unwrap();
+            for round in 0..3u8 {
+                std::thread::scope(|sc| {
+                    let calls: Vec<_> = (0..8u8)
+                        .map(|k| {
+                            let c = c.clone();
+                            sc.spawn(move || {
+                                // 10 B to 60 KiB: inline, and above the small room.
+                                let data = pattern(10 + k as usize * 8600, k + round);
+                                let back = c.call("gate", data.clone())?;
+                                assert_eq!(back.to_vec().unwrap(), data);
+                                Ok::<bool, RpcError>(back.in_pool())
+                            })
+                        })
+                        .collect();
+                    let by_ref = calls
+                        .into_iter()
+                        .map(|h| h.join().unwrap().unwrap_or_else(|e| panic!("{t:?}: {e}")))
+                        .filter(|&r| r)
+                        .count();
+                    // (Over shared memory, the answers above the small
+                    // room: by Ref.)
+                    let shm = matches!(t, Transport::Shm);
+                    assert_eq!(by_ref > 0, shm, "{t:?}: {by_ref} answers by Ref");
+                });
+            }
+            assert_eq!(arrived.load(Ordering::SeqCst), 24, "{t:?}");
+            drop(c);
+            s.shutdown();
+        }
+        tp.assert_clean();
+    }
+}

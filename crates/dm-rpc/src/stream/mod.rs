@@ -34,8 +34,11 @@
 //! the items it queued between polls. Over shared memory, a server keeps
 //! room in a connection for the answer to every request it took, so that
 //! answers never wait for a client that does not read; for a stream it
-//! keeps only the room for its end ([`END_MAX`]), so that its items have
-//! the rest.
+//! keeps only the room for a small answer, its end
+//! ([`SMALL_ANSWER`](crate::transport::shm::SMALL_ANSWER): an error
+//! message and trailer metadata of at most 16 KiB; a unary method called
+//! as a stream answers with a larger payload by Ref), so that its items
+//! have the rest.
 //!
 //! **Ends.** The stream ends with the call's answer: `Ok` after the
 //! handler returned `Ok(())`, or the error it returned (or
@@ -58,14 +61,6 @@ pub use call::{AsyncStreaming, Streaming};
 pub(crate) use call::{How, StreamConn};
 pub use sink::{AsyncSink, Sink};
 pub(crate) use sink::{Feed, Outlet};
-
-/// The most bytes of payload and metadata in the answer that ends a
-/// stream (its error message, its trailer metadata; a unary method called
-/// as a stream answers with a larger payload by Ref where the pool is
-/// shared). A server keeps room for one such answer per stream in
-/// progress, rather than for the largest answer: the stream's items need
-/// the rest.
-pub const END_MAX: usize = 16 << 10;
 
 /// Items a caller holds unread at most, unless it says otherwise
 /// ([`CallOptions::window`](crate::CallOptions::window)).

@@ -388,6 +388,22 @@ pub trait Listener: Send {
     fn wait_room(&mut self, conn: ConnId, len: usize, until: Instant) {
         let _ = (conn, len, until);
     }
+    /// The most bytes of payload and metadata the answer to call `id` of
+    /// connection `conn` may carry inline (a larger payload goes by Ref),
+    /// if the transport keeps room for each answer (then an answer never
+    /// waits for room); `None`: only the transport's own limit.
+    fn answer_max(&self, conn: ConnId, id: u64) -> Option<usize> {
+        let _ = (conn, id);
+        None
+    }
+    /// Whether [`next`](Self::next) returns (with `Ok(None)`, if no frame
+    /// came) once a connection on which [`send_item`](Self::send_item)
+    /// found no room may have room: then a caller with items to send can
+    /// wait in `next` for it, instead of looking again soon. The default
+    /// is no.
+    fn wakes_for_room(&self) -> bool {
+        false
+    }
     /// Stream `id` of connection `conn` runs beside the connection's other
     /// calls (an async streaming handler's): requests that come after it
     /// need not wait for it to end. (A transport that holds a connection's

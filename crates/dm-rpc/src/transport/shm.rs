@@ -383,11 +383,16 @@ struct ServerConn {
     req: Consumer<'static, RawData>,
     resp: Producer<'static, RawData>,
     /// Requests taken but not answered yet: each holds room for one
-    /// answer in `resp` (the largest answer, or for a stream's request
-    /// the largest answer that ends a stream: [`crate::stream::END_MAX`]).
+    /// answer in `resp`: the largest answer, or a small one
+    /// ([`SMALL_ANSWER`]).
     owed: usize,
-    /// Call ids of the streams among them.
+    /// Call ids of the streams among them (room for the small answer
+    /// that ends each).
     ends: Vec<u64>,
+    /// Call ids of the unary calls among them taken with room for a small
+    /// answer only (there was no room for the largest): a larger answer
+    /// goes by Ref ([`Listener::answer_max`]).
+    small: Vec<u64>,
     /// The highest call id of the requests taken, and the go-away word
     /// it is said in when the server stops.
     taken: u64,
@@ -408,33 +413,65 @@ struct ServerConn {
     streams: Vec<u64>,
 }
 
+/// The most bytes of payload and metadata in a small answer: the end of
+/// a stream (its error message, its trailer metadata), or the answer to a
+/// call taken while its connection had no room for a larger one (a
+/// larger payload goes by Ref: both ends share the pool). A server keeps
+/// room in a connection's response ring for the answer to every request
+/// it took, so that answers never wait for a client that does not read;
+/// small answers let more calls run at once on one connection, and a
+/// stream's items have the rest.
+pub const SMALL_ANSWER: usize = 16 << 10;
+
 /// The response-ring room kept per answer owed: record lengths.
 #[derive(Debug, Clone, Copy)]
 struct Room {
-    /// The largest answer (of a unary call).
+    /// The largest answer.
     answer: usize,
-    /// The largest answer that ends a stream.
-    end: usize,
+    /// A small answer.
+    small: usize,
+}
+
+/// The room a request is taken with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    /// For the largest answer.
+    Full,
+    /// For a small answer.
+    Small,
 }
 
 impl ServerConn {
     /// The response-ring bytes kept for the answers owed.
     #[inline]
     fn reserved(&self, room: Room) -> usize {
-        let ends = self.ends.len();
-        self.owed.saturating_sub(ends) * room.answer + ends * room.end
+        let small = self.ends.len() + self.small.len();
+        self.owed.saturating_sub(small) * room.answer + small * room.small
     }
 
-    /// Whether a request (asking for a stream, or not) may be taken now:
-    /// no blocking stream runs, and the response ring has room for its
-    /// answer besides those owed (and for a wrap's skip).
+    /// The room a request (asking for a stream, or not) is taken with
+    /// now, if any: no blocking stream runs, and the response ring has
+    /// room for its answer besides those owed and a wrap's skip (and,
+    /// while streams run, for one of their items). A unary call gets room
+    /// for the largest answer if that leaves room for another such (the
+    /// first call in progress on a 256 KiB ring with the default 64 KiB
+    /// threshold), else for a small one (so eight calls run at once
+    /// there, not two); a stream room for its small end.
     #[inline]
-    fn can_take(&mut self, room: Room, stream: bool) -> bool {
-        let own = if stream { room.end } else { room.answer };
-        self.streams.is_empty()
-            && self
-                .resp
-                .fits_bytes(self.reserved(room) + own + room.answer)
+    fn room_for(&mut self, room: Room, stream: bool) -> Option<Kept> {
+        if !self.streams.is_empty() {
+            return None;
+        }
+        let mut base = self.reserved(room) + room.answer;
+        if !self.ends.is_empty() {
+            base += room.answer;
+        }
+        if !stream && self.resp.fits_bytes(base + 2 * room.answer) {
+            return Some(Kept::Full);
+        }
+        self.resp
+            .fits_bytes(base + room.small)
+            .then_some(Kept::Small)
     }
 
     /// Whether a frame of `len` bytes that answers nothing fits in the
@@ -461,13 +498,28 @@ impl ServerConn {
         self.held = mine;
     }
 
-    /// Takes request `f`: its answer is owed.
-    fn took(&mut self, f: &Frame) {
+    /// Takes request `f` with room `kept`: its answer is owed.
+    fn took(&mut self, f: &Frame, kept: Kept) {
         self.owed += 1;
         self.taken = self.taken.max(f.call_id);
         if f.flags & FLAG_STREAM != 0 {
             self.streams.push(f.call_id);
             self.ends.push(f.call_id);
+        } else if kept == Kept::Small {
+            self.small.push(f.call_id);
+        }
+    }
+
+    /// Answer `id` is sent: its room is free.
+    #[inline]
+    fn answered(&mut self, id: u64) {
+        self.owed = self.owed.saturating_sub(1);
+        if !self.ends.is_empty() {
+            self.ends.retain(|&s| s != id);
+            self.streams.retain(|&s| s != id);
+        }
+        if !self.small.is_empty() {
+            self.small.retain(|&s| s != id);
         }
     }
 }
@@ -493,6 +545,9 @@ pub struct ShmListener {
     stop: Arc<AtomicBool>,
     limits: Limits,
     room: Room,
+    /// The most bytes of payload and metadata of the largest answer and
+    /// of a small one.
+    answer_max: (usize, usize),
     /// Most bytes of frames held for one connection: sixteen rings' worth
     /// (beyond, the connection is not read until its held requests go).
     hold_max: usize,
@@ -504,6 +559,9 @@ pub struct ShmListener {
     polls: u32,
     /// Set by the waker: `next` returns even without a frame.
     poked: Arc<AtomicBool>,
+    /// Connections on which `send_item` found no room, and the length of
+    /// the item: `next` returns once one has room (or is gone).
+    want_room: Vec<(ConnId, usize)>,
     /// Async clients' answers this listener reads while it waits
     /// ([`Watched`]), their copy as of `watch_version`, and the bells it
     /// parks on: the server's doorbell first, then each watched one's.
@@ -554,8 +612,9 @@ impl ShmListener {
             },
             room: Room {
                 answer: record_len(HEADER_LEN + reserve_inline.min(max_inline)),
-                end: record_len(HEADER_LEN + crate::stream::END_MAX.min(max_inline)),
+                small: record_len(HEADER_LEN + SMALL_ANSWER.min(max_inline)),
             },
+            answer_max: (reserve_inline.min(max_inline), SMALL_ANSWER.min(max_inline)),
             hold_max: 16 * pool.layout().ring_size as usize,
             head: [0; HEADER_LEN],
             rec_len: 0,
@@ -563,6 +622,7 @@ impl ShmListener {
             last_sweep: Instant::now(),
             polls: 0,
             poked: Arc::new(AtomicBool::new(false)),
+            want_room: Vec::new(),
             watch: Arc::default(),
             watched: Vec::new(),
             watch_version: 0,
@@ -620,6 +680,7 @@ impl ShmListener {
                     .room_bell(&self.words[SERVER_BELL]),
                 owed: 0,
                 ends: Vec::new(),
+                small: Vec::new(),
                 taken: 0,
                 goaway: p.goaway,
                 held: VecDeque::new(),
@@ -658,23 +719,44 @@ impl ShmListener {
             }
         };
         let c = &mut self.conns[i];
-        let hold = match f.kind {
-            Kind::Request => {
-                !c.held.is_empty() || !c.can_take(self.room, f.flags & FLAG_STREAM != 0)
+        let (hold, kept) = match f.kind {
+            Kind::Request if c.held.is_empty() => {
+                match c.room_for(self.room, f.flags & FLAG_STREAM != 0) {
+                    Some(kept) => (false, Some(kept)),
+                    None => (true, None),
+                }
             }
+            Kind::Request => (true, None),
             // (A cancel or a grant of a held request stays behind it.)
-            Kind::Cancel | Kind::Credit => c.held.iter().any(|h| h.call_id == f.call_id),
-            _ => false,
+            Kind::Cancel | Kind::Credit => (c.held.iter().any(|h| h.call_id == f.call_id), None),
+            _ => (false, None),
         };
         if hold {
             c.held_bytes += f.encoded_len();
             c.held.push_back(f);
             return None;
         }
-        if f.kind == Kind::Request {
-            c.took(&f);
+        if let Some(kept) = kept {
+            c.took(&f, kept);
         }
         Some(f)
+    }
+
+    /// Whether a connection that had no room for an item has room now (or
+    /// is gone): then every such wish is forgotten (the dispatcher tries
+    /// its items again, and says again what finds no room).
+    fn room_came(&mut self) -> bool {
+        let room = self.room;
+        let came = self.want_room.iter().any(|&(conn, len)| {
+            match self.conns.iter_mut().find(|c| c.id == conn) {
+                Some(c) => c.item_fits(room, len),
+                None => true,
+            }
+        });
+        if came {
+            self.want_room.clear();
+        }
+        came
     }
 
     /// The position of connection `conn` in `conns`.
@@ -706,12 +788,15 @@ impl ShmListener {
             };
             let c = &mut self.conns[i];
             if let Some(f) = c.held.front() {
-                let stream = f.flags & FLAG_STREAM != 0;
-                if f.kind != Kind::Request || c.can_take(self.room, stream) {
+                let kept = match f.kind {
+                    Kind::Request => c.room_for(self.room, f.flags & FLAG_STREAM != 0),
+                    _ => Some(Kept::Full),
+                };
+                if let Some(kept) = kept {
                     let f = c.held.pop_front()?;
                     c.held_bytes -= f.encoded_len();
                     if f.kind == Kind::Request {
-                        c.took(&f);
+                        c.took(&f, kept);
                         c.lift_held(f.call_id);
                     }
                     self.rr = i + 1;
@@ -786,6 +871,9 @@ impl Listener for ShmListener {
                     if sweep_due.take() {
                         self.sweep();
                     }
+                    if !self.want_room.is_empty() && self.room_came() {
+                        return Some(None);
+                    }
                     if words[CONN_EPOCH].load(Ordering::Relaxed) != self.epoch {
                         self.accept_new();
                     }
@@ -859,11 +947,7 @@ impl Listener for ShmListener {
     fn reply(&mut self, conn: ConnId, f: &Frame) -> Result<(), TransportError> {
         let k = self.index(conn)?;
         let c = &mut self.conns[k];
-        c.owed = c.owed.saturating_sub(1);
-        if !c.ends.is_empty() {
-            c.ends.retain(|&id| id != f.call_id);
-            c.streams.retain(|&id| id != f.call_id);
-        }
+        c.answered(f.call_id);
         let (pool, ch) = (&self.pool, c.ch);
         let bell = self.conns[k].resp.bell();
         let r = push(
@@ -896,6 +980,9 @@ impl Listener for ShmListener {
                 self.drop_conn(k);
                 return Err(TransportError::Unavailable("client gone".into()));
             }
+            if !self.want_room.contains(&(conn, len)) {
+                self.want_room.push((conn, len));
+            }
             return Ok(false);
         }
         // (It rings the client's doorbell.)
@@ -916,6 +1003,21 @@ impl Listener for ShmListener {
             || (c.item_fits(room, len) || c.req.ready()).then_some(()),
             || Ok::<(), TransportError>(()),
         );
+    }
+
+    fn wakes_for_room(&self) -> bool {
+        true
+    }
+
+    fn answer_max(&self, conn: ConnId, id: u64) -> Option<usize> {
+        let (full, small) = self.answer_max;
+        let c = self.conns.iter().find(|c| c.id == conn)?;
+        let is_small = |ids: &Vec<u64>| !ids.is_empty() && ids.contains(&id);
+        Some(if is_small(&c.ends) || is_small(&c.small) {
+            small
+        } else {
+            full
+        })
     }
 
     fn stream_beside(&mut self, conn: ConnId, id: u64) {
