@@ -108,6 +108,14 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                             }
                             Ok(())
                         })
+                        // The same from an async handler.
+                        .method_stream_async("items_async", |c, mut sink| async move {
+                            let (n, size) = super::stream::items_arg(&c.payload)?;
+                            for _ in 0..n {
+                                sink.send(super::stream::item_of(&c.node, size)?).await?;
+                            }
+                            Ok(())
+                        })
                         .spawn()?,
                 );
                 "ok".into()

@@ -4,7 +4,8 @@
 //! same run over the same shared-memory channel:
 //! * **stream**: one streaming call of N items (`call_stream`, the default
 //!   window of 16): the server sends while the caller reads, the caller
-//!   granting more as it goes;
+//!   granting more as it goes; from a blocking handler, and from an async
+//!   one (whose items its dispatcher sends between polls of its future);
 //! * **calls**: N unary calls, each answered with one item (a round trip
 //!   per item).
 //!
@@ -72,34 +73,42 @@ fn consume(p: &Payload, size: usize) -> Result<u64> {
         .sum())
 }
 
-/// Seconds for `n` items of `size` by one stream, and by `n` calls.
-fn measure(node: &Node, name: &str, n: u64, size: usize) -> Result<(f64, f64)> {
-    let c = node.connect(name)?;
+/// Seconds for `n` items of `size` by one stream of streaming method
+/// `method`.
+fn one_stream(c: &dm_rpc::Client, method: &str, n: u64, size: usize) -> Result<f64> {
     let mut arg = n.to_le_bytes().to_vec();
     arg.extend_from_slice(&(size as u64).to_le_bytes());
-    let one = (size as u64).to_le_bytes().to_vec();
-    // Warm-up of both.
-    for p in c.call_stream("items", arg.clone())?.take(4) {
+    let t = Instant::now();
+    let mut got = 0;
+    for p in c.call_stream(method, arg)? {
         consume(&p?, size)?;
+        got += 1;
+    }
+    if got != n {
+        bail!("the stream of {method} gave {got} items of {n}");
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Seconds for `n` items of `size` by one stream (from the blocking
+/// handler, then from the async one), and by `n` calls.
+fn measure(node: &Node, name: &str, n: u64, size: usize) -> Result<(f64, f64, f64)> {
+    let c = node.connect(name)?;
+    let one = (size as u64).to_le_bytes().to_vec();
+    // Warm-up of each.
+    for m in ["items", "items_async"] {
+        one_stream(&c, m, 4, size)?;
     }
     for _ in 0..4 {
         consume(&c.call("item", one.clone())?, size)?;
     }
-    let t = Instant::now();
-    let mut got = 0;
-    for p in c.call_stream("items", arg)? {
-        consume(&p?, size)?;
-        got += 1;
-    }
-    let stream = t.elapsed().as_secs_f64();
-    if got != n {
-        bail!("the stream gave {got} items of {n}");
-    }
+    let stream = one_stream(&c, "items", n, size)?;
+    let async_stream = one_stream(&c, "items_async", n, size)?;
     let t = Instant::now();
     for _ in 0..n {
         consume(&c.call("item", one.clone())?, size)?;
     }
-    Ok((stream, t.elapsed().as_secs_f64()))
+    Ok((stream, async_stream, t.elapsed().as_secs_f64()))
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
@@ -122,10 +131,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "bench stream: N items read from one stream vs one call per item (shm, the default window)"
     );
     say!(
-        "{:>9} {:>7} {:>14} {:>14} {:>12} {:>9}",
+        "{:>9} {:>7} {:>14} {:>14} {:>14} {:>12} {:>9}",
         "size",
         "items",
         "stream items/s",
+        "async items/s",
         "calls items/s",
         "stream MB/s",
         "ratio"
@@ -135,14 +145,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     for &size in sizes {
         let budget: u64 = if a.quick { 4 << 20 } else { 256 << 20 };
         let n = (budget / size as u64).clamp(50, if a.quick { 2_000 } else { 100_000 });
-        let (ts, tc) = measure(&node, &name, n, size)?;
-        let (s_rate, c_rate) = (n as f64 / ts, n as f64 / tc);
+        let (ts, ta, tc) = measure(&node, &name, n, size)?;
+        let (s_rate, a_rate, c_rate) = (n as f64 / ts, n as f64 / ta, n as f64 / tc);
         let ratio = s_rate / c_rate;
         say!(
-            "{:>9} {:>7} {:>14.0} {:>14.0} {:>12.1} {:>8.2}x",
+            "{:>9} {:>7} {:>14.0} {:>14.0} {:>14.0} {:>12.1} {:>8.2}x",
             fmt_size(size as u64),
             n,
             s_rate,
+            a_rate,
             c_rate,
             s_rate * size as f64 / 1e6,
             ratio
@@ -151,6 +162,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         o.num("size", size as f64);
         o.num("items", n as f64);
         o.num("stream_items_per_s", s_rate);
+        o.num("async_stream_items_per_s", a_rate);
         o.num("calls_items_per_s", c_rate);
         o.num("stream_over_calls", ratio);
         rows.push(o);
@@ -164,7 +176,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "stream");
     res.str(
         "method",
-        "items per second read by a caller (every byte) from one streaming call of N items (default window) vs N unary calls of one item each, same peer process and shm channel; items inline up to the threshold, else Refs made by the peer",
+        "items per second read by a caller (every byte) from one streaming call of N items (default window; from a blocking handler, and from an async one) vs N unary calls of one item each, same peer process and shm channel; items inline up to the threshold, else Refs made by the peer; ratio: the blocking handler's stream over the calls",
     );
     res.obj("machine", &super::machine());
     res.arr("rows", &rows);
@@ -174,7 +186,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         &Chart {
             title: "bench stream: one stream vs one call per item",
             x: "size",
-            ys: &["stream_items_per_s", "calls_items_per_s"],
+            ys: &[
+                "stream_items_per_s",
+                "async_stream_items_per_s",
+                "calls_items_per_s",
+            ],
             by: None,
             y_label: "items/s",
             log_x: true,
@@ -186,6 +202,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "size",
             "items",
             "stream_items_per_s",
+            "async_stream_items_per_s",
             "calls_items_per_s",
             "stream_over_calls",
         ],
