@@ -453,10 +453,12 @@ impl ServerConn {
     /// now, if any: no blocking stream runs, and the response ring has
     /// room for its answer besides those owed and a wrap's skip (and,
     /// while streams run, for one of their items). A unary call gets room
-    /// for the largest answer if that leaves room for another such (the
-    /// first call in progress on a 256 KiB ring with the default 64 KiB
-    /// threshold), else for a small one (so eight calls run at once
-    /// there, not two); a stream room for its small end.
+    /// for the largest answer if it is the only call in progress (a
+    /// caller's answers are then inline up to the threshold, whatever its
+    /// client has yet to free of the ring), or if that leaves room for
+    /// another such; else room for a small one (so on a 256 KiB ring
+    /// with the default 64 KiB threshold, eight calls run at once, not
+    /// two); a stream room for its small end.
     #[inline]
     fn room_for(&mut self, room: Room, stream: bool) -> Option<Kept> {
         if !self.streams.is_empty() {
@@ -466,7 +468,8 @@ impl ServerConn {
         if !self.ends.is_empty() {
             base += room.answer;
         }
-        if !stream && self.resp.fits_bytes(base + 2 * room.answer) {
+        let another = if self.owed == 0 { 0 } else { room.answer };
+        if !stream && self.resp.fits_bytes(base + room.answer + another) {
             return Some(Kept::Full);
         }
         self.resp
