@@ -22,9 +22,9 @@
 //! blocking streaming handler too, for its whole stream). Async
 //! handlers' calls, async streaming handlers' too, are futures the
 //! dispatcher polls, many in progress at once (the items an async stream
-//! queues are sent by the dispatcher between polls): a call that awaits (a nested call, a timer) is parked, and its
-//! waker queues it and pokes the dispatcher, which polls it again between
-//! requests. They are polled inside the server's tokio runtime context, so
+//! queues are sent by the dispatcher between polls): a call that awaits
+//! (a nested call, a timer) is parked, and its waker queues it and pokes
+//! the dispatcher, which polls it again between requests. They are polled inside the server's tokio runtime context, so
 //! tokio timers, I/O and `tokio::spawn` work (the runtime's one worker
 //! thread drives timers and I/O and runs spawned tasks); a handler with
 //! long CPU work should spawn it there, as it holds up the dispatcher

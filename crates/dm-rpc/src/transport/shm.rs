@@ -28,7 +28,13 @@
 //! have not yet read their answers waits for requests and for room at once,
 //! on one word (control version 2; in version 1 the room was signalled on
 //! the response ring's bell, where the waiting server did not listen, and
-//! it noticed only at the end of a 20 ms park slice).
+//! it noticed only at the end of a 20 ms park slice). The room it keeps
+//! per answer owed is the largest answer's for the only call in progress
+//! (or while another such would still fit), else a small answer's
+//! ([`SMALL_ANSWER`]: the dispatcher sends a larger payload by Ref, as it
+//! learns from [`Listener::answer_max`]); the end of a stream is always a
+//! small answer. This is the server's own accounting: the client sees
+//! only answers inline or by Ref.
 //!
 //! A server that stops writes the go-away word before it closes its end:
 //! the highest call id it took, so the client sends the requests it never
