@@ -1095,10 +1095,12 @@ def test_a_python_caller_reads_a_rust_stream_in_another_process(pool):
         assert child.stdout.readline().strip() == "ready"
         node = dmrpc.Node(p)
         c = node.connect(name)
-        for n, size in [(10, 100), (4, 1 << 20)]:
-            items = list(c.call_stream("items", np.array([n, size, 0], dtype=np.uint32)))
-            assert [bytes(i)[0] for i in items] == list(range(n))
-            assert all(i.by_ref == (size > dmrpc.DEFAULT_INLINE_MAX) for i in items)
+        # From the agent's blocking streaming handler and its async one.
+        for method in ["items", "items_async"]:
+            for n, size in [(10, 100), (4, 1 << 20)]:
+                items = list(c.call_stream(method, np.array([n, size, 0], dtype=np.uint32)))
+                assert [bytes(i)[0] for i in items] == list(range(n)), method
+                assert all(i.by_ref == (size > dmrpc.DEFAULT_INLINE_MAX) for i in items)
         del c, items
     finally:
         child.stdin.close()
