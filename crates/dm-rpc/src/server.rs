@@ -886,10 +886,7 @@ impl Dispatcher {
         let now = Instant::now();
         let (listener, stats, node) = (&mut self.listener, &self.stats, &self.node);
         for o in &self.outlets {
-            o.flush(node, &mut |f| listener.send_item(o.conn, f), &mut |f| {
-                stats.items.fetch_add(1, Ordering::Relaxed);
-                crate::stats::count(&f.payload, true);
-            });
+            o.flush(node, &mut **listener, stats);
             if !listener.is_open(o.conn) {
                 o.end(node, RpcError::unavailable("the stream's caller is gone"));
             } else if o.deadline.is_some_and(|d| now >= d) {

@@ -111,6 +111,12 @@ impl<'a> Feed<'a> {
     }
 }
 
+/// Counts item `f`, sent, in the server's and the transport's stats.
+fn count_item(stats: &Stats, f: &Frame) {
+    stats.items.fetch_add(1, Ordering::Relaxed);
+    crate::stats::count(&f.payload, true);
+}
+
 /// Where a streaming handler sends its items
 /// ([`ServerBuilder::method_stream`](crate::ServerBuilder::method_stream)).
 pub struct Sink<'a> {
@@ -217,8 +223,7 @@ impl<'a> Sink<'a> {
                 match f.listener.send_item(conn, frame) {
                     Ok(true) => {
                         f.credit -= 1;
-                        f.stats.items.fetch_add(1, Ordering::Relaxed);
-                        crate::stats::count(&frame.payload, true);
+                        count_item(f.stats, frame);
                         return Ok(());
                     }
                     // No room in the connection yet: its caller reads.
@@ -318,23 +323,18 @@ impl Outlet {
         !self.lock().out.is_empty()
     }
 
-    /// Sends what is queued while `send` takes it (`Ok(true)`; `Ok(false)`:
-    /// no room yet), counting each item sent; an error ends the stream
-    /// (its caller is gone).
-    pub(crate) fn flush(
-        &self,
-        node: &Node,
-        send: &mut dyn FnMut(&Frame) -> Result<bool, crate::transport::TransportError>,
-        sent: &mut dyn FnMut(&Frame),
-    ) {
+    /// Sends what is queued, as far as the connection has room
+    /// ([`Listener::send_item`]), counting each item sent in `stats`; an
+    /// error ends the stream (its caller is gone).
+    pub(crate) fn flush(&self, node: &Node, listener: &mut dyn Listener, stats: &Stats) {
         let mut b = self.lock();
         if b.ended.is_some() {
             return;
         }
         while let Some((f, _)) = b.out.front() {
-            match send(f) {
+            match listener.send_item(self.conn, f) {
                 Ok(true) => {
-                    sent(f);
+                    count_item(stats, f);
                     b.out.pop_front();
                 }
                 Ok(false) => return,

@@ -264,27 +264,12 @@ impl<'a, D: RingData> Producer<'a, D> {
     /// Whether a record of `len` bytes would fit now.
     pub fn fits(&mut self, len: usize) -> bool {
         let need = self.need(len);
-        if self.free_space() >= need {
-            return true;
-        }
-        self.tail_cache = self.ctl.tail.0.load(Ordering::Acquire);
-        self.free_space() >= need
-    }
-
-    /// Whether `n` records of `len` bytes would fit now (counting one
-    /// more record of room: a wrap skips at most a record less one slot,
-    /// and the free slot is the rest).
-    pub fn fits_many(&mut self, len: usize, n: usize) -> bool {
-        let need = record_len(len).saturating_mul(n.saturating_add(1));
-        if self.free_space() >= need {
-            return true;
-        }
-        self.tail_cache = self.ctl.tail.0.load(Ordering::Acquire);
-        self.free_space() >= need
+        self.fits_bytes(need)
     }
 
     /// Whether `need` bytes are free now (records of known lengths, with
-    /// room for a wrap's skip counted in by the caller).
+    /// room for a wrap's skip counted in by the caller: a wrap skips at
+    /// most a record less one slot).
     pub fn fits_bytes(&mut self, need: usize) -> bool {
         if self.free_space() >= need {
             return true;
