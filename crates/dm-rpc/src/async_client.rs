@@ -525,9 +525,16 @@ impl Reader {
     ) -> Result<bool, TransportError> {
         if self.driver.load(Ordering::Acquire) != LISTENER {
             let yield_for = self.node.cfg.wait.yield_for;
-            return send_unheld(tx, &self.rx, f, deadline, yield_for, &mut |a| {
-                self.deliver(Ok(a));
-            });
+            return send_unheld(
+                tx,
+                || self.rx.try_lock().ok(),
+                f,
+                deadline,
+                yield_for,
+                &mut |a| {
+                    self.deliver(Ok(a));
+                },
+            );
         }
         let mut last_check = Instant::now();
         loop {

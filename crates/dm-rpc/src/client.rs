@@ -21,6 +21,7 @@
 
 use crate::error::RpcError;
 use crate::frame::{method_id, Body, Frame, Kind, Status, FLAG_REFUSED};
+use crate::handoff::{Half, Held};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
@@ -194,7 +195,9 @@ pub(crate) struct Inner {
     node: Node,
     name: String,
     tx: Mutex<Box<dyn FrameTx>>,
-    rx: Mutex<Box<dyn FrameRx>>,
+    /// The receiving half: whoever holds it reads the answers of all
+    /// ([`crate::handoff`]: its count of waiters is `state`'s).
+    rx: Half<Box<dyn FrameRx>>,
     state: Mutex<State>,
     /// `state.broken` is set (read without the lock by a lone caller).
     broken: AtomicBool,
@@ -246,6 +249,11 @@ impl State {
     /// Whether any caller waits for something to arrive.
     fn anyone_waits(&self) -> bool {
         !self.waiting.is_empty() || !self.streams.is_empty()
+    }
+
+    /// How many callers wait for something to arrive.
+    fn waiters(&self) -> usize {
+        self.waiting.len() + self.streams.len()
     }
 }
 
@@ -696,15 +704,15 @@ pub(crate) fn send_holding_rx(
 const ROOM_SLICE: Duration = Duration::from_millis(1);
 
 /// Sends `f` for a caller that does not hold the connection's receiving
-/// half `rx`. Room to send may come only once answers are read
+/// half (`take_rx` takes it if it is free). Room to send may come only once answers are read
 /// ([`FrameTx::room_needs_reader`]): while another caller holds the half,
 /// that caller reads them; when nobody does (its holder got its answer
 /// and left, and what is left are answers to calls that gave up), this
 /// caller takes the half and reads while it waits ([`send_holding_rx`]),
 /// handing what it reads to `got`. It lets the half go before it returns.
-pub(crate) fn send_unheld(
+pub(crate) fn send_unheld<R: std::ops::DerefMut<Target = Box<dyn FrameRx>>>(
     tx: &Mutex<Box<dyn FrameTx>>,
-    rx: &Mutex<Box<dyn FrameRx>>,
+    take_rx: impl Fn() -> Option<R>,
     f: &Frame,
     deadline: Option<Instant>,
     yield_for: Duration,
@@ -723,7 +731,7 @@ pub(crate) fn send_unheld(
             done => return done,
         }
         drop(t);
-        if let Ok(mut rx) = rx.try_lock() {
+        if let Some(mut rx) = take_rx() {
             return send_holding_rx(tx, f, deadline, &mut rx, yield_for, got);
         }
         slice = ROOM_SLICE;
@@ -736,7 +744,7 @@ impl Connected for Inner {
             node,
             name: name.to_owned(),
             tx: Mutex::new(conn.tx),
-            rx: Mutex::new(conn.rx),
+            rx: Half::new(conn.rx),
             state: Mutex::new(State::default()),
             broken: AtomicBool::new(false),
             retired: AtomicBool::new(false),
@@ -1020,7 +1028,7 @@ impl Inner {
         let mut reader = if i.broken.load(Ordering::Acquire) {
             None
         } else {
-            i.rx.try_lock().ok()
+            i.rx.try_take()
         };
         if reader.is_none() {
             // One lock for both: a broken connection fails the call at once.
@@ -1032,6 +1040,8 @@ impl Inner {
                 return Err(e.into());
             }
             st.waiting.push((id, None));
+            // Counted before it first looks for the reading half.
+            i.rx.set_waiting(st.waiters());
         }
         // Reading answers while it waits for room (see `send_reading`).
         let sent = self.send_reading(&frame, deadline, reader.as_mut());
@@ -1041,7 +1051,7 @@ impl Inner {
             match reader {
                 Some(rx) => self.hand_over(rx),
                 None => {
-                    lock(&i.state).remove(id);
+                    self.forget(id);
                 }
             }
             if broke {
@@ -1125,7 +1135,7 @@ impl Inner {
         &self,
         f: &Frame,
         deadline: Option<Instant>,
-        rx: Option<&mut MutexGuard<'_, Box<dyn FrameRx>>>,
+        rx: Option<&mut Held<'_, Box<dyn FrameRx>>>,
     ) -> Result<bool, crate::transport::TransportError> {
         let i = self;
         let mut stray = false;
@@ -1139,7 +1149,7 @@ impl Inner {
         let yield_for = i.node.cfg.wait.yield_for;
         let sent = match rx {
             Some(rx) => send_holding_rx(&i.tx, f, deadline, rx, yield_for, &mut got),
-            None => send_unheld(&i.tx, &i.rx, f, deadline, yield_for, &mut got),
+            None => send_unheld(&i.tx, || i.rx.try_take(), f, deadline, yield_for, &mut got),
         };
         if stray {
             return Err(crate::transport::TransportError::Protocol(
@@ -1153,7 +1163,7 @@ impl Inner {
     /// others theirs, then lets a waiting caller take over reading.
     fn read_own(
         &self,
-        mut rx: MutexGuard<'_, Box<dyn FrameRx>>,
+        mut rx: Held<'_, Box<dyn FrameRx>>,
         id: u64,
         deadline: Option<Instant>,
     ) -> Result<Frame, RpcError> {
@@ -1186,16 +1196,24 @@ impl Inner {
     }
 
     /// Gives up the receiving half: a caller waiting for its answer while
-    /// it was taken is woken to take over reading. (It checks for the half
-    /// with the state lock held and then waits on the condvar, which
-    /// releases the lock: taking the lock after letting the half go cannot
-    /// fall between the two.)
-    fn hand_over(&self, rx: MutexGuard<'_, Box<dyn FrameRx>>) {
-        drop(rx);
-        let st = lock(&self.state);
-        if st.anyone_waits() {
+    /// it was taken is woken to take over reading ([`crate::handoff`]: it
+    /// looks for the half with the state lock held and then waits on the
+    /// condvar, which releases the lock, so taking the lock after letting
+    /// the half go cannot fall between the two). A lone caller takes no
+    /// lock here.
+    fn hand_over(&self, rx: Held<'_, Box<dyn FrameRx>>) {
+        if rx.hand_over() {
+            let st = lock(&self.state);
             self.notify(&st);
         }
+    }
+
+    /// Takes call `id` off the waiting list, with what arrived for it.
+    fn forget(&self, id: u64) -> Option<Frame> {
+        let mut st = lock(&self.state);
+        let f = st.remove(id);
+        self.rx.set_waiting(st.waiters());
+        f
     }
 
     /// Wakes the callers asleep on the condition variable, if any.
@@ -1207,13 +1225,17 @@ impl Inner {
 
     fn wait_for(&self, id: u64, deadline: Option<Instant>) -> Result<Frame, RpcError> {
         let take = |st: &mut State| match st.slot(id) {
-            Some(Some(_)) => st.remove(id),
+            Some(Some(_)) => {
+                let f = st.remove(id);
+                self.rx.set_waiting(st.waiters());
+                f
+            }
             _ => None,
         };
         let r = self.wait_until(id, deadline, take);
         if r.is_err() {
             // (An answer that came meanwhile is released.)
-            if let Some(f) = lock(&self.state).remove(id) {
+            if let Some(f) = self.forget(id) {
                 orphan(&self.node, f);
             }
         }
@@ -1234,7 +1256,7 @@ impl Inner {
     /// Reads what is already there on the connection, if nobody else
     /// reads, handing each answer to its caller.
     fn read_rest(&self) {
-        if let Ok(mut rx) = self.rx.try_lock() {
+        if let Some(mut rx) = self.rx.try_take() {
             let mut got = |f: Frame| {
                 if answers(f.kind) {
                     self.pass_on(f);
@@ -1291,7 +1313,7 @@ impl Inner {
                     i.name
                 )));
             }
-            if let Ok(mut rx) = i.rx.try_lock() {
+            if let Some(mut rx) = i.rx.try_take() {
                 drop(st);
                 let got = rx.recv(deadline);
                 st = lock(&i.state);
@@ -1368,6 +1390,8 @@ impl crate::stream::StreamConn for Inner {
             return Err(e.clone());
         }
         st.streams.push((id, VecDeque::new()));
+        // Counted before it first looks for the reading half.
+        self.rx.set_waiting(st.waiters());
         Ok(())
     }
 
@@ -1378,10 +1402,12 @@ impl crate::stream::StreamConn for Inner {
     fn close_stream(&self, id: u64, cancel: bool) {
         let left = {
             let mut st = lock(&self.state);
-            match st.streams.iter().position(|(i, _)| *i == id) {
+            let left = match st.streams.iter().position(|(i, _)| *i == id) {
                 Some(k) => st.streams.swap_remove(k).1,
                 None => VecDeque::new(),
-            }
+            };
+            self.rx.set_waiting(st.waiters());
+            left
         };
         for f in left {
             orphan(&self.node, f);

@@ -45,6 +45,8 @@
 #[cfg(loom)]
 #[path = "transport/goaway.rs"]
 pub mod goaway;
+#[doc(hidden)]
+pub mod handoff;
 #[cfg(loom)]
 #[path = "transport/ring.rs"]
 pub mod ring;

@@ -3,10 +3,10 @@
 //! (`RUSTFLAGS="--cfg loom" cargo test -p dm-rpc --release --test loom`).
 
 #[cfg(loom)]
-pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 #[cfg(not(loom))]
-pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+pub use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// Sleeps while `*word == expected` (at most `timeout`).
 #[cfg(not(loom))]

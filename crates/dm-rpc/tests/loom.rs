@@ -191,3 +191,57 @@ fn a_request_is_taken_or_known_unread() {
         }
     });
 }
+
+/// A client's callers and its receiving half (`dm_rpc::handoff`): a caller
+/// registers as waiting under the list's lock, looks for the half, and
+/// sleeps on the condition variable (no timeout: a missed wake-up is a
+/// deadlock loom reports) until it gets it; the holder lets go and wakes
+/// the sleepers only if the half says someone waits. Two holders in turn,
+/// so the waiter may find the half taken again by the second.
+#[test]
+fn a_caller_never_sleeps_while_the_receiving_half_lies_free() {
+    use dm_rpc::handoff::Half;
+    use loom::sync::{Condvar, Mutex};
+    /// Waiting callers, callers asleep.
+    type List = (Mutex<(usize, usize)>, Condvar);
+    fn hand_over(list: &List, held: dm_rpc::handoff::Held<'_, ()>) {
+        if held.hand_over() {
+            let st = list.0.lock().unwrap();
+            if st.1 > 0 {
+                list.1.notify_all();
+            }
+        }
+    }
+    model(|| {
+        let half = Arc::new(Half::new(()));
+        let list: Arc<List> = Arc::new((Mutex::new((0, 0)), Condvar::new()));
+        let held = half.try_take().expect("free at first");
+        let (h2, l2) = (half.clone(), list.clone());
+        let waiter = thread::spawn(move || {
+            let mut st = l2.0.lock().unwrap();
+            st.0 += 1;
+            h2.set_waiting(st.0);
+            loop {
+                if let Some(mine) = h2.try_take() {
+                    st.0 -= 1;
+                    h2.set_waiting(st.0);
+                    drop(st);
+                    hand_over(&l2, mine);
+                    return;
+                }
+                st.1 += 1;
+                st = l2.1.wait(st).unwrap();
+                st.1 -= 1;
+            }
+        });
+        let (h3, l3) = (half.clone(), list.clone());
+        let other = thread::spawn(move || {
+            if let Some(mine) = h3.try_take() {
+                hand_over(&l3, mine);
+            }
+        });
+        hand_over(&list, held);
+        other.join().unwrap();
+        waiter.join().unwrap();
+    });
+}
