@@ -137,4 +137,31 @@ mod tests {
         drop(h.try_take().expect("free after hand_over"));
         assert!(h.try_take().is_some(), "free after a drop");
     }
+
+    /// Two threads take the half in turn and change the value it holds:
+    /// under Miri (`scripts/miri.sh`), a taking without Acquire or a
+    /// letting go without Release is a data race on the value.
+    #[test]
+    fn takers_on_two_threads_see_each_others_writes() {
+        let h = std::sync::Arc::new(Half::new(0u64));
+        let n = if cfg!(miri) { 20 } else { 2000 };
+        let run = |h: std::sync::Arc<Half<u64>>| {
+            move || {
+                let mut done = 0;
+                while done < n {
+                    if let Some(mut v) = h.try_take() {
+                        *v += 1;
+                        done += 1;
+                        let _ = v.hand_over();
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        };
+        let t = std::thread::spawn(run(h.clone()));
+        run(h.clone())();
+        t.join().expect("taker");
+        assert_eq!(*h.try_take().expect("free"), 2 * n);
+    }
 }
