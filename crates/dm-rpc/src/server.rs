@@ -539,7 +539,16 @@ impl ServerBuilder {
     }
 }
 
-/// Counters of a running server.
+/// Adds one to a counter only the server's dispatcher thread writes: a
+/// load and a store, not a locked add (about 10 ns here, on the way to
+/// every answer). Readers on other threads see each count whole.
+#[inline]
+fn bump(c: &AtomicU64) {
+    c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+}
+
+/// Counters of a running server. (`calls` and `errors` are written by
+/// the server's dispatcher thread alone.)
 #[derive(Debug, Default)]
 pub struct Stats {
     /// Requests answered (any status).
@@ -1287,9 +1296,9 @@ impl Dispatcher {
                 }
             };
         if status != Status::Ok {
-            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            bump(&self.stats.errors);
         }
-        self.stats.calls.fetch_add(1, Ordering::Relaxed);
+        bump(&self.stats.calls);
         crate::stats::count(&body, true);
         let mut frame = match (body, echo) {
             // The request's own Ref, passed back.
