@@ -5,9 +5,10 @@
 //! thread holds the receiving half reads answers and hands the others
 //! theirs (leader/followers). A caller that finds the receiving half free
 //! takes it before sending and reads its own answer, with no entry in the
-//! waiting list and no thread hop (the lone caller's path: four lock
-//! operations fewer per call); callers that find it taken register their
-//! id and wait to be handed their answer or to take over reading. The
+//! waiting list, no thread hop and no look at the list when it lets the
+//! half go unless someone waits ([`crate::handoff`]); callers that find it
+//! taken register their id and wait to be handed their answer or to take
+//! over reading. The
 //! caller holding the receiving half keeps reading while it waits to send
 //! (for room, or for the sending half): a server takes a request only when
 //! it has room to answer it, so answers left unread there would stall
