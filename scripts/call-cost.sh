@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Instructions per no-op call outside the waits, on the client and on the
+# server (callgrind over examples/noop_loop, both processes). Deterministic
+# for a given binary: judges a change to the call path without the host's
+# timing noise (BENCHMARKS.md, `bench rtt`). Needs valgrind.
+#
+#   scripts/call-cost.sh [BINARY] [CALLS]
+#
+# BINARY defaults to target/release/examples/noop_loop (built if missing);
+# CALLS to 100000. The client's count is its call loop less the wait for
+# the answer (the decode of the answer counted back in); the server's, its
+# dispatcher less the wait for requests (the decode counted back in).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-target/release/examples/noop_loop}
+calls=${2:-100000}
+if [ ! -x "$bin" ]; then
+  cargo build --release -p dm-rpc --example noop_loop
+fi
+command -v valgrind >/dev/null || { echo "call-cost: needs valgrind" >&2; exit 2; }
+bin=$(realpath "$bin")
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+(cd "$dir" && valgrind --tool=callgrind --trace-children=yes \
+  --callgrind-out-file="$dir/cg.%p" "$bin" "$calls" >/dev/null 2>&1)
+for f in "$dir"/cg.*; do
+  # (Run where the profile is: from the source tree, callgrind_annotate
+  # splits a function's cost among the files it inlines.)
+  (cd "$dir" && callgrind_annotate --inclusive=yes --threshold=100 "$f" 2>/dev/null) \
+    | grep -v '=>' | sed 's/,//g' >"$f.txt"
+  python3 - "$f.txt" "$calls" <<'PY'
+import re, sys
+incl = {}
+for line in open(sys.argv[1]):
+    m = re.match(r'\s*(\d+) \([^)]*\)\s+\S+?\.(?:rs|c|S):(.*?)( \[/.*)?$', line)
+    if m and m.group(3):  # a function's own line (not an inlined attribution)
+        name = m.group(2).strip()
+        incl[name] = max(incl.get(name, 0), int(m.group(1)))
+calls = int(sys.argv[2])
+g = lambda k: incl.get(k, 0)
+decode = g('dm_rpc::frame::Frame::decode_record')
+run = g('dm_rpc::server::Dispatcher::run') or g('dm_rpc::server::Dispatcher::serve_until_stopped')
+if run:
+    nxt = g('<dm_rpc::transport::shm::ShmListener as dm_rpc::transport::Listener>::next')
+    own = run - nxt + g('dm_rpc::transport::shm::ShmListener::decode_for')
+    print(f"server: {own / calls:.0f} instructions per call")
+elif g('noop_loop::main'):
+    recv = g('<dm_rpc::transport::shm::ShmRx as dm_rpc::transport::FrameRx>::recv')
+    own = g('noop_loop::main') - recv + decode
+    print(f"client: {own / calls:.0f} instructions per call")
+PY
+done
