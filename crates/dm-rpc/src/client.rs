@@ -8,12 +8,11 @@
 //! waiting list, no thread hop and no look at the list when it lets the
 //! half go unless someone waits ([`crate::handoff`]); callers that find it
 //! taken register their id and wait to be handed their answer or to take
-//! over reading. The
-//! caller holding the receiving half keeps reading while it waits to send
-//! (for room, or for the sending half): a server takes a request only when
-//! it has room to answer it, so answers left unread there would stall
-//! every caller of the connection (found with eight threads on one client
-//! over 4 KiB rings). A caller without the half that finds no room takes
+//! over reading. The caller holding the receiving half keeps reading while
+//! it waits to send (for room, or for the sending half): a server takes a
+//! request only when it has room to answer it, so answers left unread
+//! there would stall every caller of the connection (found with eight
+//! threads on one client over 4 KiB rings). A caller without the half that finds no room takes
 //! the half if nobody holds it, and reads too: answers to calls that gave
 //! up would otherwise stall it. A peer that dies fails every pending and
 //! future call on the connection with `Unavailable`; the client replaces
@@ -705,12 +704,13 @@ pub(crate) fn send_holding_rx(
 const ROOM_SLICE: Duration = Duration::from_millis(1);
 
 /// Sends `f` for a caller that does not hold the connection's receiving
-/// half (`take_rx` takes it if it is free). Room to send may come only once answers are read
-/// ([`FrameTx::room_needs_reader`]): while another caller holds the half,
-/// that caller reads them; when nobody does (its holder got its answer
-/// and left, and what is left are answers to calls that gave up), this
-/// caller takes the half and reads while it waits ([`send_holding_rx`]),
-/// handing what it reads to `got`. It lets the half go before it returns.
+/// half (`take_rx` takes it if it is free). Room to send may come only
+/// once answers are read ([`FrameTx::room_needs_reader`]): while another
+/// caller holds the half, that caller reads them; when nobody does (its
+/// holder got its answer and left, and what is left are answers to calls
+/// that gave up), this caller takes the half and reads while it waits
+/// ([`send_holding_rx`]), handing what it reads to `got`. It lets the half
+/// go before it returns.
 pub(crate) fn send_unheld<R: std::ops::DerefMut<Target = Box<dyn FrameRx>>>(
     tx: &Mutex<Box<dyn FrameTx>>,
     take_rx: impl Fn() -> Option<R>,
