@@ -246,14 +246,14 @@ impl State {
             .map(|(_, q)| q)
     }
 
-    /// Whether any caller waits for something to arrive.
-    fn anyone_waits(&self) -> bool {
-        !self.waiting.is_empty() || !self.streams.is_empty()
-    }
-
     /// How many callers wait for something to arrive.
     fn waiters(&self) -> usize {
         self.waiting.len() + self.streams.len()
+    }
+
+    /// Whether any caller waits for something to arrive.
+    fn anyone_waits(&self) -> bool {
+        self.waiters() != 0
     }
 }
 

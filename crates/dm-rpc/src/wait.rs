@@ -164,8 +164,8 @@ enum Spun<T> {
     Deadline,
 }
 
-/// Checks a spinning waiter makes before it first reads the clock (as
-/// many as it makes between two reads after).
+/// Checks a spinning waiter makes between two clock reads, and before
+/// the first.
 const CLOCKLESS_CHECKS: u32 = 32;
 
 /// The shortest spin an adaptive waiter keeps.
@@ -284,13 +284,12 @@ impl Waiter {
         if self.spin.is_zero() {
             return None;
         }
-        let start = Instant::now();
-        let mut last_idle = start;
+        let (mut start, mut last_idle) = (None, None);
         let mut idle = || {
             idle();
             Ok::<(), std::convert::Infallible>(())
         };
-        let Ok(spun) = self.spin_loop(start, deadline, &mut last_idle, &mut ready, &mut idle);
+        let Ok(spun) = self.spin_loop(&mut start, deadline, &mut last_idle, &mut ready, &mut idle);
         if let Spun::Ready(x) = spun {
             return Some(x);
         }
@@ -298,15 +297,19 @@ impl Waiter {
         None
     }
 
-    /// Checks `ready` from `start` until it gives a value, the spin runs
-    /// out, or `deadline` passes (in that order of precedence), reading the
-    /// clock every 32 checks and running `idle` about every millisecond
-    /// after `last_idle` (which it moves).
+    /// Checks `ready` until it gives a value, the spin runs out, or
+    /// `deadline` passes (in that order of precedence), reading the clock
+    /// every [`CLOCKLESS_CHECKS`] checks, and running `idle` about every
+    /// millisecond after `last_idle` (which it moves). The spin is counted
+    /// from `start`; left `None`, both are set at the first clock read, so
+    /// the first checks go before any clock read: a busy peer's answer
+    /// often comes within them, and a clock read (about 35 ns here) in its
+    /// way would delay the wait's end.
     fn spin_loop<T, E>(
         &self,
-        start: Instant,
+        start: &mut Option<Instant>,
         deadline: Option<Instant>,
-        last_idle: &mut Instant,
+        last_idle: &mut Option<Instant>,
         ready: &mut impl FnMut() -> Option<T>,
         idle: &mut impl FnMut() -> Result<(), E>,
     ) -> Result<Spun<T>, E> {
@@ -319,14 +322,15 @@ impl Waiter {
             i = i.wrapping_add(1);
             if i.is_multiple_of(CLOCKLESS_CHECKS) {
                 let now = Instant::now();
-                if now - start >= self.spin {
+                if now - *start.get_or_insert(now) >= self.spin {
                     return Ok(Spun::Out);
                 }
                 if deadline.is_some_and(|d| now >= d) {
                     return Ok(Spun::Deadline);
                 }
-                if now - *last_idle >= Duration::from_millis(1) {
-                    *last_idle = now;
+                let idled = last_idle.get_or_insert(now);
+                if now - *idled >= Duration::from_millis(1) {
+                    *idled = now;
                     idle()?;
                 }
             }
@@ -367,30 +371,26 @@ impl Waiter {
         let p = self.policy;
         // Spin (unless the spin is none, or the core is crowded).
         let crowded = p.adaptive && self.crowded;
-        let spins = !self.spin.is_zero() && !crowded;
-        if spins {
-            // The first checks go before the first clock read: a busy
-            // peer's answer often comes within them, and a clock read
-            // (about 35 ns here) in its way would delay the wait's end.
-            for _ in 0..CLOCKLESS_CHECKS {
-                std::hint::spin_loop();
-                if let Some(x) = ready() {
-                    return Ok(Some(x));
-                }
-            }
-        }
-        let start = Instant::now();
-        if deadline.is_some_and(|d| d <= start) {
-            return Ok(None);
-        }
-        let mut last_idle = start;
-        if spins {
-            match self.spin_loop(start, deadline, &mut last_idle, &mut ready, &mut idle)? {
+        let (mut start, mut last_idle) = (None, None);
+        if !self.spin.is_zero() && !crowded {
+            match self.spin_loop(&mut start, deadline, &mut last_idle, &mut ready, &mut idle)? {
                 Spun::Ready(x) => return Ok(Some(x)),
                 Spun::Deadline => return Ok(None),
                 Spun::Out => {}
             }
         }
+        // (Set by the spin, which checked the deadline; else now.)
+        let start = match start {
+            Some(s) => s,
+            None => {
+                let now = Instant::now();
+                if deadline.is_some_and(|d| d <= now) {
+                    return Ok(None);
+                }
+                now
+            }
+        };
+        let mut last_idle = last_idle.unwrap_or(start);
         // The answer outlasted the spin: spin less next time.
         let spun = self.spin;
         self.spin_less();
