@@ -42,8 +42,7 @@
 //! so is its answer when it comes.
 
 use crate::client::{
-    answers, carried, ended, orphan, outgoing, send_holding_rx, send_unheld, sent_as, Defaults,
-    Failure, Outgoing, Refused, Reply,
+    answers, carried, ended, orphan, outgoing, sent_as, Defaults, Failure, Outgoing, Refused, Reply,
 };
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status};
@@ -51,12 +50,13 @@ use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
-use crate::transport::{Connection, FrameRx, FrameTx, Looked, TransportError, WatchSet, Watched};
+use crate::sender::{send_holding_rx, send_unheld, unlisted, Out, Sender};
+use crate::transport::{Connection, FrameRx, Looked, TransportError, WatchSet, Watched};
 use crate::wait::Waiter;
 use crate::CallOptions;
 use arc_swap::Guard;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
@@ -146,11 +146,10 @@ impl std::fmt::Debug for AsyncClient {
 pub(crate) struct Inner {
     node: Node,
     name: String,
-    tx: Mutex<Box<dyn FrameTx>>,
+    tx: Mutex<Sender>,
     reader: Arc<Reader>,
     /// New calls go elsewhere ([`Connected::retire`]).
     retired: AtomicBool,
-    next_id: AtomicU64,
     max_inline: usize,
     refs: crate::transport::Sharing,
     goaway: Arc<dyn crate::transport::GoAway>,
@@ -313,8 +312,16 @@ impl Reader {
         let mut st = lock(&self.state);
         st.broken.get_or_insert(e.clone());
         self.broken.store(true, Ordering::Release);
-        let mut readied = 0;
-        st.pending.retain(|_, slot| match slot {
+        st.pending.retain(|_, slot| self.fail_slot(slot, &e));
+        self.waiting.store(st.pending.len(), Ordering::Release);
+    }
+
+    /// Fails the call of `slot` with `e` (its connection broke): a call
+    /// awaiting its answer gets the error now, a spinning one finds it in
+    /// its slot, a stream after what came before it. False if the slot
+    /// goes (its call has its error).
+    fn fail_slot(&self, slot: &mut Slot, e: &RpcError) -> bool {
+        match slot {
             Slot::Waiting(_) => {
                 if let Slot::Waiting(w) = std::mem::replace(slot, Slot::Spinning) {
                     let _ = w.send(Err(e.clone()));
@@ -323,7 +330,7 @@ impl Reader {
             }
             Slot::Spinning => {
                 *slot = Slot::Ready(Err(e.clone()));
-                readied += 1;
+                self.ready.fetch_add(1, Ordering::Release);
                 true
             }
             Slot::Ready(_) => true,
@@ -333,9 +340,29 @@ impl Reader {
                 fed.wake();
                 true
             }
-        });
-        self.ready.fetch_add(readied, Ordering::Release);
-        self.waiting.store(st.pending.len(), Ordering::Release);
+        }
+    }
+
+    /// Lists a call whose request goes now under its id `new`
+    /// ([`crate::sender`]): `first`, its slot, on its first try (`old`
+    /// 0), else the slot it had under `old`. On a broken connection the
+    /// call fails at once, as [`break_all`](Self::break_all) failed those
+    /// listed before.
+    fn enlist(&self, old: u64, new: u64, first: &mut Option<Slot>) {
+        let mut st = lock(&self.state);
+        let slot = match old {
+            0 => first.take(),
+            _ => st.pending.remove(&old),
+        };
+        let Some(mut slot) = slot else {
+            return;
+        };
+        if let Some(e) = st.broken.clone() {
+            if !self.fail_slot(&mut slot, &e) {
+                return;
+            }
+        }
+        self.insert(&mut st, new, slot);
     }
 
     /// Delivers the answers already there, without waiting (a client
@@ -441,8 +468,8 @@ impl Reader {
     /// answers that come while it waits go to their calls.
     fn send_lone(
         &self,
-        tx: &Mutex<Box<dyn FrameTx>>,
-        f: &Frame,
+        tx: &Mutex<Sender>,
+        f: Out<'_>,
         deadline: Option<Instant>,
         rx: &mut MutexGuard<'_, Box<dyn FrameRx>>,
     ) -> Result<bool, TransportError> {
@@ -519,16 +546,16 @@ impl Reader {
     /// ([`send_unheld`]: the pump may have stopped, its calls done).
     fn send(
         &self,
-        tx: &Mutex<Box<dyn FrameTx>>,
-        f: &Frame,
+        tx: &Mutex<Sender>,
+        mut f: Out<'_>,
         deadline: Option<Instant>,
     ) -> Result<bool, TransportError> {
         if self.driver.load(Ordering::Acquire) != LISTENER {
             let yield_for = self.node.cfg.wait.yield_for;
             return send_unheld(
                 tx,
-                || self.rx.try_lock().ok(),
                 f,
+                || self.rx.try_lock().ok(),
                 deadline,
                 yield_for,
                 &mut |a| {
@@ -539,7 +566,7 @@ impl Reader {
         let mut last_check = Instant::now();
         loop {
             let now = Instant::now();
-            match lock(tx).send(f, Some(now)) {
+            match lock(tx).push(f.again(), Some(now), None) {
                 Ok(false) if deadline.is_none_or(|d| now < d) => {}
                 done => return done,
             }
@@ -758,10 +785,9 @@ impl Connected for Inner {
         Inner {
             node,
             name: name.to_owned(),
-            tx: Mutex::new(conn.tx),
+            tx: Mutex::new(Sender::new(conn.tx)),
             reader,
             retired: AtomicBool::new(false),
-            next_id: AtomicU64::new(1),
             max_inline: conn.max_inline,
             refs: conn.refs,
             goaway: conn.goaway,
@@ -1036,8 +1062,7 @@ impl Inner {
     /// as not run if the connection breaks before its answer.
     async fn send_and_wait(&self, out: Outgoing) -> Result<Reply, Failure> {
         let i = self;
-        let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        let (frame, lent, deadline, again) = out.into_frame(id);
+        let (mut frame, lent, deadline, again) = out.into_frame();
         let r = &i.reader;
         if let Err(e) = r.ensure_reader() {
             lent.release(&i.node);
@@ -1049,33 +1074,36 @@ impl Inner {
         // it sends and no slot, as the blocking client's lone caller does;
         // else through its slot. (In a block: the half's guard must not
         // live across an await.)
-        let (own, waiting, spun, frame) = {
+        let (own, waiting, spun, frame, id) = {
             let mut lone = None;
             if r.driver.load(Ordering::Acquire) == PUMP && !r.broken.load(Ordering::Acquire) {
                 lone = r.rx.try_lock().ok();
             }
             let mut waiting = None;
+            let mut slot = None;
             if lone.is_none() {
-                let mut st = lock(&r.state);
-                if let Some(e) = &st.broken {
-                    let e = e.clone();
-                    drop(st);
+                if let Some(e) = i.failure() {
                     lent.release(&i.node);
                     return Err(e.into());
                 }
-                let slot = if r.driver.load(Ordering::Acquire) == LISTENER {
+                slot = Some(if r.driver.load(Ordering::Acquire) == LISTENER {
                     let (reply, w) = oneshot::channel();
                     waiting = Some(w);
                     Slot::Waiting(reply)
                 } else {
                     Slot::Spinning
-                };
-                r.insert(&mut st, id, slot);
+                });
             }
+            // (Listed under its id as it goes: `Reader::enlist`.)
+            let mut enlist = |old: u64, new: u64| r.enlist(old, new, &mut slot);
             let sent = match lone {
-                Some(ref mut rx) => r.send_lone(&i.tx, &frame, deadline, rx),
-                None => r.send(&i.tx, &frame, deadline),
+                Some(ref mut rx) => {
+                    let out = Out::Drawn(&mut frame, &mut unlisted);
+                    r.send_lone(&i.tx, out, deadline, rx)
+                }
+                None => r.send(&i.tx, Out::Drawn(&mut frame, &mut enlist), deadline),
             };
+            let id = frame.call_id;
             // (The error, and whether the connection broke: then the
             // request was not sent, and may go elsewhere. A send that
             // fails with the connection lost may be the first to see it:
@@ -1131,7 +1159,7 @@ impl Inner {
                     }
                 }
             }
-            (own, waiting, spun, frame)
+            (own, waiting, spun, frame, id)
         };
         // From here the future may be dropped at an await: the call is
         // then cancelled (see `Cancel`).
@@ -1219,10 +1247,6 @@ impl crate::stream::StreamConn for Inner {
         self.refs
     }
 
-    fn next_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
     fn carries(&self, req: &Frame, refs: crate::transport::Sharing) -> bool {
         carried(req, (refs, self.refs), self.max_inline)
     }
@@ -1238,30 +1262,33 @@ impl crate::stream::StreamConn for Inner {
         self.goaway.unread(id)
     }
 
-    fn open_stream(&self, id: u64) -> Result<(), RpcError> {
+    fn send_opening(
+        &self,
+        req: &mut Frame,
+        deadline: Option<Instant>,
+    ) -> Result<(), (RpcError, bool)> {
         let r = &self.reader;
-        r.ensure_reader()?;
-        {
-            let mut st = lock(&r.state);
-            if let Some(e) = &st.broken {
-                return Err(e.clone());
-            }
-            r.insert(&mut st, id, Slot::Stream(Box::default()));
+        r.ensure_reader().map_err(|e| (e, false))?;
+        if let Some(e) = self.failure() {
+            return Err((e, false));
         }
+        let mut first = Some(Slot::Stream(Box::default()));
+        let mut enlist = |old: u64, new: u64| r.enlist(old, new, &mut first);
+        let sent = r.send(&self.tx, Out::Drawn(req, &mut enlist), deadline);
+        sent_as(&self.name, sent, |e| r.fail(e))?;
         // A stream's frames come at any time: the pump reads while it is
         // open (a server's listener reads while any call waits).
         if r.driver.load(Ordering::Acquire) == PUMP {
-            if let Err(e) = r.want_pump() {
-                r.forget(id);
-                return Err(e);
-            }
+            r.want_pump().map_err(|e| (e, false))?;
         }
         Ok(())
     }
 
     fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), (RpcError, bool)> {
         let r = &self.reader;
-        sent_as(&self.name, r.send(&self.tx, f, deadline), |e| r.fail(e))
+        sent_as(&self.name, r.send(&self.tx, Out::Kept(f), deadline), |e| {
+            r.fail(e)
+        })
     }
 
     fn close_stream(&self, id: u64, cancel: bool) {
@@ -1367,6 +1394,7 @@ fn pump(reader: Weak<Reader>) {
 mod tests {
     use super::*;
     use crate::frame::Body;
+    use crate::transport::FrameTx;
     use std::sync::mpsc;
 
     /// A receiving half fed by the test.

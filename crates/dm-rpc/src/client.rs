@@ -7,8 +7,9 @@
 //! takes it before sending and reads its own answer, with no entry in the
 //! waiting list, no thread hop and no look at the list when it lets the
 //! half go unless someone waits ([`crate::handoff`]); callers that find it
-//! taken register their id and wait to be handed their answer or to take
-//! over reading. The caller holding the receiving half keeps reading while
+//! taken list their call under its id as their request goes (the id is
+//! drawn then: [`crate::sender`]) and wait to be handed their answer or to
+//! take over reading. The caller holding the receiving half keeps reading while
 //! it waits to send (for room, or for the sending half): a server takes a
 //! request only when it has room to answer it, so answers left unread
 //! there would stall every caller of the connection (found with eight
@@ -27,9 +28,10 @@ use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
 use crate::reconnect::{Connected, Redial};
 use crate::retry::{Retry, Statuses};
-use crate::transport::{Connection, FrameRx, FrameTx};
+use crate::sender::{send_holding_rx, send_unheld, unlisted, Out, Sender};
+use crate::transport::{Connection, FrameRx};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -194,7 +196,7 @@ impl std::fmt::Debug for Client {
 pub(crate) struct Inner {
     node: Node,
     name: String,
-    tx: Mutex<Box<dyn FrameTx>>,
+    tx: Mutex<Sender>,
     /// The receiving half: whoever holds it reads the answers of all
     /// ([`crate::handoff`]: its count of waiters is `state`'s).
     rx: Half<Box<dyn FrameRx>>,
@@ -204,7 +206,6 @@ pub(crate) struct Inner {
     /// New calls go elsewhere ([`Connected::retire`]).
     retired: AtomicBool,
     cv: Condvar,
-    next_id: AtomicU64,
     max_inline: usize,
     refs: crate::transport::Sharing,
     goaway: Arc<dyn crate::transport::GoAway>,
@@ -257,6 +258,19 @@ impl State {
     }
 }
 
+/// Moves what `list` holds for a call from its id `old` to `new` (its
+/// request drew a new id at another try: [`crate::sender`]); false if the
+/// call is not listed yet (`old` is 0).
+fn relist<T>(list: &mut [(u64, T)], old: u64, new: u64) -> bool {
+    match list.iter_mut().find(|(k, _)| *k == old) {
+        Some((k, _)) if old != 0 => {
+            *k = new;
+            true
+        }
+        _ => false,
+    }
+}
+
 /// Whether a client takes frames of this kind from its server: answers,
 /// and items of the streams it opened.
 #[inline]
@@ -297,12 +311,13 @@ pub(crate) struct Again {
 }
 
 impl Outgoing {
-    /// Its request frame with call id `id`, and what the call keeps beside
-    /// it: what the argument lent, when it gives up, and when it may be
-    /// sent again. (The frame is kept until the answer: a request known
-    /// not to have run is sent again.)
-    pub(crate) fn into_frame(self, id: u64) -> (Frame, Lent, Option<Instant>, Again) {
-        let mut frame = Frame::request(id, self.method, self.deadline_us, self.body);
+    /// Its request frame, and what the call keeps beside it: what the
+    /// argument lent, when it gives up, and when it may be sent again.
+    /// (The frame is kept until the answer: a request known not to have
+    /// run is sent again. Its call id, 0 here, is drawn when it enters a
+    /// connection: [`crate::sender`].)
+    pub(crate) fn into_frame(self) -> (Frame, Lent, Option<Instant>, Again) {
+        let mut frame = Frame::request(0, self.method, self.deadline_us, self.body);
         frame.meta = self.meta;
         (frame, self.lent, self.deadline, self.again)
     }
@@ -662,95 +677,17 @@ pub(crate) fn orphan(node: &Node, f: Frame) {
     }
 }
 
-/// Sends `f` for a caller that holds the connection's receiving half
-/// `rx`, reading what arrives meanwhile into `got`: while it waits for the
-/// sending half `tx` (another caller may hold it, waiting for room that
-/// only this reading makes), then while it waits for room
-/// ([`FrameTx::send_reading`]).
-#[inline]
-pub(crate) fn send_holding_rx(
-    tx: &Mutex<Box<dyn FrameTx>>,
-    f: &Frame,
-    deadline: Option<Instant>,
-    rx: &mut Box<dyn FrameRx>,
-    yield_for: Duration,
-    got: &mut dyn FnMut(Frame),
-) -> Result<bool, crate::transport::TransportError> {
-    let mut since = None;
-    let mut tx = loop {
-        match tx.try_lock() {
-            Ok(tx) => break tx,
-            Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {}
-        }
-        crate::transport::drain(&mut **rx, got)?;
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Ok(false);
-        }
-        // Yield at first (the half is usually free within microseconds),
-        // then pause: a server that is slow to make room may keep the
-        // other caller waiting for a while.
-        if since.get_or_insert_with(Instant::now).elapsed() < yield_for {
-            dm_sys::sched_yield();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    };
-    tx.send_reading(f, deadline, &mut **rx, got)
-}
-
-/// How long a caller that does not hold the receiving half waits for room
-/// at a time before it looks again whether anyone holds it.
-const ROOM_SLICE: Duration = Duration::from_millis(1);
-
-/// Sends `f` for a caller that does not hold the connection's receiving
-/// half (`take_rx` takes it if it is free). Room to send may come only
-/// once answers are read ([`FrameTx::room_needs_reader`]): while another
-/// caller holds the half, that caller reads them; when nobody does (its
-/// holder got its answer and left, and what is left are answers to calls
-/// that gave up), this caller takes the half and reads while it waits
-/// ([`send_holding_rx`]), handing what it reads to `got`. It lets the half
-/// go before it returns.
-pub(crate) fn send_unheld<R: std::ops::DerefMut<Target = Box<dyn FrameRx>>>(
-    tx: &Mutex<Box<dyn FrameTx>>,
-    take_rx: impl Fn() -> Option<R>,
-    f: &Frame,
-    deadline: Option<Instant>,
-    yield_for: Duration,
-    got: &mut dyn FnMut(Frame),
-) -> Result<bool, crate::transport::TransportError> {
-    // The first try does not wait: room is usually there.
-    let mut slice = Duration::ZERO;
-    loop {
-        let mut t = lock(tx);
-        if !t.room_needs_reader() {
-            return t.send(f, deadline);
-        }
-        let until = Instant::now() + slice;
-        match t.send(f, Some(deadline.map_or(until, |d| d.min(until)))) {
-            Ok(false) if deadline.is_none_or(|d| Instant::now() < d) => {}
-            done => return done,
-        }
-        drop(t);
-        if let Some(mut rx) = take_rx() {
-            return send_holding_rx(tx, f, deadline, &mut rx, yield_for, got);
-        }
-        slice = ROOM_SLICE;
-    }
-}
-
 impl Connected for Inner {
     fn open(node: Node, name: &str, conn: Connection) -> Inner {
         Inner {
             node,
             name: name.to_owned(),
-            tx: Mutex::new(conn.tx),
+            tx: Mutex::new(Sender::new(conn.tx)),
             rx: Half::new(conn.rx),
             state: Mutex::new(State::default()),
             broken: AtomicBool::new(false),
             retired: AtomicBool::new(false),
             cv: Condvar::new(),
-            next_id: AtomicU64::new(1),
             max_inline: conn.max_inline,
             refs: conn.refs,
             goaway: conn.goaway,
@@ -1022,30 +959,33 @@ impl Inner {
     /// treated as not run if the connection breaks before its answer.
     fn send_and_wait(&self, out: Outgoing) -> Result<Reply, Failure> {
         let i = self;
-        let id = i.next_id.fetch_add(1, Ordering::Relaxed);
-        let (frame, lent, deadline, again) = out.into_frame(id);
-        // Nobody reading answers: read our own (taken before sending, so
-        // no one else can take our answer).
-        let mut reader = if i.broken.load(Ordering::Acquire) {
-            None
-        } else {
-            i.rx.try_take()
-        };
-        if reader.is_none() {
-            // One lock for both: a broken connection fails the call at once.
-            let mut st = lock(&i.state);
-            if let Some(e) = &st.broken {
-                let e = e.clone();
-                drop(st);
+        let (mut frame, lent, deadline, again) = out.into_frame();
+        if i.broken.load(Ordering::Acquire) {
+            // A broken connection fails the call at once.
+            if let Some(e) = lock(&i.state).broken.clone() {
                 lent.release(&i.node);
                 return Err(e.into());
             }
-            st.waiting.push((id, None));
-            // Counted before it first looks for the reading half.
-            i.rx.set_waiting(st.waiters());
         }
+        // Nobody reading answers: read our own (taken before sending, so
+        // no one else can take our answer). Else the call is listed under
+        // its id as it goes, before its answer can come, and counted
+        // before it first looks for the reading half.
+        let mut reader = i.rx.try_take();
+        let mut enlist = |old: u64, new: u64| {
+            let mut st = lock(&i.state);
+            if !relist(&mut st.waiting, old, new) {
+                st.waiting.push((new, None));
+                i.rx.set_waiting(st.waiters());
+            }
+        };
+        let out = match reader {
+            Some(_) => Out::Drawn(&mut frame, &mut unlisted),
+            None => Out::Drawn(&mut frame, &mut enlist),
+        };
         // Reading answers while it waits for room (see `send_reading`).
-        let sent = self.send_reading(&frame, deadline, reader.as_mut());
+        let sent = self.send_reading(out, deadline, reader.as_mut());
+        let id = frame.call_id;
         // (The error, and whether the connection broke: then the request
         // was not sent, and may go elsewhere.)
         if let Err((e, broke)) = self.sent(sent) {
@@ -1134,7 +1074,7 @@ impl Inner {
     /// the answers read meanwhile go to their callers.
     fn send_reading(
         &self,
-        f: &Frame,
+        f: Out<'_>,
         deadline: Option<Instant>,
         rx: Option<&mut Held<'_, Box<dyn FrameRx>>>,
     ) -> Result<bool, crate::transport::TransportError> {
@@ -1150,7 +1090,7 @@ impl Inner {
         let yield_for = i.node.cfg.wait.yield_for;
         let sent = match rx {
             Some(rx) => send_holding_rx(&i.tx, f, deadline, rx, yield_for, &mut got),
-            None => send_unheld(&i.tx, || i.rx.try_take(), f, deadline, yield_for, &mut got),
+            None => send_unheld(&i.tx, f, || i.rx.try_take(), deadline, yield_for, &mut got),
         };
         if stray {
             return Err(crate::transport::TransportError::Protocol(
@@ -1366,10 +1306,6 @@ impl crate::stream::StreamConn for Inner {
         &self.node
     }
 
-    fn next_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
     fn carries(&self, req: &Frame, refs: crate::transport::Sharing) -> bool {
         carried(req, (refs, self.refs), self.max_inline)
     }
@@ -1385,19 +1321,30 @@ impl crate::stream::StreamConn for Inner {
         self.refs
     }
 
-    fn open_stream(&self, id: u64) -> Result<(), RpcError> {
-        let mut st = lock(&self.state);
-        if let Some(e) = &st.broken {
-            return Err(e.clone());
+    fn send_opening(
+        &self,
+        req: &mut Frame,
+        deadline: Option<Instant>,
+    ) -> Result<(), (RpcError, bool)> {
+        if self.broken.load(Ordering::Acquire) {
+            if let Some(e) = lock(&self.state).broken.clone() {
+                return Err((e, false));
+            }
         }
-        st.streams.push((id, VecDeque::new()));
-        // Counted before it first looks for the reading half.
-        self.rx.set_waiting(st.waiters());
-        Ok(())
+        let mut enlist = |old: u64, new: u64| {
+            let mut st = lock(&self.state);
+            if !relist(&mut st.streams, old, new) {
+                st.streams.push((new, VecDeque::new()));
+                // Counted before it first looks for the reading half.
+                self.rx.set_waiting(st.waiters());
+            }
+        };
+        let f = Out::Drawn(req, &mut enlist);
+        self.sent(self.send_reading(f, deadline, None))
     }
 
     fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), (RpcError, bool)> {
-        self.sent(self.send_reading(f, deadline, None))
+        self.sent(self.send_reading(Out::Kept(f), deadline, None))
     }
 
     fn close_stream(&self, id: u64, cancel: bool) {

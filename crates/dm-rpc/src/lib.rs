@@ -78,6 +78,9 @@ pub mod registry;
 #[cfg(not(loom))]
 pub mod retry;
 #[cfg(not(loom))]
+#[doc(hidden)]
+pub mod sender;
+#[cfg(not(loom))]
 pub mod server;
 #[cfg(not(loom))]
 pub mod stats;

@@ -24,40 +24,44 @@ pub(crate) trait StreamConn: Connected {
     fn node(&self) -> &Node;
     /// Which Refs its server can use.
     fn refs(&self) -> Sharing;
-    /// A new call id.
-    fn next_id(&self) -> u64;
     /// Whether request `req`, placed for a connection whose Refs are
     /// `refs`, can go over this one as it is.
     fn carries(&self, req: &Frame, refs: Sharing) -> bool;
     /// Whether request `id` was never taken by this connection's server,
     /// which stopped and said so (its go-away).
     fn never_taken(&self, id: u64) -> bool;
-    /// Registers stream `id` before its request goes: its frames find
-    /// their place whoever reads them (and someone reads them).
-    fn open_stream(&self, id: u64) -> Result<(), RpcError>;
+    /// Sends request `req` of a stream (flagged [`FLAG_STREAM`]),
+    /// reading answers for the others while it waits for room. It gets
+    /// its call id as it goes ([`crate::sender`]), and the stream is
+    /// listed under it first: its frames find their place whoever reads
+    /// them (and someone reads them). On a failure, the error and whether
+    /// the connection broke.
+    fn send_opening(
+        &self,
+        req: &mut Frame,
+        deadline: Option<Instant>,
+    ) -> Result<(), (RpcError, bool)>;
     /// Sends a frame of a stream's caller, reading answers for the others
     /// while it waits for room: on a failure, the error and whether the
     /// connection broke.
     fn send_own(&self, f: &Frame, deadline: Option<Instant>) -> Result<(), (RpcError, bool)>;
-    /// Opens the stream of request `req` (flagged [`FLAG_STREAM`]): the
-    /// stream is registered, the request sent, then the first grant of
-    /// `window` items. On a failure, whether the request was sent.
+    /// Opens the stream of request `req`: the request goes (and gets its
+    /// id), then the first grant of `window` items. On a failure, whether
+    /// the request was sent.
     fn start_stream(
         &self,
-        req: &Frame,
+        req: &mut Frame,
         deadline: Option<Instant>,
         window: u32,
     ) -> Result<(), (RpcError, bool)> {
-        let id = req.call_id;
-        self.open_stream(id).map_err(|e| (e, false))?;
-        let r = match self.send_own(req, deadline) {
+        let r = match self.send_opening(req, deadline) {
             Ok(()) => self
-                .send_own(&Frame::credit(id, window), deadline)
+                .send_own(&Frame::credit(req.call_id, window), deadline)
                 .map_err(|(e, _)| (e, true)),
             Err((e, _)) => Err((e, false)),
         };
         if r.is_err() {
-            self.close_stream(id, false);
+            self.close_stream(req.call_id, false);
         }
         r
     }
@@ -100,6 +104,7 @@ impl How {
 struct Opened<C: StreamConn> {
     h: Arc<Redial<C>>,
     conn: Arc<C>,
+    /// The call id its request went with (0 until it goes).
     id: u64,
     /// The request, until the server answers anything: a request refused
     /// unrun (its server was stopping) goes to the service's next server.
@@ -122,13 +127,12 @@ struct Opened<C: StreamConn> {
 
 impl<C: StreamConn> Opened<C> {
     fn new(h: Arc<Redial<C>>, conn: Arc<C>, out: Outgoing, how: How) -> Self {
-        let id = conn.next_id();
-        let (mut req, lent, deadline, _) = out.into_frame(id);
+        let (mut req, lent, deadline, _) = out.into_frame();
         req.flags |= FLAG_STREAM;
         Opened {
             h,
             conn,
-            id,
+            id: 0,
             request: Some(req),
             lent: Some(lent),
             deadline,
@@ -145,7 +149,9 @@ impl<C: StreamConn> Opened<C> {
     /// its server is told.
     fn end(&mut self, cancel: bool) {
         self.done = true;
-        self.conn.close_stream(self.id, cancel);
+        if self.id != 0 {
+            self.conn.close_stream(self.id, cancel);
+        }
         if let Some(lent) = self.lent.take() {
             lent.release(self.conn.node());
         }
@@ -210,8 +216,9 @@ impl<C: StreamConn> Opened<C> {
         }
         self.conn.close_stream(self.id, false);
         self.started = false;
-        req.call_id = n.next_id();
-        self.id = req.call_id;
+        // (It draws a new id as it goes there.)
+        req.call_id = 0;
+        self.id = 0;
         self.conn = Arc::clone(n);
         true
     }
@@ -220,10 +227,12 @@ impl<C: StreamConn> Opened<C> {
     /// failure, the error and whether the request may go to the next
     /// server (it is known not to have run; three servers at most).
     fn start(&mut self, attempt: u32) -> Result<(), (RpcError, bool)> {
-        let Some(req) = &self.request else {
+        let Some(req) = &mut self.request else {
             return Err((RpcError::internal("a stream without its request"), false));
         };
-        let (e, sent) = match self.conn.start_stream(req, self.deadline, self.how.window) {
+        let started = self.conn.start_stream(req, self.deadline, self.how.window);
+        self.id = req.call_id;
+        let (e, sent) = match started {
             Ok(()) => {
                 self.started = true;
                 return Ok(());

@@ -2,7 +2,9 @@
 //! GOAWAY): the highest call id it took from it. It says so once it reads
 //! the connection no more, so a request with a higher id was never taken
 //! and never will be: its caller may send it to another server, with no
-//! risk that it runs twice. Every transport carries it: a word in the
+//! risk that it runs twice. (That holds because a client draws a
+//! request's id as the request enters the connection, so ids enter in
+//! order: [`crate::sender`].) Every transport carries it: a word in the
 //! shared-memory channel's control page, a go-away frame over TCP, a word
 //! shared in this process for the in-memory transport.
 //!
