@@ -50,7 +50,7 @@ use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
-use crate::sender::{send_holding_rx, send_unheld, unlisted, Out, Sender};
+use crate::sender::{send_holding_rx, send_unheld, Out, Sender};
 use crate::transport::{Connection, FrameRx, Looked, TransportError, WatchSet, Watched};
 use crate::wait::Waiter;
 use crate::CallOptions;
@@ -1098,10 +1098,10 @@ impl Inner {
             let mut enlist = |old: u64, new: u64| r.enlist(old, new, &mut slot);
             let sent = match lone {
                 Some(ref mut rx) => {
-                    let out = Out::Drawn(&mut frame, &mut unlisted);
+                    let out = Out::Own(&mut frame);
                     r.send_lone(&i.tx, out, deadline, rx)
                 }
-                None => r.send(&i.tx, Out::Drawn(&mut frame, &mut enlist), deadline),
+                None => r.send(&i.tx, Out::Listed(&mut frame, &mut enlist), deadline),
             };
             let id = frame.call_id;
             // (The error, and whether the connection broke: then the
@@ -1274,7 +1274,7 @@ impl crate::stream::StreamConn for Inner {
         }
         let mut first = Some(Slot::Stream(Box::default()));
         let mut enlist = |old: u64, new: u64| r.enlist(old, new, &mut first);
-        let sent = r.send(&self.tx, Out::Drawn(req, &mut enlist), deadline);
+        let sent = r.send(&self.tx, Out::Listed(req, &mut enlist), deadline);
         sent_as(&self.name, sent, |e| r.fail(e))?;
         // A stream's frames come at any time: the pump reads while it is
         // open (a server's listener reads while any call waits).

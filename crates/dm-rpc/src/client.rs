@@ -28,7 +28,7 @@ use crate::node::Node;
 use crate::payload::{Dir, Lent, Payload};
 use crate::reconnect::{Connected, Redial};
 use crate::retry::{Retry, Statuses};
-use crate::sender::{send_holding_rx, send_unheld, unlisted, Out, Sender};
+use crate::sender::{send_holding_rx, send_unheld, Out, Sender};
 use crate::transport::{Connection, FrameRx};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -980,8 +980,8 @@ impl Inner {
             }
         };
         let out = match reader {
-            Some(_) => Out::Drawn(&mut frame, &mut unlisted),
-            None => Out::Drawn(&mut frame, &mut enlist),
+            Some(_) => Out::Own(&mut frame),
+            None => Out::Listed(&mut frame, &mut enlist),
         };
         // Reading answers while it waits for room (see `send_reading`).
         let sent = self.send_reading(out, deadline, reader.as_mut());
@@ -1339,7 +1339,7 @@ impl crate::stream::StreamConn for Inner {
                 self.rx.set_waiting(st.waiters());
             }
         };
-        let f = Out::Drawn(req, &mut enlist);
+        let f = Out::Listed(req, &mut enlist);
         self.sent(self.send_reading(f, deadline, None))
     }
 

@@ -14,7 +14,7 @@
 //!
 //! A caller that does not read its own answer lists its call under the
 //! id at that moment too, before its request can be answered: the
-//! `Out::Drawn` callback runs under the sending half's lock, before the
+//! `Out::Listed` callback runs under the sending half's lock, before the
 //! frame goes. A send that finds no room before its time slice ends sends
 //! nothing and lets the lock go; its next try draws a new id, and the call
 //! moves to it (ids are never used twice, so the old one is never
@@ -40,11 +40,15 @@ pub(crate) enum Out<'a> {
     /// A frame of a call already sent (a grant, a cancel): its id goes as
     /// it is.
     Kept(&'a Frame),
-    /// A request: it gets the connection's next id. First, under the
-    /// sending half's lock, `enlist(old, new)` runs: the caller moves its
-    /// call from `old` (the frame's id before, 0 on its first try) to
-    /// `new`, where its answer will find it.
-    Drawn(&'a mut Frame, &'a mut dyn FnMut(u64, u64)),
+    /// A request whose caller reads its own answer (it holds the
+    /// receiving half): it gets the connection's next id.
+    Own(&'a mut Frame),
+    /// A request whose answer someone else may read: it gets the
+    /// connection's next id. First, under the sending half's lock,
+    /// `enlist(old, new)` runs: the caller moves its call from `old` (the
+    /// frame's id before, 0 on its first try) to `new`, where its answer
+    /// will find it.
+    Listed(&'a mut Frame, &'a mut dyn FnMut(u64, u64)),
 }
 
 impl Out<'_> {
@@ -52,7 +56,8 @@ impl Out<'_> {
     pub(crate) fn again(&mut self) -> Out<'_> {
         match self {
             Out::Kept(f) => Out::Kept(f),
-            Out::Drawn(f, enlist) => Out::Drawn(f, &mut **enlist),
+            Out::Own(f) => Out::Own(f),
+            Out::Listed(f, enlist) => Out::Listed(f, &mut **enlist),
         }
     }
 }
@@ -61,10 +66,6 @@ impl Out<'_> {
 /// waits for room, and where what it reads goes.
 pub(crate) type Reading<'a> = Option<(&'a mut dyn FrameRx, &'a mut dyn FnMut(Frame))>;
 
-/// A caller that does not list its call anywhere (it holds the receiving
-/// half and reads its own answer).
-pub(crate) fn unlisted(_old: u64, _new: u64) {}
-
 impl Sender {
     pub(crate) fn new(tx: Box<dyn FrameTx>) -> Self {
         Sender { tx, next_id: 1 }
@@ -72,7 +73,8 @@ impl Sender {
 
     /// Sends `f` ([`FrameTx::send`]), or, given the receiving half and
     /// where what it reads goes, reading while it waits for room
-    /// ([`FrameTx::send_reading`]). A request ([`Out::Drawn`]) gets its
+    /// ([`FrameTx::send_reading`]). A request ([`Out::Own`],
+    /// [`Out::Listed`]) gets its
     /// call id here, whatever the outcome (a send that fails sends
     /// nothing, and the id is not used again).
     pub(crate) fn push(
@@ -83,9 +85,12 @@ impl Sender {
     ) -> Result<bool, TransportError> {
         let f = match f {
             Out::Kept(f) => f,
-            Out::Drawn(f, enlist) => {
-                let old = std::mem::replace(&mut f.call_id, self.next_id);
-                self.next_id += 1;
+            Out::Own(f) => {
+                f.call_id = self.draw();
+                f
+            }
+            Out::Listed(f, enlist) => {
+                let old = std::mem::replace(&mut f.call_id, self.draw());
                 enlist(old, f.call_id);
                 f
             }
@@ -94,6 +99,13 @@ impl Sender {
             Some((rx, got)) => self.tx.send_reading(f, deadline, rx, got),
             None => self.tx.send(f, deadline),
         }
+    }
+
+    /// A new call id.
+    fn draw(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
     }
 
     /// Sends `f`, a frame of a call already sent, as it is, without
@@ -265,7 +277,7 @@ mod tests {
                         let take_rx = || rx.try_lock().ok();
                         let sent = send_unheld(
                             &tx,
-                            Out::Drawn(&mut f, &mut enlist),
+                            Out::Listed(&mut f, &mut enlist),
                             take_rx,
                             None,
                             Duration::ZERO,
