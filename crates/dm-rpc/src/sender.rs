@@ -74,9 +74,8 @@ impl Sender {
     /// Sends `f` ([`FrameTx::send`]), or, given the receiving half and
     /// where what it reads goes, reading while it waits for room
     /// ([`FrameTx::send_reading`]). A request ([`Out::Own`],
-    /// [`Out::Listed`]) gets its
-    /// call id here, whatever the outcome (a send that fails sends
-    /// nothing, and the id is not used again).
+    /// [`Out::Listed`]) gets its call id here, whatever the outcome (a
+    /// send that fails sends nothing, and the id is not used again).
     pub(crate) fn push(
         &mut self,
         f: Out<'_>,
