@@ -258,16 +258,20 @@ impl State {
     }
 }
 
-/// Moves what `list` holds for a call from its id `old` to `new` (its
-/// request drew a new id at another try: [`crate::sender`]); false if the
-/// call is not listed yet (`old` is 0).
-fn relist<T>(list: &mut [(u64, T)], old: u64, new: u64) -> bool {
+/// Lists a call under `new`, the id its request goes with: moves what
+/// `list` holds for it from `old` (its id at an earlier try:
+/// [`crate::sender`]), or, on its first try (`old` 0), adds it with
+/// `fresh` (true then).
+fn list_under<T>(list: &mut Vec<(u64, T)>, old: u64, new: u64, fresh: impl FnOnce() -> T) -> bool {
     match list.iter_mut().find(|(k, _)| *k == old) {
         Some((k, _)) if old != 0 => {
             *k = new;
+            false
+        }
+        _ => {
+            list.push((new, fresh()));
             true
         }
-        _ => false,
     }
 }
 
@@ -960,25 +964,17 @@ impl Inner {
     fn send_and_wait(&self, out: Outgoing) -> Result<Reply, Failure> {
         let i = self;
         let (mut frame, lent, deadline, again) = out.into_frame();
-        if i.broken.load(Ordering::Acquire) {
+        if let Some(e) = i.failure() {
             // A broken connection fails the call at once.
-            if let Some(e) = lock(&i.state).broken.clone() {
-                lent.release(&i.node);
-                return Err(e.into());
-            }
+            lent.release(&i.node);
+            return Err(e.into());
         }
         // Nobody reading answers: read our own (taken before sending, so
         // no one else can take our answer). Else the call is listed under
         // its id as it goes, before its answer can come, and counted
         // before it first looks for the reading half.
         let mut reader = i.rx.try_take();
-        let mut enlist = |old: u64, new: u64| {
-            let mut st = lock(&i.state);
-            if !relist(&mut st.waiting, old, new) {
-                st.waiting.push((new, None));
-                i.rx.set_waiting(st.waiters());
-            }
-        };
+        let mut enlist = |old: u64, new: u64| i.enlist(false, old, new);
         let out = match reader {
             Some(_) => Out::Own(&mut frame),
             None => Out::Listed(&mut frame, &mut enlist),
@@ -1146,6 +1142,22 @@ impl Inner {
         if rx.hand_over() {
             let st = lock(&self.state);
             self.notify(&st);
+        }
+    }
+
+    /// Lists a call (a stream's, with `stream`) under `new`, the id its
+    /// request goes with, before its answer can come ([`Out::Listed`]):
+    /// moved from `old`, or, on its first try, counted as a waiter before
+    /// it first looks for the reading half.
+    fn enlist(&self, stream: bool, old: u64, new: u64) {
+        let mut st = lock(&self.state);
+        let added = if stream {
+            list_under(&mut st.streams, old, new, VecDeque::new)
+        } else {
+            list_under(&mut st.waiting, old, new, || None)
+        };
+        if added {
+            self.rx.set_waiting(st.waiters());
         }
     }
 
@@ -1326,19 +1338,10 @@ impl crate::stream::StreamConn for Inner {
         req: &mut Frame,
         deadline: Option<Instant>,
     ) -> Result<(), (RpcError, bool)> {
-        if self.broken.load(Ordering::Acquire) {
-            if let Some(e) = lock(&self.state).broken.clone() {
-                return Err((e, false));
-            }
+        if let Some(e) = self.failure() {
+            return Err((e, false));
         }
-        let mut enlist = |old: u64, new: u64| {
-            let mut st = lock(&self.state);
-            if !relist(&mut st.streams, old, new) {
-                st.streams.push((new, VecDeque::new()));
-                // Counted before it first looks for the reading half.
-                self.rx.set_waiting(st.waiters());
-            }
-        };
+        let mut enlist = |old: u64, new: u64| self.enlist(true, old, new);
         let f = Out::Listed(req, &mut enlist);
         self.sent(self.send_reading(f, deadline, None))
     }
