@@ -27,6 +27,7 @@
 use crate::error::{Error, Result};
 use crate::registry::ServiceInfo;
 use crate::shm::Shm;
+use crate::slot::LeaseNow;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Bytes of the control page at the start of each channel.
@@ -137,7 +138,7 @@ impl Shm {
     /// Closes the ends of channels whose owners are dead, and frees channels
     /// with both ends closed. Returns how many channels it freed.
     pub(crate) fn sweep_channels(&self) -> u64 {
-        let now = dm_sys::time::now_ms();
+        let now = LeaseNow::read();
         let mut freed = 0;
         for i in 0..self.layout.n_channels {
             let Some(c) = self.channel(i) else { break };
@@ -402,7 +403,7 @@ impl crate::pool::Pool {
             return Peer::Closed;
         }
         let (s, inc) = unword(who.load(Ordering::Acquire));
-        if self.shm().slot_is(s, inc, dm_sys::time::now_ms()) {
+        if self.shm().slot_is(s, inc, LeaseNow::read()) {
             Peer::Live
         } else {
             Peer::Dead

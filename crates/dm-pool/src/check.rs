@@ -15,9 +15,8 @@ use crate::error::Result;
 use crate::pages::{PageState, NO_PAGE};
 use crate::pool::{AttachOptions, Pool};
 use crate::shm::Shm;
-use crate::slot::{SlotKind, SlotState};
+use crate::slot::{LeaseNow, SlotKind, SlotState};
 use crate::sync::Ordering;
-use dm_sys::time::now_ms;
 use std::path::Path;
 
 /// Counts and problems found by a check.
@@ -92,7 +91,7 @@ pub(crate) fn count_holders(
 ) -> Vec<u32> {
     let n = shm.layout.n_pages as usize;
     let mut holders = vec![0u32; n];
-    let now = now_ms();
+    let now = LeaseNow::read();
     // Mapped buffers linked to each Ref (its mapper count must match).
     let mut links = std::collections::HashMap::<u32, u32>::new();
     for idx in 0..shm.layout.n_descs {
@@ -201,7 +200,7 @@ fn check_list_tails(shm: &Shm, problems: &mut Vec<String>) {
     }
 }
 
-fn in_flight(shm: &Shm, idx: u32, owner: u16, now: u64, problems: &mut Vec<String>) {
+fn in_flight(shm: &Shm, idx: u32, owner: u16, now: LeaseNow, problems: &mut Vec<String>) {
     if !shm.slot_live(owner, now) {
         problems.push(format!(
             "descriptor {idx}: interrupted operation of dead slot {owner} (run gc)"
@@ -298,7 +297,7 @@ pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
         slots_total: shm.layout.n_slots as u64,
         ..Default::default()
     };
-    let now = now_ms();
+    let now = LeaseNow::read();
     let mut problems = Vec::new();
     for s in 0..shm.layout.n_slots as u16 {
         let Some(slot) = shm.slot(s) else { continue };
@@ -496,7 +495,6 @@ fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
     {
         return Ok(());
     }
-    let now = now_ms();
     let others = (0..shm.layout.n_slots as u16).any(|s| {
         s != me
             && shm.slot(s).is_some_and(|sl| {
@@ -506,13 +504,13 @@ fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
     let res = if others {
         Ok(())
     } else {
-        repair(pool, shm, me, now, rep)
+        repair(pool, shm, me, rep)
     };
     a.maint.store(0, Ordering::SeqCst);
     res
 }
 
-fn repair(pool: &Pool, shm: &Shm, me: u16, _now: u64, rep: &mut GcReport) -> Result<()> {
+fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport) -> Result<()> {
     rep.recounted = true;
     // Descriptors owned by slots that no longer exist (we are the only
     // slot: every other owner is gone).

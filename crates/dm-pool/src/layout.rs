@@ -1,4 +1,4 @@
-//! The pool file format (version 5): header, areas, and their validation.
+//! The pool file format (version 6): header, areas, and their validation.
 //!
 //! ```text
 //! 0        header (4 KiB): immutable part (checksummed), then shared atomics at 512
@@ -33,8 +33,11 @@ pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// 4 — a service registry and a channel table (header offsets 152..184) and
 /// the registry lock in the header atomics; 5 — free and cached pages keep
 /// their old bytes (no zeroing when the last share goes): whoever takes a
-/// page zeroes what it does not overwrite (see pages.rs).
-pub const POOL_VERSION: u32 = 5;
+/// page zeroes what it does not overwrite (see pages.rs); 6 — a slot also
+/// records its heartbeat on the host's monotonic clock
+/// (`heartbeat_mono_ms`, the first of its reserved words), by which
+/// processes on the same host judge its lease (see slot.rs).
+pub const POOL_VERSION: u32 = 6;
 /// Bytes reserved for the header.
 pub const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.

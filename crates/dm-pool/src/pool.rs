@@ -16,10 +16,10 @@ use crate::pages::{Delta, BORROWED, NO_PAGE};
 use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
 use crate::shm::{host_id, Shm};
-use crate::slot::{SlotKind, SlotState};
+use crate::slot::{LeaseNow, SlotKind, SlotState};
 use crate::sync::Ordering;
 use dm_sys::mem::SharedFile;
-use dm_sys::time::now_ms;
+use dm_sys::time::{monotonic_ms, now_ms};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -184,7 +184,7 @@ impl Pool {
     }
 
     fn attach(shm: Shm, opts: AttachOptions) -> Result<Pool> {
-        let now = now_ms();
+        let now = LeaseNow::read();
         let lease = opts.lease_ms.unwrap_or(shm.layout.lease_ms).max(10);
         let mut claimed = None;
         for i in 0..shm.layout.n_slots as u16 {
@@ -208,9 +208,10 @@ impl Pool {
             {
                 continue;
             }
-            s.heartbeat_ms.store(now, Ordering::Relaxed);
+            s.heartbeat_mono_ms.store(now.mono_ms, Ordering::Relaxed);
+            s.heartbeat_ms.store(now.wall_ms, Ordering::Relaxed);
             s.lease_ms.store(lease, Ordering::Relaxed);
-            s.attached_ms.store(now, Ordering::Relaxed);
+            s.attached_ms.store(now.wall_ms, Ordering::Relaxed);
             s.pid.store(dm_sys::proc::pid(), Ordering::Relaxed);
             s.host.store(host_id(), Ordering::Relaxed);
             let name = opts.name.clone().unwrap_or_else(|| {
@@ -242,7 +243,7 @@ impl Pool {
                 break;
             }
             let holder = (m - 1) as u16;
-            if !shm.slot_live(holder, now_ms()) {
+            if !shm.slot_live(holder, LeaseNow::read()) {
                 let _ =
                     shm.atomics()
                         .maint
@@ -740,13 +741,13 @@ impl Pool {
 /// straight back to the free set). Parked between ticks; woken to stop.
 fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64, reclaim: bool) {
     let tick = Duration::from_millis((lease / 4).max(5));
-    let mut last_maint = now_ms();
+    let mut last_maint = monotonic_ms();
     while !stop.load(Ordering::Acquire) {
         std::thread::park_timeout(tick);
         if stop.load(Ordering::Acquire) || core.renew().is_err() {
             return;
         }
-        let now = now_ms();
+        let now = monotonic_ms();
         if reclaim && now >= last_maint + lease {
             last_maint = now;
             let mut freed = Vec::new();
@@ -801,7 +802,9 @@ impl Core {
             self.lost.store(true, Ordering::Relaxed);
             return Err(Error::LeaseLost);
         }
-        s.heartbeat_ms.store(now_ms(), Ordering::Release);
+        let now = LeaseNow::read();
+        s.heartbeat_mono_ms.store(now.mono_ms, Ordering::Release);
+        s.heartbeat_ms.store(now.wall_ms, Ordering::Release);
         Ok(())
     }
 
@@ -1388,6 +1391,58 @@ impl Drop for Buffer {
 #[cfg(test)]
 mod tests {
     use crate::testing::TempPool;
+
+    /// A step of the wall clock makes no live process of this host look
+    /// dead (its lease is judged by the monotonic clock); a process whose
+    /// monotonic heartbeat is older than its lease is dead whatever its
+    /// wall-clock heartbeat says; another host's slot is judged by the
+    /// wall clock.
+    #[test]
+    fn a_wall_clock_step_kills_no_live_process_of_this_host() {
+        use crate::slot::LeaseNow;
+        use crate::sync::Ordering;
+        let tp = TempPool::new(16 << 20);
+        let watcher = tp.attach();
+        let lease = 200u64;
+        let watched = tp.attach_with(crate::AttachOptions {
+            heartbeat: false,
+            lease_ms: Some(lease),
+            ..Default::default()
+        });
+        let buf = watched.alloc(4096).unwrap();
+        let shm = watcher.shm();
+        let s = watched.slot();
+        let slot = shm.slot(s).unwrap();
+        let now = LeaseNow::read();
+        // The wall clock jumped an hour forward since the last renewal.
+        slot.heartbeat_ms
+            .store(now.wall_ms - 3_600_000, Ordering::Release);
+        assert!(shm.slot_live(s, LeaseNow::read()));
+        assert_eq!(watcher.maintain().unwrap().slots_reclaimed, 0);
+        assert_eq!(crate::check_path(&tp.path, false).unwrap().slots_dead, 0);
+        assert!(
+            watched.inner.live().is_ok(),
+            "its holdings are still its own"
+        );
+        // Seen from another host, only the wall clock is shared.
+        let host = slot.host.load(Ordering::Relaxed);
+        slot.host.store(host ^ 1, Ordering::Relaxed);
+        assert!(!shm.slot_live(s, LeaseNow::read()));
+        slot.host.store(host, Ordering::Relaxed);
+        // A process that stopped renewing for longer than its lease is
+        // dead even if its wall-clock heartbeat (stepped back) looks new.
+        slot.heartbeat_ms
+            .store(now.wall_ms + 3_600_000, Ordering::Release);
+        slot.heartbeat_mono_ms
+            .store(now.mono_ms - 2 * lease, Ordering::Release);
+        assert!(!shm.slot_live(s, LeaseNow::read()));
+        assert_eq!(watcher.maintain().unwrap().slots_reclaimed, 1);
+        assert!(watched.inner.live().is_err(), "its lease is lost");
+        drop(buf);
+        drop(watched);
+        drop(watcher);
+        tp.assert_clean();
+    }
 
     #[test]
     fn a_freed_descriptor_is_claimed_again_first() {

@@ -27,9 +27,8 @@ use crate::desc::{
 use crate::error::Result;
 use crate::pages::{Changed, Delta, PageState, BORROWED, NO_PAGE, STRIPE};
 use crate::pool::{reset_desc_fields, Core};
-use crate::slot::{SlotKind, SlotState};
+use crate::slot::{LeaseNow, SlotKind, SlotState};
 use crate::sync::Ordering;
-use dm_sys::time::now_ms;
 
 /// Pages changed between two counter stores (bounds how long pages stay locked).
 pub(crate) const BATCH: usize = 64;
@@ -281,7 +280,7 @@ impl Core {
                         || t.locked_by(p, other)
                         || t.stripe_holder(p / STRIPE) == Some(other))
                 {
-                    let _ = self.reclaim_slot(owner, now_ms(), freed);
+                    let _ = self.reclaim_slot(owner, LeaseNow::read(), freed);
                 }
             }
         }
@@ -383,7 +382,7 @@ impl Core {
     /// Reclaims dead slots and expired Refs.
     pub(crate) fn maintain(&self, freed: &mut Vec<u32>) -> Result<GcReport> {
         let mut rep = GcReport::default();
-        let now = now_ms();
+        let now = LeaseNow::read();
         for s in 0..self.shm.layout.n_slots as u16 {
             if s != self.slot && self.reclaim_slot(s, now, freed)? {
                 rep.slots_reclaimed += 1;
@@ -394,7 +393,7 @@ impl Core {
             let w = d.state.load(Ordering::Acquire);
             let st = DescState::decode(w);
             if st.kind == Some(Kind::RefLive)
-                && now > d.expiry_ms.load(Ordering::Relaxed)
+                && now.wall_ms > d.expiry_ms.load(Ordering::Relaxed)
                 && !mappers::released(d.aux.load(Ordering::Acquire))
             {
                 let flags = d.flags.load(Ordering::Relaxed);
@@ -427,7 +426,7 @@ impl Core {
 
     /// If slot `s` is dead (lease expired, or its reclaimer died), takes it
     /// over and releases everything it holds. Returns whether it did.
-    pub(crate) fn reclaim_slot(&self, s: u16, now: u64, freed: &mut Vec<u32>) -> Result<bool> {
+    pub(crate) fn reclaim_slot(&self, s: u16, now: LeaseNow, freed: &mut Vec<u32>) -> Result<bool> {
         let Some(slot) = self.shm.slot(s) else {
             return Ok(false);
         };

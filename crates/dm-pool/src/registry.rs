@@ -33,6 +33,7 @@
 
 use crate::error::{Error, Result};
 use crate::shm::Shm;
+use crate::slot::LeaseNow;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Size of a service record.
@@ -206,7 +207,7 @@ impl Drop for RegLock<'_> {
 
 fn holder_live(shm: &Shm, w: u64) -> bool {
     let slot = ((w & 0xFFFF) as u16).wrapping_sub(1);
-    shm.slot_is(slot, (w >> 16) as u32, dm_sys::time::now_ms())
+    shm.slot_is(slot, (w >> 16) as u32, LeaseNow::read())
 }
 
 impl Shm {
@@ -218,7 +219,7 @@ impl Shm {
         Some(self.at_off(self.layout.reg_off + i as u64 * SERVICE_SIZE as u64))
     }
 
-    fn service_info(&self, i: u32, now: u64) -> Option<ServiceInfo> {
+    fn service_info(&self, i: u32, now: LeaseNow) -> Option<ServiceInfo> {
         let r = self.service(i)?;
         let w = r.state.load(Ordering::Acquire);
         let (generation, kind, slot) = decode(w);
@@ -250,7 +251,7 @@ impl Shm {
 
     /// Every registered service (live or not yet swept), by record index.
     pub fn list_services(&self) -> Vec<ServiceInfo> {
-        let now = dm_sys::time::now_ms();
+        let now = LeaseNow::read();
         (0..self.layout.n_services)
             .filter_map(|i| self.service_info(i, now))
             .collect()
@@ -258,7 +259,7 @@ impl Shm {
 
     /// Removes records whose owner is dead. Returns how many.
     pub(crate) fn sweep_services(&self, me: u16, inc: u32) -> u64 {
-        let now = dm_sys::time::now_ms();
+        let now = LeaseNow::read();
         let mut n = 0;
         let stale: Vec<u32> = (0..self.layout.n_services)
             .filter(|&i| self.service_info(i, now).is_some_and(|s| !s.live))
@@ -329,7 +330,7 @@ impl crate::pool::Pool {
         let shm = self.shm();
         let (me, inc) = (self.slot(), self.inner.incarnation);
         let _g = RegLock::take(shm, me, inc);
-        let now = dm_sys::time::now_ms();
+        let now = LeaseNow::read();
         let mut free = None;
         for i in 0..shm.layout.n_services {
             match shm.service_info(i, now) {
@@ -357,7 +358,7 @@ impl crate::pool::Pool {
             .ok_or_else(|| Error::Corrupt("service index".into()))?;
         let (gen, _, _) = decode(r.state.load(Ordering::Acquire));
         r.owner_inc.store(inc as u64, Ordering::Relaxed);
-        r.registered_ms.store(now, Ordering::Relaxed);
+        r.registered_ms.store(now.wall_ms, Ordering::Relaxed);
         r.name_len.store(name.len() as u32, Ordering::Relaxed);
         store_text(&r.name, name.as_bytes());
         r.endpoint_kind
@@ -378,7 +379,7 @@ impl crate::pool::Pool {
     pub fn unregister(&self, s: &ServiceInfo) -> Result<()> {
         let shm = self.shm();
         let _g = RegLock::take(shm, self.slot(), self.inner.incarnation);
-        match shm.service_info(s.index, dm_sys::time::now_ms()) {
+        match shm.service_info(s.index, LeaseNow::read()) {
             Some(cur)
                 if cur.generation == s.generation
                     && cur.slot == self.slot()
@@ -422,7 +423,7 @@ impl crate::pool::Pool {
     /// Whether registration `s` is still current (same generation, owner live).
     pub fn service_current(&self, s: &ServiceInfo) -> bool {
         self.shm()
-            .service_info(s.index, dm_sys::time::now_ms())
+            .service_info(s.index, LeaseNow::read())
             .is_some_and(|c| c.live && c.generation == s.generation)
     }
 

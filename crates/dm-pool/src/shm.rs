@@ -6,7 +6,7 @@ use crate::desc::{Desc, FLAG_INDIRECT, FLAG_INHERIT, INLINE};
 use crate::error::{Error, Result};
 use crate::layout::{HeaderAtomics, Layout, ParseError, ATOMICS_OFF, HEADER_LEN, READY};
 use crate::pages::{PageTable, BORROWED, NO_PAGE};
-use crate::slot::{Slot, SlotKind, SlotState};
+use crate::slot::{LeaseNow, Slot, SlotKind, SlotState};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use dm_sys::mem::SharedFile;
 use std::path::Path;
@@ -114,7 +114,7 @@ impl Shm {
     }
 
     /// Whether slot `s` is live and still in incarnation `inc` at `now`.
-    pub fn slot_is(&self, s: u16, inc: u32, now: u64) -> bool {
+    pub fn slot_is(&self, s: u16, inc: u32, now: LeaseNow) -> bool {
         self.slot(s).is_some_and(|slot| {
             SlotState::decode(slot.state.load(Ordering::Acquire)).incarnation == inc
         }) && self.slot_live(s, now)
@@ -371,7 +371,7 @@ impl Shm {
     }
 
     /// Whether slot `s` is live (attached, lease not expired) at `now`.
-    pub fn slot_live(&self, s: u16, now: u64) -> bool {
+    pub fn slot_live(&self, s: u16, now: LeaseNow) -> bool {
         let Some(slot) = self.slot(s) else {
             return false;
         };
@@ -380,15 +380,25 @@ impl Shm {
     }
 
     /// Whether a live slot's lease has expired (or its process is gone).
-    pub fn slot_expired(&self, slot: &Slot, now: u64) -> bool {
-        let hb = slot.heartbeat_ms.load(Ordering::Acquire);
+    ///
+    /// A slot of this host (same boot id) is judged by the monotonic
+    /// clock, which never steps: a wall-clock step by more than a lease
+    /// would otherwise make every live process look dead and have its
+    /// holdings reclaimed under it. Another host's slot is judged by the
+    /// wall clock, the only clock the two hosts share.
+    pub fn slot_expired(&self, slot: &Slot, now: LeaseNow) -> bool {
+        let here = slot.host.load(Ordering::Relaxed) == host_id();
+        let (hb, now) = if here {
+            (slot.heartbeat_mono_ms.load(Ordering::Acquire), now.mono_ms)
+        } else {
+            (slot.heartbeat_ms.load(Ordering::Acquire), now.wall_ms)
+        };
         let lease = slot.lease_ms.load(Ordering::Relaxed);
         if now > hb.saturating_add(lease) {
             return true;
         }
         // On the same host a vanished pid is dead without waiting for the lease.
-        slot.host.load(Ordering::Relaxed) == host_id()
-            && !dm_sys::proc::pid_alive(slot.pid.load(Ordering::Relaxed))
+        here && !dm_sys::proc::pid_alive(slot.pid.load(Ordering::Relaxed))
     }
 }
 

@@ -2,7 +2,10 @@
 //!
 //! The state word packs `incarnation (32) | kind (8) | reclaimer (16)`. A
 //! process takes a `Free` slot with a CAS (bumping the incarnation), renews
-//! `heartbeat_ms` from a background thread, and frees the slot on detach.
+//! its heartbeat from a background thread, and frees the slot on detach.
+//! The heartbeat is kept on two clocks: the host's monotonic clock, by
+//! which processes on the same host judge it (it never steps), and the
+//! wall clock, by which other hosts sharing the pool judge it.
 //! A slot whose heartbeat is older than its lease is dead: any live process
 //! (or `dmrpc pool gc`) CASes it to `Reclaiming` and releases everything the
 //! pool records as its holdings (descriptors it owns, pages cached by it).
@@ -66,7 +69,8 @@ impl SlotState {
 pub struct Slot {
     /// `incarnation | kind | reclaimer`.
     pub state: AtomicU64,
-    /// Last renewal, ms since the epoch.
+    /// Last renewal, ms since the epoch (wall clock): how another host
+    /// judges the lease.
     pub heartbeat_ms: AtomicU64,
     /// Lease length, ms.
     pub lease_ms: AtomicU64,
@@ -79,7 +83,32 @@ pub struct Slot {
     _pad: AtomicU32,
     /// Process name, up to 32 bytes, NUL padded.
     pub name: [AtomicU64; 4],
-    _rsv: [AtomicU64; 6],
+    /// Last renewal, ms of the host's monotonic clock (since pool format
+    /// 6): how processes on the same host (same boot id, `host`) judge
+    /// the lease, so that a step of the wall clock makes no live process
+    /// look dead.
+    pub heartbeat_mono_ms: AtomicU64,
+    _rsv: [AtomicU64; 5],
+}
+
+/// The time a lease is judged at, on both clocks a heartbeat records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseNow {
+    /// Wall clock, ms since the epoch ([`dm_sys::time::now_ms`]).
+    pub wall_ms: u64,
+    /// This host's monotonic clock, ms ([`dm_sys::time::monotonic_ms`]).
+    pub mono_ms: u64,
+}
+
+#[cfg(not(loom))]
+impl LeaseNow {
+    /// Reads both clocks.
+    pub fn read() -> Self {
+        LeaseNow {
+            wall_ms: dm_sys::time::now_ms(),
+            mono_ms: dm_sys::time::monotonic_ms(),
+        }
+    }
 }
 
 #[cfg(not(loom))]

@@ -52,14 +52,16 @@ pub mod malloc {
     }
 }
 
-/// Wall-clock time, used for leases and Ref TTLs.
+/// Clocks: the wall clock (Ref TTLs, leases across hosts) and the host's
+/// monotonic clock (leases on one host, intervals).
 pub mod time {
     /// Milliseconds since the Unix epoch (`CLOCK_REALTIME`).
     ///
-    /// Leases are compared across processes — and, for a pool on a CXL
-    /// device shared by several hosts, across hosts — so a clock every
-    /// participant agrees on is needed; the realtime clock is that clock
-    /// (hosts are assumed NTP-synchronised to well under a lease).
+    /// The one clock processes on different hosts agree on (assumed
+    /// NTP-synchronised to well under a lease): a pool on a CXL device
+    /// shared by several hosts judges another host's leases by it. It can
+    /// step (an NTP step, a manual change), so a lease renewed on this
+    /// host is judged by [`monotonic_ms`] instead.
     pub fn now_ms() -> u64 {
         clock_ms(libc::CLOCK_REALTIME)
     }
@@ -71,6 +73,15 @@ pub mod time {
     /// or shorter does not matter; leases keep the precise clock.
     pub fn now_ms_coarse() -> u64 {
         clock_ms(libc::CLOCK_REALTIME_COARSE)
+    }
+
+    /// Milliseconds of this host's monotonic clock (`CLOCK_MONOTONIC`):
+    /// it never steps (an NTP or manual change of the wall clock does not
+    /// move it) and stands still while the host is suspended, and every
+    /// process of one boot reads the same clock. For leases judged on the
+    /// host that renews them.
+    pub fn monotonic_ms() -> u64 {
+        clock_ms(libc::CLOCK_MONOTONIC)
     }
 
     /// Milliseconds of the monotonic clock as of the last tick
