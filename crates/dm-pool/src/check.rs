@@ -432,7 +432,10 @@ pub(crate) fn check(shm: &Shm) -> CheckReport {
     settled(|| check_shm(shm, false), PAUSE)
 }
 
-/// Checks the pool at `path` without attaching to it (see [`settled`]).
+/// Checks the pool at `path` without attaching to it. A pass that finds
+/// problems is repeated, a few milliseconds apart, and only the problems
+/// every pass found are reported: on a busy pool an operation in flight
+/// looks like a problem to one pass, a real one stays.
 pub fn check_path(path: &Path, deep: bool) -> Result<CheckReport> {
     let shm = Shm::open(path)?;
     Ok(settled(|| check_shm(&shm, deep), PAUSE))

@@ -1,6 +1,6 @@
 //! The DM contract (DESIGN.md section 3) as traits, so that code written
 //! against it — the RPC layer's payloads, the conformance suite
-//! ([`crate::testing::conformance`]) — runs unchanged on the shared pool
+//! ([`crate::conformance`]) — runs unchanged on the shared pool
 //! ([`Pool`]) and on memory servers (`dm-memserver`).
 //!
 //! | operation | contract |

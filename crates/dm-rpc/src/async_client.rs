@@ -1294,7 +1294,7 @@ impl crate::stream::StreamConn for Inner {
     fn close_stream(&self, id: u64, cancel: bool) {
         self.reader.forget(id);
         if cancel && !self.reader.broken.load(Ordering::Acquire) {
-            let _ = lock(&self.tx).send(&Frame::cancel(id), Some(Instant::now()));
+            lock(&self.tx).cancel(id);
         }
     }
 }
@@ -1347,7 +1347,7 @@ impl Drop for Cancel<'_> {
         lent.release(&i.node);
         // (Not waiting for the sending half: a drop must not block.)
         if let Ok(mut tx) = i.tx.try_lock() {
-            let _ = tx.send(&Frame::cancel(self.id), Some(Instant::now()));
+            tx.cancel(self.id);
         }
     }
 }

@@ -1010,8 +1010,7 @@ impl Inner {
             Err(e) => {
                 lent.release(&i.node);
                 if e.status == Status::DeadlineExceeded {
-                    // Best effort: a queued request is then skipped.
-                    let _ = lock(&i.tx).send(&Frame::cancel(id), Some(Instant::now()));
+                    lock(&i.tx).cancel(id);
                 }
                 return Err(e.into());
             }
@@ -1364,7 +1363,7 @@ impl crate::stream::StreamConn for Inner {
             orphan(&self.node, f);
         }
         if cancel && !self.broken.load(Ordering::Acquire) {
-            let _ = lock(&self.tx).send(&Frame::cancel(id), Some(Instant::now()));
+            lock(&self.tx).cancel(id);
         }
     }
 }

@@ -107,14 +107,11 @@ impl Sender {
         id
     }
 
-    /// Sends `f`, a frame of a call already sent, as it is, without
-    /// reading.
-    pub(crate) fn send(
-        &mut self,
-        f: &Frame,
-        deadline: Option<Instant>,
-    ) -> Result<bool, TransportError> {
-        self.tx.send(f, deadline)
+    /// Sends, best effort, a cancel of call `id` (a caller that gave up:
+    /// its request, if still queued, is then skipped): only if there is
+    /// room now, without reading; a cancel that finds none is dropped.
+    pub(crate) fn cancel(&mut self, id: u64) {
+        let _ = self.tx.send(&Frame::cancel(id), Some(Instant::now()));
     }
 
     /// [`FrameTx::room_needs_reader`].
