@@ -5,7 +5,9 @@
 //! TCP_SPIN_US: its busy-poll budget, SERVE_CPU: the server's CPU,
 //! ASYNC=1: no-op calls of the async client on a current-thread runtime,
 //! BALANCED=1: the server registered as a replica, the client balanced
-//! over the name's replicas, here one).
+//! over the name's replicas, here one; PROBE=PATH: with the `probe`
+//! feature, each process writes its timestamps to PATH.client and
+//! PATH.server, for `scripts/call-split.sh`).
 #![allow(clippy::unwrap_used)]
 
 #[cfg(not(loom))]
@@ -53,6 +55,8 @@ fn main() {
                 dm_rpc::Transport::Shm
             })
             .method("noop", move |c| {
+                dm_rpc::probe::stamp(dm_rpc::probe::USER[2]);
+                let _end = Stamp(dm_rpc::probe::USER[3]);
                 // Touch what arrived, as a callee would (SUM=1: read
                 // every byte).
                 for s in c.payload().segments()? {
@@ -70,6 +74,7 @@ fn main() {
             .spawn()
             .unwrap();
         common::ready_until_stdin_closes();
+        probe_dump("server");
         s.shutdown();
         return;
     }
@@ -134,6 +139,8 @@ fn main() {
         } else {
             Payload::from_vec(data.clone())
         };
+        dm_rpc::probe::stamp(dm_rpc::probe::USER[0]);
+        let _end = Stamp(dm_rpc::probe::USER[1]);
         match (&c, &bc) {
             (Some(c), _) => c.call("noop", p).unwrap(),
             (_, Some(bc)) => bc.call("noop", p).unwrap(),
@@ -142,7 +149,29 @@ fn main() {
     }
     let per = t.elapsed().as_nanos() as f64 / n as f64;
     println!("{per:.0} ns per round trip ({size} bytes, by_ref {by_ref}, balanced {balanced})");
+    probe_dump("client");
     drop((c, bc));
     common::stop_peer(child);
     let _ = std::fs::remove_file(&path);
+}
+
+/// Stamps its point when dropped (the end of what it spans).
+#[cfg(not(loom))]
+struct Stamp(usize);
+
+#[cfg(not(loom))]
+impl Drop for Stamp {
+    fn drop(&mut self) {
+        dm_rpc::probe::stamp(self.0);
+    }
+}
+
+/// PROBE=PATH: this process's stamps to PATH.`side`.
+#[cfg(not(loom))]
+fn probe_dump(side: &str) {
+    if let Ok(p) = std::env::var("PROBE") {
+        if let Err(e) = dm_rpc::probe::dump(format!("{p}.{side}").as_ref()) {
+            eprintln!("noop_loop: probe: {e}");
+        }
+    }
 }

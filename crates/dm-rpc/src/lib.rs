@@ -47,6 +47,8 @@
 pub mod goaway;
 #[doc(hidden)]
 pub mod handoff;
+#[doc(hidden)]
+pub mod probe;
 #[cfg(loom)]
 #[path = "transport/ring.rs"]
 pub mod ring;

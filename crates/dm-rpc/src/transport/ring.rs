@@ -339,6 +339,7 @@ impl<'a, D: RingData> Producer<'a, D> {
         }
         self.data
             .store_word(idx, header(len as u32, self.head, size));
+        crate::probe::stamp(crate::probe::PUBLISHED);
         self.head = self.head.wrapping_add(rec as u64);
         self.ctl.head.0.store(self.head, Ordering::Relaxed);
         self.consumer_bell.ring();
@@ -459,6 +460,7 @@ impl<'a, D: RingData> Consumer<'a, D> {
                 self.caught_up();
                 return Ok(false);
             };
+            crate::probe::stamp(crate::probe::SEEN);
             let idx = self.tail as usize & (size - 1);
             if len == WRAP {
                 if idx == 0 {
