@@ -78,7 +78,8 @@ pub mod time {
     /// Milliseconds of this host's monotonic clock (`CLOCK_MONOTONIC`):
     /// it never steps (an NTP or manual change of the wall clock does not
     /// move it) and stands still while the host is suspended, and every
-    /// process of one boot reads the same clock. For leases judged on the
+    /// process of one boot reads the same clock (unless put in a time
+    /// namespace of its own, which shifts it). For leases judged on the
     /// host that renews them.
     pub fn monotonic_ms() -> u64 {
         clock_ms(libc::CLOCK_MONOTONIC)
