@@ -5,7 +5,9 @@
 //! TCP_SPIN_US: its busy-poll budget, SERVE_CPU: the server's CPU,
 //! ASYNC=1: no-op calls of the async client on a current-thread runtime,
 //! BALANCED=1: the server registered as a replica, the client balanced
-//! over the name's replicas, here one; PROBE=PATH: with the `probe`
+//! over the name's replicas, here one; RAW=1: request frames sent and
+//! answers read straight through a connection's halves, no client;
+//! PROBE=PATH: with the `probe`
 //! feature, each process writes its timestamps to PATH.client and
 //! PATH.server, for `scripts/call-split.sh`).
 #![allow(clippy::unwrap_used)]
@@ -109,6 +111,27 @@ fn main() {
         });
         println!("{per:.0} ns per round trip (async, no payload)");
         drop(c);
+        common::stop_peer(child);
+        let _ = std::fs::remove_file(&path);
+        return;
+    }
+    if std::env::var("RAW").is_ok_and(|v| v == "1") {
+        // RAW=1: no client at all: request frames pushed and answers read
+        // straight through a shared-memory connection's two halves (what
+        // the RPC client adds to the transport is the difference).
+        let svc = node.pool().lookup("profile/noop").unwrap().unwrap();
+        let mut conn = dm_rpc::transport::shm::connect(node.pool(), &svc, cfg.wait).unwrap();
+        let method = dm_rpc::frame::method_id("noop");
+        let t = Instant::now();
+        for id in 1..=n {
+            let req = dm_rpc::Frame::request(id, method, 0, dm_rpc::Body::None);
+            assert!(conn.tx.send(&req, None).unwrap());
+            let answer = conn.rx.recv(None).unwrap().unwrap();
+            assert_eq!(answer.call_id, id);
+        }
+        let per = t.elapsed().as_nanos() as f64 / n as f64;
+        println!("{per:.0} ns per round trip (raw frames, no client)");
+        drop(conn);
         common::stop_peer(child);
         let _ = std::fs::remove_file(&path);
         return;
