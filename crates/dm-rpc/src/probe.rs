@@ -11,9 +11,12 @@
 //! splitting a round trip, not for timing it.
 //!
 //! The points: [`PUBLISHED`] (a ring record published), [`SEEN`] (a ring
-//! record seen by its consumer) and four for the program's own use
-//! (`examples/noop_loop`: a call's start and end, its handler's start and
-//! end).
+//! record seen by its consumer; a wrap marker is not a record) and four
+//! for the program's own use (`examples/noop_loop`: a call's start and
+//! end, its handler's start and end). Each point is meant to be stamped
+//! by one thread of its process (a load and a store, no locked
+//! instruction): in a process where several threads push or pop rings,
+//! their stamps would overwrite each other.
 
 /// A ring record was published (the producer's header store).
 pub const PUBLISHED: usize = 0;
@@ -55,8 +58,6 @@ mod on {
         T0.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64
     }
 
-    /// (One thread per point stamps: a load and a store, no locked
-    /// instruction to disturb what is measured.)
     #[inline(always)]
     pub fn stamp(point: usize) {
         let i = COUNT[point].load(Relaxed);

@@ -460,7 +460,6 @@ impl<'a, D: RingData> Consumer<'a, D> {
                 self.caught_up();
                 return Ok(false);
             };
-            crate::probe::stamp(crate::probe::SEEN);
             let idx = self.tail as usize & (size - 1);
             if len == WRAP {
                 if idx == 0 {
@@ -469,6 +468,7 @@ impl<'a, D: RingData> Consumer<'a, D> {
                 self.tail = self.tail.wrapping_add((size - idx) as u64);
                 continue;
             }
+            crate::probe::stamp(crate::probe::SEEN);
             let rec = record_len(len as usize);
             if len as usize > max_record(size) || idx + rec > size {
                 return Err(RingError::Corrupt(format!(
