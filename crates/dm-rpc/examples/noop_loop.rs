@@ -15,14 +15,17 @@
 #[cfg(not(loom))]
 mod common;
 
+#[cfg(not(loom))]
+use dm_rpc::{Node, Payload};
+#[cfg(not(loom))]
+use std::time::Instant;
+
 #[cfg(loom)]
 fn main() {}
 
 #[cfg(not(loom))]
 fn main() {
     use dm_pool::{AttachOptions, Pool};
-    use dm_rpc::{Node, Payload};
-    use std::time::Instant;
     let args: Vec<String> = std::env::args().collect();
     let wait = common::wait_policy();
     // TCP_SPIN_US: the TCP transport's busy-poll budget.
@@ -95,47 +98,64 @@ fn main() {
         Pool::open(path.as_ref(), AttachOptions::default()).unwrap(),
         dm_rpc::Config { inline_max, ..cfg },
     );
-    if std::env::var("ASYNC").is_ok_and(|v| v == "1") {
-        // ASYNC=1: the async client, on a current-thread runtime.
-        let c = node.connect_async("profile/noop").unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let per = rt.block_on(async {
-            let t = Instant::now();
-            for _ in 0..n {
-                c.call("noop", Payload::empty()).await.unwrap();
-            }
-            t.elapsed().as_nanos() as f64 / n as f64
-        });
-        println!("{per:.0} ns per round trip (async, no payload)");
-        drop(c);
-        common::stop_peer(child);
-        let _ = std::fs::remove_file(&path);
-        return;
-    }
-    if std::env::var("RAW").is_ok_and(|v| v == "1") {
-        // RAW=1: no client at all: request frames pushed and answers read
-        // straight through a shared-memory connection's two halves (what
-        // the RPC client adds to the transport is the difference).
-        let svc = node.pool().lookup("profile/noop").unwrap().unwrap();
-        let mut conn = dm_rpc::transport::shm::connect(node.pool(), &svc, cfg.wait).unwrap();
-        let method = dm_rpc::frame::method_id("noop");
+    // Each loop closes its connection before the server stops.
+    let (per, what) = if std::env::var("ASYNC").is_ok_and(|v| v == "1") {
+        (async_calls(&node, n), "async, no payload".to_owned())
+    } else if std::env::var("RAW").is_ok_and(|v| v == "1") {
+        (
+            raw_frames(&node, cfg.wait, n),
+            "raw frames, no client".to_owned(),
+        )
+    } else {
+        calls(&node, n)
+    };
+    println!("{per:.0} ns per round trip ({what})");
+    probe_dump("client");
+    common::stop_peer(child);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// ASYNC=1: the async client, on a current-thread runtime. Nanoseconds per
+/// call.
+#[cfg(not(loom))]
+fn async_calls(node: &Node, n: u64) -> f64 {
+    let c = node.connect_async("profile/noop").unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
         let t = Instant::now();
-        for id in 1..=n {
-            let req = dm_rpc::Frame::request(id, method, 0, dm_rpc::Body::None);
-            assert!(conn.tx.send(&req, None).unwrap());
-            let answer = conn.rx.recv(None).unwrap().unwrap();
-            assert_eq!(answer.call_id, id);
+        for _ in 0..n {
+            c.call("noop", Payload::empty()).await.unwrap();
         }
-        let per = t.elapsed().as_nanos() as f64 / n as f64;
-        println!("{per:.0} ns per round trip (raw frames, no client)");
-        drop(conn);
-        common::stop_peer(child);
-        let _ = std::fs::remove_file(&path);
-        return;
+        t.elapsed().as_nanos() as f64 / n as f64
+    })
+}
+
+/// RAW=1: no client at all: request frames pushed and answers read
+/// straight through a shared-memory connection's two halves (what the RPC
+/// client adds to the transport is the difference). Nanoseconds per round
+/// trip.
+#[cfg(not(loom))]
+fn raw_frames(node: &Node, wait: dm_rpc::wait::WaitPolicy, n: u64) -> f64 {
+    let svc = node.pool().lookup("profile/noop").unwrap().unwrap();
+    let mut conn = dm_rpc::transport::shm::connect(node.pool(), &svc, wait).unwrap();
+    let method = dm_rpc::frame::method_id("noop");
+    let t = Instant::now();
+    for id in 1..=n {
+        let req = dm_rpc::Frame::request(id, method, 0, dm_rpc::Body::None);
+        assert!(conn.tx.send(&req, None).unwrap());
+        let answer = conn.rx.recv(None).unwrap().unwrap();
+        assert_eq!(answer.call_id, id);
     }
+    t.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// The blocking client's calls (SIZE, BYREF, BALANCED). Nanoseconds per
+/// call, and what was called.
+#[cfg(not(loom))]
+fn calls(node: &Node, n: u64) -> (f64, String) {
     // BALANCED=1: through a balanced client (its pick and bookkeeping).
     let balanced = std::env::var("BALANCED").is_ok_and(|v| v == "1");
     let (c, bc) = if balanced {
@@ -171,11 +191,10 @@ fn main() {
         };
     }
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    println!("{per:.0} ns per round trip ({size} bytes, by_ref {by_ref}, balanced {balanced})");
-    probe_dump("client");
-    drop((c, bc));
-    common::stop_peer(child);
-    let _ = std::fs::remove_file(&path);
+    (
+        per,
+        format!("{size} bytes, by_ref {by_ref}, balanced {balanced}"),
+    )
 }
 
 /// Stamps its point when dropped (the end of what it spans).
