@@ -123,7 +123,8 @@ pub struct Desc {
     pub tag: AtomicU64,
     /// Length in bytes.
     pub len: AtomicU64,
-    /// Ref expiry, ms since the epoch.
+    /// Ref expiry, ms on the pool's Ref clock ([`RefClock`](crate::RefClock):
+    /// the owning host's monotonic clock, or the wall clock).
     pub expiry_ms: AtomicU64,
     /// Byte offset of the content in the first page.
     pub offset: AtomicU32,

@@ -65,6 +65,19 @@ pub enum Error {
         /// The object's pool.
         found: u64,
     },
+    /// A pool whose Refs are timed by another host's monotonic clock
+    /// ([`RefClock::Host`](crate::RefClock::Host)), attached from this host
+    /// while a process of that host is alive: the two hosts' monotonic
+    /// clocks have nothing in common.
+    #[error(
+        "the pool's Refs are timed by the monotonic clock of host {host:#018x}, \
+         which has live processes: a pool several hosts attach needs the wall \
+         Ref clock (`dmrpc pool create --ref-clock wall`)"
+    )]
+    RefClockInUse {
+        /// The host (boot id hash) whose clock the pool keeps.
+        host: u64,
+    },
     /// A Ref whose tag or length does not match its descriptor.
     #[error("forged Ref: tag or length does not match descriptor {desc}")]
     RefForged {

@@ -1,4 +1,4 @@
-//! The pool file format (version 6): header, areas, and their validation.
+//! The pool file format (version 7): header, areas, and their validation.
 //!
 //! ```text
 //! 0        header (4 KiB): immutable part (checksummed), then shared atomics at 512
@@ -36,8 +36,11 @@ pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// page zeroes what it does not overwrite (see pages.rs); 6 — a slot also
 /// records its heartbeat on the host's monotonic clock
 /// (`heartbeat_mono_ms`, the first of its reserved words), by which
-/// processes on the same host judge its lease (see slot.rs).
-pub const POOL_VERSION: u32 = 6;
+/// processes on the same host judge its lease (see slot.rs); 7 — a Ref's
+/// expiry is kept on the pool's Ref clock ([`RefClock`], header offset
+/// 180, formerly zero): the host's monotonic clock by default, whose owner
+/// (the host's boot id hash) is the header atomic `ref_clock_host`.
+pub const POOL_VERSION: u32 = 7;
 /// Bytes reserved for the header.
 pub const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.
@@ -89,8 +92,71 @@ pub struct Layout {
     pub ref_ttl_ms: u64,
     /// Creation time, ms since the epoch.
     pub created_ms: u64,
+    /// The clock Ref expiries are kept on.
+    pub ref_clock: RefClock,
     /// Pool name (up to 32 bytes).
     pub name: String,
+}
+
+/// The clock a pool keeps its Refs' expiries on (`Desc::expiry_ms`), chosen
+/// at creation ([`PoolConfig::ref_clock`]).
+///
+/// A Ref lives for its TTL (a minute by default) on this clock. The wall
+/// clock can step (NTP, a manual change, a VM resumed from a snapshot): a
+/// forward step longer than a TTL would expire every Ref in flight, a
+/// backward one would keep dead Refs for as long as the step. A host's
+/// monotonic clock never steps, but means nothing to another host or after
+/// a reboot, so a [`RefClock::Host`] pool belongs to one host's boot: the
+/// header atomic `ref_clock_host` names it, a process of another host is
+/// refused while one of the owner's processes is alive
+/// ([`Error::RefClockInUse`](crate::Error::RefClockInUse)), and the first
+/// process of a new boot takes the clock over and expires every Ref of the
+/// old one (no holder of them survived it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RefClock {
+    /// `CLOCK_REALTIME`: the clock hosts share, for a pool on a device
+    /// several hosts attach (assumed NTP-synchronised well within a TTL).
+    Wall,
+    /// `CLOCK_MONOTONIC` of the host that owns the pool (the default).
+    #[default]
+    Host,
+}
+
+impl RefClock {
+    /// Header encoding.
+    fn code(self) -> u32 {
+        match self {
+            RefClock::Wall => 0,
+            RefClock::Host => 1,
+        }
+    }
+
+    fn from_code(c: u32) -> Option<Self> {
+        match c {
+            0 => Some(RefClock::Wall),
+            1 => Some(RefClock::Host),
+            _ => None,
+        }
+    }
+
+    /// The clock's name, as `dmrpc pool create --ref-clock` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RefClock::Wall => "wall",
+            RefClock::Host => "host",
+        }
+    }
+}
+
+impl std::str::FromStr for RefClock {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "wall" => Ok(RefClock::Wall),
+            "host" => Ok(RefClock::Host),
+            _ => Err(format!("Ref clock {s:?} is neither \"host\" nor \"wall\"")),
+        }
+    }
 }
 
 /// Shared counters and cursors, at [`ATOMICS_OFF`] in the header.
@@ -119,6 +185,11 @@ pub struct HeaderAtomics {
     pub slots_reclaimed: AtomicU64,
     /// Registry lock: `slot + 1 | incarnation << 16` of the holder, or 0.
     pub reg_lock: AtomicU64,
+    /// A [`RefClock::Host`] pool: the host (boot id hash, as in a slot's
+    /// `host`) whose monotonic clock the Refs' expiries are on. Set by the
+    /// creator; replaced, under `maint`, by the first process of another
+    /// boot once no process of the old one is alive (since format 7).
+    pub ref_clock_host: AtomicU64,
 }
 
 /// Most service records a pool may have.
@@ -184,6 +255,9 @@ pub struct PoolConfig {
     /// 16 MiB). Default 256 KiB (the RPC layer's default inline threshold,
     /// 64 KiB, needs a frame of that size to fit twice in half a ring).
     pub ring_size: u32,
+    /// The clock Refs' expiries are kept on. Default [`RefClock::Host`];
+    /// [`RefClock::Wall`] for a pool several hosts attach.
+    pub ref_clock: RefClock,
     /// Name recorded in the header.
     pub name: String,
 }
@@ -200,6 +274,7 @@ impl Default for PoolConfig {
             services: 128,
             channels: None,
             ring_size: 256 << 10,
+            ref_clock: RefClock::Host,
             name: String::new(),
         }
     }
@@ -299,6 +374,7 @@ impl Layout {
             lease_ms: cfg.lease_ms,
             ref_ttl_ms: cfg.ref_ttl_ms,
             created_ms: created,
+            ref_clock: cfg.ref_clock,
             name: cfg.name.clone(),
         })
     }
@@ -346,7 +422,7 @@ impl Layout {
         put64(&mut b, 160, self.reg_off);
         put64(&mut b, 168, self.chan_off);
         put32(&mut b, 176, self.ring_size);
-        put32(&mut b, 180, 0);
+        put32(&mut b, 180, self.ref_clock.code());
         let sum = fnv1a(&b[..IMMUTABLE_LEN]);
         put64(&mut b, IMMUTABLE_LEN, sum);
         b
@@ -407,6 +483,10 @@ impl Layout {
             lease_ms: g64(88),
             ref_ttl_ms: g64(96),
             created_ms: g64(104),
+            ref_clock: match RefClock::from_code(g32(180)) {
+                Some(c) => c,
+                None => return bad(format!("Ref clock {} is unknown", g32(180))),
+            },
             name: name.to_owned(),
         };
         let ps = l.page_size;
@@ -536,6 +616,20 @@ mod tests {
             let b = l.encode();
             assert_eq!(Layout::parse(&b, size).unwrap(), l);
         }
+        for clock in [RefClock::Wall, RefClock::Host] {
+            let cfg = PoolConfig {
+                size: 1 << 22,
+                ref_clock: clock,
+                ..Default::default()
+            };
+            let l = Layout::compute(&cfg, 1, 1).unwrap();
+            assert_eq!(
+                Layout::parse(&l.encode(), 1 << 22).unwrap().ref_clock,
+                clock
+            );
+            assert_eq!(clock.name().parse::<RefClock>(), Ok(clock));
+        }
+        assert!("monotonic".parse::<RefClock>().is_err());
     }
 
     #[test]
@@ -560,6 +654,16 @@ mod tests {
         let mut b = good;
         b[8] = 99;
         assert_eq!(Layout::parse(&b, 1 << 22), Err(ParseError::Version(99)));
+        // A Ref clock this build does not know (resealed: only the field
+        // is wrong).
+        let mut b = good;
+        b[180] = 2;
+        let sum = fnv1a(&b[..IMMUTABLE_LEN]);
+        b[IMMUTABLE_LEN..].copy_from_slice(&sum.to_le_bytes());
+        assert!(matches!(
+            Layout::parse(&b, 1 << 22),
+            Err(ParseError::Corrupt(m)) if m.contains("Ref clock")
+        ));
         let mut b = good;
         b[60] ^= 1;
         assert!(matches!(

@@ -83,7 +83,7 @@ pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]
 pub use error::{Error, Result};
 #[cfg(not(loom))]
-pub use layout::{Layout, PoolConfig, POOL_VERSION};
+pub use layout::{Layout, PoolConfig, RefClock, POOL_VERSION};
 #[cfg(not(loom))]
 pub use mapped::MappedBuffer;
 #[cfg(not(loom))]

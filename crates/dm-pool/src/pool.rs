@@ -11,7 +11,7 @@ use crate::desc::{
     FLAG_INHERIT, INLINE,
 };
 use crate::error::{Error, Result};
-use crate::layout::{Layout, PoolConfig};
+use crate::layout::{Layout, PoolConfig, RefClock};
 use crate::pages::{Delta, BORROWED, NO_PAGE};
 use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
@@ -236,14 +236,26 @@ impl Pool {
         let Some((slot, incarnation)) = claimed else {
             return Err(Error::ResourceExhausted { what: "slots" });
         };
-        // Wait out a maintenance recount (gc with no other process attached).
+        // Wait out a maintenance recount (gc with no other process
+        // attached) or another attacher's taking over the Ref clock, then
+        // make sure the Ref clock is this host's.
         loop {
             let m = shm.atomics().maint.load(Ordering::SeqCst);
             if m == 0 {
-                break;
-            }
-            let holder = (m - 1) as u16;
-            if !shm.slot_live(holder, LeaseNow::read()) {
+                match claim_ref_clock(&shm, slot) {
+                    Ok(true) => break,
+                    Ok(false) => {}
+                    Err(e) => {
+                        if let Some(s) = shm.slot(slot) {
+                            s.state.store(
+                                SlotState::encode(incarnation, SlotKind::Free, 0),
+                                Ordering::Release,
+                            );
+                        }
+                        return Err(e);
+                    }
+                }
+            } else if !shm.slot_live((m - 1) as u16, LeaseNow::read()) {
                 let _ =
                     shm.atomics()
                         .maint
@@ -500,7 +512,9 @@ impl Pool {
         r.len.store(len, Ordering::Relaxed);
         r.offset.store((start % ps) as u32, Ordering::Relaxed);
         r.expiry_ms.store(
-            dm_sys::time::now_ms_coarse().saturating_add(ttl.as_millis() as u64),
+            i.shm
+                .ref_now_coarse()
+                .saturating_add(ttl.as_millis() as u64),
             Ordering::Relaxed,
         );
         Ok((ridx, rgen, tag, first, n))
@@ -561,7 +575,7 @@ impl Pool {
                 if mappers::released(d.aux.load(Ordering::Acquire)) {
                     return ended();
                 }
-                if dm_sys::time::now_ms_coarse() > d.expiry_ms.load(Ordering::Relaxed) {
+                if i.shm.ref_now_coarse() > d.expiry_ms.load(Ordering::Relaxed) {
                     return Err(Error::RefExpired {
                         desc: r.desc,
                         generation: r.generation,
@@ -1050,6 +1064,57 @@ impl Drop for Inner {
     }
 }
 
+/// Makes sure a [`RefClock::Host`] pool keeps its Refs on this host's
+/// monotonic clock; `slot` is the attaching process's (already claimed).
+/// Ok(false): the maintenance lock is busy, try again.
+///
+/// The clock is another host's (`ref_clock_host`) when the pool was
+/// created on another host or in an earlier boot of this one (a pool on a
+/// file or device that outlived a reboot). While a process of that host is
+/// alive the attach is refused: its Refs' expiries mean nothing on this
+/// host's clock. Otherwise, under the maintenance lock (which holds other
+/// attachers back), every Ref still live is expired — its holders all died
+/// with the old boot — and the clock becomes this host's.
+fn claim_ref_clock(shm: &Shm, slot: u16) -> Result<bool> {
+    let a = shm.atomics();
+    let me = host_id();
+    if shm.layout.ref_clock != RefClock::Host || a.ref_clock_host.load(Ordering::Acquire) == me {
+        return Ok(true);
+    }
+    if a.maint
+        .compare_exchange(0, slot as u64 + 1, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return Ok(false);
+    }
+    let owner = a.ref_clock_host.load(Ordering::Acquire);
+    let now = LeaseNow::read();
+    let owner_alive = owner != me
+        && (0..shm.layout.n_slots as u16).any(|s| {
+            shm.slot(s)
+                .is_some_and(|sl| sl.host.load(Ordering::Relaxed) == owner)
+                && shm.slot_live(s, now)
+        });
+    let res = if owner == me {
+        Ok(true)
+    } else if owner_alive {
+        Err(Error::RefClockInUse { host: owner })
+    } else {
+        for idx in 0..shm.layout.n_descs {
+            if let Some(d) = shm.desc(idx) {
+                let st = DescState::decode(d.state.load(Ordering::Acquire));
+                if st.kind == Some(Kind::RefLive) {
+                    d.expiry_ms.store(0, Ordering::Relaxed);
+                }
+            }
+        }
+        a.ref_clock_host.store(me, Ordering::Release);
+        Ok(true)
+    };
+    a.maint.store(0, Ordering::SeqCst);
+    res
+}
+
 /// A buffer id that can cross an FFI boundary: [`Pool::free_id`] detects
 /// double frees with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -1390,6 +1455,7 @@ impl Drop for Buffer {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::testing::TempPool;
 
     /// A step of the wall clock makes no live process of this host look
@@ -1441,6 +1507,115 @@ mod tests {
         drop(buf);
         drop(watched);
         drop(watcher);
+        tp.assert_clean();
+    }
+
+    /// A Ref lives by the pool's Ref clock: by default the host's
+    /// monotonic clock, which no step of the wall clock moves. (The
+    /// monotonic clock counts from boot, so an expiry on it lies decades
+    /// before the wall clock's now: judged by the wall clock, as before
+    /// format 7, every such Ref would be expired.)
+    #[test]
+    fn a_ref_lives_by_the_pool_ref_clock() {
+        use crate::slot::LeaseNow;
+        use crate::sync::Ordering;
+        for clock in [RefClock::Host, RefClock::Wall] {
+            let tp = TempPool::with(PoolConfig {
+                size: 16 << 20,
+                ref_clock: clock,
+                ..Default::default()
+            });
+            let pool = tp.attach();
+            let buf = pool.alloc(4096).unwrap();
+            let before = LeaseNow::read();
+            let r = pool
+                .create_ref_ttl(&buf, 0, 4096, Duration::from_secs(60))
+                .unwrap();
+            let after = LeaseNow::read();
+            let d = pool.shm().desc(r.desc).unwrap();
+            let expiry = d.expiry_ms.load(Ordering::Relaxed);
+            let (lo, hi) = match clock {
+                RefClock::Host => (before.mono_ms, after.mono_ms),
+                RefClock::Wall => (before.wall_ms, after.wall_ms),
+            };
+            // The coarse clock is up to a tick (a few ms) behind.
+            assert!(
+                (lo + 60_000 - 50..=hi + 60_000).contains(&expiry),
+                "{clock:?}: expiry {expiry} not a minute after {lo}..{hi}"
+            );
+            let m = pool.map_ref(&r).unwrap();
+            drop(m);
+            assert_eq!(pool.maintain().unwrap().refs_expired, 0);
+            // Its minute is over, on the pool's clock (the per-call check
+            // reads it as of the last tick, a few ms behind).
+            d.expiry_ms.store(
+                pool.shm().ref_now(LeaseNow::read()) - 100,
+                Ordering::Relaxed,
+            );
+            assert!(matches!(pool.map_ref(&r), Err(Error::RefExpired { .. })));
+            assert_eq!(pool.maintain().unwrap().refs_expired, 1);
+            drop(buf);
+            drop(pool);
+            tp.assert_clean();
+        }
+    }
+
+    /// A host-clock pool belongs to one host's boot: another host is
+    /// refused while a process of the owner lives, and takes the clock over
+    /// (expiring the old boot's Refs) once none does — a pool on a file
+    /// that outlived a reboot.
+    #[test]
+    fn a_host_clock_pool_is_taken_over_only_from_a_dead_boot() {
+        use crate::slot::LeaseNow;
+        use crate::sync::Ordering;
+        let tp = TempPool::new(16 << 20);
+        let old = tp.attach_with(crate::AttachOptions {
+            heartbeat: false,
+            ..Default::default()
+        });
+        let buf = old.alloc(4096).unwrap();
+        let r = old.create_ref(&buf, 0, 4096).unwrap();
+        let shm = old.shm();
+        let me = host_id();
+        assert_eq!(shm.atomics().ref_clock_host.load(Ordering::Relaxed), me);
+        // Make `old` a process of another host (or boot) that owns the clock.
+        let other = me ^ 0x5a5a;
+        let slot = shm.slot(old.slot()).unwrap();
+        slot.host.store(other, Ordering::Relaxed);
+        shm.atomics().ref_clock_host.store(other, Ordering::Relaxed);
+        let free_slots = || {
+            (0..shm.layout.n_slots as u16)
+                .filter(|&s| {
+                    SlotState::decode(shm.slot(s).unwrap().state.load(Ordering::Relaxed)).kind
+                        == Some(SlotKind::Free)
+                })
+                .count()
+        };
+        let free_before = free_slots();
+        match Pool::open(&tp.path, crate::AttachOptions::default()) {
+            Err(Error::RefClockInUse { host }) => assert_eq!(host, other),
+            r => panic!("attached beside a live process of the clock's host: {r:?}"),
+        }
+        assert_eq!(
+            free_slots(),
+            free_before,
+            "the refused attach gave its slot back"
+        );
+        assert_eq!(shm.atomics().maint.load(Ordering::Relaxed), 0);
+        // The other host's process dies (its wall-clock lease runs out).
+        slot.heartbeat_ms
+            .store(LeaseNow::read().wall_ms - 3_600_000, Ordering::Release);
+        let new = tp.attach();
+        assert_eq!(shm.atomics().ref_clock_host.load(Ordering::Relaxed), me);
+        assert!(
+            matches!(new.map_ref(&r), Err(Error::RefExpired { .. })),
+            "a Ref of the old boot is expired, not alive for its old clock's time"
+        );
+        let rep = new.maintain().unwrap();
+        assert_eq!((rep.slots_reclaimed, rep.refs_expired), (1, 1));
+        drop(buf);
+        drop(old);
+        drop(new);
         tp.assert_clean();
     }
 

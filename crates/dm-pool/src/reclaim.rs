@@ -393,7 +393,7 @@ impl Core {
             let w = d.state.load(Ordering::Acquire);
             let st = DescState::decode(w);
             if st.kind == Some(Kind::RefLive)
-                && now.wall_ms > d.expiry_ms.load(Ordering::Relaxed)
+                && self.shm.ref_now(now) > d.expiry_ms.load(Ordering::Relaxed)
                 && !mappers::released(d.aux.load(Ordering::Acquire))
             {
                 let flags = d.flags.load(Ordering::Relaxed);

@@ -4,7 +4,7 @@
 
 use crate::desc::{Desc, FLAG_INDIRECT, FLAG_INHERIT, INLINE};
 use crate::error::{Error, Result};
-use crate::layout::{HeaderAtomics, Layout, ParseError, ATOMICS_OFF, HEADER_LEN, READY};
+use crate::layout::{HeaderAtomics, Layout, ParseError, RefClock, ATOMICS_OFF, HEADER_LEN, READY};
 use crate::pages::{PageTable, BORROWED, NO_PAGE};
 use crate::slot::{LeaseNow, Slot, SlotKind, SlotState};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
@@ -79,6 +79,9 @@ impl Shm {
                 crate::pool::reset_desc_fields(d);
             }
         }
+        shm.atomics()
+            .ref_clock_host
+            .store(host_id(), Ordering::Relaxed);
         shm.atomics().ready.store(READY, Ordering::Release);
         shm
     }
@@ -377,6 +380,24 @@ impl Shm {
         };
         let st = SlotState::decode(slot.state.load(Ordering::Acquire));
         st.kind == Some(SlotKind::Live) && !self.slot_expired(slot, now)
+    }
+
+    /// Now on the pool's Ref clock ([`RefClock`]) as of the last tick: what
+    /// a Ref's expiry is set from and checked against on the per-call path.
+    #[inline]
+    pub fn ref_now_coarse(&self) -> u64 {
+        match self.layout.ref_clock {
+            RefClock::Host => dm_sys::time::monotonic_ms_coarse(),
+            RefClock::Wall => dm_sys::time::now_ms_coarse(),
+        }
+    }
+
+    /// `now` on the pool's Ref clock.
+    pub fn ref_now(&self, now: LeaseNow) -> u64 {
+        match self.layout.ref_clock {
+            RefClock::Host => now.mono_ms,
+            RefClock::Wall => now.wall_ms,
+        }
     }
 
     /// Whether a live slot's lease has expired (or its process is gone).

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use dm_pool::{default_path, Pool, PoolConfig};
+use dm_pool::{default_path, Pool, PoolConfig, RefClock};
 use dmrpc::{fmt_size, parse_size};
 use std::path::PathBuf;
 
@@ -46,6 +46,11 @@ pub enum PoolCmd {
         /// Default time to live of a Ref (ms).
         #[arg(long, default_value_t = 60_000)]
         ref_ttl_ms: u64,
+        /// The clock Refs live by: `host` (this host's monotonic clock: a
+        /// step of the wall clock expires nothing; only this host may
+        /// attach) or `wall` (for a pool on a device several hosts attach).
+        #[arg(long, default_value = "host")]
+        ref_clock: RefClock,
         /// How many services may be registered at once.
         #[arg(long, default_value_t = 128)]
         services: u32,
@@ -99,6 +104,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             slots,
             lease_ms,
             ref_ttl_ms,
+            ref_clock,
             services,
             channels,
             ring_size,
@@ -114,6 +120,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 services,
                 channels,
                 ring_size: u32::try_from(ring_size).context("ring size too large")?,
+                ref_clock,
                 name: target.name.clone(),
             };
             Pool::create(&path, &cfg)
@@ -156,7 +163,11 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             );
             println!("max buffer  {}", fmt_size(l.max_len()));
             println!("lease       {} ms", l.lease_ms);
-            println!("Ref TTL     {} ms", l.ref_ttl_ms);
+            println!(
+                "Ref TTL     {} ms ({} clock)",
+                l.ref_ttl_ms,
+                l.ref_clock.name()
+            );
         }
         PoolCmd::Stats { target } => {
             let path = target.path();
