@@ -7,6 +7,8 @@
 //! BALANCED=1: the server registered as a replica, the client balanced
 //! over the name's replicas, here one; RAW=1: request frames sent and
 //! answers read straight through a connection's halves, no client;
+//! RAW_SERVER=1: the server's end the same way, requests read from its
+//! listener and empty answers sent back, no dispatcher;
 //! PROBE=PATH: with the `probe`
 //! feature, each process writes its timestamps to PATH.client and
 //! PATH.server, for `scripts/call-split.sh`).
@@ -45,6 +47,10 @@ fn main() {
         }
         let pool = Pool::open(args[2].as_ref(), AttachOptions::default()).unwrap();
         let node = Node::with_config(pool, cfg);
+        if std::env::var("RAW_SERVER").is_ok_and(|v| v == "1") {
+            raw_serve(&node, cfg.wait);
+            return;
+        }
         let every = std::env::var("SUM").is_ok_and(|v| v == "1");
         // ECHO=1: answer what arrived (an echo) instead of nothing.
         let echo = std::env::var("ECHO").is_ok_and(|v| v == "1");
@@ -150,6 +156,44 @@ fn raw_frames(node: &Node, wait: dm_rpc::wait::WaitPolicy, n: u64) -> f64 {
         assert_eq!(answer.call_id, id);
     }
     t.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// RAW_SERVER=1: no dispatcher: requests read from a shared-memory
+/// listener and answered with empty answers on the spot (what the server
+/// adds to the transport is the difference), until stdin closes.
+#[cfg(not(loom))]
+fn raw_serve(node: &Node, wait: dm_rpc::wait::WaitPolicy) {
+    use dm_rpc::transport::Listener;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let svc = node
+        .pool()
+        .register("profile/noop", &dm_pool::Endpoint::Shm)
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut l = dm_rpc::transport::shm::ShmListener::new(
+        node.pool(),
+        svc.clone(),
+        wait,
+        stop.clone(),
+        dm_rpc::DEFAULT_INLINE_MAX,
+    )
+    .unwrap();
+    let waker = l.waker();
+    let serving = std::thread::spawn(move || {
+        while let Ok(Some((conn, f))) = l.next(None) {
+            if f.kind == dm_rpc::Kind::Request {
+                let answer =
+                    dm_rpc::Frame::response(f.call_id, dm_rpc::Status::Ok, dm_rpc::Body::None);
+                let _ = l.reply(conn, &answer);
+            }
+        }
+    });
+    common::ready_until_stdin_closes();
+    stop.store(true, Ordering::Release);
+    waker.wake();
+    serving.join().unwrap();
+    node.pool().unregister(&svc).unwrap();
 }
 
 /// The blocking client's calls (SIZE, BYREF, BALANCED). Nanoseconds per

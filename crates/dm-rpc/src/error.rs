@@ -112,7 +112,9 @@ impl From<dm_pool::Error> for RpcError {
             | E::RefExpired { .. }
             | E::RefDecode(_)
             | E::InvalidName(_) => Status::InvalidArgument,
-            E::LeaseLost | E::NoChannel(_) | E::Unavailable(_) => Status::Unavailable,
+            E::LeaseLost | E::NoChannel(_) | E::Unavailable(_) | E::RefClockInUse { .. } => {
+                Status::Unavailable
+            }
             E::NameTaken(_) | E::NotRegistered(_) => Status::InvalidArgument,
             _ => Status::Internal,
         };
