@@ -112,6 +112,11 @@ pub struct Layout {
 /// ([`Error::RefClockInUse`](crate::Error::RefClockInUse)), and the first
 /// process of a new boot takes the clock over and expires every Ref of the
 /// old one (no holder of them survived it).
+///
+/// Processes of one host must read one monotonic clock: a process in a
+/// time namespace of its own (`unshare -T`) reads it shifted, and would
+/// see Refs expire early or late by the shift (as its leases would look
+/// skewed: see `dm_sys::time::monotonic_ms`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RefClock {
     /// `CLOCK_REALTIME`: the clock hosts share, for a pool on a device
