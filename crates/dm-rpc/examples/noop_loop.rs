@@ -150,6 +150,8 @@ fn raw_frames(node: &Node, wait: dm_rpc::wait::WaitPolicy, n: u64) -> f64 {
     let method = dm_rpc::frame::method_id("noop");
     let t = Instant::now();
     for id in 1..=n {
+        dm_rpc::probe::stamp(dm_rpc::probe::USER[0]);
+        let _end = Stamp(dm_rpc::probe::USER[1]);
         let req = dm_rpc::Frame::request(id, method, 0, dm_rpc::Body::None);
         assert!(conn.tx.send(&req, None).unwrap());
         let answer = conn.rx.recv(None).unwrap().unwrap();
@@ -182,6 +184,9 @@ fn raw_serve(node: &Node, wait: dm_rpc::wait::WaitPolicy) {
     let waker = l.waker();
     let serving = std::thread::spawn(move || {
         while let Ok(Some((conn, f))) = l.next(None) {
+            // (The handler's points, with nothing between them.)
+            dm_rpc::probe::stamp(dm_rpc::probe::USER[2]);
+            dm_rpc::probe::stamp(dm_rpc::probe::USER[3]);
             if f.kind == dm_rpc::Kind::Request {
                 let answer =
                     dm_rpc::Frame::response(f.call_id, dm_rpc::Status::Ok, dm_rpc::Body::None);
@@ -193,6 +198,7 @@ fn raw_serve(node: &Node, wait: dm_rpc::wait::WaitPolicy) {
     stop.store(true, Ordering::Release);
     waker.wake();
     serving.join().unwrap();
+    probe_dump("server");
     node.pool().unregister(&svc).unwrap();
 }
 

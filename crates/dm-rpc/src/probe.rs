@@ -41,8 +41,15 @@ mod on {
     pub fn ticks() -> u64 {
         #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: rdtsc has no preconditions.
-            unsafe { core::arch::x86_64::_rdtsc() }
+            // The fence first: rdtsc is not ordered with the loads before
+            // it, so a stamp after a load that misses (a ring record's
+            // header seen) could read the counter while the load is still
+            // in flight, and move the miss into the next segment.
+            // SAFETY: lfence and rdtsc have no preconditions.
+            unsafe {
+                core::arch::x86_64::_mm_lfence();
+                core::arch::x86_64::_rdtsc()
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
