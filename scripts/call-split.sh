@@ -5,7 +5,8 @@
 # software. examples/noop_loop built with dm-rpc's `probe` feature stamps
 # the time-stamp counter at each point (src/probe.rs); the stamps of the
 # two processes are joined in time, call by call. Each stamp costs about
-# 20 ns, so the segments add up to more than an unprobed call: compare
+# 25 ns (a fence, so that a load's miss is counted where it happens, then
+# the counter read), so the segments add up to more than an unprobed call: compare
 # segments with each other and between builds, not with `bench rtt`.
 # The two ways are timed across cores: on a VM whose vCPUs' counters
 # differ by an offset, one way gains what the other loses; their sum,

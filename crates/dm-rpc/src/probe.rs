@@ -3,12 +3,14 @@
 //! between them (`scripts/call-split.sh`). Compiled in only with the
 //! `probe` feature; without it [`stamp`] is empty and costs nothing.
 //!
-//! A stamp is the time-stamp counter (`rdtsc`: one counter for every core
-//! on hosts with an invariant TSC, so stamps of two processes compare)
-//! stored in this process's table for its point, in order; the table of
-//! each point holds the first [`CAP`] stamps. A stamp costs about 20 ns
-//! on the 2-core VM (the counter read and a store), so stamps are for
-//! splitting a round trip, not for timing it.
+//! A stamp is the time-stamp counter (`lfence; rdtsc`: one counter for
+//! every core on hosts with an invariant TSC, so stamps of two processes
+//! compare; the fence makes the loads before the stamp complete first, so
+//! a miss is counted where it happens) stored in this process's table for
+//! its point, in order; the table of each point holds the first [`CAP`]
+//! stamps. A stamp costs about 25 ns on the 2-core VM (the fence, the
+//! counter read and a store), so stamps are for splitting a round trip,
+//! not for timing it.
 //!
 //! The points: [`PUBLISHED`] (a ring record published), [`SEEN`] (a ring
 //! record seen by its consumer; a wrap marker is not a record) and four
