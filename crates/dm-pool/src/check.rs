@@ -580,6 +580,18 @@ pub fn counters_of(path: &Path) -> Result<Counters> {
     Ok(counters(&Shm::open(path)?))
 }
 
+/// Whether the pool at `path` keeps its Refs on a clock this process
+/// reads as its own (no attach): the wall clock, or the monotonic clock
+/// of this host's boot ([`RefClock`](crate::RefClock)). False for a
+/// host-clock pool another host (or an earlier boot) owns: the next
+/// process of this host to attach takes it over once none of that host's
+/// processes lives, and expires the Refs left from it.
+pub fn ref_clock_is_ours(path: &Path) -> Result<bool> {
+    let shm = Shm::open(path)?;
+    Ok(shm.layout.ref_clock == crate::RefClock::Wall
+        || shm.atomics().ref_clock_host.load(Ordering::Acquire) == crate::shm::host_id())
+}
+
 /// The validated layout of the pool at `path` (no attach).
 pub fn layout_of(path: &Path) -> Result<crate::layout::Layout> {
     Ok(Shm::open(path)?.layout)

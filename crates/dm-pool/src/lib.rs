@@ -77,7 +77,9 @@ pub mod testing;
 #[cfg(not(loom))]
 pub use channel::{ChannelId, ChannelMemory, Peer, Side};
 #[cfg(not(loom))]
-pub use check::{check_path, counters_of, gc_path, layout_of, CheckReport, Counters, GcReport};
+pub use check::{
+    check_path, counters_of, gc_path, layout_of, ref_clock_is_ours, CheckReport, Counters, GcReport,
+};
 #[cfg(not(loom))]
 pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]

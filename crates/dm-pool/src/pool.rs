@@ -1583,6 +1583,7 @@ mod tests {
         let slot = shm.slot(old.slot()).unwrap();
         slot.host.store(other, Ordering::Relaxed);
         shm.atomics().ref_clock_host.store(other, Ordering::Relaxed);
+        assert!(!crate::ref_clock_is_ours(&tp.path).unwrap());
         let free_slots = || {
             (0..shm.layout.n_slots as u16)
                 .filter(|&s| {
@@ -1607,6 +1608,7 @@ mod tests {
             .store(LeaseNow::read().wall_ms - 3_600_000, Ordering::Release);
         let new = tp.attach();
         assert_eq!(shm.atomics().ref_clock_host.load(Ordering::Relaxed), me);
+        assert!(crate::ref_clock_is_ours(&tp.path).unwrap());
         assert!(
             matches!(new.map_ref(&r), Err(Error::RefExpired { .. })),
             "a Ref of the old boot is expired, not alive for its old clock's time"

@@ -1,5 +1,6 @@
 //! The `dmrpc` tool against live pools: `ls` shows registered services,
-//! `call` calls them.
+//! `call` calls them, `pool create` and `pool info` make and describe
+//! pools.
 #![allow(clippy::unwrap_used)]
 
 use dm_pool::testing::TempPool;
@@ -261,4 +262,40 @@ fn call_calls_a_service_from_the_shell() {
     tcp.shutdown();
     drop(node);
     tp.assert_clean();
+}
+
+/// `pool create --ref-clock` picks the clock Refs live by, `pool info`
+/// says which (and whose), and a clock that is not one is refused.
+#[test]
+fn pool_info_says_which_clock_refs_live_by() {
+    let dir = std::env::temp_dir();
+    let host = dir.join(format!("dmrpc-cli-clock-host-{}.pool", std::process::id()));
+    let wall = dir.join(format!("dmrpc-cli-clock-wall-{}.pool", std::process::id()));
+    let (h, w) = (host.to_str().unwrap(), wall.to_str().unwrap());
+    let (ok, out) = dmrpc(&["pool", "create", "h", "--path", h, "--size", "8MiB"]);
+    assert!(ok, "{out}");
+    let (ok, out) = dmrpc(&["pool", "info", "h", "--path", h]);
+    assert!(ok, "{out}");
+    assert!(out.contains("on this host's monotonic clock"), "{out}");
+    let (ok, out) = dmrpc(&[
+        "pool",
+        "create",
+        "w",
+        "--path",
+        w,
+        "--size",
+        "8MiB",
+        "--ref-clock",
+        "wall",
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out) = dmrpc(&["pool", "info", "w", "--path", w]);
+    assert!(ok, "{out}");
+    assert!(out.contains("on the wall clock"), "{out}");
+    let (ok, out) = dmrpc(&["pool", "create", "x", "--path", w, "--ref-clock", "tsc"]);
+    assert!(!ok && out.contains("neither"), "{out}");
+    for p in [&host, &wall] {
+        assert!(dm_pool::check_path(p, true).unwrap().ok());
+        std::fs::remove_file(p).unwrap();
+    }
 }

@@ -163,11 +163,16 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             );
             println!("max buffer  {}", fmt_size(l.max_len()));
             println!("lease       {} ms", l.lease_ms);
-            println!(
-                "Ref TTL     {} ms ({} clock)",
-                l.ref_ttl_ms,
-                l.ref_clock.name()
-            );
+            let clock = match (l.ref_clock, dm_pool::ref_clock_is_ours(&path)?) {
+                (RefClock::Wall, _) => "the wall clock",
+                (RefClock::Host, true) => "this host's monotonic clock",
+                (RefClock::Host, false) => {
+                    "another host's or an earlier boot's monotonic clock: \
+                     the first process of this host to attach takes it over \
+                     once none of that host's lives, and expires its Refs"
+                }
+            };
+            println!("Ref TTL     {} ms, on {clock}", l.ref_ttl_ms);
         }
         PoolCmd::Stats { target } => {
             let path = target.path();
