@@ -587,9 +587,7 @@ pub fn counters_of(path: &Path) -> Result<Counters> {
 /// process of this host to attach takes it over once none of that host's
 /// processes lives, and expires the Refs left from it.
 pub fn ref_clock_is_ours(path: &Path) -> Result<bool> {
-    let shm = Shm::open(path)?;
-    Ok(shm.layout.ref_clock == crate::RefClock::Wall
-        || shm.atomics().ref_clock_host.load(Ordering::Acquire) == crate::shm::host_id())
+    Ok(Shm::open(path)?.ref_clock_is_ours())
 }
 
 /// The validated layout of the pool at `path` (no attach).

@@ -119,29 +119,27 @@ pub struct Layout {
 /// skewed: see `dm_sys::time::monotonic_ms`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RefClock {
-    /// `CLOCK_REALTIME`: the clock hosts share, for a pool on a device
-    /// several hosts attach (assumed NTP-synchronised well within a TTL).
-    Wall,
-    /// `CLOCK_MONOTONIC` of the host that owns the pool (the default).
+    /// `CLOCK_REALTIME` (header code 0): the clock hosts share, for a
+    /// pool on a device several hosts attach (assumed NTP-synchronised
+    /// well within a TTL).
+    Wall = 0,
+    /// `CLOCK_MONOTONIC` of the host that owns the pool (the default;
+    /// header code 1).
     #[default]
-    Host,
+    Host = 1,
 }
 
 impl RefClock {
+    /// Every clock, in the order of their header codes.
+    const ALL: [RefClock; 2] = [RefClock::Wall, RefClock::Host];
+
     /// Header encoding.
     fn code(self) -> u32 {
-        match self {
-            RefClock::Wall => 0,
-            RefClock::Host => 1,
-        }
+        self as u32
     }
 
     fn from_code(c: u32) -> Option<Self> {
-        match c {
-            0 => Some(RefClock::Wall),
-            1 => Some(RefClock::Host),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|k| k.code() == c)
     }
 
     /// The clock's name, as `dmrpc pool create --ref-clock` takes it.
@@ -156,11 +154,10 @@ impl RefClock {
 impl std::str::FromStr for RefClock {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "wall" => Ok(RefClock::Wall),
-            "host" => Ok(RefClock::Host),
-            _ => Err(format!("Ref clock {s:?} is neither \"host\" nor \"wall\"")),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("Ref clock {s:?} is neither \"host\" nor \"wall\""))
     }
 }
 

@@ -11,7 +11,7 @@ use crate::desc::{
     FLAG_INHERIT, INLINE,
 };
 use crate::error::{Error, Result};
-use crate::layout::{Layout, PoolConfig, RefClock};
+use crate::layout::{Layout, PoolConfig};
 use crate::pages::{Delta, BORROWED, NO_PAGE};
 use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
@@ -1064,9 +1064,10 @@ impl Drop for Inner {
     }
 }
 
-/// Makes sure a [`RefClock::Host`] pool keeps its Refs on this host's
-/// monotonic clock; `slot` is the attaching process's (already claimed).
-/// Ok(false): the maintenance lock is busy, try again.
+/// Makes sure a [`RefClock::Host`](crate::RefClock::Host) pool keeps its
+/// Refs on this host's monotonic clock; `slot` is the attaching
+/// process's (already claimed). Ok(false): the maintenance lock is busy,
+/// try again.
 ///
 /// The clock is another host's (`ref_clock_host`) when the pool was
 /// created on another host or in an earlier boot of this one (a pool on a
@@ -1076,28 +1077,29 @@ impl Drop for Inner {
 /// attachers back), every Ref still live is expired — its holders all died
 /// with the old boot — and the clock becomes this host's.
 fn claim_ref_clock(shm: &Shm, slot: u16) -> Result<bool> {
-    let a = shm.atomics();
-    let me = host_id();
-    if shm.layout.ref_clock != RefClock::Host || a.ref_clock_host.load(Ordering::Acquire) == me {
+    if shm.ref_clock_is_ours() {
         return Ok(true);
     }
+    let a = shm.atomics();
     if a.maint
         .compare_exchange(0, slot as u64 + 1, Ordering::SeqCst, Ordering::SeqCst)
         .is_err()
     {
         return Ok(false);
     }
+    // (Taken over meanwhile by another attacher of this host?)
     let owner = a.ref_clock_host.load(Ordering::Acquire);
     let now = LeaseNow::read();
-    let owner_alive = owner != me
-        && (0..shm.layout.n_slots as u16).any(|s| {
+    let owner_alive = || {
+        (0..shm.layout.n_slots as u16).any(|s| {
             shm.slot(s)
                 .is_some_and(|sl| sl.host.load(Ordering::Relaxed) == owner)
                 && shm.slot_live(s, now)
-        });
-    let res = if owner == me {
+        })
+    };
+    let res = if shm.ref_clock_is_ours() {
         Ok(true)
-    } else if owner_alive {
+    } else if owner_alive() {
         Err(Error::RefClockInUse { host: owner })
     } else {
         for idx in 0..shm.layout.n_descs {
@@ -1108,7 +1110,7 @@ fn claim_ref_clock(shm: &Shm, slot: u16) -> Result<bool> {
                 }
             }
         }
-        a.ref_clock_host.store(me, Ordering::Release);
+        a.ref_clock_host.store(host_id(), Ordering::Release);
         Ok(true)
     };
     a.maint.store(0, Ordering::SeqCst);
@@ -1456,6 +1458,7 @@ impl Drop for Buffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::RefClock;
     use crate::testing::TempPool;
 
     /// A step of the wall clock makes no live process of this host look

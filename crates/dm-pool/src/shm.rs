@@ -392,6 +392,14 @@ impl Shm {
         }
     }
 
+    /// Whether this process reads the pool's Ref clock as its own: the
+    /// wall clock, or the monotonic clock of this host's boot (the one
+    /// `ref_clock_host` names).
+    pub fn ref_clock_is_ours(&self) -> bool {
+        self.layout.ref_clock == RefClock::Wall
+            || self.atomics().ref_clock_host.load(Ordering::Acquire) == host_id()
+    }
+
     /// `now` on the pool's Ref clock.
     pub fn ref_now(&self, now: LeaseNow) -> u64 {
         match self.layout.ref_clock {
