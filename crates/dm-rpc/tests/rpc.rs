@@ -901,6 +901,56 @@ fn a_reused_channel_carries_nothing_of_the_previous_connection() {
     tp.assert_clean();
 }
 
+/// A server that answers and at once closes the connection (it stops, or
+/// dies, just after its last answers): those answers are read before the
+/// close is reported, by `check_peer` (the async client's liveness look)
+/// as by `recv`, and only then is the server's end gone. (A client that
+/// looked at the ring just before the answers came and at the channel
+/// just after the close used to fail those calls `Unavailable` with
+/// their answers unread, although the server had run them.)
+#[test]
+fn answers_sent_before_the_server_closed_are_read_first() {
+    use dm_rpc::transport::{shm, Listener};
+    use dm_rpc::{Body, Frame};
+    use std::sync::{atomic::AtomicBool, Arc};
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let svc = node
+        .pool()
+        .register(&unique("closing"), &dm_pool::Endpoint::Shm)
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let policy = WaitPolicy::default();
+    let max = dm_rpc::DEFAULT_INLINE_MAX;
+    let mut l = shm::ShmListener::new(node.pool(), svc.clone(), policy, stop, max).unwrap();
+    let mut conn = shm::connect(node.pool(), &svc, policy).unwrap();
+    let method = dm_rpc::frame::method_id("noop");
+    for id in 1..=3 {
+        let req = Frame::request(id, method, 0, Body::None);
+        assert!(conn.tx.send(&req, None).unwrap());
+    }
+    let soon = || Some(Instant::now() + Duration::from_secs(5));
+    for id in 1..=3 {
+        let (c, f) = l.next(soon()).unwrap().expect("a request");
+        assert_eq!(f.call_id, id);
+        let body = Body::Inline(vec![id as u8]);
+        l.reply(c, &Frame::response(id, Status::Ok, body)).unwrap();
+    }
+    drop(l); // closes the server's end of every connection
+    for id in 1..=3 {
+        conn.rx.check_peer().expect("answers are waiting");
+        let f = conn.rx.recv(soon()).unwrap().expect("an answer");
+        assert_eq!((f.call_id, f.status), (id, Status::Ok));
+    }
+    let e = conn.rx.check_peer().unwrap_err();
+    assert!(e.to_string().contains("closed the connection"), "{e}");
+    assert!(conn.rx.recv(soon()).is_err());
+    drop(conn);
+    node.pool().unregister(&svc).unwrap();
+    drop(node);
+    tp.assert_clean();
+}
+
 /// A registry outside any pool (what etcd will be): one map shared by the
 /// nodes of two pools, standing for two hosts.
 #[derive(Debug, Default)]

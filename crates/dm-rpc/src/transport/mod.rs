@@ -204,7 +204,11 @@ pub trait FrameRx: Send {
     fn bell(&self) -> Option<&'static AtomicU32> {
         None
     }
-    /// `Unavailable` once the peer is gone.
+    /// `Unavailable` once the peer is gone and nothing it sent is left
+    /// to read. Every transport keeps that order, `recv` too: the frames
+    /// a peer sent before it closed its end (or died) are read before its
+    /// end is reported, so an answer sent just before a server stopped
+    /// reaches its caller.
     fn check_peer(&mut self) -> Result<(), TransportError> {
         Ok(())
     }

@@ -402,6 +402,13 @@ impl<'a, D: RingData> Consumer<'a, D> {
         (w == header(len, self.tail, size)).then_some(len)
     }
 
+    /// Whether a record is waiting, changing nothing (one load of its
+    /// header's line).
+    #[inline]
+    pub fn has_record(&self) -> bool {
+        self.peek().is_some()
+    }
+
     /// Whether a record is waiting (one load of its header's line).
     #[inline]
     pub fn ready(&mut self) -> bool {

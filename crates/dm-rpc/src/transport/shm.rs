@@ -319,7 +319,7 @@ impl FrameTx for ShmTx {
         let bells = [self.prod.bell().0, answers];
         let sh = &self.sh;
         let (read, check) = (|| super::drain(rx, got), || sh.check_peer());
-        push(
+        let r = push(
             &mut self.prod,
             f,
             &mut self.waiter,
@@ -327,7 +327,13 @@ impl FrameTx for ShmTx {
             Bells(&bells),
             read,
             check,
-        )
+        );
+        if r.is_err() {
+            // The server may have answered just before it went (see
+            // `ShmRx::recv`): those answers still reach their callers.
+            let _ = super::drain(rx, got);
+        }
+        r
     }
 
     fn room_needs_reader(&self) -> bool {
@@ -353,12 +359,24 @@ impl FrameRx for ShmRx {
         let sh = &self.sh;
         let cons = &mut self.cons;
         let (mut head, mut rest) = ([0u8; HEADER_LEN], Vec::new());
-        let got = self.waiter.wait(
+        let got = match self.waiter.wait(
             Bell(self.bell),
             deadline,
             || cons.try_pop_split(&mut head, &mut rest).transpose(),
             || sh.check_peer(),
-        )?;
+        ) {
+            Ok(got) => got,
+            // The server closed its end or died, maybe just after the last
+            // look at the ring and just before the answers it had sent are
+            // read: those are still read, one per call, and the end is
+            // reported once none is left. (Seeing it closed, by an Acquire
+            // load of the channel's state, orders every record published
+            // before the close before the look here.)
+            Err(e) => match cons.try_pop_split(&mut head, &mut rest)? {
+                Some(len) => Some(Ok(len)),
+                None => return Err(e),
+            },
+        };
         match got {
             None => Ok(None),
             Some(len) => Ok(Some(self.decode(&head, len?, rest)?)),
@@ -377,8 +395,13 @@ impl FrameRx for ShmRx {
         Some(self.bell)
     }
 
+    /// The server's end is gone only once nothing it sent is left to
+    /// read (see `recv`).
     fn check_peer(&mut self) -> Result<(), TransportError> {
-        self.sh.check_peer()
+        match self.sh.check_peer() {
+            Err(e) if !self.cons.has_record() => Err(e),
+            _ => Ok(()),
+        }
     }
 }
 
