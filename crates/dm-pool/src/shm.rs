@@ -441,11 +441,77 @@ pub fn unborrow(e: u32) -> u32 {
     }
 }
 
-/// Hash of this host's boot id (0 if unknown).
+/// This host's boot, as a hash (never 0): of its boot id; where that
+/// cannot be read, of its boot time and machine id together; failing
+/// those too, a random value of this process's own, so that two hosts
+/// never pass for one. (A host taken for this one would have its live
+/// processes judged by pid here, and found dead. With the random value
+/// the process's neighbours are judged by their leases, as another host's
+/// are, and a pool on the host's clock refuses it while its owner lives:
+/// such a pool wants the wall clock, `RefClock::Wall`.)
 pub fn host_id() -> u64 {
     static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *ID.get_or_init(|| {
-        let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-        crate::layout::fnv1a(s.trim().as_bytes())
+        let read = |p: &str| std::fs::read_to_string(p).ok();
+        let btime = read("/proc/stat").and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("btime ").map(|t| t.trim().to_owned()))
+        });
+        host_id_from(
+            read("/proc/sys/kernel/random/boot_id").as_deref(),
+            btime.as_deref(),
+            read("/etc/machine-id").as_deref(),
+        )
     })
+}
+
+/// [`host_id`] from what could be read: the boot id, the boot time (in
+/// seconds) and the machine id.
+fn host_id_from(boot_id: Option<&str>, btime: Option<&str>, machine: Option<&str>) -> u64 {
+    fn known(s: Option<&str>) -> Option<&str> {
+        s.map(str::trim).filter(|s| !s.is_empty())
+    }
+    let h = match (known(boot_id), known(btime), known(machine)) {
+        (Some(b), _, _) => crate::layout::fnv1a(b.as_bytes()),
+        (None, Some(t), Some(m)) => {
+            crate::layout::fnv1a(format!("btime {t} machine {m}").as_bytes())
+        }
+        _ => dm_sys::rand::random_u64(),
+    };
+    h.max(1)
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_two_hosts_pass_for_one_when_the_boot_id_is_unreadable() {
+        let boot = Some("6f1c0d2e-0000-4000-8000-000000000001\n");
+        // The boot id alone names the boot: the same id, the same host.
+        assert_eq!(
+            host_id_from(boot, Some("1"), Some("a")),
+            host_id_from(boot, None, None)
+        );
+        assert_ne!(
+            host_id_from(boot, None, None),
+            host_id_from(Some("x"), None, None)
+        );
+        // Without it, the boot time and machine id together.
+        let (t, m) = (Some("1764000000"), Some("0123abcd\n"));
+        assert_eq!(host_id_from(None, t, m), host_id_from(Some(" "), t, m));
+        assert_ne!(
+            host_id_from(None, t, m),
+            host_id_from(None, Some("1764000001"), m)
+        );
+        // Knowing nothing, each process is a host of its own: never one
+        // shared constant (as the hash of an empty boot id was).
+        let lone: Vec<u64> = (0..4).map(|_| host_id_from(None, t, None)).collect();
+        assert!(lone.windows(2).all(|w| w[0] != w[1]), "{lone:?}");
+        assert!(lone
+            .iter()
+            .all(|&h| h != 0 && h != crate::layout::fnv1a(b"")));
+        assert_eq!(host_id(), host_id(), "one value per process");
+        assert_ne!(host_id(), 0);
+    }
 }
