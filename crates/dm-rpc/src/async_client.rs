@@ -842,6 +842,21 @@ impl AsyncClient {
         }
     }
 
+    /// A client on the same connection whose calls all pass `check` first
+    /// ([`crate::Client::intercept`]: once per call, before anything is sent).
+    pub fn intercept(
+        &self,
+        check: impl Fn(&mut crate::client::OutgoingCall<'_>) -> Result<(), RpcError>
+            + Send
+            + Sync
+            + 'static,
+    ) -> AsyncClient {
+        AsyncClient {
+            h: self.h.clone(),
+            defaults: self.defaults.with_interceptor(Arc::new(check)),
+        }
+    }
+
     /// The service this client calls.
     pub fn service(&self) -> &str {
         self.h.target()
@@ -935,7 +950,7 @@ impl AsyncClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let (mut c, opts) = self.usable(opts).await?;
         let mut r = c.call_with(method, payload, opts, meta).await;
         let mut attempt = 1;
@@ -1031,7 +1046,7 @@ impl AsyncClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<crate::stream::AsyncStreaming, RpcError> {
-        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let (c, opts) = self.usable(opts).await?;
         let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
         let how = crate::stream::How::of(opts, &out);

@@ -418,6 +418,21 @@ impl BalancedClient {
         }
     }
 
+    /// A client on the same connections whose calls all pass `check` first
+    /// ([`crate::Client::intercept`]: once per call, before anything is sent).
+    pub fn intercept(
+        &self,
+        check: impl Fn(&mut crate::client::OutgoingCall<'_>) -> Result<(), RpcError>
+            + Send
+            + Sync
+            + 'static,
+    ) -> BalancedClient {
+        BalancedClient {
+            b: self.b.clone(),
+            defaults: self.defaults.with_interceptor(std::sync::Arc::new(check)),
+        }
+    }
+
     /// Calls `method` with `payload` on one replica.
     pub fn call(&self, method: &str, payload: impl Into<Payload>) -> Result<Payload, RpcError> {
         self.call_with(method, payload.into(), CallOptions::default())
@@ -492,7 +507,7 @@ impl BalancedClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<crate::stream::Streaming, RpcError> {
-        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let busy = Busy::on(self.b.pick());
         let out = busy.0.client.call_stream_with(method, payload, opts, meta);
         self.b.after(&busy.0, &out);
@@ -507,7 +522,7 @@ impl BalancedClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let busy = Busy::on(r);
         let out = busy.0.client.call_full(method, payload, opts, meta);
         self.b.after(&busy.0, &out);
@@ -565,6 +580,21 @@ impl AsyncBalancedClient {
         AsyncBalancedClient {
             b: self.b.clone(),
             defaults: self.defaults.with_meta(meta),
+        }
+    }
+
+    /// A client on the same connections whose calls all pass `check` first
+    /// ([`crate::Client::intercept`]: once per call, before anything is sent).
+    pub fn intercept(
+        &self,
+        check: impl Fn(&mut crate::client::OutgoingCall<'_>) -> Result<(), RpcError>
+            + Send
+            + Sync
+            + 'static,
+    ) -> AsyncBalancedClient {
+        AsyncBalancedClient {
+            b: self.b.clone(),
+            defaults: self.defaults.with_interceptor(std::sync::Arc::new(check)),
         }
     }
 
@@ -644,7 +674,7 @@ impl AsyncBalancedClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<crate::stream::AsyncStreaming, RpcError> {
-        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let busy = Busy::on(self.b.pick());
         let out = busy.0.client.call_stream_with(method, payload, opts, meta);
         let out = out.await;
@@ -660,7 +690,7 @@ impl AsyncBalancedClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let busy = Busy::on(r);
         let out = busy.0.client.call_full(method, payload, opts, meta).await;
         self.b.after(&busy.0, &out);

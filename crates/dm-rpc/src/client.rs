@@ -145,14 +145,26 @@ pub struct Client {
     defaults: Defaults,
 }
 
-/// What a client adds to each of its calls (both clients'
-/// `with_metadata` and `with_retry`).
-#[derive(Debug, Clone, Default)]
+/// What a client adds to each of its calls (every client's
+/// `with_metadata`, `with_retry` and `intercept`).
+#[derive(Clone, Default)]
 pub(crate) struct Defaults {
     /// Metadata every call carries.
     pub(crate) meta: Metadata,
     /// The retry policy of calls that set none.
     pub(crate) retry: Option<Retry>,
+    /// Run on every call, in order, before it is sent.
+    pub(crate) interceptors: Vec<CallInterceptor>,
+}
+
+impl std::fmt::Debug for Defaults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Defaults")
+            .field("meta", &self.meta)
+            .field("retry", &self.retry)
+            .field("interceptors", &self.interceptors.len())
+            .finish()
+    }
 }
 
 impl Defaults {
@@ -160,7 +172,7 @@ impl Defaults {
     pub(crate) fn with_meta(&self, meta: Metadata) -> Defaults {
         Defaults {
             meta,
-            retry: self.retry,
+            ..self.clone()
         }
     }
 
@@ -172,15 +184,98 @@ impl Defaults {
         }
     }
 
-    /// A call's options and metadata with these added: the call's own
-    /// keys and policy win.
+    /// These defaults with `check` run after the interceptors already there.
+    pub(crate) fn with_interceptor(&self, check: CallInterceptor) -> Defaults {
+        let mut d = self.clone();
+        d.interceptors.push(check);
+        d
+    }
+
+    /// A call of `method` with `payload`: its options and metadata with
+    /// these added (the call's own keys and policy win), then as the
+    /// interceptors leave them; or the error of the first interceptor
+    /// that refuses it (nothing is sent).
     #[inline]
-    pub(crate) fn apply(&self, opts: CallOptions, mut meta: Metadata) -> (CallOptions, Metadata) {
+    pub(crate) fn apply(
+        &self,
+        method: &str,
+        payload: &Payload,
+        opts: CallOptions,
+        mut meta: Metadata,
+    ) -> Result<(CallOptions, Metadata), RpcError> {
         meta.fill_from(&self.meta);
-        match self.retry {
-            Some(r) if opts.retry.is_none() => (opts.retry(r), meta),
-            _ => (opts, meta),
+        let opts = match self.retry {
+            Some(r) if opts.retry.is_none() => opts.retry(r),
+            _ => opts,
+        };
+        if !self.interceptors.is_empty() {
+            self.intercept(method, payload, &opts, &mut meta)?;
         }
+        Ok((opts, meta))
+    }
+
+    #[cold]
+    fn intercept(
+        &self,
+        method: &str,
+        payload: &Payload,
+        opts: &CallOptions,
+        meta: &mut Metadata,
+    ) -> Result<(), RpcError> {
+        let mut call = OutgoingCall {
+            method,
+            options: opts,
+            metadata: meta,
+            len: payload.len(),
+        };
+        for check in &self.interceptors {
+            check(&mut call)?;
+        }
+        Ok(())
+    }
+}
+
+/// A check or change every call of a client passes before it is sent
+/// ([`Client::intercept`]): a token or trace id added to its metadata, a
+/// call refused on the caller's side, logging.
+pub type CallInterceptor = Arc<dyn Fn(&mut OutgoingCall<'_>) -> Result<(), RpcError> + Send + Sync>;
+
+/// A call as a client's interceptor sees it, before it is sent: its
+/// method, options, metadata (which the interceptor may change) and
+/// payload size (not the payload's bytes).
+#[derive(Debug)]
+pub struct OutgoingCall<'a> {
+    method: &'a str,
+    options: &'a CallOptions,
+    metadata: &'a mut Metadata,
+    len: u64,
+}
+
+impl OutgoingCall<'_> {
+    /// The method's name.
+    pub fn method(&self) -> &str {
+        self.method
+    }
+
+    /// The call's options (the client's retry policy applied).
+    pub fn options(&self) -> &CallOptions {
+        self.options
+    }
+
+    /// The metadata the call carries (the client's `with_metadata` keys
+    /// included).
+    pub fn metadata(&self) -> &Metadata {
+        self.metadata
+    }
+
+    /// The metadata, to add keys to or change.
+    pub fn metadata_mut(&mut self) -> &mut Metadata {
+        self.metadata
+    }
+
+    /// Bytes of the payload (inline or by Ref).
+    pub fn payload_len(&self) -> u64 {
+        self.len
     }
 }
 
@@ -747,6 +842,24 @@ impl Client {
         }
     }
 
+    /// A client on the same connection whose calls all pass `check`
+    /// first (after the interceptors this client has), in the calling
+    /// thread, before anything is placed or sent: it sees each call's
+    /// method, options, metadata and payload size, may add to or change
+    /// the metadata (a token, a trace id), and may refuse the call with
+    /// an error, which the call then returns. It runs once per call, not
+    /// again when a request is sent again (to a restarted server, or
+    /// under a retry policy).
+    pub fn intercept(
+        &self,
+        check: impl Fn(&mut OutgoingCall<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
+    ) -> Client {
+        Client {
+            h: self.h.clone(),
+            defaults: self.defaults.with_interceptor(Arc::new(check)),
+        }
+    }
+
     /// Whether new calls would go over the current connection (false
     /// once it broke or was retired, until a call replaces it).
     pub fn is_connected(&self) -> bool {
@@ -817,7 +930,7 @@ impl Client {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<crate::stream::Streaming, RpcError> {
-        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let (c, opts) = self.usable(opts)?;
         let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
         let how = crate::stream::How::of(opts, &out);
@@ -857,7 +970,7 @@ impl Client {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        let (opts, meta) = self.defaults.apply(opts, meta);
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let (c, opts) = self.usable(opts)?;
         let r = c.call_with(method, payload, opts, meta);
         match r {
