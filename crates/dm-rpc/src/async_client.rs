@@ -857,6 +857,18 @@ impl AsyncClient {
         }
     }
 
+    /// A client on the same connection whose unary calls' outcomes all
+    /// pass `see` ([`crate::Client::intercept_answers`]).
+    pub fn intercept_answers(
+        &self,
+        see: impl Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync + 'static,
+    ) -> AsyncClient {
+        AsyncClient {
+            h: self.h.clone(),
+            defaults: self.defaults.with_answer_interceptor(Arc::new(see)),
+        }
+    }
+
     /// The service this client calls.
     pub fn service(&self) -> &str {
         self.h.target()
@@ -944,6 +956,18 @@ impl AsyncClient {
     /// with the metadata its handler set (on a failure, the error carries
     /// it: [`RpcError::metadata`]).
     pub async fn call_full(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Reply, RpcError> {
+        let r = self.call_intercepted(method, payload, opts, meta).await;
+        self.defaults.answered(method, r)
+    }
+
+    /// [`call_full`](Self::call_full) before the answer interceptors.
+    async fn call_intercepted(
         &self,
         method: &str,
         payload: Payload,

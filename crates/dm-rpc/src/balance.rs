@@ -433,6 +433,20 @@ impl BalancedClient {
         }
     }
 
+    /// A client on the same connections whose unary calls' outcomes all
+    /// pass `see` ([`crate::Client::intercept_answers`]).
+    pub fn intercept_answers(
+        &self,
+        see: impl Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync + 'static,
+    ) -> BalancedClient {
+        BalancedClient {
+            b: self.b.clone(),
+            defaults: self
+                .defaults
+                .with_answer_interceptor(std::sync::Arc::new(see)),
+        }
+    }
+
     /// Calls `method` with `payload` on one replica.
     pub fn call(&self, method: &str, payload: impl Into<Payload>) -> Result<Payload, RpcError> {
         self.call_with(method, payload.into(), CallOptions::default())
@@ -522,11 +536,16 @@ impl BalancedClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
-        let busy = Busy::on(r);
-        let out = busy.0.client.call_full(method, payload, opts, meta);
-        self.b.after(&busy.0, &out);
-        out
+        let out = self
+            .defaults
+            .apply(method, &payload, opts, meta)
+            .and_then(|(opts, meta)| {
+                let busy = Busy::on(r);
+                let out = busy.0.client.call_full(method, payload, opts, meta);
+                self.b.after(&busy.0, &out);
+                out
+            });
+        self.defaults.answered(method, out)
     }
 }
 
@@ -595,6 +614,20 @@ impl AsyncBalancedClient {
         AsyncBalancedClient {
             b: self.b.clone(),
             defaults: self.defaults.with_interceptor(std::sync::Arc::new(check)),
+        }
+    }
+
+    /// A client on the same connections whose unary calls' outcomes all
+    /// pass `see` ([`crate::Client::intercept_answers`]).
+    pub fn intercept_answers(
+        &self,
+        see: impl Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync + 'static,
+    ) -> AsyncBalancedClient {
+        AsyncBalancedClient {
+            b: self.b.clone(),
+            defaults: self
+                .defaults
+                .with_answer_interceptor(std::sync::Arc::new(see)),
         }
     }
 
@@ -690,11 +723,16 @@ impl AsyncBalancedClient {
         opts: CallOptions,
         meta: Metadata,
     ) -> Result<Reply, RpcError> {
-        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
-        let busy = Busy::on(r);
-        let out = busy.0.client.call_full(method, payload, opts, meta).await;
-        self.b.after(&busy.0, &out);
-        out
+        let out = match self.defaults.apply(method, &payload, opts, meta) {
+            Ok((opts, meta)) => {
+                let busy = Busy::on(r);
+                let out = busy.0.client.call_full(method, payload, opts, meta).await;
+                self.b.after(&busy.0, &out);
+                out
+            }
+            Err(e) => Err(e),
+        };
+        self.defaults.answered(method, out)
     }
 }
 

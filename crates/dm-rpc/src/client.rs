@@ -155,6 +155,8 @@ pub(crate) struct Defaults {
     pub(crate) retry: Option<Retry>,
     /// Run on every call, in order, before it is sent.
     pub(crate) interceptors: Vec<CallInterceptor>,
+    /// Run on every unary call's outcome, in order, before it is returned.
+    pub(crate) answer_interceptors: Vec<AnswerInterceptor>,
 }
 
 impl std::fmt::Debug for Defaults {
@@ -163,6 +165,7 @@ impl std::fmt::Debug for Defaults {
             .field("meta", &self.meta)
             .field("retry", &self.retry)
             .field("interceptors", &self.interceptors.len())
+            .field("answer_interceptors", &self.answer_interceptors.len())
             .finish()
     }
 }
@@ -189,6 +192,35 @@ impl Defaults {
         let mut d = self.clone();
         d.interceptors.push(check);
         d
+    }
+
+    /// These defaults with `see` run after the answer interceptors already
+    /// there.
+    pub(crate) fn with_answer_interceptor(&self, see: AnswerInterceptor) -> Defaults {
+        let mut d = self.clone();
+        d.answer_interceptors.push(see);
+        d
+    }
+
+    /// How a unary call of `method` ended, as its caller gets it: `r` as
+    /// the answer interceptors leave it.
+    #[inline]
+    pub(crate) fn answered(
+        &self,
+        method: &str,
+        mut r: Result<Reply, RpcError>,
+    ) -> Result<Reply, RpcError> {
+        if !self.answer_interceptors.is_empty() {
+            self.see_answer(method, &mut r);
+        }
+        r
+    }
+
+    #[cold]
+    fn see_answer(&self, method: &str, r: &mut Result<Reply, RpcError>) {
+        for see in &self.answer_interceptors {
+            see(method, r);
+        }
     }
 
     /// A call of `method` with `payload`: its options and metadata with
@@ -239,6 +271,12 @@ impl Defaults {
 /// ([`Client::intercept`]): a token or trace id added to its metadata, a
 /// call refused on the caller's side, logging.
 pub type CallInterceptor = Arc<dyn Fn(&mut OutgoingCall<'_>) -> Result<(), RpcError> + Send + Sync>;
+
+/// What every unary call of a client ends with passes before its caller
+/// gets it ([`Client::intercept_answers`]): the method called and the
+/// outcome, which it may change (an error translated, metadata taken
+/// off), or only look at (latency and status counts, logging).
+pub type AnswerInterceptor = Arc<dyn Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync>;
 
 /// A call as a client's interceptor sees it, before it is sent: its
 /// method, options, metadata (which the interceptor may change) and
@@ -860,6 +898,22 @@ impl Client {
         }
     }
 
+    /// A client on the same connection whose unary calls' outcomes all
+    /// pass `see` (after the answer interceptors this client has), in the
+    /// calling thread, before the caller gets them: the method called and
+    /// the answer or error, whatever ended the call (a request
+    /// interceptor's refusal too), after any retries. It may change the
+    /// outcome. A streaming call's items and end do not pass it.
+    pub fn intercept_answers(
+        &self,
+        see: impl Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync + 'static,
+    ) -> Client {
+        Client {
+            h: self.h.clone(),
+            defaults: self.defaults.with_answer_interceptor(Arc::new(see)),
+        }
+    }
+
     /// Whether new calls would go over the current connection (false
     /// once it broke or was retired, until a call replaces it).
     pub fn is_connected(&self) -> bool {
@@ -964,6 +1018,19 @@ impl Client {
     /// with the metadata its handler set (on a failure, the error carries
     /// it: [`RpcError::metadata`]).
     pub fn call_full(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<Reply, RpcError> {
+        let r = self.call_intercepted(method, payload, opts, meta);
+        self.defaults.answered(method, r)
+    }
+
+    /// [`call_full`](Self::call_full) before the answer interceptors.
+    #[inline]
+    fn call_intercepted(
         &self,
         method: &str,
         payload: Payload,

@@ -96,7 +96,7 @@ pub use async_client::AsyncClient;
 #[cfg(not(loom))]
 pub use balance::{AsyncBalancedClient, BalancedClient};
 #[cfg(not(loom))]
-pub use client::{CallInterceptor, CallOptions, Client, OutgoingCall, Reply};
+pub use client::{AnswerInterceptor, CallInterceptor, CallOptions, Client, OutgoingCall, Reply};
 #[cfg(not(loom))]
 pub use error::RpcError;
 #[cfg(not(loom))]

@@ -2262,6 +2262,8 @@ fn metadata_reaches_the_handler_over_every_transport() {
 /// its own interceptor checks), and may refuse a call, which then returns
 /// their error with nothing sent and nothing leaked (a by-Ref argument
 /// included). A client without them is unchanged, on the same connection.
+/// Answer interceptors see every unary call's outcome, in order, and may
+/// change it.
 #[test]
 fn client_interceptors_see_change_and_refuse_calls() {
     use std::sync::{Arc, Mutex};
@@ -2375,7 +2377,59 @@ fn client_interceptors_see_change_and_refuse_calls() {
     let refuse = |_: &mut dm_rpc::OutgoingCall<'_>| Err(RpcError::new(Status::Cancelled, "no"));
     let e = bc.intercept(refuse).call("who", vec![1u8]).unwrap_err();
     assert_eq!(e.status, Status::Cancelled, "{e}");
-    drop((c, plain, ac, bc, abc));
+    // Answer interceptors: every unary call's outcome, a request
+    // interceptor's refusal too, in order; they may change it.
+    let ended = Arc::new(Mutex::new(Vec::new()));
+    let log = ended.clone();
+    let ca = c
+        .intercept_answers(move |method, r| {
+            let status = r.as_ref().map_or_else(|e| e.status, |_| Status::Ok);
+            log.lock().unwrap().push((method.to_owned(), status));
+        })
+        .intercept_answers(|_, r| {
+            if let Err(e) = r {
+                if e.status == Status::PermissionDenied {
+                    *r = Ok(dm_rpc::Reply {
+                        payload: Payload::from_vec(b"denied".to_vec()),
+                        metadata: dm_rpc::Metadata::new(),
+                    });
+                }
+            }
+        });
+    assert_eq!(
+        &ca.call("who", vec![1u8]).unwrap().to_vec().unwrap()[..4],
+        b"acme"
+    );
+    let got = ca.call("forbidden", vec![1u8]).unwrap().to_vec().unwrap();
+    assert_eq!(got, b"denied");
+    let e = ca.call("nonesuch", vec![1u8]).unwrap_err();
+    assert_eq!(e.status, Status::NotFound, "{e}");
+    let seen_async = Arc::new(Mutex::new(Vec::new()));
+    let log = seen_async.clone();
+    let note = move |method: &str, r: &mut Result<dm_rpc::Reply, RpcError>| {
+        log.lock().unwrap().push((method.to_owned(), r.is_ok()));
+    };
+    let aca = ac.intercept_answers(note.clone());
+    assert!(rt.block_on(aca.call("who", vec![1u8])).is_err()); // no token
+    let bca = bc.intercept_answers(note.clone());
+    assert!(bca.call("who", vec![1u8]).is_ok());
+    let abca = abc.intercept_answers(note);
+    assert!(rt.block_on(abca.call("who", vec![1u8])).is_ok());
+    assert!(bca.intercept(refuse).call("who", vec![1u8]).is_err());
+    assert_eq!(
+        *ended.lock().unwrap(),
+        [
+            ("who".to_owned(), Status::Ok),
+            ("forbidden".to_owned(), Status::PermissionDenied),
+            ("nonesuch".to_owned(), Status::NotFound),
+        ]
+    );
+    let who = |ok| ("who".to_owned(), ok);
+    assert_eq!(
+        *seen_async.lock().unwrap(),
+        [who(false), who(true), who(true), who(false)]
+    );
+    drop((c, ca, plain, ac, aca, bc, bca, abc, abca));
     drop((svc, rt, node));
     // (The async clients' answer pump lets go a moment after them.)
     assert_clean_after_pumps(&tp);
