@@ -86,6 +86,14 @@ impl AsyncCaller {
         }
     }
 
+    fn intercept(&self, f: Py<PyAny>) -> AsyncCaller {
+        let check = crate::node::call_interceptor(f);
+        match self {
+            AsyncCaller::One(c) => AsyncCaller::One(c.intercept(check)),
+            AsyncCaller::Replicas(c) => AsyncCaller::Replicas(c.intercept(check)),
+        }
+    }
+
     fn reconnects(&self) -> u64 {
         match self {
             AsyncCaller::One(c) => c.reconnects(),
@@ -134,6 +142,12 @@ impl PyAsyncClient {
             self.client.with_metadata(m),
             self.node.clone(),
         ))
+    }
+
+    /// A client on the same connection whose calls all pass `f` first
+    /// (see `Client.intercept`).
+    fn intercept(&self, f: Py<PyAny>) -> PyAsyncClient {
+        PyAsyncClient::new(self.client.intercept(f), self.node.clone())
     }
 
     /// How many times the client connected again (see `Client.reconnects`).

@@ -31,20 +31,44 @@ thread_local! {
 /// a hand-off of the GIL and not also the creation and deletion of a
 /// thread state (which costs several microseconds per call). The state is
 /// left to the interpreter, which clears it at exit.
+/// (A thread that has a state already, one Python made, keeps it as it is.)
 pub(crate) fn keep_thread_state() {
     PRIMED.with(|p| {
         if !p.get() {
             // SAFETY: the interpreter is initialised (this module was
-            // imported by it) and this thread does not hold the GIL: take
-            // it with a state of its own, then release the GIL keeping the
-            // state (its gilstate count stays at one).
+            // imported by it); a thread without a thread state does not
+            // hold the GIL: take it with a state of its own, then release
+            // the GIL keeping the state (its gilstate count stays at one).
             unsafe {
-                ffi::PyGILState_Ensure();
-                ffi::PyEval_SaveThread();
+                if ffi::PyGILState_GetThisThreadState().is_null() {
+                    ffi::PyGILState_Ensure();
+                    ffi::PyEval_SaveThread();
+                }
             }
             p.set(true);
         }
     });
+}
+
+/// A client interceptor that calls `f(method, metadata)` (the metadata as
+/// pairs): what it returns, unless None, is the call's metadata from
+/// then on (a dict or pairs); a `dmrpc.Error` it raises refuses the call
+/// with its status (anything else: `Internal`), nothing sent.
+pub(crate) fn call_interceptor(
+    f: Py<PyAny>,
+) -> impl Fn(&mut dm_rpc::OutgoingCall<'_>) -> Result<(), RpcError> + Send + Sync + 'static {
+    move |call| {
+        keep_thread_state();
+        Python::with_gil(|py| {
+            let meta = crate::meta::pairs(py, call.metadata())?;
+            let r = f.call1(py, (call.method(), meta))?;
+            if !r.is_none(py) {
+                *call.metadata_mut() = crate::meta::metadata_of(Some(r.bind(py)))?;
+            }
+            Ok(())
+        })
+        .map_err(|e| Python::with_gil(|py| to_rpc(py, e)))
+    }
 }
 
 /// A Python exception raised by a handler, as a typed RPC error: a
@@ -418,6 +442,13 @@ impl Caller {
         }
     }
 
+    fn intercept(&self, f: Py<PyAny>) -> Caller {
+        match self {
+            Caller::One(c) => Caller::One(c.intercept(call_interceptor(f))),
+            Caller::Replicas(c) => Caller::Replicas(c.intercept(call_interceptor(f))),
+        }
+    }
+
     fn reconnects(&self) -> u64 {
         match self {
             Caller::One(c) => c.reconnects(),
@@ -529,6 +560,19 @@ impl PyClient {
             client: self.client.with_metadata(m),
             node: self.node.clone(),
         })
+    }
+
+    /// A client on the same connection whose calls all pass `f` first:
+    /// `f(method, metadata)` runs before each call is sent (the metadata
+    /// as pairs, the client's `with_metadata` keys included); what it
+    /// returns, unless None, is the call's metadata from then on (a dict
+    /// or pairs: a fresh token, a trace id); a `dmrpc.Error` it raises
+    /// refuses the call with its status, nothing sent.
+    fn intercept(&self, f: Py<PyAny>) -> PyClient {
+        PyClient {
+            client: self.client.intercept(f),
+            node: self.node.clone(),
+        }
     }
 
     /// How many times the client connected again: after its connection

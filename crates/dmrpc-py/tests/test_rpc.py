@@ -213,7 +213,29 @@ def test_an_interceptor_guards_every_method_and_chosen_metadata_goes_on(pool):
         assert got == repr((("trace-id", b"a"),)).encode()
         with pytest.raises(dmrpc.Unauthenticated):
             authed.call("relay", b"", metadata={"token": "guess"})
-        del c, e, authed, aio
+        # A client interceptor adds the credential (seeing the client's own
+        # metadata), or refuses a call before it is sent.
+        seen_by_client = []
+
+        def add_token(method, metadata):
+            seen_by_client.append((method, metadata))
+            if method == "admin":
+                raise dmrpc.PermissionDenied("not from this client")
+            return list(metadata) + [("token", "secret")]
+
+        tagged = c.with_metadata({"trace-id": "t-1"}).intercept(add_token)
+        got = bytes(tagged.call("relay", b""))
+        assert got == repr((("trace-id", b"t-1"),)).encode()
+        with pytest.raises(dmrpc.PermissionDenied, match="not from this client"):
+            tagged.call("admin", b"")
+        assert seen_by_client == [("relay", (("trace-id", b"t-1"),)), ("admin", (("trace-id", b"t-1"),))]
+        assert seen[-1] == "relay"  # the refused call never reached the server
+        # None leaves the metadata as it is; an async client's too.
+        with pytest.raises(dmrpc.Unauthenticated):
+            c.intercept(lambda m, md: None).call("relay", b"")
+        aio_tagged = dmrpc.aio.connect(node, base).intercept(add_token)
+        assert bytes(asyncio.run(aio_tagged.call("relay", b""))) == b"()"
+        del c, e, authed, aio, tagged, aio_tagged
     finally:
         srv.shutdown()
         up.shutdown()

@@ -159,6 +159,15 @@ class Client:
         itself keeps the call's value."""
         ...
 
+    def intercept(
+        self, f: Callable[[str, tuple[tuple[str, bytes], ...]], Metadata | None]
+    ) -> Client:
+        """A client on the same connection whose calls all pass `f` first:
+        `f(method, metadata)` runs before each call is sent; what it returns,
+        unless None, is the call's metadata from then on; a `dmrpc.Error` it
+        raises refuses the call with its status, nothing sent."""
+        ...
+
     def call(
         self,
         method: str,
@@ -243,6 +252,12 @@ class AsyncClient:
 
     def with_metadata(self, metadata: Metadata) -> AsyncClient:
         """A client on the same connection whose calls all carry `metadata`."""
+        ...
+
+    def intercept(
+        self, f: Callable[[str, tuple[tuple[str, bytes], ...]], Metadata | None]
+    ) -> AsyncClient:
+        """A client on the same connection whose calls all pass `f` first."""
         ...
 
     def start(

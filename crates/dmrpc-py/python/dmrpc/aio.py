@@ -163,6 +163,11 @@ class AsyncClient:
         (see `dmrpc.Client.with_metadata`); no limit on calls in flight."""
         return AsyncClient(self._client.with_metadata(metadata))
 
+    def intercept(self, f: Any) -> AsyncClient:
+        """A client on the same connection whose calls all pass `f` first
+        (see `dmrpc.Client.intercept`); no limit on calls in flight."""
+        return AsyncClient(self._client.intercept(f))
+
     @property
     def reconnects(self) -> int:
         """How many times the client connected again (see `dmrpc.Client.reconnects`)."""
