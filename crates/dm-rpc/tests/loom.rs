@@ -12,7 +12,10 @@
 //! * many ringers and one waiter on a doorbell: the waiter always wakes;
 //! * a server that stops says, in the go-away word, the highest call id it
 //!   took: a client that finds the connection closed sees the word, and
-//!   every request it sent is either taken or judged unread, never both.
+//!   every request it sent is either taken or judged unread, never both;
+//! * answers a server published before it closed its end are all read
+//!   before the client reports the end (the client looks at the ring
+//!   again once it sees the close).
 #![cfg(loom)]
 
 use dm_rpc::goaway;
@@ -189,6 +192,54 @@ fn a_request_is_taken_or_known_unread() {
                 k + 1
             );
         }
+    });
+}
+
+#[test]
+fn answers_sent_before_a_close_are_read_before_it_is_reported() {
+    model(|| {
+        // The server answers twice and closes its end; the client waits as
+        // `ShmRx::recv` does: a look at the ring, then (between looks) at
+        // the channel's state; seeing it closed, it looks at the ring once
+        // more (`recv`) or asks whether a record waits (`check_peer`), and
+        // reports the end only if none does.
+        let sh = Arc::new(Shared {
+            ctl: RingControl::default(),
+            data: Bytes((0..32).map(|_| AtomicU64::new(0)).collect()),
+            consumer_bell: AtomicU32::new(0),
+        });
+        let closed = Arc::new(AtomicU32::new(0));
+        let (s2, c2) = (sh.clone(), closed.clone());
+        let server = thread::spawn(move || {
+            let mut p = Producer::new(&s2.ctl, &s2.data, &s2.consumer_bell);
+            for id in 1..=2u8 {
+                assert!(p.try_push(1, |put| put(&[id])).unwrap());
+            }
+            c2.store(1, Ordering::Release);
+        });
+        let mut c = Consumer::new(&sh.ctl, &sh.data);
+        let (mut out, mut got) = (Vec::new(), Vec::new());
+        loop {
+            if c.try_pop(&mut out).unwrap() {
+                got.push(out[0]);
+                continue;
+            }
+            if closed.load(Ordering::Acquire) == 1 {
+                // (check_peer's way: the end only once nothing waits.)
+                if c.has_record() {
+                    continue;
+                }
+                // (recv's way: one more look.)
+                if c.try_pop(&mut out).unwrap() {
+                    got.push(out[0]);
+                    continue;
+                }
+                break;
+            }
+            thread::yield_now();
+        }
+        server.join().unwrap();
+        assert_eq!(got, [1, 2], "an answer sent before the close was lost");
     });
 }
 
