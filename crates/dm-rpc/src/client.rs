@@ -275,7 +275,7 @@ pub type CallInterceptor = Arc<dyn Fn(&mut OutgoingCall<'_>) -> Result<(), RpcEr
 /// What every unary call of a client ends with passes before its caller
 /// gets it ([`Client::intercept_answers`]): the method called and the
 /// outcome, which it may change (an error translated, metadata taken
-/// off), or only look at (latency and status counts, logging).
+/// off), or only look at it (counting statuses, logging).
 pub type AnswerInterceptor = Arc<dyn Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync>;
 
 /// A call as a client's interceptor sees it, before it is sent: its
