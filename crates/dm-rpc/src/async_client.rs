@@ -906,8 +906,11 @@ impl AsyncClient {
     /// is written straight into the pool (`call(method, data)` copies it
     /// into a vector first).
     pub async fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
-        let p = self.payload_for(data)?;
-        self.call_with(method, p, CallOptions::default()).await
+        match self.payload_for(data) {
+            Ok(p) => self.call_with(method, p, CallOptions::default()).await,
+            // (A copy that failed ends the call: its answer interceptors see it.)
+            Err(e) => self.defaults.answered(method, Err(e)).map(|r| r.payload),
+        }
     }
 
     /// A copy of `data` as this client's calls send it (inline, or written

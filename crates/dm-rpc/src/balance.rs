@@ -456,9 +456,13 @@ impl BalancedClient {
     /// pool when it travels by Ref.
     pub fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
         let r = self.b.pick();
-        let p = r.client.payload_for(data)?;
-        self.call_on(r, method, p, CallOptions::default(), Metadata::new())
-            .map(|r| r.payload)
+        match r.client.payload_for(data) {
+            Ok(p) => self
+                .call_on(r, method, p, CallOptions::default(), Metadata::new())
+                .map(|r| r.payload),
+            // (A copy that failed ends the call: its answer interceptors see it.)
+            Err(e) => self.defaults.answered(method, Err(e)).map(|r| r.payload),
+        }
     }
 
     /// Calls `method` with options.
@@ -644,9 +648,14 @@ impl AsyncBalancedClient {
     /// Calls `method` with a copy of `data`, made once.
     pub async fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
         let r = self.b.pick();
-        let p = r.client.payload_for(data)?;
-        let out = self.call_on(r, method, p, CallOptions::default(), Metadata::new());
-        out.await.map(|r| r.payload)
+        match r.client.payload_for(data) {
+            Ok(p) => {
+                let out = self.call_on(r, method, p, CallOptions::default(), Metadata::new());
+                out.await.map(|r| r.payload)
+            }
+            // (A copy that failed ends the call: its answer interceptors see it.)
+            Err(e) => self.defaults.answered(method, Err(e)).map(|r| r.payload),
+        }
     }
 
     /// Calls `method` with options.

@@ -940,8 +940,11 @@ impl Client {
     /// is written straight into the pool (`call(method, data)` copies it
     /// into a vector first).
     pub fn call_slice(&self, method: &str, data: &[u8]) -> Result<Payload, RpcError> {
-        let p = self.payload_for(data)?;
-        self.call_with(method, p, CallOptions::default())
+        match self.payload_for(data) {
+            Ok(p) => self.call_with(method, p, CallOptions::default()),
+            // (A copy that failed ends the call: its answer interceptors see it.)
+            Err(e) => self.defaults.answered(method, Err(e)).map(|r| r.payload),
+        }
     }
 
     /// A copy of `data` as this client's calls send it (inline, or written

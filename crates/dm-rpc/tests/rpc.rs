@@ -951,6 +951,75 @@ fn answers_sent_before_the_server_closed_are_read_first() {
     tp.assert_clean();
 }
 
+/// A call whose argument cannot even be copied into the pool (larger than
+/// any buffer of it) ends with `InvalidArgument`, and its answer
+/// interceptors see that end as they see any other, from every client
+/// kind's `call_slice`.
+#[test]
+fn answer_interceptors_see_a_call_slice_whose_copy_failed() {
+    use std::sync::{Arc, Mutex};
+    let tp = TempPool::with(PoolConfig {
+        size: 8 << 20,
+        channels: Some(8),
+        ..Default::default()
+    });
+    let node = Node::new(tp.attach());
+    let name = unique("slice");
+    let svc = node
+        .server(&name)
+        .replica()
+        .method("len", |c| {
+            Ok(Payload::from_vec(c.payload().len().to_le_bytes().to_vec()))
+        })
+        .spawn()
+        .unwrap();
+    let ended = Arc::new(Mutex::new(Vec::new()));
+    let log = ended.clone();
+    let note = move |method: &str, r: &mut Result<dm_rpc::Reply, RpcError>| {
+        let status = r.as_ref().map_or_else(|e| e.status, |_| Status::Ok);
+        log.lock().unwrap().push((method.to_owned(), status));
+    };
+    let rt = current_thread_rt();
+    let huge = vec![7u8; 16 << 20];
+    let c = node.connect(&name).unwrap().intercept_answers(note.clone());
+    let ac = node
+        .connect_async(&name)
+        .unwrap()
+        .intercept_answers(note.clone());
+    let bc = node
+        .connect_balanced(&name)
+        .unwrap()
+        .intercept_answers(note.clone());
+    let abc = node
+        .connect_balanced_async(&name)
+        .unwrap()
+        .intercept_answers(note);
+    let too_big = Status::InvalidArgument;
+    let e = c.call_slice("len", &huge).unwrap_err();
+    assert!(e.to_string().contains("maximum buffer size"), "{e}");
+    assert_eq!(e.status, too_big);
+    assert_eq!(
+        rt.block_on(ac.call_slice("len", &huge)).unwrap_err().status,
+        too_big
+    );
+    assert_eq!(bc.call_slice("len", &huge).unwrap_err().status, too_big);
+    assert_eq!(
+        rt.block_on(abc.call_slice("len", &huge))
+            .unwrap_err()
+            .status,
+        too_big
+    );
+    assert!(c.call_slice("len", &huge[..100_000]).is_ok());
+    let want: Vec<_> = [too_big, too_big, too_big, too_big, Status::Ok]
+        .into_iter()
+        .map(|s| ("len".to_owned(), s))
+        .collect();
+    assert_eq!(*ended.lock().unwrap(), want);
+    drop((c, ac, bc, abc));
+    drop((svc, rt, node));
+    assert_clean_after_pumps(&tp);
+}
+
 /// A registry outside any pool (what etcd will be): one map shared by the
 /// nodes of two pools, standing for two hosts.
 #[derive(Debug, Default)]
