@@ -229,9 +229,39 @@ impl crate::pool::Pool {
         Ok((c, w))
     }
 
-    /// Opens a channel to service `svc` (the client's end).
+    /// Opens a channel to service `svc` (the client's end). With every
+    /// channel in use, the channels of dead processes are freed first (as
+    /// maintenance would free them) and taken if that freed any; else
+    /// `ResourceExhausted` (see [`channels_closing`](Self::channels_closing)
+    /// for whether waiting may help).
     pub fn open_channel(&self, svc: &ServiceInfo) -> Result<ChannelId> {
         self.inner.live()?;
+        match self.take_channel(svc) {
+            Err(Error::ResourceExhausted { .. }) if self.shm().sweep_channels() > 0 => {
+                self.take_channel(svc)
+            }
+            r => r,
+        }
+    }
+
+    /// Channels on their way to free: one end closed while the other's
+    /// owner has yet to notice, or an opening in progress. A client that
+    /// found no free channel may wait for these; the others are in use by
+    /// live processes.
+    pub fn channels_closing(&self) -> usize {
+        let shm = self.shm();
+        (0..shm.layout.n_channels)
+            .filter(|&i| {
+                shm.channel(i).is_some_and(|c| {
+                    let (_, kind, flags) = unst(c.state.load(Ordering::Acquire));
+                    kind == OPENING
+                        || (kind == OPEN && flags & (CLIENT_CLOSED | SERVER_CLOSED) != 0)
+                })
+            })
+            .count()
+    }
+
+    fn take_channel(&self, svc: &ServiceInfo) -> Result<ChannelId> {
         let shm = self.shm();
         let me = word(self.slot(), self.inner.incarnation);
         for i in 0..shm.layout.n_channels {

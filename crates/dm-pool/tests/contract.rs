@@ -434,6 +434,61 @@ fn registry_names_and_channel_lifecycle() {
     tp.assert_clean();
 }
 
+/// With every channel in use, a client opening one frees the channels of
+/// dead processes itself (no maintenance ran) and takes one; channels
+/// whose live end has yet to close are counted as closing, the others
+/// refused at once.
+#[test]
+fn an_opener_frees_dead_channels_and_sees_the_closing_ones() {
+    use dm_pool::{Endpoint, Peer, Side};
+    let tp = TempPool::with(PoolConfig {
+        size: 16 << 20,
+        channels: Some(2),
+        ring_size: 16 << 10,
+        ..Default::default()
+    });
+    let server = tp.attach();
+    let client = tp.attach();
+    let svc = server.register("svc/live", &Endpoint::Shm).unwrap();
+    let dying = tp.attach_with(AttachOptions {
+        heartbeat: false,
+        lease_ms: Some(30),
+        ..Default::default()
+    });
+    let gone = dying.register("svc/dying", &Endpoint::Shm).unwrap();
+    // Channel 1: the live client's, to the dying server, closed on the
+    // client's side. Channel 2: the dying process's, to the live server.
+    let a = client.open_channel(&gone).unwrap();
+    client.close_channel(a, Side::Client);
+    let b = dying.open_channel(&svc).unwrap();
+    server.accept_channel(b).unwrap();
+    assert_eq!(client.channels_closing(), 1);
+    std::thread::sleep(Duration::from_millis(60));
+    // Channel 1 has both ends gone: freed by the opener and taken.
+    let c = client.open_channel(&svc).unwrap();
+    assert_eq!(c.index, a.index);
+    // Channel 2's dead client is closed, but its live server has not
+    // closed its end yet: closing, not free.
+    let e = client.open_channel(&svc).unwrap_err();
+    assert!(matches!(e, Error::ResourceExhausted { .. }), "{e:?}");
+    assert_eq!(client.channels_closing(), 1);
+    assert_eq!(server.channel_peer(b, Side::Server), Peer::Closed);
+    server.close_channel(b, Side::Server);
+    assert_eq!(client.channels_closing(), 0);
+    let d = client.open_channel(&svc).unwrap();
+    // Both in use by live processes: nothing closing, refused.
+    assert!(client.open_channel(&svc).is_err());
+    assert_eq!(client.channels_closing(), 0);
+    for ch in [c, d] {
+        client.close_channel(ch, Side::Client);
+        server.close_channel(ch, Side::Server);
+    }
+    server.unregister(&svc).unwrap();
+    client.maintain().unwrap();
+    drop((dying, server, client));
+    tp.assert_clean();
+}
+
 fn tp_check(tp: &TempPool) -> dm_pool::CheckReport {
     dm_pool::check_path(&tp.path, false).unwrap()
 }

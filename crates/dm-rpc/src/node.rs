@@ -12,12 +12,12 @@ use crate::reconnect::{
 };
 use crate::registry::{PoolRegistry, Registry};
 use crate::server::ServerBuilder;
-use crate::transport::Connection;
+use crate::transport::{Connection, TransportError};
 use crate::wait::WaitPolicy;
 use dm_memserver::MemPool;
-use dm_pool::{Endpoint, Pool, Ref};
+use dm_pool::{Endpoint, Pool, Ref, ServiceInfo};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The default size-aware threshold: payloads up to this many bytes travel
 /// inline, larger ones by Ref. From the measured crossover on the 2-core
@@ -345,7 +345,8 @@ impl Node {
     }
 
     /// Opens a transport connection along `route` (resolved for
-    /// `target`), waiting at most `patience` for a TCP peer to accept.
+    /// `target`), waiting at most `patience` for a TCP peer to accept, or
+    /// for a channel of the pool to be freed.
     pub(crate) fn dial(
         &self,
         target: &Target,
@@ -355,8 +356,29 @@ impl Node {
         Ok(match &route.how {
             How::Mem(b) => crate::transport::mem::connect_to(target.text(), Some(*b))?,
             How::Tcp(addr) => self.open_tcp(addr, patience)?,
-            How::Shm(svc) => crate::transport::shm::connect(&self.pool, svc, self.cfg.wait)?,
+            How::Shm(svc) => self.open_shm(svc, patience)?,
         })
+    }
+
+    /// Opens a channel to `svc`. With every channel of the pool in use,
+    /// waits (at most `patience`) while some are being closed: a client
+    /// that just closed its connection frees its channel only when the
+    /// server next looks, which a busy server does only between calls.
+    /// With none closing, no wait helps: `ResourceExhausted` at once.
+    fn open_shm(&self, svc: &ServiceInfo, patience: Duration) -> Result<Connection, RpcError> {
+        let until = Instant::now() + patience;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            match crate::transport::shm::connect(&self.pool, svc, self.cfg.wait) {
+                Err(TransportError::Pool(dm_pool::Error::ResourceExhausted { .. }))
+                    if self.pool.channels_closing() > 0 && Instant::now() < until =>
+                {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(5));
+                }
+                r => return Ok(r?),
+            }
+        }
     }
 
     fn open_tcp(&self, addr: &str, patience: Duration) -> Result<Connection, RpcError> {

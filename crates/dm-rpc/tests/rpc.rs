@@ -901,6 +901,62 @@ fn a_reused_channel_carries_nothing_of_the_previous_connection() {
     tp.assert_clean();
 }
 
+/// A client that finds every channel of the pool in use waits while one
+/// is being closed: a connection just dropped frees its channel only when
+/// its server next looks, which a server busy in a handler does only
+/// after it. With none closing, the dial is refused at once.
+#[test]
+fn a_dial_waits_for_a_channel_being_closed() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    let tp = TempPool::with(PoolConfig {
+        size: 64 << 20,
+        channels: Some(2),
+        ..Default::default()
+    });
+    let node = Node::new(tp.attach());
+    let name = unique("busy");
+    let busy = Arc::new(AtomicBool::new(false));
+    let b2 = busy.clone();
+    let svc = node
+        .server(&name)
+        .method("slow", move |_| {
+            b2.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(300));
+            Ok(Payload::empty())
+        })
+        .method("who", |_| Ok(Payload::from_vec(b"me".to_vec())))
+        .spawn()
+        .unwrap();
+    let a = node.connect(&name).unwrap();
+    let b = node.connect(&name).unwrap();
+    for c in [&a, &b] {
+        assert_eq!(
+            c.call("who", Payload::empty()).unwrap().to_vec().unwrap(),
+            b"me"
+        );
+    }
+    let e = node.connect(&name).unwrap_err();
+    assert_eq!(e.status, Status::ResourceExhausted, "{e}");
+    assert_eq!(node.pool().channels_closing(), 0);
+    let slow = std::thread::spawn(move || a.call("slow", Payload::empty()).map(|_| a));
+    while !busy.load(Ordering::SeqCst) {
+        std::thread::yield_now();
+    }
+    drop(b); // its server, in the handler, cannot notice yet
+    assert_eq!(node.pool().channels_closing(), 1);
+    let c = node.connect(&name).unwrap();
+    assert_eq!(
+        c.call("who", Payload::empty()).unwrap().to_vec().unwrap(),
+        b"me"
+    );
+    let a = slow.join().unwrap().unwrap();
+    drop((a, c));
+    svc.shutdown();
+    drop(node);
+    tp.assert_clean();
+}
+
 /// A server that answers and at once closes the connection (it stops, or
 /// dies, just after its last answers): those answers are read before the
 /// close is reported, by `check_peer` (the async client's liveness look)

@@ -17,9 +17,12 @@
 //! The request rings of all of a service's connections share one consumer
 //! bell, the server's doorbell, in the service's registry record (word 0;
 //! word 16, on another cache line, counts connection attempts so that the
-//! server scans the channel table only when a client arrived). So one
-//! server thread waits for every client with one futex, and a client pays
-//! a syscall only when the server is parked.
+//! server scans the channel table only when a client arrived; word 32, on
+//! a third, counts clients' closes so that the server closes its end, and
+//! the channel is free for another connection, as soon as it next looks
+//! instead of at its next periodic sweep). So one server thread waits for
+//! every client with one futex, and a client pays a syscall only when the
+//! server is parked.
 //!
 //! The server's doorbell is also where it waits for room in a response
 //! ring: a client that consumes answers rings the server's doorbell, not
@@ -65,6 +68,7 @@ const CLIENT_BELL: usize = 448;
 const GOAWAY: usize = 512;
 const SERVER_BELL: usize = 0;
 const CONN_EPOCH: usize = 16;
+const CLOSE_EPOCH: usize = 32;
 
 /// Largest inline payload a pool's rings carry (a frame is at most half a
 /// ring).
@@ -139,6 +143,7 @@ impl Drop for ClientShared {
     fn drop(&mut self) {
         self.pool.close_channel(self.ch, Side::Client);
         if let Ok(w) = service_words(&self.pool, &self.svc) {
+            w[CLOSE_EPOCH].fetch_add(1, Ordering::Release);
             Bell(&w[SERVER_BELL]).ring();
         }
     }
@@ -572,6 +577,8 @@ pub struct ShmListener {
     rr: usize,
     next_id: ConnId,
     epoch: u32,
+    /// The clients' close count as of the last sweep.
+    close_epoch: u32,
     waiter: Waiter,
     reply_waiter: Waiter,
     stop: Arc<AtomicBool>,
@@ -635,6 +642,7 @@ impl ShmListener {
             rr: 0,
             next_id: 1,
             epoch: words[CONN_EPOCH].load(Ordering::Acquire).wrapping_sub(1),
+            close_epoch: words[CLOSE_EPOCH].load(Ordering::Acquire),
             waiter: policy.waiter(),
             reply_waiter: full_ring(policy).waiter(),
             stop,
@@ -726,6 +734,8 @@ impl ShmListener {
     /// Drops connections whose client closed or died.
     fn sweep(&mut self) {
         self.last_sweep = Instant::now();
+        // (Read before the channels: a close after this read sweeps again.)
+        self.close_epoch = self.words[CLOSE_EPOCH].load(Ordering::Acquire);
         let pool = &self.pool;
         self.conns.retain(|c| {
             let keep = pool.channel_peer(c.ch, Side::Server) == Peer::Live;
@@ -900,7 +910,9 @@ impl Listener for ShmListener {
                     {
                         return Some(None);
                     }
-                    if sweep_due.take() {
+                    if sweep_due.take()
+                        || words[CLOSE_EPOCH].load(Ordering::Relaxed) != self.close_epoch
+                    {
                         self.sweep();
                     }
                     if !self.want_room.is_empty() && self.room_came() {
