@@ -21,8 +21,11 @@
 //! → open`, each a CAS, so maintenance can never free a channel under its
 //! opener); the server accepts it; each side closes its end, and the last to
 //! close frees it. A side whose slot dies is closed by the pool's
-//! maintenance (lease thread or `dmrpc pool gc`), so a channel never
-//! outlives both of its owners.
+//! maintenance (lease thread or `dmrpc pool gc`), or by an opener that
+//! found every channel in use, so a channel never outlives both of its
+//! owners. An opener refused for want of a channel can tell whether some
+//! are on their way to free (one end closed, the other's owner live and
+//! yet to notice): `Pool::channels_closing`.
 
 use crate::error::{Error, Result};
 use crate::registry::ServiceInfo;
