@@ -68,7 +68,15 @@ fn main() {
                 if k + 1 == tiers {
                     let mut sum = 0u64;
                     for s in c.payload().segments()? {
-                        sum = s.iter().fold(sum, |a, &b| a.wrapping_add(b as u64));
+                        // By 8-byte words, as `dmrpc bench chain`'s last tier.
+                        let mut words = s.chunks_exact(8);
+                        sum = words.by_ref().fold(sum, |a, w| {
+                            a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()))
+                        });
+                        sum = words
+                            .remainder()
+                            .iter()
+                            .fold(sum, |a, &b| a.wrapping_add(b as u64));
                     }
                     return Ok(Payload::from_vec(sum.to_le_bytes().to_vec()));
                 }
@@ -107,6 +115,14 @@ fn main() {
         call();
     }
     let conc = env("CONC", 1);
+    let pids: Vec<u32> = std::iter::once(std::process::id())
+        .chain(children.iter().map(std::process::Child::id))
+        .collect();
+    let switches = || -> u64 {
+        let n = pids.iter().map(|&p| dm_sys::proc::context_switches(p));
+        n.map(|r| r.unwrap_or(0)).sum()
+    };
+    let sw0 = switches();
     let t = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..conc {
@@ -118,7 +134,8 @@ fn main() {
         }
     });
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref}, {conc} in flight)");
+    let sw = (switches() - sw0) as f64 / n as f64;
+    println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref}, {conc} in flight), {sw:.1} context switches per call");
     drop(c);
     for ch in children {
         common::stop_peer(ch);

@@ -5,7 +5,8 @@
 //! (`bench chain`) has the figures for this machine.
 //!
 //! `target/release/examples/relay_waits [TIERS] [ROUNDS]`, e.g. `7 20000`:
-//! prints the p50 and p90 of a round through TIERS processes both ways.
+//! prints the p50 and p90 of a round through TIERS processes both ways,
+//! and the context switches per round of all the processes.
 #![allow(clippy::unwrap_used)]
 
 #[cfg(loom)]
@@ -114,13 +115,25 @@ fn main() {
             })
             .collect();
         let (down1, up0) = (slot(&f, 2), slot(&f, 1));
+        let pids: Vec<u32> = std::iter::once(std::process::id())
+            .chain(peers.iter().map(std::process::Child::id))
+            .collect();
+        let switches = || -> u64 {
+            let n = pids.iter().map(|&p| dm_sys::proc::context_switches(p));
+            n.map(|r| r.unwrap_or(0)).sum()
+        };
+        // (The first round waits for the peers to start: not counted.)
+        down1.set(1, park);
+        up0.wait(1, park);
+        let sw0 = switches();
         let mut v = Vec::new();
-        for k in 1..=rounds {
+        for k in 2..=rounds {
             let t = std::time::Instant::now();
             down1.set(k, park);
             up0.wait(k, park);
             v.push(t.elapsed().as_nanos() as f64 / 1e3);
         }
+        let per_round = (switches() - sw0) as f64 / v.len() as f64;
         down1.set(u64::MAX, park);
         for mut p in peers {
             let _ = p.wait();
@@ -128,7 +141,7 @@ fn main() {
         let _ = dm_sys::mem::unlink(path.as_ref());
         v.sort_by(f64::total_cmp);
         println!(
-            "{tiers} tiers, waiting by {}: p50 {:.1} us, p90 {:.1} us per round",
+            "{tiers} tiers, waiting by {}: p50 {:.1} us, p90 {:.1} us per round, {per_round:.1} context switches per round",
             if park { "futex" } else { "sched_yield" },
             v[v.len() / 2],
             v[v.len() * 9 / 10]

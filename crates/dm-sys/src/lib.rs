@@ -235,6 +235,66 @@ pub mod proc {
         }
         Ok(())
     }
+
+    /// The context switches of every thread of process `pid` so far,
+    /// voluntary (it blocked) and not (it was preempted, or called
+    /// `sched_yield` with another task runnable), from
+    /// `/proc/PID/task/*/status`. For benchmarks that explain where a
+    /// chain of processes on few cores spends its time: the difference of
+    /// two readings divided by the calls between them. A thread that ends
+    /// between two readings takes its count with it.
+    pub fn context_switches(pid: u32) -> std::io::Result<u64> {
+        let mut n = 0;
+        for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+            // A thread that ended since the listing has no status: skip it.
+            if let Ok(s) = std::fs::read_to_string(t?.path().join("status")) {
+                n += switches_in_status(&s);
+            }
+        }
+        Ok(n)
+    }
+
+    /// The sum of the `voluntary_ctxt_switches` and
+    /// `nonvoluntary_ctxt_switches` lines of a `/proc/.../status` text.
+    pub fn switches_in_status(status: &str) -> u64 {
+        status
+            .lines()
+            .filter_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                matches!(k, "voluntary_ctxt_switches" | "nonvoluntary_ctxt_switches")
+                    .then(|| v.trim().parse::<u64>().ok())?
+            })
+            .sum()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn switches_sum_both_kinds_and_nothing_else() {
+            let s = "Name:\tx\nvoluntary_ctxt_switches:\t12\nnonvoluntary_ctxt_switches:\t30\nThreads:\t7\n";
+            assert_eq!(switches_in_status(s), 42);
+            assert_eq!(switches_in_status("Name:\tx\n"), 0);
+            assert_eq!(switches_in_status("voluntary_ctxt_switches:\tbad\n"), 0);
+        }
+
+        #[test]
+        fn a_thread_that_blocks_adds_switches_and_a_missing_process_is_an_error() {
+            let before = context_switches(pid()).unwrap();
+            // Blocking on a channel switches this thread out at least once.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                tx.send(()).unwrap();
+            });
+            rx.recv().unwrap();
+            let after = context_switches(pid()).unwrap();
+            t.join().unwrap();
+            assert!(after > before, "{before} -> {after}");
+            assert!(context_switches(u32::MAX).is_err());
+        }
+    }
 }
 
 /// Gives up the CPU (`sched_yield(2)`). Async-signal-safe.

@@ -5,7 +5,7 @@
 use std::process::{Child, Command, Stdio};
 
 /// `POLICY`: `spin` (spin only), `park` (park at once), `yield` (no spin:
-/// yield, then park) or the default policy.
+/// yield, then park) or the policy in `DMRPC_WAIT` (else the default).
 pub fn wait_policy() -> dm_rpc::WaitPolicy {
     match std::env::var("POLICY").as_deref() {
         Ok("spin") => dm_rpc::WaitPolicy::spin_only(),
@@ -14,7 +14,7 @@ pub fn wait_policy() -> dm_rpc::WaitPolicy {
             spin: std::time::Duration::ZERO,
             ..Default::default()
         },
-        _ => dm_rpc::WaitPolicy::default(),
+        _ => dm_rpc::WaitPolicy::from_env(),
     }
 }
 

@@ -22,6 +22,11 @@
 //! The gRPC peer: the same chain built with tonic in the same tier
 //! processes, passing the bytes by value, once over loopback TCP and once
 //! over Unix sockets.
+//!
+//! Every cell also counts the context switches of all the processes (the
+//! client's and the tiers') per call, and the relay floor's per round: on
+//! two cores, eight processes only move by switching, and the counts show
+//! how much of a chain's time is the scheduler's.
 
 use super::peer::{percentile, yield_until, BenchPool, Peer, PingPong, TempFile};
 use super::plot::Chart;
@@ -41,20 +46,57 @@ const IN_FLIGHT: usize = 4;
 /// One client's calls: made once per client thread, called in a loop.
 type Caller<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
 
+/// Counts the context switches of a set of processes (this one and its
+/// peers): the scheduler's share of a chain.
+struct Switches(Vec<u32>);
+
+impl Switches {
+    fn of(peers: &[Peer]) -> Self {
+        let own = std::iter::once(std::process::id());
+        Switches(own.chain(peers.iter().map(Peer::pid)).collect())
+    }
+
+    /// All their threads' switches so far (a process that cannot be read,
+    /// having just exited, counts none).
+    fn now(&self) -> u64 {
+        let n = self.0.iter().map(|&p| dm_sys::proc::context_switches(p));
+        n.map(|r| r.unwrap_or(0)).sum()
+    }
+
+    /// Switches since `before`, per each of `n` calls.
+    fn per(&self, before: u64, n: u64) -> f64 {
+        self.now().saturating_sub(before) as f64 / n.max(1) as f64
+    }
+}
+
+/// One mode's cell: p50 latency (ns), calls per second, context switches
+/// per call.
+#[derive(Clone, Copy)]
+struct Cell {
+    p50: f64,
+    per_s: f64,
+    switches: f64,
+}
+
 /// Calls per second with [`IN_FLIGHT`] client threads each calling in a
 /// closed loop for `budget` (after 5 warm-up calls each, all threads
 /// starting the clock together); `caller(i)` makes thread `i`'s calls.
+/// Also the context switches per call (`sw`).
 fn loaded<'a>(
     budget: Duration,
+    sw: &Switches,
     caller: impl Fn(usize) -> Result<Caller<'a>> + Sync,
-) -> Result<f64> {
+) -> Result<Cell> {
     let start = std::sync::Barrier::new(IN_FLIGHT);
+    let sw0 = std::sync::atomic::AtomicU64::new(0);
     let counts = super::peer::on_threads(IN_FLIGHT, |i| {
         let mut call = caller(i)?;
         for _ in 0..5 {
             call()?;
         }
-        start.wait();
+        if start.wait().is_leader() {
+            sw0.store(sw.now(), std::sync::atomic::Ordering::Relaxed);
+        }
         let t0 = Instant::now();
         let mut n = 0u64;
         while t0.elapsed() < budget {
@@ -65,7 +107,11 @@ fn loaded<'a>(
     })?;
     let calls: u64 = counts.iter().map(|c| c.0).sum();
     let took = counts.iter().map(|c| c.1).max().unwrap_or(budget);
-    Ok(calls as f64 / took.as_secs_f64())
+    Ok(Cell {
+        p50: f64::NAN,
+        per_s: calls as f64 / took.as_secs_f64(),
+        switches: sw.per(sw0.into_inner(), calls),
+    })
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
@@ -154,7 +200,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     say!("bench chain: a request through N tiers (processes), by Ref vs by value, {TIERS} tier processes");
     say!(
-        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8} {:>9} {:>9} {:>12} {:>9} {:>11} {:>9}",
+        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8} {:>9} {:>9} {:>12} {:>9} {:>11} {:>9} {:>16}",
         "size",
         "tiers",
         "Ref p50 us",
@@ -167,8 +213,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "tonic calls/s",
         "Ref/tonic",
         "uds calls/s",
-        "Ref/uds"
+        "Ref/uds",
+        "switches F/R/V"
     );
+    let sw = Switches::of(&peers);
     let mut rows = Vec::new();
     // The floor per chain length: the raw relay through the same processes.
     let relay_path = std::path::PathBuf::from(format!("/dev/shm/dmrpc-bench-relay-{id}"));
@@ -179,6 +227,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             &relay_path,
             &mut peers[TIERS - t..],
             budget / 4,
+            &sw,
         )?);
     }
     for &size in sizes {
@@ -193,7 +242,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     let p = super::peer::request(pool, mode, &data)?;
                     check(c.call("go", p)?.to_vec()?, want)
                 };
-                res.push(measure(call, 20, budget)?);
+                res.push(measure(call, 20, budget, &sw)?);
             }
             let bytes = bytes::Bytes::from(data.clone());
             for addrs in [&grpc_addrs, &uds_addrs] {
@@ -202,7 +251,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     let r = g.go(bytes.clone())?;
                     check(r.to_vec(), want)
                 };
-                res.push(measure(call, 5, budget)?);
+                res.push(measure(call, 5, budget, &sw)?);
             }
             rows.push(row(size, t, &res, Some(floor)));
         }
@@ -212,7 +261,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // many tonic clients.
     say!("\n{IN_FLIGHT} calls in flight through {TIERS} tiers (async tiers; tonic: {IN_FLIGHT} clients)");
     say!(
-        "{:>9} {:>12} {:>13} {:>13} {:>11} {:>8} {:>9} {:>9}",
+        "{:>9} {:>12} {:>13} {:>13} {:>11} {:>8} {:>9} {:>9} {:>14}",
         "size",
         "Ref calls/s",
         "value calls/s",
@@ -220,15 +269,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "uds calls/s",
         "ratio",
         "Ref/tonic",
-        "Ref/uds"
+        "Ref/uds",
+        "switches R/V"
     );
     let mut loaded_rows = Vec::new();
     for &size in load_sizes {
         let data: Vec<u8> = (0..size).map(|i| (i * 11) as u8).collect();
         let want = super::peer::sum(&[&data]);
-        let mut per_s = Vec::new();
+        let mut cells = Vec::new();
         for (mode, node) in [("ref", &by_ref), ("value", &by_value)] {
-            per_s.push(loaded(budget, |_| {
+            cells.push(loaded(budget, &sw, |_| {
                 let (c, data) = (node.connect(&aname(mode, 0))?, &data);
                 Ok(Box::new(move || {
                     let p = super::peer::request(pool, mode, data)?;
@@ -238,15 +288,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         let bytes = bytes::Bytes::from(data.clone());
         for addrs in [&grpc_addrs, &uds_addrs] {
-            per_s.push(loaded(budget, |_| {
+            cells.push(loaded(budget, &sw, |_| {
                 let mut g = super::grpc::Client::connect(&addrs[0])?;
                 let bytes = bytes.clone();
                 Ok(Box::new(move || check(g.go(bytes.clone())?.to_vec(), want)))
             })?);
         }
         super::progress::tick(format!("{} in flight", fmt_size(size as u64)));
+        let per_s: Vec<f64> = cells.iter().map(|c| c.per_s).collect();
         say!(
-            "{:>9} {:>12.0} {:>13.0} {:>13.0} {:>11.0} {:>7.1}x {:>8.1}x {:>8.1}x",
+            "{:>9} {:>12.0} {:>13.0} {:>13.0} {:>11.0} {:>7.1}x {:>8.1}x {:>8.1}x {:>14}",
             fmt_size(size as u64),
             per_s[0],
             per_s[1],
@@ -254,7 +305,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             per_s[3],
             per_s[0] / per_s[1],
             per_s[0] / per_s[2],
-            per_s[0] / per_s[3]
+            per_s[0] / per_s[3],
+            format!("{:.0}/{:.0}", cells[0].switches, cells[1].switches)
         );
         let mut o = Obj::default();
         o.num("size", size as f64);
@@ -267,6 +319,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         o.num("ref_over_tonic_throughput", per_s[0] / per_s[2]);
         o.num("tonic_uds_calls_per_s", per_s[3]);
         o.num("ref_over_tonic_uds_throughput", per_s[0] / per_s[3]);
+        for (k, c) in ["ref", "value", "tonic", "tonic_uds"].iter().zip(&cells) {
+            o.num(&format!("{k}_switches_per_call"), c.switches);
+        }
         loaded_rows.push(o);
     }
     drop(peers);
@@ -289,7 +344,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 4 client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: 4 clients of its chain); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds)",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 4 client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: 4 clients of its chain); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads per call (per round for the floor), from /proc",
     );
     res.obj("machine", &super::machine());
     res.str(
@@ -331,6 +386,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "ref_over_tonic_throughput",
             "tonic_uds_calls_per_s",
             "ref_over_tonic_uds_throughput",
+            "relay_switches_per_round",
+            "ref_switches_per_call",
+            "value_switches_per_call",
         ],
     )
 }
@@ -338,7 +396,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
 /// The p50 of a raw relay round (client down through `tiers` and back up,
 /// no RPC at all): the scheduling floor of a chain of that many processes
 /// on this machine, measured through the same processes.
-fn relay_floor(path: &std::path::Path, tiers: &mut [Peer], budget: Duration) -> Result<f64> {
+fn relay_floor(
+    path: &std::path::Path,
+    tiers: &mut [Peer],
+    budget: Duration,
+    sw: &Switches,
+) -> Result<Cell> {
     let _ = std::fs::remove_file(path);
     let pp = PingPong::create(path)?;
     let last = tiers.len();
@@ -348,6 +411,7 @@ fn relay_floor(path: &std::path::Path, tiers: &mut [Peer], budget: Duration) -> 
     let (down1, up0) = (pp.word(2), pp.word(1));
     let mut v = Vec::new();
     let t0 = Instant::now();
+    let sw0 = sw.now();
     let mut k = 0u64;
     while v.len() < 20 || (t0.elapsed() < budget && v.len() < 100_000) {
         k += 1;
@@ -356,11 +420,16 @@ fn relay_floor(path: &std::path::Path, tiers: &mut [Peer], budget: Duration) -> 
         yield_until(up0, k);
         v.push(t.elapsed().as_nanos() as f64);
     }
+    let switches = sw.per(sw0, k);
     down1.store(u64::MAX, std::sync::atomic::Ordering::Release);
     for p in tiers.iter_mut() {
         p.ok_nums()?;
     }
-    Ok(percentile(&mut v, 0.5))
+    Ok(Cell {
+        p50: percentile(&mut v, 0.5),
+        per_s: k as f64 / t0.elapsed().as_secs_f64(),
+        switches,
+    })
 }
 
 /// The chain over TCP between processes in different pools: memory-server
@@ -413,6 +482,7 @@ fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Ve
             ..Default::default()
         },
     );
+    let sw = Switches::of(&peers);
     say!("\nnetwork variant: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline");
     say!(
         "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
@@ -438,7 +508,7 @@ fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Ve
                         want,
                     )
                 };
-                res.push(measure(call, 5, budget)?);
+                res.push(measure(call, 5, budget, &sw)?);
             }
             rows.push(row(size, t, &res, None));
         }
@@ -462,16 +532,19 @@ fn check(got: Vec<u8>, want: u64) -> Result<()> {
 }
 
 /// Runs `call` `warm` times, then for `budget` (at least `warm` times
-/// more): the p50 latency and the calls per second.
+/// more): the p50 latency, the calls per second and the context switches
+/// per call (`sw`).
 fn measure(
     mut call: impl FnMut() -> Result<()>,
     warm: usize,
     budget: Duration,
-) -> Result<(f64, f64)> {
+    sw: &Switches,
+) -> Result<Cell> {
     for _ in 0..warm {
         call()?;
     }
     let mut v = Vec::new();
+    let sw0 = sw.now();
     let t0 = Instant::now();
     while v.len() < warm || (t0.elapsed() < budget && v.len() < 100_000) {
         let t = Instant::now();
@@ -479,50 +552,60 @@ fn measure(
         v.push(t.elapsed().as_nanos() as f64);
     }
     let per_s = v.len() as f64 / t0.elapsed().as_secs_f64();
-    Ok((percentile(&mut v, 0.5), per_s))
+    let switches = sw.per(sw0, v.len() as u64);
+    Ok(Cell {
+        p50: percentile(&mut v, 0.5),
+        per_s,
+        switches,
+    })
 }
 
 /// Prints a row (by Ref and by value: p50 ns and calls/s; the relay
 /// floor's p50 if measured; tonic over TCP and over a Unix socket if
 /// measured) and returns it for the results.
-fn row(size: usize, tiers: usize, res: &[(f64, f64)], floor: Option<f64>) -> Obj {
+fn row(size: usize, tiers: usize, res: &[Cell], floor: Option<Cell>) -> Obj {
     super::progress::tick(format!("{} through {tiers} tiers", fmt_size(size as u64)));
-    let ratio = res[0].1 / res[1].1;
+    let (r, v) = (res[0], res[1]);
+    let ratio = r.per_s / v.per_s;
     let mut line = format!(
         "{:>9} {:>6} {:>12.1} {:>12.1} {:>12.0} {:>12.0} {:>7.1}x",
         fmt_size(size as u64),
         tiers,
-        res[0].0 / 1e3,
-        res[1].0 / 1e3,
-        res[0].1,
-        res[1].1,
+        r.p50 / 1e3,
+        v.p50 / 1e3,
+        r.per_s,
+        v.per_s,
         ratio
     );
     let mut o = Obj::default();
     o.num("size", size as f64);
     o.str("payload", &fmt_size(size as u64));
     o.num("tiers", tiers as f64);
-    o.num("ref_p50_ns", res[0].0);
-    o.num("value_p50_ns", res[1].0);
-    o.num("ref_calls_per_s", res[0].1);
-    o.num("value_calls_per_s", res[1].1);
+    o.num("ref_p50_ns", r.p50);
+    o.num("value_p50_ns", v.p50);
+    o.num("ref_calls_per_s", r.per_s);
+    o.num("value_calls_per_s", v.per_s);
     o.num("ref_over_value_throughput", ratio);
+    o.num("ref_switches_per_call", r.switches);
+    o.num("value_switches_per_call", v.switches);
     if let Some(f) = floor {
-        line += &format!(" {:>9.1} {:>8.1}x", f / 1e3, res[0].0 / f);
-        o.num("relay_floor_p50_ns", f);
-        o.num("ref_p50_over_floor", res[0].0 / f);
+        line += &format!(" {:>9.1} {:>8.1}x", f.p50 / 1e3, r.p50 / f.p50);
+        o.num("relay_floor_p50_ns", f.p50);
+        o.num("ref_p50_over_floor", r.p50 / f.p50);
+        o.num("relay_switches_per_round", f.switches);
     }
-    if let Some(&(p50, per_s)) = res.get(2) {
-        line += &format!(" {:>12.0} {:>8.1}x", per_s, res[0].1 / per_s);
-        o.num("tonic_p50_ns", p50);
-        o.num("tonic_calls_per_s", per_s);
-        o.num("ref_over_tonic_throughput", res[0].1 / per_s);
+    for (i, (name, width)) in [("tonic", 12), ("tonic_uds", 11)].into_iter().enumerate() {
+        if let Some(t) = res.get(2 + i) {
+            line += &format!(" {:>width$.0} {:>8.1}x", t.per_s, r.per_s / t.per_s);
+            o.num(&format!("{name}_p50_ns"), t.p50);
+            o.num(&format!("{name}_calls_per_s"), t.per_s);
+            o.num(&format!("ref_over_{name}_throughput"), r.per_s / t.per_s);
+            o.num(&format!("{name}_switches_per_call"), t.switches);
+        }
     }
-    if let Some(&(p50, per_s)) = res.get(3) {
-        line += &format!(" {:>11.0} {:>8.1}x", per_s, res[0].1 / per_s);
-        o.num("tonic_uds_p50_ns", p50);
-        o.num("tonic_uds_calls_per_s", per_s);
-        o.num("ref_over_tonic_uds_throughput", res[0].1 / per_s);
+    if let Some(f) = floor {
+        let sw = format!("{:.0}/{:.0}/{:.0}", f.switches, r.switches, v.switches);
+        line += &format!(" {sw:>16}");
     }
     say!("{line}");
     o

@@ -509,6 +509,11 @@ impl Peer {
         Ok(p)
     }
 
+    /// The peer's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn line(&mut self) -> Result<String> {
         let mut s = String::new();
         if self.out.read_line(&mut s)? == 0 {
