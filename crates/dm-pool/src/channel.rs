@@ -182,19 +182,26 @@ impl Shm {
         freed
     }
 
+    /// How many channel records satisfy `f(record, kind, flags)`, their
+    /// state read with Acquire.
+    fn count_channels(&self, f: impl Fn(&ChannelRecord, u64, u64) -> bool) -> usize {
+        (0..self.layout.n_channels)
+            .filter_map(|i| self.channel(i))
+            .filter(|c| {
+                let (_, kind, flags) = unst(c.state.load(Ordering::Acquire));
+                f(c, kind, flags)
+            })
+            .count()
+    }
+
     /// Open channels of registration `index`/`generation` (its connections).
     pub fn channels_of(&self, index: u32, generation: u32) -> usize {
         let want = index as u64 | ((generation as u64) << 32);
-        (0..self.layout.n_channels)
-            .filter(|&i| {
-                self.channel(i).is_some_and(|c| {
-                    let (_, kind, flags) = unst(c.state.load(Ordering::Acquire));
-                    kind == OPEN
-                        && flags & (CLIENT_CLOSED | SERVER_CLOSED) == 0
-                        && c.service.load(Ordering::Relaxed) == want
-                })
-            })
-            .count()
+        self.count_channels(|c, kind, flags| {
+            kind == OPEN
+                && flags & (CLIENT_CLOSED | SERVER_CLOSED) == 0
+                && c.service.load(Ordering::Relaxed) == want
+        })
     }
 
     /// Channels in use (opening or open): for `check` and `stats`.
@@ -252,16 +259,9 @@ impl crate::pool::Pool {
     /// found no free channel may wait for these; the others are in use by
     /// live processes.
     pub fn channels_closing(&self) -> usize {
-        let shm = self.shm();
-        (0..shm.layout.n_channels)
-            .filter(|&i| {
-                shm.channel(i).is_some_and(|c| {
-                    let (_, kind, flags) = unst(c.state.load(Ordering::Acquire));
-                    kind == OPENING
-                        || (kind == OPEN && flags & (CLIENT_CLOSED | SERVER_CLOSED) != 0)
-                })
-            })
-            .count()
+        self.shm().count_channels(|_, kind, flags| {
+            kind == OPENING || (kind == OPEN && flags & (CLIENT_CLOSED | SERVER_CLOSED) != 0)
+        })
     }
 
     fn take_channel(&self, svc: &ServiceInfo) -> Result<ChannelId> {
