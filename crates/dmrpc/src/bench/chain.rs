@@ -108,6 +108,7 @@ fn loaded<'a>(
     let calls: u64 = counts.iter().map(|c| c.0).sum();
     let took = counts.iter().map(|c| c.1).max().unwrap_or(budget);
     Ok(Cell {
+        // (Calls in flight are judged by their throughput alone.)
         p50: f64::NAN,
         per_s: calls as f64 / took.as_secs_f64(),
         switches: sw.per(sw0.into_inner(), calls),
@@ -410,8 +411,8 @@ fn relay_floor(
     }
     let (down1, up0) = (pp.word(2), pp.word(1));
     let mut v = Vec::new();
-    let t0 = Instant::now();
     let sw0 = sw.now();
+    let t0 = Instant::now();
     let mut k = 0u64;
     while v.len() < 20 || (t0.elapsed() < budget && v.len() < 100_000) {
         k += 1;
