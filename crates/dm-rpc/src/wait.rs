@@ -379,15 +379,16 @@ impl Waiter {
                 Spun::Out => {}
             }
         }
-        // (Set by the spin, which checked the deadline; else now.)
-        let start = match start {
-            Some(s) => s,
+        // (`start` is set by the spin, which checked the deadline; else
+        // it is now. `now` opens the yield phase below.)
+        let (start, mut now) = match start {
+            Some(s) => (s, Instant::now()),
             None => {
                 let now = Instant::now();
                 if deadline.is_some_and(|d| d <= now) {
                     return Ok(None);
                 }
-                now
+                (now, now)
             }
         };
         let mut last_idle = last_idle.unwrap_or(start);
@@ -399,7 +400,6 @@ impl Waiter {
         // (the check of `ready` in between takes nanoseconds; a clock read
         // costs about 45 ns here, and a yield that finds no one else to
         // run about 250 ns).
-        let mut now = Instant::now();
         let yield_until = now + p.yield_for;
         loop {
             if let Some(x) = ready() {
