@@ -118,10 +118,7 @@ fn main() {
     let pids: Vec<u32> = std::iter::once(std::process::id())
         .chain(children.iter().map(std::process::Child::id))
         .collect();
-    let switches = || -> u64 {
-        let n = pids.iter().map(|&p| dm_sys::proc::context_switches(p));
-        n.map(|r| r.unwrap_or(0)).sum()
-    };
+    let switches = || dm_sys::proc::context_switches_of(&pids);
     let sw0 = switches();
     let t = Instant::now();
     std::thread::scope(|s| {

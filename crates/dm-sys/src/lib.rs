@@ -254,6 +254,13 @@ pub mod proc {
         Ok(n)
     }
 
+    /// The context switches of all the threads of these processes so far
+    /// ([`context_switches`]); a process that cannot be read (it exited)
+    /// counts none.
+    pub fn context_switches_of(pids: &[u32]) -> u64 {
+        pids.iter().map(|&p| context_switches(p).unwrap_or(0)).sum()
+    }
+
     /// The sum of the `voluntary_ctxt_switches` and
     /// `nonvoluntary_ctxt_switches` lines of a `/proc/.../status` text.
     pub fn switches_in_status(status: &str) -> u64 {
@@ -293,6 +300,7 @@ pub mod proc {
             t.join().unwrap();
             assert!(after > before, "{before} -> {after}");
             assert!(context_switches(u32::MAX).is_err());
+            assert!(context_switches_of(&[pid(), u32::MAX]) >= after);
         }
     }
 }

@@ -59,8 +59,7 @@ impl Switches {
     /// All their threads' switches so far (a process that cannot be read,
     /// having just exited, counts none).
     fn now(&self) -> u64 {
-        let n = self.0.iter().map(|&p| dm_sys::proc::context_switches(p));
-        n.map(|r| r.unwrap_or(0)).sum()
+        dm_sys::proc::context_switches_of(&self.0)
     }
 
     /// Switches since `before`, per each of `n` calls.
