@@ -131,7 +131,7 @@ fn main() {
         }
     });
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    let sw = (switches() - sw0) as f64 / n as f64;
+    let sw = switches().saturating_sub(sw0) as f64 / n as f64;
     println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref}, {conc} in flight), {sw:.1} context switches per call");
     drop(c);
     for ch in children {

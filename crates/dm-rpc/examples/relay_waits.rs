@@ -130,7 +130,7 @@ fn main() {
             up0.wait(k, park);
             v.push(t.elapsed().as_nanos() as f64 / 1e3);
         }
-        let per_round = (switches() - sw0) as f64 / v.len() as f64;
+        let per_round = switches().saturating_sub(sw0) as f64 / v.len() as f64;
         down1.set(u64::MAX, park);
         for mut p in peers {
             let _ = p.wait();
