@@ -562,7 +562,9 @@ fn measure(
 
 /// Prints a row (by Ref and by value: p50 ns and calls/s; the relay
 /// floor's p50 if measured; tonic over TCP and over a Unix socket if
-/// measured) and returns it for the results.
+/// measured; with the floor, the context switches per round or call of
+/// the floor, by Ref and by value) and returns it for the results, every
+/// cell's switches included.
 fn row(size: usize, tiers: usize, res: &[Cell], floor: Option<Cell>) -> Obj {
     super::progress::tick(format!("{} through {tiers} tiers", fmt_size(size as u64)));
     let (r, v) = (res[0], res[1]);
