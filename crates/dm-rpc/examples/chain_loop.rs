@@ -3,9 +3,15 @@
 //! env: TIERS (7), SIZE (65536), BYREF=1 (send it by Ref; else inline),
 //! POLICY=spin|park|yield, CONC (1: calls in flight, from that many client
 //! threads; above 1 the forwarding tiers serve with async handlers and
-//! async clients, so calls overlap in every tier), RING_KIB (the rings'
-//! size)). Tier k forwards its payload to tier k+1 untouched; the last
-//! reads every byte and answers 8 bytes.
+//! async clients, so calls overlap in every tier), OWN_CONN=1 (each client
+//! thread with a connection of its own, as `dmrpc bench chain`'s; else
+//! they share one), CLIENT=async (the CONC calls are tasks of one thread,
+//! over one async connection), CLIENT_WAIT (the client's waiting policy
+//! alone, as `DMRPC_WAIT`), RING_KIB (the rings' size)). Tier k
+//! forwards its payload to tier k+1 untouched; the last reads every byte
+//! and answers 8 bytes. The tiers' nodes are configured as the bench's:
+//! by Ref (BYREF=1) size-aware, so the last answers inline; by value,
+//! everything inline.
 #![allow(clippy::unwrap_used)]
 
 #[cfg(not(loom))]
@@ -37,7 +43,18 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("tier") {
         let pool = Pool::open(args[2].as_ref(), AttachOptions::default()).unwrap();
         let k: usize = args[3].parse().unwrap();
-        let node = Node::with_config(pool, cfg);
+        // As `dmrpc bench chain`'s tiers: by Ref, size-aware (they forward
+        // the Ref they got, and the last answers its 8 bytes inline); by
+        // value, everything inline.
+        let tier_cfg = dm_rpc::Config {
+            inline_max: if by_ref {
+                dm_rpc::Config::default().inline_max
+            } else {
+                cfg.inline_max
+            },
+            ..cfg
+        };
+        let node = Node::with_config(pool, tier_cfg);
         let n = node.clone();
         let next = format!("profile/chain/{}", k + 1);
         let cl = std::sync::OnceLock::new();
@@ -94,23 +111,22 @@ fn main() {
     let children: Vec<_> = (0..tiers)
         .map(|k| common::spawn_peer(&["tier", &path, &k.to_string()]))
         .collect();
+    // CLIENT_WAIT: the client's waiting policy alone, as `DMRPC_WAIT`.
+    let client_cfg = dm_rpc::Config {
+        wait: std::env::var("CLIENT_WAIT")
+            .ok()
+            .and_then(|v| dm_rpc::WaitPolicy::parse(&v))
+            .unwrap_or(cfg.wait),
+        ..cfg
+    };
     let node = Node::with_config(
         Pool::open(path.as_ref(), AttachOptions::default()).unwrap(),
-        cfg,
+        client_cfg,
     );
     let c = node.connect("profile/chain/0").unwrap();
     let size = env("SIZE", 65536);
     let data = vec![5u8; size];
-    let call = || {
-        let p = if by_ref {
-            let mut b = node.pool().alloc(size as u64).unwrap();
-            b.write(0, &data).unwrap();
-            Payload::from_buffer(b)
-        } else {
-            Payload::from_vec(data.clone())
-        };
-        c.call("go", p).unwrap()
-    };
+    let call = || c.call("go", payload(&node, &data, by_ref)).unwrap();
     for _ in 0..n / 10 {
         call();
     }
@@ -121,15 +137,46 @@ fn main() {
     let switches = || dm_sys::proc::context_switches_of(&pids);
     let sw0 = switches();
     let t = Instant::now();
-    std::thread::scope(|s| {
-        for _ in 0..conc {
-            s.spawn(|| {
-                for _ in 0..n / conc as u64 {
-                    call();
-                }
-            });
-        }
-    });
+    if std::env::var("CLIENT").is_ok_and(|v| v == "async") {
+        // CLIENT=async: the CONC calls in flight are tasks of one thread
+        // (a current-thread runtime), over one async connection.
+        let ac = node.connect_async("profile/chain/0").unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let tasks: Vec<_> = (0..conc)
+                .map(|_| {
+                    let (ac, node, data) = (ac.clone(), node.clone(), data.clone());
+                    tokio::spawn(async move {
+                        for _ in 0..n / conc as u64 {
+                            let p = payload(&node, &data, by_ref);
+                            ac.call("go", p).await.unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+    } else {
+        // OWN_CONN=1: each thread calls over a connection of its own (as
+        // `dmrpc bench chain`'s client threads), else all share one.
+        let own = std::env::var("OWN_CONN").is_ok_and(|v| v == "1");
+        std::thread::scope(|s| {
+            for _ in 0..conc {
+                s.spawn(|| {
+                    let mine = own.then(|| node.connect("profile/chain/0").unwrap());
+                    let c = mine.as_ref().unwrap_or(&c);
+                    for _ in 0..n / conc as u64 {
+                        c.call("go", payload(&node, &data, by_ref)).unwrap();
+                    }
+                });
+            }
+        });
+    }
     let per = t.elapsed().as_nanos() as f64 / n as f64;
     let sw = switches().saturating_sub(sw0) as f64 / n as f64;
     println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref}, {conc} in flight), {sw:.1} context switches per call");
@@ -138,4 +185,16 @@ fn main() {
         common::stop_peer(ch);
     }
     let _ = std::fs::remove_file(&path);
+}
+
+/// A request of `data`: written to the pool (`by_ref`), else inline.
+#[cfg(not(loom))]
+fn payload(node: &dm_rpc::Node, data: &[u8], by_ref: bool) -> dm_rpc::Payload {
+    if by_ref {
+        let mut b = node.pool().alloc(data.len() as u64).unwrap();
+        b.write(0, data).unwrap();
+        dm_rpc::Payload::from_buffer(b)
+    } else {
+        dm_rpc::Payload::from_vec(data.to_vec())
+    }
 }

@@ -15,9 +15,12 @@
 //!
 //! Sequential calls from one client: latency p50 and calls per second.
 //! By-Ref throughput should stay nearly flat as tiers grow. Then calls in
-//! flight: four client threads, each with its own connection, through the
-//! same chain with async tiers (and four tonic clients), calls per second
-//! at 7 tiers.
+//! flight: client threads (1, 4 and 16; 1, 2, 4, 8 and 16 in a full run), each with
+//! its own connection, through the same chain with async tiers (and as
+//! many tonic clients), calls per second at 7 tiers; and each mode's peak
+//! throughput, its best over those loads, since modes saturate at
+//! different loads (by value's 64 KiB records crowd the rings and caches
+//! sooner, by Ref amortizes its hand-offs over more calls).
 //!
 //! The gRPC peer: the same chain built with tonic in the same tier
 //! processes, passing the bytes by value, once over loopback TCP and once
@@ -40,8 +43,8 @@ use dmrpc::fmt_size;
 use std::time::{Duration, Instant};
 
 const TIERS: usize = 7;
-/// Calls at once in the in-flight rows.
-const IN_FLIGHT: usize = 4;
+/// Calls at once in the in-flight rows (a quick run: 1, 4 and 16).
+const IN_FLIGHT: &[usize] = &[1, 2, 4, 8, 16];
 
 /// One client's calls: made once per client thread, called in a loop.
 type Caller<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
@@ -77,18 +80,19 @@ struct Cell {
     switches: f64,
 }
 
-/// Calls per second with [`IN_FLIGHT`] client threads each calling in a
+/// Calls per second with `threads` client threads each calling in a
 /// closed loop for `budget` (after 5 warm-up calls each, all threads
 /// starting the clock together); `caller(i)` makes thread `i`'s calls.
 /// Also the context switches per call (`sw`).
 fn loaded<'a>(
+    threads: usize,
     budget: Duration,
     sw: &Switches,
     caller: impl Fn(usize) -> Result<Caller<'a>> + Sync,
 ) -> Result<Cell> {
-    let start = std::sync::Barrier::new(IN_FLIGHT);
+    let start = std::sync::Barrier::new(threads);
     let sw0 = std::sync::atomic::AtomicU64::new(0);
-    let counts = super::peer::on_threads(IN_FLIGHT, |i| {
+    let counts = super::peer::on_threads(threads, |i| {
         let mut call = caller(i)?;
         for _ in 0..5 {
             call()?;
@@ -132,7 +136,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     } else {
         &[64 << 10, 1 << 20]
     };
-    let cells = sizes.len() * tiers.len() + load_sizes.len() + net_cells;
+    let in_flight: Vec<usize> = if a.quick {
+        vec![1, 4, 16]
+    } else {
+        IN_FLIGHT.to_vec()
+    };
+    let cells = sizes.len() * tiers.len() + load_sizes.len() * in_flight.len() + net_cells;
     super::progress::start("chain", cells as u64);
     let id = std::process::id();
     let bp = BenchPool::create(
@@ -256,13 +265,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             rows.push(row(size, t, &res, Some(floor)));
         }
     }
-    // Calls in flight: IN_FLIGHT client threads through the async tiers,
-    // each with a connection of its own (as many clients would be), and as
-    // many tonic clients.
-    say!("\n{IN_FLIGHT} calls in flight through {TIERS} tiers (async tiers; tonic: {IN_FLIGHT} clients)");
+    // Calls in flight: client threads through the async tiers, each with a
+    // connection of its own (as many clients would be), and as many tonic
+    // clients; at each load, then each mode's best.
+    say!("\nCalls in flight through {TIERS} tiers (async tiers; client threads each with a connection of its own; tonic: as many clients)");
     say!(
-        "{:>9} {:>12} {:>13} {:>13} {:>11} {:>8} {:>9} {:>9} {:>14}",
+        "{:>9} {:>9} {:>12} {:>13} {:>13} {:>11} {:>8} {:>9} {:>9} {:>14}",
         "size",
+        "in flight",
         "Ref calls/s",
         "value calls/s",
         "tonic calls/s",
@@ -272,57 +282,96 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "Ref/uds",
         "switches R/V"
     );
+    let modes = ["ref", "value", "tonic", "tonic_uds"];
     let mut loaded_rows = Vec::new();
+    let mut peaks = Vec::new();
     for &size in load_sizes {
         let data: Vec<u8> = (0..size).map(|i| (i * 11) as u8).collect();
         let want = super::peer::sum(&[&data]);
-        let mut cells = Vec::new();
-        for (mode, node) in [("ref", &by_ref), ("value", &by_value)] {
-            cells.push(loaded(budget, &sw, |_| {
-                let (c, data) = (node.connect(&aname(mode, 0))?, &data);
-                Ok(Box::new(move || {
-                    let p = super::peer::request(pool, mode, data)?;
-                    check(c.call("go", p)?.to_vec()?, want)
-                }))
-            })?);
-        }
         let bytes = bytes::Bytes::from(data.clone());
-        for addrs in [&grpc_addrs, &uds_addrs] {
-            cells.push(loaded(budget, &sw, |_| {
-                let mut g = super::grpc::Client::connect(&addrs[0])?;
-                let bytes = bytes.clone();
-                Ok(Box::new(move || check(g.go(bytes.clone())?.to_vec(), want)))
-            })?);
+        // Each mode's best calls per second, and at how many in flight.
+        let mut best = [(0.0f64, 0usize); 4];
+        for &k in &in_flight {
+            let mut cells = Vec::new();
+            for (mode, node) in [("ref", &by_ref), ("value", &by_value)] {
+                cells.push(loaded(k, budget, &sw, |_| {
+                    let (c, data) = (node.connect(&aname(mode, 0))?, &data);
+                    Ok(Box::new(move || {
+                        let p = super::peer::request(pool, mode, data)?;
+                        check(c.call("go", p)?.to_vec()?, want)
+                    }))
+                })?);
+            }
+            for addrs in [&grpc_addrs, &uds_addrs] {
+                cells.push(loaded(k, budget, &sw, |_| {
+                    let mut g = super::grpc::Client::connect(&addrs[0])?;
+                    let bytes = bytes.clone();
+                    Ok(Box::new(move || check(g.go(bytes.clone())?.to_vec(), want)))
+                })?);
+            }
+            super::progress::tick(format!("{} {k} in flight", fmt_size(size as u64)));
+            let per_s: Vec<f64> = cells.iter().map(|c| c.per_s).collect();
+            say!(
+                "{:>9} {:>9} {:>12.0} {:>13.0} {:>13.0} {:>11.0} {:>7.1}x {:>8.1}x {:>8.1}x {:>14}",
+                fmt_size(size as u64),
+                k,
+                per_s[0],
+                per_s[1],
+                per_s[2],
+                per_s[3],
+                per_s[0] / per_s[1],
+                per_s[0] / per_s[2],
+                per_s[0] / per_s[3],
+                format!("{:.0}/{:.0}", cells[0].switches, cells[1].switches)
+            );
+            let mut o = Obj::default();
+            o.num("size", size as f64);
+            o.num("tiers", TIERS as f64);
+            o.num("in_flight", k as f64);
+            for (m, c) in modes.iter().zip(&cells) {
+                o.num(&format!("{m}_calls_per_s"), c.per_s);
+            }
+            o.num("ref_over_value_throughput", per_s[0] / per_s[1]);
+            o.num("ref_over_tonic_throughput", per_s[0] / per_s[2]);
+            o.num("ref_over_tonic_uds_throughput", per_s[0] / per_s[3]);
+            for (m, c) in modes.iter().zip(&cells) {
+                o.num(&format!("{m}_switches_per_call"), c.switches);
+            }
+            loaded_rows.push(o);
+            for (b, &x) in best.iter_mut().zip(&per_s) {
+                if x > b.0 {
+                    *b = (x, k);
+                }
+            }
         }
-        super::progress::tick(format!("{} in flight", fmt_size(size as u64)));
-        let per_s: Vec<f64> = cells.iter().map(|c| c.per_s).collect();
+        // (The target is at 64 KiB.)
+        let target = if size == 64 << 10 {
+            " (target: 4x)"
+        } else {
+            ""
+        };
         say!(
-            "{:>9} {:>12.0} {:>13.0} {:>13.0} {:>11.0} {:>7.1}x {:>8.1}x {:>8.1}x {:>14}",
+            "{:>9} peak (each mode at its best load): by Ref {:.0} calls/s ({} in flight), by value {:.0} ({}): {:.1}x{target}; {:.1}x tonic, {:.1}x tonic over UDS",
             fmt_size(size as u64),
-            per_s[0],
-            per_s[1],
-            per_s[2],
-            per_s[3],
-            per_s[0] / per_s[1],
-            per_s[0] / per_s[2],
-            per_s[0] / per_s[3],
-            format!("{:.0}/{:.0}", cells[0].switches, cells[1].switches)
+            best[0].0,
+            best[0].1,
+            best[1].0,
+            best[1].1,
+            best[0].0 / best[1].0,
+            best[0].0 / best[2].0,
+            best[0].0 / best[3].0
         );
         let mut o = Obj::default();
         o.num("size", size as f64);
         o.num("tiers", TIERS as f64);
-        o.num("in_flight", IN_FLIGHT as f64);
-        o.num("ref_calls_per_s", per_s[0]);
-        o.num("value_calls_per_s", per_s[1]);
-        o.num("tonic_calls_per_s", per_s[2]);
-        o.num("ref_over_value_throughput", per_s[0] / per_s[1]);
-        o.num("ref_over_tonic_throughput", per_s[0] / per_s[2]);
-        o.num("tonic_uds_calls_per_s", per_s[3]);
-        o.num("ref_over_tonic_uds_throughput", per_s[0] / per_s[3]);
-        for (k, c) in ["ref", "value", "tonic", "tonic_uds"].iter().zip(&cells) {
-            o.num(&format!("{k}_switches_per_call"), c.switches);
+        for (m, b) in modes.iter().zip(&best) {
+            o.num(&format!("{m}_calls_per_s"), b.0);
+            o.num(&format!("{m}_in_flight"), b.1 as f64);
         }
-        loaded_rows.push(o);
+        o.num("ref_over_value_throughput", best[0].0 / best[1].0);
+        o.num("ref_over_tonic_throughput", best[0].0 / best[2].0);
+        o.num("ref_over_tonic_uds_throughput", best[0].0 / best[3].0);
+        peaks.push(o);
     }
     drop(peers);
     drop((by_ref, by_value));
@@ -344,7 +393,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 4 client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: 4 clients of its chain); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads per call (per round for the floor), from /proc",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at; tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads per call (per round for the floor), from /proc",
     );
     res.obj("machine", &super::machine());
     res.str(
@@ -357,6 +406,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     res.arr("rows", &rows);
     res.arr("in_flight", &loaded_rows);
+    res.arr("in_flight_peak", &peaks);
     res.arr("network", &net_rows);
     super::write_results(
         a,
