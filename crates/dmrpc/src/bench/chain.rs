@@ -27,9 +27,10 @@
 //! over Unix sockets.
 //!
 //! Every cell also counts the context switches of all the processes (the
-//! client's and the tiers') per call, and the relay floor's per round: on
-//! two cores, eight processes only move by switching, and the counts show
-//! how much of a chain's time is the scheduler's.
+//! client's and the tiers', and the memory server's in the network
+//! variant) per call, and the relay floor's per round: on two cores,
+//! eight processes only move by switching, and the counts show how much
+//! of a chain's time is the scheduler's.
 
 use super::peer::{percentile, yield_until, BenchPool, Peer, PingPong, TempFile};
 use super::plot::Chart;
@@ -57,6 +58,12 @@ impl Switches {
     fn of(peers: &[Peer]) -> Self {
         let own = std::iter::once(std::process::id());
         Switches(own.chain(peers.iter().map(Peer::pid)).collect())
+    }
+
+    /// Counts `pid`'s switches too.
+    fn and(mut self, pid: u32) -> Self {
+        self.0.push(pid);
+        self
     }
 
     /// All their threads' switches so far (a process that cannot be read,
@@ -393,7 +400,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at; tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads per call (per round for the floor), from /proc",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at; tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc",
     );
     res.obj("machine", &super::machine());
     res.str(
@@ -491,7 +498,7 @@ fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Ve
         &[64 << 10, 1 << 20]
     };
     let tiers: &[usize] = if a.quick { &[1, 3] } else { &[1, 3, 5, 7] };
-    let (_ms, ms_addr) = super::net::start_memserver("512MiB")?;
+    let (ms, ms_addr) = super::net::start_memserver("512MiB")?;
     let id = std::process::id();
     let small = || PoolConfig {
         size: 16 << 20,
@@ -532,7 +539,8 @@ fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Ve
             ..Default::default()
         },
     );
-    let sw = Switches::of(&peers);
+    // The memory server's switches count too (by Ref's puts and reads).
+    let sw = Switches::of(&peers).and(ms.0.id());
     say!("\nnetwork variant: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline");
     say!(
         "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
