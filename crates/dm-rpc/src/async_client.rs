@@ -892,14 +892,14 @@ impl AsyncClient {
         lock(&self.h.current().reader.state).pumping
     }
 
-    /// Calls `method` with `payload`.
-    pub async fn call(
-        &self,
-        method: &str,
+    /// Calls `method` with `payload`. (Like every call of this client,
+    /// nothing is sent before the future is first polled.)
+    pub fn call<'a>(
+        &'a self,
+        method: &'a str,
         payload: impl Into<Payload>,
-    ) -> Result<Payload, RpcError> {
+    ) -> impl std::future::Future<Output = Result<Payload, RpcError>> + Send + 'a {
         self.call_with(method, payload.into(), CallOptions::default())
-            .await
     }
 
     /// Calls `method` with a copy of `data`, made once: a large argument
@@ -932,41 +932,49 @@ impl AsyncClient {
     }
 
     /// Calls `method` with options.
-    pub async fn call_with(
-        &self,
-        method: &str,
+    pub fn call_with<'a>(
+        &'a self,
+        method: &'a str,
         payload: Payload,
         opts: CallOptions,
-    ) -> Result<Payload, RpcError> {
+    ) -> impl std::future::Future<Output = Result<Payload, RpcError>> + Send + 'a {
         self.call_with_metadata(method, payload, opts, Metadata::new())
-            .await
     }
 
     /// Calls `method` with options and metadata, which the handler reads
     /// ([`Call::metadata`](crate::server::Call::metadata)).
-    pub async fn call_with_metadata(
-        &self,
-        method: &str,
+    pub fn call_with_metadata<'a>(
+        &'a self,
+        method: &'a str,
         payload: Payload,
         opts: CallOptions,
         meta: Metadata,
-    ) -> Result<Payload, RpcError> {
-        let r = self.call_full(method, payload, opts, meta).await;
-        r.map(|r| r.payload)
+    ) -> impl std::future::Future<Output = Result<Payload, RpcError>> + Send + 'a {
+        Then::new(
+            self.call_full(method, payload, opts, meta),
+            |r: Result<Reply, RpcError>| r.map(|r| r.payload),
+        )
     }
 
     /// Calls `method` with options and metadata, and returns the answer
     /// with the metadata its handler set (on a failure, the error carries
     /// it: [`RpcError::metadata`]).
-    pub async fn call_full(
-        &self,
-        method: &str,
+    ///
+    /// The layers above are this future, not futures around it: an async
+    /// fn that awaits another keeps its own copy of the arguments beside
+    /// the other's state, and a call's future is held by whatever awaits
+    /// it (a server's task boxes it for every call).
+    pub fn call_full<'a>(
+        &'a self,
+        method: &'a str,
         payload: Payload,
         opts: CallOptions,
         meta: Metadata,
-    ) -> Result<Reply, RpcError> {
-        let r = self.call_intercepted(method, payload, opts, meta).await;
-        self.defaults.answered(method, r)
+    ) -> impl std::future::Future<Output = Result<Reply, RpcError>> + Send + 'a {
+        Then::new(
+            self.call_intercepted(method, payload, opts, meta),
+            move |r| self.defaults.answered(method, r),
+        )
     }
 
     /// [`call_full`](Self::call_full) before the answer interceptors.
@@ -994,7 +1002,9 @@ impl AsyncClient {
                 if opts.wait_for_ready && n.is_spent() {
                     let until = x.deadline();
                     let held = Held(Some(x), c.node.clone());
-                    let ready = self.h.ready_async(n, until).await;
+                    // (Boxed, as the other waits of the retries below: a
+                    // rare state kept out of every call's future.)
+                    let ready = Box::pin(self.h.ready_async(n, until)).await;
                     x = held.take();
                     match ready {
                         Ok(ready) => n = ready,
@@ -1015,7 +1025,7 @@ impl AsyncClient {
                 return Err(x.fail(&c.node));
             };
             let held = Held(Some(x), c.node.clone());
-            tokio::time::sleep(wait).await;
+            Box::pin(tokio::time::sleep(wait)).await;
             let x = held.take();
             let n = Guard::into_inner(self.h.live());
             if n.is_spent() || !x.fits(n.refs, n.max_inline) {
@@ -1037,7 +1047,7 @@ impl AsyncClient {
         if c.is_spent() {
             if opts.wait_for_ready {
                 let until = crate::client::deadline_of(&c.node, opts, Instant::now()).0;
-                c = self.h.ready_async(c, until).await?;
+                c = Box::pin(self.h.ready_async(c, until)).await?;
                 opts = opts.after_waiting(until);
             }
             if let Some(e) = c.failure() {
@@ -1082,27 +1092,51 @@ impl AsyncClient {
 }
 
 impl Inner {
-    async fn call_with(
+    /// Sends a call now; the future of its answer. (Like `send_and_wait`,
+    /// for callers that await it at once.)
+    fn call_with(
         &self,
         method: &str,
         payload: Payload,
         opts: CallOptions,
         meta: Metadata,
-    ) -> Result<Reply, Failure> {
+    ) -> Answer<'_> {
         let (node, refs) = (&self.node, self.refs);
-        let out = outgoing(node, self.max_inline, refs, method, payload, opts, meta)?;
-        self.send_and_wait(out).await
+        match outgoing(node, self.max_inline, refs, method, payload, opts, meta) {
+            Ok(out) => self.send_and_wait(out),
+            Err(e) => Answer::Ready(Some(Err(e.into()))),
+        }
     }
 
     /// Sends again, on this connection, a request another refused.
-    async fn resend(&self, r: Refused) -> Result<Reply, Failure> {
-        let req = r.left(&self.node, &self.name)?;
-        self.send_and_wait(req).await
+    fn resend(&self, r: Refused) -> Answer<'_> {
+        match r.left(&self.node, &self.name) {
+            Ok(req) => self.send_and_wait(req),
+            Err(e) => Answer::Ready(Some(Err(e.into()))),
+        }
     }
 
-    /// Sends a request and awaits its answer. An idempotent one is treated
-    /// as not run if the connection breaks before its answer.
-    async fn send_and_wait(&self, out: Outgoing) -> Result<Reply, Failure> {
+    /// Sends a request now, reading its answer while it spins; the future
+    /// of its answer (ready if it came within the spin). An idempotent one
+    /// is treated as not run if the connection breaks before its answer.
+    /// Callers await it at once, so sending before the first poll is the
+    /// same as sending at it; splitting the call this way keeps its
+    /// future small (the state kept across the wait is boxed, and only
+    /// when the call does wait): every layer above holds it, and a
+    /// server's task holds those in turn.
+    fn send_and_wait(&self, out: Outgoing) -> Answer<'_> {
+        match self.send_and_spin(out) {
+            Ok(AfterSpin::Answered(sent, got)) => Answer::Ready(Some(self.conclude(sent, got))),
+            Ok(AfterSpin::Waiting(sent, w)) => {
+                Answer::Waiting(Box::pin(self.await_answer(sent, w)))
+            }
+            Err(e) => Answer::Ready(Some(Err(e))),
+        }
+    }
+
+    /// The part of [`send_and_wait`](Self::send_and_wait) before any
+    /// await: sends the request and spins for its answer.
+    fn send_and_spin(&self, out: Outgoing) -> Result<AfterSpin, Failure> {
         let i = self;
         let (mut frame, lent, deadline, again) = out.into_frame();
         let r = &i.reader;
@@ -1203,30 +1237,70 @@ impl Inner {
             }
             (own, waiting, spun, frame, id)
         };
-        // From here the future may be dropped at an await: the call is
-        // then cancelled (see `Cancel`).
-        let mut cancel = Cancel {
-            inner: i,
+        let sent = Sent {
+            frame,
+            lent,
+            deadline,
+            again,
             id,
-            lent: Some(lent),
+            spun,
         };
-        let got = match (own, waiting, deadline) {
-            (Some(x), _, _) => Ok(x),
-            (None, None, _) => Ok(Err(RpcError::internal("a call lost its answer"))),
-            (None, Some(w), None) => w.await,
-            (None, Some(w), Some(d)) => match tokio::time::timeout_at(d.into(), w).await {
+        Ok(match (own, waiting) {
+            (Some(x), _) => AfterSpin::Answered(sent, Ok(x)),
+            (None, Some(w)) => AfterSpin::Waiting(sent, w),
+            (None, None) => {
+                AfterSpin::Answered(sent, Ok(Err(RpcError::internal("a call lost its answer"))))
+            }
+        })
+    }
+
+    /// Awaits the answer of a sent call whose spin ran out. Dropped at
+    /// its await, the call is cancelled (see `Cancel`).
+    async fn await_answer(
+        &self,
+        mut sent: Sent,
+        w: oneshot::Receiver<Result<Frame, RpcError>>,
+    ) -> Result<Reply, Failure> {
+        let mut cancel = Cancel {
+            inner: self,
+            id: sent.id,
+            lent: Some(std::mem::take(&mut sent.lent)),
+        };
+        let got = match sent.deadline {
+            None => w.await,
+            Some(d) => match tokio::time::timeout_at(d.into(), w).await {
                 Ok(r) => r,
                 Err(_) => {
                     drop(cancel);
                     return Err(RpcError::deadline_exceeded(format!(
                         "no answer from {:?} before the deadline",
-                        i.name
+                        self.name
                     ))
                     .into());
                 }
             },
         };
-        let lent = cancel.disarm();
+        sent.lent = cancel.disarm();
+        self.conclude(sent, got)
+    }
+
+    /// How a sent call ends, given its answer (`got`: `Err` if whoever
+    /// was to deliver it went away).
+    fn conclude(
+        &self,
+        sent: Sent,
+        got: Result<Result<Frame, RpcError>, oneshot::error::RecvError>,
+    ) -> Result<Reply, Failure> {
+        let i = self;
+        let r = &i.reader;
+        let Sent {
+            frame,
+            lent,
+            deadline,
+            again,
+            id,
+            spun,
+        } = sent;
         if let Some((spin, at)) = spun {
             // The wait began a spin before it ran out.
             r.ended_after_spin(spin, spin + at.elapsed());
@@ -1357,6 +1431,87 @@ impl Cancel<'_> {
     /// The call completed: what its argument lent, to end with it.
     fn disarm(&mut self) -> crate::payload::Lent {
         self.lent.take().unwrap_or_default()
+    }
+}
+
+/// A future whose output goes through a function when it is ready: a
+/// layer that adds nothing to the future's state but the function.
+pub(crate) struct Then<F, G>(F, Option<G>);
+
+impl<F, G> Then<F, G> {
+    pub(crate) fn new(fut: F, then: G) -> Self {
+        Then(fut, Some(then))
+    }
+}
+
+impl<F: std::future::Future, G: FnOnce(F::Output) -> T, T> std::future::Future for Then<F, G> {
+    type Output = T;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<T> {
+        // SAFETY: the inner future is pinned structurally: it is never
+        // moved out of `self`, which is pinned; the function is not
+        // pinned (only taken, by value).
+        let this = unsafe { self.get_unchecked_mut() };
+        // SAFETY: as above.
+        let fut = unsafe { std::pin::Pin::new_unchecked(&mut this.0) };
+        match fut.poll(cx) {
+            // (Polled again after it was ready: pending for ever, as the
+            // Future contract allows.)
+            Poll::Ready(v) => this.1.take().map_or(Poll::Pending, |g| Poll::Ready(g(v))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// A request sent, past its spin: what ends its call.
+struct Sent {
+    frame: Frame,
+    lent: crate::payload::Lent,
+    deadline: Option<Instant>,
+    again: crate::client::Again,
+    id: u64,
+    /// The spin that ran out, and when (for the waiting policy).
+    spun: Option<(Duration, Instant)>,
+}
+
+/// How a sent call's spin ended.
+enum AfterSpin {
+    /// With its answer (`Err`: whoever was to deliver it went away).
+    Answered(
+        Sent,
+        Result<Result<Frame, RpcError>, oneshot::error::RecvError>,
+    ),
+    /// With its answer to come through this receiver.
+    Waiting(Sent, oneshot::Receiver<Result<Frame, RpcError>>),
+}
+
+/// The answer of a call sent on a connection: ready (it came within the
+/// spin, or the call failed), or awaited. The state kept across the wait
+/// is boxed, so this stays small for the futures that hold it, and only
+/// calls that wait pay for the box.
+pub(crate) enum Answer<'a> {
+    /// Taken by the first poll.
+    Ready(Option<Result<Reply, Failure>>),
+    /// The wait.
+    Waiting(
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<Reply, Failure>> + Send + 'a>>,
+    ),
+}
+
+impl std::future::Future for Answer<'_> {
+    type Output = Result<Reply, Failure>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Self::Output> {
+        match &mut *self {
+            Answer::Ready(r) => Poll::Ready(
+                r.take()
+                    .unwrap_or_else(|| Err(RpcError::internal("an answer polled again").into())),
+            ),
+            Answer::Waiting(f) => f.as_mut().poll(cx),
+        }
     }
 }
 

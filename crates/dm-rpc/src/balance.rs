@@ -635,14 +635,14 @@ impl AsyncBalancedClient {
         }
     }
 
-    /// Calls `method` with `payload` on one replica.
-    pub async fn call(
-        &self,
-        method: &str,
+    /// Calls `method` with `payload` on one replica (chosen when the
+    /// future is first polled).
+    pub fn call<'a>(
+        &'a self,
+        method: &'a str,
         payload: impl Into<Payload>,
-    ) -> Result<Payload, RpcError> {
+    ) -> impl std::future::Future<Output = Result<Payload, RpcError>> + Send + 'a {
         self.call_with(method, payload.into(), CallOptions::default())
-            .await
     }
 
     /// Calls `method` with a copy of `data`, made once.
@@ -659,26 +659,29 @@ impl AsyncBalancedClient {
     }
 
     /// Calls `method` with options.
-    pub async fn call_with(
-        &self,
-        method: &str,
+    pub fn call_with<'a>(
+        &'a self,
+        method: &'a str,
         payload: Payload,
         opts: CallOptions,
-    ) -> Result<Payload, RpcError> {
-        let out = self.call_full(method, payload, opts, Metadata::new());
-        out.await.map(|r| r.payload)
+    ) -> impl std::future::Future<Output = Result<Payload, RpcError>> + Send + 'a {
+        self.call_with_metadata(method, payload, opts, Metadata::new())
     }
 
-    /// Calls `method` with options and metadata.
-    pub async fn call_with_metadata(
-        &self,
-        method: &str,
+    /// Calls `method` with options and metadata. (The layers above
+    /// `call_full` are its future, not futures around it: see
+    /// [`AsyncClient::call_full`](crate::AsyncClient::call_full).)
+    pub fn call_with_metadata<'a>(
+        &'a self,
+        method: &'a str,
         payload: Payload,
         opts: CallOptions,
         meta: Metadata,
-    ) -> Result<Payload, RpcError> {
-        let out = self.call_full(method, payload, opts, meta);
-        out.await.map(|r| r.payload)
+    ) -> impl std::future::Future<Output = Result<Payload, RpcError>> + Send + 'a {
+        crate::async_client::Then::new(
+            self.call_full(method, payload, opts, meta),
+            |r: Result<Reply, RpcError>| r.map(|r| r.payload),
+        )
     }
 
     /// Calls `method` with options and metadata on one replica, and
