@@ -1127,8 +1127,16 @@ impl Inner {
     fn send_and_wait(&self, out: Outgoing) -> Answer<'_> {
         match self.send_and_spin(out) {
             Ok(AfterSpin::Answered(sent, got)) => Answer::Ready(Some(self.conclude(sent, got))),
-            Ok(AfterSpin::Waiting(sent, w)) => {
-                Answer::Waiting(Box::pin(self.await_answer(sent, w)))
+            Ok(AfterSpin::Waiting(mut sent, w)) => {
+                // From here the call is cancelled if its future is dropped,
+                // even before the answer's future is first polled (the
+                // guard is the wait's argument: dropped with it).
+                let cancel = Cancel {
+                    inner: self,
+                    id: sent.id,
+                    lent: Some(std::mem::take(&mut sent.lent)),
+                };
+                Answer::Waiting(Box::pin(self.await_answer(sent, w, cancel)))
             }
             Err(e) => Answer::Ready(Some(Err(e))),
         }
@@ -1255,17 +1263,14 @@ impl Inner {
     }
 
     /// Awaits the answer of a sent call whose spin ran out. Dropped at
-    /// its await, the call is cancelled (see `Cancel`).
+    /// its await, the call is cancelled (`cancel`, which holds what the
+    /// call lent).
     async fn await_answer(
         &self,
         mut sent: Sent,
         w: oneshot::Receiver<Result<Frame, RpcError>>,
+        mut cancel: Cancel<'_>,
     ) -> Result<Reply, Failure> {
-        let mut cancel = Cancel {
-            inner: self,
-            id: sent.id,
-            lent: Some(std::mem::take(&mut sent.lent)),
-        };
         let got = match sent.deadline {
             None => w.await,
             Some(d) => match tokio::time::timeout_at(d.into(), w).await {
