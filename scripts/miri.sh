@@ -4,8 +4,9 @@
 # accessors with a producer and a consumer on two threads, the decoders of
 # frames (and their metadata), Refs, pool headers, page descriptors and
 # memory-server requests, the waiting policy, deadline propagation and an
-# answer's metadata slot, and a client's receiving half (taken in turn
-# by two threads). Undefined behaviour, an
+# answer's metadata slot, a client's receiving half (taken in turn by two
+# threads), and the async client's `Then` (its pinning is unsafe code).
+# Undefined behaviour, an
 # access out of bounds, a misaligned atomic or a data race fails them.
 # (Tests that map pool files cannot run there: Miri maps only anonymous
 # memory.) Needs the nightly toolchain; adds its miri component if missing.
@@ -18,6 +19,6 @@ fi
 # Isolation off: proptest looks up the working directory.
 export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
 export PROPTEST_CASES="${PROPTEST_CASES:-8}"
-cargo +nightly miri test -p dm-rpc --lib -- transport::ring frame:: metadata:: wait:: deadline:: handoff::
+cargo +nightly miri test -p dm-rpc --lib -- transport::ring frame:: metadata:: wait:: deadline:: handoff:: async_client::tests::then_
 cargo +nightly miri test -p dm-pool --lib -- layout:: refs:: desc:: pages::
 cargo +nightly miri test -p dm-memserver --lib -- proto:: cache::

@@ -1457,11 +1457,15 @@ impl<F: std::future::Future, G: FnOnce(F::Output) -> T, T> std::future::Future f
         // moved out of `self`, which is pinned; the function is not
         // pinned (only taken, by value).
         let this = unsafe { self.get_unchecked_mut() };
+        if this.1.is_none() {
+            // Polled again after it was ready (its future is done and
+            // must not be polled): pending for ever, as the Future
+            // contract allows.
+            return Poll::Pending;
+        }
         // SAFETY: as above.
         let fut = unsafe { std::pin::Pin::new_unchecked(&mut this.0) };
         match fut.poll(cx) {
-            // (Polled again after it was ready: pending for ever, as the
-            // Future contract allows.)
             Poll::Ready(v) => this.1.take().map_or(Poll::Pending, |g| Poll::Ready(g(v))),
             Poll::Pending => Poll::Pending,
         }
@@ -1598,6 +1602,52 @@ mod tests {
     use crate::frame::Body;
     use crate::transport::FrameTx;
     use std::sync::mpsc;
+
+    /// Pending at its first poll (waking its waker), ready at the next.
+    struct YieldOnce(bool);
+
+    impl std::future::Future for YieldOnce {
+        type Output = ();
+        fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<()> {
+            if self.0 {
+                return Poll::Ready(());
+            }
+            self.0 = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+
+    /// `Then` polls a future that borrows from itself across an await (so
+    /// must stay where it is pinned) and maps its output once; a second
+    /// poll after it was ready stays pending; one dropped while pending
+    /// drops its future in place. (Run under Miri by `scripts/miri.sh`:
+    /// its pinning is unsafe code.)
+    #[test]
+    fn then_maps_a_pinned_futures_output() {
+        use std::future::Future;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let inner = async {
+            let v = vec![1u8, 2, 3];
+            let r = &v;
+            YieldOnce(false).await;
+            r.len()
+        };
+        let mut t = std::pin::pin!(Then::new(inner, |n: usize| n * 10));
+        assert!(t.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(t.as_mut().poll(&mut cx), Poll::Ready(30));
+        assert!(t.as_mut().poll(&mut cx).is_pending());
+        let dropped = std::sync::Arc::new(());
+        let held = dropped.clone();
+        let pending = async move {
+            let _held = held;
+            YieldOnce(false).await;
+        };
+        let mut t = Box::pin(Then::new(pending, |()| ()));
+        assert!(t.as_mut().poll(&mut cx).is_pending());
+        drop(t);
+        assert_eq!(std::sync::Arc::strong_count(&dropped), 1);
+    }
 
     /// A receiving half fed by the test.
     struct FedRx(mpsc::Receiver<Frame>);
