@@ -15,12 +15,13 @@
 //!
 //! Sequential calls from one client: latency p50 and calls per second.
 //! By-Ref throughput should stay nearly flat as tiers grow. Then calls in
-//! flight: client threads (1, 4 and 16; 1, 2, 4, 8 and 16 in a full run), each with
-//! its own connection, through the same chain with async tiers (and as
-//! many tonic clients), calls per second at 7 tiers; and each mode's peak
-//! throughput, its best over those loads, since modes saturate at
-//! different loads (by value's 64 KiB records crowd the rings and caches
-//! sooner, by Ref amortizes its hand-offs over more calls).
+//! flight: client threads (1, 4 and 16; 1, 2, 4, 8 and 16 in a full
+//! run), each with its own connection, through the same chain with async
+//! tiers (and as many tonic clients), calls per second at 7 tiers; and
+//! each mode's peak throughput, its best over those loads, since modes
+//! saturate at different loads (by value's 64 KiB records crowd the
+//! rings and caches sooner, by Ref amortizes its hand-offs over more
+//! calls).
 //!
 //! The gRPC peer: the same chain built with tonic in the same tier
 //! processes, passing the bytes by value, once over loopback TCP and once
