@@ -102,7 +102,8 @@ impl Core {
     /// whose last share is dropped are pushed to `freed` (as they are).
     ///
     /// The hot loop walks entries a chunk (list page) at a time with plain
-    /// loads, holds one stripe lock at a time, and allocates nothing.
+    /// loads, holds one stripe lock at a time, and allocates nothing but
+    /// `freed`'s room (once, at the first page freed).
     #[allow(clippy::too_many_arguments)] // the protocol's inputs, each used once
     pub(crate) fn bulk_change(
         &self,
@@ -122,15 +123,17 @@ impl Core {
         // (a 1 KiB store on every call, 7% of a small Ref's lifecycle).
         let mut locked = [const { std::mem::MaybeUninit::<(u32, u64)>::uninit() }; BATCH];
         let mut nl = 0usize;
-        let mut last: Vec<u32> = Vec::new();
+        // Pages whose last share was dropped since the last flush (already
+        // in `freed`, which the caller uses only once this returns, after
+        // the final flush has recorded them).
+        let mut last = 0usize;
         // The stripe we hold, if any.
         let mut stripe: Option<u32> = None;
         let flush = |k: u32,
                      stripe: &mut Option<u32>,
                      locked: &[std::mem::MaybeUninit<(u32, u64)>],
                      nl: &mut usize,
-                     last: &mut Vec<u32>,
-                     freed: &mut Vec<u32>| {
+                     last: &mut usize| {
             book.store(d, k);
             for x in &locked[..*nl] {
                 // SAFETY: entries below `nl` were written since it was last
@@ -142,9 +145,7 @@ impl Core {
             if let Some(s) = stripe.take() {
                 t.unlock_stripe_of(s * STRIPE);
             }
-            for p in last.drain(..) {
-                freed.push(p);
-            }
+            *last = 0;
         };
         let one = [crate::sync::AtomicU32::new(match src {
             Src::One(p) => p,
@@ -193,14 +194,14 @@ impl Core {
                     continue;
                 }
                 if p >= np {
-                    flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                    flush(i, &mut stripe, &locked, &mut nl, &mut last);
                     break 'outer Err(crate::error::Error::Corrupt(format!(
                         "page index {p} is outside the pool ({np} pages)"
                     )));
                 }
                 if stripe.is_none_or(|st| p / STRIPE != st) {
                     // One stripe at a time: record and release before the next.
-                    flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                    flush(i, &mut stripe, &locked, &mut nl, &mut last);
                     match t.lock_stripe_of(p, di) {
                         Ok(None) => stripe = Some(p / STRIPE),
                         Ok(Some(other)) => {
@@ -215,8 +216,8 @@ impl Core {
                     locked[nl].write((p, w));
                     nl += 1;
                     i += 1;
-                    if nl + last.len() >= BATCH {
-                        flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                    if nl + last >= BATCH {
+                        flush(i, &mut stripe, &locked, &mut nl, &mut last);
                     }
                     continue;
                 }
@@ -225,31 +226,39 @@ impl Core {
                         locked[nl].write((p, w));
                         nl += 1;
                     }
-                    Ok(Changed::Last) => last.push(p),
+                    Ok(Changed::Last) => {
+                        if freed.len() == freed.capacity() {
+                            // Room for the rest at once: a dropped buffer
+                            // frees its pages together.
+                            freed.reserve((to - i) as usize);
+                        }
+                        freed.push(p);
+                        last += 1;
+                    }
                     Ok(Changed::NotHeld) => {
-                        flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                        flush(i, &mut stripe, &locked, &mut nl, &mut last);
                         break 'outer Ok(Stop::NotHeld(i));
                     }
                     Ok(Changed::Busy(other)) => {
-                        flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                        flush(i, &mut stripe, &locked, &mut nl, &mut last);
                         self.wait_busy(p, other, &mut spins, freed);
                         k = i;
                         continue 'outer;
                     }
                     Err(e) => {
-                        flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                        flush(i, &mut stripe, &locked, &mut nl, &mut last);
                         break 'outer Err(e.into());
                     }
                 }
                 i += 1;
-                if nl + last.len() >= BATCH {
-                    flush(i, &mut stripe, &locked, &mut nl, &mut last, freed);
+                if nl + last >= BATCH {
+                    flush(i, &mut stripe, &locked, &mut nl, &mut last);
                 }
             }
             k = end;
         };
         if let Ok(Stop::Done) = stop {
-            flush(to, &mut stripe, &locked, &mut nl, &mut last, freed);
+            flush(to, &mut stripe, &locked, &mut nl, &mut last);
         }
         stop
     }

@@ -56,7 +56,7 @@ fn main() {
         };
         let node = Node::with_config(pool, tier_cfg);
         let n = node.clone();
-        let next = format!("profile/chain/{}", k + 1);
+        let next: std::sync::Arc<str> = format!("profile/chain/{}", k + 1).into();
         let cl = std::sync::OnceLock::new();
         if (env("CONC", 1) > 1 || env("ASYNC", 0) == 1) && k + 1 < tiers {
             let acl = std::sync::Arc::new(std::sync::OnceLock::new());

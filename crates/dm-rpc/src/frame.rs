@@ -158,7 +158,96 @@ pub enum Body {
     /// Bytes, copied with the frame.
     Inline(Vec<u8>),
     /// References to pool memory (one or more).
-    Refs(Vec<Ref>),
+    Refs(Refs),
+}
+
+/// The Refs of a payload: one kept in place, more in a vector. A payload
+/// nearly always carries one Ref (this version's calls send one), and a
+/// frame is made and parsed at every hop of a forwarded call: keeping that
+/// one Ref in place spares an allocation on each side of each hop.
+#[derive(Clone)]
+pub struct Refs(RefsRepr);
+
+#[derive(Clone)]
+enum RefsRepr {
+    One(Ref),
+    Many(Vec<Ref>),
+}
+
+impl Refs {
+    /// One Ref.
+    pub fn one(r: Ref) -> Self {
+        Refs(RefsRepr::One(r))
+    }
+
+    /// The Refs, in order.
+    pub fn as_slice(&self) -> &[Ref] {
+        self
+    }
+}
+
+impl<'a> IntoIterator for &'a Refs {
+    type Item = &'a Ref;
+    type IntoIter = std::slice::Iter<'a, Ref>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl std::ops::Deref for Refs {
+    type Target = [Ref];
+    fn deref(&self) -> &[Ref] {
+        match &self.0 {
+            RefsRepr::One(r) => std::slice::from_ref(r),
+            RefsRepr::Many(v) => v,
+        }
+    }
+}
+
+impl From<Ref> for Refs {
+    fn from(r: Ref) -> Self {
+        Refs::one(r)
+    }
+}
+
+impl From<Vec<Ref>> for Refs {
+    fn from(v: Vec<Ref>) -> Self {
+        match <[Ref; 1]>::try_from(v) {
+            Ok([r]) => Refs::one(r),
+            Err(v) => Refs(RefsRepr::Many(v)),
+        }
+    }
+}
+
+impl FromIterator<Ref> for Refs {
+    fn from_iter<I: IntoIterator<Item = Ref>>(iter: I) -> Self {
+        let mut it = iter.into_iter();
+        let Some(first) = it.next() else {
+            return Refs(RefsRepr::Many(Vec::new()));
+        };
+        match it.next() {
+            None => Refs::one(first),
+            Some(second) => {
+                let mut v = vec![first, second];
+                v.extend(it);
+                Refs(RefsRepr::Many(v))
+            }
+        }
+    }
+}
+
+impl PartialEq for Refs {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Refs {}
+
+impl std::fmt::Debug for Refs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
 }
 
 impl Body {
@@ -348,7 +437,7 @@ impl Frame {
     pub fn echo(call_id: u64, r: Ref) -> Frame {
         Frame {
             flags: FLAG_ECHO,
-            ..Frame::response(call_id, Status::Ok, Body::Refs(vec![r]))
+            ..Frame::response(call_id, Status::Ok, Body::Refs(Refs::one(r)))
         }
     }
 
@@ -441,7 +530,7 @@ impl Frame {
             Body::None => {}
             Body::Inline(b) => put(b),
             Body::Refs(rs) => {
-                for r in rs {
+                for r in rs.iter() {
                     put(&r.to_bytes());
                 }
             }
@@ -494,12 +583,14 @@ impl Frame {
     /// Decodes one whole record (a ring's unit) that must hold exactly one
     /// frame, given as its first bytes `head` (up to [`HEADER_LEN`]) and the
     /// rest `rest`, already copied out of shared memory. An inline payload
-    /// becomes `rest` itself, with no further copy. Same checks as
+    /// becomes `rest` itself, with no further copy (`rest` is left empty);
+    /// otherwise `rest` is left as it was, so that the caller can copy the
+    /// next record into the same vector. Same checks as
     /// [`decode`](Self::decode), plus the length: a record shorter or longer
     /// than its frame is [`FrameError::Record`].
     pub fn decode_record(
         head: &[u8],
-        mut rest: Vec<u8>,
+        rest: &mut Vec<u8>,
         limits: &Limits,
     ) -> Result<Frame, FrameError> {
         let record = head.len() + rest.len();
@@ -528,9 +619,11 @@ impl Frame {
             0 => Metadata::default(),
             _ => Metadata::decode(&rest[len..])?,
         };
-        rest.truncate(len);
         let payload = match head.pkind {
-            1 => Body::Inline(rest),
+            1 => {
+                rest.truncate(len);
+                Body::Inline(std::mem::take(rest))
+            }
             _ => Body::None,
         };
         Ok(head.frame(payload, meta))
@@ -733,7 +826,7 @@ pub fn fuzz_decode(data: &[u8]) {
         max_meta: 1 << 10,
     };
     let cut = data.len().min(HEADER_LEN);
-    let record = Frame::decode_record(&data[..cut], data[cut..].to_vec(), &limits);
+    let record = Frame::decode_record(&data[..cut], &mut data[cut..].to_vec(), &limits);
     // The length the header announces (payload and metadata), if the
     // header is whole.
     let u32_at = |i: usize| u32::from_le_bytes([data[i], data[i + 1], data[i + 2], data[i + 3]]);
@@ -882,11 +975,56 @@ mod tests {
             prop_assert!(buf.is_empty());
         }
 
+        /// However they are made, `Refs` hold the Refs given, in order,
+        /// and compare and print as the vector of them would.
+        #[test]
+        fn refs_hold_what_they_are_made_of(tags in proptest::collection::vec(any::<u64>(), 0..5)) {
+            let v: Vec<Ref> = tags.iter().map(|&tag| Ref { tag, ..a_ref() }).collect();
+            let from_vec = Refs::from(v.clone());
+            let collected: Refs = v.iter().copied().collect();
+            prop_assert_eq!(from_vec.as_slice(), v.as_slice());
+            prop_assert_eq!(&collected, &from_vec);
+            prop_assert_eq!(format!("{collected:?}"), format!("{v:?}"));
+            prop_assert_eq!((&from_vec).into_iter().count(), v.len());
+            if let [r] = v.as_slice() {
+                prop_assert_eq!(Refs::one(*r), from_vec);
+            }
+        }
+
         #[test]
         fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200)) {
             fuzz_decode(&b);
             let _ = Frame::decode(&b, &Limits::default());
         }
+    }
+
+    /// A record's rest is taken by an inline payload only: after a Refs
+    /// or an empty frame the vector is left, with its room, for the next
+    /// record.
+    #[test]
+    fn decode_record_leaves_the_rest_unless_an_inline_payload_takes_it() {
+        let l = Limits::default();
+        let mut rest = Vec::with_capacity(64);
+        for f in [
+            Frame::request(1, 9, 0, Body::Refs(Refs::one(a_ref()))),
+            Frame::response(1, Status::Ok, Body::None),
+        ] {
+            let b = f.encode();
+            rest.clear();
+            rest.extend_from_slice(&b[HEADER_LEN..]);
+            let room = rest.as_ptr();
+            assert_eq!(Frame::decode_record(&b[..HEADER_LEN], &mut rest, &l), Ok(f));
+            assert_eq!(rest.as_ptr(), room, "the vector is kept");
+        }
+        let inline = Frame::response(2, Status::Ok, Body::Inline(vec![5; 8]));
+        let b = inline.encode();
+        rest.clear();
+        rest.extend_from_slice(&b[HEADER_LEN..]);
+        assert_eq!(
+            Frame::decode_record(&b[..HEADER_LEN], &mut rest, &l),
+            Ok(inline)
+        );
+        assert_eq!(rest.capacity(), 0, "the payload took the vector");
     }
 
     #[test]
@@ -902,7 +1040,7 @@ mod tests {
             req.clone(),
             Frame::item(3, Body::None),
             Frame::item(3, Body::Inline(vec![7; 10])),
-            Frame::item(3, Body::Refs(vec![a_ref()])),
+            Frame::item(3, Body::Refs(Refs::one(a_ref()))),
             Frame::credit(3, 16),
         ] {
             assert_eq!(decode(&f), Ok(Some(f.clone())));
@@ -923,7 +1061,7 @@ mod tests {
         assert!(inconsistent(item));
         let meta = crate::metadata::Metadata::new().with("k", "v").unwrap();
         assert!(inconsistent(Frame::item(3, Body::None).with_meta(meta)));
-        let mut item = Frame::item(3, Body::Refs(vec![a_ref()]));
+        let mut item = Frame::item(3, Body::Refs(Refs::one(a_ref())));
         item.flags = FLAG_ECHO;
         assert!(inconsistent(item));
         // A credit grants at least one item, and carries nothing else.
@@ -950,7 +1088,7 @@ mod tests {
             5,
             method_id("shop/images/resize"),
             1000,
-            Body::Refs(vec![a_ref()]),
+            Body::Refs(Refs::one(a_ref())),
         )
         .encode();
         let bad = |at: usize, v: u8| {
@@ -990,7 +1128,7 @@ mod tests {
         );
         let echo = Frame::echo(5, a_ref()).encode();
         assert!(Frame::decode(&echo, &l).is_ok());
-        let mut two = Frame::response(5, Status::Ok, Body::Refs(vec![a_ref(), a_ref()]));
+        let mut two = Frame::response(5, Status::Ok, Body::Refs(vec![a_ref(), a_ref()].into()));
         two.flags = FLAG_ECHO;
         assert!(
             matches!(
@@ -1001,18 +1139,18 @@ mod tests {
         );
         let head = &good[..HEADER_LEN];
         assert_eq!(
-            Frame::decode_record(head, good[HEADER_LEN..].to_vec(), &l),
+            Frame::decode_record(head, &mut good[HEADER_LEN..].to_vec(), &l),
             Ok(Frame::decode(&good, &l).unwrap().unwrap().0)
         );
         assert_eq!(
-            Frame::decode_record(head, good[HEADER_LEN + 1..].to_vec(), &l),
+            Frame::decode_record(head, &mut good[HEADER_LEN + 1..].to_vec(), &l),
             Err(FrameError::Record {
                 record: good.len() - 1,
                 frame: Some(good.len())
             })
         );
         assert_eq!(
-            Frame::decode_record(&good[..10], Vec::new(), &l),
+            Frame::decode_record(&good[..10], &mut Vec::new(), &l),
             Err(FrameError::Record {
                 record: 10,
                 frame: None
@@ -1033,8 +1171,11 @@ mod tests {
         let with = Frame::request(4, 9, 0, Body::Inline(vec![1, 2, 3])).with_meta(meta);
         let b = with.encode();
         assert_eq!(Frame::decode(&b, &l), Ok(Some((with.clone(), b.len()))));
-        let rest = b[HEADER_LEN..].to_vec();
-        assert_eq!(Frame::decode_record(&b[..HEADER_LEN], rest, &l), Ok(with));
+        let mut rest = b[HEADER_LEN..].to_vec();
+        assert_eq!(
+            Frame::decode_record(&b[..HEADER_LEN], &mut rest, &l),
+            Ok(with)
+        );
         assert_eq!(Frame::decode(&b[..b.len() - 1], &l), Ok(None), "cut short");
         let mut upper = b.clone();
         upper[HEADER_LEN + 3 + 1] = b'T';
@@ -1042,9 +1183,9 @@ mod tests {
             Frame::decode(&upper, &l),
             Err(FrameError::Metadata(_))
         ));
-        let rest = upper[HEADER_LEN..].to_vec();
+        let mut rest = upper[HEADER_LEN..].to_vec();
         assert!(matches!(
-            Frame::decode_record(&upper[..HEADER_LEN], rest, &l),
+            Frame::decode_record(&upper[..HEADER_LEN], &mut rest, &l),
             Err(FrameError::Metadata(_))
         ));
         let meta = crate::metadata::Metadata::new().with("k", "v").unwrap();
@@ -1080,7 +1221,7 @@ mod tests {
             Frame::decode(&b, &l),
             Err(FrameError::Ref { index: 0, .. })
         ));
-        let many = Frame::response(1, Status::Ok, Body::Refs(vec![a_ref(); 65])).encode();
+        let many = Frame::response(1, Status::Ok, Body::Refs(vec![a_ref(); 65].into())).encode();
         assert_eq!(
             Frame::decode(&many, &l),
             Err(FrameError::TooManyRefs { count: 65, max: 64 })
@@ -1100,7 +1241,8 @@ mod tests {
         let mut g = Frame::go_away(3).encode();
         g[3] = 7;
         assert_eq!(Frame::decode(&g, &l), Err(FrameError::Kind(7)));
-        let err_refs = Frame::response(1, Status::Internal, Body::Refs(vec![a_ref()])).encode();
+        let err_refs =
+            Frame::response(1, Status::Internal, Body::Refs(Refs::one(a_ref()))).encode();
         assert!(matches!(
             Frame::decode(&err_refs, &l),
             Err(FrameError::Inconsistent(_))

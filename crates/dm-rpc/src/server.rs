@@ -113,7 +113,7 @@ impl Incoming<'_> {
 /// Methods by id. The ids are FNV-1a hashes of the names already
 /// ([`method_id`]), so the map uses them as they are instead of hashing
 /// them again on every request.
-type Methods = HashMap<u32, (String, Method), std::hash::BuildHasherDefault<IdHasher>>;
+type Methods = HashMap<u32, (Arc<str>, Method), std::hash::BuildHasherDefault<IdHasher>>;
 
 /// A hasher for keys that are hashes: the `u32` itself.
 #[derive(Default)]
@@ -161,8 +161,8 @@ pub struct AsyncCall {
     /// handler's future makes while it is polled inherit it
     /// ([`crate::deadline`]).
     pub deadline: Option<Instant>,
-    /// The method's name.
-    pub method: String,
+    /// The method's name (shared with the server's table of methods).
+    pub method: Arc<str>,
     /// This process's node, for nested calls.
     pub node: Node,
     /// The request's metadata ([`crate::metadata`]).
@@ -408,7 +408,7 @@ impl ServerBuilder {
         if let Some((other, _)) = self.methods.get(&id) {
             self.clash = Some(format!("methods {other:?} and {name:?} have the same id"));
         }
-        self.methods.insert(id, (name.to_owned(), m));
+        self.methods.insert(id, (name.into(), m));
         self
     }
 
@@ -715,6 +715,9 @@ fn pending(conn: ConnId, frame: Frame) -> Pending {
 #[derive(Default)]
 struct Tasks {
     slots: Vec<Option<Task>>,
+    /// Each slot's waker, made with the slot and kept for every call the
+    /// slot holds (no allocation per call).
+    wakers: Vec<std::task::Waker>,
     free: Vec<usize>,
     /// Slots whose futures were woken (filled by their wakers).
     woken: Arc<Mutex<Vec<usize>>>,
@@ -728,7 +731,6 @@ struct Task {
     /// The method's id (for a panic's message).
     method: u32,
     fut: HandlerFuture,
-    waker: std::task::Waker,
     /// What it is polled in.
     scope: Scope,
     /// An async stream's items on their way out.
@@ -1113,7 +1115,7 @@ impl Dispatcher {
     /// before its first await); a panic is the call's error.
     fn start_future(
         &self,
-        name: &str,
+        name: &Arc<str>,
         (body, metadata): (Body, Metadata),
         scope: &mut Scope,
         make: impl FnOnce(AsyncCall) -> HandlerFuture,
@@ -1121,7 +1123,7 @@ impl Dispatcher {
         let call = AsyncCall {
             payload: Payload::from_request_body(body, &self.node)?,
             deadline: scope.deadline,
-            method: name.to_owned(),
+            method: name.clone(),
             node: self.node.clone(),
             metadata,
         };
@@ -1142,19 +1144,19 @@ impl Dispatcher {
     ) {
         let t = &mut self.tasks;
         let slot = t.free.pop().unwrap_or_else(|| {
+            let slot = t.slots.len();
             t.slots.push(None);
-            t.slots.len() - 1
+            t.wakers.push(std::task::Waker::from(Arc::new(TaskWake {
+                slot,
+                woken: t.woken.clone(),
+                poke: self.waker.clone(),
+            })));
+            slot
         });
-        let waker = std::task::Waker::from(Arc::new(TaskWake {
-            slot,
-            woken: t.woken.clone(),
-            poke: self.waker.clone(),
-        }));
         t.slots[slot] = Some(Task {
             to,
             method,
             fut,
-            waker,
             scope,
             outlet,
         });
@@ -1226,13 +1228,14 @@ impl Dispatcher {
     /// Polls the call in `slot`; answers it if it completed (a panic is
     /// `Internal`).
     fn poll_task(&mut self, slot: usize) {
-        let Some(task) = self.tasks.slots.get_mut(slot).and_then(Option::as_mut) else {
+        let Tasks { slots, wakers, .. } = &mut self.tasks;
+        let Some(task) = slots.get_mut(slot).and_then(Option::as_mut) else {
             return;
         };
         let method = task.method;
         let polled = {
             let _rt = self.rt.as_ref().map(|rt| rt.enter());
-            let mut cx = std::task::Context::from_waker(&task.waker);
+            let mut cx = std::task::Context::from_waker(&wakers[slot]);
             let (fut, scope) = (&mut task.fut, &mut task.scope);
             polling_with(self.watch.as_ref(), || {
                 scope.run(|| fut.as_mut().poll(&mut cx))
@@ -1242,7 +1245,7 @@ impl Dispatcher {
             Ok(Poll::Pending) => return,
             Ok(Poll::Ready(r)) => r,
             Err(p) => {
-                let name = self.methods.get(&method).map_or("?", |(n, _)| n.as_str());
+                let name = self.methods.get(&method).map_or("?", |(n, _)| &**n);
                 Err(panicked(name, &*p))
             }
         };
@@ -1461,7 +1464,7 @@ fn run_stream(
 /// the call's scope: the first error is the call's.
 fn intercept(
     interceptors: &[Interceptor],
-    method: Option<&(String, Method)>,
+    method: Option<&(Arc<str>, Method)>,
     frame: &Frame,
     scope: &mut Scope,
 ) -> Result<(), RpcError> {

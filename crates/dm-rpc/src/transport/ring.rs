@@ -577,7 +577,7 @@ pub fn fuzz_consume(data: &[u8]) {
                 assert!(len <= max_record(1024));
                 assert_eq!(len, len.min(head.len()) + rest.len());
                 let h = &head[..len.min(head.len())];
-                let _ = crate::frame::Frame::decode_record(h, std::mem::take(&mut rest), &limits);
+                let _ = crate::frame::Frame::decode_record(h, &mut rest, &limits);
             }
             Ok(None) | Err(_) => break,
         }

@@ -174,6 +174,10 @@ struct ShmRx {
     bell: &'static AtomicU32,
     limits: Limits,
     sh: Arc<ClientShared>,
+    /// Where a record's bytes past its header are copied: an inline
+    /// payload takes the vector, other records leave it for the next
+    /// (a by-Ref answer then costs no allocation).
+    rest: Vec<u8>,
 }
 
 /// The policy of a producer waiting for room in a full ring: the consumer
@@ -228,6 +232,7 @@ pub fn connect(
             ..Limits::default()
         },
         sh,
+        rest: Vec::new(),
     };
     let goaway = Arc::new(ShmGoAway {
         word: p.goaway,
@@ -348,26 +353,21 @@ impl FrameTx for ShmTx {
 
 impl ShmRx {
     /// The frame of a record of `len` bytes taken as `head` and `rest`.
-    fn decode(
-        &self,
-        head: &[u8; HEADER_LEN],
-        len: usize,
-        rest: Vec<u8>,
-    ) -> Result<Frame, TransportError> {
+    fn decode(&mut self, head: &[u8; HEADER_LEN], len: usize) -> Result<Frame, TransportError> {
         let h = &head[..len.min(HEADER_LEN)];
-        Ok(Frame::decode_record(h, rest, &self.limits)?)
+        Ok(Frame::decode_record(h, &mut self.rest, &self.limits)?)
     }
 }
 
 impl FrameRx for ShmRx {
     fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         let sh = &self.sh;
-        let cons = &mut self.cons;
-        let (mut head, mut rest) = ([0u8; HEADER_LEN], Vec::new());
+        let (cons, rest) = (&mut self.cons, &mut self.rest);
+        let mut head = [0u8; HEADER_LEN];
         let got = match self.waiter.wait(
             Bell(self.bell),
             deadline,
-            || cons.try_pop_split(&mut head, &mut rest).transpose(),
+            || cons.try_pop_split(&mut head, rest).transpose(),
             || sh.check_peer(),
         ) {
             Ok(got) => got,
@@ -377,22 +377,22 @@ impl FrameRx for ShmRx {
             // reported once none is left. (Seeing it closed, by an Acquire
             // load of the channel's state, orders every record published
             // before the close before the look here.)
-            Err(e) => match cons.try_pop_split(&mut head, &mut rest)? {
+            Err(e) => match cons.try_pop_split(&mut head, rest)? {
                 Some(len) => Some(Ok(len)),
                 None => return Err(e),
             },
         };
         match got {
             None => Ok(None),
-            Some(len) => Ok(Some(self.decode(&head, len?, rest)?)),
+            Some(len) => Ok(Some(self.decode(&head, len?)?)),
         }
     }
 
     fn try_recv(&mut self) -> Result<Option<Frame>, TransportError> {
-        let (mut head, mut rest) = ([0u8; HEADER_LEN], Vec::new());
-        match self.cons.try_pop_split(&mut head, &mut rest)? {
+        let mut head = [0u8; HEADER_LEN];
+        match self.cons.try_pop_split(&mut head, &mut self.rest)? {
             None => Ok(None),
-            Some(len) => Ok(Some(self.decode(&head, len, rest)?)),
+            Some(len) => Ok(Some(self.decode(&head, len)?)),
         }
     }
 
@@ -753,7 +753,7 @@ impl ShmListener {
     /// room; else it is held (`None`), and so is a cancel of a held one.
     fn decode_for(&mut self, i: usize) -> Option<Frame> {
         let h = &self.head[..self.rec_len.min(HEADER_LEN)];
-        let f = match Frame::decode_record(h, std::mem::take(&mut self.rest), &self.limits) {
+        let f = match Frame::decode_record(h, &mut self.rest, &self.limits) {
             Ok(f) => f,
             _ => {
                 self.drop_conn(i);

@@ -269,8 +269,8 @@ impl Partial {
         self.got == self.body.len()
     }
 
-    fn frame(self) -> Result<Frame, FrameError> {
-        Frame::decode_record(&self.head, self.body, &limits())
+    fn frame(mut self) -> Result<Frame, FrameError> {
+        Frame::decode_record(&self.head, &mut self.body, &limits())
     }
 }
 

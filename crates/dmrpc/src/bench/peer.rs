@@ -222,7 +222,8 @@ fn chain_async_tier(
     mode: Option<&str>,
 ) -> Result<dm_rpc::Server> {
     let node = chain_node(pool, mode);
-    let next = (next != "-").then(|| next.to_owned());
+    // (Shared, so that a call's copy of it is not an allocation.)
+    let next: Option<std::sync::Arc<str>> = (next != "-").then(|| next.into());
     let client: std::sync::Arc<std::sync::OnceLock<dm_rpc::AsyncClient>> = Default::default();
     Ok(node
         .server(name)
