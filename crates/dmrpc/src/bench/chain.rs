@@ -21,7 +21,11 @@
 //! each mode's peak throughput, its best over those loads, since modes
 //! saturate at different loads (by value's 64 KiB records crowd the
 //! rings and caches sooner, by Ref amortizes its hand-offs over more
-//! calls).
+//! calls). The peak ratio is then measured again in paired rounds: by Ref
+//! and by value back to back at their peak loads, the order alternating,
+//! and the median of the rounds' ratios reported with their range (the
+//! peaks themselves are cells seconds apart, on a host whose speed
+//! drifts between them).
 //!
 //! The gRPC peer: the same chain built with tonic in the same tier
 //! processes, passing the bytes by value, once over loopback TCP and once
@@ -47,6 +51,10 @@ use std::time::{Duration, Instant};
 const TIERS: usize = 7;
 /// Calls at once in the in-flight rows (a quick run: 1, 4 and 16).
 const IN_FLIGHT: &[usize] = &[1, 2, 4, 8, 16];
+
+/// Rounds of by Ref and by value back to back at their peak loads: the
+/// peak ratio measured in pairs (see `run`).
+const PAIRED_ROUNDS: usize = 5;
 
 /// One client's calls: made once per client thread, called in a loop.
 type Caller<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
@@ -149,7 +157,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     } else {
         IN_FLIGHT.to_vec()
     };
-    let cells = sizes.len() * tiers.len() + load_sizes.len() * in_flight.len() + net_cells;
+    let cells = sizes.len() * tiers.len()
+        + load_sizes.len() * (in_flight.len() + PAIRED_ROUNDS)
+        + net_cells;
     super::progress::start("chain", cells as u64);
     let id = std::process::id();
     let bp = BenchPool::create(
@@ -297,18 +307,23 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         let data: Vec<u8> = (0..size).map(|i| (i * 11) as u8).collect();
         let want = super::peer::sum(&[&data]);
         let bytes = bytes::Bytes::from(data.clone());
+        // `k` client threads of `mode` for `budget`.
+        let dm = |mode: &'static str, k: usize, budget: Duration| {
+            let node = if mode == "ref" { &by_ref } else { &by_value };
+            loaded(k, budget, &sw, |_| {
+                let (c, data) = (node.connect(&aname(mode, 0))?, &data);
+                Ok(Box::new(move || {
+                    let p = super::peer::request(pool, mode, data)?;
+                    check(c.call("go", p)?.to_vec()?, want)
+                }))
+            })
+        };
         // Each mode's best calls per second, and at how many in flight.
         let mut best = [(0.0f64, 0usize); 4];
         for &k in &in_flight {
             let mut cells = Vec::new();
-            for (mode, node) in [("ref", &by_ref), ("value", &by_value)] {
-                cells.push(loaded(k, budget, &sw, |_| {
-                    let (c, data) = (node.connect(&aname(mode, 0))?, &data);
-                    Ok(Box::new(move || {
-                        let p = super::peer::request(pool, mode, data)?;
-                        check(c.call("go", p)?.to_vec()?, want)
-                    }))
-                })?);
+            for mode in ["ref", "value"] {
+                cells.push(dm(mode, k, budget)?);
             }
             for addrs in [&grpc_addrs, &uds_addrs] {
                 cells.push(loaded(k, budget, &sw, |_| {
@@ -369,9 +384,50 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             best[0].0 / best[2].0,
             best[0].0 / best[3].0
         );
+        // The peak ratio compares cells measured seconds apart, on a host
+        // whose speed drifts by tens of percent in that time: measured
+        // again in paired rounds (by Ref and by value back to back, each
+        // at its peak load, the order alternating), the median of the
+        // rounds' ratios is the steadier figure.
+        let (mut ratios, mut rounds) = (Vec::new(), Vec::new());
+        for r in 0..PAIRED_ROUNDS {
+            let (first, second) = if r % 2 == 0 {
+                ("ref", "value")
+            } else {
+                ("value", "ref")
+            };
+            let k = |m: &str| if m == "ref" { best[0].1 } else { best[1].1 };
+            let a_cell = dm(first, k(first), budget)?;
+            let b_cell = dm(second, k(second), budget)?;
+            let (rf, vl) = if first == "ref" {
+                (a_cell.per_s, b_cell.per_s)
+            } else {
+                (b_cell.per_s, a_cell.per_s)
+            };
+            ratios.push(rf / vl);
+            let mut o = Obj::default();
+            o.num("ref_calls_per_s", rf);
+            o.num("value_calls_per_s", vl);
+            o.num("ratio", rf / vl);
+            rounds.push(o);
+            super::progress::tick(format!("{} paired round {}", fmt_size(size as u64), r + 1));
+        }
+        let (lo, hi) = ratios
+            .iter()
+            .fold((f64::INFINITY, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
+        let paired = super::peer::median(&mut ratios.clone());
+        say!(
+            "{:>9} paired rounds at those loads: by Ref / by value = {paired:.1}x (median of {PAIRED_ROUNDS}; range {lo:.1}-{hi:.1}x){target}",
+            fmt_size(size as u64),
+        );
         let mut o = Obj::default();
         o.num("size", size as f64);
         o.num("tiers", TIERS as f64);
+        o.num("paired_rounds", PAIRED_ROUNDS as f64);
+        o.num("paired_ref_over_value_median", paired);
+        o.num("paired_ref_over_value_min", lo);
+        o.num("paired_ref_over_value_max", hi);
+        o.arr("paired", &rounds);
         for (m, b) in modes.iter().zip(&best) {
             o.num(&format!("{m}_calls_per_s"), b.0);
             o.num(&format!("{m}_in_flight"), b.1 as f64);
@@ -401,7 +457,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at; tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at, and the ratio measured again in paired rounds (by Ref and by value back to back at those loads, the order alternating; the median of the rounds' ratios, and their range); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc",
     );
     res.obj("machine", &super::machine());
     res.str(
