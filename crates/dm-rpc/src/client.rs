@@ -808,8 +808,8 @@ pub(crate) fn orphan(node: &Node, f: Frame) {
         return;
     }
     if let Body::Refs(rs) = f.payload {
-        for r in rs.iter() {
-            let _ = node.pool.release_ref(r);
+        for r in rs {
+            let _ = node.pool.release_ref(&r);
         }
     }
 }

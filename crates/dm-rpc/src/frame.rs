@@ -158,96 +158,7 @@ pub enum Body {
     /// Bytes, copied with the frame.
     Inline(Vec<u8>),
     /// References to pool memory (one or more).
-    Refs(Refs),
-}
-
-/// The Refs of a payload: one kept in place, more in a vector. A payload
-/// nearly always carries one Ref (this version's calls send one), and a
-/// frame is made and parsed at every hop of a forwarded call: keeping that
-/// one Ref in place spares an allocation on each side of each hop.
-#[derive(Clone)]
-pub struct Refs(RefsRepr);
-
-#[derive(Clone)]
-enum RefsRepr {
-    One(Ref),
-    Many(Vec<Ref>),
-}
-
-impl Refs {
-    /// One Ref.
-    pub fn one(r: Ref) -> Self {
-        Refs(RefsRepr::One(r))
-    }
-
-    /// The Refs, in order.
-    pub fn as_slice(&self) -> &[Ref] {
-        self
-    }
-}
-
-impl<'a> IntoIterator for &'a Refs {
-    type Item = &'a Ref;
-    type IntoIter = std::slice::Iter<'a, Ref>;
-    fn into_iter(self) -> Self::IntoIter {
-        self.iter()
-    }
-}
-
-impl std::ops::Deref for Refs {
-    type Target = [Ref];
-    fn deref(&self) -> &[Ref] {
-        match &self.0 {
-            RefsRepr::One(r) => std::slice::from_ref(r),
-            RefsRepr::Many(v) => v,
-        }
-    }
-}
-
-impl From<Ref> for Refs {
-    fn from(r: Ref) -> Self {
-        Refs::one(r)
-    }
-}
-
-impl From<Vec<Ref>> for Refs {
-    fn from(v: Vec<Ref>) -> Self {
-        match <[Ref; 1]>::try_from(v) {
-            Ok([r]) => Refs::one(r),
-            Err(v) => Refs(RefsRepr::Many(v)),
-        }
-    }
-}
-
-impl FromIterator<Ref> for Refs {
-    fn from_iter<I: IntoIterator<Item = Ref>>(iter: I) -> Self {
-        let mut it = iter.into_iter();
-        let Some(first) = it.next() else {
-            return Refs(RefsRepr::Many(Vec::new()));
-        };
-        match it.next() {
-            None => Refs::one(first),
-            Some(second) => {
-                let mut v = vec![first, second];
-                v.extend(it);
-                Refs(RefsRepr::Many(v))
-            }
-        }
-    }
-}
-
-impl PartialEq for Refs {
-    fn eq(&self, other: &Self) -> bool {
-        **self == **other
-    }
-}
-
-impl Eq for Refs {}
-
-impl std::fmt::Debug for Refs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
-    }
+    Refs(Vec<Ref>),
 }
 
 impl Body {
@@ -437,7 +348,7 @@ impl Frame {
     pub fn echo(call_id: u64, r: Ref) -> Frame {
         Frame {
             flags: FLAG_ECHO,
-            ..Frame::response(call_id, Status::Ok, Body::Refs(Refs::one(r)))
+            ..Frame::response(call_id, Status::Ok, Body::Refs(vec![r]))
         }
     }
 
@@ -530,7 +441,7 @@ impl Frame {
             Body::None => {}
             Body::Inline(b) => put(b),
             Body::Refs(rs) => {
-                for r in rs.iter() {
+                for r in rs {
                     put(&r.to_bytes());
                 }
             }
@@ -784,17 +695,18 @@ impl Head {
         Ok(match self.pkind {
             0 => Body::None,
             1 => Body::Inline(body.to_vec()),
-            _ => Body::Refs(
-                body.chunks_exact(Ref::SIZE)
-                    .enumerate()
-                    .map(|(i, c)| {
-                        Ref::from_bytes(c).map_err(|error| FrameError::Ref {
-                            index: i as u32,
-                            error,
-                        })
-                    })
-                    .collect::<Result<_, _>>()?,
-            ),
+            _ => {
+                // (Exactly as many as there are: collected from a fallible
+                // iterator, a vector would start with room for four.)
+                let mut refs = Vec::with_capacity(body.len() / Ref::SIZE);
+                for (i, c) in body.chunks_exact(Ref::SIZE).enumerate() {
+                    refs.push(Ref::from_bytes(c).map_err(|error| FrameError::Ref {
+                        index: i as u32,
+                        error,
+                    })?);
+                }
+                Body::Refs(refs)
+            }
         })
     }
 
@@ -975,22 +887,6 @@ mod tests {
             prop_assert!(buf.is_empty());
         }
 
-        /// However they are made, `Refs` hold the Refs given, in order,
-        /// and compare and print as the vector of them would.
-        #[test]
-        fn refs_hold_what_they_are_made_of(tags in proptest::collection::vec(any::<u64>(), 0..5)) {
-            let v: Vec<Ref> = tags.iter().map(|&tag| Ref { tag, ..a_ref() }).collect();
-            let from_vec = Refs::from(v.clone());
-            let collected: Refs = v.iter().copied().collect();
-            prop_assert_eq!(from_vec.as_slice(), v.as_slice());
-            prop_assert_eq!(&collected, &from_vec);
-            prop_assert_eq!(format!("{collected:?}"), format!("{v:?}"));
-            prop_assert_eq!((&from_vec).into_iter().count(), v.len());
-            if let [r] = v.as_slice() {
-                prop_assert_eq!(Refs::one(*r), from_vec);
-            }
-        }
-
         #[test]
         fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200)) {
             fuzz_decode(&b);
@@ -1006,7 +902,7 @@ mod tests {
         let l = Limits::default();
         let mut rest = Vec::with_capacity(64);
         for f in [
-            Frame::request(1, 9, 0, Body::Refs(Refs::one(a_ref()))),
+            Frame::request(1, 9, 0, Body::Refs(vec![a_ref()])),
             Frame::response(1, Status::Ok, Body::None),
         ] {
             let b = f.encode();
@@ -1040,7 +936,7 @@ mod tests {
             req.clone(),
             Frame::item(3, Body::None),
             Frame::item(3, Body::Inline(vec![7; 10])),
-            Frame::item(3, Body::Refs(Refs::one(a_ref()))),
+            Frame::item(3, Body::Refs(vec![a_ref()])),
             Frame::credit(3, 16),
         ] {
             assert_eq!(decode(&f), Ok(Some(f.clone())));
@@ -1061,7 +957,7 @@ mod tests {
         assert!(inconsistent(item));
         let meta = crate::metadata::Metadata::new().with("k", "v").unwrap();
         assert!(inconsistent(Frame::item(3, Body::None).with_meta(meta)));
-        let mut item = Frame::item(3, Body::Refs(Refs::one(a_ref())));
+        let mut item = Frame::item(3, Body::Refs(vec![a_ref()]));
         item.flags = FLAG_ECHO;
         assert!(inconsistent(item));
         // A credit grants at least one item, and carries nothing else.
@@ -1088,7 +984,7 @@ mod tests {
             5,
             method_id("shop/images/resize"),
             1000,
-            Body::Refs(Refs::one(a_ref())),
+            Body::Refs(vec![a_ref()]),
         )
         .encode();
         let bad = |at: usize, v: u8| {
@@ -1128,7 +1024,7 @@ mod tests {
         );
         let echo = Frame::echo(5, a_ref()).encode();
         assert!(Frame::decode(&echo, &l).is_ok());
-        let mut two = Frame::response(5, Status::Ok, Body::Refs(vec![a_ref(), a_ref()].into()));
+        let mut two = Frame::response(5, Status::Ok, Body::Refs(vec![a_ref(), a_ref()]));
         two.flags = FLAG_ECHO;
         assert!(
             matches!(
@@ -1221,7 +1117,7 @@ mod tests {
             Frame::decode(&b, &l),
             Err(FrameError::Ref { index: 0, .. })
         ));
-        let many = Frame::response(1, Status::Ok, Body::Refs(vec![a_ref(); 65].into())).encode();
+        let many = Frame::response(1, Status::Ok, Body::Refs(vec![a_ref(); 65])).encode();
         assert_eq!(
             Frame::decode(&many, &l),
             Err(FrameError::TooManyRefs { count: 65, max: 64 })
@@ -1241,8 +1137,7 @@ mod tests {
         let mut g = Frame::go_away(3).encode();
         g[3] = 7;
         assert_eq!(Frame::decode(&g, &l), Err(FrameError::Kind(7)));
-        let err_refs =
-            Frame::response(1, Status::Internal, Body::Refs(Refs::one(a_ref()))).encode();
+        let err_refs = Frame::response(1, Status::Internal, Body::Refs(vec![a_ref()])).encode();
         assert!(matches!(
             Frame::decode(&err_refs, &l),
             Err(FrameError::Inconsistent(_))

@@ -37,7 +37,7 @@
 //! [`keep`]: Payload::keep
 
 use crate::error::RpcError;
-use crate::frame::{Body, Refs, FLAG_ECHO};
+use crate::frame::{Body, FLAG_ECHO};
 use crate::node::Node;
 use crate::transport::Sharing;
 use dm_memserver::{MemBuffer, MemPool};
@@ -420,7 +420,7 @@ impl Payload {
                     echo: true,
                     ..Lent::default()
                 };
-                return Ok((Body::Refs(Refs::one(rec.r)), lent));
+                return Ok((Body::Refs(vec![rec.r]), lent));
             }
             let kept = self
                 .keep()?
@@ -433,10 +433,10 @@ impl Payload {
             Repr::Bytes(v) => bytes_body(v, node, inline_max, refs)?,
             Repr::Buffer(b) if len > inline_max && refs.pool => {
                 let r = b.share()?;
-                (Body::Refs(Refs::one(r)), Lent::shared(r, b))
+                (Body::Refs(vec![r]), Lent::shared(r, b))
             }
             Repr::Ref(rec) if refs.pool => (
-                Body::Refs(Refs::one(rec.r)),
+                Body::Refs(vec![rec.r]),
                 Lent {
                     forwarded: Some(rec),
                     ..Lent::default()
@@ -450,11 +450,9 @@ impl Payload {
                     .ok_or_else(|| RpcError::internal("no memory server"))?;
                 let r = m.create_ref(&b, 0, len as u64)?;
                 m.free(b)?;
-                (Body::Refs(Refs::one(r)), Lent::made(r))
+                (Body::Refs(vec![r]), Lent::made(r))
             }
-            Repr::Remote(rec) if remote && !answer => {
-                (Body::Refs(Refs::one(rec.r)), Lent::default())
-            }
+            Repr::Remote(rec) if remote && !answer => (Body::Refs(vec![rec.r]), Lent::default()),
             _ => bytes_body(self.to_vec()?, node, inline_max, refs)?,
         })
     }
@@ -579,11 +577,11 @@ fn bytes_body(
         let mut b = pool.alloc(v.len() as u64)?;
         b.write(0, &v)?;
         let r = b.share()?;
-        return Ok((Body::Refs(Refs::one(r)), Lent::shared(r, b)));
+        return Ok((Body::Refs(vec![r]), Lent::shared(r, b)));
     }
     if let (true, Some(m)) = (refs.remote, &node.remote) {
         let r = m.put(&v, std::time::Duration::ZERO)?;
-        return Ok((Body::Refs(Refs::one(r)), Lent::made(r)));
+        return Ok((Body::Refs(vec![r]), Lent::made(r)));
     }
     Ok((Body::Inline(v), Lent::default()))
 }
