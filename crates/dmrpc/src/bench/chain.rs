@@ -391,19 +391,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         // rounds' ratios is the steadier figure.
         let (mut ratios, mut rounds) = (Vec::new(), Vec::new());
         for r in 0..PAIRED_ROUNDS {
-            let (first, second) = if r % 2 == 0 {
-                ("ref", "value")
-            } else {
-                ("value", "ref")
-            };
-            let k = |m: &str| if m == "ref" { best[0].1 } else { best[1].1 };
-            let a_cell = dm(first, k(first), budget)?;
-            let b_cell = dm(second, k(second), budget)?;
-            let (rf, vl) = if first == "ref" {
-                (a_cell.per_s, b_cell.per_s)
-            } else {
-                (b_cell.per_s, a_cell.per_s)
-            };
+            // Calls per second by Ref and by value, in this round's order.
+            let mut per_s = [0.0f64; 2];
+            for i in [r % 2, 1 - r % 2] {
+                per_s[i] = dm(["ref", "value"][i], best[i].1, budget)?.per_s;
+            }
+            let [rf, vl] = per_s;
             ratios.push(rf / vl);
             let mut o = Obj::default();
             o.num("ref_calls_per_s", rf);
@@ -412,10 +405,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             rounds.push(o);
             super::progress::tick(format!("{} paired round {}", fmt_size(size as u64), r + 1));
         }
-        let (lo, hi) = ratios
-            .iter()
-            .fold((f64::INFINITY, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
-        let paired = super::peer::median(&mut ratios.clone());
+        let paired = super::peer::median(&mut ratios);
+        // (Sorted by the median.)
+        let (lo, hi) = (ratios[0], ratios[PAIRED_ROUNDS - 1]);
         say!(
             "{:>9} paired rounds at those loads: by Ref / by value = {paired:.1}x (median of {PAIRED_ROUNDS}; range {lo:.1}-{hi:.1}x){target}",
             fmt_size(size as u64),
