@@ -25,7 +25,7 @@
 //! found every channel in use, so a channel never outlives both of its
 //! owners. An opener refused for want of a channel can tell whether some
 //! are on their way to free (one end closed, the other's owner live and
-//! yet to notice): `Pool::channels_closing`.
+//! yet to notice), and whose move frees them: `Pool::channels_closing`.
 
 use crate::error::{Error, Result};
 use crate::registry::ServiceInfo;
@@ -44,6 +44,30 @@ const OPEN: u64 = 2;
 const CLIENT_CLOSED: u64 = 1;
 const SERVER_CLOSED: u64 = 2;
 const ACCEPTED: u64 = 4;
+
+/// Channels on their way to free ([`Pool::channels_closing`]), by whose
+/// move frees them.
+///
+/// [`Pool::channels_closing`]: crate::Pool::channels_closing
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Closing {
+    /// Opening, or closed by their client: the opener finishes, or the
+    /// server (which watches its channels, and is woken by a client's close)
+    /// closes its end between calls. Worth waiting for.
+    pub soon: usize,
+    /// Closed by their server while their client lives: freed when the
+    /// client next calls or drops its connection. A client in a call
+    /// notices at once; an idle one may hold its channel indefinitely, so
+    /// waiting for these is worth only a short grace.
+    pub by_clients: usize,
+}
+
+impl Closing {
+    /// All channels on their way to free.
+    pub fn total(&self) -> usize {
+        self.soon + self.by_clients
+    }
+}
 
 /// The pool's record of a channel.
 #[repr(C)]
@@ -255,13 +279,19 @@ impl crate::pool::Pool {
     }
 
     /// Channels on their way to free: one end closed while the other's
-    /// owner has yet to notice, or an opening in progress. A client that
-    /// found no free channel may wait for these; the others are in use by
-    /// live processes.
-    pub fn channels_closing(&self) -> usize {
-        self.shm().count_channels(|_, kind, flags| {
-            kind == OPENING || (kind == OPEN && flags & (CLIENT_CLOSED | SERVER_CLOSED) != 0)
-        })
+    /// owner has yet to notice, or an opening in progress, counted by whose
+    /// move frees them. A client that found no free channel may wait for
+    /// these; the others are in use by live processes.
+    pub fn channels_closing(&self) -> Closing {
+        let shm = self.shm();
+        Closing {
+            soon: shm.count_channels(|_, kind, flags| {
+                kind == OPENING || (kind == OPEN && flags & CLIENT_CLOSED != 0)
+            }),
+            by_clients: shm.count_channels(|_, kind, flags| {
+                kind == OPEN && flags & (CLIENT_CLOSED | SERVER_CLOSED) == SERVER_CLOSED
+            }),
+        }
     }
 
     fn take_channel(&self, svc: &ServiceInfo) -> Result<ChannelId> {

@@ -75,7 +75,7 @@ pub mod shm;
 pub mod testing;
 
 #[cfg(not(loom))]
-pub use channel::{ChannelId, ChannelMemory, Peer, Side};
+pub use channel::{ChannelId, ChannelMemory, Closing, Peer, Side};
 #[cfg(not(loom))]
 pub use check::{
     check_path, counters_of, gc_path, layout_of, ref_clock_is_ours, CheckReport, Counters, GcReport,

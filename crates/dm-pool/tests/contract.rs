@@ -440,7 +440,7 @@ fn registry_names_and_channel_lifecycle() {
 /// refused at once.
 #[test]
 fn an_opener_frees_dead_channels_and_sees_the_closing_ones() {
-    use dm_pool::{Endpoint, Peer, Side};
+    use dm_pool::{Closing, Endpoint, Peer, Side};
     let tp = TempPool::with(PoolConfig {
         size: 16 << 20,
         channels: Some(2),
@@ -462,7 +462,7 @@ fn an_opener_frees_dead_channels_and_sees_the_closing_ones() {
     client.close_channel(a, Side::Client);
     let b = dying.open_channel(&svc).unwrap();
     server.accept_channel(b).unwrap();
-    assert_eq!(client.channels_closing(), 1);
+    assert_eq!(client.channels_closing().soon, 1);
     std::thread::sleep(Duration::from_millis(60));
     // Channel 1 has both ends gone: freed by the opener and taken.
     let c = client.open_channel(&svc).unwrap();
@@ -471,18 +471,26 @@ fn an_opener_frees_dead_channels_and_sees_the_closing_ones() {
     // closed its end yet: closing, not free.
     let e = client.open_channel(&svc).unwrap_err();
     assert!(matches!(e, Error::ResourceExhausted { .. }), "{e:?}");
-    assert_eq!(client.channels_closing(), 1);
+    assert_eq!(client.channels_closing().soon, 1);
     assert_eq!(server.channel_peer(b, Side::Server), Peer::Closed);
     server.close_channel(b, Side::Server);
-    assert_eq!(client.channels_closing(), 0);
+    assert_eq!(client.channels_closing().soon, 0);
     let d = client.open_channel(&svc).unwrap();
     // Both in use by live processes: nothing closing, refused.
     assert!(client.open_channel(&svc).is_err());
-    assert_eq!(client.channels_closing(), 0);
+    assert_eq!(client.channels_closing(), Closing::default());
+    // The server closes first: the channel waits on its live client, which
+    // only it can free (by noticing, in a call, and closing its end).
     for ch in [c, d] {
-        client.close_channel(ch, Side::Client);
         server.close_channel(ch, Side::Server);
     }
+    let closing = client.channels_closing();
+    assert_eq!((closing.soon, closing.by_clients), (0, 2));
+    assert!(client.open_channel(&svc).is_err());
+    for ch in [c, d] {
+        client.close_channel(ch, Side::Client);
+    }
+    assert_eq!(client.channels_closing().total(), 0);
     server.unregister(&svc).unwrap();
     client.maintain().unwrap();
     drop((dying, server, client));

@@ -104,7 +104,9 @@ pub use frame::{Body, Frame, FrameError, Kind, Status};
 #[cfg(not(loom))]
 pub use metadata::Metadata;
 #[cfg(not(loom))]
-pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN};
+pub use node::{
+    Config, Node, Transport, CLOSED_BY_SERVER_GRACE, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN,
+};
 #[cfg(not(loom))]
 pub use payload::Payload;
 #[cfg(not(loom))]

@@ -31,6 +31,21 @@ use std::time::{Duration, Instant};
 /// may want a lower threshold: `Config::inline_max`.)
 pub const DEFAULT_INLINE_MAX: usize = 64 << 10;
 
+/// How long a dial refused for want of a channel waits for channels that
+/// only their client can free (their server closed them): a client in a
+/// call, or calling in a loop, notices within microseconds to
+/// milliseconds; one that stays idle frees its channel only when it next
+/// calls or drops its connection.
+pub const CLOSED_BY_SERVER_GRACE: Duration = Duration::from_millis(100);
+
+/// Whether a dial refused for want of a channel, `waited` into its
+/// `patience`, should try again: while channels are on their way to free
+/// (see [`CLOSED_BY_SERVER_GRACE`] for those waiting on their client).
+fn worth_waiting(closing: dm_pool::Closing, waited: Duration, patience: Duration) -> bool {
+    waited < patience
+        && (closing.soon > 0 || (closing.by_clients > 0 && waited < CLOSED_BY_SERVER_GRACE))
+}
+
 /// How a node's calls behave.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
@@ -364,14 +379,17 @@ impl Node {
     /// waits (at most `patience`) while some are being closed: a client
     /// that just closed its connection frees its channel only when the
     /// server next looks, which a busy server does only between calls.
-    /// With none closing, no wait helps: `ResourceExhausted` at once.
+    /// Channels their server closed wait for their client, which notices
+    /// only in a call: those are worth [`CLOSED_BY_SERVER_GRACE`] at most,
+    /// since an idle client may never call again. With none closing, no
+    /// wait helps: `ResourceExhausted` at once.
     fn open_shm(&self, svc: &ServiceInfo, patience: Duration) -> Result<Connection, RpcError> {
-        let until = Instant::now() + patience;
+        let start = Instant::now();
         let mut pause = Duration::from_micros(50);
         loop {
             match crate::transport::shm::connect(&self.pool, svc, self.cfg.wait) {
                 Err(TransportError::Pool(dm_pool::Error::ResourceExhausted { .. }))
-                    if self.pool.channels_closing() > 0 && Instant::now() < until =>
+                    if worth_waiting(self.pool.channels_closing(), start.elapsed(), patience) =>
                 {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_millis(5));
@@ -402,5 +420,36 @@ impl Node {
         Ok(AsyncClient::new(
             self.redialer(Target::Addr(addr.to_owned()))?,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dm_pool::Closing;
+
+    #[test]
+    fn a_dial_waits_for_closing_channels_and_only_briefly_for_idle_clients() {
+        let ms = Duration::from_millis;
+        let soon = Closing {
+            soon: 1,
+            by_clients: 0,
+        };
+        let by_clients = Closing {
+            soon: 0,
+            by_clients: 2,
+        };
+        let none = Closing::default();
+        assert!(!worth_waiting(none, ms(0), ms(5000)));
+        assert!(worth_waiting(soon, ms(4000), ms(5000)));
+        assert!(!worth_waiting(soon, ms(5000), ms(5000)));
+        assert!(worth_waiting(by_clients, ms(10), ms(5000)));
+        assert!(!worth_waiting(by_clients, CLOSED_BY_SERVER_GRACE, ms(5000)));
+        assert!(!worth_waiting(by_clients, ms(10), ms(10)));
+        let both = Closing {
+            soon: 1,
+            by_clients: 1,
+        };
+        assert!(worth_waiting(both, ms(1000), ms(5000)));
     }
 }

@@ -536,6 +536,58 @@ fn a_graceful_shutdown_across_processes_finishes_the_call_in_progress() {
     settle(&tp);
 }
 
+/// A server process that stops while idle clients hold every channel of
+/// the pool: those channels wait on their clients, which notice only in
+/// a call. A dial to another service is refused after a short grace
+/// (`CLOSED_BY_SERVER_GRACE`), not after its whole patience; once a held
+/// channel's client calls (and learns the service is gone) and drops
+/// its connection, the dial gets that channel.
+#[test]
+fn channels_held_by_idle_clients_of_a_stopped_server_do_not_stall_a_dial() {
+    let tp = TempPool::with(PoolConfig {
+        size: 64 << 20,
+        channels: Some(2),
+        lease_ms: 400,
+        ref_ttl_ms: 1500,
+        ..Default::default()
+    });
+    let old = format!("mp/held/old/{}", std::process::id());
+    let new = format!("mp/held/new/{}", std::process::id());
+    let a = Agent::serve(&tp, &old, &[]);
+    let b = Agent::serve(&tp, &new, &[]);
+    let node = node(&tp);
+    let idle: Vec<_> = (0..2).map(|_| node.connect(&old).unwrap()).collect();
+    for c in &idle {
+        c.call("sleep", ms(0)).unwrap();
+    }
+    a.stop();
+    let closing = node.pool().channels_closing();
+    assert_eq!((closing.soon, closing.by_clients), (0, 2));
+    let t = Instant::now();
+    let e = node.connect(&new).unwrap_err();
+    let waited = t.elapsed();
+    assert_eq!(e.status, Status::ResourceExhausted, "{e}");
+    assert!(
+        waited >= dm_rpc::CLOSED_BY_SERVER_GRACE && waited < Duration::from_secs(3),
+        "refused after {waited:?}"
+    );
+    // One idle client calls: the service is gone; dropped, it frees its
+    // channel, which the dial takes.
+    let mut idle = idle.into_iter();
+    let first = idle.next().unwrap();
+    let e = first.call("sleep", ms(0)).unwrap_err();
+    assert!(
+        matches!(e.status, Status::Unavailable | Status::NotFound),
+        "{e}"
+    );
+    drop(first);
+    let c = node.connect(&new).unwrap();
+    c.call("sleep", ms(0)).unwrap();
+    drop((c, idle));
+    drop(node);
+    stop_all(vec![b], &tp);
+}
+
 /// A rolling restart across processes: the old server drains while a new
 /// process takes the name. The call in progress completes on the old one;
 /// a request the old one refuses, or never takes, is sent again to the

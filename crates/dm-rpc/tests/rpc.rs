@@ -938,13 +938,13 @@ fn a_dial_waits_for_a_channel_being_closed() {
     }
     let e = node.connect(&name).unwrap_err();
     assert_eq!(e.status, Status::ResourceExhausted, "{e}");
-    assert_eq!(node.pool().channels_closing(), 0);
+    assert_eq!(node.pool().channels_closing().soon, 0);
     let slow = std::thread::spawn(move || a.call("slow", Payload::empty()).map(|_| a));
     while !busy.load(Ordering::SeqCst) {
         std::thread::yield_now();
     }
     drop(b); // its server, in the handler, cannot notice yet
-    assert_eq!(node.pool().channels_closing(), 1);
+    assert_eq!(node.pool().channels_closing().soon, 1);
     let c = node.connect(&name).unwrap();
     assert_eq!(
         c.call("who", Payload::empty()).unwrap().to_vec().unwrap(),
