@@ -137,7 +137,7 @@ fn main() {
     let switches = || dm_sys::proc::context_switches_of(&pids);
     let sw0 = switches();
     let t = Instant::now();
-    if std::env::var("CLIENT").is_ok_and(|v| v == "async") {
+    let sw_end = if std::env::var("CLIENT").is_ok_and(|v| v == "async") {
         // CLIENT=async: the CONC calls in flight are tasks of one thread
         // (a current-thread runtime), over one async connection.
         let ac = node.connect_async("profile/chain/0").unwrap();
@@ -161,10 +161,15 @@ fn main() {
                 t.await.unwrap();
             }
         });
+        switches()
     } else {
         // OWN_CONN=1: each thread calls over a connection of its own (as
         // `dmrpc bench chain`'s client threads), else all share one.
+        // The switches are read while every thread is alive: one that
+        // ended takes its count with it.
         let own = std::env::var("OWN_CONN").is_ok_and(|v| v == "1");
+        let end = std::sync::Barrier::new(conc);
+        let sw1 = std::sync::atomic::AtomicU64::new(0);
         std::thread::scope(|s| {
             for _ in 0..conc {
                 s.spawn(|| {
@@ -173,12 +178,16 @@ fn main() {
                     for _ in 0..n / conc as u64 {
                         c.call("go", payload(&node, &data, by_ref)).unwrap();
                     }
+                    if end.wait().is_leader() {
+                        sw1.store(switches(), std::sync::atomic::Ordering::Relaxed);
+                    }
                 });
             }
         });
-    }
+        sw1.into_inner()
+    };
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    let sw = switches().saturating_sub(sw0) as f64 / n as f64;
+    let sw = sw_end.saturating_sub(sw0) as f64 / n as f64;
     println!("{per:.0} ns per call through {tiers} tiers ({size} bytes, by_ref {by_ref}, {conc} in flight), {sw:.1} context switches per call");
     drop(c);
     for ch in children {

@@ -106,23 +106,41 @@ fn loaded<'a>(
     sw: &Switches,
     caller: impl Fn(usize) -> Result<Caller<'a>> + Sync,
 ) -> Result<Cell> {
-    let start = std::sync::Barrier::new(threads);
-    let sw0 = std::sync::atomic::AtomicU64::new(0);
+    // Both readings of the switches are taken with every client thread
+    // alive: a thread that ended takes its count with it.
+    let (start, end) = (
+        std::sync::Barrier::new(threads),
+        std::sync::Barrier::new(threads),
+    );
+    let (sw0, sw1) = (
+        std::sync::atomic::AtomicU64::new(0),
+        std::sync::atomic::AtomicU64::new(0),
+    );
     let counts = super::peer::on_threads(threads, |i| {
-        let mut call = caller(i)?;
-        for _ in 0..5 {
-            call()?;
-        }
+        // A thread whose calls fail still meets the others at both
+        // barriers (then gives its error), so that none waits forever.
+        let warm = caller(i).and_then(|mut call| {
+            for _ in 0..5 {
+                call()?;
+            }
+            Ok(call)
+        });
         if start.wait().is_leader() {
             sw0.store(sw.now(), std::sync::atomic::Ordering::Relaxed);
         }
         let t0 = Instant::now();
-        let mut n = 0u64;
-        while t0.elapsed() < budget {
-            call()?;
-            n += 1;
+        let run = warm.and_then(|mut call| {
+            let mut n = 0u64;
+            while t0.elapsed() < budget {
+                call()?;
+                n += 1;
+            }
+            Ok((n, t0.elapsed()))
+        });
+        if end.wait().is_leader() {
+            sw1.store(sw.now(), std::sync::atomic::Ordering::Relaxed);
         }
-        Ok((n, t0.elapsed()))
+        run
     })?;
     let calls: u64 = counts.iter().map(|c| c.0).sum();
     let took = counts.iter().map(|c| c.1).max().unwrap_or(budget);
@@ -130,7 +148,7 @@ fn loaded<'a>(
         // (Calls in flight are judged by their throughput alone.)
         p50: f64::NAN,
         per_s: calls as f64 / took.as_secs_f64(),
-        switches: sw.per(sw0.into_inner(), calls),
+        switches: sw1.into_inner().saturating_sub(sw0.into_inner()) as f64 / calls.max(1) as f64,
     })
 }
 
