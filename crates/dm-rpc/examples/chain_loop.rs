@@ -7,7 +7,8 @@
 //! thread with a connection of its own, as `dmrpc bench chain`'s; else
 //! they share one), CLIENT=async (the CONC calls are tasks of one thread,
 //! over one async connection), CLIENT_WAIT (the client's waiting policy
-//! alone, as `DMRPC_WAIT`), RING_KIB (the rings' size)). Tier k
+//! alone, as `DMRPC_WAIT`), RING_KIB (the rings' size), POOL_DIR (where the
+//! pool file goes; default /dev/shm)). Tier k
 //! forwards its payload to tier k+1 untouched; the last reads every byte
 //! and answers 8 bytes. The tiers' nodes are configured as the bench's:
 //! by Ref (BYREF=1) size-aware, so the last answers inline; by value,

@@ -93,7 +93,9 @@ fn records_cross_in_order_with_parking_on_both_sides() {
     model(|| {
         // 256 bytes: four 64-byte slots; the fifth record waits for room
         // and goes into the ring's second lap, over a slot the consumer
-        // zeroed.
+        // zeroed. Past the second slot a producer that finds the ring
+        // empty starts the next lap early (a wrap marker, published after
+        // the record it leads to).
         let sh = Arc::new(Shared {
             ctl: RingControl::default(),
             data: Bytes((0..32).map(|_| AtomicU64::new(0)).collect()),
@@ -102,7 +104,7 @@ fn records_cross_in_order_with_parking_on_both_sides() {
         const N: u8 = 5;
         let s2 = sh.clone();
         let producer = thread::spawn(move || {
-            let mut p = Producer::new(&s2.ctl, &s2.data, &s2.consumer_bell);
+            let mut p = Producer::new(&s2.ctl, &s2.data, &s2.consumer_bell).hot_window(128);
             for i in 0..N {
                 let msg = [i + 1; 3];
                 let bell = p.bell();

@@ -18,10 +18,12 @@ pub fn wait_policy() -> dm_rpc::WaitPolicy {
     }
 }
 
-/// Creates a pool of `size` bytes under /dev/shm for this run; its path.
-/// `RING_KIB` sets its channels' ring size.
+/// Creates a pool of `size` bytes for this run; its path. `POOL_DIR` says
+/// where (default /dev/shm; for example a tmpfs mounted with
+/// `huge=always`), `RING_KIB` its channels' ring size.
 pub fn create_pool(tag: &str, size: u64) -> String {
-    let path = format!("/dev/shm/dmrpc-{tag}-{}.pool", std::process::id());
+    let dir = std::env::var("POOL_DIR").unwrap_or_else(|_| "/dev/shm".into());
+    let path = format!("{dir}/dmrpc-{tag}-{}.pool", std::process::id());
     let mut cfg = dm_pool::PoolConfig {
         size,
         ..Default::default()

@@ -483,6 +483,14 @@ impl ServerConn {
         self.owed.saturating_sub(small) * room.answer + small * room.small
     }
 
+    /// Before a push to the response ring: a lap started early there
+    /// ([`Producer::keep_free`]) leaves the room kept for the answers owed.
+    #[inline]
+    fn keep_room(&mut self, room: Room) {
+        let keep = self.reserved(room);
+        self.resp.keep_free(keep);
+    }
+
     /// The room a request (asking for a stream, or not) is taken with
     /// now, if any: no blocking stream runs, and the response ring has
     /// room for its answer besides those owed and a wrap's skip (and,
@@ -992,6 +1000,7 @@ impl Listener for ShmListener {
         let k = self.index(conn)?;
         let c = &mut self.conns[k];
         c.answered(f.call_id);
+        c.keep_room(self.room);
         let (pool, ch) = (&self.pool, c.ch);
         let bell = self.conns[k].resp.bell();
         let r = push(
@@ -1029,6 +1038,7 @@ impl Listener for ShmListener {
             }
             return Ok(false);
         }
+        c.keep_room(self.room);
         // (It rings the client's doorbell.)
         Ok(c.resp.try_push(len, |put| f.encode_with(put))?)
     }
@@ -1099,6 +1109,7 @@ impl Listener for ShmListener {
         fence(Ordering::SeqCst);
         self.accept_new();
         for c in &mut self.conns {
+            c.keep_room(self.room);
             // Held requests were never taken: refused where there is room
             // (one taken after them, of a higher id, would hide them from
             // the go-away word).
