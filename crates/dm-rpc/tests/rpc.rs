@@ -763,6 +763,88 @@ fn a_client_that_stops_reading_does_not_stall_others() {
     tp.assert_clean();
 }
 
+/// A server that starts a response ring's next lap early (its client had
+/// read everything, and the ring's producer stood past the hot window)
+/// still keeps the room it promised for the other answers it owes: the
+/// bytes the early lap skips stay taken until the client reads on, so
+/// without that room kept an owed answer would wait for a client that
+/// does not read, and the server with it. Default 256 KiB rings: nine
+/// 8 000-byte answers, read one by one, leave the producer at 72 576,
+/// past the 64 KiB window; the first of two calls taken then answers
+/// 60 000 bytes, which would fit before that place, but with the room
+/// kept for the second's (small) answer it does not, so no lap starts
+/// early and the second answer fits after it while the client reads
+/// nothing.
+#[test]
+fn a_lap_started_early_keeps_the_room_promised_for_answers_owed() {
+    use dm_rpc::{frame::method_id, Body, Frame};
+    use std::sync::Arc;
+    let tp = common::pool();
+    let node = Node::new(tp.attach());
+    let name = unique("keep");
+    let gates = Arc::new([tokio::sync::Notify::new(), tokio::sync::Notify::new()]);
+    let g = gates.clone();
+    // Both answer as many bytes as the request's first four say; `gated`
+    // first waits for the gate its fifth names.
+    let len = |b: &[u8]| u32::from_le_bytes(b[..4].try_into().unwrap()) as usize;
+    let svc = node
+        .server(&name)
+        .method("sized", move |c| {
+            Ok(Payload::from_vec(vec![1; len(&c.payload().to_vec()?)]))
+        })
+        .method_async("gated", move |c| {
+            let g = g.clone();
+            async move {
+                let b = c.payload.to_vec()?;
+                g[b[4] as usize].notified().await;
+                Ok(Payload::from_vec(vec![2; len(&b)]))
+            }
+        })
+        .spawn()
+        .unwrap();
+    let info = node.pool().lookup(&name).unwrap().unwrap();
+    let mut raw =
+        dm_rpc::transport::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
+    let ask = |id: u64, method: &str, n: u32, gate: u8| {
+        let mut b = n.to_le_bytes().to_vec();
+        b.push(gate);
+        Frame::request(id, method_id(method), 0, Body::Inline(b))
+    };
+    let soon = || Some(Instant::now() + Duration::from_secs(10));
+    for id in 1..=9 {
+        assert!(raw.tx.send(&ask(id, "sized", 8000, 0), soon()).unwrap());
+        let f = raw.rx.recv(soon()).unwrap().expect("an answer");
+        assert!(matches!(&f.payload, Body::Inline(b) if b.len() == 8000));
+    }
+    assert!(raw.tx.send(&ask(10, "gated", 60_000, 0), soon()).unwrap());
+    assert!(raw.tx.send(&ask(11, "gated", 16_000, 1), soon()).unwrap());
+    // Both taken (their handlers wait at their gates), then answered in
+    // turn; the client reads nothing meanwhile.
+    std::thread::sleep(Duration::from_millis(200));
+    gates[0].notify_one();
+    gates[1].notify_one();
+    // The server is not stuck on the second answer: another client is
+    // served.
+    let c = node.connect(&name).unwrap();
+    let opts = CallOptions::deadline(Duration::from_secs(5));
+    let got = c
+        .call_with("sized", Payload::from_vec(vec![8, 0, 0, 0]), opts)
+        .unwrap();
+    assert_eq!(got.to_vec().unwrap(), vec![1; 8]);
+    for (id, n) in [(10, 60_000), (11, 16_000)] {
+        let f = raw.rx.recv(soon()).unwrap().expect("an answer");
+        assert_eq!(f.call_id, id);
+        assert!(
+            matches!(&f.payload, Body::Inline(b) if b.len() == n),
+            "{id}"
+        );
+    }
+    drop((raw, c));
+    svc.shutdown();
+    drop(node);
+    tp.assert_clean();
+}
+
 #[test]
 fn a_server_waiting_for_room_for_an_answer_wakes_when_the_client_reads() {
     // A server takes a request only when its connection has room for the
