@@ -206,16 +206,20 @@ impl Shm {
         freed
     }
 
-    /// How many channel records satisfy `f(record, kind, flags)`, their
-    /// state read with Acquire.
+    /// Calls `f(record, kind, flags)` for every channel record, its state
+    /// read with Acquire.
+    fn each_channel(&self, mut f: impl FnMut(&ChannelRecord, u64, u64)) {
+        for c in (0..self.layout.n_channels).filter_map(|i| self.channel(i)) {
+            let (_, kind, flags) = unst(c.state.load(Ordering::Acquire));
+            f(c, kind, flags);
+        }
+    }
+
+    /// How many channel records satisfy `f(record, kind, flags)`.
     fn count_channels(&self, f: impl Fn(&ChannelRecord, u64, u64) -> bool) -> usize {
-        (0..self.layout.n_channels)
-            .filter_map(|i| self.channel(i))
-            .filter(|c| {
-                let (_, kind, flags) = unst(c.state.load(Ordering::Acquire));
-                f(c, kind, flags)
-            })
-            .count()
+        let mut n = 0;
+        self.each_channel(|c, kind, flags| n += usize::from(f(c, kind, flags)));
+        n
     }
 
     /// Open channels of registration `index`/`generation` (its connections).
@@ -283,15 +287,15 @@ impl crate::pool::Pool {
     /// move frees them. A client that found no free channel may wait for
     /// these; the others are in use by live processes.
     pub fn channels_closing(&self) -> Closing {
-        let shm = self.shm();
-        Closing {
-            soon: shm.count_channels(|_, kind, flags| {
-                kind == OPENING || (kind == OPEN && flags & CLIENT_CLOSED != 0)
-            }),
-            by_clients: shm.count_channels(|_, kind, flags| {
-                kind == OPEN && flags & (CLIENT_CLOSED | SERVER_CLOSED) == SERVER_CLOSED
-            }),
-        }
+        let mut closing = Closing::default();
+        self.shm().each_channel(|_, kind, flags| {
+            if kind == OPENING || (kind == OPEN && flags & CLIENT_CLOSED != 0) {
+                closing.soon += 1;
+            } else if kind == OPEN && flags & SERVER_CLOSED != 0 {
+                closing.by_clients += 1;
+            }
+        });
+        closing
     }
 
     fn take_channel(&self, svc: &ServiceInfo) -> Result<ChannelId> {

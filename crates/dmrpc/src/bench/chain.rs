@@ -83,7 +83,13 @@ impl Switches {
 
     /// Switches since `before`, per each of `n` calls.
     fn per(&self, before: u64, n: u64) -> f64 {
-        self.now().saturating_sub(before) as f64 / n.max(1) as f64
+        Self::between(before, self.now(), n)
+    }
+
+    /// Switches from reading `before` to reading `after`, per each of `n`
+    /// calls.
+    fn between(before: u64, after: u64, n: u64) -> f64 {
+        after.saturating_sub(before) as f64 / n.max(1) as f64
     }
 }
 
@@ -148,7 +154,7 @@ fn loaded<'a>(
         // (Calls in flight are judged by their throughput alone.)
         p50: f64::NAN,
         per_s: calls as f64 / took.as_secs_f64(),
-        switches: sw1.into_inner().saturating_sub(sw0.into_inner()) as f64 / calls.max(1) as f64,
+        switches: Switches::between(sw0.into_inner(), sw1.into_inner(), calls),
     })
 }
 
