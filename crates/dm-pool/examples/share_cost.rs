@@ -1,7 +1,9 @@
 //! Measures the per-page cost of sharing against a raw CAS over the same
 //! number of words (the floor for a per-page reference count), and the
 //! per-call lifecycle of a small argument by Ref (alloc, write, create_ref,
-//! map_ref, unmap, release_ref, free) step by step and as a whole.
+//! map_ref, unmap, release_ref, free) step by step and as a whole, and a
+//! 64 KiB argument's Ref made by sharing its buffer or by turning the
+//! buffer into it (`into_ref`).
 //! Profiling aid: `cargo run --release -p dm-pool --example share_cost`
 //! (`share_cost cycle`: only the lifecycle loop, for `perf record`).
 use dm_pool::{AttachOptions, Pool, PoolConfig};
@@ -115,6 +117,45 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "one call's 64 B by Ref, untimed steps: {:.0} ns",
         t.elapsed().as_nanos() as f64 / rounds as f64
     );
+    // A 64 KiB argument by Ref, as a caller makes one per call: a Ref
+    // sharing the buffer, the buffer then freed (16 pages counted up,
+    // then down twice), against the buffer turned into the Ref
+    // (`into_ref`: no page counted); both released. Rounds alternate.
+    if !cycle_only {
+        let big = vec![5u8; 65536];
+        let rounds = 50_000u32;
+        let (mut shared, mut sealed) = (Vec::new(), Vec::new());
+        for _ in 0..4 {
+            let t = Instant::now();
+            for _ in 0..rounds {
+                let mut b = pool.alloc(65536)?;
+                b.write(0, &big)?;
+                let r = b.share()?;
+                pool.free(b)?;
+                pool.release_ref(&r)?;
+            }
+            shared.push(t.elapsed().as_nanos() as f64 / f64::from(rounds));
+            let t = Instant::now();
+            for _ in 0..rounds {
+                let mut b = pool.alloc(65536)?;
+                b.write(0, &big)?;
+                let r = pool.into_ref(b)?;
+                pool.release_ref(&r)?;
+            }
+            sealed.push(t.elapsed().as_nanos() as f64 / f64::from(rounds));
+        }
+        let fmt = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.0}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!(
+            "one call's 64 KiB by Ref (alloc, write, Ref, release), ns per round: share + free {} | into_ref {}",
+            fmt(&shared),
+            fmt(&sealed)
+        );
+    }
     drop((b, pool));
     std::fs::remove_file(&path)?;
     Ok(())

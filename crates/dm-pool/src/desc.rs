@@ -31,6 +31,15 @@
 //! finish the record: every share is accounted exactly once, whatever
 //! instruction the owner died at (see `reclaim.rs`).
 //!
+//! A buffer whose entries are all its own shares (not mapped from a Ref,
+//! no copy-on-write under way) can become a Ref in place
+//! ([`Pool::into_ref`](crate::Pool::into_ref)): its owner writes the
+//! Ref's fields (`tag`, `expiry_ms`, `held = n_pages`, `aux = IS_REF`),
+//! then one CAS of the state word turns `Buf` into `RefLive`. Every entry
+//! holds a share under both kinds, so no page count changes. A reclaimer
+//! that takes the buffer first (its owner died before the CAS) drops it
+//! as a buffer: an `aux` of `IS_REF` is not 1, so no mapping is undone.
+//!
 //! Entries `[0, n_pages)` are page words (a page or `NO_PAGE`) whenever a
 //! reclaimer can look: a `RefBuild`'s list pages come with their old
 //! bytes, so its `n_pages` is stored only after its entries are copied

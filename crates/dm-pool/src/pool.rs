@@ -479,6 +479,92 @@ impl Pool {
         })
     }
 
+    /// Turns `buf` into a Ref to all of it, consuming the buffer: what
+    /// [`Buffer::share`] then dropping the buffer leaves, without touching
+    /// a page. The buffer's descriptor becomes the Ref (`Buf -> RefLive`,
+    /// one CAS of its state word), and each of its pages keeps the one
+    /// share it has: O(1), where sharing counts every page up for the Ref
+    /// and the drop counts it down again (32 count changes for 64 KiB).
+    /// A buffer mapped from a Ref (whose pages are borrowed) is shared and
+    /// freed instead, with the same result. Default time to live.
+    pub fn into_ref(&self, buf: Buffer) -> Result<Ref> {
+        self.into_ref_ttl(buf, Duration::from_millis(self.layout().ref_ttl_ms))
+    }
+
+    /// [`into_ref`](Self::into_ref) with an explicit time to live.
+    pub fn into_ref_ttl(&self, mut buf: Buffer, ttl: Duration) -> Result<Ref> {
+        buf.check(self)?;
+        let i = &self.inner;
+        let d = i.desc(buf.desc)?;
+        let mine = DescState::encode(buf.generation, Kind::Buf, i.slot);
+        // Only a buffer whose entries are all its own shares: not mapped
+        // from a Ref (`aux` 0, no inherited entries), no copy-on-write
+        // under way, its content from the start of its first page.
+        let whole = buf.offset == 0
+            && d.offset.load(Ordering::Relaxed) == 0
+            && d.n_pages.load(Ordering::Relaxed) == buf.n_pages
+            && d.len.load(Ordering::Relaxed) == buf.len;
+        if !whole
+            || d.state.load(Ordering::Acquire) != mine
+            || d.aux.load(Ordering::Acquire) != 0
+            || d.flags.load(Ordering::Acquire) & FLAG_INHERIT != 0
+            || d.journal_idx.load(Ordering::Acquire) != NO_PAGE
+        {
+            let r = self.create_ref_ttl(&buf, 0, buf.len, ttl)?;
+            if let Err(e) = self.free(buf) {
+                let _ = self.release_ref(&r);
+                return Err(e);
+            }
+            return Ok(r);
+        }
+        // The Ref's fields first, while the descriptor is still a buffer
+        // (a reclaimer of a buffer reads none of them: `aux` is not 1, so
+        // no mapping is undone, and it sets `held` itself); then the commit.
+        let tag = dm_sys::rand::random_u64();
+        d.tag.store(tag, Ordering::Relaxed);
+        d.expiry_ms.store(
+            i.shm
+                .ref_now_coarse()
+                .saturating_add(ttl.as_millis() as u64),
+            Ordering::Relaxed,
+        );
+        d.held.store(buf.n_pages, Ordering::Relaxed);
+        d.progress.store(0, Ordering::Relaxed);
+        d.aux.store(mappers::IS_REF, Ordering::Relaxed);
+        let live = DescState::encode(buf.generation, Kind::RefLive, 0);
+        // From here the handle owns nothing, whatever the CAS gives.
+        buf.detached = true;
+        d.state
+            .compare_exchange(mine, live, Ordering::AcqRel, Ordering::Acquire)
+            .map_err(|_| {
+                // Only a reclaimer takes an owned descriptor: this slot
+                // was taken for dead, and the buffer is its to drop.
+                Error::Corrupt(format!("descriptor {} changed under its owner", buf.desc))
+            })?;
+        i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
+        Ok(Ref {
+            backend: crate::refs::BACKEND_POOL,
+            pool_id: self.id(),
+            desc: buf.desc,
+            generation: buf.generation,
+            tag,
+            len: buf.len,
+        })
+    }
+
+    /// Crash-recovery testing only: [`into_ref`](Self::into_ref) up to its
+    /// commit, as a process killed just before it leaves the descriptor
+    /// (the caller is then killed). See `testing::stop_sealing`.
+    pub(crate) fn seal_stop_before_commit(&self, mut buf: Buffer) -> Result<()> {
+        let d = self.inner.desc(buf.desc)?;
+        d.tag.store(dm_sys::rand::random_u64(), Ordering::Relaxed);
+        d.expiry_ms.store(u64::MAX, Ordering::Relaxed);
+        d.held.store(buf.n_pages, Ordering::Relaxed);
+        d.aux.store(mappers::IS_REF, Ordering::Relaxed);
+        buf.detached = true;
+        Ok(())
+    }
+
     /// First stage of [`create_ref_ttl`](Self::create_ref_ttl): claims a
     /// `RefBuild` descriptor for `len` bytes at `offset` of `buf` and gives
     /// it its list pages and fields, all but `n_pages` (stored once the

@@ -119,3 +119,11 @@ pub fn hold_ref_lock(pool: &Pool, r: &crate::Ref) -> crate::Result<()> {
 pub fn stop_creating_ref(pool: &Pool, buf: &crate::Buffer) -> crate::Result<()> {
     pool.create_ref_stop_before_copy(buf)
 }
+
+/// Leaves `buf` half turned into a Ref ([`Pool::into_ref`]): the Ref's
+/// fields written, the descriptor still a buffer, as a process killed
+/// just before the commit leaves it; for tests of crash recovery, whose
+/// caller is killed next.
+pub fn stop_sealing(pool: &Pool, buf: crate::Buffer) -> crate::Result<()> {
+    pool.seal_stop_before_commit(buf)
+}

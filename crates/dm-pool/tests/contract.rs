@@ -627,3 +627,114 @@ fn a_name_has_any_number_of_replicas_or_one_exclusive_registration() {
     drop((dying, a, b, c));
     tp.assert_clean();
 }
+
+/// `into_ref`: the buffer's descriptor becomes the Ref, and its pages
+/// keep the one share they have (none counted up or down): the pages
+/// held and the descriptors in use stay as they were, the Ref reads what
+/// the buffer held (unwritten pages as zeros), and releasing it frees
+/// everything. 1 MiB: the buffer's entries live in list pages.
+#[test]
+fn a_buffer_turned_into_a_ref_keeps_its_pages_and_counts_nothing() {
+    let tp = TempPool::new(16 << 20);
+    let pool = tp.attach();
+    let reader = tp.attach();
+    let len = 1 << 20;
+    let mut b = pool.alloc(len).unwrap();
+    let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8 + 1).collect();
+    // All pages but one written (the fourth stays unbacked).
+    b.write(0, &data[..3 * 4096]).unwrap();
+    b.write(4 * 4096, &data[4 * 4096..]).unwrap();
+    let before = pool.check();
+    assert_eq!((before.buffers, before.refs_live), (1, 0));
+    let created = pool.counters().refs_created;
+    let id = b.id();
+    let r = pool.into_ref(b).unwrap();
+    assert_eq!(r.len, len);
+    // The buffer's own descriptor, now a Ref (a Ref made by sharing would
+    // have taken another).
+    assert_eq!((r.desc, r.generation), (id.desc, id.generation));
+    let after = pool.check();
+    assert!(after.ok(), "{:?}", after.problems);
+    assert_eq!((after.buffers, after.refs_live), (0, 1));
+    assert_eq!(after.pages_held, before.pages_held);
+    assert_eq!(after.pages_shared, 0, "no page gained a share");
+    assert_eq!(pool.counters().refs_created, created + 1);
+    let mut want = data.clone();
+    want[3 * 4096..4 * 4096].fill(0);
+    let m = reader.map_ref(&r).unwrap();
+    assert_eq!(m.to_vec().unwrap(), want);
+    drop(m);
+    reader.release_ref(&r).unwrap();
+    assert_eq!(pool.check().pages_held, 0);
+    // Released: a second release is a typed error.
+    assert!(matches!(
+        reader.release_ref(&r),
+        Err(Error::RefReleased { .. } | Error::RefStale { .. })
+    ));
+    drop((pool, reader));
+    tp.assert_clean();
+}
+
+/// A buffer mapped from a Ref borrows that Ref's pages: `into_ref` shares
+/// it and frees it instead, with the same result (the Ref reads the
+/// mapped buffer's content, its own writes included), and the original
+/// Ref is unchanged.
+#[test]
+fn a_mapped_buffer_turned_into_a_ref_is_shared_then_freed() {
+    let tp = TempPool::new(16 << 20);
+    let pool = tp.attach();
+    let mut a = pool.alloc(3 * 4096).unwrap();
+    a.write(0, &[7u8; 3 * 4096]).unwrap();
+    let r0 = a.share().unwrap();
+    drop(a);
+    let mut m = pool.map_ref(&r0).unwrap();
+    m.write(4096, &[9u8; 10]).unwrap();
+    let r1 = pool.into_ref(m).unwrap();
+    let got = pool.map_ref(&r1).unwrap().to_vec().unwrap();
+    let mut want = vec![7u8; 3 * 4096];
+    want[4096..4106].fill(9);
+    assert_eq!(got, want);
+    let orig = pool.map_ref(&r0).unwrap().to_vec().unwrap();
+    assert_eq!(orig, vec![7u8; 3 * 4096]);
+    let c = pool.check();
+    assert!(c.ok(), "{:?}", c.problems);
+    assert_eq!((c.buffers, c.refs_live), (0, 2));
+    pool.release_ref(&r1).unwrap();
+    pool.release_ref(&r0).unwrap();
+    drop(pool);
+    tp.assert_clean();
+}
+
+/// The buffer is gone once it is a Ref: freeing it by an id taken before
+/// is a double free (a typed error), and the Ref is untouched by it.
+#[test]
+fn freeing_a_buffer_turned_into_a_ref_by_its_old_id_is_a_double_free() {
+    let tp = TempPool::new(8 << 20);
+    let pool = tp.attach();
+    let mut b = pool.alloc(8192).unwrap();
+    b.write(0, &[3u8; 8192]).unwrap();
+    let id = b.id();
+    let r = pool.into_ref_ttl(b, Duration::from_secs(60)).unwrap();
+    assert!(matches!(pool.free_id(id), Err(Error::DoubleFree { .. })));
+    assert_eq!(pool.map_ref(&r).unwrap().to_vec().unwrap(), vec![3u8; 8192]);
+    pool.release_ref(&r).unwrap();
+    drop(pool);
+    tp.assert_clean();
+}
+
+/// A Ref made by `into_ref` expires like any other: its time to live
+/// passes, maintenance drops it, and its pages are freed.
+#[test]
+fn a_buffer_turned_into_a_ref_expires_with_its_time_to_live() {
+    let tp = TempPool::new(8 << 20);
+    let pool = tp.attach();
+    let mut b = pool.alloc(3 * 4096).unwrap();
+    b.write(0, &[1u8; 3 * 4096]).unwrap();
+    let r = pool.into_ref_ttl(b, Duration::from_millis(20)).unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    pool.maintain().unwrap();
+    assert!(pool.map_ref(&r).is_err());
+    assert_eq!(pool.check().pages_held, 0);
+    drop(pool);
+    tp.assert_clean();
+}

@@ -1,5 +1,5 @@
 //! Property test: random sequences of alloc / write / create_ref / map_ref /
-//! free / release, from two attached slots, against a plain in-memory model.
+//! free / release / into_ref, from two attached slots, against a plain in-memory model.
 //! Contents are compared after every step and the pool invariant is checked
 //! after every sequence (and must be spotless once everything is dropped).
 #![allow(clippy::unwrap_used)]
@@ -39,6 +39,10 @@ enum Op {
     Read {
         buf: usize,
     },
+    /// The buffer turned into a Ref to all of it (`into_ref`).
+    IntoRef {
+        buf: usize,
+    },
 }
 
 const PS: u64 = 4096;
@@ -53,6 +57,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<usize>().prop_map(|buf| Op::Free { buf }),
         2 => any::<usize>().prop_map(|r| Op::Release { r }),
         2 => any::<usize>().prop_map(|buf| Op::Read { buf }),
+        2 => any::<usize>().prop_map(|buf| Op::IntoRef { buf }),
     ]
 }
 
@@ -119,6 +124,17 @@ fn apply(pools: &[Pool; 2], st: &mut State, op: &Op) -> Result<(), TestCaseError
                 Err(e) => return Err(TestCaseError::fail(format!("release_ref: {e}"))),
             }
             *released = true;
+        }
+        Op::IntoRef { buf } if !st.bufs.is_empty() => {
+            let (b, m) = st.bufs.swap_remove(buf % st.bufs.len());
+            let owner = if b.pool().slot() == pools[0].slot() {
+                &pools[0]
+            } else {
+                &pools[1]
+            };
+            let r = owner.into_ref(b).unwrap();
+            prop_assert_eq!(r.len, m.len() as u64);
+            st.refs.push((r, m, false));
         }
         Op::Read { buf } if !st.bufs.is_empty() => {
             let (b, m) = &st.bufs[buf % st.bufs.len()];

@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use common::{hex, watchdog, Agent, TempPool};
+use common::{hex, unhex, watchdog, Agent, TempPool};
 use dm_pool::{MappedBuffer, Pool, PoolConfig, Ref};
 use std::time::Duration;
 
@@ -320,6 +320,53 @@ fn a_ref_builder_killed_before_copying_its_entries_is_reclaimed() {
         builder.kill9();
         assert_eq!(reclaim_killed(&survivor), 1);
         assert_eq!(survivor.check().pages_held, 0);
+        drop(survivor);
+        tp.assert_clean();
+    });
+}
+
+/// A buffer one process turned into a Ref (`into_ref`) is a Ref like any
+/// other once its maker is killed: another process reads it whole, and
+/// releasing it frees every page.
+#[test]
+fn a_buffer_turned_into_a_ref_outlives_its_killed_maker() {
+    watchdog(60, || {
+        let tp = TempPool::new(16 << 20);
+        let survivor = survivor_of(&tp);
+        let mut maker = Agent::spawn(&tp.path, Some(agent_lease()));
+        let b = maker.ok("alloc 1048576");
+        maker.ok(&format!("fill {b} 0 1048576 7"));
+        let hexref = maker.ok(&format!("seal {b}"));
+        let r = Ref::from_bytes(&unhex(&hexref)).unwrap();
+        maker.kill9();
+        assert_eq!(reclaim_killed(&survivor), 1);
+        let c = survivor.check();
+        assert_eq!((c.buffers, c.refs_live), (0, 1), "{c:?}");
+        let m = survivor.map_ref(&r).unwrap();
+        assert_eq!(m.to_vec().unwrap(), vec![7u8; 1 << 20]);
+        drop(m);
+        survivor.release_ref(&r).unwrap();
+        drop(survivor);
+        tp.assert_clean();
+    });
+}
+
+/// A process killed while turning a buffer into a Ref, with the Ref's
+/// fields written but the descriptor still a buffer, is reclaimed as a
+/// buffer: every page freed, nothing read as a Ref.
+#[test]
+fn a_process_killed_turning_a_buffer_into_a_ref_is_reclaimed() {
+    watchdog(60, || {
+        let tp = TempPool::new(16 << 20);
+        let survivor = survivor_of(&tp);
+        let mut maker = Agent::spawn(&tp.path, Some(agent_lease()));
+        let b = maker.ok("alloc 1048576");
+        maker.ok(&format!("fill {b} 0 1048576 9"));
+        assert_eq!(maker.ok(&format!("stopseal {b}")), "stopped");
+        maker.kill9();
+        assert_eq!(reclaim_killed(&survivor), 1);
+        let c = survivor.check();
+        assert_eq!((c.buffers, c.refs_live, c.pages_held), (0, 0, 0), "{c:?}");
         drop(survivor);
         tp.assert_clean();
     });

@@ -431,9 +431,11 @@ impl Payload {
         Ok(match self.repr {
             Repr::Empty => (Body::None, Lent::default()),
             Repr::Bytes(v) => bytes_body(v, node, inline_max, refs)?,
+            // The buffer becomes the Ref (its pages' shares move to the
+            // Ref, none is counted), released when the call completes.
             Repr::Buffer(b) if len > inline_max && refs.pool => {
-                let r = b.share()?;
-                (Body::Refs(vec![r]), Lent::shared(r, b))
+                let r = node.pool.into_ref(b)?;
+                (Body::Refs(vec![r]), Lent::made(r))
             }
             Repr::Ref(rec) if refs.pool => (
                 Body::Refs(vec![rec.r]),
@@ -576,8 +578,8 @@ fn bytes_body(
         let pool: &Pool = &node.pool;
         let mut b = pool.alloc(v.len() as u64)?;
         b.write(0, &v)?;
-        let r = b.share()?;
-        return Ok((Body::Refs(vec![r]), Lent::shared(r, b)));
+        let r = pool.into_ref(b)?;
+        return Ok((Body::Refs(vec![r]), Lent::made(r)));
     }
     if let (true, Some(m)) = (refs.remote, &node.remote) {
         let r = m.put(&v, std::time::Duration::ZERO)?;
@@ -596,48 +598,30 @@ pub(crate) enum Dir {
 }
 
 /// What a body lends, kept by its sender until the call completes: the
-/// Ref the framework made for it (released then) and the pool buffer that
-/// Ref shares (freed then: an echo hands it back instead), or the received
-/// payload it forwards.
+/// Ref the framework made for it (released then; the buffer it was made
+/// of became that Ref), or the received payload it forwards.
 #[derive(Debug, Default)]
 pub(crate) struct Lent {
-    /// Boxed: the Ref and its buffer are 80 bytes, and most calls (inline
-    /// or empty) lend nothing; a call that makes a Ref pays far more than
-    /// the allocation.
-    made: Option<Box<Made>>,
+    /// Boxed: a Ref is 40 bytes, and most calls (inline or empty) lend
+    /// nothing; a call that makes a Ref pays far more than the allocation.
+    made: Option<Box<Ref>>,
     forwarded: Option<Arc<Received>>,
     /// An answer's body is the request's own Ref, passed back (sent as an
     /// echo frame, [`FLAG_ECHO`]).
     echo: bool,
 }
 
-/// A Ref the framework made for a body, and the pool buffer it shares.
-#[derive(Debug)]
-struct Made {
-    r: Ref,
-    shares: Option<Buffer>,
-}
-
 impl Lent {
     fn made(r: Ref) -> Lent {
         Lent {
-            made: Some(Box::new(Made { r, shares: None })),
-            ..Lent::default()
-        }
-    }
-
-    /// A Ref made of pool buffer `b` (which the Ref's shares keep
-    /// unchanged: writes to it would copy first, and nobody has it).
-    fn shared(r: Ref, b: Buffer) -> Lent {
-        Lent {
-            made: Some(Box::new(Made { r, shares: Some(b) })),
+            made: Some(Box::new(r)),
             ..Lent::default()
         }
     }
 
     /// The Ref the framework made, if any.
     pub(crate) fn made_ref(&self) -> Option<Ref> {
-        self.made.as_ref().map(|m| m.r)
+        self.made.as_deref().copied()
     }
 
     /// Whether the body is the request's own Ref passed back.
@@ -645,11 +629,10 @@ impl Lent {
         self.echo
     }
 
-    /// Releases the Ref the framework made, if any, and frees the buffer
-    /// it shares.
+    /// Releases the Ref the framework made, if any.
     pub(crate) fn release(self, node: &Node) {
-        if let Some(m) = self.made {
-            m.release(node);
+        if let Some(r) = self.made {
+            let _ = node.release_ref(&r);
         }
     }
 
@@ -659,15 +642,9 @@ impl Lent {
     /// of callees passing it back) costs no new shares: the Ref we made is
     /// mapped before it is released (O(1), no page-table work), and a Ref
     /// we forwarded comes back as the payload we forwarded (valid as long
-    /// as it is: until the call that delivered it to us completes). A Ref
-    /// made of a buffer comes back as that buffer (no mapping at all). An
+    /// as it is: until the call that delivered it to us completes). An
     /// echo of any other Ref is refused, and released by nobody.
-    pub(crate) fn answer(
-        mut self,
-        node: &Node,
-        flags: u16,
-        body: Body,
-    ) -> Result<Payload, RpcError> {
+    pub(crate) fn answer(self, node: &Node, flags: u16, body: Body) -> Result<Payload, RpcError> {
         if flags & FLAG_ECHO == 0 {
             self.release(node);
             return Payload::from_response_body(body, node);
@@ -683,10 +660,7 @@ impl Lent {
         }
         match r.filter(|r| self.made_ref() == Some(*r) && r.backend != BACKEND_MEMSERVER) {
             Some(r) => {
-                let b = match self.made.as_mut().and_then(|m| m.shares.take()) {
-                    Some(b) => Ok(b),
-                    None => node.pool.map_ref(&r),
-                };
+                let b = node.pool.map_ref(&r);
                 self.release(node);
                 Ok(Payload::from_buffer(b?))
             }
@@ -696,16 +670,6 @@ impl Lent {
                     "the answer passes back a Ref its request did not carry",
                 ))
             }
-        }
-    }
-}
-
-impl Made {
-    /// Releases the Ref, and frees the buffer it shares.
-    fn release(self, node: &Node) {
-        let _ = node.release_ref(&self.r);
-        if let Some(b) = self.shares {
-            let _ = node.pool.free(b);
         }
     }
 }

@@ -139,6 +139,21 @@ mod agent {
                     dm_pool::testing::hold_ref_lock(&self.pool, &r).map_err(e)?;
                     Ok("holding".into())
                 }
+                "seal" => {
+                    // The buffer becomes a Ref to all of it (`into_ref`).
+                    let b = num(&mut it)?;
+                    let buf = self.bufs.remove(&b).ok_or("no such buffer")?;
+                    Ok(hex(&self.pool.into_ref(buf).map_err(e)?.to_bytes()))
+                }
+                "stopseal" => {
+                    // Crash-recovery tests: stop turning a buffer into a
+                    // Ref just before the commit (the test kills this
+                    // agent next).
+                    let b = num(&mut it)?;
+                    let buf = self.bufs.remove(&b).ok_or("no such buffer")?;
+                    dm_pool::testing::stop_sealing(&self.pool, buf).map_err(e)?;
+                    Ok("stopped".into())
+                }
                 "stopref" => {
                     // Crash-recovery tests: stop creating a Ref before its
                     // entries are written (the test kills this agent next).
@@ -244,7 +259,14 @@ mod agent {
                     }
                     4 if !bufs.is_empty() && refs.len() < 16 => {
                         let i = (rnd() as usize) % bufs.len();
-                        if let Ok(r) = bufs[i].share() {
+                        // A Ref sharing the buffer, or the buffer turned
+                        // into one (a mapped one is shared and freed).
+                        let r = if rnd() % 2 == 0 {
+                            bufs[i].share()
+                        } else {
+                            self.pool.into_ref(bufs.swap_remove(i))
+                        };
+                        if let Ok(r) = r {
                             refs.push(r);
                         }
                     }
