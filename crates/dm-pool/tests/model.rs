@@ -66,6 +66,15 @@ struct State {
     refs: Vec<(Ref, Vec<u8>, bool)>, // snapshot, released
 }
 
+/// The attachment that owns `b`.
+fn owner<'a>(pools: &'a [Pool; 2], b: &Buffer) -> &'a Pool {
+    if b.pool().slot() == pools[0].slot() {
+        &pools[0]
+    } else {
+        &pools[1]
+    }
+}
+
 fn apply(pools: &[Pool; 2], st: &mut State, op: &Op) -> Result<(), TestCaseError> {
     match *op {
         Op::Alloc { who, len } => {
@@ -106,12 +115,7 @@ fn apply(pools: &[Pool; 2], st: &mut State, op: &Op) -> Result<(), TestCaseError
         }
         Op::Free { buf } if !st.bufs.is_empty() => {
             let (b, _) = st.bufs.swap_remove(buf % st.bufs.len());
-            let owner = if b.pool().slot() == pools[0].slot() {
-                &pools[0]
-            } else {
-                &pools[1]
-            };
-            owner.free(b).unwrap();
+            owner(pools, &b).free(b).unwrap();
         }
         Op::Release { r } if !st.refs.is_empty() => {
             let i = r % st.refs.len();
@@ -127,12 +131,7 @@ fn apply(pools: &[Pool; 2], st: &mut State, op: &Op) -> Result<(), TestCaseError
         }
         Op::IntoRef { buf } if !st.bufs.is_empty() => {
             let (b, m) = st.bufs.swap_remove(buf % st.bufs.len());
-            let owner = if b.pool().slot() == pools[0].slot() {
-                &pools[0]
-            } else {
-                &pools[1]
-            };
-            let r = owner.into_ref(b).unwrap();
+            let r = owner(pools, &b).into_ref(b).unwrap();
             prop_assert_eq!(r.len, m.len() as u64);
             st.refs.push((r, m, false));
         }
