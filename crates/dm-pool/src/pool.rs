@@ -517,20 +517,8 @@ impl Pool {
             }
             return Ok(r);
         }
-        // The Ref's fields first, while the descriptor is still a buffer
-        // (a reclaimer of a buffer reads none of them: `aux` is not 1, so
-        // no mapping is undone, and it sets `held` itself); then the commit.
-        let tag = dm_sys::rand::random_u64();
-        d.tag.store(tag, Ordering::Relaxed);
-        d.expiry_ms.store(
-            i.shm
-                .ref_now_coarse()
-                .saturating_add(ttl.as_millis() as u64),
-            Ordering::Relaxed,
-        );
-        d.held.store(buf.n_pages, Ordering::Relaxed);
-        d.progress.store(0, Ordering::Relaxed);
-        d.aux.store(mappers::IS_REF, Ordering::Relaxed);
+        // The Ref's fields first, then the commit.
+        let tag = self.seal_fields(d, buf.n_pages, ttl);
         let live = DescState::encode(buf.generation, Kind::RefLive, 0);
         // From here the handle owns nothing, whatever the CAS gives.
         buf.detached = true;
@@ -557,12 +545,30 @@ impl Pool {
     /// (the caller is then killed). See `testing::stop_sealing`.
     pub(crate) fn seal_stop_before_commit(&self, mut buf: Buffer) -> Result<()> {
         let d = self.inner.desc(buf.desc)?;
-        d.tag.store(dm_sys::rand::random_u64(), Ordering::Relaxed);
-        d.expiry_ms.store(u64::MAX, Ordering::Relaxed);
-        d.held.store(buf.n_pages, Ordering::Relaxed);
-        d.aux.store(mappers::IS_REF, Ordering::Relaxed);
+        self.seal_fields(d, buf.n_pages, Duration::from_secs(3600));
         buf.detached = true;
         Ok(())
+    }
+
+    /// The first step of [`into_ref`](Self::into_ref): the Ref's fields of
+    /// buffer descriptor `d` (of `n_pages` entries), written while it is
+    /// still a buffer (a reclaimer of a buffer reads none of them: `aux`
+    /// is not 1, so no mapping is undone, and it sets `held` itself).
+    /// Returns the tag.
+    fn seal_fields(&self, d: &Desc, n_pages: u32, ttl: Duration) -> u64 {
+        let tag = dm_sys::rand::random_u64();
+        d.tag.store(tag, Ordering::Relaxed);
+        d.expiry_ms.store(
+            self.inner
+                .shm
+                .ref_now_coarse()
+                .saturating_add(ttl.as_millis() as u64),
+            Ordering::Relaxed,
+        );
+        d.held.store(n_pages, Ordering::Relaxed);
+        d.progress.store(0, Ordering::Relaxed);
+        d.aux.store(mappers::IS_REF, Ordering::Relaxed);
+        tag
     }
 
     /// First stage of [`create_ref_ttl`](Self::create_ref_ttl): claims a

@@ -553,11 +553,10 @@ impl<'a, D: RingData> Consumer<'a, D> {
                 // which was never written since the channel was zeroed.
                 // (A skip can be most of a large ring: a look at each of
                 // its slots would cost a cache miss each.)
-                self.free();
+                self.zero_taken();
                 self.data.write(idx, &[0u8; REC_HDR]);
                 self.tail = self.tail.wrapping_add((size - idx) as u64);
-                self.freed = self.tail;
-                self.ctl.tail.0.store(self.tail, Ordering::Release);
+                self.publish_freed();
                 continue;
             }
             crate::probe::stamp(crate::probe::SEEN);
@@ -583,6 +582,12 @@ impl<'a, D: RingData> Consumer<'a, D> {
     /// Release store, ordered after the zeroing). (Never the slots a wrap
     /// marker skips: see `pop_with`.)
     fn free(&mut self) {
+        self.zero_taken();
+        self.publish_freed();
+    }
+
+    /// Zeroes every slot start of the records taken since the last free.
+    fn zero_taken(&mut self) {
         let size = self.data.size();
         let mut at = self.freed;
         while at != self.tail {
@@ -594,6 +599,10 @@ impl<'a, D: RingData> Consumer<'a, D> {
             }
             at = at.wrapping_add(REC_ALIGN as u64);
         }
+    }
+
+    /// Publishes the tail: everything before it is free (zeroed first).
+    fn publish_freed(&mut self) {
         self.freed = self.tail;
         self.ctl.tail.0.store(self.tail, Ordering::Release);
         self.owes_ring = true;
