@@ -63,6 +63,8 @@ pub mod layout;
 #[cfg(not(loom))]
 pub mod mapped;
 #[cfg(not(loom))]
+mod page_cache;
+#[cfg(not(loom))]
 pub mod pool;
 #[cfg(not(loom))]
 mod reclaim;

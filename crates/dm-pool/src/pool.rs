@@ -12,6 +12,7 @@ use crate::desc::{
 };
 use crate::error::{Error, Result};
 use crate::layout::{Layout, PoolConfig};
+use crate::page_cache::PageCache;
 use crate::pages::{Delta, BORROWED, NO_PAGE};
 use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
@@ -20,7 +21,6 @@ use crate::slot::{LeaseNow, SlotKind, SlotState};
 use crate::sync::Ordering;
 use dm_sys::mem::SharedFile;
 use dm_sys::time::{monotonic_ms, now_ms};
-use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -44,6 +44,13 @@ pub struct AttachOptions {
     pub batch: usize,
     /// Surplus above this many cached pages goes back to the free set. Default 2048.
     pub cache_max: usize,
+    /// Pages the cache keeps in reserve beyond an allocation, so that a
+    /// freed page is reused only after about this many others (oldest
+    /// first): by then its lines have left the caches of the core that
+    /// read it, which makes rewriting it several times cheaper
+    /// (`page_cache.rs`). Default (`None`): 4 MiB of pages; capped at half
+    /// of `cache_max` and an eighth of the pool. `Some(0)`: no reserve.
+    pub cool_pages: Option<usize>,
     /// Name recorded in the slot (default: this executable's name).
     pub name: Option<String>,
     /// Run the background thread that renews the lease. Default true.
@@ -61,6 +68,7 @@ impl Default for AttachOptions {
             lease_ms: None,
             batch: 256,
             cache_max: 2048,
+            cool_pages: None,
             name: None,
             heartbeat: true,
             reclaim: true,
@@ -87,7 +95,9 @@ pub(crate) struct Core {
 
 pub(crate) struct Inner {
     core: Arc<Core>,
-    cache: Mutex<VecDeque<u32>>,
+    cache: Mutex<PageCache>,
+    /// The reserve the cache keeps (`AttachOptions::cool_pages`, capped).
+    cool: usize,
     opts: AttachOptions,
     zeros: Box<[u8]>,
     stop: Arc<AtomicBool>,
@@ -267,6 +277,12 @@ impl Pool {
             shm.prefault();
         }
         let zeros = vec![0u8; shm.layout.page_size as usize].into_boxed_slice();
+        let cool = crate::page_cache::reserve(
+            opts.cool_pages,
+            shm.layout.page_size as usize,
+            opts.cache_max,
+            shm.layout.n_pages as usize,
+        );
         // Processes start their descriptor claims apart.
         let n_descs = shm.layout.n_descs.max(1);
         let first_desc =
@@ -292,7 +308,8 @@ impl Pool {
         };
         let inner = Arc::new(Inner {
             core,
-            cache: Mutex::new(VecDeque::new()),
+            cache: Mutex::new(PageCache::default()),
+            cool,
             opts,
             zeros,
             stop,
@@ -1011,8 +1028,8 @@ impl Inner {
                     .cache
                     .lock()
                     .map_err(|_| Error::Corrupt("page cache lock poisoned".into()))?;
-                if cache.len() < n {
-                    let want = self.opts.batch.max(n - cache.len());
+                let want = cache.refill_for(n, self.opts.batch);
+                if want > 0 {
                     let mut got = Vec::with_capacity(want);
                     self.shm.pages().claim_batch(
                         &self.shm.atomics().page_cursor,
@@ -1020,11 +1037,10 @@ impl Inner {
                         want,
                         &mut got,
                     );
-                    cache.extend(got);
+                    cache.refilled(got, want);
                 }
-                if cache.len() >= n {
-                    let at = cache.len() - n;
-                    return Ok(cache.drain(at..).collect());
+                if let Some(pages) = cache.take(n) {
+                    return Ok(pages);
                 }
             }
             if retried {
@@ -1055,13 +1071,13 @@ impl Inner {
         let Ok(mut cache) = self.cache.lock() else {
             return;
         };
-        cache.extend(pages);
+        cache.give(pages, self.cool);
         if cache.len() > self.opts.cache_max {
             let keep = self.opts.cache_max / 2;
             let t = self.shm.pages();
             let mut first = None;
             while cache.len() > keep {
-                if let Some(p) = cache.pop_front() {
+                if let Some(p) = cache.pop_oldest() {
                     if t.release_cached(p, self.slot).is_ok() {
                         first = Some(first.map_or(p, |f: u32| f.min(p)));
                     }
@@ -1138,7 +1154,7 @@ impl Drop for Inner {
         }
         if let Ok(mut cache) = self.cache.lock() {
             let t = self.shm.pages();
-            for p in cache.drain(..) {
+            for p in cache.drain_all() {
                 let _ = t.release_cached(p, self.slot);
             }
         }
@@ -1767,31 +1783,60 @@ mod tests {
     }
 
     #[test]
-    fn freed_pages_are_reused_first_and_in_order() {
+    fn freed_pages_cool_before_reuse_and_come_back_in_order() {
         let tp = TempPool::new(16 << 20);
-        let pool = tp.attach();
-        let ps = pool.page_size();
-        let pages =
-            |b: &crate::Buffer| -> Vec<u32> { (0..4).map(|k| b.page_at(k).unwrap()).collect() };
-        let mut a = pool.alloc(4 * ps as u64).unwrap();
-        a.write(0, &vec![1u8; 4 * ps]).unwrap();
-        let first = pages(&a);
-        // Something else takes pages in between, and is freed earlier.
-        let mut other = pool.alloc(ps as u64).unwrap();
-        other.write(0, &[2u8; 8]).unwrap();
-        pool.free(other).unwrap();
-        pool.free(a).unwrap();
-        let mut b = pool.alloc(4 * ps as u64).unwrap();
-        b.write(0, &vec![3u8; 4 * ps]).unwrap();
-        // The pages freed last come back first (still warm in this core's
-        // caches), in their order.
-        assert_eq!(pages(&b), first);
-        let mut got = vec![0u8; 4 * ps];
-        b.read(0, &mut got).unwrap();
-        assert_eq!(got, vec![3u8; 4 * ps]);
-        pool.free(b).unwrap();
-        drop(pool);
-        tp.assert_clean();
+        for cool in [Some(0), None] {
+            let pool = tp.attach_with(AttachOptions {
+                cool_pages: cool,
+                ..Default::default()
+            });
+            let ps = pool.page_size();
+            let pages =
+                |b: &crate::Buffer| -> Vec<u32> { (0..4).map(|k| b.page_at(k).unwrap()).collect() };
+            let mut a = pool.alloc(4 * ps as u64).unwrap();
+            a.write(0, &vec![1u8; 4 * ps]).unwrap();
+            let first = pages(&a);
+            // Something else takes pages in between, and is freed earlier.
+            let mut other = pool.alloc(ps as u64).unwrap();
+            other.write(0, &[2u8; 8]).unwrap();
+            pool.free(other).unwrap();
+            pool.free(a).unwrap();
+            let mut b = pool.alloc(4 * ps as u64).unwrap();
+            b.write(0, &vec![3u8; 4 * ps]).unwrap();
+            if cool == Some(0) {
+                // Nothing cools: the pages freed last come back first, in
+                // their order.
+                assert_eq!(pages(&b), first);
+            } else {
+                // They cool (page_cache.rs): b gets other pages, and a
+                // page comes back only after `cool` others were freed.
+                assert!(pages(&b).iter().all(|p| !first.contains(p)));
+                let cool = pool.inner.cool;
+                assert!(cool >= 64, "{cool}");
+                let mut seen = std::collections::HashMap::new();
+                for i in 0..cool {
+                    let mut c = pool.alloc(4 * ps as u64).unwrap();
+                    c.write(0, &vec![4u8; 4 * ps]).unwrap();
+                    for p in pages(&c) {
+                        if let Some(j) = seen.insert(p, i) {
+                            assert!(i - j >= cool / 4, "page {p} back after {}", i - j);
+                        }
+                    }
+                    pool.free(c).unwrap();
+                }
+                assert!(
+                    seen.len() < cool + 8,
+                    "{} pages for a cool of {cool}",
+                    seen.len()
+                );
+            }
+            let mut got = vec![0u8; 4 * ps];
+            b.read(0, &mut got).unwrap();
+            assert_eq!(got, vec![3u8; 4 * ps]);
+            pool.free(b).unwrap();
+            drop(pool);
+            tp.assert_clean();
+        }
     }
 
     #[test]
