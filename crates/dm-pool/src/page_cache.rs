@@ -6,20 +6,28 @@
 //! process and read by another, most often on the other core. When the
 //! writer frees it and takes it again at once, its lines still sit in the
 //! reader's core's caches, and the next write has to take each line back
-//! from there, one at a time: measured on the 2-core test machine (AMD
-//! EPYC, 1 MiB of L2 a core; BENCHMARKS.md, "Reusing pages"), a client's
-//! 64 KiB request written into the pages its previous call freed took
-//! 7–9 µs, against 2.4–2.9 µs into pages that had cooled, and 1 MiB
-//! 90–126 µs against 37–40 µs. So freed pages first *cool*: they wait,
-//! oldest first, until the pages this process has out in buffers and Refs
-//! plus the ones freed after them add up to `cool` pages (default 4 MiB,
-//! about four cores' L2 here; 1 MiB cooled too little: 4.3–6.0 µs). Then
+//! from there, one at a time. Measured on the 2-core test machine (AMD
+//! EPYC, 1 MiB of L2 a core; `examples/chain_loop`, one call at a time
+//! through one tier that reads every byte; BENCHMARKS.md, "Freed pages
+//! cool"): the client's write of a 64 KiB request into the pages its
+//! previous call freed took 6.8–10.7 µs, against 2.4–2.9 µs into pages
+//! that had cooled, and the whole call went from 10.7–14.4 µs to
+//! 4.7–5.0 µs; at 1 MiB, 143–153 µs to 59–63 µs. So freed pages first
+//! *cool*: they wait, oldest first, until the pages this process has out
+//! in buffers and Refs plus the ones freed after them add up to `cool`
+//! pages (default [`DEFAULT_COOL_BYTES`]; 1 MiB cooled too little). Then
 //! they are *ready*, and a take uses the ready ones cooled last (still in
 //! the shared L3, and in the TLB). A process with that much out already
 //! (eight 1 MiB calls in flight) keeps nothing cooling: its calls' own
 //! traffic pushes the pages out of the reader's L2, and extra distinct
-//! pages only cost TLB and L3 reach (the reader's 1 MiB read took 32 µs
-//! with 2 MiB cooling there, 18 µs without).
+//! pages only cost TLB and L3 reach (there the reader's 1 MiB read took
+//! 32 µs with 2 MiB cooling, 18 µs without).
+//!
+//! The price: a payload nobody reads on another core (an echo that sends
+//! the bytes back untouched) was hot in the writer's own L2, and now
+//! comes from the L3: `bench rtt`'s 256 KiB echo by Ref went from
+//! 8.5–8.8 µs to about 11 µs. A process whose pages stay on its own core
+//! can attach with `cool_pages: Some(0)`.
 //!
 //! **Cost.** A process that allocates holds up to `cool` pages idle; one
 //! that only forwards or reads holds none beyond what it frees. `cool` is
@@ -124,7 +132,14 @@ impl PageCache {
     }
 }
 
-/// How many pages a cache lets cool: `wanted` (default: 4 MiB of pages),
+/// What a cache lets cool by default: twice a core's L2 on the test
+/// machine. (4 MiB cooled the one-at-a-time calls no better, and cost a
+/// fifth of `bench image`'s throughput at 1 MiB, where eight processes
+/// allocate: their pages in circulation outgrew the L3.)
+pub(crate) const DEFAULT_COOL_BYTES: usize = 2 << 20;
+
+/// How many pages a cache lets cool: `wanted` (default:
+/// [`DEFAULT_COOL_BYTES`] of pages),
 /// at most half of `cache_max` and an eighth of the pool's `pages`.
 pub(crate) fn reserve(
     wanted: Option<usize>,
@@ -133,7 +148,7 @@ pub(crate) fn reserve(
     pages: usize,
 ) -> usize {
     wanted
-        .unwrap_or((4 << 20) / page_size.max(1))
+        .unwrap_or(DEFAULT_COOL_BYTES / page_size.max(1))
         .min(cache_max / 2)
         .min(pages / 8)
 }
@@ -219,10 +234,10 @@ mod tests {
 
     #[test]
     fn the_cool_is_capped_by_the_cache_limit_and_the_pool() {
-        assert_eq!(reserve(None, 4096, 2048, 1 << 18), 1024);
+        assert_eq!(reserve(None, 4096, 2048, 1 << 18), 512);
         assert_eq!(reserve(None, 4096, 64, 1 << 18), 32);
         assert_eq!(reserve(None, 4096, 2048, 256), 32);
         assert_eq!(reserve(Some(0), 4096, 2048, 1 << 18), 0);
-        assert_eq!(reserve(None, 2 << 20, 2048, 1 << 18), 2);
+        assert_eq!(reserve(None, 2 << 20, 2048, 1 << 18), 1);
     }
 }

@@ -44,12 +44,13 @@ pub struct AttachOptions {
     pub batch: usize,
     /// Surplus above this many cached pages goes back to the free set. Default 2048.
     pub cache_max: usize,
-    /// Pages the cache keeps in reserve beyond an allocation, so that a
-    /// freed page is reused only after about this many others (oldest
-    /// first): by then its lines have left the caches of the core that
-    /// read it, which makes rewriting it several times cheaper
-    /// (`page_cache.rs`). Default (`None`): 4 MiB of pages; capped at half
-    /// of `cache_max` and an eighth of the pool. `Some(0)`: no reserve.
+    /// How many pages freed pages cool behind: a freed page is reused only
+    /// once the pages this process has out and the ones it freed after it
+    /// add up to this many. By then its lines have left the caches of the
+    /// core that read it, which makes rewriting it several times cheaper
+    /// (`page_cache.rs`). Default (`None`): 2 MiB of pages; capped at half
+    /// of `cache_max` and an eighth of the pool. `Some(0)`: freed pages
+    /// are reused at once, the last freed first.
     pub cool_pages: Option<usize>,
     /// Name recorded in the slot (default: this executable's name).
     pub name: Option<String>,
@@ -96,7 +97,8 @@ pub(crate) struct Core {
 pub(crate) struct Inner {
     core: Arc<Core>,
     cache: Mutex<PageCache>,
-    /// The reserve the cache keeps (`AttachOptions::cool_pages`, capped).
+    /// How many pages freed pages cool behind (`AttachOptions::cool_pages`,
+    /// capped; `page_cache.rs`).
     cool: usize,
     opts: AttachOptions,
     zeros: Box<[u8]>,
