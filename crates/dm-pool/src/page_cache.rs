@@ -10,9 +10,10 @@
 //! EPYC, 1 MiB of L2 a core; `examples/chain_loop`, one call at a time
 //! through one tier that reads every byte; BENCHMARKS.md, "Freed pages
 //! cool"): the client's write of a 64 KiB request into the pages its
-//! previous call freed took 6.8–10.7 µs, against 2.4–2.9 µs into pages
-//! that had cooled, and the whole call went from 10.7–14.4 µs to
-//! 4.7–5.0 µs; at 1 MiB, 143–153 µs to 59–63 µs. So freed pages first
+//! previous call freed took 8.1–8.9 µs (medians of interleaved runs),
+//! against 2.4 µs into pages that had cooled, and the whole call went
+//! from 11.4–13.3 µs to 4.8–5.5 µs; at 1 MiB, from 136–149 µs to
+//! 56–61 µs (the write 116–124 µs to 37 µs). So freed pages first
 //! *cool*: they wait, oldest first, until the pages this process has out
 //! in buffers and Refs plus the ones freed after them add up to `cool`
 //! pages (default [`DEFAULT_COOL_BYTES`]; 1 MiB cooled too little). Then
