@@ -157,6 +157,7 @@ pub(crate) fn reserve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn freed_pages_cool_before_they_are_taken_again() {
@@ -231,6 +232,86 @@ mod tests {
         rest.sort_unstable();
         assert_eq!(rest, vec![2, 3, 4]);
         assert_eq!(c.len(), 0);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Take this many (after the refill it asks for).
+        Take(usize),
+        /// Give back this many of the pages out (the oldest taken first).
+        Give(usize),
+        /// Give the oldest page back to the pool.
+        Pop,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1usize..40).prop_map(Op::Take),
+            (1usize..40).prop_map(Op::Give),
+            Just(Op::Pop),
+        ]
+    }
+
+    proptest! {
+        /// Every page is in exactly one place (the pool, the cache, out),
+        /// a take fails only when the cache and the pool together hold too
+        /// few, and pages still cooling are used only when the pool runs
+        /// short.
+        #[test]
+        fn pages_are_never_lost_or_doubled(
+            ops in proptest::collection::vec(op(), 1..200),
+            supply in 0usize..400,
+            cool in 0usize..64,
+            batch in 1usize..32,
+        ) {
+            let mut c = PageCache::default();
+            let mut pool: Vec<u32> = (0..supply as u32).collect();
+            let mut out: Vec<u32> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Take(n) => {
+                        let lean = c.lean > 0;
+                        let want = c.refill_for(n, batch);
+                        let got = pool.split_off(pool.len().saturating_sub(want));
+                        let short = got.len() < want;
+                        c.refilled(got, want);
+                        let (before, ready) = (c.len(), c.ready.len());
+                        match c.take(n) {
+                            Some(p) => {
+                                prop_assert_eq!(p.len(), n);
+                                if !lean && !short {
+                                    // The pool filled the refill: nothing
+                                    // still cooling is used.
+                                    prop_assert!(ready >= n);
+                                }
+                                out.extend(p);
+                            }
+                            None => prop_assert!(before < n && pool.is_empty()),
+                        }
+                    }
+                    Op::Give(k) => {
+                        let k = k.min(out.len());
+                        c.give(out.drain(..k).collect(), cool);
+                        prop_assert!(c.cooling.len() <= cool);
+                    }
+                    Op::Pop => {
+                        if let Some(p) = c.pop_oldest() {
+                            pool.push(p);
+                        }
+                    }
+                }
+                let mut all: Vec<u32> = pool.iter().chain(&out).copied().collect();
+                all.extend(c.ready.iter().chain(&c.cooling));
+                all.sort_unstable();
+                prop_assert_eq!(all, (0..supply as u32).collect::<Vec<_>>());
+            }
+            let mut left: Vec<u32> = c.drain_all().collect();
+            left.extend(out);
+            left.extend(pool);
+            left.sort_unstable();
+            prop_assert_eq!(left, (0..supply as u32).collect::<Vec<_>>());
+            prop_assert_eq!(c.len(), 0);
+        }
     }
 
     #[test]
