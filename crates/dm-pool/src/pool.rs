@@ -511,10 +511,36 @@ impl Pool {
     }
 
     /// [`into_ref`](Self::into_ref) with an explicit time to live.
-    pub fn into_ref_ttl(&self, mut buf: Buffer, ttl: Duration) -> Result<Ref> {
-        buf.check(self)?;
+    pub fn into_ref_ttl(&self, buf: Buffer, ttl: Duration) -> Result<Ref> {
+        // (A buffer handed back is dropped: freed, as `into_ref` says.)
+        self.try_into_ref_ttl(buf, ttl).map_err(|(e, _)| e)
+    }
+
+    /// [`into_ref`](Self::into_ref) that loses nothing when it fails: the
+    /// error comes with the buffer, unchanged (a pool out of descriptors
+    /// for a buffer that has to be shared, a buffer of another pool). Only
+    /// a buffer this process no longer owns comes back empty-handed: one
+    /// freed already (`DoubleFree`), or taken by a reclaimer because this
+    /// process was held dead (`Corrupt`, the buffer handed back owns
+    /// nothing).
+    pub fn try_into_ref(&self, buf: Buffer) -> std::result::Result<Ref, (Error, Buffer)> {
+        self.try_into_ref_ttl(buf, Duration::from_millis(self.layout().ref_ttl_ms))
+    }
+
+    /// [`try_into_ref`](Self::try_into_ref) with an explicit time to live.
+    pub fn try_into_ref_ttl(
+        &self,
+        mut buf: Buffer,
+        ttl: Duration,
+    ) -> std::result::Result<Ref, (Error, Buffer)> {
+        if let Err(e) = buf.check(self) {
+            return Err((e, buf));
+        }
         let i = &self.inner;
-        let d = i.desc(buf.desc)?;
+        let d = match i.desc(buf.desc) {
+            Ok(d) => d,
+            Err(e) => return Err((e, buf)),
+        };
         let mine = DescState::encode(buf.generation, Kind::Buf, i.slot);
         // Only a buffer whose entries are all its own shares: not mapped
         // from a Ref (`aux` 0, no inherited entries), no copy-on-write
@@ -529,10 +555,17 @@ impl Pool {
             || d.flags.load(Ordering::Acquire) & FLAG_INHERIT != 0
             || d.journal_idx.load(Ordering::Acquire) != NO_PAGE
         {
-            let r = self.create_ref_ttl(&buf, 0, buf.len, ttl)?;
-            if let Err(e) = self.free(buf) {
+            let r = match self.create_ref_ttl(&buf, 0, buf.len, ttl) {
+                Ok(r) => r,
+                Err(e) => return Err((e, buf)),
+            };
+            // (A free that fails finds a buffer no longer ours: the one
+            // handed back owns nothing.)
+            let id = buf.id();
+            buf.detached = true;
+            if let Err(e) = self.free_id(id) {
                 let _ = self.release_ref(&r);
-                return Err(e);
+                return Err((e, buf));
             }
             return Ok(r);
         }
@@ -541,13 +574,15 @@ impl Pool {
         let live = DescState::encode(buf.generation, Kind::RefLive, 0);
         // From here the handle owns nothing, whatever the CAS gives.
         buf.detached = true;
-        d.state
+        if d.state
             .compare_exchange(mine, live, Ordering::AcqRel, Ordering::Acquire)
-            .map_err(|_| {
-                // Only a reclaimer takes an owned descriptor: this slot
-                // was taken for dead, and the buffer is its to drop.
-                Error::Corrupt(format!("descriptor {} changed under its owner", buf.desc))
-            })?;
+            .is_err()
+        {
+            // Only a reclaimer takes an owned descriptor: this slot was
+            // taken for dead, and the buffer is its to drop.
+            let e = Error::Corrupt(format!("descriptor {} changed under its owner", buf.desc));
+            return Err((e, buf));
+        }
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
         Ok(Ref {
             backend: crate::refs::BACKEND_POOL,

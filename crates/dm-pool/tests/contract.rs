@@ -705,6 +705,46 @@ fn a_mapped_buffer_turned_into_a_ref_is_shared_then_freed() {
     tp.assert_clean();
 }
 
+/// `try_into_ref` loses nothing when it fails: a mapped buffer has to be
+/// shared (a new descriptor), and with every descriptor in use the error
+/// comes back with the buffer, its content and its writes intact; once a
+/// descriptor is free again the same buffer becomes its Ref. (`into_ref`
+/// frees the buffer on such an error.)
+#[test]
+fn a_failed_try_into_ref_hands_the_buffer_back_intact() {
+    let tp = TempPool::new(8 << 20);
+    let pool = tp.attach();
+    let mut a = pool.alloc(2 * 4096).unwrap();
+    a.write(0, &[5u8; 2 * 4096]).unwrap();
+    let r0 = a.share().unwrap();
+    drop(a);
+    let mut m = pool.map_ref(&r0).unwrap();
+    m.write(100, &[6u8; 4]).unwrap();
+    let mut want = vec![5u8; 2 * 4096];
+    want[100..104].fill(6);
+    let mut fillers = Vec::new();
+    let err = loop {
+        match pool.alloc(1) {
+            Ok(b) => fillers.push(b),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, Error::ResourceExhausted { .. }), "{err:?}");
+    let (e, m) = pool.try_into_ref(m).unwrap_err();
+    assert!(matches!(e, Error::ResourceExhausted { .. }), "{e:?}");
+    assert_eq!(m.to_vec().unwrap(), want);
+    drop(fillers.pop());
+    let r1 = pool.try_into_ref(m).unwrap();
+    assert_eq!(pool.map_ref(&r1).unwrap().to_vec().unwrap(), want);
+    drop(fillers);
+    pool.release_ref(&r1).unwrap();
+    pool.release_ref(&r0).unwrap();
+    let c = pool.check();
+    assert!(c.ok(), "{:?}", c.problems);
+    drop(pool);
+    tp.assert_clean();
+}
+
 /// The buffer is gone once it is a Ref: freeing it by an id taken before
 /// is a double free (a typed error), and the Ref is untouched by it.
 #[test]

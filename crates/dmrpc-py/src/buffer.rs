@@ -247,6 +247,39 @@ impl PyBuffer {
         self.create_ref(0, None)
     }
 
+    /// Turns the buffer into a Ref to all of it and ends the buffer, as
+    /// `share()` then `free()` would, in place where it can (an explicit
+    /// buffer of its own pages: `Pool::into_ref`, no page touched). On an
+    /// error the buffer is unchanged. BufferError while views exist.
+    // (Python methods take `&self`; the name is the Rust API's, and the
+    // buffer ends as `free` ends it.)
+    #[allow(clippy::wrong_self_convention)]
+    fn into_ref(&self) -> PyResult<PyRef> {
+        let mut g = self.m.lock().map_err(|_| freed())?;
+        if self.exports.load(Ordering::Acquire) > 0 {
+            return Err(PyBufferError::new_err(
+                "the buffer has live views (memoryview, numpy arrays): release them first",
+            ));
+        }
+        match g.take() {
+            Some(Kind::Explicit(b)) => match b.pool().clone().try_into_ref(b) {
+                Ok(r) => Ok(PyRef::new(r)),
+                Err((e, b)) => {
+                    *g = Some(Kind::Explicit(b));
+                    Err(pool_err(e))
+                }
+            },
+            Some(Kind::Mapped(mut m)) => match m.share() {
+                Ok(r) => Ok(PyRef::new(r)),
+                Err(e) => {
+                    *g = Some(Kind::Mapped(m));
+                    Err(pool_err(e))
+                }
+            },
+            None => Err(freed()),
+        }
+    }
+
     /// Frees the buffer (BufferError while views exist).
     #[pyo3(name = "free")]
     fn py_free(&self) -> PyResult<()> {

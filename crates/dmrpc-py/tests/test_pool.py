@@ -219,6 +219,35 @@ def test_a_killed_python_process_leaves_the_pool_clean(pool):
     assert rep["buffers"] == 0, rep
 
 
+def test_into_ref_ends_the_buffer_and_its_ref_reads_the_same(pool):
+    p, _ = pool
+    for mapped in (False, True):
+        b = p.alloc(3 * 4096, mapped=mapped)
+        b.write(b"\x05" * (3 * 4096))
+        b.write(b"\x09", 4096)
+        held = p.check()["pages_held"]
+        if mapped:
+            v = memoryview(b)
+            with pytest.raises(BufferError):
+                b.into_ref()
+            assert b.read(4096, 1) == b"\x09", "a refused into_ref leaves the buffer"
+            v.release()
+        r = b.into_ref()
+        # The pages now belong to the Ref: none copied, none freed.
+        assert p.check()["pages_held"] == held
+        with pytest.raises(dmrpc.InvalidArgument):
+            b.read()
+        with pytest.raises(dmrpc.InvalidArgument):
+            b.into_ref()
+        m = p.map_ref(r, mapped=False)
+        want = bytearray(b"\x05" * (3 * 4096))
+        want[4096] = 9
+        assert m.read() == bytes(want)
+        m.free()
+        p.release_ref(r)
+    assert p.check()["pages_held"] == 0
+
+
 def test_explicit_buffers_copy_on_write_without_mapping(pool):
     p, _ = pool
     b = p.alloc(4 * 4096, mapped=False)
