@@ -40,6 +40,11 @@
 
 use std::collections::VecDeque;
 
+/// Takes with no give in between after which the pages counted out are
+/// taken for gone (freed by other processes): the count of pages out
+/// starts again, so that what this process does free cools again.
+const FORGET_OUT_TAKES: u32 = 256;
+
 /// Takes after a short refill during which the cache claims only what a
 /// take needs.
 const LEAN_TAKES: u32 = 64;
@@ -58,8 +63,12 @@ pub(crate) struct PageCache {
     /// (after a refill the pool could not supply in full).
     lean: u32,
     /// Pages taken and not given back yet (out in buffers and Refs),
-    /// as far as this cache can tell.
+    /// as far as this cache can tell: pages another process frees last
+    /// never come back here, so after [`FORGET_OUT_TAKES`] takes with no
+    /// give in between the count starts again from zero.
     out: usize,
+    /// Takes since the last give.
+    takes_since_give: u32,
 }
 
 impl PageCache {
@@ -101,6 +110,10 @@ impl PageCache {
         if self.len() < n {
             return None;
         }
+        self.takes_since_give += 1;
+        if self.takes_since_give > FORGET_OUT_TAKES {
+            (self.out, self.takes_since_give) = (0, 0);
+        }
         self.out = self.out.saturating_add(n);
         let from_ready = n.min(self.ready.len());
         let mut out: Vec<u32> = self.ready.drain(self.ready.len() - from_ready..).collect();
@@ -112,6 +125,7 @@ impl PageCache {
     /// ones cooling after them add up to `cool`.
     pub(crate) fn give(&mut self, pages: Vec<u32>, cool: usize) {
         self.out = self.out.saturating_sub(pages.len());
+        self.takes_since_give = 0;
         self.cooling.extend(pages);
         while self.cooling.len() > cool.saturating_sub(self.out) {
             let Some(p) = self.cooling.pop_front() else {
@@ -199,6 +213,31 @@ mod tests {
         let out = c.take(8).unwrap();
         c.give(out[4..].to_vec(), 4);
         assert_eq!(c.take(4), Some(out[4..].to_vec()));
+    }
+
+    #[test]
+    fn pages_freed_elsewhere_are_forgotten_and_cooling_resumes() {
+        let mut c = PageCache::default();
+        c.refilled((0..1000).collect(), 1000);
+        // Many takes whose pages other processes free: none come back.
+        for _ in 0..FORGET_OUT_TAKES {
+            c.take(2).unwrap();
+        }
+        assert_eq!(c.out, 2 * FORGET_OUT_TAKES as usize);
+        // So far they count as out, and a page freed now would not cool
+        // (a cool of 8 is far below what is out); one take more forgets
+        // them, and the page freed next cools.
+        c.take(2).unwrap();
+        assert_eq!(c.out, 2);
+        c.give(vec![5000], 8);
+        assert_eq!(c.cooling.len(), 1);
+        // A give resets the count of takes: what a busy process has out
+        // is not forgotten while its pages come back.
+        for _ in 0..2 * FORGET_OUT_TAKES {
+            let p = c.take(1).unwrap();
+            c.give(p, 8);
+        }
+        assert_eq!(c.out, 1);
     }
 
     #[test]
