@@ -7,7 +7,8 @@
 //! thread with a connection of its own, as `dmrpc bench chain`'s; else
 //! they share one), CLIENT=async (the CONC calls are tasks of one thread,
 //! over one async connection), CLIENT_WAIT (the client's waiting policy
-//! alone, as `DMRPC_WAIT`), RING_KIB (the rings' size), POOL_DIR (where the
+//! alone, as `DMRPC_WAIT`), ENTRY (the tier the client calls; 0),
+//! RING_KIB (the rings' size), POOL_DIR (where the
 //! pool file goes; default /dev/shm)). Tier k
 //! forwards its payload to tier k+1 untouched; the last reads every byte
 //! and answers 8 bytes. The tiers' nodes are configured as the bench's:
@@ -124,7 +125,11 @@ fn main() {
         Pool::open(path.as_ref(), AttachOptions::default()).unwrap(),
         client_cfg,
     );
-    let c = node.connect("profile/chain/0").unwrap();
+    // ENTRY: the tier the client calls (default 0): as `dmrpc bench
+    // chain`, a chain of fewer tiers runs through the last ones while the
+    // others stay idle.
+    let entry = format!("profile/chain/{}", env("ENTRY", 0));
+    let c = node.connect(&entry).unwrap();
     let size = env("SIZE", 65536);
     let data = vec![5u8; size];
     let call = || c.call("go", payload(&node, &data, by_ref)).unwrap();
@@ -141,7 +146,7 @@ fn main() {
     let sw_end = if std::env::var("CLIENT").is_ok_and(|v| v == "async") {
         // CLIENT=async: the CONC calls in flight are tasks of one thread
         // (a current-thread runtime), over one async connection.
-        let ac = node.connect_async("profile/chain/0").unwrap();
+        let ac = node.connect_async(&entry).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -174,7 +179,7 @@ fn main() {
         std::thread::scope(|s| {
             for _ in 0..conc {
                 s.spawn(|| {
-                    let mine = own.then(|| node.connect("profile/chain/0").unwrap());
+                    let mine = own.then(|| node.connect(&entry).unwrap());
                     let c = mine.as_ref().unwrap_or(&c);
                     for _ in 0..n / conc as u64 {
                         c.call("go", payload(&node, &data, by_ref)).unwrap();
