@@ -505,7 +505,9 @@ impl Pool {
     /// share it has: O(1), where sharing counts every page up for the Ref
     /// and the drop counts it down again (32 count changes for 64 KiB).
     /// A buffer mapped from a Ref (whose pages are borrowed) is shared and
-    /// freed instead, with the same result. Default time to live.
+    /// freed instead, with the same result. Default time to live. On an
+    /// error the buffer is freed; [`try_into_ref`](Self::try_into_ref)
+    /// hands it back instead.
     pub fn into_ref(&self, buf: Buffer) -> Result<Ref> {
         self.into_ref_ttl(buf, Duration::from_millis(self.layout().ref_ttl_ms))
     }
