@@ -25,7 +25,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 /// The memory behind a `dmrpc.Buffer`.
 pub enum Kind {
@@ -122,13 +122,20 @@ impl PyBuffer {
         f(g.as_mut().ok_or_else(freed)?)
     }
 
-    pub fn free(&self) -> PyResult<()> {
-        let mut g = self.m.lock().map_err(|_| freed())?;
+    /// The buffer's slot, locked, for an operation that ends the buffer
+    /// (`free`, `into_ref`): BufferError while views exist.
+    fn ending(&self) -> PyResult<MutexGuard<'_, Option<Kind>>> {
+        let g = self.m.lock().map_err(|_| freed())?;
         if self.exports.load(Ordering::Acquire) > 0 {
             return Err(PyBufferError::new_err(
                 "the buffer has live views (memoryview, numpy arrays): release them first",
             ));
         }
+        Ok(g)
+    }
+
+    pub fn free(&self) -> PyResult<()> {
+        let mut g = self.ending()?;
         match g.take() {
             Some(Kind::Mapped(m)) => {
                 drop(m);
@@ -255,12 +262,7 @@ impl PyBuffer {
     // buffer ends as `free` ends it.)
     #[allow(clippy::wrong_self_convention)]
     fn into_ref(&self) -> PyResult<PyRef> {
-        let mut g = self.m.lock().map_err(|_| freed())?;
-        if self.exports.load(Ordering::Acquire) > 0 {
-            return Err(PyBufferError::new_err(
-                "the buffer has live views (memoryview, numpy arrays): release them first",
-            ));
-        }
+        let mut g = self.ending()?;
         match g.take() {
             Some(Kind::Explicit(b)) => match b.pool().clone().try_into_ref(b) {
                 Ok(r) => Ok(PyRef::new(r)),
