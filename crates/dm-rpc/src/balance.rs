@@ -363,16 +363,44 @@ impl<C> std::fmt::Debug for Balancer<C> {
 }
 
 /// A client of every replica of a service, spreading its calls over them
-/// (see the [module](self)). Cheap to clone: clones share the connections.
-#[derive(Clone, Debug)]
-pub struct BalancedClient {
-    b: Arc<Balancer<Client>>,
+/// (see the [module](self)): a [`BalancedClient`] (blocking calls) or an
+/// [`AsyncBalancedClient`] (calls are futures). Cheap to clone: clones
+/// share the connections.
+pub struct Balanced<C> {
+    b: Arc<Balancer<C>>,
     defaults: Defaults,
 }
 
-impl BalancedClient {
+/// A [`Balanced`] client whose calls block.
+pub type BalancedClient = Balanced<Client>;
+
+/// A [`Balanced`] client for async callers: calls are futures.
+pub type AsyncBalancedClient = Balanced<AsyncClient>;
+
+impl<C> Clone for Balanced<C> {
+    fn clone(&self) -> Self {
+        Balanced {
+            b: self.b.clone(),
+            defaults: self.defaults.clone(),
+        }
+    }
+}
+
+impl<C> std::fmt::Debug for Balanced<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Balanced")
+            .field("balancer", &self.b)
+            .field("defaults", &self.defaults)
+            .finish()
+    }
+}
+
+// `Member` stays the crate's own: the only clients balanced are `Client`
+// and `AsyncClient`.
+#[allow(private_bounds)]
+impl<C: Member> Balanced<C> {
     pub(crate) fn connect(node: &Node, name: &str) -> Result<Self, RpcError> {
-        Ok(BalancedClient {
+        Ok(Balanced {
             b: Arc::new(Balancer::connect(node, name)?),
             defaults: Defaults::default(),
         })
@@ -402,8 +430,8 @@ impl BalancedClient {
 
     /// A client on the same connections whose calls that set no retry
     /// policy of their own follow `policy` ([`crate::retry`]).
-    pub fn with_retry(&self, policy: crate::Retry) -> BalancedClient {
-        BalancedClient {
+    pub fn with_retry(&self, policy: crate::Retry) -> Self {
+        Balanced {
             b: self.b.clone(),
             defaults: self.defaults.with_retry(policy),
         }
@@ -411,8 +439,8 @@ impl BalancedClient {
 
     /// A client on the same connections whose calls all carry `meta`
     /// besides their own (a key a call sets itself keeps the call's value).
-    pub fn with_metadata(&self, meta: Metadata) -> BalancedClient {
-        BalancedClient {
+    pub fn with_metadata(&self, meta: Metadata) -> Self {
+        Balanced {
             b: self.b.clone(),
             defaults: self.defaults.with_meta(meta),
         }
@@ -426,8 +454,8 @@ impl BalancedClient {
             + Send
             + Sync
             + 'static,
-    ) -> BalancedClient {
-        BalancedClient {
+    ) -> Self {
+        Balanced {
             b: self.b.clone(),
             defaults: self.defaults.with_interceptor(std::sync::Arc::new(check)),
         }
@@ -438,15 +466,17 @@ impl BalancedClient {
     pub fn intercept_answers(
         &self,
         see: impl Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync + 'static,
-    ) -> BalancedClient {
-        BalancedClient {
+    ) -> Self {
+        Balanced {
             b: self.b.clone(),
             defaults: self
                 .defaults
                 .with_answer_interceptor(std::sync::Arc::new(see)),
         }
     }
+}
 
+impl Balanced<Client> {
     /// Calls `method` with `payload` on one replica.
     pub fn call(&self, method: &str, payload: impl Into<Payload>) -> Result<Payload, RpcError> {
         self.call_with(method, payload.into(), CallOptions::default())
@@ -553,88 +583,7 @@ impl BalancedClient {
     }
 }
 
-/// [`BalancedClient`] for async callers: calls are futures.
-#[derive(Clone, Debug)]
-pub struct AsyncBalancedClient {
-    b: Arc<Balancer<AsyncClient>>,
-    defaults: Defaults,
-}
-
-impl AsyncBalancedClient {
-    pub(crate) fn connect(node: &Node, name: &str) -> Result<Self, RpcError> {
-        Ok(AsyncBalancedClient {
-            b: Arc::new(Balancer::connect(node, name)?),
-            defaults: Defaults::default(),
-        })
-    }
-
-    /// The service this client calls.
-    pub fn service(&self) -> &str {
-        &self.b.name
-    }
-
-    /// How many replicas new calls may go to now.
-    pub fn replicas(&self) -> usize {
-        self.b.replicas()
-    }
-
-    /// How many times the connections in use failed over to another
-    /// replica (or connected again to their service).
-    pub fn reconnects(&self) -> u64 {
-        self.b.failovers()
-    }
-
-    /// Looks the replicas up now ([`BalancedClient::refresh`]).
-    pub fn refresh(&self) {
-        self.b.refresh_if_due(self.b.now(), true);
-    }
-
-    /// A client on the same connections with a retry policy for calls
-    /// that set none.
-    pub fn with_retry(&self, policy: crate::Retry) -> AsyncBalancedClient {
-        AsyncBalancedClient {
-            b: self.b.clone(),
-            defaults: self.defaults.with_retry(policy),
-        }
-    }
-
-    /// A client on the same connections whose calls all carry `meta`.
-    pub fn with_metadata(&self, meta: Metadata) -> AsyncBalancedClient {
-        AsyncBalancedClient {
-            b: self.b.clone(),
-            defaults: self.defaults.with_meta(meta),
-        }
-    }
-
-    /// A client on the same connections whose calls all pass `check` first
-    /// ([`crate::Client::intercept`]: once per call, before anything is sent).
-    pub fn intercept(
-        &self,
-        check: impl Fn(&mut crate::client::OutgoingCall<'_>) -> Result<(), RpcError>
-            + Send
-            + Sync
-            + 'static,
-    ) -> AsyncBalancedClient {
-        AsyncBalancedClient {
-            b: self.b.clone(),
-            defaults: self.defaults.with_interceptor(std::sync::Arc::new(check)),
-        }
-    }
-
-    /// A client on the same connections whose unary calls' outcomes all
-    /// pass `see` ([`crate::Client::intercept_answers`]).
-    pub fn intercept_answers(
-        &self,
-        see: impl Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync + 'static,
-    ) -> AsyncBalancedClient {
-        AsyncBalancedClient {
-            b: self.b.clone(),
-            defaults: self
-                .defaults
-                .with_answer_interceptor(std::sync::Arc::new(see)),
-        }
-    }
-
+impl Balanced<AsyncClient> {
     /// Calls `method` with `payload` on one replica (chosen when the
     /// future is first polled).
     pub fn call<'a>(
