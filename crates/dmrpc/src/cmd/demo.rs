@@ -16,8 +16,10 @@
 //!   are copied into each ring and out of it, at every hop, both ways):
 //!   what an RPC framework without a shared pool does.
 //!
-//! It prints latency and throughput of both modes, checks every answer,
-//! shuts the services down and ends with `pool check --deep`.
+//! It prints latency and throughput of both modes, measured in rounds in
+//! which the two take turns (so that a drift of the host's speed does not
+//! favour either), checks every answer, shuts the services down and ends
+//! with `pool check --deep`.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -286,6 +288,96 @@ fn open_pool(args: &DemoArgs) -> Result<(PathBuf, Pool)> {
     Ok((path, pool))
 }
 
+/// How many rounds the two modes take turns in.
+const ROUNDS: usize = 6;
+
+/// One mode of the demo: its client and what it measured.
+struct Mode {
+    name: &'static str,
+    by_ref: bool,
+    client: Client,
+    /// Each call's latency, ms.
+    lat: Vec<f64>,
+    /// Time spent in its calls, s.
+    secs: f64,
+    /// Pages copied on write during its calls.
+    cow: u64,
+    /// Bytes the load balancer copied during its calls.
+    copied: u64,
+}
+
+impl Mode {
+    fn new(name: &'static str, by_ref: bool, client: Client) -> Self {
+        Mode {
+            name,
+            by_ref,
+            client,
+            lat: Vec::new(),
+            secs: 0.0,
+            cow: 0,
+            copied: 0,
+        }
+    }
+
+    fn per_s(&self) -> f64 {
+        self.lat.len() as f64 / self.secs
+    }
+}
+
+/// What every call of the demo needs.
+struct CallCtx<'a> {
+    pool: &'a Pool,
+    data: &'a [u8],
+    /// The checksum of a right answer.
+    want: u64,
+}
+
+impl CallCtx<'_> {
+    /// One call. Each builds its request from the client's bytes: written
+    /// into a pool buffer (by Ref: one copy, then only the Ref travels),
+    /// or into the frame's bytes (by value: copied again at every hop).
+    fn one(&self, m: &Mode) -> Result<()> {
+        let p = if m.by_ref {
+            let mut b = self.pool.alloc(self.data.len() as u64)?;
+            b.write(0, self.data)?;
+            Payload::from_buffer(b)
+        } else {
+            Payload::from_vec(self.data.to_vec())
+        };
+        let answer = m.client.call("transform", p)?;
+        if checksum(&answer.segments()?) != self.want {
+            bail!("{}: wrong answer", m.name);
+        }
+        Ok(())
+    }
+
+    /// `n` calls of mode `m`, timed: their throughput.
+    fn round(&self, m: &mut Mode, n: usize) -> Result<f64> {
+        let copied0 = lb_copied(&m.client)?;
+        let cow0 = self.pool.counters().cow_copies;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            let t = Instant::now();
+            self.one(m)?;
+            m.lat.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        m.secs += secs;
+        m.cow += self.pool.counters().cow_copies - cow0;
+        // (The first stats call's own 8-byte answer is in the difference.)
+        m.copied += (lb_copied(&m.client)? - copied0).saturating_sub(8);
+        Ok(n as f64 / secs)
+    }
+}
+
+/// The bytes the load balancer's transports copied so far (its `stats`).
+fn lb_copied(c: &Client) -> Result<u64> {
+    let v = c.call("stats", Payload::empty())?.to_vec()?;
+    Ok(u64::from_le_bytes(
+        v.try_into().map_err(|_| anyhow::anyhow!("bad stats"))?,
+    ))
+}
+
 pub fn run(args: DemoArgs) -> Result<()> {
     if args.calls == 0 || args.size < 8 {
         bail!("--calls must be at least 1 and --size at least 8 bytes");
@@ -320,98 +412,79 @@ pub fn run(args: DemoArgs) -> Result<()> {
     transform_head(&mut expect);
     let want = checksum(&[&expect]);
     let (by_ref, by_value) = node_pair(&pool);
-    let mut results = Vec::new();
-    for (mode, node, name) in [
-        ("by reference", &by_ref, lb.clone()),
-        ("by value", &by_value, format!("{lb}/v")),
-    ] {
-        let c = node.connect(&name)?;
-        let lb_copied = || -> Result<u64> {
-            let v = c.call("stats", Payload::empty())?.to_vec()?;
-            Ok(u64::from_le_bytes(
-                v.try_into().map_err(|_| anyhow::anyhow!("bad stats"))?,
-            ))
-        };
-        let cow0 = pool.counters().cow_copies;
-        // Each call builds its request from the client's bytes: written into
-        // a pool buffer (by Ref: one copy, then only the Ref travels), or
-        // into the frame's bytes (by value: copied again at every hop).
-        let one = |c: &Client| -> Result<()> {
-            let p = if mode == "by reference" {
-                let mut b = pool.alloc(args.size)?;
-                b.write(0, &data)?;
-                Payload::from_buffer(b)
-            } else {
-                Payload::from_vec(data.clone())
-            };
-            let answer = c.call("transform", p)?;
-            if checksum(&answer.segments()?) != want {
-                bail!("{mode}: wrong answer");
-            }
-            Ok(())
-        };
+    let mut modes = [
+        Mode::new("by reference", true, by_ref.connect(&lb)?),
+        Mode::new("by value", false, by_value.connect(&format!("{lb}/v"))?),
+    ];
+    let ctx = CallCtx {
+        pool: &pool,
+        data: &data,
+        want,
+    };
+    for m in &modes {
         for _ in 0..(args.calls / 10).max(3) {
-            one(&c)?;
+            ctx.one(m)?;
         }
-        let copied0 = lb_copied()?;
-        let mut lat = Vec::with_capacity(args.calls);
-        let t0 = Instant::now();
-        for _ in 0..args.calls {
-            let t = Instant::now();
-            one(&c)?;
-            lat.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        let wall = t0.elapsed().as_secs_f64();
-        // The first stats call's own 8-byte answer is in the difference.
-        let copied = (lb_copied()? - copied0).saturating_sub(8) as f64 / args.calls as f64;
-        if mode == "by reference" {
-            // Copy-on-write: the worker wrote into what it received; the
-            // client's own buffer (shared with it) must be unchanged.
-            let mut mine = pool.alloc(args.size)?;
-            mine.write(0, &data)?;
-            let r = mine.share()?;
-            c.call("transform", Payload::from_buffer(pool.map_ref(&r)?))?;
-            pool.release_ref(&r)?;
-            if mine.to_vec()? != data {
-                bail!("the client's data changed under copy-on-write");
-            }
-        }
-        lat.sort_by(|a, b| a.total_cmp(b));
-        let p50 = lat[lat.len() / 2];
-        let p99 = lat[((lat.len() - 1) as f64 * 0.99) as usize];
-        let per_s = args.calls as f64 / wall;
-        let cow = pool.counters().cow_copies - cow0;
-        results.push((
-            mode,
-            p50,
-            p99,
-            per_s,
-            cow as f64 / args.calls as f64,
-            copied,
-        ));
-        drop(c);
     }
+    // The modes take turns, in rounds whose order alternates: on a shared
+    // host the speed of both cores drifts over seconds, and one mode
+    // measured after the other would carry the drift into the ratio.
+    let rounds = ROUNDS.min(args.calls);
+    let mut ratios = Vec::with_capacity(rounds);
+    for r in 0..rounds {
+        let n = args.calls / rounds + usize::from(r < args.calls % rounds);
+        let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
+        let mut per_s = [0.0; 2];
+        for k in order {
+            per_s[k] = ctx.round(&mut modes[k], n)?;
+        }
+        ratios.push(per_s[0] / per_s[1]);
+    }
+    // Copy-on-write: the worker wrote into what it received; the client's
+    // own buffer (shared with it) must be unchanged.
+    let mut mine = pool.alloc(args.size)?;
+    mine.write(0, &data)?;
+    let r = mine.share()?;
+    modes[0]
+        .client
+        .call("transform", Payload::from_buffer(pool.map_ref(&r)?))?;
+    pool.release_ref(&r)?;
+    if mine.to_vec()? != data {
+        bail!("the client's data changed under copy-on-write");
+    }
+    drop(mine);
     println!(
         "{:<14} {:>9} {:>9} {:>10} {:>10} {:>15} {:>16}",
         "mode", "p50 ms", "p99 ms", "calls/s", "MiB/s", "LB copied/call", "CoW pages/call"
     );
-    for (mode, p50, p99, per_s, cow, copied) in &results {
+    for m in &mut modes {
+        m.lat.sort_by(|a, b| a.total_cmp(b));
+    }
+    let p50 = |m: &Mode| m.lat[m.lat.len() / 2];
+    for m in &modes {
+        let p99 = m.lat[((m.lat.len() - 1) as f64 * 0.99) as usize];
         println!(
             "{:<14} {:>9.3} {:>9.3} {:>10.0} {:>10.0} {:>15} {:>16.1}",
-            mode,
-            p50,
+            m.name,
+            p50(m),
             p99,
-            per_s,
-            per_s * args.size as f64 / (1 << 20) as f64,
-            fmt_size(*copied as u64),
-            cow
+            m.per_s(),
+            m.per_s() * args.size as f64 / (1 << 20) as f64,
+            fmt_size(m.copied / args.calls as u64),
+            m.cow as f64 / args.calls as f64
         );
     }
+    ratios.sort_by(|a, b| a.total_cmp(b));
     println!(
-        "by reference: {:.1}x the throughput of by value, {:.1}x lower p50",
-        results[0].3 / results[1].3,
-        results[1].1 / results[0].1
+        "by reference: {:.1}x the throughput of by value, {:.1}x lower p50 \
+         ({rounds} round{} taking turns: {:.1}x to {:.1}x)",
+        modes[0].per_s() / modes[1].per_s(),
+        p50(&modes[1]) / p50(&modes[0]),
+        if rounds == 1 { "" } else { "s" },
+        ratios[0],
+        ratios[rounds - 1]
     );
+    drop(modes);
     for p in procs {
         p.stop()?;
     }
