@@ -3,7 +3,8 @@
 //! frame) back and forth over a pair of rings, next to a raw ping-pong of
 //! one word each way measured in the same run (the floor of `bench rtt`).
 //! What `bench rtt`'s dmrpc rows cost above the ring is the RPC software
-//! on both ends. Usage: `ring_pingpong [ROUND_TRIPS]` (env `LEN`).
+//! on both ends. Usage: `ring_pingpong [ROUND_TRIPS]` (env `LEN`, and
+//! `RING_KIB` and `HOT_KIB`: the rings' size and hot window, 64 each).
 #![allow(clippy::unwrap_used)]
 
 #[cfg(loom)]
@@ -15,7 +16,15 @@ fn main() {
     use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
     use std::time::Instant;
 
-    const RING: usize = 64 << 10;
+    let ring_kib = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|s| s.parse::<usize>().ok())
+            .unwrap_or(d)
+            << 10
+    };
+    // RING_KIB: each ring's size; HOT_KIB: its producer's hot window.
+    let (ring_size, hot) = (ring_kib("RING_KIB", 64), ring_kib("HOT_KIB", 64));
     let n: u64 = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())
@@ -55,12 +64,17 @@ fn main() {
     };
 
     // Two rings in 64-byte aligned memory, as a channel lays them out.
-    let layout = std::alloc::Layout::from_size_align(2 * RING, 4096).unwrap();
+    let layout = std::alloc::Layout::from_size_align(2 * ring_size, 4096).unwrap();
     // SAFETY: a non-zero size; freed below with the same layout.
     let mem = unsafe { std::alloc::alloc_zeroed(layout) };
     assert!(!mem.is_null());
     // SAFETY: both halves stay allocated until after the threads end.
-    let (req, resp) = unsafe { (RawData::new(mem, RING), RawData::new(mem.add(RING), RING)) };
+    let (req, resp) = unsafe {
+        (
+            RawData::new(mem, ring_size),
+            RawData::new(mem.add(ring_size), ring_size),
+        )
+    };
     let (c_req, c_resp) = (RingControl::default(), RingControl::default());
     let (b_server, b_client) = (AtomicU32::new(0), AtomicU32::new(0));
     let msg = vec![7u8; len];
@@ -70,7 +84,7 @@ fn main() {
         s.spawn(move || {
             dm_sys::set_affinity(&[1]).unwrap();
             let mut rx = Consumer::new(c_req, req);
-            let mut tx = Producer::new(c_resp, resp, b_client);
+            let mut tx = Producer::new(c_resp, resp, b_client).hot_window(hot);
             let (mut head, mut rest) = ([0u8; 64], Vec::new());
             for _ in 0..n {
                 while rx.try_pop_split(&mut head, &mut rest).unwrap().is_none() {
@@ -80,7 +94,7 @@ fn main() {
             }
         });
         dm_sys::set_affinity(&[0]).unwrap();
-        let mut tx = Producer::new(c_req, req, b_server);
+        let mut tx = Producer::new(c_req, req, b_server).hot_window(hot);
         let mut rx = Consumer::new(c_resp, resp);
         let (mut head, mut rest) = ([0u8; 64], Vec::new());
         let t = Instant::now();
