@@ -94,7 +94,7 @@ pub mod transport;
 #[cfg(not(loom))]
 pub use async_client::AsyncClient;
 #[cfg(not(loom))]
-pub use balance::{AsyncBalancedClient, BalancedClient};
+pub use balance::{AsyncBalancedClient, Balanced, BalancedClient};
 #[cfg(not(loom))]
 pub use client::{AnswerInterceptor, CallInterceptor, CallOptions, Client, OutgoingCall, Reply};
 #[cfg(not(loom))]
