@@ -210,6 +210,9 @@ impl Defaults {
         method: &str,
         mut r: Result<Reply, RpcError>,
     ) -> Result<Reply, RpcError> {
+        if let Err(e) = &mut r {
+            crate::error::name_the_method(e, method);
+        }
         if !self.answer_interceptors.is_empty() {
             self.see_answer(method, &mut r);
         }

@@ -147,3 +147,50 @@ impl From<TransportError> for RpcError {
         }
     }
 }
+
+/// What a server answers to a request for a method it does not have: it
+/// knows only the method's id ([`crate::frame::method_id`], the hash the
+/// frame carries), so the caller names the method ([`name_the_method`]).
+pub(crate) fn no_method(id: u32) -> String {
+    format!("no method with id {id:#x}")
+}
+
+/// `e`, the error of a call of `method`, names the method if it is the
+/// server's [`no_method`] for that method's id.
+#[cold]
+pub(crate) fn name_the_method(e: &mut RpcError, method: &str) {
+    if e.status == Status::NotFound {
+        let id = crate::frame::method_id(method);
+        if e.message == no_method(id) {
+            e.message = format!("the service has no method {method:?} (id {id:#x})");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only the server's answer for this very method is renamed: a
+    /// handler's own `NotFound` ("no such user"), another method's id and
+    /// other statuses keep their messages.
+    #[test]
+    fn the_caller_names_only_its_own_missing_method() {
+        let id = crate::frame::method_id("resize");
+        let mut e = RpcError::not_found(no_method(id));
+        name_the_method(&mut e, "resize");
+        assert_eq!(
+            e.message,
+            format!("the service has no method \"resize\" (id {id:#x})")
+        );
+        for (mut e, method) in [
+            (RpcError::not_found("no such user"), "resize"),
+            (RpcError::not_found(no_method(id)), "crop"),
+            (RpcError::internal(no_method(id)), "resize"),
+        ] {
+            let before = e.message.clone();
+            name_the_method(&mut e, method);
+            assert_eq!(e.message, before);
+        }
+    }
+}

@@ -1099,10 +1099,7 @@ impl Dispatcher {
                         Err(e) => Err(e),
                     }
                 }
-                None => Err(RpcError::not_found(format!(
-                    "no method with id {:#x}",
-                    frame.method
-                ))),
+                None => Err(RpcError::not_found(crate::error::no_method(frame.method))),
             }
         };
         self.apply(later);

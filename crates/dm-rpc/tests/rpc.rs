@@ -154,6 +154,8 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool, remote: 
     // Statuses.
     let e = c.call("nope", Payload::empty()).unwrap_err();
     assert_eq!(e.status, Status::NotFound, "{e}");
+    // The frame carries only the method's id; the caller names it.
+    assert!(e.message.contains("no method \"nope\""), "{e}");
     let e = c.call("fail", Payload::empty()).unwrap_err();
     assert_eq!(
         (e.status, e.message.as_str()),
