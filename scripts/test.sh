@@ -34,6 +34,9 @@ trap 'rm -f "/dev/shm/dmrpc-$pool.pool"' EXIT
 ./target/release/dmrpc pool check "$pool" --deep
 ./target/release/dmrpc pool destroy "$pool"
 
+step "the first example (examples/hello: a service and its client in two processes)"
+cargo run --release -q -p dm-rpc --example hello
+
 step "bench all --quick (checks each runs and writes its results, not its speed)"
 out=target/bench-smoke
 rm -rf "$out"
