@@ -1087,7 +1087,7 @@ impl AsyncClient {
         let (c, opts) = self.usable(opts).await?;
         let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
         let how = crate::stream::How::of(opts, &out);
-        crate::stream::AsyncStreaming::open(self.h.clone(), c, out, how).await
+        crate::stream::AsyncStreaming::open(self.h.clone(), c, method, out, how).await
     }
 }
 

@@ -994,7 +994,7 @@ impl Client {
         let (c, opts) = self.usable(opts)?;
         let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
         let how = crate::stream::How::of(opts, &out);
-        crate::stream::Streaming::open(self.h.clone(), Arc::clone(&*c), out, how)
+        crate::stream::Streaming::open(self.h.clone(), Arc::clone(&*c), method, out, how)
     }
 
     /// Calls `method` with options.

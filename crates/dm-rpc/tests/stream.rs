@@ -327,7 +327,9 @@ fn unary_and_streaming_methods_meet_the_other_kind_of_call() {
         }
         // No such method.
         let mut st = c.call_stream("nope", vec![]).unwrap();
-        assert_eq!(st.next().unwrap().unwrap_err().status, Status::NotFound);
+        let e = st.next().unwrap().unwrap_err();
+        assert_eq!(e.status, Status::NotFound);
+        assert!(e.message.contains("no method \"nope\""), "{e}");
     });
 }
 
@@ -533,7 +535,9 @@ fn async_streams_carry_items_in_order_and_end_with_their_answer() {
         let mut st = c.call_stream("unary", pattern(300 << 10, 9)).await.unwrap();
         assert_eq!(read_all(&mut st).await.0, vec![pattern(300 << 10, 9)]);
         let mut st = c.call_stream("nope", vec![]).await.unwrap();
-        assert_eq!(read_all(&mut st).await.1.unwrap().status, Status::NotFound);
+        let e = read_all(&mut st).await.1.unwrap();
+        assert_eq!(e.status, Status::NotFound);
+        assert!(e.message.contains("no method \"nope\""), "{e}");
     });
 }
 

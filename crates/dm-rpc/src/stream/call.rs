@@ -104,6 +104,8 @@ impl How {
 struct Opened<C: StreamConn> {
     h: Arc<Redial<C>>,
     conn: Arc<C>,
+    /// The method called (its errors name it).
+    method: Box<str>,
     /// The call id its request went with (0 until it goes).
     id: u64,
     /// The request, until the server answers anything: a request refused
@@ -126,12 +128,13 @@ struct Opened<C: StreamConn> {
 }
 
 impl<C: StreamConn> Opened<C> {
-    fn new(h: Arc<Redial<C>>, conn: Arc<C>, out: Outgoing, how: How) -> Self {
+    fn new(h: Arc<Redial<C>>, conn: Arc<C>, method: &str, out: Outgoing, how: How) -> Self {
         let (mut req, lent, deadline, _) = out.into_frame();
         req.flags |= FLAG_STREAM;
         Opened {
             h,
             conn,
+            method: method.into(),
             id: 0,
             request: Some(req),
             lent: Some(lent),
@@ -273,8 +276,9 @@ impl<C: StreamConn> Opened<C> {
                 self.trailer = metadata;
                 Ok((!payload.is_empty()).then_some(payload))
             }
-            Err(e) => {
+            Err(mut e) => {
                 self.trailer = e.metadata.clone();
+                crate::error::name_the_method(&mut e, &self.method);
                 Err(self.h.settle_error(&self.conn, e))
             }
         }
@@ -311,15 +315,17 @@ pub struct Streaming {
 }
 
 impl Streaming {
-    /// Sends request `out` over `conn` and opens its stream.
+    /// Sends request `out` (a call of `method`) over `conn` and opens its
+    /// stream.
     pub(crate) fn open(
         h: Arc<Redial<crate::client::Inner>>,
         conn: Arc<crate::client::Inner>,
+        method: &str,
         out: Outgoing,
         how: How,
     ) -> Result<Streaming, RpcError> {
         let mut s = Streaming {
-            o: Opened::new(h, conn, out, how),
+            o: Opened::new(h, conn, method, out, how),
         };
         match s.launch() {
             Ok(()) => Ok(s),
@@ -430,15 +436,17 @@ pub struct AsyncStreaming {
 }
 
 impl AsyncStreaming {
-    /// Sends request `out` over `conn` and opens its stream.
+    /// Sends request `out` (a call of `method`) over `conn` and opens its
+    /// stream.
     pub(crate) async fn open(
         h: Arc<Redial<crate::async_client::Inner>>,
         conn: Arc<crate::async_client::Inner>,
+        method: &str,
         out: Outgoing,
         how: How,
     ) -> Result<AsyncStreaming, RpcError> {
         let mut s = AsyncStreaming {
-            o: Opened::new(h, conn, out, how),
+            o: Opened::new(h, conn, method, out, how),
         };
         match s.launch().await {
             Ok(()) => Ok(s),
