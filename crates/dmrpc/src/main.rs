@@ -61,7 +61,52 @@ fn main() {
         Cmd::BenchPeer(a) => bench::peer(a),
     };
     if let Err(e) = r {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", chain(&e));
         std::process::exit(2);
+    }
+}
+
+/// An error and its causes in one line, as `{:#}` prints them, but without
+/// a cause whose text the message before it already includes (an error
+/// that shows its OS reason and also returns it as its source).
+fn chain(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.is_empty() {
+            line = text;
+        } else if !line.contains(&text) {
+            line = format!("{line}: {text}");
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chain;
+
+    #[test]
+    fn a_cause_already_in_the_message_is_not_repeated() {
+        let os = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let shown = format!("cannot open /x: {os}");
+        // A cause the message shows already...
+        #[derive(Debug)]
+        struct Shows(String, std::io::Error);
+        impl std::fmt::Display for Shows {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+        impl std::error::Error for Shows {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.1)
+            }
+        }
+        let e = anyhow::Error::new(Shows(shown.clone(), os)).context("attaching to /x");
+        assert_eq!(chain(&e), format!("attaching to /x: {shown}"));
+        // ...and one it does not.
+        let e = anyhow::anyhow!("no such file").context("reading /y");
+        assert_eq!(chain(&e), "reading /y: no such file");
     }
 }

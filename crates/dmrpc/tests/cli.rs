@@ -299,3 +299,31 @@ fn pool_info_says_which_clock_refs_live_by() {
         std::fs::remove_file(p).unwrap();
     }
 }
+
+/// A pool is named the same way to every command: `ls` takes `--pool` as
+/// `call` does (or the name alone, as `pool` commands do), and a pool that
+/// is not there says so once, with the OS's reason.
+#[test]
+fn ls_takes_the_pool_as_call_does_and_a_missing_pool_says_why_once() {
+    let name = format!("cli-ls-{}", std::process::id());
+    let (ok, out) = dmrpc(&["pool", "create", &name, "--size", "16MiB"]);
+    assert!(ok, "{out}");
+    let file = dm_pool::default_path(&name);
+    for args in [vec!["ls", "--pool", &name], vec!["ls", &name]] {
+        let (ok, out) = dmrpc(&args);
+        assert!(ok, "{args:?}: {out}");
+        assert!(
+            out.contains(&format!("no services registered in {}", file.display())),
+            "{out}"
+        );
+    }
+    let (ok, out) = dmrpc(&["ls", &name, "--pool", &name]);
+    assert!(!ok, "both a NAME and --pool: {out}");
+    let (ok, out) = dmrpc(&["pool", "destroy", &name]);
+    assert!(ok, "{out}");
+    let (ok, out) = dmrpc(&["call", "shop/x", "m", "--pool", &name]);
+    assert!(!ok, "{out}");
+    // ENOENT (2 on Linux): "No such file or directory (os error 2)".
+    let reason = std::io::Error::from_raw_os_error(2).to_string();
+    assert_eq!(out.matches(&reason).count(), 1, "{out}");
+}

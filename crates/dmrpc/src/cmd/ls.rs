@@ -11,12 +11,18 @@ use dm_pool::Endpoint;
 pub struct LsArgs {
     #[command(flatten)]
     pub target: Target,
+    /// The pool, by name, as `dmrpc call --pool` takes it (instead of NAME).
+    #[arg(long, conflicts_with = "name")]
+    pub pool: Option<String>,
     /// Only services whose name starts with this prefix (`shop/`).
     #[arg(long)]
     pub prefix: Option<String>,
 }
 
-pub fn run(a: LsArgs) -> Result<()> {
+pub fn run(mut a: LsArgs) -> Result<()> {
+    if let Some(name) = a.pool.take() {
+        a.target.name = name;
+    }
     let shm = Shm::open(&a.target.path())?;
     let now = dm_sys::time::now_ms();
     let mut services = shm.list_services();
