@@ -130,6 +130,10 @@ pub enum Error {
     /// The header is inconsistent.
     #[error("corrupt pool header: {0}")]
     CorruptHeader(String),
+    /// A pool cannot be made as asked (a page size that is not a power of
+    /// two, a size too small for one data page, a ring size out of range).
+    #[error("invalid pool configuration: {0}")]
+    InvalidConfig(String),
     /// Pool metadata is inconsistent (an index out of range, an impossible state).
     #[error("corrupt pool metadata: {0}")]
     Corrupt(String),

@@ -153,7 +153,7 @@ impl Pool {
     /// device that is overwritten) with `cfg`. Does not attach.
     pub fn create(path: &Path, cfg: &PoolConfig) -> Result<()> {
         let layout = Layout::compute(cfg, dm_sys::rand::random_u64(), now_ms())
-            .map_err(Error::CorruptHeader)?;
+            .map_err(Error::InvalidConfig)?;
         let file = if SharedFile::is_device(path) {
             SharedFile::open(path, Some(layout.total_len))?
         } else {

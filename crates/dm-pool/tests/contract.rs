@@ -225,7 +225,17 @@ fn bad_pool_files() {
                 ..Default::default()
             }
         ),
-        Err(Error::CorruptHeader(_))
+        Err(Error::InvalidConfig(_))
+    ));
+    assert!(matches!(
+        Pool::create(
+            &dir.join("x.pool"),
+            &PoolConfig {
+                size: 1024,
+                ..Default::default()
+            }
+        ),
+        Err(Error::InvalidConfig(_))
     ));
 }
 

@@ -111,6 +111,7 @@ impl From<dm_pool::Error> for RpcError {
             | E::RefReleased { .. }
             | E::RefExpired { .. }
             | E::RefDecode(_)
+            | E::InvalidConfig(_)
             | E::InvalidName(_) => Status::InvalidArgument,
             E::LeaseLost | E::NoChannel(_) | E::Unavailable(_) | E::RefClockInUse { .. } => {
                 Status::Unavailable
