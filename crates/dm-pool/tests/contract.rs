@@ -217,26 +217,22 @@ fn bad_pool_files() {
         Pool::create(&tp.path, &PoolConfig::default()),
         Err(Error::AlreadyExists(_))
     ));
-    assert!(matches!(
-        Pool::create(
-            &dir.join("x.pool"),
-            &PoolConfig {
-                page_size: 1000,
-                ..Default::default()
-            }
-        ),
-        Err(Error::InvalidConfig(_))
-    ));
-    assert!(matches!(
-        Pool::create(
-            &dir.join("x.pool"),
-            &PoolConfig {
-                size: 1024,
-                ..Default::default()
-            }
-        ),
-        Err(Error::InvalidConfig(_))
-    ));
+    // A page size that is not a power of two; a pool too small for a page.
+    for cfg in [
+        PoolConfig {
+            page_size: 1000,
+            ..Default::default()
+        },
+        PoolConfig {
+            size: 1024,
+            ..Default::default()
+        },
+    ] {
+        assert!(matches!(
+            Pool::create(&dir.join("x.pool"), &cfg),
+            Err(Error::InvalidConfig(_))
+        ));
+    }
 }
 
 #[test]
