@@ -24,7 +24,7 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 CARGO_TARGET_DIR=target/py cargo clippy --manifest-path crates/dmrpc-py/Cargo.toml --release -- -D warnings
 
 step "build (release), and the Python package with its PyPI dependencies (scripts/python.sh setup)"
-cargo build --release -p dmrpc --features iceoryx2
+cargo build --release -p dmrpc-cli --features iceoryx2
 ./scripts/python.sh setup
 
 step "demo (smoke run on its own pool)"

@@ -1,4 +1,4 @@
 //! Bytes from a peer decoded as the social network's services decode a
-//! post (see `dmrpc::apps::social::fuzz_post`).
+//! post (see `dmrpc_bench::apps::social::fuzz_post`).
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| dmrpc::apps::social::fuzz_post(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| dmrpc_bench::apps::social::fuzz_post(data));

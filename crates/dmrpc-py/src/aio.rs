@@ -39,7 +39,7 @@ fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
 
 /// What an async Python client calls through: one connection, or one to
 /// each replica of its service.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub(crate) enum AsyncCaller {
     One(AsyncClient),
     Replicas(AsyncBalancedClient),
@@ -111,6 +111,7 @@ impl AsyncCaller {
 
 /// An async connection to a service (or to each of its replicas).
 #[pyclass(module = "dmrpc._native", name = "AsyncClient", frozen)]
+#[derive(Debug)]
 pub struct PyAsyncClient {
     client: AsyncCaller,
     node: Node,
@@ -295,6 +296,7 @@ fn drive<T: Send + 'static>(
 /// nothing (the item it waited for is the next one's). `close()`, or
 /// dropping it before the end, cancels the call.
 #[pyclass(module = "dmrpc._native", name = "AsyncStream", frozen)]
+#[derive(Debug)]
 pub struct PyAsyncStream {
     /// (Held across the wait of the `next` in progress; another waits
     /// for it.)
@@ -397,6 +399,7 @@ fn outcome(py: Python<'_>, r: Result<dm_rpc::Reply, RpcError>, node: Node) -> (b
 
 /// A call started by `AsyncClient.start`.
 #[pyclass(module = "dmrpc._native", name = "CallHandle", frozen)]
+#[derive(Debug)]
 pub struct PyCallHandle {
     /// The runtime's task, if the call did not complete in `start`.
     task: Option<tokio::task::AbortHandle>,

@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// The memory behind a `dmrpc.Buffer`.
+#[derive(Debug)]
 pub enum Kind {
     Mapped(MappedBuffer),
     Explicit(Buffer),
@@ -87,6 +88,7 @@ pub unsafe fn fill_view(
 
 /// A buffer of pool memory.
 #[pyclass(module = "dmrpc._native", name = "Buffer", frozen)]
+#[derive(Debug)]
 pub struct PyBuffer {
     m: Mutex<Option<Kind>>,
     /// Views exported through the buffer protocol and not yet released.

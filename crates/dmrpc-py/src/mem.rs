@@ -18,6 +18,7 @@ use std::time::Duration;
 
 /// One or more memory servers used as one pool.
 #[pyclass(module = "dmrpc._native", name = "MemPool", frozen)]
+#[derive(Debug)]
 pub struct PyMemPool {
     pool: RwLock<Option<MemPool>>,
 }
@@ -35,7 +36,7 @@ impl PyMemPool {
 /// `length` bytes from `offset` of `size` (default: to the end), checked.
 fn range(offset: u64, length: Option<u64>, size: u64) -> PyResult<u64> {
     let len = length.unwrap_or_else(|| size.saturating_sub(offset));
-    dm_pool::error::check_range(offset, len, size).map_err(pool_err)?;
+    dm_pool::check_range(offset, len, size).map_err(pool_err)?;
     Ok(len)
 }
 
@@ -195,6 +196,7 @@ impl PyMemPool {
 
 /// A buffer on a memory server.
 #[pyclass(module = "dmrpc._native", name = "MemBuffer", frozen)]
+#[derive(Debug)]
 pub struct PyMemBuffer {
     pool: MemPool,
     b: Mutex<Option<MemBuffer>>,

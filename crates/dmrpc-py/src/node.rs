@@ -101,6 +101,7 @@ pub(crate) fn to_rpc(py: Python<'_>, e: PyErr) -> RpcError {
 
 /// This process's RPC endpoint on a pool.
 #[pyclass(module = "dmrpc._native", name = "Node", frozen)]
+#[derive(Debug)]
 pub struct PyNode {
     node: Node,
 }
@@ -285,6 +286,7 @@ impl PyNode {
 
 /// A running service; `shutdown()` (or garbage collection) stops it.
 #[pyclass(module = "dmrpc._native", name = "Server", frozen)]
+#[derive(Debug)]
 pub struct PyServer {
     server: Mutex<Option<Server>>,
 }
@@ -408,7 +410,7 @@ pub(crate) fn call_options(
 
 /// What a Python client calls through: one connection, or one to each
 /// replica of its service (`connect(name, balanced=True)`).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 enum Caller {
     One(Client),
     Replicas(BalancedClient),
@@ -466,6 +468,7 @@ impl Caller {
 
 /// A connection to a service (or to each of its replicas).
 #[pyclass(module = "dmrpc._native", name = "Client", frozen)]
+#[derive(Debug)]
 pub struct PyClient {
     client: Caller,
     node: Node,

@@ -27,6 +27,7 @@ use std::sync::OnceLock;
 
 /// Data that arrived (or is about to be sent).
 #[pyclass(module = "dmrpc._native", name = "Payload", frozen)]
+#[derive(Debug)]
 pub struct PyPayload {
     p: Payload,
     /// The node it arrived at (whose pool `keep` puts inline data in).

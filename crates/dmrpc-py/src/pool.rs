@@ -11,6 +11,7 @@ use std::sync::RwLock;
 /// A pool this process is attached to. Closing it (or leaving a `with`
 /// block) detaches; every later call raises InvalidArgument.
 #[pyclass(module = "dmrpc._native", name = "Pool", frozen)]
+#[derive(Debug)]
 pub struct PyPool {
     pool: RwLock<Option<Pool>>,
 }

@@ -11,7 +11,7 @@ use std::os::raw::c_int;
 
 /// A capability naming a frozen snapshot of a buffer range.
 #[pyclass(module = "dmrpc._native", name = "Ref", frozen, eq, hash)]
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub struct PyRef {
     pub r: dm_pool::Ref,
     /// The encoding, which the buffer protocol exports.

@@ -58,6 +58,7 @@ pub(crate) fn handler(
 /// error, if it ends with one, is raised. `close()` (or dropping it before
 /// the end) cancels the call.
 #[pyclass(module = "dmrpc._native", name = "Stream", frozen)]
+#[derive(Debug)]
 pub struct PyStream {
     st: Mutex<Option<Streaming>>,
     node: Node,

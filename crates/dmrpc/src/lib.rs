@@ -7,13 +7,14 @@
 //!   page-granular copy-on-write, leases, check and gc.
 //! * [`rpc`] — the RPC layer (`dm-rpc`): services, clients, transports
 //!   (shared-memory rings, TCP, in-process), size-aware payloads.
-//! * [`apps`] — applications built on them: the 7-tier image-processing
-//!   service of `dmrpc bench image` and the social network of `bench social`.
+//! * [`memserver`] — memory servers (`dm-memserver`): the same contract
+//!   over TCP, for memory beyond one host (DmRPC-net).
 //!
-//! The `dmrpc` binary (`src/main.rs`) is the command-line tool.
+//! The `dmrpc` command lives in the `dmrpc-cli` crate, and the benchmarks
+//! with the applications they run in `dmrpc-bench`: a library user pulls
+//! neither.
 
-pub mod apps;
-
+pub use dm_memserver as memserver;
 pub use dm_pool as pool;
 pub use dm_rpc as rpc;
 

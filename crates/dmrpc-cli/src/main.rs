@@ -1,9 +1,10 @@
 //! The `dmrpc` command-line tool. Subcommands live in `cmd/` (pool
-//! management, `ls`, `call`, the demo, the memory server) and `bench/`
-//! (benchmarks against baselines).
+//! management, `ls`, `call`, the demo, the memory server); `bench` runs
+//! the `dmrpc-bench` crate (benchmarks against baselines).
 
-mod bench;
 mod cmd;
+
+use dmrpc_bench as bench;
 
 use clap::{Parser, Subcommand};
 

@@ -1,4 +1,4 @@
-//! `dmrpc bench social` — the social network of [`dmrpc::apps::social`]
+//! `dmrpc bench social` — the social network of [`crate::apps::social`]
 //! (DeathStarBench's social network, as DmRPC runs it): seven service
 //! processes, posts carrying 16–256 KiB of media, a mix of 60% home
 //! timeline reads, 30% user timeline reads and 10% posts.
@@ -17,11 +17,11 @@ use super::peer::{on_threads, percentile, BenchPool, Peer};
 use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::apps::social::{self as app, Link};
 use crate::say;
 use anyhow::{anyhow, bail, Result};
 use dm_pool::{Pool, PoolConfig};
 use dm_rpc::{Config, Node, Payload, Transport};
-use dmrpc::apps::social::{self as app, Link};
 use std::time::{Duration, Instant};
 
 const USERS: u32 = 200;

@@ -1,10 +1,10 @@
 //! Times the work one `bench image` request does outside RPC, on one core:
 //! the firewall's token check, transcoding's thumbnail, compressing's zstd,
-//! and a by-value hop's copies of the image (`cargo run --release -p dmrpc
+//! and a by-value hop's copies of the image (`cargo run --release -p dmrpc-bench
 //! --example image_work -- 65536`).
 #![allow(clippy::unwrap_used)]
 
-use dmrpc::apps::image as app;
+use dmrpc_bench::apps::image as app;
 use std::time::Instant;
 
 fn main() {

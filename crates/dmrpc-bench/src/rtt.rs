@@ -260,7 +260,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     };
     #[cfg(not(feature = "iceoryx2"))]
     let iox_p50 = {
-        say!("iceoryx2: not built in (cargo build --release -p dmrpc --features iceoryx2; needs libclang, which scripts/deps.sh installs)");
+        say!("iceoryx2: not built in (cargo build --release -p dmrpc-cli --features iceoryx2; needs libclang, which scripts/deps.sh installs)");
         f64::NAN
     };
 

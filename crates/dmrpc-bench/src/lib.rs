@@ -1,7 +1,17 @@
 //! `dmrpc bench NAME`: benchmarks that run their baseline in the same
 //! invocation and report ratios (the machine is shared and noisy: compare
 //! within one run). Results go to `--out` as JSON, CSV and a PNG plot
-//! ([`plot`]).
+//! (`plot.rs`).
+//!
+//! This crate is not published. The `dmrpc` command (crate `dmrpc-cli`)
+//! runs it, so that a user of the `dmrpc` library pulls none of the
+//! benchmarks' peers (tonic, iceoryx2) or the applications' codecs.
+//!
+//! * One file per benchmark (`rtt.rs`, `chain.rs`, ...), and [`peer`]: the
+//!   other process of a benchmark (`dmrpc __bench-peer`).
+//! * [`apps`]: the applications the benchmarks run as separate processes.
+
+pub mod apps;
 
 mod access;
 mod chain;
@@ -57,6 +67,7 @@ pub struct BenchArgs {
 
 pub use peer::{peer, PeerArgs};
 
+/// Runs the benchmark `a.name` (or `all`), writing its results to `a.out`.
 pub fn run(a: BenchArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out)?;
     let r = run_named(&a);
@@ -150,8 +161,8 @@ pub mod progress {
 /// `println!` for benchmarks: keeps the progress bar intact.
 #[macro_export]
 macro_rules! say {
-    () => { $crate::bench::progress::print("") };
-    ($($t:tt)*) => { $crate::bench::progress::print(&format!($($t)*)) };
+    () => { $crate::progress::print("") };
+    ($($t:tt)*) => { $crate::progress::print(&format!($($t)*)) };
 }
 
 /// A machine description recorded with every result.

@@ -5,10 +5,10 @@ use dm_pool::testing::replay_corpus;
 
 #[test]
 fn image_request_corpus() {
-    replay_corpus("image_request", dmrpc::apps::image::fuzz_request);
+    replay_corpus("image_request", dmrpc_bench::apps::image::fuzz_request);
 }
 
 #[test]
 fn social_post_corpus() {
-    replay_corpus("social_post", dmrpc::apps::social::fuzz_post);
+    replay_corpus("social_post", dmrpc_bench::apps::social::fuzz_post);
 }

@@ -1,5 +1,5 @@
 //! `dmrpc bench image` — the research's 7-tier image-processing
-//! application ([`dmrpc::apps::image`]): client → firewall → load balancer
+//! application ([`crate::apps::image`]): client → firewall → load balancer
 //! → two image-processing services → transcoding and compressing, each
 //! tier its own process, with images of 4 KiB to 4 MiB.
 //!
@@ -22,11 +22,11 @@ use super::peer::{hex, on_threads, percentile, BenchPool, Peer};
 use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
+use crate::apps::image::{self as app, Header, Key, Link, Role};
 use crate::say;
 use anyhow::{anyhow, bail, Context, Result};
 use dm_pool::{Pool, PoolConfig};
 use dm_rpc::{Config, Node, Payload, Transport};
-use dmrpc::apps::image::{self as app, Header, Key, Link, Role};
 use dmrpc::fmt_size;
 use std::time::{Duration, Instant};
 
