@@ -14,7 +14,7 @@
 
 use crate::cache::{key_of, CacheStats, PageCache, RefKey};
 use crate::proto::{self, Request, MAX_FRAME, MAX_IO};
-use dm_pool::{contract::Usage, refs::BACKEND_MEMSERVER, Dm, DmBuffer, Error, Ref, Result};
+use dm_pool::{Dm, DmBuffer, Error, Ref, Result, Usage, BACKEND_MEMSERVER};
 use dm_sys::poll::Spin;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -542,7 +542,7 @@ impl MemPool {
     /// to this client; chunks not cached need the Ref live.
     pub fn read_ref(&self, r: &Ref, offset: u64, out: &mut [u8]) -> Result<()> {
         let c = self.inner.conn_of(r)?;
-        dm_pool::error::check_range(offset, out.len() as u64, r.len)?;
+        dm_pool::check_range(offset, out.len() as u64, r.len)?;
         let fetch = |off: u64, buf: &mut [u8]| -> Result<()> {
             let reqs: Vec<Request> = read_requests(*r, off, buf.len()).collect();
             c.read_into(
@@ -578,7 +578,7 @@ impl MemPool {
         let c = self.inner.conn_of(r)?;
         let mut reqs = Vec::new();
         for (off, buf) in ranges.iter() {
-            dm_pool::error::check_range(*off, buf.len() as u64, r.len)?;
+            dm_pool::check_range(*off, buf.len() as u64, r.len)?;
             reqs.extend(read_requests(*r, *off, buf.len()));
         }
         let outs = ranges
@@ -677,7 +677,7 @@ impl MemBuffer {
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
-        dm_pool::error::check_range(offset, len, self.len)
+        dm_pool::check_range(offset, len, self.len)
     }
 
     fn all(answers: Vec<Answer>) -> Result<Vec<Vec<u8>>> {

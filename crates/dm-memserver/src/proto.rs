@@ -710,7 +710,7 @@ mod tests {
 
     fn a_ref() -> Ref {
         Ref {
-            backend: dm_pool::refs::BACKEND_MEMSERVER,
+            backend: dm_pool::BACKEND_MEMSERVER,
             pool_id: 9,
             desc: 3,
             generation: 1,

@@ -33,10 +33,9 @@ use crate::shm::Shm;
 use crate::slot::LeaseNow;
 use crate::sync::{AtomicU64, Ordering};
 
-/// Bytes of the control page at the start of each channel.
-pub const CONTROL_LEN: usize = 4096;
+pub(crate) use crate::layout::CONTROL_LEN;
 /// Bytes of the control page owned by the pool.
-pub const RECORD_LEN: usize = 64;
+pub(crate) const RECORD_LEN: usize = 64;
 
 const FREE: u64 = 0;
 const OPENING: u64 = 1;
@@ -72,7 +71,7 @@ impl Closing {
 /// The pool's record of a channel.
 #[repr(C)]
 #[derive(Debug)]
-pub struct ChannelRecord {
+pub(crate) struct ChannelRecord {
     /// `generation | kind | flags`.
     pub state: AtomicU64,
     /// Client `slot | incarnation << 16`.
@@ -151,11 +150,13 @@ fn unst(w: u64) -> (u32, u64, u64) {
 
 impl Shm {
     /// Channel record `i`, if in range.
-    pub fn channel(&self, i: u32) -> Option<&ChannelRecord> {
+    pub(crate) fn channel(&self, i: u32) -> Option<&ChannelRecord> {
         if i >= self.layout.n_channels {
             return None;
         }
-        Some(self.at_off(self.channel_off(i)))
+        // SAFETY: i < n_channels: the record is inside the channel table,
+        // which `Layout::parse` validated; a ChannelRecord is repr(C) atomics.
+        Some(unsafe { self.at(self.channel_off(i)) })
     }
 
     fn channel_off(&self, i: u32) -> u64 {
@@ -223,7 +224,7 @@ impl Shm {
     }
 
     /// Open channels of registration `index`/`generation` (its connections).
-    pub fn channels_of(&self, index: u32, generation: u32) -> usize {
+    pub(crate) fn channels_of(&self, index: u32, generation: u32) -> usize {
         let want = index as u64 | ((generation as u64) << 32);
         self.count_channels(|c, kind, flags| {
             kind == OPEN
@@ -233,7 +234,7 @@ impl Shm {
     }
 
     /// Channels in use (opening or open): for `check` and `stats`.
-    pub fn channels_in_use(&self) -> Vec<(u32, u16, u16)> {
+    pub(crate) fn channels_in_use(&self) -> Vec<(u32, u16, u16)> {
         (0..self.layout.n_channels)
             .filter_map(|i| {
                 let c = self.channel(i)?;

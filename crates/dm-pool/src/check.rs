@@ -1,4 +1,6 @@
-//! `dmrpc pool check`, `stats` and `gc`: the pool's consistency invariant.
+//! `dmrpc pool check` and `stats`: the pool's consistency invariant and
+//! its counters, read without attaching. The repair that gc does when it
+//! finds the pool quiescent is in `admin.rs`.
 //!
 //! The invariant (DESIGN.md 3.1): every page is exactly one of free, cached
 //! in a live slot's page cache, or held; a held page's reference count equals the
@@ -13,7 +15,6 @@
 use crate::desc::{Desc, DescState, Kind, FLAG_INDIRECT};
 use crate::error::Result;
 use crate::pages::{PageState, NO_PAGE};
-use crate::pool::{AttachOptions, Pool};
 use crate::shm::Shm;
 use crate::slot::{LeaseNow, SlotKind, SlotState};
 use crate::sync::Ordering;
@@ -63,23 +64,6 @@ impl CheckReport {
     pub fn ok(&self) -> bool {
         self.problems.is_empty()
     }
-}
-
-/// What gc reclaimed.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct GcReport {
-    /// Dead slots whose holdings were released.
-    pub slots_reclaimed: u64,
-    /// Refs reclaimed because their TTL passed.
-    pub refs_expired: u64,
-    /// Whether a full recount ran (no other process attached).
-    pub recounted: bool,
-    /// Pages whose refcount the recount corrected.
-    pub pages_repaired: u64,
-    /// Registry records of dead services removed.
-    pub services_removed: u64,
-    /// Channels freed because both ends were closed or dead.
-    pub channels_freed: u64,
 }
 
 /// Counts how many descriptor entries name each page. Returns problems for
@@ -290,7 +274,7 @@ fn who_names(shm: &Shm, p: u32) -> String {
 /// Checks the invariant. `deep` also reads the list pages of every live
 /// descriptor, whose entries past its page count must be zero (taken pages
 /// keep old bytes since format 5, so list pages are zeroed where unused).
-pub fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
+pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
     let mut rep = CheckReport {
         pages_total: shm.layout.n_pages as u64,
         descs_total: shm.layout.n_descs as u64,
@@ -471,87 +455,6 @@ fn settled(mut pass: impl FnMut() -> CheckReport, pause: std::time::Duration) ->
     rep
 }
 
-/// Attaches briefly and reclaims: dead slots, expired Refs and, when no
-/// other process is attached, recounts every page from the descriptors and
-/// repairs what an ill-timed crash leaked.
-pub fn gc_path(path: &Path) -> Result<GcReport> {
-    let pool = Pool::open(
-        path,
-        AttachOptions {
-            heartbeat: false,
-            name: Some("dmrpc-gc".into()),
-            ..Default::default()
-        },
-    )?;
-    let mut rep = pool.maintain()?;
-    recount(&pool, &mut rep)?;
-    Ok(rep)
-}
-
-fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
-    let shm = pool.shm();
-    let me = pool.slot();
-    let a = shm.atomics();
-    if a.maint
-        .compare_exchange(0, me as u64 + 1, Ordering::SeqCst, Ordering::SeqCst)
-        .is_err()
-    {
-        return Ok(());
-    }
-    let others = (0..shm.layout.n_slots as u16).any(|s| {
-        s != me
-            && shm.slot(s).is_some_and(|sl| {
-                SlotState::decode(sl.state.load(Ordering::SeqCst)).kind != Some(SlotKind::Free)
-            })
-    });
-    let res = if others {
-        Ok(())
-    } else {
-        repair(pool, shm, me, rep)
-    };
-    a.maint.store(0, Ordering::SeqCst);
-    res
-}
-
-fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport) -> Result<()> {
-    rep.recounted = true;
-    // Descriptors owned by slots that no longer exist (we are the only
-    // slot: every other owner is gone).
-    pool.inner.reclaim_orphans()?;
-    let mut problems = Vec::new();
-    let mut scratch = CheckReport::default();
-    let holders = count_holders(shm, &mut problems, &mut scratch);
-    let t = shm.pages();
-    for (p, &h) in holders.iter().enumerate() {
-        let p = p as u32;
-        let st = t.state(p)?;
-        let fixed = match st {
-            PageState::Held(rc) if rc == h => continue,
-            PageState::Cached(s) if s == me && h == 0 => continue,
-            PageState::Free if h == 0 => continue,
-            _ if h == 0 => PageState::Free,
-            _ => PageState::Held(h),
-        };
-        // Quiescent (maintenance lock held, no other slot): a plain CAS suffices.
-        let w = &shm_words(shm)[p as usize];
-        if w.compare_exchange(
-            st.encode(),
-            fixed.encode(),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        )
-        .is_ok()
-        {
-            rep.pages_repaired += 1;
-        }
-    }
-    Ok(())
-}
-
-fn shm_words(shm: &Shm) -> &[crate::sync::AtomicU64] {
-    shm.page_words()
-}
-
 /// The pool's lifetime counters.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Counters {
@@ -578,21 +481,6 @@ pub(crate) fn counters(shm: &Shm) -> Counters {
 /// The lifetime counters of the pool at `path` (no attach).
 pub fn counters_of(path: &Path) -> Result<Counters> {
     Ok(counters(&Shm::open(path)?))
-}
-
-/// Whether the pool at `path` keeps its Refs on a clock this process
-/// reads as its own (no attach): the wall clock, or the monotonic clock
-/// of this host's boot ([`RefClock`](crate::RefClock)). False for a
-/// host-clock pool another host (or an earlier boot) owns: the next
-/// process of this host to attach takes it over once none of that host's
-/// processes lives, and expires the Refs left from it.
-pub fn ref_clock_is_ours(path: &Path) -> Result<bool> {
-    Ok(Shm::open(path)?.ref_clock_is_ours())
-}
-
-/// The validated layout of the pool at `path` (no attach).
-pub fn layout_of(path: &Path) -> Result<crate::layout::Layout> {
-    Ok(Shm::open(path)?.layout)
 }
 
 #[cfg(test)]

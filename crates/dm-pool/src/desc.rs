@@ -158,6 +158,30 @@ pub struct Desc {
     pub entries: [AtomicU32; INLINE],
 }
 
+impl Desc {
+    /// Resets the fields to the `Free` invariants (no entries, no lists,
+    /// empty journal). Called before the state word says `Free`.
+    pub(crate) fn reset(&self) {
+        use crate::sync::Ordering;
+        for e in &self.entries {
+            e.store(crate::pages::NO_PAGE, Ordering::Relaxed);
+        }
+        self.n_pages.store(0, Ordering::Relaxed);
+        self.held.store(0, Ordering::Relaxed);
+        self.progress.store(0, Ordering::Relaxed);
+        self.len.store(0, Ordering::Relaxed);
+        self.offset.store(0, Ordering::Relaxed);
+        self.journal_idx
+            .store(crate::pages::NO_PAGE, Ordering::Relaxed);
+        self.journal_old
+            .store(crate::pages::NO_PAGE, Ordering::Relaxed);
+        self.lock.store(0, Ordering::Relaxed);
+        self.aux.store(0, Ordering::Relaxed);
+        let end = self.flags.load(Ordering::Relaxed) & 0xFF00;
+        self.flags.store(end, Ordering::Release);
+    }
+}
+
 /// Size of a descriptor in the pool.
 pub const DESC_SIZE: usize = 256;
 

@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-pub use crate::pages::PageError;
-pub use crate::refs::RefDecodeError;
+pub(crate) use crate::pages::PageError;
+pub(crate) use crate::refs::RefDecodeError;
 
 /// Everything a pool operation can report.
 #[derive(Debug, thiserror::Error)]

@@ -19,12 +19,18 @@
 //! record or the Ref encoding bumps [`POOL_VERSION`].
 
 use crate::desc::DESC_SIZE;
-use crate::registry::SERVICE_SIZE;
 use crate::slot::SLOT_SIZE;
 use crate::sync::{AtomicU32, AtomicU64};
 
+/// Size of a service record (its fields: `registry.rs`).
+pub(crate) const SERVICE_SIZE: usize = 512;
+
+/// Bytes of the control page at the start of each channel (its fields:
+/// `channel.rs`).
+pub(crate) const CONTROL_LEN: usize = 4096;
+
 /// Magic bytes at offset 0.
-pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
+pub(crate) const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// Format version this build reads and writes.
 ///
 /// History: 1 — first format; 2 — stripe locks (`st_off`, header offset 144);
@@ -42,14 +48,14 @@ pub const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// (the host's boot id hash) is the header atomic `ref_clock_host`.
 pub const POOL_VERSION: u32 = 7;
 /// Bytes reserved for the header.
-pub const HEADER_LEN: u64 = 4096;
+pub(crate) const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.
-pub const ATOMICS_OFF: usize = 512;
+pub(crate) const ATOMICS_OFF: usize = 512;
 const IMMUTABLE_LEN: usize = 184;
 /// Smallest allowed page size.
-pub const MIN_PAGE_SIZE: u32 = 4096;
+pub(crate) const MIN_PAGE_SIZE: u32 = 4096;
 /// Largest allowed page size.
-pub const MAX_PAGE_SIZE: u32 = 1 << 30;
+pub(crate) const MAX_PAGE_SIZE: u32 = 1 << 30;
 
 /// The immutable part of the header, decoded and validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -164,7 +170,7 @@ impl std::str::FromStr for RefClock {
 /// Shared counters and cursors, at [`ATOMICS_OFF`] in the header.
 #[repr(C)]
 #[derive(Debug)]
-pub struct HeaderAtomics {
+pub(crate) struct HeaderAtomics {
     /// 0 while the creator initialises, [`READY`] after.
     pub ready: AtomicU32,
     _pad: AtomicU32,
@@ -195,9 +201,9 @@ pub struct HeaderAtomics {
 }
 
 /// Most service records a pool may have.
-pub const MAX_SERVICES: u32 = 1 << 16;
+pub(crate) const MAX_SERVICES: u32 = 1 << 16;
 /// Most channels a pool may have.
-pub const MAX_CHANNELS: u32 = 1 << 16;
+pub(crate) const MAX_CHANNELS: u32 = 1 << 16;
 /// Smallest ring.
 pub const MIN_RING: u32 = 4096;
 /// Largest ring.
@@ -209,12 +215,12 @@ fn valid_ring_size(r: u32) -> bool {
 
 /// Bytes of one channel: a 4 KiB control page (the pool's record, then the
 /// RPC layer's ring cursors), then the two rings.
-pub fn channel_stride(ring_size: u32) -> u64 {
-    crate::channel::CONTROL_LEN as u64 + 2 * ring_size as u64
+pub(crate) fn channel_stride(ring_size: u32) -> u64 {
+    CONTROL_LEN as u64 + 2 * ring_size as u64
 }
 
 /// Value of `ready` once the pool is initialised.
-pub const READY: u32 = 0x5245_4459;
+pub(crate) const READY: u32 = 0x5245_4459;
 
 /// FNV-1a (64-bit): the header checksum, and other small stable hashes.
 pub(crate) fn fnv1a(b: &[u8]) -> u64 {

@@ -29,69 +29,100 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! Layout: [`pages`] counts pages (the page table and free set), [`desc`] holds
-//! buffer and Ref records, [`slot`] leases, [`layout`] the file format,
-//! [`refs`] the Ref encoding, [`pool`] the operations, [`check`] the
-//! invariant and gc, [`mapped`] transparent load/store buffers, [`registry`]
-//! the service names and [`channel`] the per-connection memory of the RPC
-//! layer.
+//! Where things are, from the bottom up (every module is private; what a
+//! user needs is re-exported here):
+//!
+//! * `sync.rs` — the atomics, swapped for loom's in the models;
+//! * `pages.rs` — counts pages: the page table, its locks and the free set;
+//! * `desc.rs` — buffer and Ref records; `slot.rs` — processes and leases;
+//! * `refs.rs` — the Ref encoding; `error.rs` — the error type;
+//! * `layout.rs` — the file format, which depends on nothing above it;
+//! * `shm.rs` — the mapped pool, its areas by offset;
+//! * `process.rs` — this process's attachment (slot, lease, descriptor
+//!   claims); `reclaim.rs` — crash-exact share changes, and reclaiming what
+//!   the dead and the expired hold; `page_cache.rs` — a process's pages;
+//! * `pool/` — [`Pool`]: attach, buffers, Refs, copy-on-write;
+//! * `mapped.rs` — [`MappedBuffer`], plain loads and stores;
+//! * `check.rs` — the invariant and the counters; `admin.rs` — gc and
+//!   queries of a pool by path;
+//! * `registry.rs` — service names; `channel.rs` — the memory of the RPC
+//!   layer's connections;
+//! * `contract.rs` — the DM contract shared with memory servers.
 
 #![cfg_attr(loom, allow(dead_code, unused_imports))]
+// What is public is what the root re-exports: nothing else is `pub`.
+#![warn(unreachable_pub)]
 
+// The loom models (tests/loom.rs) drive the page table and the descriptor
+// protocols directly: public only in those builds.
+#[cfg(loom)]
 pub mod desc;
+#[cfg(not(loom))]
+#[allow(unreachable_pub)]
+pub(crate) mod desc;
+#[cfg(loom)]
 pub mod pages;
-pub mod refs;
-pub mod slot;
-pub mod sync;
+#[cfg(not(loom))]
+#[allow(unreachable_pub)]
+pub(crate) mod pages;
+mod refs;
+mod slot;
+mod sync;
 
 #[cfg(not(loom))]
-pub mod channel;
+mod admin;
 #[cfg(not(loom))]
-pub mod check;
+mod channel;
+#[cfg(not(loom))]
+mod check;
 #[cfg(not(loom))]
 #[doc(hidden)]
 pub mod conformance;
 #[cfg(not(loom))]
-pub mod contract;
+mod contract;
 #[cfg(not(loom))]
-pub mod error;
+mod error;
 #[cfg(not(loom))]
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(not(loom))]
-pub mod layout;
+mod layout;
 #[cfg(not(loom))]
-pub mod mapped;
+mod mapped;
 #[cfg(not(loom))]
 mod page_cache;
 #[cfg(not(loom))]
-pub mod pool;
+mod pool;
+#[cfg(not(loom))]
+mod process;
 #[cfg(not(loom))]
 mod reclaim;
 #[cfg(not(loom))]
-pub mod registry;
+mod registry;
 #[cfg(not(loom))]
-pub mod shm;
+mod shm;
 #[cfg(not(loom))]
 #[doc(hidden)]
 pub mod testing;
 
 #[cfg(not(loom))]
+pub use admin::{gc_path, layout_of, ref_clock_is_ours, services_at};
+#[cfg(not(loom))]
 pub use channel::{ChannelId, ChannelMemory, Closing, Peer, Side};
 #[cfg(not(loom))]
-pub use check::{
-    check_path, counters_of, gc_path, layout_of, ref_clock_is_ours, CheckReport, Counters, GcReport,
-};
+pub use check::{check_path, counters_of, CheckReport, Counters};
 #[cfg(not(loom))]
 pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]
-pub use error::{Error, Result};
+pub use error::{check_range, Error, Result};
 #[cfg(not(loom))]
-pub use layout::{Layout, PoolConfig, RefClock, POOL_VERSION};
+pub use layout::{Layout, ParseError, PoolConfig, RefClock, MAX_RING, MIN_RING, POOL_VERSION};
 #[cfg(not(loom))]
 pub use mapped::MappedBuffer;
 #[cfg(not(loom))]
 pub use pool::{default_path, AttachOptions, Buffer, BufferId, Pool};
-pub use refs::{Ref, RefDecodeError};
 #[cfg(not(loom))]
-pub use registry::{Endpoint, ServiceInfo};
+pub use reclaim::GcReport;
+pub use refs::{Ref, RefDecodeError, BACKEND_MEMSERVER, BACKEND_POOL, REF_VERSION};
+#[cfg(not(loom))]
+pub use registry::{validate_name as validate_service_name, Endpoint, ServiceInfo, NAME_MAX};

@@ -112,7 +112,8 @@ impl MappedBuffer {
             ps,
             fd: shm.raw_fd(),
             data_off: shm.layout.data_off,
-            data: shm.page_ptr(0),
+            // SAFETY: a validated layout has at least one data page.
+            data: unsafe { shm.page_ptr(0) },
             n_pages: shm.layout.n_pages,
             pt: shm.pages_ptr(),
             stripes: shm.stripes_ptr(),

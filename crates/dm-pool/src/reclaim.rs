@@ -19,16 +19,32 @@
 //!    unlocked;
 //! 4. the descriptor is dropped from its counter onwards.
 
-use crate::check::GcReport;
 use crate::desc::mappers;
 use crate::desc::{
     Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INDIRECT, INLINE,
 };
 use crate::error::Result;
 use crate::pages::{Changed, Delta, PageState, BORROWED, NO_PAGE, STRIPE};
-use crate::pool::{reset_desc_fields, Core};
+use crate::process::Core;
 use crate::slot::{LeaseNow, SlotKind, SlotState};
 use crate::sync::Ordering;
+
+/// What gc reclaimed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct GcReport {
+    /// Dead slots whose holdings were released.
+    pub slots_reclaimed: u64,
+    /// Refs reclaimed because their TTL passed.
+    pub refs_expired: u64,
+    /// Whether a full recount ran (no other process attached).
+    pub recounted: bool,
+    /// Pages whose refcount the recount corrected.
+    pub pages_repaired: u64,
+    /// Registry records of dead services removed.
+    pub services_removed: u64,
+    /// Channels freed because both ends were closed or dead.
+    pub channels_freed: u64,
+}
 
 /// Pages changed between two counter stores (bounds how long pages stay locked).
 pub(crate) const BATCH: usize = 64;
@@ -323,7 +339,7 @@ impl Core {
             self.unlink(di, d, freed)?;
         }
         d.flags.store(end << 8, Ordering::Release);
-        reset_desc_fields(d);
+        d.reset();
         let st = DescState::decode(d.state.load(Ordering::Acquire));
         d.state.store(
             DescState::encode(st.generation, Kind::Free, 0),

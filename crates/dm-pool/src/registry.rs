@@ -36,24 +36,23 @@ use crate::shm::Shm;
 use crate::slot::LeaseNow;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
-/// Size of a service record.
-pub const SERVICE_SIZE: usize = 512;
+pub(crate) use crate::layout::SERVICE_SIZE;
 /// Longest service name, bytes.
 pub const NAME_MAX: usize = 128;
 /// Longest endpoint text, bytes.
-pub const ENDPOINT_MAX: usize = 128;
+pub(crate) const ENDPOINT_MAX: usize = 128;
 /// Bytes of a record owned by the RPC layer.
-pub const RPC_AREA: usize = 192;
+pub(crate) const RPC_AREA: usize = 192;
 
 const KIND_FREE: u64 = 0;
 const KIND_LIVE: u64 = 1;
 /// Flag: the registration is one replica of its name.
-pub const FLAG_REPLICA: u32 = 1;
+pub(crate) const FLAG_REPLICA: u32 = 1;
 
 /// A service record as laid out in the pool.
 #[repr(C)]
 #[derive(Debug)]
-pub struct ServiceRecord {
+pub(crate) struct ServiceRecord {
     /// `generation | kind | owner slot`.
     pub state: AtomicU64,
     /// Owner's slot incarnation.
@@ -212,11 +211,13 @@ fn holder_live(shm: &Shm, w: u64) -> bool {
 
 impl Shm {
     /// Service record `i`, if in range.
-    pub fn service(&self, i: u32) -> Option<&ServiceRecord> {
+    pub(crate) fn service(&self, i: u32) -> Option<&ServiceRecord> {
         if i >= self.layout.n_services {
             return None;
         }
-        Some(self.at_off(self.layout.reg_off + i as u64 * SERVICE_SIZE as u64))
+        // SAFETY: i < n_services: the record is inside the registry, which
+        // `Layout::parse` validated; a ServiceRecord is repr(C) atomics.
+        Some(unsafe { self.at(self.layout.reg_off + i as u64 * SERVICE_SIZE as u64) })
     }
 
     fn service_info(&self, i: u32, now: LeaseNow) -> Option<ServiceInfo> {
@@ -250,7 +251,7 @@ impl Shm {
     }
 
     /// Every registered service (live or not yet swept), by record index.
-    pub fn list_services(&self) -> Vec<ServiceInfo> {
+    pub(crate) fn list_services(&self) -> Vec<ServiceInfo> {
         let now = LeaseNow::read();
         (0..self.layout.n_services)
             .filter_map(|i| self.service_info(i, now))

@@ -13,7 +13,7 @@ use std::path::Path;
 
 /// A mapped, validated pool.
 #[derive(Debug)]
-pub struct Shm {
+pub(crate) struct Shm {
     file: SharedFile,
     /// The validated layout.
     pub layout: Layout,
@@ -21,7 +21,7 @@ pub struct Shm {
 
 impl Shm {
     /// Maps `path` and validates its header.
-    pub fn open(path: &Path) -> Result<Shm> {
+    pub(crate) fn open(path: &Path) -> Result<Shm> {
         let device = SharedFile::is_device(path);
         let file = if device {
             // A device has no size: read the header to learn the pool's length.
@@ -76,7 +76,7 @@ impl Shm {
         let shm = Shm { file, layout };
         for i in 0..shm.layout.n_descs {
             if let Some(d) = shm.desc(i) {
-                crate::pool::reset_desc_fields(d);
+                d.reset();
             }
         }
         shm.atomics()
@@ -94,17 +94,17 @@ impl Shm {
     }
 
     /// The path of the backing.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         self.file.path()
     }
 
     /// File descriptor of the backing (for fixed mappings).
-    pub fn raw_fd(&self) -> i32 {
+    pub(crate) fn raw_fd(&self) -> i32 {
         self.file.raw_fd()
     }
 
     /// Faults in the whole data area.
-    pub fn prefault(&self) {
+    pub(crate) fn prefault(&self) {
         self.file.prefault(
             self.layout.data_off as usize,
             self.layout.n_pages as usize * self.layout.page_size as usize,
@@ -117,30 +117,33 @@ impl Shm {
     }
 
     /// Whether slot `s` is live and still in incarnation `inc` at `now`.
-    pub fn slot_is(&self, s: u16, inc: u32, now: LeaseNow) -> bool {
+    pub(crate) fn slot_is(&self, s: u16, inc: u32, now: LeaseNow) -> bool {
         self.slot(s).is_some_and(|slot| {
             SlotState::decode(slot.state.load(Ordering::Acquire)).incarnation == inc
         }) && self.slot_live(s, now)
     }
 
-    pub(crate) fn at_off<T>(&self, off: u64) -> &T {
-        self.at(off)
-    }
-
-    fn at<T>(&self, off: u64) -> &T {
-        // SAFETY: callers pass offsets inside areas validated by
-        // `Layout::parse` (aligned for T, inside the mapping); T is a
-        // repr(C) type made only of atomics, valid for any bit pattern.
+    /// The record of type `T` at byte offset `off` of the pool.
+    ///
+    /// # Safety
+    /// `off` must be the start of a `T` inside an area that `Layout::parse`
+    /// validated (inside the mapping, aligned for `T`), and `T` must be a
+    /// `repr(C)` type made only of atomics, valid for any bit pattern.
+    pub(crate) unsafe fn at<T>(&self, off: u64) -> &T {
+        // SAFETY: the caller's contract: `off` is inside the mapping and
+        // aligned for T, and any bytes are a valid T.
         unsafe { &*(self.file.base().add(off as usize) as *const T) }
     }
 
     /// Shared counters and cursors.
-    pub fn atomics(&self) -> &HeaderAtomics {
-        self.at(ATOMICS_OFF as u64)
+    pub(crate) fn atomics(&self) -> &HeaderAtomics {
+        // SAFETY: the header is always mapped (HEADER_LEN bytes, checked at
+        // open) and its atomics start at ATOMICS_OFF, 8-aligned.
+        unsafe { self.at(ATOMICS_OFF as u64) }
     }
 
     /// The page table (with its stripe locks).
-    pub fn pages(&self) -> PageTable<'_> {
+    pub(crate) fn pages(&self) -> PageTable<'_> {
         PageTable::new(self.page_words(), self.stripe_words())
     }
 
@@ -178,21 +181,34 @@ impl Shm {
     }
 
     /// Slot `i`, if in range.
-    pub fn slot(&self, i: u16) -> Option<&Slot> {
+    pub(crate) fn slot(&self, i: u16) -> Option<&Slot> {
         (u32::from(i) < self.layout.n_slots)
-            .then(|| self.at(self.layout.slot_off + i as u64 * crate::slot::SLOT_SIZE as u64))
+            // SAFETY: i < n_slots: inside the slot table, which
+            // `Layout::parse` validated; a Slot is repr(C) atomics.
+            .then(|| unsafe {
+                self.at(self.layout.slot_off + i as u64 * crate::slot::SLOT_SIZE as u64)
+            })
     }
 
     /// Descriptor `i`, if in range.
-    pub fn desc(&self, i: u32) -> Option<&Desc> {
+    pub(crate) fn desc(&self, i: u32) -> Option<&Desc> {
         (i < self.layout.n_descs)
-            .then(|| self.at(self.layout.desc_off + i as u64 * crate::desc::DESC_SIZE as u64))
+            // SAFETY: i < n_descs: inside the descriptor table, which
+            // `Layout::parse` validated; a Desc is repr(C) atomics.
+            .then(|| unsafe {
+                self.at(self.layout.desc_off + i as u64 * crate::desc::DESC_SIZE as u64)
+            })
     }
 
-    /// Address of data page `p` (`p` must be < n_pages).
-    pub fn page_ptr(&self, p: u32) -> *mut u8 {
+    /// Address of data page `p`.
+    ///
+    /// # Safety
+    /// `p` must be below the pool's page count (a page index checked with
+    /// [`check_page`](Self::check_page), or taken from the page table).
+    pub(crate) unsafe fn page_ptr(&self, p: u32) -> *mut u8 {
         debug_assert!(p < self.layout.n_pages);
-        // SAFETY: p < n_pages, so the page lies inside the validated data area.
+        // SAFETY: p < n_pages (the caller's contract), so the page lies
+        // inside the validated data area.
         unsafe {
             self.file
                 .base()
@@ -201,7 +217,7 @@ impl Shm {
     }
 
     /// Checks a page index read from the pool.
-    pub fn check_page(&self, p: u32) -> Result<u32> {
+    pub(crate) fn check_page(&self, p: u32) -> Result<u32> {
         if p < self.layout.n_pages {
             Ok(p)
         } else {
@@ -213,10 +229,11 @@ impl Shm {
     }
 
     /// A list page viewed as entries.
-    pub fn list(&self, p: u32) -> Result<&[AtomicU32]> {
+    pub(crate) fn list(&self, p: u32) -> Result<&[AtomicU32]> {
         let p = self.check_page(p)?;
-        // SAFETY: a data page is page_size bytes (a multiple of 4), 4-aligned,
-        // inside the mapping; AtomicU32 has the layout of u32.
+        // SAFETY: p is checked (< n_pages); a data page is page_size bytes
+        // (a multiple of 4), 4-aligned, inside the mapping; AtomicU32 has
+        // the layout of u32.
         Ok(unsafe {
             std::slice::from_raw_parts(
                 self.page_ptr(p) as *const AtomicU32,
@@ -228,7 +245,7 @@ impl Shm {
     /// Entry `i` of descriptor `d` (data page index or NO_PAGE). A missing
     /// list page reads as NO_PAGE (a descriptor whose builder died early),
     /// and so does every entry of an inheriting buffer (it owns none).
-    pub fn entry<'a>(&'a self, d: &'a Desc, i: usize) -> Result<Option<&'a AtomicU32>> {
+    pub(crate) fn entry<'a>(&'a self, d: &'a Desc, i: usize) -> Result<Option<&'a AtomicU32>> {
         let flags = d.flags.load(Ordering::Acquire);
         if flags & FLAG_INHERIT != 0 {
             return Ok(None);
@@ -248,7 +265,7 @@ impl Shm {
     }
 
     /// The Ref an inheriting buffer reads through, if `d` inherits.
-    pub fn inherits_from(&self, d: &Desc) -> Option<&Desc> {
+    pub(crate) fn inherits_from(&self, d: &Desc) -> Option<&Desc> {
         if d.flags.load(Ordering::Acquire) & FLAG_INHERIT == 0 {
             return None;
         }
@@ -261,7 +278,7 @@ impl Shm {
     /// page is missing, or `k` is past a list-less descriptor's inline
     /// entries (all read as none).
     #[inline]
-    pub fn entry_chunk<'a>(
+    pub(crate) fn entry_chunk<'a>(
         &'a self,
         d: &'a Desc,
         k: usize,
@@ -293,7 +310,7 @@ impl Shm {
     /// entries `[0, n)` of `to`, checking every page index. `flag` is or-ed
     /// into every copied page (`BORROWED` to borrow them); a borrowed flag
     /// in the source is dropped.
-    pub fn copy_entries(
+    pub(crate) fn copy_entries(
         &self,
         from: &Desc,
         at: usize,
@@ -334,13 +351,13 @@ impl Shm {
     }
 
     /// Reads entry `i`: the page it names, borrowed or not (NO_PAGE when absent).
-    pub fn entry_value(&self, d: &Desc, i: usize) -> Result<u32> {
+    pub(crate) fn entry_value(&self, d: &Desc, i: usize) -> Result<u32> {
         Ok(unborrow(self.raw_entry(d, i)?))
     }
 
     /// Reads entry `i` with its `BORROWED` flag (NO_PAGE when absent). An
     /// inheriting buffer reads its Ref's entry, borrowed.
-    pub fn raw_entry(&self, d: &Desc, i: usize) -> Result<u32> {
+    pub(crate) fn raw_entry(&self, d: &Desc, i: usize) -> Result<u32> {
         if let Some(r) = self.inherits_from(d) {
             let p = unborrow(self.raw_entry(r, i)?);
             return Ok(if p == NO_PAGE { p } else { p | BORROWED });
@@ -351,7 +368,7 @@ impl Shm {
     }
 
     /// Number of list pages a descriptor of `n` entries needs (0 = inline).
-    pub fn lists_needed(&self, n: usize) -> usize {
+    pub(crate) fn lists_needed(&self, n: usize) -> usize {
         if n <= INLINE {
             0
         } else {
@@ -361,12 +378,17 @@ impl Shm {
 
     /// Zeroes data page `p` except `len` bytes at `at` (which the caller
     /// is about to write).
-    pub fn zero_outside(&self, p: u32, at: usize, len: usize) {
+    ///
+    /// # Safety
+    /// `p` must be a page index below the pool's page count that this
+    /// process owns alone (Cached by its slot, or held by one of its
+    /// buffers with a count of one): no other thread or process may read
+    /// or write it meanwhile.
+    pub(crate) unsafe fn zero_outside(&self, p: u32, at: usize, len: usize) {
         let ps = self.layout.page_size as usize;
         let (at, end) = (at.min(ps), (at + len).min(ps));
-        // SAFETY: p is a checked page index; the caller owns the page
-        // (Cached by its slot), so no one else reads or writes it; both
-        // ranges are inside the page.
+        // SAFETY: p < n_pages and the page is ours alone (the caller's
+        // contract); both ranges are inside the page.
         unsafe {
             std::ptr::write_bytes(self.page_ptr(p), 0, at);
             std::ptr::write_bytes(self.page_ptr(p).add(end), 0, ps - end);
@@ -374,7 +396,7 @@ impl Shm {
     }
 
     /// Whether slot `s` is live (attached, lease not expired) at `now`.
-    pub fn slot_live(&self, s: u16, now: LeaseNow) -> bool {
+    pub(crate) fn slot_live(&self, s: u16, now: LeaseNow) -> bool {
         let Some(slot) = self.slot(s) else {
             return false;
         };
@@ -385,7 +407,7 @@ impl Shm {
     /// Now on the pool's Ref clock ([`RefClock`]) as of the last tick: what
     /// a Ref's expiry is set from and checked against on the per-call path.
     #[inline]
-    pub fn ref_now_coarse(&self) -> u64 {
+    pub(crate) fn ref_now_coarse(&self) -> u64 {
         match self.layout.ref_clock {
             RefClock::Host => dm_sys::time::monotonic_ms_coarse(),
             RefClock::Wall => dm_sys::time::now_ms_coarse(),
@@ -395,13 +417,13 @@ impl Shm {
     /// Whether this process reads the pool's Ref clock as its own: the
     /// wall clock, or the monotonic clock of this host's boot (the one
     /// `ref_clock_host` names).
-    pub fn ref_clock_is_ours(&self) -> bool {
+    pub(crate) fn ref_clock_is_ours(&self) -> bool {
         self.layout.ref_clock == RefClock::Wall
             || self.atomics().ref_clock_host.load(Ordering::Acquire) == host_id()
     }
 
     /// `now` on the pool's Ref clock.
-    pub fn ref_now(&self, now: LeaseNow) -> u64 {
+    pub(crate) fn ref_now(&self, now: LeaseNow) -> u64 {
         match self.layout.ref_clock {
             RefClock::Host => now.mono_ms,
             RefClock::Wall => now.wall_ms,
@@ -415,7 +437,7 @@ impl Shm {
     /// would otherwise make every live process look dead and have its
     /// holdings reclaimed under it. Another host's slot is judged by the
     /// wall clock, the only clock the two hosts share.
-    pub fn slot_expired(&self, slot: &Slot, now: LeaseNow) -> bool {
+    pub(crate) fn slot_expired(&self, slot: &Slot, now: LeaseNow) -> bool {
         let here = slot.host.load(Ordering::Relaxed) == host_id();
         let (hb, now) = if here {
             (slot.heartbeat_mono_ms.load(Ordering::Acquire), now.mono_ms)
@@ -433,7 +455,7 @@ impl Shm {
 
 /// The page an entry names, borrowed or not.
 #[inline]
-pub fn unborrow(e: u32) -> u32 {
+pub(crate) fn unborrow(e: u32) -> u32 {
     if e == NO_PAGE {
         e
     } else {
@@ -449,7 +471,7 @@ pub fn unborrow(e: u32) -> u32 {
 /// the process's neighbours are judged by their leases, as another host's
 /// are, and a pool on the host's clock refuses it while its owner lives:
 /// such a pool wants the wall clock, `RefClock::Wall`.)
-pub fn host_id() -> u64 {
+pub(crate) fn host_id() -> u64 {
     static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *ID.get_or_init(|| {
         let read = |p: &str| std::fs::read_to_string(p).ok();

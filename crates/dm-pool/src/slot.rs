@@ -13,11 +13,11 @@
 use crate::sync::{AtomicU32, AtomicU64};
 
 /// Size of a slot record in the pool.
-pub const SLOT_SIZE: usize = 128;
+pub(crate) const SLOT_SIZE: usize = 128;
 
 /// Slot kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SlotKind {
+pub(crate) enum SlotKind {
     /// Unused.
     Free,
     /// Attached.
@@ -28,7 +28,7 @@ pub enum SlotKind {
 
 /// Decoded slot state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SlotState {
+pub(crate) struct SlotState {
     /// Bumped on every attach.
     pub incarnation: u32,
     /// Kind (None for an impossible value).
@@ -39,7 +39,7 @@ pub struct SlotState {
 
 impl SlotState {
     /// Decodes.
-    pub fn decode(w: u64) -> Self {
+    pub(crate) fn decode(w: u64) -> Self {
         SlotState {
             incarnation: w as u32,
             kind: match (w >> 32) as u8 {
@@ -53,7 +53,7 @@ impl SlotState {
     }
 
     /// Encodes.
-    pub fn encode(incarnation: u32, kind: SlotKind, reclaimer: u16) -> u64 {
+    pub(crate) fn encode(incarnation: u32, kind: SlotKind, reclaimer: u16) -> u64 {
         let k = match kind {
             SlotKind::Free => 0u64,
             SlotKind::Live => 1,
@@ -66,7 +66,7 @@ impl SlotState {
 /// A slot as laid out in the pool.
 #[repr(C)]
 #[derive(Debug)]
-pub struct Slot {
+pub(crate) struct Slot {
     /// `incarnation | kind | reclaimer`.
     pub state: AtomicU64,
     /// Last renewal, ms since the epoch (wall clock): how another host
@@ -93,7 +93,7 @@ pub struct Slot {
 
 /// The time a lease is judged at, on both clocks a heartbeat records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LeaseNow {
+pub(crate) struct LeaseNow {
     /// Wall clock, ms since the epoch ([`dm_sys::time::now_ms`]).
     pub wall_ms: u64,
     /// This host's monotonic clock, ms ([`dm_sys::time::monotonic_ms`]).
@@ -103,7 +103,7 @@ pub struct LeaseNow {
 #[cfg(not(loom))]
 impl LeaseNow {
     /// Reads both clocks.
-    pub fn read() -> Self {
+    pub(crate) fn read() -> Self {
         LeaseNow {
             wall_ms: dm_sys::time::now_ms(),
             mono_ms: dm_sys::time::monotonic_ms(),

@@ -171,7 +171,7 @@ impl<C: Member> Balancer<C> {
     /// Connects to every replica of `name` (`NotFound` if it has none;
     /// the first error if none could be dialled).
     fn connect(node: &Node, name: &str) -> Result<Self, RpcError> {
-        dm_pool::registry::validate_name(name)?;
+        dm_pool::validate_service_name(name)?;
         let routes = node.resolve_all(&crate::reconnect::Target::Name(name.to_owned()))?;
         let mut set = Vec::with_capacity(routes.len());
         let mut first_error = None;

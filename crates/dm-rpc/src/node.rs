@@ -169,7 +169,7 @@ impl Node {
     /// Releases a Ref of the pool or of a memory server.
     pub(crate) fn release_ref(&self, r: &Ref) -> Result<(), RpcError> {
         match (&self.remote, r.backend) {
-            (Some(m), dm_pool::refs::BACKEND_MEMSERVER) => Ok(m.release_ref_nowait(r)?),
+            (Some(m), dm_pool::BACKEND_MEMSERVER) => Ok(m.release_ref_nowait(r)?),
             _ => Ok(self.pool.release_ref(r)?),
         }
     }
@@ -224,7 +224,7 @@ impl Node {
     /// [`CallOptions::wait_for_ready`](crate::CallOptions), wait for it
     /// until their deadline. Then as [`connect`](Self::connect).
     pub fn connect_lazily(&self, name: &str) -> Result<Client, RpcError> {
-        dm_pool::registry::validate_name(name)?;
+        dm_pool::validate_service_name(name)?;
         Ok(Client::new(Redial::unconnected(
             self.clone(),
             Target::Name(name.to_owned()),
@@ -233,7 +233,7 @@ impl Node {
 
     /// Like [`connect_lazily`](Self::connect_lazily), for async callers.
     pub fn connect_async_lazily(&self, name: &str) -> Result<AsyncClient, RpcError> {
-        dm_pool::registry::validate_name(name)?;
+        dm_pool::validate_service_name(name)?;
         Ok(AsyncClient::new(Redial::unconnected(
             self.clone(),
             Target::Name(name.to_owned()),

@@ -41,7 +41,7 @@ use crate::frame::{Body, FLAG_ECHO};
 use crate::node::Node;
 use crate::transport::Sharing;
 use dm_memserver::{MemBuffer, MemPool};
-use dm_pool::refs::BACKEND_MEMSERVER;
+use dm_pool::BACKEND_MEMSERVER;
 use dm_pool::{Buffer, Dm, DmBuffer, Pool, Ref};
 use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};

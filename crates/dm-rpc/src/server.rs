@@ -426,7 +426,7 @@ impl ServerBuilder {
         for k in &self.propagate {
             Metadata::new().insert(k, Vec::new())?;
         }
-        dm_pool::registry::validate_name(&self.name)?;
+        dm_pool::validate_service_name(&self.name)?;
         let stop = Arc::new(AtomicBool::new(false));
         let node = self.node.clone();
         let mut endpoint = None;

@@ -8,7 +8,7 @@
 //! the next generation.
 
 use super::pages::{lock, Pages};
-use dm_pool::{refs::BACKEND_MEMSERVER, Error, Ref, Result};
+use dm_pool::{Error, Ref, Result, BACKEND_MEMSERVER};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;

@@ -4,7 +4,6 @@
 use super::pool::Target;
 use anyhow::Result;
 use clap::Args;
-use dm_pool::shm::Shm;
 use dm_pool::Endpoint;
 
 #[derive(Args, Debug)]
@@ -23,11 +22,10 @@ pub fn run(mut a: LsArgs) -> Result<()> {
     if let Some(name) = a.pool.take() {
         a.target.name = name;
     }
-    let shm = Shm::open(&a.target.path())?;
+    let mut services = dm_pool::services_at(&a.target.path())?;
     let now = dm_sys::time::now_ms();
-    let mut services = shm.list_services();
-    services.retain(|s| a.prefix.as_deref().is_none_or(|p| s.name.starts_with(p)));
-    services.sort_by(|x, y| x.name.cmp(&y.name));
+    services.retain(|(s, _)| a.prefix.as_deref().is_none_or(|p| s.name.starts_with(p)));
+    services.sort_by(|(x, _), (y, _)| x.name.cmp(&y.name));
     if services.is_empty() {
         println!("no services registered in {}", a.target.path().display());
         return Ok(());
@@ -36,7 +34,7 @@ pub fn run(mut a: LsArgs) -> Result<()> {
         "{:<40} {:<22} {:>8} {:>6} {:>5} {:>10}  role",
         "service", "endpoint", "pid", "conns", "live", "up"
     );
-    for s in services {
+    for (s, conns) in services {
         let ep = match &s.endpoint {
             Endpoint::Shm => "shm".to_string(),
             Endpoint::Tcp(addr) => format!("tcp {addr}"),
@@ -47,7 +45,7 @@ pub fn run(mut a: LsArgs) -> Result<()> {
             s.name,
             ep,
             s.pid,
-            shm.channels_of(s.index, s.generation),
+            conns,
             if s.live { "yes" } else { "DEAD" },
             up,
             if s.replica { "replica" } else { "sole" }

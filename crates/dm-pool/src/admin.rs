@@ -1,0 +1,125 @@
+//! Commands on a pool by its path (`dmrpc pool gc`, `info`): gc, which
+//! attaches briefly, reclaims, and repairs page counts when no other
+//! process is attached; and what the pool says of itself without an
+//! attach (its layout, whose clock its Refs keep).
+
+use crate::check::{count_holders, CheckReport};
+use crate::error::Result;
+use crate::pages::PageState;
+use crate::pool::{AttachOptions, Pool};
+use crate::reclaim::GcReport;
+use crate::registry::ServiceInfo;
+use crate::shm::Shm;
+use crate::slot::{SlotKind, SlotState};
+use crate::sync::Ordering;
+use std::path::Path;
+
+/// Attaches briefly and reclaims: dead slots, expired Refs and, when no
+/// other process is attached, recounts every page from the descriptors and
+/// repairs what an ill-timed crash leaked.
+pub fn gc_path(path: &Path) -> Result<GcReport> {
+    let pool = Pool::open(
+        path,
+        AttachOptions {
+            heartbeat: false,
+            name: Some("dmrpc-gc".into()),
+            ..Default::default()
+        },
+    )?;
+    let mut rep = pool.maintain()?;
+    recount(&pool, &mut rep)?;
+    Ok(rep)
+}
+
+fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
+    let shm = pool.shm();
+    let me = pool.slot();
+    let a = shm.atomics();
+    if a.maint
+        .compare_exchange(0, me as u64 + 1, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return Ok(());
+    }
+    let others = (0..shm.layout.n_slots as u16).any(|s| {
+        s != me
+            && shm.slot(s).is_some_and(|sl| {
+                SlotState::decode(sl.state.load(Ordering::SeqCst)).kind != Some(SlotKind::Free)
+            })
+    });
+    let res = if others {
+        Ok(())
+    } else {
+        repair(pool, shm, me, rep)
+    };
+    a.maint.store(0, Ordering::SeqCst);
+    res
+}
+
+fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport) -> Result<()> {
+    rep.recounted = true;
+    // Descriptors owned by slots that no longer exist (we are the only
+    // slot: every other owner is gone).
+    pool.inner.reclaim_orphans()?;
+    let mut problems = Vec::new();
+    let mut scratch = CheckReport::default();
+    let holders = count_holders(shm, &mut problems, &mut scratch);
+    let t = shm.pages();
+    for (p, &h) in holders.iter().enumerate() {
+        let p = p as u32;
+        let st = t.state(p)?;
+        let fixed = match st {
+            PageState::Held(rc) if rc == h => continue,
+            PageState::Cached(s) if s == me && h == 0 => continue,
+            PageState::Free if h == 0 => continue,
+            _ if h == 0 => PageState::Free,
+            _ => PageState::Held(h),
+        };
+        // Quiescent (maintenance lock held, no other slot): a plain CAS suffices.
+        let w = &shm_words(shm)[p as usize];
+        if w.compare_exchange(
+            st.encode(),
+            fixed.encode(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        )
+        .is_ok()
+        {
+            rep.pages_repaired += 1;
+        }
+    }
+    Ok(())
+}
+
+fn shm_words(shm: &Shm) -> &[crate::sync::AtomicU64] {
+    shm.page_words()
+}
+
+/// Whether the pool at `path` keeps its Refs on a clock this process
+/// reads as its own (no attach): the wall clock, or the monotonic clock
+/// of this host's boot ([`RefClock`](crate::RefClock)). False for a
+/// host-clock pool another host (or an earlier boot) owns: the next
+/// process of this host to attach takes it over once none of that host's
+/// processes lives, and expires the Refs left from it.
+pub fn ref_clock_is_ours(path: &Path) -> Result<bool> {
+    Ok(Shm::open(path)?.ref_clock_is_ours())
+}
+
+/// The validated layout of the pool at `path` (no attach).
+pub fn layout_of(path: &Path) -> Result<crate::layout::Layout> {
+    Ok(Shm::open(path)?.layout)
+}
+
+/// Every service registered in the pool at `path` (no attach), each with
+/// the number of open connections to it: what `dmrpc ls` shows.
+pub fn services_at(path: &Path) -> Result<Vec<(ServiceInfo, usize)>> {
+    let shm = Shm::open(path)?;
+    Ok(shm
+        .list_services()
+        .into_iter()
+        .map(|s| {
+            let conns = shm.channels_of(s.index, s.generation);
+            (s, conns)
+        })
+        .collect())
+}

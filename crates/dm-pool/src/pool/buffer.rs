@@ -1,0 +1,351 @@
+//! [`Buffer`]: a range of pool pages owned by this process, read through
+//! the pool window and written with page-granular copy-on-write.
+
+use super::{Inner, Pool};
+use crate::desc::{Desc, FLAG_INHERIT};
+use crate::error::{Error, Result};
+use crate::pages::{Delta, BORROWED, NO_PAGE};
+use crate::reclaim::{Book, Src};
+use crate::refs::Ref;
+use crate::sync::Ordering;
+use std::sync::Arc;
+
+/// A buffer id that can cross an FFI boundary: [`Pool::free_id`] detects
+/// double frees with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BufferId {
+    /// Pool id.
+    pub pool_id: u64,
+    /// Descriptor index.
+    pub desc: u32,
+    /// Generation.
+    pub generation: u32,
+}
+
+/// A buffer in the pool owned by this process: pages of its own or shared
+/// with Refs (copy-on-write). Freed on drop.
+#[derive(Debug)]
+pub struct Buffer {
+    pub(super) pool: Pool,
+    pub(super) desc: u32,
+    pub(super) generation: u32,
+    pub(super) len: u64,
+    pub(super) offset: u32,
+    pub(super) n_pages: u32,
+    /// Set when the handle no longer owns the descriptor (freed explicitly
+    /// or turned into a `BufferId`): dropping it then frees nothing.
+    pub(super) detached: bool,
+}
+
+impl Buffer {
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the length is zero (never: buffers are at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its id.
+    pub fn id(&self) -> BufferId {
+        BufferId {
+            pool_id: self.pool.id(),
+            desc: self.desc,
+            generation: self.generation,
+        }
+    }
+
+    /// The pool it belongs to.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub(super) fn check(&self, pool: &Pool) -> Result<()> {
+        pool.inner.live()?;
+        if pool.id() != self.pool.id() || !Arc::ptr_eq(&pool.inner, &self.pool.inner) {
+            return Err(Error::ForeignPool {
+                expected: pool.id(),
+                found: self.pool.id(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn bounds(&self, offset: u64, len: u64) -> Result<()> {
+        crate::error::check_range(offset, len, self.len)
+    }
+
+    fn d(&self) -> Result<&Desc> {
+        self.pool.inner.desc(self.desc)
+    }
+
+    /// Page entry `k` of this buffer.
+    pub(crate) fn page_at(&self, k: usize) -> Result<u32> {
+        self.pool.inner.shm.entry_value(self.d()?, k)
+    }
+
+    /// Page entry `k` and whether it is borrowed from the Ref this buffer
+    /// was mapped from.
+    pub(crate) fn owned_page_at(&self, k: usize) -> Result<(u32, bool)> {
+        let raw = self.pool.inner.shm.raw_entry(self.d()?, k)?;
+        Ok(if raw == NO_PAGE {
+            (raw, false)
+        } else {
+            (raw & !BORROWED, raw & BORROWED != 0)
+        })
+    }
+
+    /// Gives a buffer that reads through its Ref a page list of its own
+    /// (every page borrowed), before its first write. Order matters for
+    /// crash recovery: the list is filled with "no page" before the buffer
+    /// stops inheriting, so no entry ever reads as an owned page it is not.
+    pub(crate) fn materialize(&mut self) -> Result<()> {
+        let i = self.pool.inner.clone();
+        let d = self.d()?;
+        let Some(r) = i.shm.inherits_from(d) else {
+            return Ok(());
+        };
+        let n = self.n_pages as usize;
+        i.attach_lists(d, n, true)?;
+        d.flags.fetch_and(!FLAG_INHERIT, Ordering::AcqRel);
+        i.shm.copy_entries(r, 0, d, n, BORROWED)
+    }
+
+    pub(crate) fn desc_index(&self) -> u32 {
+        self.desc
+    }
+
+    pub(crate) fn first_offset(&self) -> u32 {
+        self.offset
+    }
+
+    pub(crate) fn page_count(&self) -> u32 {
+        self.n_pages
+    }
+
+    /// Copies `out.len()` bytes at `offset` into `out`.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.pool.inner.live()?;
+        self.bounds(offset, out.len() as u64)?;
+        let mut done = 0;
+        for seg in self.segments(offset, out.len() as u64)? {
+            out[done..done + seg.len()].copy_from_slice(seg);
+            done += seg.len();
+        }
+        Ok(())
+    }
+
+    /// Reads the whole buffer into a vector.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.len as usize];
+        self.read(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Views `len` bytes at `offset` as slices of pool memory: one slice per
+    /// run of consecutive pool pages (unbacked pages read as zeros). No copy,
+    /// no syscall: this is the fast read path for received data.
+    pub fn segments(&self, offset: u64, len: u64) -> Result<Vec<&[u8]>> {
+        self.bounds(offset, len)?;
+        let i = &self.pool.inner;
+        let ps = i.shm.layout.page_size as u64;
+        let mut out: Vec<&[u8]> = Vec::new();
+        let mut pos = self.offset as u64 + offset;
+        let end = pos + len;
+        let mut run: Option<(u32, u64, u64)> = None; // (page, in-page start, bytes)
+        while pos < end {
+            let k = (pos / ps) as usize;
+            let in_page = pos % ps;
+            let take = (ps - in_page).min(end - pos);
+            let p = self.page_at(k)?;
+            if p != NO_PAGE {
+                i.shm.check_page(p)?;
+            }
+            run = match run {
+                Some((rp, rs, rn))
+                    if p != NO_PAGE
+                        && rp != NO_PAGE
+                        && rp as u64 + (rs + rn) / ps == p as u64
+                        && in_page == 0 =>
+                {
+                    Some((rp, rs, rn + take))
+                }
+                prev => {
+                    if let Some(seg) = prev {
+                        out.push(self.seg(seg));
+                    }
+                    Some((p, in_page, take))
+                }
+            };
+            pos += take;
+        }
+        if let Some(seg) = run {
+            out.push(self.seg(seg));
+        }
+        Ok(out)
+    }
+
+    fn seg(&self, (p, start, n): (u32, u64, u64)) -> &[u8] {
+        let i = &self.pool.inner;
+        if p == NO_PAGE {
+            return &i.zeros[start as usize..(start + n) as usize];
+        }
+        // SAFETY: p is a checked page index and the run [p, p + pages) lies
+        // in the data area (each page index was checked). The pages are held
+        // by this buffer; a page shared with others is frozen (writers copy
+        // first) and a page we hold alone changes only through `&mut self`,
+        // which the returned borrow of `self` excludes.
+        unsafe { std::slice::from_raw_parts(i.shm.page_ptr(p).add(start as usize), n as usize) }
+    }
+
+    /// The whole buffer as one slice, if its pages are consecutive in the pool.
+    pub fn as_slice(&self) -> Result<Option<&[u8]>> {
+        let s = self.segments(0, self.len)?;
+        Ok(if s.len() == 1 {
+            s.into_iter().next()
+        } else {
+            None
+        })
+    }
+
+    /// Writes `data` at `offset`. Pages shared with a Ref or another buffer
+    /// are copied first (only the pages written); unbacked pages are backed.
+    /// If the pool has too few free pages for the whole write, nothing is
+    /// written and `ResourceExhausted` is returned.
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        let i = self.pool.inner.clone();
+        i.live()?;
+        self.bounds(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.materialize()?;
+        let ps = i.shm.layout.page_size as u64;
+        let d = self.d()?;
+        let t = i.shm.pages();
+        let start = self.offset as u64 + offset;
+        let end = start + data.len() as u64;
+        let (k0, k1) = ((start / ps) as usize, end.div_ceil(ps) as usize);
+        // Reserve every page the write may need first, so it is all or nothing.
+        let mut need = 0;
+        for k in k0..k1 {
+            let (p, borrowed) = self.owned_page_at(k)?;
+            if p == NO_PAGE || borrowed || t.rc(i.shm.check_page(p)?) != 1 {
+                need += 1;
+            }
+        }
+        let mut fresh = i.take_pages(need)?.into_iter();
+        let mut pos = start;
+        let mut src = 0usize;
+        let mut copies = 0;
+        while pos < end {
+            let k = (pos / ps) as usize;
+            let in_page = (pos % ps) as usize;
+            let take = ((ps as usize) - in_page).min((end - pos) as usize);
+            let (p, borrowed) = self.owned_page_at(k)?;
+            let target = if p != NO_PAGE && !borrowed && t.rc(p) == 1 {
+                p
+            } else {
+                // A transient share (a stale map attempt) can make a page
+                // look shared after we counted: take one more page then.
+                let q = match fresh.next() {
+                    Some(q) => q,
+                    None => i.take_pages(1)?[0],
+                };
+                let whole = in_page == 0 && take == ps as usize;
+                if p != NO_PAGE && !whole {
+                    // SAFETY: p is held by us and frozen (rc > 1); q is ours
+                    // (Cached by this slot); both are distinct checked pages.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            i.shm.page_ptr(p),
+                            i.shm.page_ptr(q),
+                            ps as usize,
+                        )
+                    };
+                } else if !whole {
+                    // A fresh page keeps old bytes: zero what this write
+                    // leaves (an unbacked page reads as zero).
+                    // SAFETY: q came from this slot's page cache: a checked
+                    // page index that no one else reads or writes.
+                    unsafe { i.shm.zero_outside(q, in_page, take) };
+                }
+                // A borrowed page's share belongs to the Ref: nothing to drop.
+                i.link_page(self.desc, d, k, if borrowed { NO_PAGE } else { p }, q)?;
+                if p != NO_PAGE {
+                    copies += 1;
+                }
+                q
+            };
+            // SAFETY: `target` is held by this buffer alone (rc == 1), so no
+            // one else reads or writes it; the range is inside the page.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data[src..].as_ptr(),
+                    i.shm.page_ptr(target).add(in_page),
+                    take,
+                )
+            };
+            pos += take as u64;
+            src += take;
+        }
+        i.give_pages(fresh.collect());
+        if copies > 0 {
+            i.shm
+                .atomics()
+                .cow_copies
+                .fetch_add(copies, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Creates a Ref to a range of this buffer (see [`Pool::create_ref`]).
+    pub fn create_ref(&self, offset: u64, len: u64) -> Result<Ref> {
+        self.pool.create_ref(self, offset, len)
+    }
+
+    /// Creates a Ref to the whole buffer.
+    pub fn share(&self) -> Result<Ref> {
+        self.pool.create_ref(self, 0, self.len)
+    }
+}
+
+impl Inner {
+    /// Replaces entry `k` (old page `p`, or NO_PAGE) of an owned buffer with
+    /// `q`, a page cached by this slot and already filled. The CoW journal
+    /// makes this recoverable at every step (see `undo_journal`).
+    pub(crate) fn link_page(&self, di: u32, d: &Desc, k: usize, p: u32, q: u32) -> Result<()> {
+        let t = self.shm.pages();
+        if p != NO_PAGE {
+            d.journal_old.store(p, Ordering::Relaxed);
+            d.journal_idx.store(k as u32, Ordering::Release);
+        }
+        self.set_entry(d, k, q)?;
+        t.hold_cached(q, self.slot)?;
+        if p != NO_PAGE {
+            let mut freed = Vec::new();
+            self.bulk_change(
+                di,
+                d,
+                0,
+                1,
+                Src::One(p),
+                Book::Journal,
+                Delta::Dec(self.slot),
+                &mut freed,
+            )?;
+            self.give_pages(freed);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        if !self.detached {
+            let _ = self.pool.free_id(self.id());
+        }
+    }
+}
