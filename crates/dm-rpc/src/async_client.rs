@@ -41,9 +41,12 @@
 //! the same way: the Ref made for its argument is released at once, and
 //! so is its answer when it comes.
 
-use crate::client::{
-    answers, carried, ended, orphan, outgoing, sent_as, Defaults, Failure, Outgoing, Refused, Reply,
+use crate::call::attempt::{
+    answers, carried, deadline_of, ended, orphan, outgoing, sent_as, Again, Failure, Outgoing,
+    Refused,
 };
+use crate::call::failover::{Failover, Link, Next};
+use crate::call::options::{CallOptions, Defaults, OutgoingCall, Reply};
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status};
 use crate::metadata::Metadata;
@@ -51,9 +54,9 @@ use crate::node::Node;
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
 use crate::sender::{send_holding_rx, send_unheld, Out, Sender};
+use crate::sync::lock;
 use crate::transport::{Connection, FrameRx, Looked, TransportError, WatchSet, Watched};
 use crate::wait::Waiter;
-use crate::CallOptions;
 use arc_swap::Guard;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
@@ -199,10 +202,6 @@ struct State {
     wanted: bool,
     /// The pump thread runs.
     pumping: bool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 thread_local! {
@@ -813,6 +812,14 @@ impl Connected for Inner {
             .load(Ordering::Acquire)
             .then(|| self.reader.broken_error())
     }
+
+    fn link(&self) -> Link {
+        Link {
+            spent: self.is_spent(),
+            refs: self.refs,
+            max_inline: self.max_inline,
+        }
+    }
 }
 
 impl AsyncClient {
@@ -846,10 +853,7 @@ impl AsyncClient {
     /// ([`crate::Client::intercept`]: once per call, before anything is sent).
     pub fn intercept(
         &self,
-        check: impl Fn(&mut crate::client::OutgoingCall<'_>) -> Result<(), RpcError>
-            + Send
-            + Sync
-            + 'static,
+        check: impl Fn(&mut OutgoingCall<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
     ) -> AsyncClient {
         AsyncClient {
             h: self.h.clone(),
@@ -988,53 +992,48 @@ impl AsyncClient {
         let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
         let (mut c, opts) = self.usable(opts).await?;
         let mut r = c.call_with(method, payload, opts, meta).await;
-        let mut attempt = 1;
+        // What Failover decides, done in this task. (Each wait is boxed:
+        // a rare state kept out of every call's future. The request is
+        // held across it, so that a call dropped meanwhile ends what it
+        // lent.)
+        let mut f = Failover::new(&opts);
         loop {
-            // A request known not to have run, or an idempotent one whose
-            // connection broke, goes to the service's next server (as the
-            // blocking client does).
-            for _ in 0..3 {
-                let Err(Failure::Refused(mut x)) = r else {
-                    break;
-                };
-                self.h.refused(&c);
-                let mut n = Guard::into_inner(self.h.live());
-                if opts.wait_for_ready && n.is_spent() {
-                    let until = x.deadline();
-                    let held = Held(Some(x), c.node.clone());
-                    // (Boxed, as the other waits of the retries below: a
-                    // rare state kept out of every call's future.)
-                    let ready = Box::pin(self.h.ready_async(n, until)).await;
-                    x = held.take();
-                    match ready {
-                        Ok(ready) => n = ready,
-                        Err(e) => return Err(x.drop_with(&c.node, e)),
+            let x = match f.next(r, Instant::now()) {
+                Next::End(r) => return self.h.settle(&c, r),
+                Next::GiveUp(x) => return Err(x.fail(&c.node)),
+                Next::Elsewhere(mut x) => {
+                    self.h.refused(&c);
+                    let mut n = Guard::into_inner(self.h.live());
+                    if f.waits_for(n.link()) {
+                        let until = x.deadline();
+                        let held = Held(Some(x), c.node.clone());
+                        let ready = Box::pin(self.h.ready_async(n, until)).await;
+                        x = held.take();
+                        match ready {
+                            Ok(ready) => n = ready,
+                            Err(e) => return Err(x.drop_with(&c.node, e)),
+                        }
                     }
+                    if !f.takes(&x, n.link(), Arc::ptr_eq(&n, &c)) {
+                        return Err(x.fail(&c.node));
+                    }
+                    c = n;
+                    x
                 }
-                if Arc::ptr_eq(&n, &c) || n.is_spent() || !x.fits(n.refs, n.max_inline) {
-                    return Err(x.fail(&c.node));
+                Next::Later(x, wait) => {
+                    let held = Held(Some(x), c.node.clone());
+                    Box::pin(tokio::time::sleep(wait)).await;
+                    let x = held.take();
+                    let n = Guard::into_inner(self.h.live());
+                    if !f.takes(&x, n.link(), false) {
+                        return Err(x.fail(&c.node));
+                    }
+                    c = n;
+                    x
                 }
-                c = n;
-                r = c.resend(*x).await;
-            }
-            // An answer whose status its retry policy lists: again, after
-            // a wait (as the blocking client does).
-            let Err(Failure::Again(x)) = r else { break };
-            attempt += 1;
-            let Some(wait) = crate::client::retry_wait(&x, attempt, opts.retry) else {
-                return Err(x.fail(&c.node));
             };
-            let held = Held(Some(x), c.node.clone());
-            Box::pin(tokio::time::sleep(wait)).await;
-            let x = held.take();
-            let n = Guard::into_inner(self.h.live());
-            if n.is_spent() || !x.fits(n.refs, n.max_inline) {
-                return Err(x.fail(&c.node));
-            }
-            c = n;
             r = c.resend(*x).await;
         }
-        self.h.settle(&c, r)
     }
 
     /// The connection a call with `opts` goes over, and its options then:
@@ -1046,7 +1045,7 @@ impl AsyncClient {
         let mut c = Guard::into_inner(self.h.live());
         if c.is_spent() {
             if opts.wait_for_ready {
-                let until = crate::client::deadline_of(&c.node, opts, Instant::now()).0;
+                let until = deadline_of(&c.node, opts, Instant::now()).0;
                 c = Box::pin(self.h.ready_async(c, until)).await?;
                 opts = opts.after_waiting(until);
             }
@@ -1477,7 +1476,7 @@ struct Sent {
     frame: Frame,
     lent: crate::payload::Lent,
     deadline: Option<Instant>,
-    again: crate::client::Again,
+    again: Again,
     id: u64,
     /// The spin that ran out, and when (for the waiting policy).
     spun: Option<(Duration, Instant)>,

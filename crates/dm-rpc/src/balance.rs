@@ -38,7 +38,8 @@
 //! replica.
 
 use crate::async_client::AsyncClient;
-use crate::client::{CallOptions, Client, Defaults, Reply};
+use crate::call::options::{CallOptions, Defaults, OutgoingCall, Reply};
+use crate::client::Client;
 use crate::error::RpcError;
 use crate::metadata::Metadata;
 use crate::node::Node;
@@ -276,7 +277,7 @@ impl<C: Member> Balancer<C> {
     /// so; or, `force`d, now (after the look in progress, if any).
     fn refresh_if_due(&self, now: u64, force: bool) {
         let _g = if force {
-            self.refreshing.lock().unwrap_or_else(|e| e.into_inner())
+            crate::sync::lock(&self.refreshing)
         } else {
             match self.refreshing.try_lock() {
                 Ok(g) => g,
@@ -450,10 +451,7 @@ impl<C: Member> Balanced<C> {
     /// ([`crate::Client::intercept`]: once per call, before anything is sent).
     pub fn intercept(
         &self,
-        check: impl Fn(&mut crate::client::OutgoingCall<'_>) -> Result<(), RpcError>
-            + Send
-            + Sync
-            + 'static,
+        check: impl Fn(&mut OutgoingCall<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
     ) -> Self {
         Balanced {
             b: self.b.clone(),

@@ -60,6 +60,8 @@ pub mod async_client;
 #[cfg(not(loom))]
 pub mod balance;
 #[cfg(not(loom))]
+mod call;
+#[cfg(not(loom))]
 pub mod client;
 #[cfg(not(loom))]
 pub mod deadline;
@@ -96,7 +98,9 @@ pub use async_client::AsyncClient;
 #[cfg(not(loom))]
 pub use balance::{AsyncBalancedClient, Balanced, BalancedClient};
 #[cfg(not(loom))]
-pub use client::{AnswerInterceptor, CallInterceptor, CallOptions, Client, OutgoingCall, Reply};
+pub use call::options::{AnswerInterceptor, CallInterceptor, CallOptions, OutgoingCall, Reply};
+#[cfg(not(loom))]
+pub use client::Client;
 #[cfg(not(loom))]
 pub use error::RpcError;
 #[cfg(not(loom))]

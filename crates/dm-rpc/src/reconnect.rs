@@ -43,7 +43,8 @@
 //! thread (an async call too: a lookup, and opening a channel in the pool
 //! or a TCP connection, as `connect` does).
 
-use crate::client::Failure;
+use crate::call::attempt::Failure;
+use crate::call::failover::Link;
 use crate::error::RpcError;
 use crate::node::Node;
 use crate::transport::Connection;
@@ -126,6 +127,8 @@ pub(crate) trait Connected: Send + Sync + Sized + 'static {
     fn break_with(&self, e: RpcError);
     /// The error that broke it, if it broke.
     fn failure(&self) -> Option<RpcError>;
+    /// What a request that must go again can tell of it.
+    fn link(&self) -> Link;
 }
 
 /// The current connection of a client, replaced when it breaks and its
@@ -345,7 +348,7 @@ impl<C: Connected> Redial<C> {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Dial> {
-        self.dial.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.dial)
     }
 
     #[cold]
@@ -439,6 +442,16 @@ mod tests {
 
         fn failure(&self) -> Option<RpcError> {
             self.is_spent().then(|| RpcError::unavailable("broken"))
+        }
+
+        fn link(&self) -> Link {
+            let refs = crate::transport::Sharing::POOL;
+            let (spent, max_inline) = (self.is_spent(), 0);
+            Link {
+                spent,
+                refs,
+                max_inline,
+            }
         }
     }
 

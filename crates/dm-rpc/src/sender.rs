@@ -24,8 +24,9 @@
 //! (`send_holding_rx`, `send_unheld`): see [`crate::client`].
 
 use crate::frame::Frame;
+use crate::sync::lock;
 use crate::transport::{FrameRx, FrameTx, TransportError};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// A connection's sending half, with the id of the next request.
@@ -118,10 +119,6 @@ impl Sender {
     pub(crate) fn room_needs_reader(&self) -> bool {
         self.tx.room_needs_reader()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Sends `f` for a caller that holds the connection's receiving half

@@ -770,10 +770,7 @@ impl std::task::Wake for TaskWake {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        self.woken
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(self.slot);
+        crate::sync::lock(&self.woken).push(self.slot);
         self.poke.wake();
     }
 }
@@ -1207,7 +1204,7 @@ impl Dispatcher {
     fn poll_woken(&mut self) {
         loop {
             {
-                let mut w = self.tasks.woken.lock().unwrap_or_else(|e| e.into_inner());
+                let mut w = crate::sync::lock(&self.tasks.woken);
                 if w.is_empty() {
                     return;
                 }

@@ -8,6 +8,14 @@ pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsiz
 #[cfg(not(loom))]
 pub use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
+/// Locks `m`, poisoned or not. A panic while holding one of the RPC
+/// layer's mutexes (a handler's, caught at the dispatcher) leaves its data
+/// consistent: each is changed in steps that hold at any point.
+#[cfg(not(loom))]
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Sleeps while `*word == expected` (at most `timeout`).
 #[cfg(not(loom))]
 pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<std::time::Duration>) {

@@ -5,7 +5,8 @@
 //! how they wait: for the stream's next frame, and for a server to come
 //! back when the request moves on.
 
-use crate::client::{answer, orphan, Outgoing, Reply};
+use crate::call::attempt::{answer, orphan, Outgoing};
+use crate::call::options::Reply;
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, FLAG_REFUSED, FLAG_STREAM};
 use crate::metadata::Metadata;

@@ -305,7 +305,7 @@ impl Outlet {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Outbox> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// The caller granted `n` more items.

@@ -45,7 +45,7 @@ fn table() -> &'static Mutex<Table> {
 }
 
 fn lock_table() -> std::sync::MutexGuard<'static, Table> {
-    table().lock().unwrap_or_else(|e| e.into_inner())
+    crate::sync::lock(&table())
 }
 
 static IDS: AtomicU64 = AtomicU64::new(1);

@@ -261,7 +261,7 @@ struct WatchList {
 impl WatchSet {
     /// Adds `w`; false if the set is closed (its listener is gone).
     pub fn add(&self, w: std::sync::Arc<dyn Watched>) -> bool {
-        let mut l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut l = crate::sync::lock(&self.inner);
         if l.closed {
             return false;
         }
@@ -277,13 +277,13 @@ impl WatchSet {
 
     /// A copy of the sources.
     pub fn snapshot(&self) -> Vec<std::sync::Arc<dyn Watched>> {
-        let l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let l = crate::sync::lock(&self.inner);
         l.list.clone()
     }
 
     /// Stops watching the sources whose clients are gone.
     pub fn remove_gone(&self) {
-        let mut l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut l = crate::sync::lock(&self.inner);
         let n = l.list.len();
         l.list.retain(|w| !w.gone());
         if l.list.len() != n {
@@ -295,7 +295,7 @@ impl WatchSet {
     /// added any more.
     pub fn close(&self) {
         let list = {
-            let mut l = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let mut l = crate::sync::lock(&self.inner);
             l.closed = true;
             std::mem::take(&mut l.list)
         };
