@@ -45,7 +45,7 @@ fn table() -> &'static Mutex<Table> {
 }
 
 fn lock_table() -> std::sync::MutexGuard<'static, Table> {
-    crate::sync::lock(&table())
+    crate::sync::lock(table())
 }
 
 static IDS: AtomicU64 = AtomicU64::new(1);
