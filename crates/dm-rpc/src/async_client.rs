@@ -47,6 +47,7 @@ use crate::call::attempt::{
 };
 use crate::call::failover::{Failover, Link, Next};
 use crate::call::options::{CallOptions, Defaults, OutgoingCall, Reply};
+use crate::dial::Target;
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status};
 use crate::metadata::Metadata;
@@ -1595,6 +1596,32 @@ fn pump(reader: Weak<Reader>) {
     }
 }
 
+impl Node {
+    /// Like [`connect`](Self::connect), for async callers: calls are
+    /// futures, any number may be outstanding on the connection.
+    pub fn connect_async(&self, name: &str) -> Result<AsyncClient, RpcError> {
+        Ok(AsyncClient::new(
+            self.redialer(Target::Name(name.to_owned()))?,
+        ))
+    }
+
+    /// Like [`connect_lazily`](Self::connect_lazily), for async callers.
+    pub fn connect_async_lazily(&self, name: &str) -> Result<AsyncClient, RpcError> {
+        dm_pool::validate_service_name(name)?;
+        Ok(AsyncClient::new(Redial::unconnected(
+            self.clone(),
+            Target::Name(name.to_owned()),
+        )))
+    }
+
+    /// Like [`connect_tcp`](Self::connect_tcp), for async callers.
+    pub fn connect_tcp_async(&self, addr: &str) -> Result<AsyncClient, RpcError> {
+        Ok(AsyncClient::new(
+            self.redialer(Target::Addr(addr.to_owned()))?,
+        ))
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -1747,8 +1774,8 @@ mod tests {
             refs: crate::transport::Sharing::POOL,
             goaway: crate::transport::silent(),
         };
-        let target = crate::reconnect::Target::Name("test/lone".into());
-        let h = Redial::new(node, target, crate::reconnect::Origin::Addr, conn);
+        let target = crate::dial::Target::Name("test/lone".into());
+        let h = Redial::new(node, target, crate::dial::Origin::Addr, conn);
         (tp, AsyncClient::new(h), feed)
     }
 

@@ -40,11 +40,11 @@
 use crate::async_client::AsyncClient;
 use crate::call::options::{CallOptions, Defaults, OutgoingCall, Reply};
 use crate::client::Client;
+use crate::dial::{Origin, Route, Target};
 use crate::error::RpcError;
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::Payload;
-use crate::reconnect::{Origin, Route};
 use crate::Status;
 use arc_swap::ArcSwap;
 use dm_sys::time::monotonic_ms_coarse as now_ms;
@@ -173,7 +173,7 @@ impl<C: Member> Balancer<C> {
     /// the first error if none could be dialled).
     fn connect(node: &Node, name: &str) -> Result<Self, RpcError> {
         dm_pool::validate_service_name(name)?;
-        let routes = node.resolve_all(&crate::reconnect::Target::Name(name.to_owned()))?;
+        let routes = node.resolve_all(&Target::Name(name.to_owned()))?;
         let mut set = Vec::with_capacity(routes.len());
         let mut first_error = None;
         for r in &routes {
@@ -295,7 +295,7 @@ impl<C: Member> Balancer<C> {
     /// Keeps the connections to replicas still registered (one each),
     /// dials those it has none to, and drops the rest.
     fn refresh(&self) {
-        let target = crate::reconnect::Target::Name(self.name.clone());
+        let target = Target::Name(self.name.clone());
         let routes = match self.node.resolve_all(&target) {
             Ok(r) => r,
             Err(e) if e.status == Status::NotFound => Vec::new(),
@@ -692,6 +692,22 @@ impl Balanced<AsyncClient> {
             Err(e) => Err(e),
         };
         self.defaults.answered(method, out)
+    }
+}
+
+impl Node {
+    /// A client of every replica of service `name`
+    /// ([`ServerBuilder::replica`]), spreading its calls over them and
+    /// following them as they come and go ([`crate::balance`]). A name
+    /// with one registration works too (one replica). `NotFound` if the
+    /// name has none.
+    pub fn connect_balanced(&self, name: &str) -> Result<BalancedClient, RpcError> {
+        BalancedClient::connect(self, name)
+    }
+
+    /// Like [`connect_balanced`](Self::connect_balanced), for async callers.
+    pub fn connect_balanced_async(&self, name: &str) -> Result<AsyncBalancedClient, RpcError> {
+        AsyncBalancedClient::connect(self, name)
     }
 }
 

@@ -25,6 +25,7 @@ use crate::call::attempt::{
 };
 use crate::call::failover::{Failover, Link, Next};
 use crate::call::options::{CallOptions, Defaults, OutgoingCall, Reply};
+use crate::dial::Target;
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status};
 use crate::handoff::{Half, Held};
@@ -877,5 +878,36 @@ impl crate::stream::StreamConn for Inner {
         if cancel && !self.broken.load(Ordering::Acquire) {
             lock(&self.tx).cancel(id);
         }
+    }
+}
+
+impl Node {
+    /// Connects to service `name`: a service of this process bound on the
+    /// in-memory transport, else a TCP service in the node's registry, else
+    /// a service in the pool's registry. The client reconnects when its
+    /// connection breaks and the name is registered again (see
+    /// [`crate::reconnect`]).
+    pub fn connect(&self, name: &str) -> Result<Client, RpcError> {
+        Ok(Client::new(self.redialer(Target::Name(name.to_owned()))?))
+    }
+
+    /// A client of service `name` that connects on its first call, for a
+    /// caller that may start before the service does: until the name is
+    /// registered, calls fail at once with `Unavailable`, or, with
+    /// [`CallOptions::wait_for_ready`](crate::CallOptions), wait for it
+    /// until their deadline. Then as [`connect`](Self::connect).
+    pub fn connect_lazily(&self, name: &str) -> Result<Client, RpcError> {
+        dm_pool::validate_service_name(name)?;
+        Ok(Client::new(Redial::unconnected(
+            self.clone(),
+            Target::Name(name.to_owned()),
+        )))
+    }
+
+    /// Connects to a service by TCP address (`host:port`), for servers
+    /// whose registry this process cannot see (another host). Refs travel
+    /// only if the server is attached to this node's pool.
+    pub fn connect_tcp(&self, addr: &str) -> Result<Client, RpcError> {
+        Ok(Client::new(self.redialer(Target::Addr(addr.to_owned()))?))
     }
 }

@@ -66,6 +66,8 @@ pub mod client;
 #[cfg(not(loom))]
 pub mod deadline;
 #[cfg(not(loom))]
+mod dial;
+#[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
 pub mod frame;
@@ -102,15 +104,15 @@ pub use call::options::{AnswerInterceptor, CallInterceptor, CallOptions, Outgoin
 #[cfg(not(loom))]
 pub use client::Client;
 #[cfg(not(loom))]
+pub use dial::CLOSED_BY_SERVER_GRACE;
+#[cfg(not(loom))]
 pub use error::RpcError;
 #[cfg(not(loom))]
 pub use frame::{Body, Frame, FrameError, Kind, Status};
 #[cfg(not(loom))]
 pub use metadata::Metadata;
 #[cfg(not(loom))]
-pub use node::{
-    Config, Node, Transport, CLOSED_BY_SERVER_GRACE, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN,
-};
+pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN};
 #[cfg(not(loom))]
 pub use payload::Payload;
 #[cfg(not(loom))]

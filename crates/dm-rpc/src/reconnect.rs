@@ -45,11 +45,11 @@
 
 use crate::call::attempt::Failure;
 use crate::call::failover::Link;
+use crate::dial::{How, Origin, Route, Target};
 use crate::error::RpcError;
 use crate::node::Node;
 use crate::transport::Connection;
 use arc_swap::{ArcSwap, Guard};
-use dm_pool::{Endpoint, ServiceInfo};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,56 +62,6 @@ pub const REDIAL_TIMEOUT: Duration = Duration::from_secs(1);
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(1);
 /// The longest pause between lookups.
 pub const MAX_BACKOFF: Duration = Duration::from_millis(500);
-
-/// What a client was connected to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Target {
-    /// A service name, looked up again on every redial.
-    Name(String),
-    /// A TCP address, dialled again.
-    Addr(String),
-}
-
-impl Target {
-    /// The name or address, as the client reports it.
-    pub(crate) fn text(&self) -> &str {
-        match self {
-            Target::Name(s) | Target::Addr(s) => s,
-        }
-    }
-}
-
-/// Which registration a connection was opened to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Origin {
-    /// A binding of the in-memory transport in this process.
-    Mem(u64),
-    /// A record of the pool's registry, in one of its generations.
-    Pool { index: u32, generation: u32 },
-    /// An entry of the node's registry.
-    Entry {
-        endpoint: Endpoint,
-        owner: String,
-        handle: u64,
-    },
-    /// A bare TCP address.
-    Addr,
-}
-
-/// How to reach a resolved service.
-#[derive(Debug)]
-pub(crate) enum How {
-    Mem(u64),
-    Tcp(String),
-    Shm(Box<ServiceInfo>),
-}
-
-/// A service resolved: how to reach it, and which registration it is.
-#[derive(Debug)]
-pub(crate) struct Route {
-    pub(crate) how: How,
-    pub(crate) origin: Origin,
-}
 
 /// A client's connection, as [`Redial`] sees it.
 pub(crate) trait Connected: Send + Sync + Sized + 'static {
@@ -404,6 +354,32 @@ impl<C: Connected> Redial<C> {
     /// connected yet).
     pub(crate) fn origin(&self) -> Option<Origin> {
         self.lock().origin.clone()
+    }
+}
+
+impl Node {
+    /// A client's connection to service `name` along `route` (one of its
+    /// registrations), redialled by name when it breaks.
+    pub(crate) fn redialer_along<C: Connected>(
+        &self,
+        name: &str,
+        route: &Route,
+    ) -> Result<Redial<C>, RpcError> {
+        let target = Target::Name(name.to_owned());
+        let conn = self.dial(&target, route, REDIAL_TIMEOUT)?;
+        Ok(Redial::new(
+            self.clone(),
+            target,
+            route.origin.clone(),
+            conn,
+        ))
+    }
+
+    /// Resolves `target` and opens a first connection to it.
+    pub(crate) fn redialer<C: Connected>(&self, target: Target) -> Result<Redial<C>, RpcError> {
+        let route = self.resolve(&target)?;
+        let conn = self.dial(&target, &route, CONNECT_TIMEOUT)?;
+        Ok(Redial::new(self.clone(), target, route.origin, conn))
     }
 }
 

@@ -1,0 +1,306 @@
+//! [`ServerBuilder`]: a service's methods, interceptors and transport,
+//! then [`spawn`](ServerBuilder::spawn): its name registered (in the pool,
+//! the node's registry, or this process) and its dispatcher started.
+
+use super::dispatch::Dispatcher;
+use super::handler::{
+    AsyncCall, Call, HandlerFuture, Incoming, Interceptor, Method, Methods, StreamFuture,
+};
+use super::running::{Reg, Server, Stats};
+use super::tasks::Tasks;
+use crate::error::RpcError;
+use crate::frame::method_id;
+use crate::metadata::Metadata;
+use crate::node::{Node, Transport};
+use crate::payload::Payload;
+use crate::stream::{AsyncSink, Sink};
+use crate::transport::Listener;
+use dm_pool::Endpoint;
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock};
+
+/// Builds a server.
+pub struct ServerBuilder {
+    pub(super) node: Node,
+    pub(super) name: String,
+    pub(super) methods: Methods,
+    pub(super) transport: Transport,
+    pub(super) clash: Option<String>,
+    pub(super) interceptors: Vec<Interceptor>,
+    pub(super) propagate: Vec<String>,
+    /// Registered as one replica of the name ([`ServerBuilder::replica`]).
+    pub(super) replica: bool,
+}
+
+impl std::fmt::Debug for ServerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerBuilder")
+            .field("name", &self.name)
+            .field("methods", &self.methods.len())
+            .field("transport", &self.transport)
+            .field("interceptors", &self.interceptors.len())
+            .field("propagate", &self.propagate)
+            .field("replica", &self.replica)
+            .finish()
+    }
+}
+
+impl ServerBuilder {
+    pub(crate) fn new(node: Node, name: &str) -> Self {
+        ServerBuilder {
+            node,
+            name: name.to_owned(),
+            methods: Methods::default(),
+            transport: Transport::Shm,
+            clash: None,
+            interceptors: Vec::new(),
+            propagate: Vec::new(),
+            replica: false,
+        }
+    }
+
+    /// Registers the server as one replica of its name: any number of
+    /// servers, in any processes and over any transports, may serve one
+    /// name so, and balanced clients ([`Node::connect_balanced`](crate::Node::connect_balanced))
+    /// spread their calls over them (a plain client calls one of them).
+    /// A name is either shared by replicas or held by one server: a
+    /// replica is refused while a server holds the name alone, and the
+    /// other way round.
+    pub fn replica(mut self) -> Self {
+        self.replica = true;
+        self
+    }
+
+    /// Adds `check`, run before the handler of every request (of a
+    /// registered method), in the order added: an error it returns is the
+    /// call's answer and the handler does not run. For what every method
+    /// shares: authentication from the metadata, admission, logging. It
+    /// runs on the dispatcher thread as a blocking handler does, and may
+    /// set the answer's metadata ([`crate::metadata::set_reply`]), which a
+    /// handler that runs after it may replace.
+    pub fn intercept(
+        mut self,
+        check: impl Fn(&Incoming<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
+    ) -> Self {
+        self.interceptors.push(Arc::new(check));
+        self
+    }
+
+    /// Passes the values of these metadata keys of the call a handler
+    /// serves on to the calls it makes meanwhile (a blocking handler while
+    /// it runs, an async handler's future while it is polled), as the
+    /// deadline is: a trace id, a tenant, a request id. A call that sets a
+    /// key itself keeps its own value; a detached call inherits them too
+    /// (it leaves only the deadline behind). Keys not listed are not
+    /// passed on (an authentication token meant for this service stays
+    /// here).
+    pub fn propagate_metadata<I, K>(mut self, keys: I) -> Self
+    where
+        I: IntoIterator<Item = K>,
+        K: Into<String>,
+    {
+        self.propagate.extend(keys.into_iter().map(Into::into));
+        self
+    }
+
+    /// Registers `handler` for method `name`.
+    pub fn method(
+        self,
+        name: &str,
+        handler: impl Fn(&mut Call<'_>) -> Result<Payload, RpcError> + Send + Sync + 'static,
+    ) -> Self {
+        self.add(name, Method::Blocking(Arc::new(handler)))
+    }
+
+    /// Registers an async `handler` for method `name`: its calls are
+    /// futures the dispatcher polls, many in progress at once (a handler
+    /// awaiting a nested call does not hold up the others), inside the
+    /// server's tokio runtime context (timers, I/O and `tokio::spawn`
+    /// work; long CPU work belongs in a spawned task).
+    pub fn method_async<F, Fut>(self, name: &str, handler: F) -> Self
+    where
+        F: Fn(AsyncCall) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Payload, RpcError>> + Send + 'static,
+    {
+        self.add(
+            name,
+            Method::Async(Arc::new(move |c| Box::pin(handler(c)) as HandlerFuture)),
+        )
+    }
+
+    /// Registers `handler` for method `name`, whose answer is a stream of
+    /// items: the handler sends each item into its [`Sink`] as it has it
+    /// (the sink waits while the caller has taken as many as it asked
+    /// for), and returns `Ok(())` to end the stream or an error to end it
+    /// with that status. Callers read it with
+    /// [`Client::call_stream`](crate::Client::call_stream). Like a
+    /// [`method`](Self::method)'s, it runs on the dispatcher thread: the
+    /// server's other calls wait until it returns. See [`crate::stream`].
+    pub fn method_stream(
+        self,
+        name: &str,
+        handler: impl Fn(&mut Call<'_>, &mut Sink<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
+    ) -> Self {
+        self.add(name, Method::Stream(Arc::new(handler)))
+    }
+
+    /// Registers an async `handler` for method `name`, whose answer is a
+    /// stream of items: its future sends each item into its [`AsyncSink`]
+    /// (`sink.send(item).await` waits while the caller has taken as many
+    /// as it asked for) and returns how the stream ends, as
+    /// [`method_stream`](Self::method_stream)'s handler does. Its calls
+    /// are futures the dispatcher polls, as
+    /// [`method_async`](Self::method_async)'s are: a stream waiting for
+    /// its caller, or for anything else, does not hold up the server's
+    /// other calls, those of its own connection included. A caller that
+    /// drops the stream cancels the call: the future is dropped. See
+    /// [`crate::stream`].
+    pub fn method_stream_async<F, Fut>(self, name: &str, handler: F) -> Self
+    where
+        F: Fn(AsyncCall, AsyncSink) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), RpcError>> + Send + 'static,
+    {
+        self.add(
+            name,
+            Method::AsyncStream(Arc::new(move |c, s| {
+                Box::pin(handler(c, s)) as StreamFuture
+            })),
+        )
+    }
+
+    fn add(mut self, name: &str, m: Method) -> Self {
+        let id = method_id(name);
+        if let Some((other, _)) = self.methods.get(&id) {
+            self.clash = Some(format!("methods {other:?} and {name:?} have the same id"));
+        }
+        self.methods.insert(id, (name.into(), m));
+        self
+    }
+
+    /// Listens on `t` (default: shared-memory channels of the pool).
+    pub fn transport(mut self, t: Transport) -> Self {
+        self.transport = t;
+        self
+    }
+
+    /// Registers the service and starts its dispatcher thread.
+    pub fn spawn(self) -> Result<Server, RpcError> {
+        if let Some(c) = self.clash {
+            return Err(RpcError::invalid_argument(c));
+        }
+        for k in &self.propagate {
+            Metadata::new().insert(k, Vec::new())?;
+        }
+        dm_pool::validate_service_name(&self.name)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let node = self.node.clone();
+        let mut endpoint = None;
+        let (listener, reg): (Box<dyn Listener>, Option<Reg>) = match &self.transport {
+            Transport::Shm => {
+                let svc = if self.replica {
+                    node.pool.register_replica(&self.name, &Endpoint::Shm)?
+                } else {
+                    node.pool.register(&self.name, &Endpoint::Shm)?
+                };
+                match crate::transport::shm::ShmListener::new(
+                    &node.pool,
+                    svc.clone(),
+                    node.cfg.wait,
+                    stop.clone(),
+                    node.cfg.inline_max,
+                ) {
+                    Ok(l) => (Box::new(l), Some(Reg::Pool(svc))),
+                    Err(e) => {
+                        let _ = node.pool.unregister(&svc);
+                        return Err(e.into());
+                    }
+                }
+            }
+            Transport::Tcp(addr) => {
+                let l = crate::transport::tcp::TcpListener::bind(
+                    addr,
+                    node.identity(),
+                    stop.clone(),
+                    node.cfg.tcp_spin,
+                )?;
+                let at = l.local_addr().to_string();
+                let at_ = Endpoint::Tcp(at.clone());
+                let r = if self.replica {
+                    node.registry.register_replica(&self.name, &at_)?
+                } else {
+                    node.registry.register(&self.name, &at_)?
+                };
+                endpoint = Some(at);
+                (Box::new(l), Some(Reg::Registry(r)))
+            }
+            Transport::Mem => {
+                let bind = if self.replica {
+                    crate::transport::mem::bind_replica
+                } else {
+                    crate::transport::mem::bind
+                };
+                let l = bind(&self.name, stop.clone()).ok_or_else(|| {
+                    RpcError::invalid_argument(format!(
+                        "service {:?} is already bound in this process",
+                        self.name
+                    ))
+                })?;
+                let reg = Reg::Mem(self.name.clone(), l.binding());
+                (Box::new(l), Some(reg))
+            }
+        };
+        let waker = listener.waker();
+        let stats = Arc::new(Stats::default());
+        let rt = if self
+            .methods
+            .values()
+            .any(|(_, m)| matches!(m, Method::Async(_) | Method::AsyncStream(_)))
+        {
+            Some(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name(format!("dmrpc-async:{}", self.name))
+                    .enable_all()
+                    .build()
+                    .map_err(|e| RpcError::internal(format!("cannot start the runtime: {e}")))?,
+            )
+        } else {
+            None
+        };
+        let watch = rt.as_ref().and_then(|_| listener.watch_set());
+        let drain_by = Arc::new(OnceLock::new());
+        let d = Dispatcher {
+            watch,
+            node: node.clone(),
+            methods: self.methods,
+            interceptors: self.interceptors,
+            propagate: self.propagate,
+            listener,
+            stop: stop.clone(),
+            drain_by: drain_by.clone(),
+            draining: None,
+            stats: stats.clone(),
+            queue: VecDeque::new(),
+            tasks: Tasks::default(),
+            outlets: Vec::new(),
+            rt,
+            waker: waker.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("dmrpc:{}", self.name))
+            .spawn(move || d.run())
+            .map_err(|e| RpcError::internal(format!("cannot start the dispatcher: {e}")))?;
+        Ok(Server {
+            endpoint,
+            name: self.name,
+            node,
+            reg,
+            stop,
+            drain_by,
+            waker,
+            stats,
+            thread: Some(thread),
+        })
+    }
+}
