@@ -218,7 +218,7 @@ impl Default for Limits {
         Self {
             max_payload: 16 << 20,
             max_refs: 64,
-            max_meta: 16 << 10,
+            max_meta: crate::metadata::DEFAULT_MAX_META,
         }
     }
 }
@@ -487,7 +487,7 @@ impl Frame {
             1 => Body::Inline(body.to_vec()),
             _ => head.body(body)?,
         };
-        let meta = Metadata::decode(meta)?;
+        let meta = Metadata::decode(meta).map_err(FrameError::Metadata)?;
         Ok(Some((head.frame(payload, meta), total)))
     }
 
@@ -523,12 +523,12 @@ impl Frame {
         // (The payload is checked before the metadata, as in `decode`.)
         if head.pkind == 2 {
             let payload = head.body(&rest[..len])?;
-            let meta = Metadata::decode(&rest[len..])?;
+            let meta = Metadata::decode(&rest[len..]).map_err(FrameError::Metadata)?;
             return Ok(head.frame(payload, meta));
         }
         let meta = match head.meta {
             0 => Metadata::default(),
-            _ => Metadata::decode(&rest[len..])?,
+            _ => Metadata::decode(&rest[len..]).map_err(FrameError::Metadata)?,
         };
         let payload = match head.pkind {
             1 => {

@@ -25,8 +25,11 @@
 //! every entry and that they fill the section exactly, within
 //! [`Limits::max_meta`](crate::frame::Limits) bytes.
 
-use crate::frame::FrameError;
 use std::cell::Cell;
+
+/// Most bytes of metadata a frame carries by default
+/// ([`Limits::max_meta`](crate::frame::Limits)).
+pub(crate) const DEFAULT_MAX_META: u32 = 16 << 10;
 
 /// Longest key.
 pub const MAX_KEY: usize = 255;
@@ -274,7 +277,7 @@ impl Metadata {
             return Ok(room);
         }
         let len = self.encoded_len();
-        let max_meta = (crate::frame::Limits::default().max_meta as usize).min(max_inline);
+        let max_meta = (DEFAULT_MAX_META as usize).min(max_inline);
         if len > max_meta {
             return Err((len, max_meta));
         }
@@ -300,23 +303,24 @@ impl Metadata {
         out
     }
 
-    /// Decodes a frame's metadata section, exactly `b`.
-    pub(crate) fn decode(mut b: &[u8]) -> Result<Metadata, FrameError> {
+    /// Decodes a frame's metadata section, exactly `b`; the error says
+    /// what is wrong with it (the frame decoder's `FrameError::Metadata`).
+    pub(crate) fn decode(mut b: &[u8]) -> Result<Metadata, &'static str> {
         let mut out = Vec::new();
         while let Some((&klen, rest)) = b.split_first() {
             let klen = klen as usize;
             let key = rest
                 .get(..klen)
                 .filter(|k| valid_key(k))
-                .ok_or(FrameError::Metadata("a key is malformed or cut short"))?;
+                .ok_or("a key is malformed or cut short")?;
             let rest = &rest[klen..];
             let vlen = rest
                 .get(..2)
                 .map(|l| u16::from_le_bytes([l[0], l[1]]) as usize)
-                .ok_or(FrameError::Metadata("a value's length is cut short"))?;
+                .ok_or("a value's length is cut short")?;
             let value = rest
                 .get(2..2 + vlen)
-                .ok_or(FrameError::Metadata("a value is cut short"))?;
+                .ok_or("a value is cut short")?;
             // (A valid key is ASCII.)
             out.push((String::from_utf8_lossy(key).into_owned(), value.to_vec()));
             b = &rest[2 + vlen..];
