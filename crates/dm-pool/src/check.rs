@@ -2,7 +2,7 @@
 //! its counters, read without attaching. The repair that gc does when it
 //! finds the pool quiescent is in `admin.rs`.
 //!
-//! The invariant (DESIGN.md 3.1): every page is exactly one of free, cached
+//! The invariant (`docs/design.md`, *The invariant*): every page is exactly one of free, cached
 //! in a live slot's page cache, or held; a held page's reference count equals the
 //! number of descriptor entries naming it (buffers, Refs, list pages); free
 //! pages are zero. The check reads the pool without attaching, and is exact

@@ -1,5 +1,5 @@
 //! The DM contract's conformance suite: one set of checks that every
-//! backend must pass (DESIGN.md section 3), run by the pool's tests and by
+//! backend must pass (`docs/design.md`, *The DM contract*), run by the pool's tests and by
 //! the memory server's (one server and several). Each check takes fresh
 //! backends, asserts semantics and each bad input's typed error, and ends
 //! with the backend's own invariant check and its page counts back where

@@ -1,4 +1,4 @@
-//! The DM contract (DESIGN.md section 3) as traits, so that code written
+//! The DM contract (`docs/design.md`) as traits, so that code written
 //! against it — the RPC layer's payloads, the conformance suite
 //! ([`crate::conformance`]) — runs unchanged on the shared pool
 //! ([`Pool`]) and on memory servers (`dm-memserver`).

@@ -31,21 +31,7 @@ pub(crate) const CONTROL_LEN: usize = 4096;
 
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"DMRPOOL\0";
-/// Format version this build reads and writes.
-///
-/// History: 1 — first format; 2 — stripe locks (`st_off`, header offset 144);
-/// 3 — descriptors carry an `aux` word (46 inline entries), pages < 2^31,
-/// entries may be `BORROWED`, and a mapped buffer may `FLAG_INHERIT` its Ref;
-/// 4 — a service registry and a channel table (header offsets 152..184) and
-/// the registry lock in the header atomics; 5 — free and cached pages keep
-/// their old bytes (no zeroing when the last share goes): whoever takes a
-/// page zeroes what it does not overwrite (see pages.rs); 6 — a slot also
-/// records its heartbeat on the host's monotonic clock
-/// (`heartbeat_mono_ms`, the first of its reserved words), by which
-/// processes on the same host judge its lease (see slot.rs); 7 — a Ref's
-/// expiry is kept on the pool's Ref clock ([`RefClock`], header offset
-/// 180, formerly zero): the host's monotonic clock by default, whose owner
-/// (the host's boot id hash) is the header atomic `ref_clock_host`.
+/// Format version this build reads and writes (history: `CHANGELOG.md`).
 pub const POOL_VERSION: u32 = 7;
 /// Bytes reserved for the header.
 pub(crate) const HEADER_LEN: u64 = 4096;

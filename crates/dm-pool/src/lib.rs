@@ -1,6 +1,6 @@
 //! # dm-pool — pass-by-reference over a shared memory pool
 //!
-//! The pool backend of dmrpc's DM contract (DESIGN.md section 3): buffers in
+//! The pool backend of dmrpc's DM contract (`docs/design.md`): buffers in
 //! a memory pool every attached process maps, small unforgeable [`Ref`]s that
 //! name frozen snapshots of them, and page-granular copy-on-write that keeps
 //! RPC's pass-by-value semantics.

@@ -30,7 +30,7 @@
 //! the two steps leaves enough in the pool for anyone to finish its record:
 //! crash recovery is exact, with no leaked and no doubly dropped share.
 //!
-//! Reference counts follow the copy-on-write rule of DESIGN.md section 3: a
+//! Reference counts follow the copy-on-write rule of `docs/design.md` (*The DM contract*): a
 //! holder that writes a page whose count is above one copies it first; the
 //! last holder to drop a page turns it into `Cached(itself)` and reuses or
 //! returns it as it is. Pages are zeroed when taken, not when freed, and

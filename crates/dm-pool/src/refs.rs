@@ -17,7 +17,7 @@
 //!
 //! All integers little-endian. The tag and generation make a Ref unforgeable
 //! in practice: the pool rejects a Ref whose tag or generation does not match
-//! the descriptor it names (DESIGN.md section 5 states the threat model).
+//! the descriptor it names (`docs/design.md`, *What dmrpc trusts*).
 
 /// Current version of the Ref encoding.
 pub const REF_VERSION: u8 = 1;

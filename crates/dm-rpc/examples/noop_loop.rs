@@ -146,7 +146,7 @@ fn async_calls(node: &Node, n: u64) -> f64 {
 #[cfg(not(loom))]
 fn raw_frames(node: &Node, wait: dm_rpc::wait::WaitPolicy, n: u64) -> f64 {
     let svc = node.pool().lookup("profile/noop").unwrap().unwrap();
-    let mut conn = dm_rpc::transport::shm::connect(node.pool(), &svc, wait).unwrap();
+    let mut conn = dm_rpc::raw::shm::connect(node.pool(), &svc, wait).unwrap();
     let method = dm_rpc::frame::method_id("noop");
     let t = Instant::now();
     for id in 1..=n {
@@ -165,7 +165,7 @@ fn raw_frames(node: &Node, wait: dm_rpc::wait::WaitPolicy, n: u64) -> f64 {
 /// adds to the transport is the difference), until stdin closes.
 #[cfg(not(loom))]
 fn raw_serve(node: &Node, wait: dm_rpc::wait::WaitPolicy) {
-    use dm_rpc::transport::Listener;
+    use dm_rpc::raw::Listener;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let svc = node
@@ -173,7 +173,7 @@ fn raw_serve(node: &Node, wait: dm_rpc::wait::WaitPolicy) {
         .register("profile/noop", &dm_pool::Endpoint::Shm)
         .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
-    let mut l = dm_rpc::transport::shm::ShmListener::new(
+    let mut l = dm_rpc::raw::shm::ShmListener::new(
         node.pool(),
         svc.clone(),
         wait,

@@ -12,7 +12,7 @@ fn main() {}
 
 #[cfg(not(loom))]
 fn main() {
-    use dm_rpc::transport::ring::{Consumer, Producer, RawData, RingControl};
+    use dm_rpc::raw::ring::{Consumer, Producer, RawData, RingControl};
     use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
     use std::time::Instant;
 
@@ -37,8 +37,8 @@ fn main() {
     // Raw ping-pong: one word each way, both sides spinning.
     let floor = {
         let words = [
-            dm_rpc::transport::ring::Line(AtomicU64::new(0)),
-            dm_rpc::transport::ring::Line(AtomicU64::new(0)),
+            dm_rpc::raw::ring::Line(AtomicU64::new(0)),
+            dm_rpc::raw::ring::Line(AtomicU64::new(0)),
         ];
         let w = &words;
         std::thread::scope(|s| {

@@ -50,12 +50,8 @@
 use crate::metadata::Metadata;
 use dm_pool::{Ref, RefDecodeError};
 
-/// Frame encoding version written and read by this build. History: 1 —
-/// no flags; 2 — [`FLAG_ECHO`]; 3 — [`FLAG_REFUSED`]; 4 — [`Kind::GoAway`];
-/// 5 — request metadata (header bytes 28..32, reserved before); 6 —
-/// answers carry metadata too, and the statuses
-/// [`Status::Unauthenticated`] and [`Status::PermissionDenied`]; 7 —
-/// streams: [`FLAG_STREAM`], [`Kind::Item`] and [`Kind::Credit`].
+/// Frame encoding version written and read by this build (history:
+/// `CHANGELOG.md`).
 pub const FRAME_VERSION: u8 = 7;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).

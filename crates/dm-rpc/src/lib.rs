@@ -3,24 +3,34 @@
 //! Services call each other by name; large arguments travel as Refs to
 //! pool memory, small ones inline, behind one [`Payload`] API.
 //!
+//! What applications program against is at the crate's root: [`Node`],
+//! [`ServerBuilder`] and [`Server`], [`Client`], [`AsyncClient`],
+//! [`BalancedClient`], [`Payload`], [`RpcError`]. The public modules
+//! explain behaviour a user sees:
+//!
 //! * [`frame`] — where frames are parsed: the wire format every transport
 //!   carries, and its decoder (typed errors, never panics, fuzzed).
-//! * [`transport`] — shared-memory rings in the pool ([`transport::shm`]),
-//!   in-process queues ([`transport::mem`]), one API over both.
-//! * [`wait`] — the spin/yield/futex waiting policy and the doorbell.
-//! * [`payload`] — size-aware payloads.
-//! * [`registry`] — names to endpoints: the trait, and its home in the pool.
 //! * [`reconnect`] — a client's connection replaced when it breaks and
 //!   its service is registered again.
 //! * [`balance`] — clients of every replica of a service, spreading their
 //!   calls over them.
-//! * [`node`], [`server`], [`client`], [`async_client`] — what applications
-//!   program against (blocking and tokio).
+//! * [`stream`] — streaming calls, with flow control by items.
 //! * [`deadline`] — a handler's calls inherit the deadline of the call it
 //!   serves.
 //! * [`metadata`] — what calls and answers carry beside their payloads,
 //!   and what a handler's calls inherit.
 //! * [`retry`] — retry policies: statuses worth another attempt, waits.
+//! * [`registry`] — names to endpoints: the trait, and its home in the pool.
+//! * [`wait`] — the spin/yield/futex waiting policy and the doorbell.
+//! * [`stats`] — counts of what calls carried inline and by Ref.
+//!
+//! Inside, from the bottom up (private modules): `transport/` (shared-memory
+//! rings, TCP, in-process queues, one API over them), `sender.rs` and
+//! `handoff.rs` (a connection's two halves shared by callers),
+//! `payload.rs` (the size-aware rule), `node.rs` (the context),
+//! `dial.rs` (finding a service, opening a connection), `call/` (one
+//! call's logic, without I/O), `client.rs` and `async_client.rs` (its
+//! drivers), `server/` (builder, intake, dispatcher, handlers).
 //!
 //! ```no_run
 //! use dm_rpc::{Node, Payload};
@@ -39,14 +49,19 @@
 //! ```
 
 #![cfg_attr(loom, allow(dead_code, unused_imports))]
+// What is public is what the root re-exports and the modules above.
+#![cfg_attr(not(loom), warn(unreachable_pub))]
 
 // Under loom only the lock-free parts build: the ring, the go-away word
-// and the doorbell.
+// and the doorbell, public for the models (tests/loom.rs).
 #[cfg(loom)]
 #[path = "transport/goaway.rs"]
 pub mod goaway;
-#[doc(hidden)]
+#[cfg(loom)]
 pub mod handoff;
+#[cfg(not(loom))]
+#[allow(unreachable_pub)] // (public in loom builds)
+mod handoff;
 #[doc(hidden)]
 pub mod probe;
 #[cfg(loom)]
@@ -56,27 +71,27 @@ pub(crate) mod sync;
 pub mod wait;
 
 #[cfg(not(loom))]
-pub mod async_client;
+mod async_client;
 #[cfg(not(loom))]
 pub mod balance;
 #[cfg(not(loom))]
 mod call;
 #[cfg(not(loom))]
-pub mod client;
+mod client;
 #[cfg(not(loom))]
 pub mod deadline;
 #[cfg(not(loom))]
 mod dial;
 #[cfg(not(loom))]
-pub mod error;
+mod error;
 #[cfg(not(loom))]
 pub mod frame;
 #[cfg(not(loom))]
 pub mod metadata;
 #[cfg(not(loom))]
-pub mod node;
+mod node;
 #[cfg(not(loom))]
-pub mod payload;
+mod payload;
 #[cfg(not(loom))]
 pub mod reconnect;
 #[cfg(not(loom))]
@@ -84,16 +99,15 @@ pub mod registry;
 #[cfg(not(loom))]
 pub mod retry;
 #[cfg(not(loom))]
-#[doc(hidden)]
-pub mod sender;
+mod sender;
 #[cfg(not(loom))]
-pub mod server;
+mod server;
 #[cfg(not(loom))]
 pub mod stats;
 #[cfg(not(loom))]
 pub mod stream;
 #[cfg(not(loom))]
-pub mod transport;
+mod transport;
 
 #[cfg(not(loom))]
 pub use async_client::AsyncClient;
@@ -110,7 +124,7 @@ pub use error::RpcError;
 #[cfg(not(loom))]
 pub use frame::{Body, Frame, FrameError, Kind, Status};
 #[cfg(not(loom))]
-pub use metadata::Metadata;
+pub use metadata::{Metadata, MetadataError};
 #[cfg(not(loom))]
 pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN};
 #[cfg(not(loom))]
@@ -120,7 +134,38 @@ pub use registry::{PoolRegistry, Registry, ServiceEntry};
 #[cfg(not(loom))]
 pub use retry::{Retry, Statuses};
 #[cfg(not(loom))]
-pub use server::{Call, Incoming, Server, ServerBuilder};
+pub use server::{
+    AsyncCall, AsyncHandler, AsyncStreamHandler, Call, Handler, HandlerFuture, Incoming,
+    Interceptor, Server, ServerBuilder, Stats, StreamFuture, StreamHandler,
+};
 #[cfg(not(loom))]
 pub use stream::{AsyncSink, AsyncStreaming, Sink, Streaming};
 pub use wait::WaitPolicy;
+
+/// Beneath the API, for the benchmarks' floors (a raw ring ping-pong),
+/// the transport tests and the fuzz targets: not part of dmrpc's API, and
+/// free to change in any release.
+#[cfg(not(loom))]
+#[doc(hidden)]
+pub mod raw {
+    pub use crate::transport::{Connection, FrameRx, FrameTx, Listener, TransportError};
+
+    /// The shared-memory transport.
+    pub mod shm {
+        pub use crate::transport::shm::{connect, ring_max_inline, RawConnection, ShmListener};
+    }
+    /// The TCP transport.
+    pub mod tcp {
+        pub use crate::transport::tcp::{connect, Identity, TcpListener, HELLO, MAX_INLINE};
+    }
+    /// The in-process transport.
+    pub mod mem {
+        pub use crate::transport::mem::{bind, connect, MAX_INLINE};
+    }
+    /// The ring of the shared-memory transport.
+    pub mod ring {
+        pub use crate::transport::ring::{
+            fuzz_consume, Consumer, Line, Producer, RawData, RingControl,
+        };
+    }
+}

@@ -318,9 +318,7 @@ impl Metadata {
                 .get(..2)
                 .map(|l| u16::from_le_bytes([l[0], l[1]]) as usize)
                 .ok_or("a value's length is cut short")?;
-            let value = rest
-                .get(2..2 + vlen)
-                .ok_or("a value is cut short")?;
+            let value = rest.get(2..2 + vlen).ok_or("a value is cut short")?;
             // (A valid key is ASCII.)
             out.push((String::from_utf8_lossy(key).into_owned(), value.to_vec()));
             b = &rest[2 + vlen..];

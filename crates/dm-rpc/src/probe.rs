@@ -40,7 +40,7 @@ mod on {
         [const { [const { AtomicU64::new(0) }; CAP] }; POINTS];
     static COUNT: [AtomicUsize; POINTS] = [const { AtomicUsize::new(0) }; POINTS];
 
-    pub fn ticks() -> u64 {
+    pub(super) fn ticks() -> u64 {
         #[cfg(target_arch = "x86_64")]
         {
             // The fence first: rdtsc is not ordered with the loads before
@@ -68,7 +68,7 @@ mod on {
     }
 
     #[inline(always)]
-    pub fn stamp(point: usize) {
+    pub(super) fn stamp(point: usize) {
         let i = COUNT[point].load(Relaxed);
         if i < CAP {
             STAMPS[point][i].store(ticks(), Relaxed);
@@ -76,7 +76,7 @@ mod on {
         }
     }
 
-    pub fn table(point: usize) -> Vec<u64> {
+    pub(super) fn table(point: usize) -> Vec<u64> {
         let n = COUNT[point].load(Relaxed).min(CAP);
         STAMPS[point][..n].iter().map(|t| t.load(Relaxed)).collect()
     }

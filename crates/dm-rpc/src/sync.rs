@@ -6,7 +6,9 @@
 pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 #[cfg(not(loom))]
-pub use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{
+    fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+};
 
 /// Locks `m`, poisoned or not. A panic while holding one of the RPC
 /// layer's mutexes (a handler's, caught at the dispatcher) leaves its data
@@ -18,13 +20,13 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Sleeps while `*word == expected` (at most `timeout`).
 #[cfg(not(loom))]
-pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<std::time::Duration>) {
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<std::time::Duration>) {
     dm_sys::futex::wait(word, expected, timeout);
 }
 
 /// Wakes one waiter on `word`.
 #[cfg(not(loom))]
-pub fn futex_wake(word: &AtomicU32) {
+pub(crate) fn futex_wake(word: &AtomicU32) {
     dm_sys::futex::wake(word, 1);
 }
 

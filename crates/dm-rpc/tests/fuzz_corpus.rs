@@ -9,5 +9,5 @@ fn frame_decode_corpus() {
 
 #[test]
 fn ring_consume_corpus() {
-    replay_corpus("ring_consume", dm_rpc::transport::ring::fuzz_consume);
+    replay_corpus("ring_consume", dm_rpc::raw::ring::fuzz_consume);
 }

@@ -540,12 +540,12 @@ fn close(tp: TempPool, node: Node, svc: dm_rpc::Server) {
 fn raw_tcp_client(addr: &str) -> std::net::TcpStream {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let mut hello = dm_rpc::transport::tcp::HELLO.to_vec();
+    let mut hello = dm_rpc::raw::tcp::HELLO.to_vec();
     hello.extend_from_slice(&[0u8; 16]);
     s.write_all(&hello).unwrap();
     let mut theirs = [0u8; 24];
     s.read_exact(&mut theirs).unwrap();
-    assert_eq!(&theirs[..8], &dm_rpc::transport::tcp::HELLO);
+    assert_eq!(&theirs[..8], &dm_rpc::raw::tcp::HELLO);
     s
 }
 
@@ -599,7 +599,7 @@ fn a_tcp_connection_that_never_says_hello_is_dropped_and_others_are_served() {
     let (tp, node, svc, addr) = tcp_service("tcp-silent");
     let mut silent = std::net::TcpStream::connect(&addr).unwrap();
     let mut half = std::net::TcpStream::connect(&addr).unwrap();
-    half.write_all(&dm_rpc::transport::tcp::HELLO[..5]).unwrap(); // a start
+    half.write_all(&dm_rpc::raw::tcp::HELLO[..5]).unwrap(); // a start
     let t = Instant::now();
     let good = node.connect_tcp(&addr).unwrap();
     for _ in 0..50 {
@@ -733,8 +733,7 @@ fn a_client_that_stops_reading_does_not_stall_others() {
     let name = unique("greedy");
     let svc = spawn_svc(&node, &name, &Transport::Shm);
     let info = node.pool().lookup(&name).unwrap().unwrap();
-    let mut greedy =
-        dm_rpc::transport::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
+    let mut greedy = dm_rpc::raw::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
     let frame = dm_rpc::Frame::request(
         1,
         dm_rpc::frame::method_id("echo"),
@@ -805,8 +804,7 @@ fn a_lap_started_early_keeps_the_room_promised_for_answers_owed() {
         .spawn()
         .unwrap();
     let info = node.pool().lookup(&name).unwrap().unwrap();
-    let mut raw =
-        dm_rpc::transport::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
+    let mut raw = dm_rpc::raw::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
     let ask = |id: u64, method: &str, n: u32, gate: u8| {
         let mut b = n.to_le_bytes().to_vec();
         b.push(gate);
@@ -869,8 +867,7 @@ fn a_server_waiting_for_room_for_an_answer_wakes_when_the_client_reads() {
     let name = unique("room");
     let svc = spawn_svc(&node, &name, &Transport::Shm);
     let info = node.pool().lookup(&name).unwrap().unwrap();
-    let mut conn =
-        dm_rpc::transport::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
+    let mut conn = dm_rpc::raw::shm::connect(node.pool(), &info, WaitPolicy::default()).unwrap();
     for id in 1..=3u64 {
         let frame = dm_rpc::Frame::request(
             id,
@@ -898,7 +895,7 @@ fn a_server_waiting_for_room_for_an_answer_wakes_when_the_client_reads() {
     tp.assert_clean();
 }
 
-type Scribble<'a> = Box<dyn Fn(&mut dm_rpc::transport::shm::RawConnection) + 'a>;
+type Scribble<'a> = Box<dyn Fn(&mut dm_rpc::raw::shm::RawConnection) + 'a>;
 
 #[test]
 fn malformed_frames_drop_only_that_connection() {
@@ -932,7 +929,7 @@ fn malformed_frames_drop_only_that_connection() {
         ),
     ];
     for (what, make) in cases {
-        let mut raw = dm_rpc::transport::shm::RawConnection::open(node.pool(), &info).unwrap();
+        let mut raw = dm_rpc::raw::shm::RawConnection::open(node.pool(), &info).unwrap();
         make(&mut raw);
         // The server drops that connection...
         let t0 = Instant::now();
@@ -1050,7 +1047,7 @@ fn a_dial_waits_for_a_channel_being_closed() {
 /// their answers unread, although the server had run them.)
 #[test]
 fn answers_sent_before_the_server_closed_are_read_first() {
-    use dm_rpc::transport::{shm, Listener};
+    use dm_rpc::raw::{shm, Listener};
     use dm_rpc::{Body, Frame};
     use std::sync::{atomic::AtomicBool, Arc};
     let tp = pool();
@@ -1421,7 +1418,7 @@ fn a_forged_echo_is_refused() {
         let (mut s, _) = l.accept().unwrap();
         let mut hello = [0u8; 24];
         s.read_exact(&mut hello).unwrap();
-        let mut mine = dm_rpc::transport::tcp::HELLO.to_vec();
+        let mut mine = dm_rpc::raw::tcp::HELLO.to_vec();
         mine.extend_from_slice(&pool_id.to_le_bytes());
         mine.extend_from_slice(&0u64.to_le_bytes());
         s.write_all(&mine).unwrap();
@@ -2435,9 +2432,9 @@ fn metadata_reaches_the_handler_over_every_transport() {
         // sends everything it can inline: with metadata beside it, it goes
         // by Ref instead of failing as too large.
         let max = match &t {
-            Transport::Shm => dm_rpc::transport::shm::ring_max_inline(node.pool()),
-            Transport::Tcp(_) => dm_rpc::transport::tcp::MAX_INLINE,
-            Transport::Mem => dm_rpc::transport::mem::MAX_INLINE,
+            Transport::Shm => dm_rpc::raw::shm::ring_max_inline(node.pool()),
+            Transport::Tcp(_) => dm_rpc::raw::tcp::MAX_INLINE,
+            Transport::Mem => dm_rpc::raw::mem::MAX_INLINE,
         };
         let edge = pattern(max, 3);
         let cv = by_value.connect(&name).unwrap();
@@ -2783,9 +2780,9 @@ fn answers_carry_the_metadata_their_handler_set_over_every_transport() {
         // that answers everything it can inline: with metadata beside it,
         // it goes by Ref instead of failing as too large.
         let max = match &t {
-            Transport::Shm => dm_rpc::transport::shm::ring_max_inline(node.pool()),
-            Transport::Tcp(_) => dm_rpc::transport::tcp::MAX_INLINE,
-            Transport::Mem => dm_rpc::transport::mem::MAX_INLINE,
+            Transport::Shm => dm_rpc::raw::shm::ring_max_inline(node.pool()),
+            Transport::Tcp(_) => dm_rpc::raw::tcp::MAX_INLINE,
+            Transport::Mem => dm_rpc::raw::mem::MAX_INLINE,
         };
         let edge_name = unique("reply-edge");
         let edge = by_value
@@ -3147,15 +3144,15 @@ fn a_retry_policy_sends_a_call_again_on_the_statuses_it_lists() {
 }
 
 type RawPair = (
-    Box<dyn dm_rpc::transport::Listener>,
-    dm_rpc::transport::Connection,
+    Box<dyn dm_rpc::raw::Listener>,
+    dm_rpc::raw::Connection,
     Option<dm_pool::ServiceInfo>,
 );
 
 /// A listener and a client connection to it, on transport `t` (with the
 /// registration to remove, over shared memory).
 fn raw_pair(node: &Node, t: &Transport) -> RawPair {
-    use dm_rpc::transport::{mem, shm, tcp, Listener};
+    use dm_rpc::raw::{mem, shm, tcp, Listener};
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let name = unique("raw");
     match t {
@@ -3296,7 +3293,7 @@ fn a_listener_that_goes_away_says_which_requests_it_took() {
             }
         };
         assert!(
-            matches!(e, dm_rpc::transport::TransportError::Unavailable(_)),
+            matches!(e, dm_rpc::raw::TransportError::Unavailable(_)),
             "{t:?}: {e}"
         );
         let unread: Vec<bool> = [6, 7, 8, 9].iter().map(|&id| c.goaway.unread(id)).collect();
@@ -3320,12 +3317,12 @@ fn dialling_a_server_that_just_stopped_fails_at_once() {
     let svc = spawn_svc(&node, &name, &Transport::Shm);
     let info = node.pool().lookup(&name).unwrap().unwrap();
     svc.shutdown();
-    let r = dm_rpc::transport::shm::connect(node.pool(), &info, WaitPolicy::default());
+    let r = dm_rpc::raw::shm::connect(node.pool(), &info, WaitPolicy::default());
     let Err(e) = r else {
         panic!("connected to a stopped server")
     };
     assert!(
-        matches!(e, dm_rpc::transport::TransportError::Unavailable(_)),
+        matches!(e, dm_rpc::raw::TransportError::Unavailable(_)),
         "{e}"
     );
     drop(node);

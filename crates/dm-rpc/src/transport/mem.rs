@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// Frames a queue holds before its sender waits.
-pub const QUEUE_DEPTH: usize = 256;
+pub(crate) const QUEUE_DEPTH: usize = 256;
 /// Largest inline payload (about what a default 256 KiB ring carries).
 pub const MAX_INLINE: usize = 128 << 10;
 
@@ -109,7 +109,7 @@ pub fn bind(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
 
 /// Binds one replica of `name` in this process: a name may have any
 /// number of replicas ([`bindings`]). `None` if it is bound otherwise.
-pub fn bind_replica(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
+pub(crate) fn bind_replica(name: &str, stop: Arc<AtomicBool>) -> Option<MemListener> {
     bind_as(name, stop, true)
 }
 
@@ -166,7 +166,7 @@ impl MemListener {
 /// Removes `name`'s binding `binding` if it is still there (a listener
 /// that stopped does not unbind its successor, nor the other replicas);
 /// connections already open go on, new ones are refused.
-pub fn unbind(name: &str, binding: u64) {
+pub(crate) fn unbind(name: &str, binding: u64) {
     let mut t = lock_table();
     if let Some(bound) = t.get_mut(name) {
         bound.retain(|b| b.binding != binding);
@@ -176,20 +176,9 @@ pub fn unbind(name: &str, binding: u64) {
     }
 }
 
-/// Whether `name` is bound in this process.
-pub fn is_bound(name: &str) -> bool {
-    binding(name).is_some()
-}
-
-/// The binding of `name` in this process, if it is bound (of a name with
-/// replicas, the first bound).
-pub fn binding(name: &str) -> Option<u64> {
-    bindings(name).first().copied()
-}
-
 /// Every binding of `name` in this process (its replicas, or its one
 /// binding), in the order they were bound.
-pub fn bindings(name: &str) -> Vec<u64> {
+pub(crate) fn bindings(name: &str) -> Vec<u64> {
     lock_table()
         .get(name)
         .map(|bound| bound.iter().map(|b| b.binding).collect())
@@ -224,7 +213,7 @@ pub fn connect(name: &str) -> Result<Connection, TransportError> {
 
 /// Connects to `name` in this process if it is still bound as `binding`
 /// ([`binding`], [`bindings`]; None: its first binding).
-pub fn connect_to(name: &str, binding: Option<u64>) -> Result<Connection, TransportError> {
+pub(crate) fn connect_to(name: &str, binding: Option<u64>) -> Result<Connection, TransportError> {
     let (tx, alive) = lock_table()
         .get(name)
         .and_then(|bound| {

@@ -17,16 +17,18 @@ use crate::frame::{Frame, FrameError};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
-pub mod goaway;
-pub mod mem;
-pub mod ring;
-pub mod shm;
-pub mod tcp;
+#[allow(unreachable_pub)] // (public in loom builds)
+pub(crate) mod goaway;
+pub(crate) mod mem;
+#[allow(unreachable_pub)] // (public in loom builds)
+pub(crate) mod ring;
+pub(crate) mod shm;
+pub(crate) mod tcp;
 
-pub use ring::{RingError, RING_VERSION};
+pub(crate) use ring::{RingError, RING_VERSION};
 
 /// Identifies one client connection at a server.
-pub type ConnId = u64;
+pub(crate) type ConnId = u64;
 
 /// What a transport can report.
 #[derive(Debug, thiserror::Error)]
@@ -86,11 +88,11 @@ pub trait GoAway: Send + Sync {
 /// A go-away word shared in this process (the TCP client's, set when it
 /// reads the go-away frame; the in-memory transport's, set by the server).
 #[derive(Debug, Default)]
-pub struct GoAwayWord(crate::sync::AtomicU64);
+pub(crate) struct GoAwayWord(crate::sync::AtomicU64);
 
 impl GoAwayWord {
     /// The server says it took nothing above `last_taken`.
-    pub fn say(&self, last_taken: u64) {
+    pub(crate) fn say(&self, last_taken: u64) {
         goaway::say(&self.0, last_taken)
     }
 }

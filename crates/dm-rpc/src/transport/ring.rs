@@ -69,24 +69,8 @@
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::wait::Bell;
 
-/// Ring layout version (the record format and cursor layout above).
-/// History: 1 — readiness from the head cursor, 8-byte records; 2 —
-/// readiness from lap-tagged record headers, 64-byte aligned records; 3 —
-/// the producer clears the next record's header slot before publishing (a
-/// stale word there, part header and part payload of an earlier lap, could
-/// pass for a ready header: found by proptest), so one slot stays free; 4 —
-/// the consumer zeroes every slot of what it consumed instead (same
-/// guarantee, off the producer's critical path), and rings the producer's
-/// bell without a fence (a producer waiting on a full ring parks in short
-/// slices). Version 4 also covers a consumer that rings with the fence when
-/// it finds its ring empty after consuming, and one that frees what it took
-/// in batches (when it finds its ring empty, or every `FREE_BATCH`
-/// bytes): the format is the same and either kind of consumer works with
-/// either kind of producer (a producer only ever sees room later). So does
-/// a producer that starts a lap early (when it finds its ring empty past
-/// the hot window) and a consumer that, passing a wrap marker, zeroes the
-/// marker's slot alone (since 2026-11-27): an earlier consumer also looks
-/// at every skipped slot start, and finds zero there.
+/// Ring layout version (the record format and cursor layout above). Its
+/// history is in `CHANGELOG.md`.
 pub const RING_VERSION: u32 = 4;
 const REC_HDR: usize = 8;
 const REC_ALIGN: usize = 64;

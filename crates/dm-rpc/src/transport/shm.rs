@@ -57,10 +57,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Version of the control-page layout and bells above. History: 1 — the
-/// response ring's consumer rings the ring's producer bell; 2 — it rings
-/// the server's doorbell; 3 — the go-away word.
-pub const CONTROL_VERSION: u32 = 3;
+/// Version of the control-page layout and bells above (history:
+/// `CHANGELOG.md`).
+pub(crate) const CONTROL_VERSION: u32 = 3;
 const MAGIC: u32 = 0x4443_0000 | CONTROL_VERSION << 8 | super::RING_VERSION;
 const REQ_CTL: usize = 64;
 const RESP_CTL: usize = 256;
@@ -455,7 +454,7 @@ struct ServerConn {
 /// it took, so that answers never wait for a client that does not read;
 /// small answers let more calls run at once on one connection, and a
 /// stream's items have the rest.
-pub const SMALL_ANSWER: usize = 16 << 10;
+pub(crate) const SMALL_ANSWER: usize = 16 << 10;
 
 /// The response-ring room kept per answer owed: record lengths.
 #[derive(Debug, Clone, Copy)]
