@@ -43,7 +43,7 @@ for line in open(sys.argv[1]):
 calls = int(sys.argv[2])
 g = lambda k: incl.get(k, 0)
 decode = g('dm_rpc::frame::Frame::decode_record')
-run = g('dm_rpc::server::Dispatcher::run') or g('dm_rpc::server::Dispatcher::serve_until_stopped')
+run = g('dm_rpc::server::dispatch::Dispatcher::run') or g('dm_rpc::server::dispatch::Dispatcher::serve_until_stopped')
 if run:
     nxt = g('<dm_rpc::transport::shm::ShmListener as dm_rpc::transport::Listener>::next')
     own = run - nxt + g('dm_rpc::transport::shm::ShmListener::decode_for')
