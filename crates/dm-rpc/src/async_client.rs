@@ -46,10 +46,11 @@ use crate::call::attempt::{
     Refused,
 };
 use crate::call::failover::{Failover, Link, Next};
-use crate::call::options::{CallOptions, Defaults, OutgoingCall, Reply};
+use crate::call::options::{CallOptions, Reply};
 use crate::dial::Target;
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status};
+use crate::handle::ClientOf;
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::Payload;
@@ -129,25 +130,15 @@ impl std::hash::Hasher for CallIdHasher {
 
 type Pending = HashMap<u64, Slot, std::hash::BuildHasherDefault<CallIdHasher>>;
 
-/// An async client of one service. Cheap to clone. Its connection is
-/// replaced when it breaks and the service is registered again
-/// ([`crate::reconnect`]).
-#[derive(Clone)]
-pub struct AsyncClient {
-    h: Arc<Redial<Inner>>,
-    defaults: Defaults,
-}
-
-impl std::fmt::Debug for AsyncClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AsyncClient")
-            .field("service", &self.h.target())
-            .finish()
-    }
-}
+/// An async client of one service: calls are futures, any number
+/// outstanding on one connection. Cheap to clone; clones share the
+/// connection. Its connection is replaced when it breaks and the service
+/// is registered again ([`crate::reconnect`]). What every client has (its
+/// options, its interceptors) is [`ClientOf`]'s.
+pub type AsyncClient = ClientOf<AsyncConn>;
 
 /// One connection of an [`AsyncClient`].
-pub(crate) struct Inner {
+pub struct AsyncConn {
     node: Node,
     name: String,
     tx: Mutex<Sender>,
@@ -157,6 +148,14 @@ pub(crate) struct Inner {
     max_inline: usize,
     refs: crate::transport::Sharing,
     goaway: Arc<dyn crate::transport::GoAway>,
+}
+
+impl std::fmt::Debug for AsyncConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncConn")
+            .field("service", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The receiving half and the calls waiting for answers. Whoever reads
@@ -767,8 +766,8 @@ impl Watched for WatchedClient {
     }
 }
 
-impl Connected for Inner {
-    fn open(node: Node, name: &str, conn: Connection) -> Inner {
+impl Connected for AsyncConn {
+    fn open(node: Node, name: &str, conn: Connection) -> AsyncConn {
         let reader = Arc::new(Reader {
             node: node.clone(),
             rx: Mutex::new(conn.rx),
@@ -782,7 +781,7 @@ impl Connected for Inner {
             choosing: Mutex::new(()),
             name: name.to_owned(),
         });
-        Inner {
+        AsyncConn {
             node,
             name: name.to_owned(),
             tx: Mutex::new(Sender::new(conn.tx)),
@@ -814,6 +813,8 @@ impl Connected for Inner {
             .then(|| self.reader.broken_error())
     }
 
+    const CLIENT: &'static str = "AsyncClient";
+
     fn link(&self) -> Link {
         Link {
             spent: self.is_spent(),
@@ -824,67 +825,6 @@ impl Connected for Inner {
 }
 
 impl AsyncClient {
-    pub(crate) fn new(h: Redial<Inner>) -> AsyncClient {
-        AsyncClient {
-            h: Arc::new(h),
-            defaults: Defaults::default(),
-        }
-    }
-
-    /// A client on the same connection whose calls that set no retry
-    /// policy of their own follow `policy` ([`crate::retry`]).
-    pub fn with_retry(&self, policy: crate::Retry) -> AsyncClient {
-        AsyncClient {
-            h: self.h.clone(),
-            defaults: self.defaults.with_retry(policy),
-        }
-    }
-
-    /// A client on the same connection whose calls all carry `meta` (a
-    /// credential, a client name), besides their own; a key a call sets
-    /// itself keeps the call's value.
-    pub fn with_metadata(&self, meta: Metadata) -> AsyncClient {
-        AsyncClient {
-            h: self.h.clone(),
-            defaults: self.defaults.with_meta(meta),
-        }
-    }
-
-    /// A client on the same connection whose calls all pass `check` first
-    /// ([`crate::Client::intercept`]: once per call, before anything is sent).
-    pub fn intercept(
-        &self,
-        check: impl Fn(&mut OutgoingCall<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
-    ) -> AsyncClient {
-        AsyncClient {
-            h: self.h.clone(),
-            defaults: self.defaults.with_interceptor(Arc::new(check)),
-        }
-    }
-
-    /// A client on the same connection whose unary calls' outcomes all
-    /// pass `see` ([`crate::Client::intercept_answers`]).
-    pub fn intercept_answers(
-        &self,
-        see: impl Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync + 'static,
-    ) -> AsyncClient {
-        AsyncClient {
-            h: self.h.clone(),
-            defaults: self.defaults.with_answer_interceptor(Arc::new(see)),
-        }
-    }
-
-    /// The service this client calls.
-    pub fn service(&self) -> &str {
-        self.h.target()
-    }
-
-    /// How many times the client connected again after its connection
-    /// broke.
-    pub fn reconnects(&self) -> u64 {
-        self.h.redials()
-    }
-
     /// Whether a server's listener reads this client's answers (no pump
     /// thread of its own; see the module's documentation).
     pub fn answers_read_by_listener(&self) -> bool {
@@ -923,17 +863,6 @@ impl AsyncClient {
     pub(crate) fn payload_for(&self, data: &[u8]) -> Result<Payload, RpcError> {
         let i = self.h.live();
         Payload::copy_for(&i.node, i.max_inline, i.refs, data)
-    }
-
-    /// Its connection and how it is replaced.
-    pub(crate) fn redial(&self) -> &Redial<Inner> {
-        &self.h
-    }
-
-    /// Whether new calls would go over the current connection (false
-    /// once it broke or was retired, until a call replaces it).
-    pub fn is_connected(&self) -> bool {
-        !self.h.current().is_spent()
     }
 
     /// Calls `method` with options.
@@ -1041,7 +970,10 @@ impl AsyncClient {
     /// the current one, or, if it is broken or retired with nothing new to
     /// dial, the one a call that waits for ready waits for; else the
     /// failure (the argument is not even placed).
-    async fn usable(&self, mut opts: CallOptions) -> Result<(Arc<Inner>, CallOptions), RpcError> {
+    async fn usable(
+        &self,
+        mut opts: CallOptions,
+    ) -> Result<(Arc<AsyncConn>, CallOptions), RpcError> {
         // (Held as an Arc: a guard is no thing to keep across awaits.)
         let mut c = Guard::into_inner(self.h.live());
         if c.is_spent() {
@@ -1091,7 +1023,7 @@ impl AsyncClient {
     }
 }
 
-impl Inner {
+impl AsyncConn {
     /// Sends a call now; the future of its answer. (Like `send_and_wait`,
     /// for callers that await it at once.)
     fn call_with(
@@ -1334,7 +1266,7 @@ impl Inner {
     }
 }
 
-impl Inner {
+impl AsyncConn {
     /// The next frame of stream `id` (an item, or the answer that ends
     /// it), as it comes; the error that broke the connection; or
     /// `DeadlineExceeded` once `deadline` passes. Whoever reads the
@@ -1359,7 +1291,7 @@ impl Inner {
     }
 }
 
-impl crate::stream::StreamConn for Inner {
+impl crate::stream::StreamConn for AsyncConn {
     fn node(&self) -> &Node {
         &self.node
     }
@@ -1427,7 +1359,7 @@ impl crate::stream::StreamConn for Inner {
 /// tells the server (best effort, without waiting: a queued request is
 /// then skipped).
 struct Cancel<'a> {
-    inner: &'a Inner,
+    inner: &'a AsyncConn,
     id: u64,
     lent: Option<crate::payload::Lent>,
 }

@@ -24,16 +24,16 @@ use crate::call::attempt::{
     answers, carried, deadline_of, ended, orphan, outgoing, sent_as, Failure, Outgoing, Refused,
 };
 use crate::call::failover::{Failover, Link, Next};
-use crate::call::options::{CallOptions, Defaults, OutgoingCall, Reply};
+use crate::call::options::{CallOptions, Reply};
 use crate::dial::Target;
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status};
+use crate::handle::ClientOf;
 use crate::handoff::{Half, Held};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
-use crate::retry::Retry;
 use crate::sender::{send_holding_rx, send_unheld, Out, Sender};
 use crate::sync::lock;
 use crate::transport::{Connection, FrameRx};
@@ -42,24 +42,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// A client of one service. Its connection is replaced when it breaks
-/// and the service is registered again ([`crate::reconnect`]).
-#[derive(Clone)]
-pub struct Client {
-    h: Arc<Redial<Inner>>,
-    defaults: Defaults,
-}
-
-impl std::fmt::Debug for Client {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client")
-            .field("service", &self.h.target())
-            .finish()
-    }
-}
+/// A client of one service: calls wait for their answers on the calling
+/// thread. Cheap to clone; clones share the connection. Its connection is
+/// replaced when it breaks and the service is registered again
+/// ([`crate::reconnect`]). What every client has (its options, its
+/// interceptors) is [`ClientOf`]'s.
+pub type Client = ClientOf<BlockingConn>;
 
 /// One connection of a [`Client`].
-pub(crate) struct Inner {
+pub struct BlockingConn {
     node: Node,
     name: String,
     tx: Mutex<Sender>,
@@ -75,6 +66,14 @@ pub(crate) struct Inner {
     max_inline: usize,
     refs: crate::transport::Sharing,
     goaway: Arc<dyn crate::transport::GoAway>,
+}
+
+impl std::fmt::Debug for BlockingConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockingConn")
+            .field("service", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Calls waiting for answers (a short list: one entry per concurrent
@@ -141,9 +140,9 @@ fn list_under<T>(list: &mut Vec<(u64, T)>, old: u64, new: u64, fresh: impl FnOnc
     }
 }
 
-impl Connected for Inner {
-    fn open(node: Node, name: &str, conn: Connection) -> Inner {
-        Inner {
+impl Connected for BlockingConn {
+    fn open(node: Node, name: &str, conn: Connection) -> BlockingConn {
+        BlockingConn {
             node,
             name: name.to_owned(),
             tx: Mutex::new(Sender::new(conn.tx)),
@@ -178,6 +177,8 @@ impl Connected for Inner {
         lock(&self.state).broken.clone()
     }
 
+    const CLIENT: &'static str = "Client";
+
     fn link(&self) -> Link {
         Link {
             spent: self.is_spent(),
@@ -188,84 +189,6 @@ impl Connected for Inner {
 }
 
 impl Client {
-    pub(crate) fn new(h: Redial<Inner>) -> Client {
-        Client {
-            h: Arc::new(h),
-            defaults: Defaults::default(),
-        }
-    }
-
-    /// A client on the same connection whose calls that set no retry
-    /// policy of their own follow `policy` ([`crate::retry`]): the
-    /// service's retry configuration.
-    pub fn with_retry(&self, policy: Retry) -> Client {
-        Client {
-            h: self.h.clone(),
-            defaults: self.defaults.with_retry(policy),
-        }
-    }
-
-    /// A client on the same connection whose calls all carry `meta` (a
-    /// credential, a client name), besides their own; a key a call sets
-    /// itself keeps the call's value.
-    pub fn with_metadata(&self, meta: Metadata) -> Client {
-        Client {
-            h: self.h.clone(),
-            defaults: self.defaults.with_meta(meta),
-        }
-    }
-
-    /// A client on the same connection whose calls all pass `check`
-    /// first (after the interceptors this client has), in the calling
-    /// thread, before anything is placed or sent: it sees each call's
-    /// method, options, metadata and payload size, may add to or change
-    /// the metadata (a token, a trace id), and may refuse the call with
-    /// an error, which the call then returns. It runs once per call, not
-    /// again when a request is sent again (to a restarted server, or
-    /// under a retry policy).
-    pub fn intercept(
-        &self,
-        check: impl Fn(&mut OutgoingCall<'_>) -> Result<(), RpcError> + Send + Sync + 'static,
-    ) -> Client {
-        Client {
-            h: self.h.clone(),
-            defaults: self.defaults.with_interceptor(Arc::new(check)),
-        }
-    }
-
-    /// A client on the same connection whose unary calls' outcomes all
-    /// pass `see` (after the answer interceptors this client has), in the
-    /// calling thread, before the caller gets them: the method called and
-    /// the answer or error, whatever ended the call (a request
-    /// interceptor's refusal too), after any retries. It may change the
-    /// outcome. A streaming call's items and end do not pass it.
-    pub fn intercept_answers(
-        &self,
-        see: impl Fn(&str, &mut Result<Reply, RpcError>) + Send + Sync + 'static,
-    ) -> Client {
-        Client {
-            h: self.h.clone(),
-            defaults: self.defaults.with_answer_interceptor(Arc::new(see)),
-        }
-    }
-
-    /// Whether new calls would go over the current connection (false
-    /// once it broke or was retired, until a call replaces it).
-    pub fn is_connected(&self) -> bool {
-        !self.h.current().is_spent()
-    }
-
-    /// The service this client calls.
-    pub fn service(&self) -> &str {
-        self.h.target()
-    }
-
-    /// How many times the client connected again after its connection
-    /// broke.
-    pub fn reconnects(&self) -> u64 {
-        self.h.redials()
-    }
-
     /// Calls `method` with `payload` and waits for the answer.
     pub fn call(&self, method: &str, payload: impl Into<Payload>) -> Result<Payload, RpcError> {
         self.call_with(method, payload.into(), CallOptions::default())
@@ -287,11 +210,6 @@ impl Client {
     pub(crate) fn payload_for(&self, data: &[u8]) -> Result<Payload, RpcError> {
         let i = self.h.live();
         Payload::copy_for(&i.node, i.max_inline, i.refs, data)
-    }
-
-    /// Its connection and how it is replaced.
-    pub(crate) fn redial(&self) -> &Redial<Inner> {
-        &self.h
     }
 
     /// Calls streaming method `method` with `payload`: its answer is a
@@ -392,7 +310,7 @@ impl Client {
     fn usable(
         &self,
         mut opts: CallOptions,
-    ) -> Result<(arc_swap::Guard<Arc<Inner>>, CallOptions), RpcError> {
+    ) -> Result<(arc_swap::Guard<Arc<BlockingConn>>, CallOptions), RpcError> {
         let mut c = self.h.live();
         if c.is_spent() {
             if opts.wait_for_ready {
@@ -414,7 +332,7 @@ impl Client {
     #[inline(never)]
     fn again(
         &self,
-        mut c: arc_swap::Guard<Arc<Inner>>,
+        mut c: arc_swap::Guard<Arc<BlockingConn>>,
         mut r: Result<Reply, Failure>,
         opts: CallOptions,
     ) -> Result<Reply, RpcError> {
@@ -453,7 +371,7 @@ impl Client {
     }
 }
 
-impl Inner {
+impl BlockingConn {
     fn call_with(
         &self,
         method: &str,
@@ -825,7 +743,7 @@ impl Inner {
     }
 }
 
-impl crate::stream::StreamConn for Inner {
+impl crate::stream::StreamConn for BlockingConn {
     fn node(&self) -> &Node {
         &self.node
     }

@@ -87,6 +87,8 @@ mod error;
 #[cfg(not(loom))]
 pub mod frame;
 #[cfg(not(loom))]
+mod handle;
+#[cfg(not(loom))]
 pub mod metadata;
 #[cfg(not(loom))]
 mod node;
@@ -123,6 +125,8 @@ pub use dial::CLOSED_BY_SERVER_GRACE;
 pub use error::RpcError;
 #[cfg(not(loom))]
 pub use frame::{Body, Frame, FrameError, Kind, Status};
+#[cfg(not(loom))]
+pub use handle::ClientOf;
 #[cfg(not(loom))]
 pub use metadata::{Metadata, MetadataError};
 #[cfg(not(loom))]

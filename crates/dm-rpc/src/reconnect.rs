@@ -79,6 +79,8 @@ pub(crate) trait Connected: Send + Sync + Sized + 'static {
     fn failure(&self) -> Option<RpcError>;
     /// What a request that must go again can tell of it.
     fn link(&self) -> Link;
+    /// The name of the clients of this kind of connection (for `Debug`).
+    const CLIENT: &'static str;
 }
 
 /// The current connection of a client, replaced when it breaks and its
@@ -419,6 +421,8 @@ mod tests {
         fn failure(&self) -> Option<RpcError> {
             self.is_spent().then(|| RpcError::unavailable("broken"))
         }
+
+        const CLIENT: &'static str = "Probe";
 
         fn link(&self) -> Link {
             let refs = crate::transport::Sharing::POOL;

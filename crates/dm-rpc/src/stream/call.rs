@@ -312,15 +312,15 @@ impl<C: StreamConn> std::fmt::Debug for Opened<C> {
 /// not read.
 #[derive(Debug)]
 pub struct Streaming {
-    o: Opened<crate::client::Inner>,
+    o: Opened<crate::client::BlockingConn>,
 }
 
 impl Streaming {
     /// Sends request `out` (a call of `method`) over `conn` and opens its
     /// stream.
     pub(crate) fn open(
-        h: Arc<Redial<crate::client::Inner>>,
-        conn: Arc<crate::client::Inner>,
+        h: Arc<Redial<crate::client::BlockingConn>>,
+        conn: Arc<crate::client::BlockingConn>,
         method: &str,
         out: Outgoing,
         how: How,
@@ -433,15 +433,15 @@ impl Iterator for Streaming {
 /// waited for is the next one's.
 #[derive(Debug)]
 pub struct AsyncStreaming {
-    o: Opened<crate::async_client::Inner>,
+    o: Opened<crate::async_client::AsyncConn>,
 }
 
 impl AsyncStreaming {
     /// Sends request `out` (a call of `method`) over `conn` and opens its
     /// stream.
     pub(crate) async fn open(
-        h: Arc<Redial<crate::async_client::Inner>>,
-        conn: Arc<crate::async_client::Inner>,
+        h: Arc<Redial<crate::async_client::AsyncConn>>,
+        conn: Arc<crate::async_client::AsyncConn>,
         method: &str,
         out: Outgoing,
         how: How,
