@@ -42,10 +42,10 @@ use crate::call::options::{CallOptions, Defaults, OutgoingCall, Reply};
 use crate::client::Client;
 use crate::dial::{Origin, Route, Target};
 use crate::error::RpcError;
+use crate::frame::Status;
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::Payload;
-use crate::Status;
 use arc_swap::ArcSwap;
 use dm_sys::time::monotonic_ms_coarse as now_ms;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -431,7 +431,7 @@ impl<C: Member> Balanced<C> {
 
     /// A client on the same connections whose calls that set no retry
     /// policy of their own follow `policy` ([`crate::retry`]).
-    pub fn with_retry(&self, policy: crate::Retry) -> Self {
+    pub fn with_retry(&self, policy: crate::retry::Retry) -> Self {
         Balanced {
             b: self.b.clone(),
             defaults: self.defaults.with_retry(policy),

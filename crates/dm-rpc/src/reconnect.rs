@@ -208,7 +208,7 @@ impl<C: Connected> Redial<C> {
         // opened to.)
         let changed = match self.node.resolve_all(&self.target) {
             Ok(routes) => !routes.iter().any(|r| Some(&r.origin) == d.origin.as_ref()),
-            Err(e) => e.status == crate::Status::NotFound,
+            Err(e) => e.status == crate::frame::Status::NotFound,
         };
         if changed {
             c.retire();
@@ -248,7 +248,7 @@ impl<C: Connected> Redial<C> {
         match f {
             Failure::Refused(x) | Failure::Again(x) => x.fail(&self.node),
             Failure::Error(e) => {
-                if e.status == crate::Status::Unavailable && !c.is_spent() {
+                if e.status == crate::frame::Status::Unavailable && !c.is_spent() {
                     self.recheck(c);
                 }
                 e

@@ -6,15 +6,16 @@
 //! back when the request moves on.
 
 use crate::call::attempt::{answer, orphan, Outgoing};
+use crate::call::options::CallOptions;
 use crate::call::options::Reply;
 use crate::error::RpcError;
+use crate::frame::Status;
 use crate::frame::{Frame, Kind, FLAG_REFUSED, FLAG_STREAM};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Lent, Payload};
 use crate::reconnect::{Connected, Redial};
 use crate::transport::Sharing;
-use crate::{CallOptions, Status};
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -207,7 +207,7 @@ impl<'a> Sink<'a> {
             let mut f = self.feed.borrow_mut();
             if f.cancelled() {
                 return Err(RpcError::new(
-                    crate::Status::Cancelled,
+                    crate::frame::Status::Cancelled,
                     "the caller cancelled the stream",
                 ));
             }
