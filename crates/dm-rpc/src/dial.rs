@@ -2,7 +2,7 @@
 //! its registrations (bound in this process, in the pool's registry, in
 //! the node's registry), nearest transport first, and a transport
 //! connection dialled along one of them. Clients (`client.rs`,
-//! `async_client.rs`, `balance.rs`) and reconnecting (`reconnect.rs`)
+//! `async_client/`, `balance.rs`) and reconnecting (`reconnect.rs`)
 //! use it; it uses no client.
 
 use crate::error::RpcError;

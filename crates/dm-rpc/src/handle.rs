@@ -3,7 +3,7 @@
 //! (metadata, a retry policy, interceptors). [`Client`](crate::Client)
 //! and [`AsyncClient`](crate::AsyncClient) are [`ClientOf`] over their
 //! kinds of connection; their calls are in `client.rs` and
-//! `async_client.rs`.
+//! `async_client/`.
 
 use crate::call::options::{Defaults, OutgoingCall, Reply};
 use crate::error::RpcError;

@@ -29,7 +29,7 @@
 //! `handoff.rs` (a connection's two halves shared by callers),
 //! `payload.rs` (the size-aware rule), `node.rs` (the context),
 //! `dial.rs` (finding a service, opening a connection), `call/` (one
-//! call's logic, without I/O), `client.rs` and `async_client.rs` (its
+//! call's logic, without I/O), `client.rs` and `async_client/` (its
 //! drivers), `server/` (builder, intake, dispatcher, handlers).
 //!
 //! ```no_run

@@ -3,7 +3,7 @@
 //! and the waiting policy: the context every server and client works in.
 //!
 //! What a node makes lives beside what is made: `Node::server` in
-//! `server/`, `Node::connect*` in `client.rs`, `async_client.rs` and
+//! `server/`, `Node::connect*` in `client.rs`, `async_client/` and
 //! `balance.rs`. Finding a service and dialling it is `dial.rs`.
 
 use crate::error::RpcError;

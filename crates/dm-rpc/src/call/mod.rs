@@ -2,7 +2,7 @@
 //! ([`options`]), the request it makes and what an answer means for it
 //! ([`attempt`]), and whether and where a request that failed goes again
 //! ([`failover`]). The blocking client (`client.rs`), the async client
-//! (`async_client.rs`), streams (`stream/`) and balanced clients
+//! (`async_client/`), streams (`stream/`) and balanced clients
 //! (`balance.rs`) drive it over their connections.
 
 pub(crate) mod attempt;

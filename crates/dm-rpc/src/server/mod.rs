@@ -32,7 +32,7 @@
 //! crossed to its worker thread and back: about 35 us a hop on two cores.)
 //! The answers to the async calls such a handler makes over shared memory
 //! are read by the listener itself, while it waits for requests
-//! (`async_client.rs`): a nested call's answer wakes its handler with no
+//! (`async_client/`): a nested call's answer wakes its handler with no
 //! thread in between.
 
 mod builder;

@@ -230,7 +230,7 @@ pub enum Looked {
 /// An answer source a server's listener reads while it waits for requests:
 /// the receiving half of an async client whose calls are awaited by the
 /// server's async handlers, so their answers need no thread of their own
-/// (`async_client.rs`).
+/// (`async_client/`).
 pub trait Watched: Send + Sync {
     /// Reads the answers already there, without waiting, and delivers them.
     fn look(&self) -> Looked;
