@@ -132,6 +132,36 @@ fn fan_out_to_several_processes() {
     });
 }
 
+/// A process killed and not yet reaped by its parent (a zombie, as under a
+/// supervisor that restarts at once) is dead at once to the processes of
+/// its host: what it held is reclaimed without waiting out its lease, and
+/// the check counts its slot dead.
+#[test]
+fn a_killed_process_not_yet_reaped_is_dead_at_once() {
+    watchdog(60, || {
+        let tp = TempPool::new(16 << 20);
+        // A lease far longer than the test: only its death can free it.
+        let mut a = Agent::spawn(&tp.path, Some(600_000));
+        let b = a.ok("alloc 100000");
+        a.ok(&format!("fill {b} 0 100000 1"));
+        a.child.kill().unwrap(); // SIGKILL; not reaped
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let rep = dm_pool::check_path(&tp.path, false).unwrap();
+            if rep.slots_dead == 1 {
+                break;
+            }
+            assert!(std::time::Instant::now() < until, "{rep:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let rep = dm_pool::gc_path(&tp.path).unwrap();
+        assert_eq!(rep.slots_reclaimed, 1);
+        // Reaped only now: nothing waited for it.
+        a.child.wait().unwrap();
+        tp.assert_clean();
+    });
+}
+
 #[test]
 fn stopped_process_loses_its_lease_and_is_reclaimed() {
     watchdog(60, || {

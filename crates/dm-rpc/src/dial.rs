@@ -188,21 +188,37 @@ impl Node {
     /// Channels their server closed wait for their client, which notices
     /// only in a call: those are worth [`CLOSED_BY_SERVER_GRACE`] at most,
     /// since an idle client may never call again. With none closing, no
-    /// wait helps: `ResourceExhausted` at once.
+    /// wait helps: `ResourceExhausted` at once, saying how many channels
+    /// the pool has and how to get more.
     fn open_shm(&self, svc: &ServiceInfo, patience: Duration) -> Result<Connection, RpcError> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(50);
         loop {
             match crate::transport::shm::connect(&self.pool, svc, self.cfg.wait) {
-                Err(TransportError::Pool(dm_pool::Error::ResourceExhausted { .. }))
-                    if worth_waiting(self.pool.channels_closing(), start.elapsed(), patience) =>
+                Err(TransportError::Pool(dm_pool::Error::ResourceExhausted { what }))
+                    if what == "channels" =>
                 {
+                    if !worth_waiting(self.pool.channels_closing(), start.elapsed(), patience) {
+                        return Err(self.no_channel(&svc.name));
+                    }
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_millis(5));
                 }
                 r => return Ok(r?),
             }
         }
+    }
+
+    /// The error of a dial to `name` that found every channel of the pool
+    /// in use.
+    fn no_channel(&self, name: &str) -> RpcError {
+        let n = self.pool.layout().n_channels;
+        RpcError::resource_exhausted(format!(
+            "cannot connect to {name:?}: all {n} channels of the pool {} are in use. \
+             Close idle clients, or create the pool with more channels \
+             (`dmrpc pool create NAME --channels N`, or `PoolConfig::channels`)",
+            self.pool.path().display()
+        ))
     }
 
     fn open_tcp(&self, addr: &str, patience: Duration) -> Result<Connection, RpcError> {

@@ -1019,6 +1019,9 @@ fn a_dial_waits_for_a_channel_being_closed() {
     }
     let e = node.connect(&name).unwrap_err();
     assert_eq!(e.status, Status::ResourceExhausted, "{e}");
+    // The error says how many channels there are and how to get more.
+    assert!(e.message.contains("all 2 channels"), "{e}");
+    assert!(e.message.contains("--channels"), "{e}");
     assert_eq!(node.pool().channels_closing().soon, 0);
     let slow = std::thread::spawn(move || a.call("slow", Payload::empty()).map(|_| a));
     while !busy.load(Ordering::SeqCst) {

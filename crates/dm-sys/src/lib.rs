@@ -205,15 +205,38 @@ pub mod proc {
         std::process::id()
     }
 
-    /// Whether a process with this pid exists on this host (signal 0 probe).
-    /// A hint only: pids are reused, so leases remain the authority.
+    /// Whether a process with this pid runs on this host: it exists (a
+    /// signal 0 probe) and has not exited. A process killed and not yet
+    /// reaped by its parent (a zombie) still exists, but is dead. A hint
+    /// only: pids are reused, so leases remain the authority.
     pub fn pid_alive(pid: u32) -> bool {
         if pid == 0 || pid > i32::MAX as u32 {
             return false;
         }
         // SAFETY: kill with signal 0 performs only the permission/existence check.
         let r = unsafe { libc::kill(pid as i32, 0) };
-        r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+        let exists = r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        exists && !exited(pid)
+    }
+
+    /// Whether process `pid` has exited and waits to be reaped: its state
+    /// in `/proc/PID/stat` is `Z` (zombie) or `X` (dead). False when that
+    /// cannot be read.
+    fn exited(pid: u32) -> bool {
+        let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else {
+            return false;
+        };
+        exited_state(&stat)
+    }
+
+    /// The state of a `/proc/PID/stat` line says the process exited. The
+    /// state is the field after the command, which is in parentheses and
+    /// may itself contain them: it follows the last `)`.
+    fn exited_state(stat: &[u8]) -> bool {
+        stat.iter()
+            .rposition(|&b| b == b')')
+            .and_then(|i| stat.get(i + 2))
+            .is_some_and(|s| matches!(s, b'Z' | b'X'))
     }
 
     /// Has the kernel kill this process (SIGKILL) when the thread that
@@ -301,6 +324,40 @@ pub mod proc {
             assert!(after > before, "{before} -> {after}");
             assert!(context_switches(u32::MAX).is_err());
             assert!(context_switches_of(&[pid(), u32::MAX]) >= after);
+        }
+
+        #[test]
+        fn the_state_follows_the_last_parenthesis() {
+            assert!(!exited_state(b"42 (worker) S 1 42"));
+            assert!(exited_state(b"42 (worker) Z 1 42"));
+            assert!(exited_state(b"42 (a) b) X 1 42"));
+            assert!(!exited_state(b"42 (a) Z b) R 1 42"));
+            assert!(!exited_state(b"42 (cut"));
+            assert!(!exited_state(b""));
+        }
+
+        /// A child that exited is dead while it waits to be reaped (a
+        /// zombie), not only once its parent reaps it.
+        #[test]
+        fn a_zombie_is_dead() {
+            assert!(pid_alive(pid()));
+            let mut child = std::process::Command::new("sleep")
+                .arg("30")
+                .spawn()
+                .unwrap();
+            let id = child.id();
+            assert!(pid_alive(id));
+            child.kill().unwrap(); // SIGKILL; not reaped yet
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while pid_alive(id) {
+                assert!(std::time::Instant::now() < until, "a zombie looks alive");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            // Still a zombie here: it exists until its parent reaps it.
+            // SAFETY: signal 0 checks existence only.
+            assert_eq!(unsafe { libc::kill(id as i32, 0) }, 0);
+            child.wait().unwrap();
+            assert!(!pid_alive(id));
         }
     }
 }
