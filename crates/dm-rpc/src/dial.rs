@@ -195,9 +195,9 @@ impl Node {
         let mut pause = Duration::from_micros(50);
         loop {
             match crate::transport::shm::connect(&self.pool, svc, self.cfg.wait) {
-                Err(TransportError::Pool(dm_pool::Error::ResourceExhausted { what }))
-                    if what == "channels" =>
-                {
+                Err(TransportError::Pool(dm_pool::Error::ResourceExhausted {
+                    what: "channels",
+                })) => {
                     if !worth_waiting(self.pool.channels_closing(), start.elapsed(), patience) {
                         return Err(self.no_channel(&svc.name));
                     }
