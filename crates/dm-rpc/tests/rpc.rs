@@ -3548,3 +3548,51 @@ fn eight_async_calls_of_one_connection_run_at_once() {
         tp.assert_clean();
     }
 }
+
+/// A caller sends a buffer and keeps it (`Buffer::dup`): the callee keeps
+/// what it got, and the caller's later writes never reach it.
+#[test]
+fn a_caller_sends_a_buffer_and_keeps_it() {
+    use std::sync::{Arc, Mutex};
+    let tp = TempPool::new(64 << 20);
+    let node = Node::new(tp.attach());
+    let name = unique("keep");
+    let kept: Arc<Mutex<Option<dm_pool::Buffer>>> = Arc::new(Mutex::new(None));
+    let (k1, k2) = (kept.clone(), kept.clone());
+    let svc = node
+        .server(&name)
+        .method("keep", move |call| {
+            *k1.lock().unwrap() = call.take_payload().keep()?;
+            Ok(Payload::empty())
+        })
+        .method("read", move |_| {
+            let b = k2.lock().unwrap().take().expect("nothing kept");
+            Ok(Payload::from_vec(b.to_vec()?))
+        })
+        .spawn()
+        .unwrap();
+    let client = node.connect(&name).unwrap();
+    let len = 256 << 10; // above the default threshold: it goes by Ref
+    let mut buf = node.pool().alloc(len as u64).unwrap();
+    buf.write(0, &vec![1u8; len]).unwrap();
+    client.call("keep", buf.dup().unwrap()).unwrap();
+    // The caller still has its buffer, and writes it again.
+    buf.write(0, &vec![2u8; len]).unwrap();
+    buf.write(len as u64 - 1, &[3]).unwrap();
+    let seen = client
+        .call("read", Payload::empty())
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_eq!(
+        seen,
+        vec![1u8; len],
+        "the callee saw the caller's later writes"
+    );
+    let mine = buf.to_vec().unwrap();
+    assert_eq!((mine[0], mine[len - 2], mine[len - 1]), (2, 2, 3));
+    drop((client, buf));
+    svc.shutdown();
+    drop(node);
+    tp.assert_clean();
+}
