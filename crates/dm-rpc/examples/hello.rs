@@ -11,6 +11,8 @@
 //! * a small argument, which travels inline in the frame;
 //! * a 4 MiB argument built in the pool, where only a 40-byte Ref travels;
 //!   the service reads it in place, with no copy;
+//! * the same, keeping the buffer (`dup`): a later write copies the page
+//!   it writes, and the service never sees it;
 //! * a method the service does not have, which fails with `NotFound`;
 //! * a call whose deadline passes, which fails with `DeadlineExceeded`.
 //!
@@ -148,13 +150,28 @@ fn run_client(path: &Path) -> Res<()> {
         took[0], took[2]
     );
 
-    // 3. No such method: a typed status, not a hang.
+    // 3. Send a buffer and keep it: `dup` gives the call the same pages
+    //    (one more share each, no copy). A write here afterwards copies
+    //    the page it writes, so the service only sees what was sent.
+    let mut kept = node.pool().alloc(data.len() as u64)?;
+    kept.write(0, &data)?;
+    let answer = client.call("sum", kept.dup()?)?;
+    kept.write(0, &[0; 4096])?;
+    let sum = u64::from_le_bytes(answer.to_vec()?.as_slice().try_into()?);
+    if sum != want || kept.to_vec()?[..4096] != [0; 4096] {
+        return Err("the kept buffer and the call's copy are not apart".into());
+    }
+    println!(
+        "kept:   the caller wrote its buffer after sending it; the service summed what was sent"
+    );
+
+    // 4. No such method: a typed status, not a hang.
     match client.call("nope", Payload::empty()) {
         Err(e) if e.status == Status::NotFound => println!("nope:   {e}"),
         other => return Err(format!("expected NotFound, got {other:?}").into()),
     }
 
-    // 4. A deadline: the call gives up after 20 ms.
+    // 5. A deadline: the call gives up after 20 ms.
     let opts = CallOptions::deadline(Duration::from_millis(20));
     match client.call_with("slow", Payload::empty(), opts) {
         Err(e) if e.status == Status::DeadlineExceeded => println!("slow:   {e}"),
@@ -163,7 +180,7 @@ fn run_client(path: &Path) -> Res<()> {
 
     // Stop the service (it finishes what it took), then check the pool:
     // every page free, no channel or service left.
-    drop(client);
+    drop((client, kept));
     drop(service);
     drop(node);
     let report = dm_pool::check_path(path, true)?;
