@@ -315,14 +315,9 @@ impl Buffer {
     /// nothing is copied. A write to either copies the page it writes
     /// first, so neither sees the other's later writes. This is how a
     /// caller sends a buffer and keeps it: `client.call("m", buf.dup()?)`.
-    /// (The same as [`Dm::dup`](crate::Dm::dup), without the trait.)
+    /// ([`Dm::dup`](crate::Dm::dup), without importing the trait.)
     pub fn dup(&self) -> Result<Buffer> {
-        let r = self.pool.create_ref(self, 0, self.len)?;
-        let mapped = self.pool.map_ref(&r);
-        let released = self.pool.release_ref(&r);
-        let d = mapped?;
-        released?;
-        Ok(d)
+        crate::Dm::dup(&self.pool, self)
     }
 }
 
