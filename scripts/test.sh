@@ -22,6 +22,9 @@ cargo fmt --manifest-path crates/dmrpc-py/Cargo.toml -- --check
 step "clippy -D warnings"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 CARGO_TARGET_DIR=target/py cargo clippy --manifest-path crates/dmrpc-py/Cargo.toml --release -- -D warnings
+# The library without memory servers: dm-rpc reaches them only through its
+# `memserver` feature.
+cargo clippy -p dm-rpc -p dmrpc --no-default-features --all-targets -- -D warnings
 
 step "build (release), and the Python package with its PyPI dependencies (scripts/python.sh setup)"
 cargo build --release -p dmrpc-cli --features iceoryx2

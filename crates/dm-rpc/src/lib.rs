@@ -27,7 +27,7 @@
 //! Inside, from the bottom up (private modules): `transport/` (shared-memory
 //! rings, TCP, in-process queues, one API over them), `sender.rs` and
 //! `handoff.rs` (a connection's two halves shared by callers),
-//! `payload.rs` (the size-aware rule), `node.rs` (the context),
+//! `payload/` (the size-aware rule), `node.rs` (the context),
 //! `dial.rs` (finding a service, opening a connection), `call/` (one
 //! call's logic, without I/O), `client.rs` and `async_client/` (its
 //! drivers), `server/` (builder, intake, dispatcher, handlers).

@@ -9,6 +9,7 @@
 use crate::error::RpcError;
 use crate::registry::{PoolRegistry, Registry};
 use crate::wait::WaitPolicy;
+#[cfg(feature = "memserver")]
 use dm_memserver::MemPool;
 use dm_pool::{Pool, Ref};
 use std::sync::Arc;
@@ -81,6 +82,7 @@ pub struct Node {
     pub(crate) pool: Pool,
     pub(crate) cfg: Config,
     pub(crate) registry: Arc<dyn Registry>,
+    #[cfg(feature = "memserver")]
     pub(crate) remote: Option<MemPool>,
 }
 
@@ -99,6 +101,7 @@ impl Node {
             pool,
             cfg,
             registry,
+            #[cfg(feature = "memserver")]
             remote: None,
         }
     }
@@ -106,29 +109,36 @@ impl Node {
     /// This node with memory servers (DmRPC-net): a payload above the
     /// threshold bound for a peer that does not share the pool but uses
     /// the same memory servers is written there and travels as a Ref; Refs
-    /// of those servers that arrive are read from them.
+    /// of those servers that arrive are read from them. (With the
+    /// `memserver` feature, on by default.)
+    #[cfg(feature = "memserver")]
     pub fn with_memserver(mut self, remote: MemPool) -> Node {
         self.remote = Some(remote);
         self
     }
 
     /// The memory servers, if any.
+    #[cfg(feature = "memserver")]
     pub fn memserver(&self) -> Option<&MemPool> {
         self.remote.as_ref()
     }
 
     /// A digest of the memory servers this node uses (0: none): two nodes
-    /// with the same digest can pass each other memory-server Refs.
+    /// with the same digest can pass each other memory-server Refs. Always
+    /// 0 in a build without the `memserver` feature.
     pub fn remote_domain(&self) -> u64 {
-        let Some(m) = &self.remote else { return 0 };
-        let mut ids = m.server_ids();
-        ids.sort_unstable();
-        let h = ids.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, id| {
-            id.to_le_bytes()
-                .iter()
-                .fold(h, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
-        });
-        h.max(1)
+        #[cfg(feature = "memserver")]
+        if let Some(m) = &self.remote {
+            let mut ids = m.server_ids();
+            ids.sort_unstable();
+            let h = ids.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, id| {
+                id.to_le_bytes()
+                    .iter()
+                    .fold(h, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
+            });
+            return h.max(1);
+        }
+        0
     }
 
     /// What this node says about itself in a TCP hello.
@@ -141,10 +151,11 @@ impl Node {
 
     /// Releases a Ref of the pool or of a memory server.
     pub(crate) fn release_ref(&self, r: &Ref) -> Result<(), RpcError> {
-        match (&self.remote, r.backend) {
-            (Some(m), dm_pool::BACKEND_MEMSERVER) => Ok(m.release_ref_nowait(r)?),
-            _ => Ok(self.pool.release_ref(r)?),
+        #[cfg(feature = "memserver")]
+        if let (Some(m), dm_pool::BACKEND_MEMSERVER) = (&self.remote, r.backend) {
+            return Ok(m.release_ref_nowait(r)?);
         }
+        Ok(self.pool.release_ref(r)?)
     }
 
     /// This node with another registry for TCP services (the pool's own

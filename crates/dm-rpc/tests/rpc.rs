@@ -80,6 +80,7 @@ fn inspected(r: &[u8]) -> (u64, bool, u64) {
 
 /// A call's argument: bytes, or (`remote`, above the node's threshold) a
 /// buffer written on the node's memory server.
+#[cfg(feature = "memserver")]
 fn arg(node: &Node, remote: bool, data: Vec<u8>) -> Payload {
     match node.memserver() {
         Some(m) if remote && data.len() > node.config().inline_max => {
@@ -90,6 +91,11 @@ fn arg(node: &Node, remote: bool, data: Vec<u8>) -> Payload {
         }
         _ => Payload::from_vec(data),
     }
+}
+
+#[cfg(not(feature = "memserver"))]
+fn arg(_: &Node, _: bool, data: Vec<u8>) -> Payload {
+    Payload::from_vec(data)
 }
 
 fn contract(t: Transport) {
@@ -241,6 +247,7 @@ fn run_contract(snode: &Node, node: &Node, t: &Transport, direct: bool, remote: 
 /// as its Refs where both ends use it (TCP, in-process queues) or are
 /// read and passed through the pool (shared-memory rings, whose ends share
 /// only the pool).
+#[cfg(feature = "memserver")]
 fn contract_with_memory_server(t: Transport, between_pools: bool) {
     let ms = dm_memserver::Server::start(dm_memserver::Config::default()).unwrap();
     let mem = || dm_memserver::MemPool::connect(&[ms.addr().to_string()]).unwrap();
@@ -281,22 +288,26 @@ fn contract_with_memory_server(t: Transport, between_pools: bool) {
 }
 
 #[test]
+#[cfg(feature = "memserver")]
 fn contract_over_tcp_between_pools_with_a_memory_server() {
     // Payloads above the threshold travel as memory-server Refs, both ways.
     contract_with_memory_server(Transport::Tcp("127.0.0.1:0".into()), true);
 }
 
 #[test]
+#[cfg(feature = "memserver")]
 fn contract_over_shm_with_a_memory_server() {
     contract_with_memory_server(Transport::Shm, false);
 }
 
 #[test]
+#[cfg(feature = "memserver")]
 fn contract_over_mem_with_a_memory_server() {
     contract_with_memory_server(Transport::Mem, false);
 }
 
 #[test]
+#[cfg(feature = "memserver")]
 fn contract_over_tcp_with_a_memory_server() {
     contract_with_memory_server(Transport::Tcp("127.0.0.1:0".into()), false);
 }

@@ -8,12 +8,14 @@
 //! * [`rpc`] — the RPC layer (`dm-rpc`): services, clients, transports
 //!   (shared-memory rings, TCP, in-process), size-aware payloads.
 //! * [`memserver`] — memory servers (`dm-memserver`): the same contract
-//!   over TCP, for memory beyond one host (DmRPC-net).
+//!   over TCP, for memory beyond one host (DmRPC-net). With the
+//!   `memserver` feature, on by default.
 //!
 //! The `dmrpc` command lives in the `dmrpc-cli` crate, and the benchmarks
 //! with the applications they run in `dmrpc-bench`: a library user pulls
 //! neither.
 
+#[cfg(feature = "memserver")]
 pub use dm_memserver as memserver;
 pub use dm_pool as pool;
 pub use dm_rpc as rpc;

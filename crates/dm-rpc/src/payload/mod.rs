@@ -23,7 +23,7 @@
 //! data past its return calls [`keep`], which takes its own shares.
 //!
 //! Between nodes that do not share a pool but use the same memory servers
-//! ([`Node::with_memserver`]), a large payload is written to a memory
+//! (`Node::with_memserver`, with the `memserver` feature: `remote.rs`), a large payload is written to a memory
 //! server and its Ref travels instead (DmRPC-net); the receiver reads it
 //! from the server on first access, through the same API. An answer that
 //! arrives as a memory-server Ref keeps it until the payload is dropped
@@ -40,11 +40,15 @@ use crate::error::RpcError;
 use crate::frame::{Body, FLAG_ECHO};
 use crate::node::Node;
 use crate::transport::Sharing;
-use dm_memserver::{MemBuffer, MemPool};
 use dm_pool::BACKEND_MEMSERVER;
-use dm_pool::{Buffer, Dm, DmBuffer, Pool, Ref};
+use dm_pool::{Buffer, Dm, Pool, Ref};
 use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
+
+#[cfg(feature = "memserver")]
+mod remote;
+#[cfg(feature = "memserver")]
+use remote::{answer as remote_answer, request as remote_request};
 
 /// The data of a call or an answer.
 #[derive(Debug, Default)]
@@ -61,43 +65,11 @@ enum Repr {
     Ref(Arc<Received>),
     /// A buffer on a memory server (the sender's), with its bytes once read
     /// (boxed: the common kinds of payload stay small to move).
-    MemBuffer(Box<MemData>),
+    #[cfg(feature = "memserver")]
+    MemBuffer(Box<remote::MemData>),
     /// A memory-server Ref that arrived.
-    Remote(Arc<RemoteReceived>),
-}
-
-/// A buffer on a memory server, and its bytes once read.
-#[derive(Debug)]
-struct MemData {
-    buf: MemBuffer,
-    bytes: OnceLock<Result<Vec<u8>, RpcError>>,
-}
-
-/// A payload that arrived as a memory server's Ref: read from the server
-/// on first access (one `read_ref`, through the client's page cache),
-/// then kept here.
-#[derive(Debug)]
-struct RemoteReceived {
-    pool: MemPool,
-    r: Ref,
-    data: OnceLock<Result<Vec<u8>, RpcError>>,
-    /// The Ref is ours to release when the payload goes (an answer's Ref,
-    /// made for this caller); a request's belongs to the caller.
-    owned: bool,
-}
-
-impl Drop for RemoteReceived {
-    fn drop(&mut self) {
-        if self.owned {
-            let _ = self.pool.release_ref_nowait(&self.r);
-        }
-    }
-}
-
-fn fetch(pool: &MemPool, r: &Ref) -> Result<Vec<u8>, RpcError> {
-    let mut v = vec![0u8; r.len as usize];
-    pool.read_ref(r, 0, &mut v)?;
-    Ok(v)
+    #[cfg(feature = "memserver")]
+    Remote(Arc<remote::RemoteReceived>),
 }
 
 /// A payload that arrived by Ref (or is being forwarded by Ref).
@@ -179,17 +151,6 @@ impl Payload {
         Ok(Payload::from_vec(data.to_vec()))
     }
 
-    /// A buffer written on a memory server: sent by its Ref to peers that
-    /// use the same servers (inline when small, or to others).
-    pub fn from_mem_buffer(b: MemBuffer) -> Payload {
-        Payload {
-            repr: Repr::MemBuffer(Box::new(MemData {
-                buf: b,
-                bytes: OnceLock::new(),
-            })),
-        }
-    }
-
     /// Bytes of data.
     pub fn len(&self) -> u64 {
         match &self.repr {
@@ -197,7 +158,9 @@ impl Payload {
             Repr::Bytes(v) => v.len() as u64,
             Repr::Buffer(b) => b.len(),
             Repr::Ref(r) => r.r.len,
-            Repr::MemBuffer(m) => DmBuffer::len(&m.buf),
+            #[cfg(feature = "memserver")]
+            Repr::MemBuffer(m) => m.len(),
+            #[cfg(feature = "memserver")]
             Repr::Remote(r) => r.r.len,
         }
     }
@@ -205,19 +168,29 @@ impl Payload {
     /// Whether the data lives on a memory server (arrived by its Ref, or
     /// built there).
     pub fn is_remote(&self) -> bool {
-        matches!(self.repr, Repr::MemBuffer(..) | Repr::Remote(_))
+        #[cfg(feature = "memserver")]
+        if let Repr::MemBuffer(..) | Repr::Remote(_) = self.repr {
+            return true;
+        }
+        false
     }
 
     /// The bytes of remote data, read once.
+    #[cfg(feature = "memserver")]
     fn remote_bytes(&self) -> Result<Option<&[u8]>, RpcError> {
         let cell = match &self.repr {
-            Repr::MemBuffer(m) => m.bytes.get_or_init(|| Ok(m.buf.to_vec()?)),
-            Repr::Remote(r) => r.data.get_or_init(|| fetch(&r.pool, &r.r)),
+            Repr::MemBuffer(m) => m.bytes(),
+            Repr::Remote(r) => r.bytes(),
             _ => return Ok(None),
         };
         cell.as_ref()
             .map(|v| Some(v.as_slice()))
             .map_err(Clone::clone)
+    }
+
+    #[cfg(not(feature = "memserver"))]
+    fn remote_bytes(&self) -> Result<Option<&[u8]>, RpcError> {
+        Ok(None)
     }
 
     /// Whether there is no data.
@@ -234,6 +207,7 @@ impl Payload {
     pub fn as_ref_handle(&self) -> Option<&Ref> {
         match &self.repr {
             Repr::Ref(r) => Some(&r.r),
+            #[cfg(feature = "memserver")]
             Repr::Remote(r) => Some(&r.r),
             _ => None,
         }
@@ -276,9 +250,10 @@ impl Payload {
     /// whole: only the range asked for is (a firewall reading a header
     /// pulls a few bytes, not the image behind it).
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), RpcError> {
+        #[cfg(feature = "memserver")]
         if let Repr::Remote(r) = &self.repr {
-            if r.data.get().is_none() {
-                return Ok(r.pool.read_ref(&r.r, offset, out)?);
+            if let Some(done) = r.read_unfetched(&mut [(offset, out)]) {
+                return done;
             }
         }
         let flat: Option<&[u8]> = match &self.repr {
@@ -312,9 +287,10 @@ impl Payload {
     /// rows a thumbnail samples, not the image); other data is copied
     /// range by range.
     pub fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> Result<(), RpcError> {
+        #[cfg(feature = "memserver")]
         if let Repr::Remote(r) = &self.repr {
-            if r.data.get().is_none() {
-                return Ok(r.pool.read_ref_ranges(&r.r, ranges)?);
+            if let Some(done) = r.read_unfetched(ranges) {
+                return done;
             }
         }
         for (off, buf) in ranges.iter_mut() {
@@ -340,8 +316,10 @@ impl Payload {
                 Repr::Empty => Repr::Empty,
                 Repr::Bytes(v) => Repr::Bytes(v.clone()),
                 Repr::Ref(r) => Repr::Ref(r.clone()),
+                #[cfg(feature = "memserver")]
                 Repr::Remote(r) => Repr::Remote(r.clone()),
                 Repr::Buffer(b) => Repr::Buffer(b.pool().dup(b)?),
+                #[cfg(feature = "memserver")]
                 Repr::MemBuffer(..) => {
                     return Err(RpcError::invalid_argument(
                         "a memory-server buffer payload is forwarded by moving it into the call",
@@ -366,20 +344,10 @@ impl Payload {
                 },
                 Err(shared) => Ok(Some(shared.pool.map_ref(&shared.r)?)),
             },
+            #[cfg(feature = "memserver")]
             Repr::MemBuffer(..) | Repr::Remote(_) => Err(RpcError::invalid_argument(
                 "memory-server data is kept with keep_remote",
             )),
-            _ => Ok(None),
-        }
-    }
-
-    /// Keeps memory-server data beyond the call that delivered it: a
-    /// buffer of this node's on the server, with its own shares (CoW).
-    /// `Ok(None)` for data that is not on a memory server.
-    pub fn keep_remote(self) -> Result<Option<MemBuffer>, RpcError> {
-        match self.repr {
-            Repr::MemBuffer(m) => Ok(Some(m.buf)),
-            Repr::Remote(r) => Ok(Some(r.pool.map_ref(&r.r)?)),
             _ => Ok(None),
         }
     }
@@ -412,7 +380,6 @@ impl Payload {
         refs: Sharing,
     ) -> Result<(Body, Lent), RpcError> {
         let len = self.len() as usize;
-        let answer = matches!(dir, Dir::Answer(_));
         if let (Repr::Ref(rec), Dir::Answer(echo), true) = (&self.repr, dir, refs.pool) {
             if echo == Some(rec.r) {
                 // The request's own Ref, passed back as it came.
@@ -427,7 +394,10 @@ impl Payload {
                 .map_or_else(Payload::empty, Payload::from_buffer);
             return kept.into_body(node, inline_max, dir, refs);
         }
+        #[cfg(feature = "memserver")]
         let remote = refs.remote && node.remote.is_some();
+        #[cfg(feature = "memserver")]
+        let answer = matches!(dir, Dir::Answer(_));
         Ok(match self.repr {
             Repr::Empty => (Body::None, Lent::default()),
             Repr::Bytes(v) => bytes_body(v, node, inline_max, refs)?,
@@ -444,16 +414,11 @@ impl Payload {
                     ..Lent::default()
                 },
             ),
+            #[cfg(feature = "memserver")]
             Repr::MemBuffer(d) if len > inline_max && remote => {
-                let b = d.buf;
-                let m = node
-                    .remote
-                    .as_ref()
-                    .ok_or_else(|| RpcError::internal("no memory server"))?;
-                let r = m.create_ref(&b, 0, len as u64)?;
-                m.free(b)?;
-                (Body::Refs(vec![r]), Lent::made(r))
+                remote::buffer_body(node, *d, len as u64)?
             }
+            #[cfg(feature = "memserver")]
             Repr::Remote(rec) if remote && !answer => (Body::Refs(vec![rec.r]), Lent::default()),
             _ => bytes_body(self.to_vec()?, node, inline_max, refs)?,
         })
@@ -473,24 +438,7 @@ impl Payload {
                     )));
                 };
                 if r.backend == BACKEND_MEMSERVER {
-                    let m = node
-                        .remote
-                        .as_ref()
-                        .filter(|m| m.server_ids().contains(&r.pool_id))
-                        .ok_or_else(|| {
-                            RpcError::invalid_argument(format!(
-                                "a Ref of memory server {:#x}, which this node does not use",
-                                r.pool_id
-                            ))
-                        })?;
-                    return Ok(Payload {
-                        repr: Repr::Remote(Arc::new(RemoteReceived {
-                            pool: m.clone(),
-                            r: *r,
-                            data: OnceLock::new(),
-                            owned: false,
-                        })),
-                    });
+                    return remote_request(node, r);
                 }
                 if r.pool_id != pool.id() {
                     return Err(RpcError::invalid_argument(format!(
@@ -522,19 +470,7 @@ impl Payload {
                         rs.len()
                     )));
                 };
-                let m = node.remote.as_ref().ok_or_else(|| {
-                    RpcError::internal("a memory-server Ref, and no memory server")
-                })?;
-                // The answer's Ref was made for this caller alone: read on
-                // first access, released when the payload goes.
-                Payload {
-                    repr: Repr::Remote(Arc::new(RemoteReceived {
-                        pool: m.clone(),
-                        r: *r,
-                        data: OnceLock::new(),
-                        owned: true,
-                    })),
-                }
+                remote_answer(node, r)?
             }
             Body::Refs(rs) => {
                 let mut first = None;
@@ -581,11 +517,28 @@ fn bytes_body(
         let r = pool.into_ref(b)?;
         return Ok((Body::Refs(vec![r]), Lent::made(r)));
     }
-    if let (true, Some(m)) = (refs.remote, &node.remote) {
-        let r = m.put(&v, std::time::Duration::ZERO)?;
-        return Ok((Body::Refs(vec![r]), Lent::made(r)));
+    #[cfg(feature = "memserver")]
+    if let Some(put) = refs.remote.then(|| remote::bytes_body(node, &v)).flatten() {
+        return put;
     }
     Ok((Body::Inline(v), Lent::default()))
+}
+
+/// A memory-server Ref in a build without memory servers: refused (a peer
+/// that uses them never sends one here: the TCP hello says this node uses
+/// none).
+#[cfg(not(feature = "memserver"))]
+fn remote_request(_: &Node, r: &Ref) -> Result<Payload, RpcError> {
+    Err(RpcError::invalid_argument(format!(
+        "a Ref of memory server {:#x}, and this build of dm-rpc has no memory-server support \
+         (its `memserver` feature is off)",
+        r.pool_id
+    )))
+}
+
+#[cfg(not(feature = "memserver"))]
+fn remote_answer(node: &Node, r: &Ref) -> Result<Payload, RpcError> {
+    remote_request(node, r)
 }
 
 /// Which way a body goes.
