@@ -146,9 +146,23 @@ pub enum Error {
     /// A service name that breaks the naming rules (or an endpoint too long).
     #[error("invalid service name {0}")]
     InvalidName(String),
-    /// A live process has registered that service name.
-    #[error("service {0:?} is registered by a live process")]
-    NameTaken(String),
+    /// A live process holds that service name. A process that is gone
+    /// (exited, killed, a zombie, or its lease lost) never does: its name
+    /// is taken over at once.
+    #[error(
+        "service {name:?} is held by live process {pid} (its lease runs {lease_left_ms} ms \
+         more, and it renews it while it lives): stop that process, choose another name, \
+         or wait for the name (`ServerBuilder::wait_for_name`)"
+    )]
+    NameTaken {
+        /// The name.
+        name: String,
+        /// The process that holds it.
+        pid: u32,
+        /// How long the holder's lease runs unless it renews it, in ms:
+        /// the longest a holder that stopped (not died) keeps the name.
+        lease_left_ms: u64,
+    },
     /// This process has no such registration (removed, or taken over).
     #[error("service {0:?} is not registered by this process")]
     NotRegistered(String),

@@ -340,7 +340,11 @@ impl crate::pool::Pool {
                         continue;
                     }
                     if s.live {
-                        return Err(Error::NameTaken(name.to_owned()));
+                        return Err(Error::NameTaken {
+                            name: name.to_owned(),
+                            pid: s.pid,
+                            lease_left_ms: shm.lease_left_ms(s.slot, now),
+                        });
                     }
                     shm.remove_service(i, s.generation);
                     free = free.or(Some(i));

@@ -430,6 +430,20 @@ impl Shm {
         }
     }
 
+    /// How long slot `s`'s lease runs from `now` unless its process
+    /// renews it, in ms (on the clock [`slot_expired`](Self::slot_expired)
+    /// judges it by).
+    pub(crate) fn lease_left_ms(&self, s: u16, now: LeaseNow) -> u64 {
+        let Some(slot) = self.slot(s) else { return 0 };
+        let (hb, now) = if slot.host.load(Ordering::Relaxed) == host_id() {
+            (slot.heartbeat_mono_ms.load(Ordering::Acquire), now.mono_ms)
+        } else {
+            (slot.heartbeat_ms.load(Ordering::Acquire), now.wall_ms)
+        };
+        hb.saturating_add(slot.lease_ms.load(Ordering::Relaxed))
+            .saturating_sub(now)
+    }
+
     /// Whether a live slot's lease has expired (or its process is gone).
     ///
     /// A slot of this host (same boot id) is judged by the monotonic

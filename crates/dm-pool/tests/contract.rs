@@ -359,10 +359,23 @@ fn registry_names_and_channel_lifecycle() {
     let tcp = server
         .register("shop/cart", &Endpoint::Tcp("10.0.0.1:7000".into()))
         .unwrap();
-    assert!(matches!(
-        client.register("shop/images/resize", &Endpoint::Shm),
-        Err(Error::NameTaken(_))
-    ));
+    // The refusal names the holder, how long its lease runs, and what to do.
+    match client.register("shop/images/resize", &Endpoint::Shm) {
+        Err(
+            e @ Error::NameTaken {
+                pid, lease_left_ms, ..
+            },
+        ) => {
+            assert_eq!(pid, std::process::id());
+            assert!(lease_left_ms <= server.layout().lease_ms, "{e}");
+            let m = e.to_string();
+            assert!(
+                m.contains(&format!("process {pid}")) && m.contains("wait_for_name"),
+                "{m}"
+            );
+        }
+        other => panic!("not refused: {other:?}"),
+    }
     let found = client.lookup("shop/images/resize").unwrap().unwrap();
     assert_eq!(found, svc);
     assert_eq!(
@@ -575,7 +588,7 @@ fn a_name_has_any_number_of_replicas_or_one_exclusive_registration() {
     // An exclusive registration is refused while replicas hold the name.
     assert!(matches!(
         c.register(name, &Endpoint::Shm),
-        Err(Error::NameTaken(_))
+        Err(Error::NameTaken { .. })
     ));
     let all = c.lookup_all(name).unwrap();
     assert_eq!(all, vec![ra.clone(), rb.clone(), rt.clone()]);
@@ -599,7 +612,7 @@ fn a_name_has_any_number_of_replicas_or_one_exclusive_registration() {
     assert!(!ex.replica);
     assert!(matches!(
         b.register_replica(name, &Endpoint::Shm),
-        Err(Error::NameTaken(_))
+        Err(Error::NameTaken { .. })
     ));
     a.unregister(&ex).unwrap();
 

@@ -70,6 +70,12 @@ impl RpcError {
         Self::new(Status::PermissionDenied, m)
     }
 
+    /// What the call would create exists already (a service name a live
+    /// process holds).
+    pub fn already_exists(m: impl Into<String>) -> Self {
+        Self::new(Status::AlreadyExists, m)
+    }
+
     /// A failure that is nobody's input's fault.
     pub fn internal(m: impl Into<String>) -> Self {
         Self::new(Status::Internal, m)
@@ -90,6 +96,7 @@ impl Status {
             Status::Cancelled => "cancelled",
             Status::Unauthenticated => "unauthenticated",
             Status::PermissionDenied => "permission denied",
+            Status::AlreadyExists => "already exists",
         }
     }
 }
@@ -116,7 +123,8 @@ impl From<dm_pool::Error> for RpcError {
             E::LeaseLost | E::NoChannel(_) | E::Unavailable(_) | E::RefClockInUse { .. } => {
                 Status::Unavailable
             }
-            E::NameTaken(_) | E::NotRegistered(_) => Status::InvalidArgument,
+            E::NameTaken { .. } => Status::AlreadyExists,
+            E::NotRegistered(_) => Status::InvalidArgument,
             _ => Status::Internal,
         };
         RpcError::new(status, e.to_string())

@@ -1,4 +1,4 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 7).
+//! Where frames are parsed: the wire format of dmrpc calls (version 8).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
@@ -52,7 +52,7 @@ use dm_pool::{Ref, RefDecodeError};
 
 /// Frame encoding version written and read by this build (history:
 /// `CHANGELOG.md`).
-pub const FRAME_VERSION: u8 = 7;
+pub const FRAME_VERSION: u8 = 8;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
 pub const FLAG_ECHO: u16 = 1;
@@ -112,6 +112,9 @@ pub enum Status {
     Unauthenticated = 8,
     /// The caller is known and may not make this call. Frames v6.
     PermissionDenied = 9,
+    /// What the call would create exists already: a service name a live
+    /// process holds. Frames v8.
+    AlreadyExists = 10,
 }
 
 impl Kind {
@@ -141,6 +144,7 @@ impl Status {
             7 => Status::Cancelled,
             8 => Status::Unauthenticated,
             9 => Status::PermissionDenied,
+            10 => Status::AlreadyExists,
             _ => return None,
         })
     }

@@ -45,7 +45,9 @@ pub struct Registration {
 pub trait Registry: Send + Sync + std::fmt::Debug {
     /// Registers `name` at `endpoint` for as long as this process lives (or
     /// until [`unregister`](Self::unregister)). A name held by a live
-    /// process is refused with `InvalidArgument`.
+    /// process is refused with `AlreadyExists`, naming the holder (what
+    /// [`ServerBuilder::wait_for_name`](crate::ServerBuilder::wait_for_name)
+    /// waits on).
     fn register(&self, name: &str, endpoint: &Endpoint) -> Result<Registration, RpcError>;
     /// Registers one replica of `name` at `endpoint`: a name may have any
     /// number of replicas (servers that share it, over which balanced

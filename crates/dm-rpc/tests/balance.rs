@@ -97,7 +97,7 @@ fn balanced_clients_spread_calls_over_every_replica_over_every_transport() {
             .transport(t.clone())
             .method("who", |_| Ok(Payload::empty()))
             .spawn();
-        assert_eq!(lone.unwrap_err().status, Status::InvalidArgument, "{t:?}");
+        assert_eq!(lone.unwrap_err().status, Status::AlreadyExists, "{t:?}");
 
         let c = node.connect_balanced(&name).unwrap();
         assert_eq!((c.replicas(), c.service()), (3, name.as_str()));
@@ -374,7 +374,7 @@ fn a_name_without_replicas_is_not_found_and_one_server_is_one_replica() {
         .replica()
         .method("who", |_| Ok(Payload::empty()))
         .spawn();
-    assert_eq!(r.unwrap_err().status, Status::InvalidArgument);
+    assert_eq!(r.unwrap_err().status, Status::AlreadyExists);
     drop(c);
     svc.shutdown();
     drop(node);

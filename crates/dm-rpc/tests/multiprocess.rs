@@ -981,3 +981,128 @@ fn client_killed_mid_stream(method: &str) {
     server.stop();
     settle(&tp);
 }
+
+/// Whether process `pid` is a zombie: dead, and not yet reaped.
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+/// A supervisor restarts a killed service at once, with a lease much
+/// longer than the restart: the new process takes the name as soon as the
+/// old one's death is observable (reaped by its parent, or a zombie not
+/// yet reaped), and the client calls it. While the old process lived, a
+/// new one was refused with `AlreadyExists` naming it, and one that asked
+/// to wait for the name got it when the old one died.
+fn restart_at_once(reaped: bool) {
+    let tp = pool();
+    let name = format!("mp/restart/{}/{reaped}", std::process::id());
+    let long = ["--lease", "5000"];
+    let mut old = Agent::start(&tp, &[&["serve", &name], &long[..]].concat());
+    assert_eq!(old.line(), "ready");
+    let node = node(&tp);
+    let c = node.connect(&name).unwrap();
+    assert_eq!(
+        hash_in(&c.call("hop", pattern(10)).unwrap().to_vec().unwrap()),
+        hash(&pattern(10))
+    );
+    // The name is held: refused, naming the holder and what to do.
+    let mut refused = Agent::start(&tp, &[&["serve", &name], &long[..]].concat());
+    let said = refused.line();
+    assert!(
+        said.starts_with("err AlreadyExists")
+            && said.contains(&format!("process {}", old.pid()))
+            && said.contains("wait_for_name"),
+        "{said}"
+    );
+    assert!(!refused.child.wait().unwrap().success());
+    // One that waits for the name (a rolling restart) gets it later.
+    let mut waiting = Agent::start(
+        &tp,
+        &[&["serve", &name, "--wait-name", "30000"], &long[..]].concat(),
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    // The old one is killed; its parent reaps it at once, or not yet.
+    old.child.kill().unwrap();
+    if reaped {
+        old.child.wait().unwrap();
+    } else {
+        let until = Instant::now() + Duration::from_secs(5);
+        while !is_zombie(old.pid()) {
+            assert!(Instant::now() < until, "not a zombie");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let dead = Instant::now();
+    assert_eq!(waiting.line(), "ready", "the waiting successor");
+    let took = dead.elapsed();
+    eprintln!("reaped {reaped}: the waiting successor served {took:?} after the death");
+    // Far below the 5 s lease: it did not wait for the lease to run out.
+    assert!(
+        took < Duration::from_millis(2500),
+        "took the name after {took:?}"
+    );
+    // The client reconnects to the successor.
+    let until = Instant::now() + Duration::from_secs(5);
+    let got = loop {
+        match c.call("hop", pattern(100_000)) {
+            Ok(p) => break p.to_vec().unwrap(),
+            Err(e) => {
+                assert_eq!(e.status, Status::Unavailable, "{e}");
+                assert!(Instant::now() < until, "the successor is not called: {e}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    };
+    assert_eq!(hash_in(&got), hash(&pattern(100_000)));
+    assert_eq!(
+        u32::from_le_bytes(got[8..12].try_into().unwrap()),
+        waiting.pid()
+    );
+    // Killed again, and a successor started right after, asking no wait.
+    let gone = waiting.pid();
+    waiting.child.kill().unwrap();
+    if reaped {
+        waiting.child.wait().unwrap();
+    } else {
+        while !is_zombie(gone) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let mut third = Agent::start(&tp, &[&["serve", &name], &long[..]].concat());
+    assert_eq!(third.line(), "ready", "a restart right after a death");
+    let got = loop {
+        match c.call("hop", pattern(10)) {
+            Ok(p) => break p.to_vec().unwrap(),
+            Err(e) => {
+                assert_eq!(e.status, Status::Unavailable, "{e}");
+                assert!(Instant::now() < until, "the third is not called: {e}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    };
+    assert_eq!(
+        u32::from_le_bytes(got[8..12].try_into().unwrap()),
+        third.pid()
+    );
+    drop(c);
+    drop(node);
+    drop((old, waiting));
+    third.stop();
+    settle(&tp);
+}
+
+#[test]
+fn a_service_killed_and_reaped_is_restarted_at_once() {
+    restart_at_once(true);
+}
+
+#[test]
+fn a_service_killed_and_not_yet_reaped_is_restarted_at_once() {
+    restart_at_once(false);
+}

@@ -1184,7 +1184,7 @@ impl dm_rpc::Registry for MapRegistry {
     ) -> Result<dm_rpc::registry::Registration, RpcError> {
         let mut m = self.0.lock().unwrap();
         if m.contains_key(name) {
-            return Err(RpcError::invalid_argument("taken"));
+            return Err(RpcError::already_exists("taken"));
         }
         m.insert(name.to_owned(), endpoint.clone());
         Ok(dm_rpc::registry::Registration {
@@ -3606,4 +3606,55 @@ fn a_caller_sends_a_buffer_and_keeps_it() {
     svc.shutdown();
     drop(node);
     tp.assert_clean();
+}
+
+/// A name a live server holds: a second server is refused with
+/// `AlreadyExists` (saying what to do), one that waits past its deadline
+/// is refused saying how long it waited, and one that waits gets the name
+/// once the holder stops; over every transport.
+#[test]
+fn a_name_held_by_a_live_server_is_refused_or_waited_for() {
+    for t in every_transport() {
+        let tp = pool();
+        let node = Node::new(tp.attach());
+        let name = unique("held");
+        let echo = |c: &mut dm_rpc::Call| Ok(c.take_payload());
+        let holder = node
+            .server(&name)
+            .transport(t.clone())
+            .method("echo", echo)
+            .spawn()
+            .unwrap();
+        let e = node.server(&name).transport(t.clone()).spawn().unwrap_err();
+        assert_eq!(e.status, Status::AlreadyExists, "{t:?}: {e}");
+        assert!(e.message.contains("wait_for_name"), "{t:?}: {e}");
+        let t0 = Instant::now();
+        let e = node
+            .server(&name)
+            .transport(t.clone())
+            .wait_for_name(Duration::from_millis(100))
+            .spawn()
+            .unwrap_err();
+        assert_eq!(e.status, Status::AlreadyExists, "{t:?}: {e}");
+        assert!(e.message.contains("waited"), "{t:?}: {e}");
+        assert!(t0.elapsed() >= Duration::from_millis(100));
+        let (n2, t2, name2) = (node.clone(), t.clone(), name.clone());
+        let waiter = std::thread::spawn(move || {
+            n2.server(&name2)
+                .transport(t2)
+                .method("echo", echo)
+                .wait_for_name(Duration::from_secs(30))
+                .spawn()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        drop(holder);
+        let successor = waiter.join().unwrap().unwrap();
+        let c = node.connect(&name).unwrap();
+        assert_eq!(
+            c.call("echo", vec![7u8; 3]).unwrap().to_vec().unwrap(),
+            [7, 7, 7]
+        );
+        drop((c, successor, node));
+        tp.assert_clean();
+    }
 }

@@ -51,6 +51,12 @@ create_exception!(
     Error,
     "The caller may not make this call."
 );
+create_exception!(
+    dmrpc,
+    AlreadyExists,
+    Error,
+    "What the call would create exists already: a service name a live process holds."
+);
 
 /// The status a name (as `.status` gives it) stands for.
 pub fn status_named(name: &str) -> Option<Status> {
@@ -64,6 +70,7 @@ pub fn status_named(name: &str) -> Option<Status> {
         "Cancelled" => Status::Cancelled,
         "Unauthenticated" => Status::Unauthenticated,
         "PermissionDenied" => Status::PermissionDenied,
+        "AlreadyExists" => Status::AlreadyExists,
         _ => return None,
     })
 }
@@ -80,6 +87,7 @@ pub fn to_py(e: RpcError) -> PyErr {
         Status::Cancelled => Cancelled::new_err(msg),
         Status::Unauthenticated => Unauthenticated::new_err(msg),
         Status::PermissionDenied => PermissionDenied::new_err(msg),
+        Status::AlreadyExists => AlreadyExists::new_err(msg),
         _ => Internal::new_err(msg),
     };
     Python::with_gil(|py| {
@@ -114,6 +122,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Internal", py.get_type::<Internal>())?;
     m.add("Unauthenticated", py.get_type::<Unauthenticated>())?;
     m.add("PermissionDenied", py.get_type::<PermissionDenied>())?;
+    m.add("AlreadyExists", py.get_type::<AlreadyExists>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;
     // Every class says its status, so that an exception a Python handler
     // raises carries it back to the caller too.
@@ -128,6 +137,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         (py.get_type::<Cancelled>(), "Cancelled"),
         (py.get_type::<Unauthenticated>(), "Unauthenticated"),
         (py.get_type::<PermissionDenied>(), "PermissionDenied"),
+        (py.get_type::<AlreadyExists>(), "AlreadyExists"),
     ] {
         t.setattr("status", s)?;
     }

@@ -145,8 +145,11 @@ impl PyNode {
     /// methods ({method: callable}), each taking the `Payload` that arrived
     /// and returning an iterable (a generator, say) of items, sent to the
     /// caller as they come (`Client.call_stream`); raising a `dmrpc.Error`
-    /// ends the stream with its status.
-    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None, replica=false, streams=None))]
+    /// ends the stream with its status. `wait_for_name`: seconds to wait
+    /// for a name a live process holds (default: raise
+    /// `dmrpc.AlreadyExists` at once, naming the holder). A process that
+    /// died, even one not yet reaped, holds no name.
+    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None, replica=false, streams=None, wait_for_name=None))]
     #[allow(clippy::too_many_arguments)]
     fn serve(
         &self,
@@ -158,10 +161,19 @@ impl PyNode {
         propagate: Option<Vec<String>>,
         replica: bool,
         streams: Option<&Bound<'_, PyDict>>,
+        wait_for_name: Option<f64>,
     ) -> PyResult<PyServer> {
         let mut b = self.node.server(name);
         if replica {
             b = b.replica();
+        }
+        if let Some(s) = wait_for_name {
+            let d = Duration::try_from_secs_f64(s).map_err(|_| {
+                to_py(RpcError::invalid_argument(format!(
+                    "wait_for_name {s} is not a duration in seconds"
+                )))
+            })?;
+            b = b.wait_for_name(d);
         }
         if let Some(addr) = tcp {
             b = b.transport(Transport::Tcp(addr));

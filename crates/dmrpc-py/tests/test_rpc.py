@@ -415,7 +415,7 @@ def test_balanced_clients_spread_calls_over_replicas_in_several_processes(pool):
     me = str(os.getpid()).encode()
     here = node.serve(name, {"who": lambda b: me, "rev": lambda b: bytes(b)[::-1]}, replica=True)
     try:
-        with pytest.raises(dmrpc.InvalidArgument):
+        with pytest.raises(dmrpc.AlreadyExists):
             node.serve(name, {"who": lambda b: b""})  # a name is shared by replicas or held by one
         with pytest.raises(dmrpc.InvalidArgument):
             node.connect(name, lazy=True, balanced=True)
@@ -1127,3 +1127,34 @@ def test_a_python_caller_reads_a_rust_stream_in_another_process(pool):
     finally:
         child.stdin.close()
         assert child.wait(timeout=10) == 0
+
+
+def test_a_name_held_by_a_live_process_is_refused_then_taken_when_it_dies(pool):
+    p, path = pool
+    node = dmrpc.Node(p)
+    name = f"py/held/{os.getpid()}/{next(_N)}"
+    holder = subprocess.Popen(
+        [agent(), path, "serve", name, "--lease", "5000"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        echo = {"echo": lambda b: bytes(b)}
+        with pytest.raises(dmrpc.AlreadyExists, match=f"process {holder.pid}") as e:
+            node.serve(name, echo)
+        assert e.value.status == "AlreadyExists" and "wait_for_name" in str(e.value)
+        with pytest.raises(dmrpc.AlreadyExists, match="waited"):
+            node.serve(name, echo, wait_for_name=0.1)
+        # Killed and not reaped (a zombie until `wait`): the name is free
+        # at once, far before the holder's 5 s lease runs out.
+        threading.Timer(0.1, holder.kill).start()
+        t0 = time.monotonic()
+        srv = node.serve(name, echo, wait_for_name=30)
+        assert time.monotonic() - t0 < 2.5
+        with open(f"/proc/{holder.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert bytes(node.connect(name).call("echo", b"back")) == b"back"
+        srv.shutdown()
+    finally:
+        holder.kill()
+        holder.wait()

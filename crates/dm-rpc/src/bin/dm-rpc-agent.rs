@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! dm-rpc-agent POOL serve NAME [--next NAME] [--fan NAME,NAME..] [--lease MS] [--tcp] [--replica]
+//!                             [--wait-name MS]
 //!     methods: hop   — forwards the payload by Ref to --next (or to every
 //!                      --fan service) and answers theirs; without either,
 //!                      answers hash (8) | pid (4) | in_pool (1) | Ref (40?)
@@ -13,7 +14,9 @@
 //!                      payload) of LEN pattern bytes, item k's first byte
 //!                      k, one every MS ms
 //!     registered as one replica of NAME with --replica;
-//!     prints "ready" once registered; stops cleanly when stdin closes, or
+//!     waits up to MS for a name a live process holds with --wait-name;
+//!     prints "ready" once registered, or "err STATUS MESSAGE" and exits
+//!     with 1 if it cannot serve; stops cleanly when stdin closes, or
 //!     gracefully on a line "drain" (then prints "drained")
 //! dm-rpc-agent POOL call NAME METHOD LEN
 //!     one call with LEN pattern bytes (or, for sleep, LEN ms); prints
@@ -101,6 +104,9 @@ mod agent {
         if args.iter().any(|a| a == "--replica") {
             builder = builder.replica();
         }
+        if let Some(ms) = arg_after(args, "--wait-name") {
+            builder = builder.wait_for_name(std::time::Duration::from_millis(ms.parse().unwrap()));
+        }
         let server = builder
             .method("hop", move |c| {
                 if next.is_empty() {
@@ -186,8 +192,14 @@ mod agent {
                     .ok_or_else(|| RpcError::internal("client"))?;
                 cl.call("wait", c.payload().forward()?)
             })
-            .spawn()
-            .unwrap();
+            .spawn();
+        let server = match server {
+            Ok(s) => s,
+            Err(e) => {
+                println!("err {:?} {}", e.status, e.message);
+                std::process::exit(1);
+            }
+        };
         println!("ready");
         std::io::stdout().flush().unwrap();
         // Serve until the parent closes stdin, or says "drain".

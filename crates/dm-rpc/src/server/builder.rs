@@ -19,6 +19,40 @@ use dm_pool::Endpoint;
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Longest pause between two tries of a name `wait_for_name` waits for.
+const NAME_POLL: Duration = Duration::from_millis(10);
+
+/// Runs `claim` until it does not answer `AlreadyExists`, or `wait` has
+/// passed (then its last answer, saying how long it waited).
+fn claim_name<T>(
+    wait: Duration,
+    mut claim: impl FnMut() -> Result<T, RpcError>,
+) -> Result<T, RpcError> {
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match claim() {
+            Err(e) if e.status == crate::Status::AlreadyExists => {
+                let left = wait.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    if wait.is_zero() {
+                        return Err(e);
+                    }
+                    return Err(RpcError::already_exists(format!(
+                        "{} (waited {} ms for it)",
+                        e.message,
+                        start.elapsed().as_millis()
+                    )));
+                }
+                std::thread::sleep(pause.min(left));
+                pause = (pause * 2).min(NAME_POLL);
+            }
+            done => return done,
+        }
+    }
+}
 
 /// Builds a server.
 pub struct ServerBuilder {
@@ -31,6 +65,8 @@ pub struct ServerBuilder {
     pub(super) propagate: Vec<String>,
     /// Registered as one replica of the name ([`ServerBuilder::replica`]).
     pub(super) replica: bool,
+    /// How long `spawn` waits for a name a live process holds.
+    pub(super) wait_for_name: Duration,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -42,6 +78,7 @@ impl std::fmt::Debug for ServerBuilder {
             .field("interceptors", &self.interceptors.len())
             .field("propagate", &self.propagate)
             .field("replica", &self.replica)
+            .field("wait_for_name", &self.wait_for_name)
             .finish()
     }
 }
@@ -57,7 +94,22 @@ impl ServerBuilder {
             interceptors: Vec::new(),
             propagate: Vec::new(),
             replica: false,
+            wait_for_name: Duration::ZERO,
         }
+    }
+
+    /// Waits up to `deadline` for the name if a live process holds it
+    /// (default: no wait, and `spawn` fails at once with
+    /// [`Status::AlreadyExists`](crate::Status::AlreadyExists), naming the
+    /// holder). A process that is gone never holds a name: one that exited,
+    /// was killed or is a zombie not yet reaped gives its name up at once,
+    /// and so does one that lost its lease. So a supervisor that restarts a
+    /// service right after its death needs no wait; one that starts the new
+    /// server before the old one has quite stopped (a rolling restart) asks
+    /// for one. The name is taken within about 10 ms of being free.
+    pub fn wait_for_name(mut self, deadline: Duration) -> Self {
+        self.wait_for_name = deadline;
+        self
     }
 
     /// Registers the server as one replica of its name: any number of
@@ -198,11 +250,13 @@ impl ServerBuilder {
         let mut endpoint = None;
         let (listener, reg): (Box<dyn Listener>, Option<Reg>) = match &self.transport {
             Transport::Shm => {
-                let svc = if self.replica {
-                    node.pool.register_replica(&self.name, &Endpoint::Shm)?
-                } else {
-                    node.pool.register(&self.name, &Endpoint::Shm)?
-                };
+                let svc = claim_name(self.wait_for_name, || {
+                    Ok(if self.replica {
+                        node.pool.register_replica(&self.name, &Endpoint::Shm)?
+                    } else {
+                        node.pool.register(&self.name, &Endpoint::Shm)?
+                    })
+                })?;
                 match crate::transport::shm::ShmListener::new(
                     &node.pool,
                     svc.clone(),
@@ -226,11 +280,13 @@ impl ServerBuilder {
                 )?;
                 let at = l.local_addr().to_string();
                 let at_ = Endpoint::Tcp(at.clone());
-                let r = if self.replica {
-                    node.registry.register_replica(&self.name, &at_)?
-                } else {
-                    node.registry.register(&self.name, &at_)?
-                };
+                let r = claim_name(self.wait_for_name, || {
+                    Ok(if self.replica {
+                        node.registry.register_replica(&self.name, &at_)?
+                    } else {
+                        node.registry.register(&self.name, &at_)?
+                    })
+                })?;
                 endpoint = Some(at);
                 (Box::new(l), Some(Reg::Registry(r)))
             }
@@ -240,11 +296,15 @@ impl ServerBuilder {
                 } else {
                     crate::transport::mem::bind
                 };
-                let l = bind(&self.name, stop.clone()).ok_or_else(|| {
-                    RpcError::invalid_argument(format!(
-                        "service {:?} is already bound in this process",
-                        self.name
-                    ))
+                let l = claim_name(self.wait_for_name, || {
+                    bind(&self.name, stop.clone()).ok_or_else(|| {
+                        RpcError::already_exists(format!(
+                            "service {:?} is already bound in this process: stop its server, \
+                             choose another name, or wait for the name \
+                             (`ServerBuilder::wait_for_name`)",
+                            self.name
+                        ))
+                    })
                 })?;
                 let reg = Reg::Mem(self.name.clone(), l.binding());
                 (Box::new(l), Some(reg))

@@ -16,6 +16,7 @@ class ResourceExhausted(Error): ...
 class Internal(Error): ...
 class Unauthenticated(Error): ...
 class PermissionDenied(Error): ...
+class AlreadyExists(Error): ...
 class Cancelled(Error): ...
 
 class Ref:
@@ -323,6 +324,7 @@ class Node:
         propagate: list[str] | None = None,
         replica: bool = False,
         streams: dict[str, Callable[[Payload], Iterable[Data]]] | None = None,
+        wait_for_name: float | None = None,
     ) -> Server:
         """Serves `handlers` as service `name` (on TCP at `tcp` if given).
         `intercept(method, metadata)` runs before every handler: a
@@ -331,7 +333,9 @@ class Node:
         one of any number of servers sharing `name` (see `connect`'s
         `balanced`). `streams`: streaming methods, each returning an iterable
         (a generator, say) of items sent as they come (`Client.call_stream`);
-        a `dmrpc.Error` raised ends the stream with its status."""
+        a `dmrpc.Error` raised ends the stream with its status.
+        `wait_for_name`: seconds to wait for a name a live process holds
+        (default: raise `dmrpc.AlreadyExists` at once, naming the holder)."""
         ...
     def connect(self, name: str, lazy: bool = False, balanced: bool = False) -> Client:
         """Connects to service `name`; `lazy`: on the first call instead (until
