@@ -33,7 +33,7 @@ cargo build --release -p dmrpc-cli --features iceoryx2
 step "demo (smoke run on its own pool)"
 pool="ci-demo-$$"
 trap 'rm -f "/dev/shm/dmrpc-$pool.pool"' EXIT
-./target/release/dmrpc demo --pool "$pool" --size 256KiB --calls 20
+./target/release/dmrpc demo --pool "$pool" --sizes 64KiB,1MiB --calls 20
 ./target/release/dmrpc pool check "$pool" --deep
 ./target/release/dmrpc pool destroy "$pool"
 

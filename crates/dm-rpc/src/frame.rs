@@ -48,6 +48,7 @@
 //! never panics, whatever the bytes: it is fuzzed (`fuzz/fuzz_targets/frame_decode.rs`).
 
 use crate::metadata::Metadata;
+use bytes::Bytes;
 use dm_pool::{Ref, RefDecodeError};
 
 /// Frame encoding version written and read by this build (history:
@@ -155,8 +156,9 @@ impl Status {
 pub enum Body {
     /// Nothing.
     None,
-    /// Bytes, copied with the frame.
-    Inline(Vec<u8>),
+    /// Bytes, copied with the frame (shared, not copied, between the
+    /// payloads and frames that hold them: a forwarded inline payload).
+    Inline(Bytes),
     /// References to pool memory (one or more).
     Refs(Vec<Ref>),
 }
@@ -360,7 +362,7 @@ impl Frame {
             ..Frame::response(
                 call_id,
                 Status::Unavailable,
-                Body::Inline(why.as_bytes().to_vec()),
+                Body::Inline(Bytes::copy_from_slice(why.as_bytes())),
             )
         }
     }
@@ -484,7 +486,7 @@ impl Frame {
             return Ok(None);
         };
         let payload = match head.pkind {
-            1 => Body::Inline(body.to_vec()),
+            1 => Body::Inline(Bytes::copy_from_slice(body)),
             _ => head.body(body)?,
         };
         let meta = Metadata::decode(meta).map_err(FrameError::Metadata)?;
@@ -533,7 +535,7 @@ impl Frame {
         let payload = match head.pkind {
             1 => {
                 rest.truncate(len);
-                Body::Inline(std::mem::take(rest))
+                Body::Inline(Bytes::from(std::mem::take(rest)))
             }
             _ => Body::None,
         };
@@ -694,7 +696,7 @@ impl Head {
     fn body(&self, body: &[u8]) -> Result<Body, FrameError> {
         Ok(match self.pkind {
             0 => Body::None,
-            1 => Body::Inline(body.to_vec()),
+            1 => Body::Inline(Bytes::copy_from_slice(body)),
             _ => {
                 // (Exactly as many as there are: collected from a fallible
                 // iterator, a vector would start with room for four.)
@@ -797,7 +799,7 @@ mod tests {
     fn frames() -> impl Strategy<Value = Frame> {
         let payload = prop_oneof![
             Just(Body::None),
-            proptest::collection::vec(any::<u8>(), 0..300).prop_map(Body::Inline),
+            proptest::collection::vec(any::<u8>(), 0..300).prop_map(|v| Body::Inline(v.into())),
             (1usize..5, any::<u64>(), any::<u32>(), 1u64..).prop_map(|(n, tag, desc, len)| {
                 Body::Refs(
                     (0..n)
@@ -912,7 +914,7 @@ mod tests {
             assert_eq!(Frame::decode_record(&b[..HEADER_LEN], &mut rest, &l), Ok(f));
             assert_eq!(rest.as_ptr(), room, "the vector is kept");
         }
-        let inline = Frame::response(2, Status::Ok, Body::Inline(vec![5; 8]));
+        let inline = Frame::response(2, Status::Ok, Body::Inline(vec![5; 8].into()));
         let b = inline.encode();
         rest.clear();
         rest.extend_from_slice(&b[HEADER_LEN..]);
@@ -930,12 +932,12 @@ mod tests {
         let inconsistent = |f: Frame| matches!(decode(&f), Err(FrameError::Inconsistent(_)));
         // Well-formed: a streaming request, items of each payload kind, a
         // credit.
-        let mut req = Frame::request(3, 9, 0, Body::Inline(vec![1]));
+        let mut req = Frame::request(3, 9, 0, Body::Inline(vec![1].into()));
         req.flags = FLAG_STREAM;
         for f in [
             req.clone(),
             Frame::item(3, Body::None),
-            Frame::item(3, Body::Inline(vec![7; 10])),
+            Frame::item(3, Body::Inline(vec![7; 10].into())),
             Frame::item(3, Body::Refs(vec![a_ref()])),
             Frame::credit(3, 16),
         ] {
@@ -963,7 +965,7 @@ mod tests {
         // A credit grants at least one item, and carries nothing else.
         assert!(inconsistent(Frame::credit(3, 0)));
         let mut credit = Frame::credit(3, 1);
-        credit.payload = Body::Inline(vec![1]);
+        credit.payload = Body::Inline(vec![1].into());
         assert!(inconsistent(credit));
         let mut credit = Frame::credit(3, 1);
         credit.deadline_us = 10;
@@ -1064,7 +1066,7 @@ mod tests {
         let meta = crate::metadata::Metadata::new()
             .with("trace-id", "t1")
             .unwrap();
-        let with = Frame::request(4, 9, 0, Body::Inline(vec![1, 2, 3])).with_meta(meta);
+        let with = Frame::request(4, 9, 0, Body::Inline(vec![1, 2, 3].into())).with_meta(meta);
         let b = with.encode();
         assert_eq!(Frame::decode(&b, &l), Ok(Some((with.clone(), b.len()))));
         let mut rest = b[HEADER_LEN..].to_vec();

@@ -28,11 +28,35 @@ use std::time::Duration;
 pub const DEFAULT_INLINE_MAX: usize = 64 << 10;
 
 /// How a node's calls behave.
+///
+/// What decides inline or by Ref, for each payload a call or an answer
+/// carries:
+///
+/// 1. With [`by_value`](Self::by_value), every payload travels inline,
+///    whatever its size. One larger than the connection's frames carry
+///    fails the call with `ResourceExhausted`, saying what carries it.
+/// 2. Otherwise a payload up to the threshold travels inline, and a larger
+///    one by Ref. The threshold is [`inline_max`](Self::inline_max),
+///    capped by what the connection's frames carry: over shared memory a
+///    frame takes at most half a ring, less its 32-byte header and the
+///    call's metadata (`PoolConfig::ring_size`); over TCP 16 MiB; in
+///    process 128 KiB. An answer's cap can be lower still: the room its
+///    server keeps for it in the ring.
+/// 3. A Ref needs a peer that can use it. With a peer that shares neither
+///    the pool nor the memory servers (TCP between hosts), every payload
+///    travels inline.
+///
+/// A payload that arrived by Ref and is forwarded travels by Ref whatever
+/// its size (no copy), unless the node asked for [`by_value`](Self::by_value).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
-    /// Payloads up to this many bytes go inline; larger by Ref. Capped by
-    /// what the transport carries inline.
+    /// The threshold: payloads up to this many bytes go inline, larger by
+    /// Ref. Capped by what the connection's frames carry (above).
     pub inline_max: usize,
+    /// Every payload inline, whatever its size (to compare, or to isolate
+    /// a peer): a payload too large for the connection's frames fails its
+    /// call, never travels by Ref instead. Off by default.
+    pub by_value: bool,
     /// How waiters spin, yield and park (default: [`WaitPolicy::from_env`]).
     pub wait: WaitPolicy,
     /// Deadline applied to calls that set none (None: wait for the answer
@@ -53,10 +77,32 @@ pub struct Config {
 /// poller yields its core between polls and stops on a crowded one.
 pub const DEFAULT_TCP_SPIN: Duration = Duration::from_micros(200);
 
+impl Config {
+    /// The default configuration with every payload inline
+    /// ([`by_value`](Self::by_value)).
+    pub fn by_value() -> Config {
+        Config {
+            by_value: true,
+            ..Config::default()
+        }
+    }
+
+    /// The size up to which a payload goes inline, before the transport's
+    /// cap.
+    pub(crate) fn threshold(&self) -> usize {
+        if self.by_value {
+            usize::MAX
+        } else {
+            self.inline_max
+        }
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
             inline_max: DEFAULT_INLINE_MAX,
+            by_value: false,
             wait: WaitPolicy::from_env(),
             default_deadline: None,
             tcp_spin: DEFAULT_TCP_SPIN,

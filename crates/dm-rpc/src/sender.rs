@@ -259,7 +259,7 @@ mod tests {
             for _ in 0..4 {
                 s.spawn(|| {
                     for _ in 0..500 {
-                        let mut f = Frame::request(0, 1, 0, Body::Inline(vec![1]));
+                        let mut f = Frame::request(0, 1, 0, Body::Inline(vec![1].into()));
                         let mut enlist = |old: u64, new: u64| {
                             let mut l = listed.lock().unwrap();
                             match l.iter_mut().find(|k| **k == old) {

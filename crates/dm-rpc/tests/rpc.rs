@@ -499,7 +499,8 @@ fn malformed_bytes_on_tcp_drop_only_that_connection() {
     hello.extend_from_slice(&0u64.to_le_bytes());
     let mut bad_frame = dm_rpc::Frame::request(1, 1, 0, dm_rpc::Body::None).encode();
     bad_frame[2] = 99; // unknown version
-    let mut oversized = dm_rpc::Frame::request(1, 1, 0, dm_rpc::Body::Inline(vec![1])).encode();
+    let mut oversized =
+        dm_rpc::Frame::request(1, 1, 0, dm_rpc::Body::Inline(vec![1].into())).encode();
     oversized[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
     let cases: [(&str, Vec<u8>); 4] = [
         ("bad hello", b"GET / HTTP/1.1\r\n\r\n".to_vec()),
@@ -589,8 +590,13 @@ fn a_tcp_client_that_sends_many_large_requests_before_reading_is_served() {
     let data: Vec<Vec<u8>> = (0..n).map(|k| vec![k as u8 + 1; 4 << 20]).collect();
     let mut bytes = Vec::new();
     for (k, d) in data.iter().enumerate() {
-        dm_rpc::Frame::request(k as u64 + 1, echo, 0, dm_rpc::Body::Inline(d.clone()))
-            .encode_into(&mut bytes);
+        dm_rpc::Frame::request(
+            k as u64 + 1,
+            echo,
+            0,
+            dm_rpc::Body::Inline(d.clone().into()),
+        )
+        .encode_into(&mut bytes);
     }
     s.write_all(&bytes).unwrap();
     let mut buf = Vec::new();
@@ -598,7 +604,10 @@ fn a_tcp_client_that_sends_many_large_requests_before_reading_is_served() {
         let f = read_frame(&mut s, &mut buf);
         assert_eq!(f.call_id, k + 1);
         assert_eq!(f.status, dm_rpc::Status::Ok);
-        assert_eq!(f.payload, dm_rpc::Body::Inline(data[k as usize].clone()));
+        assert_eq!(
+            f.payload,
+            dm_rpc::Body::Inline(data[k as usize].clone().into())
+        );
     }
     drop(s);
     close(tp, node, svc);
@@ -650,7 +659,7 @@ fn a_tcp_client_that_never_reads_its_answers_is_dropped_and_others_are_served() 
     // in runs here, so 64 was too few to tell.)
     let echo = dm_rpc::frame::method_id("echo");
     let req = |k: u64| {
-        dm_rpc::Frame::request(k, echo, 0, dm_rpc::Body::Inline(vec![7; 4 << 20])).encode()
+        dm_rpc::Frame::request(k, echo, 0, dm_rpc::Body::Inline(vec![7; 4 << 20].into())).encode()
     };
     deaf.set_write_timeout(Some(Duration::from_secs(20)))
         .unwrap();
@@ -749,7 +758,7 @@ fn a_client_that_stops_reading_does_not_stall_others() {
         1,
         dm_rpc::frame::method_id("echo"),
         0,
-        dm_rpc::Body::Inline(vec![0; 1000]),
+        dm_rpc::Body::Inline(vec![0; 1000].into()),
     );
     let mut sent = 0;
     let until = Instant::now() + Duration::from_millis(500);
@@ -819,7 +828,7 @@ fn a_lap_started_early_keeps_the_room_promised_for_answers_owed() {
     let ask = |id: u64, method: &str, n: u32, gate: u8| {
         let mut b = n.to_le_bytes().to_vec();
         b.push(gate);
-        Frame::request(id, method_id(method), 0, Body::Inline(b))
+        Frame::request(id, method_id(method), 0, Body::Inline(b.into()))
     };
     let soon = || Some(Instant::now() + Duration::from_secs(10));
     for id in 1..=9 {
@@ -884,7 +893,7 @@ fn a_server_waiting_for_room_for_an_answer_wakes_when_the_client_reads() {
             id,
             dm_rpc::frame::method_id("echo"),
             0,
-            dm_rpc::Body::Inline(vec![id as u8; 100]),
+            dm_rpc::Body::Inline(vec![id as u8; 100].into()),
         );
         assert!(conn.tx.send(&frame, None).unwrap());
     }
@@ -1084,7 +1093,7 @@ fn answers_sent_before_the_server_closed_are_read_first() {
     for id in 1..=3 {
         let (c, f) = l.next(soon()).unwrap().expect("a request");
         assert_eq!(f.call_id, id);
-        let body = Body::Inline(vec![id as u8]);
+        let body = Body::Inline(vec![id as u8].into());
         l.reply(c, &Frame::response(id, Status::Ok, body)).unwrap();
     }
     drop(l); // closes the server's end of every connection
@@ -3216,7 +3225,8 @@ fn a_streams_grant_is_not_held_behind_a_later_request() {
         let (mut l, mut c, reg) = raw_pair(&node, &t);
         let mut frames = Vec::new();
         for id in [1, 2, 3] {
-            let mut f = dm_rpc::Frame::request(id, 1, 0, dm_rpc::Body::Inline(vec![id as u8]));
+            let mut f =
+                dm_rpc::Frame::request(id, 1, 0, dm_rpc::Body::Inline(vec![id as u8].into()));
             f.flags |= dm_rpc::frame::FLAG_STREAM;
             frames.push(f);
         }
@@ -3280,7 +3290,8 @@ fn a_listener_that_goes_away_says_which_requests_it_took() {
     for t in every_transport() {
         let (mut l, mut c, reg) = raw_pair(&node, &t);
         for id in [7, 8, 9] {
-            let f = dm_rpc::Frame::request(id, 1, 0, dm_rpc::Body::Inline(vec![id as u8; 100]));
+            let f =
+                dm_rpc::Frame::request(id, 1, 0, dm_rpc::Body::Inline(vec![id as u8; 100].into()));
             assert!(c.tx.send(&f, None).unwrap(), "{t:?}");
         }
         let until = Instant::now() + Duration::from_secs(5);
@@ -3568,41 +3579,55 @@ fn a_caller_sends_a_buffer_and_keeps_it() {
     let tp = TempPool::new(64 << 20);
     let node = Node::new(tp.attach());
     let name = unique("keep");
-    let kept: Arc<Mutex<Option<dm_pool::Buffer>>> = Arc::new(Mutex::new(None));
-    let (k1, k2) = (kept.clone(), kept.clone());
+    // The callee keeps what it received, inline or by Ref, in one way, and
+    // writes into it later.
+    let kept: Arc<Mutex<Option<Payload>>> = Arc::new(Mutex::new(None));
+    let (k1, k2, k3) = (kept.clone(), kept.clone(), kept.clone());
     let svc = node
         .server(&name)
         .method("keep", move |call| {
-            *k1.lock().unwrap() = call.take_payload().keep()?;
+            *k1.lock().unwrap() = Some(call.take_payload().keep()?);
+            Ok(Payload::empty())
+        })
+        .method("edit", move |_| {
+            let mut k = k2.lock().unwrap();
+            k.as_mut().expect("nothing kept").write(0, &[0xAA])?;
             Ok(Payload::empty())
         })
         .method("read", move |_| {
-            let b = k2.lock().unwrap().take().expect("nothing kept");
-            Ok(Payload::from_vec(b.to_vec()?))
+            k3.lock().unwrap().take().expect("nothing kept").keep()
         })
         .spawn()
         .unwrap();
     let client = node.connect(&name).unwrap();
-    let len = 256 << 10; // above the default threshold: it goes by Ref
-    let mut buf = node.pool().alloc(len as u64).unwrap();
-    buf.write(0, &vec![1u8; len]).unwrap();
-    client.call("keep", buf.dup().unwrap()).unwrap();
-    // The caller still has its buffer, and writes it again.
-    buf.write(0, &vec![2u8; len]).unwrap();
-    buf.write(len as u64 - 1, &[3]).unwrap();
-    let seen = client
-        .call("read", Payload::empty())
-        .unwrap()
-        .to_vec()
-        .unwrap();
-    assert_eq!(
-        seen,
-        vec![1u8; len],
-        "the callee saw the caller's later writes"
-    );
-    let mine = buf.to_vec().unwrap();
-    assert_eq!((mine[0], mine[len - 2], mine[len - 1]), (2, 2, 3));
-    drop((client, buf));
+    // Inline (below the default threshold) and by Ref (above it).
+    for len in [1000, 256 << 10] {
+        let mut buf = node.pool().alloc(len as u64).unwrap();
+        buf.write(0, &vec![1u8; len]).unwrap();
+        client.call("keep", buf.dup().unwrap()).unwrap();
+        // The caller still has its buffer, and writes it again.
+        buf.write(0, &vec![2u8; len]).unwrap();
+        buf.write(len as u64 - 1, &[3]).unwrap();
+        client.call("edit", Payload::empty()).unwrap();
+        let seen = client
+            .call("read", Payload::empty())
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        let mut want = vec![1u8; len];
+        want[0] = 0xAA;
+        assert!(
+            seen == want,
+            "{len}: the callee saw the caller's later writes"
+        );
+        let mine = buf.to_vec().unwrap();
+        assert_eq!(
+            (mine[0], mine[len - 2], mine[len - 1]),
+            (2, 2, 3),
+            "{len}: the caller saw the callee's write"
+        );
+    }
+    drop(client);
     svc.shutdown();
     drop(node);
     tp.assert_clean();
@@ -3657,4 +3682,104 @@ fn a_name_held_by_a_live_server_is_refused_or_waited_for() {
         drop((c, successor, node));
         tp.assert_clean();
     }
+}
+
+/// What a `how` handler answers: whether its argument came by Ref, and
+/// its length and hash.
+fn how(c: &mut dm_rpc::Call) -> Result<Payload, RpcError> {
+    let p = c.payload();
+    let mut v = vec![p.in_pool() as u8];
+    v.extend_from_slice(&p.len().to_le_bytes());
+    v.extend_from_slice(&sum(p).to_le_bytes());
+    Ok(Payload::from_vec(v))
+}
+
+/// A node that asks for by value sends every payload inline, whatever
+/// its size, over every transport that carries it (checked on the
+/// receiver), and forwards a payload that came by Ref as bytes; a payload
+/// too large for the connection's frames fails its call with a message
+/// that says what to do, and never travels by Ref instead.
+#[test]
+fn by_value_goes_inline_at_any_size_or_fails_saying_why() {
+    let big = common::pattern(6 << 20, 3);
+    let check = |got: Payload, data: &[u8], by_ref: bool| {
+        let v = got.to_vec().unwrap();
+        assert_eq!(v[0] == 1, by_ref, "by Ref");
+        assert_eq!(
+            u64::from_le_bytes(v[1..9].try_into().unwrap()),
+            data.len() as u64
+        );
+        assert_eq!(
+            u64::from_le_bytes(v[9..17].try_into().unwrap()),
+            sum(&Payload::from(data))
+        );
+    };
+    // Default rings (256 KiB): a frame takes at most half a ring.
+    let tp = pool();
+    let value = Node::with_config(tp.attach(), Config::by_value());
+    let name = unique("by-value");
+    let svc = value.server(&name).method("how", how).spawn().unwrap();
+    let c = value.connect(&name).unwrap();
+    let small = common::pattern(100 << 10, 1); // above the default threshold
+    check(c.call("how", small.clone()).unwrap(), &small, false);
+    let e = c.call("how", big.clone()).unwrap_err();
+    assert_eq!(e.status, Status::ResourceExhausted, "{e}");
+    assert!(
+        e.message.contains("--ring-size") && e.message.contains("by Ref"),
+        "{e}"
+    );
+    // The connection is fine after the refusal.
+    check(c.call("how", small.clone()).unwrap(), &small, false);
+    // A pool buffer, and a Ref forwarded by a by-value node, go as bytes.
+    let mut b = tp.attach().alloc(small.len() as u64).unwrap();
+    b.write(0, &small).unwrap();
+    check(c.call("how", b).unwrap(), &small, false);
+    let by_ref = Node::new(tp.attach());
+    let relay_name = unique("relay");
+    let (v2, to) = (value.clone(), name.clone());
+    let relay = value
+        .server(&relay_name)
+        .method("fwd", move |call| {
+            let next = v2.connect(&to)?;
+            next.call("how", call.payload().forward()?)
+        })
+        .spawn()
+        .unwrap();
+    let rc = by_ref.connect(&relay_name).unwrap();
+    check(rc.call("fwd", small.clone()).unwrap(), &small, false);
+    drop((rc, relay, c, svc, by_ref, value));
+    tp.assert_clean();
+
+    // 16 MiB rings carry 6 MiB by value.
+    let tp = TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(4),
+        ring_size: 16 << 20,
+        ..Default::default()
+    });
+    let value = Node::with_config(tp.attach(), Config::by_value());
+    let svc = value.server(&name).method("how", how).spawn().unwrap();
+    let c = value.connect(&name).unwrap();
+    check(c.call("how", big.clone()).unwrap(), &big, false);
+    drop((c, svc));
+    // And so does TCP (its frames carry up to 16 MiB).
+    let svc = value
+        .server(&name)
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("how", how)
+        .spawn()
+        .unwrap();
+    let c = value.connect(&name).unwrap();
+    check(c.call("how", big.clone()).unwrap(), &big, false);
+    // Without by_value the same call goes by Ref (the threshold rule).
+    let sized = Node::new(tp.attach());
+    let svc2 = sized
+        .server(&unique("sized"))
+        .method("how", how)
+        .spawn()
+        .unwrap();
+    let c2 = sized.connect(svc2.name()).unwrap();
+    check(c2.call("how", big.clone()).unwrap(), &big, true);
+    drop((c, svc, c2, svc2, sized, value));
+    tp.assert_clean();
 }

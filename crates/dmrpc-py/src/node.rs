@@ -111,15 +111,22 @@ impl PyNode {
     /// A node on `pool`. With `memservers`, large payloads to nodes of
     /// other pools that use the same memory servers travel by their Refs.
     /// `inline_max`: payloads up to this many bytes go inline, larger ones
-    /// by Ref (default: `dmrpc.DEFAULT_INLINE_MAX`).
+    /// by Ref (default: `dmrpc.DEFAULT_INLINE_MAX`), capped by what a
+    /// connection's frames carry (over shared memory, half a ring).
+    /// `by_value`: every payload inline, whatever its size; one too large
+    /// for the connection's frames raises `ResourceExhausted`.
     #[new]
-    #[pyo3(signature = (pool, memservers=None, inline_max=None))]
+    #[pyo3(signature = (pool, memservers=None, inline_max=None, by_value=false))]
     fn new(
         pool: &PyPool,
         memservers: Option<&PyMemPool>,
         inline_max: Option<usize>,
+        by_value: bool,
     ) -> PyResult<PyNode> {
-        let mut cfg = Config::default();
+        let mut cfg = Config {
+            by_value,
+            ..Config::default()
+        };
         if let Some(m) = inline_max {
             cfg.inline_max = m;
         }

@@ -138,7 +138,7 @@ impl PyPayload {
         let pool = self.node.pool();
         let b = py
             .allow_threads(|| -> Result<Buffer, RpcError> {
-                Ok(match kept.keep()? {
+                Ok(match kept.into_buffer()? {
                     Some(b) => b,
                     None => {
                         let v = self.p.to_vec()?;
@@ -209,7 +209,7 @@ pub fn to_payload(
     }
     let bytes = BytesLike::get(d)?;
     let s = bytes.as_slice();
-    if s.len() > node.config().inline_max {
+    if s.len() > node.config().inline_max && !node.config().by_value {
         // Straight into the pool: one copy whether it then travels by Ref
         // or (to a peer that does not share the pool) by value.
         let mut b = node.pool().alloc(s.len() as u64).map_err(pool_err)?;

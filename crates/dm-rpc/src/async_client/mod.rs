@@ -408,7 +408,7 @@ mod tests {
     }
 
     fn answer(id: u64, byte: u8) -> Frame {
-        Frame::response(id, Status::Ok, Body::Inline(vec![byte]))
+        Frame::response(id, Status::Ok, Body::Inline(vec![byte].into()))
     }
 
     fn byte(got: Option<Result<Frame, RpcError>>) -> u8 {

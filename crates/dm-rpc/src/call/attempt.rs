@@ -115,7 +115,7 @@ pub(crate) fn outgoing(
     };
     // (The metadata travels in the frame too, within the receiver's limit.)
     let inline_max = meta
-        .inline_room(node.cfg.inline_max, max_inline)
+        .inline_room(node.cfg.threshold(), max_inline)
         .map_err(|(len, max)| {
             RpcError::invalid_argument(format!(
                 "metadata of {len} bytes exceeds the limit of {max}"
@@ -416,7 +416,7 @@ mod tests {
     use crate::transport::Sharing;
 
     fn refused(deadline: Option<Instant>, inline: usize, meta: Metadata) -> Refused {
-        let req = Frame::request(1, 7, 9, Body::Inline(vec![1; inline])).with_meta(meta);
+        let req = Frame::request(1, 7, 9, Body::Inline(vec![1; inline].into())).with_meta(meta);
         let answer = Frame::refused(1, "the service is shutting down");
         let lent = Lent::default();
         let again = Again {

@@ -119,7 +119,7 @@ mod tests {
     use crate::payload::Lent;
 
     fn request_with(e: RpcError, deadline: Option<Instant>, inline: usize) -> Box<Refused> {
-        let req = Frame::request(1, 7, 0, Body::Inline(vec![1; inline]));
+        let req = Frame::request(1, 7, 0, Body::Inline(vec![1; inline].into()));
         let lent = Lent::default();
         let again = Again::default();
         Box::new(Refused::new(req, e, lent, deadline, Sharing::POOL, again))

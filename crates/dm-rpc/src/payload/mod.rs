@@ -40,6 +40,7 @@ use crate::error::RpcError;
 use crate::frame::{Body, FLAG_ECHO};
 use crate::node::Node;
 use crate::transport::Sharing;
+use bytes::Bytes;
 use dm_pool::BACKEND_MEMSERVER;
 use dm_pool::{Buffer, Dm, Pool, Ref};
 use std::borrow::Cow;
@@ -60,7 +61,7 @@ pub struct Payload {
 enum Repr {
     #[default]
     Empty,
-    Bytes(Vec<u8>),
+    Bytes(Bytes),
     Buffer(Buffer),
     Ref(Arc<Received>),
     /// A buffer on a memory server (the sender's), with its bytes once read
@@ -95,6 +96,12 @@ impl From<Vec<u8>> for Payload {
     }
 }
 
+impl From<Bytes> for Payload {
+    fn from(b: Bytes) -> Self {
+        Payload::from_bytes(b)
+    }
+}
+
 impl From<&[u8]> for Payload {
     fn from(v: &[u8]) -> Self {
         Payload::from_vec(v.to_vec())
@@ -116,11 +123,16 @@ impl Payload {
     /// Bytes owned by the payload (sent inline, or copied into the pool and
     /// sent by Ref when larger than the threshold).
     pub fn from_vec(v: Vec<u8>) -> Payload {
-        if v.is_empty() {
+        Payload::from_bytes(Bytes::from(v))
+    }
+
+    /// Bytes shared with the payload (no copy): as [`from_vec`](Self::from_vec).
+    pub fn from_bytes(b: Bytes) -> Payload {
+        if b.is_empty() {
             return Payload::empty();
         }
         Payload {
-            repr: Repr::Bytes(v),
+            repr: Repr::Bytes(b),
         }
     }
 
@@ -143,7 +155,7 @@ impl Payload {
         refs: Sharing,
         data: &[u8],
     ) -> Result<Payload, RpcError> {
-        if data.len() > node.cfg.inline_max.min(max_inline) && refs.pool {
+        if data.len() > node.cfg.threshold().min(max_inline) && refs.pool && !node.cfg.by_value {
             let mut b = node.pool.alloc(data.len() as u64)?;
             b.write(0, data)?;
             return Ok(Payload::from_buffer(b));
@@ -228,7 +240,7 @@ impl Payload {
             return Ok(vec![v]);
         }
         Ok(match (&self.repr, self.buffer()?) {
-            (Repr::Bytes(v), _) => vec![v.as_slice()],
+            (Repr::Bytes(v), _) => vec![&v[..]],
             (_, Some(b)) => b.segments(0, b.len())?,
             _ => Vec::new(),
         })
@@ -305,7 +317,9 @@ impl Payload {
     }
 
     /// The same data, to pass on in another call without touching it: a
-    /// payload that arrived by Ref forwards the Ref (no mapping, no copy).
+    /// payload that arrived by Ref forwards the Ref (no mapping, no copy),
+    /// and inline bytes are shared (no copy either: each call they go
+    /// out with copies them once, into its frame).
     /// A pool buffer (an answer, or one you built) is duplicated by sharing
     /// its pages (a Ref made, mapped and released: no copy, and the pages
     /// become copy-on-write). A memory-server buffer you built is sent by
@@ -329,11 +343,59 @@ impl Payload {
         })
     }
 
-    /// Keeps pool data beyond the call that delivered it: a buffer with its
-    /// own shares of the pages (copy-on-write), valid after the caller
-    /// releases its Ref. `Ok(None)` for inline or empty data (use
-    /// [`into_vec`](Self::into_vec)).
-    pub fn keep(self) -> Result<Option<Buffer>, RpcError> {
+    /// Keeps the data beyond the call that delivered it, whatever its
+    /// kind: valid after the caller releases what it lent, and writable
+    /// with [`write`](Self::write). A payload that arrived by Ref becomes a
+    /// pool buffer with its own shares of the pages (copy-on-write, no
+    /// copy); one that arrived as a memory server's Ref becomes a buffer of
+    /// this node's on that server (likewise). Inline bytes are the
+    /// payload's own already and stay as they are.
+    pub fn keep(self) -> Result<Payload, RpcError> {
+        match self.repr {
+            Repr::Ref(_) => Ok(Payload::from_buffer(
+                self.into_buffer()?
+                    .ok_or_else(|| RpcError::internal("a pool payload without pages"))?,
+            )),
+            #[cfg(feature = "memserver")]
+            Repr::Remote(r) => Ok(Payload::from_mem_buffer(r.keep()?)),
+            repr => Ok(Payload { repr }),
+        }
+    }
+
+    /// Writes `data` at `offset` into the payload's own data: inline bytes
+    /// in place (copied first only if a forward shares them), pool and
+    /// memory-server data copy-on-write (only the pages written are
+    /// copied; the sender's and every other holder's stay as they were).
+    /// Data that arrived by Ref is kept first ([`keep`](Self::keep)). The
+    /// payload does not grow: the range must lie inside it.
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<(), RpcError> {
+        if self.as_ref_handle().is_some() {
+            *self = std::mem::take(self).keep()?;
+        }
+        match &mut self.repr {
+            Repr::Buffer(b) => Ok(b.write(offset, data)?),
+            #[cfg(feature = "memserver")]
+            Repr::MemBuffer(m) => m.write(offset, data),
+            Repr::Bytes(b) => {
+                dm_pool::check_range(offset, data.len() as u64, b.len() as u64)?;
+                let at = offset as usize;
+                let mut own = match std::mem::take(b).try_into_mut() {
+                    Ok(m) => m,
+                    Err(shared) => bytes::BytesMut::from(&shared[..]),
+                };
+                own[at..at + data.len()].copy_from_slice(data);
+                *b = own.freeze();
+                Ok(())
+            }
+            _ => Ok(dm_pool::check_range(offset, data.len() as u64, 0)?),
+        }
+    }
+
+    /// The pool buffer of pool data: a buffer built in the pool, or the
+    /// pages a Ref brought, with this holder's own shares (copy-on-write),
+    /// valid after the caller releases its Ref. `Ok(None)` for inline or
+    /// empty data.
+    pub fn into_buffer(self) -> Result<Option<Buffer>, RpcError> {
         match self.repr {
             Repr::Buffer(b) => Ok(Some(b)),
             Repr::Ref(r) => match Arc::try_unwrap(r) {
@@ -355,7 +417,7 @@ impl Payload {
     /// The data as an owned vector (no copy for inline data).
     pub fn into_vec(self) -> Result<Vec<u8>, RpcError> {
         match self.repr {
-            Repr::Bytes(v) => Ok(v),
+            Repr::Bytes(v) => Ok(Vec::from(v)),
             _ => self.to_vec(),
         }
     }
@@ -380,6 +442,9 @@ impl Payload {
         refs: Sharing,
     ) -> Result<(Body, Lent), RpcError> {
         let len = self.len() as usize;
+        if node.cfg.by_value {
+            return self.by_value_body(inline_max);
+        }
         if let (Repr::Ref(rec), Dir::Answer(echo), true) = (&self.repr, dir, refs.pool) {
             if echo == Some(rec.r) {
                 // The request's own Ref, passed back as it came.
@@ -389,9 +454,7 @@ impl Payload {
                 };
                 return Ok((Body::Refs(vec![rec.r]), lent));
             }
-            let kept = self
-                .keep()?
-                .map_or_else(Payload::empty, Payload::from_buffer);
+            let kept = self.keep()?;
             return kept.into_body(node, inline_max, dir, refs);
         }
         #[cfg(feature = "memserver")]
@@ -420,8 +483,30 @@ impl Payload {
             }
             #[cfg(feature = "memserver")]
             Repr::Remote(rec) if remote && !answer => (Body::Refs(vec![rec.r]), Lent::default()),
-            _ => bytes_body(self.to_vec()?, node, inline_max, refs)?,
+            _ => bytes_body(self.to_vec()?.into(), node, inline_max, refs)?,
         })
+    }
+
+    /// The payload inline, as a node that asked for by value sends it
+    /// ([`Config::by_value`](crate::Config::by_value)), or an error that
+    /// says what carries it when the connection's frames cannot.
+    fn by_value_body(self, inline_max: usize) -> Result<(Body, Lent), RpcError> {
+        let len = self.len();
+        if len > inline_max as u64 {
+            return Err(RpcError::resource_exhausted(format!(
+                "a payload of {len} bytes is to travel by value (Config::by_value), and this \
+                 connection's frames carry at most {inline_max} bytes of it. Over shared memory \
+                 a frame takes at most half a ring: create the pool with larger rings \
+                 (`dmrpc pool create NAME --ring-size 16MiB`, `PoolConfig::ring_size`), or let \
+                 large payloads travel by Ref (`by_value: false`)"
+            )));
+        }
+        let body = match self.repr {
+            Repr::Empty => Body::None,
+            Repr::Bytes(v) => Body::Inline(v),
+            _ => Body::Inline(self.to_vec()?.into()),
+        };
+        Ok((body, Lent::default()))
     }
 
     /// A received request body. A Ref stays unmapped until read.
@@ -429,7 +514,7 @@ impl Payload {
         let pool = &node.pool;
         Ok(match body {
             Body::None => Payload::empty(),
-            Body::Inline(v) => Payload::from_vec(v),
+            Body::Inline(v) => Payload::from_bytes(v),
             Body::Refs(rs) => {
                 let [r] = rs.as_slice() else {
                     return Err(RpcError::invalid_argument(format!(
@@ -499,7 +584,7 @@ impl Payload {
 /// pool (if the peer shares it) or on the memory servers (if it uses them),
 /// else inline.
 fn bytes_body(
-    v: Vec<u8>,
+    v: Bytes,
     node: &Node,
     inline_max: usize,
     refs: Sharing,
@@ -640,5 +725,47 @@ mod tests {
         // ran 12% fewer instructions per call on the client after).
         assert!(std::mem::size_of::<Payload>() <= 48);
         assert!(std::mem::size_of::<Lent>() <= 24);
+    }
+
+    fn first_byte(p: &Payload) -> *const u8 {
+        p.segments().unwrap()[0].as_ptr()
+    }
+
+    #[test]
+    fn inline_bytes_are_forwarded_and_kept_without_a_copy() {
+        let p = Payload::from_vec(vec![7u8; 1000]);
+        let (a, b) = (p.forward().unwrap(), p.forward().unwrap());
+        assert_eq!(first_byte(&a), first_byte(&p));
+        assert_eq!(first_byte(&b), first_byte(&p));
+        let kept = a.keep().unwrap();
+        assert_eq!(first_byte(&kept), first_byte(&p));
+        assert_eq!(kept.to_vec().unwrap(), vec![7u8; 1000]);
+        // into_vec of the last holder takes the bytes as they are.
+        drop((b, kept));
+        let at = first_byte(&p);
+        let v = p.into_vec().unwrap();
+        assert_eq!(v.as_ptr(), at);
+    }
+
+    #[test]
+    fn a_write_into_shared_inline_bytes_changes_only_the_writer() {
+        let p = Payload::from_vec((0..100u8).collect());
+        let mut w = p.forward().unwrap();
+        w.write(10, &[0xEE; 5]).unwrap();
+        assert_eq!(p.to_vec().unwrap(), (0..100u8).collect::<Vec<_>>());
+        let mut want: Vec<u8> = (0..100u8).collect();
+        want[10..15].fill(0xEE);
+        assert_eq!(w.to_vec().unwrap(), want);
+        // The sole holder writes in place.
+        let at = first_byte(&w);
+        w.write(0, &[1]).unwrap();
+        assert_eq!(first_byte(&w), at);
+        // Out of range: a typed error, nothing changed.
+        let e = w.write(98, &[0; 3]).unwrap_err();
+        assert_eq!(e.status, crate::Status::InvalidArgument, "{e}");
+        assert_eq!(w.len(), 100);
+        let mut empty = Payload::empty();
+        assert!(empty.write(0, &[]).is_ok());
+        assert!(empty.write(0, &[1]).is_err());
     }
 }

@@ -36,6 +36,13 @@ impl MemData {
     pub(super) fn bytes(&self) -> &Result<Vec<u8>, RpcError> {
         self.bytes.get_or_init(|| Ok(self.buf.to_vec()?))
     }
+
+    /// Writes into the buffer on the server (copy-on-write there), and
+    /// forgets the bytes read before.
+    pub(super) fn write(&mut self, offset: u64, data: &[u8]) -> Result<(), RpcError> {
+        self.bytes = OnceLock::new();
+        Ok(self.buf.write(offset, data)?)
+    }
 }
 
 /// A payload that arrived as a memory server's Ref: read from the server

@@ -262,8 +262,15 @@ impl ServerBuilder {
                     svc.clone(),
                     node.cfg.wait,
                     stop.clone(),
-                    node.cfg.inline_max,
-                ) {
+                    node.cfg.threshold(),
+                )
+                .map(|l| {
+                    if node.cfg.by_value {
+                        l.whole_answers()
+                    } else {
+                        l
+                    }
+                }) {
                     Ok(l) => (Box::new(l), Some(Reg::Pool(svc))),
                     Err(e) => {
                         let _ = node.pool.unregister(&svc);

@@ -313,7 +313,7 @@ impl Dispatcher {
                 }
                 Some((name, Method::AsyncStream(h))) => {
                     let outlet = Arc::new(Outlet::new(conn, frame.call_id, deadline, credit));
-                    let (ours, max) = (self.node.cfg.inline_max, self.listener.max_inline());
+                    let (ours, max) = (self.node.cfg.threshold(), self.listener.max_inline());
                     let sink = AsyncSink::new(
                         outlet.clone(),
                         self.node.clone(),
@@ -509,7 +509,7 @@ impl Dispatcher {
         // (The metadata travels in the frame too, within the limit: the
         // room the transport keeps for this answer, if it keeps some.)
         let (mut cfg_inline, mut max_inline) =
-            (self.node.cfg.inline_max, self.listener.max_inline());
+            (self.node.cfg.threshold(), self.listener.max_inline());
         if let Some(cap) = self.listener.answer_max(conn, id) {
             cfg_inline = cfg_inline.min(cap);
             max_inline = max_inline.min(cap);
@@ -535,7 +535,7 @@ impl Dispatcher {
                     let body = if msg.is_empty() {
                         Body::None
                     } else {
-                        Body::Inline(msg)
+                        Body::Inline(msg.into())
                     };
                     (e.status, body, None, false)
                 }

@@ -150,7 +150,7 @@ impl<'a> Sink<'a> {
         let (inline_max, refs) = {
             let f = feed.borrow();
             let max = f.listener.max_inline();
-            (node.cfg.inline_max.min(max), f.listener.refs(f.running.0))
+            (node.cfg.threshold().min(max), f.listener.refs(f.running.0))
         };
         Sink {
             feed,

@@ -425,7 +425,7 @@ mod tests {
         let name = format!("test/mem/never/{}", std::process::id());
         let l = bind(&name, Arc::new(AtomicBool::new(false))).unwrap();
         let mut c = connect(&name).unwrap();
-        let f = Frame::request(1, 1, 0, Body::Inline(vec![1]));
+        let f = Frame::request(1, 1, 0, Body::Inline(vec![1].into()));
         assert!(c.tx.send(&f, None).unwrap());
         assert!(!c.goaway.unread(1), "not known while the listener lives");
         drop(l);

@@ -311,7 +311,7 @@ impl<'a, D: RingData> Producer<'a, D> {
 
     /// Whether the consumer has taken and freed every record (a fresh
     /// look at its cursor unless the last one said so).
-    fn is_empty(&mut self) -> bool {
+    pub fn is_empty(&mut self) -> bool {
         if self.tail_cache != self.head {
             self.tail_cache = self.ctl.tail.0.load(Ordering::Acquire);
         }

@@ -463,6 +463,10 @@ struct Room {
     answer: usize,
     /// A small answer.
     small: usize,
+    /// Every unary answer gets room for the largest one, or the request
+    /// waits: a server that sends every payload by value
+    /// ([`ShmListener::whole_answers`]).
+    whole: bool,
 }
 
 /// The room a request is taken with.
@@ -512,6 +516,12 @@ impl ServerConn {
         let another = if self.owed == 0 { 0 } else { room.answer };
         if !stream && self.resp.fits_bytes(base + room.answer + another) {
             return Some(Kept::Full);
+        }
+        if room.whole && !stream {
+            // By value: never a small answer (it would go by Ref). An
+            // empty ring takes any record up to half of it, so the only
+            // call in progress is taken then; else it waits for room.
+            return (self.owed == 0 && self.resp.is_empty()).then_some(Kept::Full);
         }
         self.resp
             .fits_bytes(base + room.small)
@@ -629,6 +639,16 @@ impl std::fmt::Debug for ShmListener {
 }
 
 impl ShmListener {
+    /// Takes a request only when its connection has room for the largest
+    /// answer (never room for a small one only, whose larger payload would
+    /// go by Ref): for a server that sends every payload by value. Its
+    /// calls run one at a time per connection when their answers are
+    /// large.
+    pub fn whole_answers(mut self) -> Self {
+        self.room.whole = true;
+        self
+    }
+
     /// Serves registration `svc` (made by this process, endpoint `Shm`).
     /// `reserve_inline` is the largest inline answer the server will send:
     /// a request is read only when its connection has room for such an
@@ -660,6 +680,7 @@ impl ShmListener {
             room: Room {
                 answer: record_len(HEADER_LEN + reserve_inline.min(max_inline)),
                 small: record_len(HEADER_LEN + SMALL_ANSWER.min(max_inline)),
+                whole: false,
             },
             answer_max: (reserve_inline.min(max_inline), SMALL_ANSWER.min(max_inline)),
             hold_max: 16 * pool.layout().ring_size as usize,

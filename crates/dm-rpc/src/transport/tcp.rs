@@ -964,10 +964,14 @@ mod tests {
         let addr = l.local_addr().unwrap().to_string();
         let big: Vec<u8> = (0..(1 << 20) + 7).map(|i| (i % 253) as u8).collect();
         let frames = vec![
-            Frame::response(1, Status::Ok, Body::Inline(big.clone())),
-            Frame::response(2, Status::Ok, Body::Inline(vec![9; 10])),
-            Frame::response(3, Status::Ok, Body::Inline(big[..DIRECT + 1].to_vec())),
-            Frame::response(4, Status::Ok, Body::Inline(big.clone())),
+            Frame::response(1, Status::Ok, Body::Inline(big.clone().into())),
+            Frame::response(2, Status::Ok, Body::Inline(vec![9; 10].into())),
+            Frame::response(
+                3,
+                Status::Ok,
+                Body::Inline(big[..DIRECT + 1].to_vec().into()),
+            ),
+            Frame::response(4, Status::Ok, Body::Inline(big.clone().into())),
         ];
         let mut bytes = Vec::new();
         for f in &frames {
@@ -1011,10 +1015,13 @@ mod tests {
         assert!(timeouts > 0, "a deadline passed mid-frame");
         let ids: Vec<u64> = got.iter().map(|f| f.call_id).collect();
         assert_eq!(ids, [1, 2, 3, 4]);
-        assert_eq!(got[0].payload, Body::Inline(big.clone()));
-        assert_eq!(got[1].payload, Body::Inline(vec![9; 10]));
-        assert_eq!(got[2].payload, Body::Inline(big[..DIRECT + 1].to_vec()));
-        assert_eq!(got[3].payload, Body::Inline(big));
+        assert_eq!(got[0].payload, Body::Inline(big.clone().into()));
+        assert_eq!(got[1].payload, Body::Inline(vec![9; 10].into()));
+        assert_eq!(
+            got[2].payload,
+            Body::Inline(big[..DIRECT + 1].to_vec().into())
+        );
+        assert_eq!(got[3].payload, Body::Inline(big.into()));
         drop(c);
         peer.join().unwrap();
     }

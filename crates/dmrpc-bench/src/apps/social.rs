@@ -45,7 +45,7 @@
 
 pub use super::Link;
 use super::{u32_at, u64_at, Next};
-use dm_pool::{Buffer, Dm};
+
 use dm_rpc::{Node, Payload, RpcError, Server, Transport};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -231,16 +231,10 @@ pub enum Role {
     },
 }
 
-/// A stored post.
-#[derive(Debug)]
-enum Stored {
-    Pages(Buffer),
-    Bytes(Vec<u8>),
-}
-
 #[derive(Debug, Default)]
 struct Storage {
-    posts: HashMap<u64, Stored>,
+    /// Posts kept past the calls that brought them ([`Payload::keep`]).
+    posts: HashMap<u64, Payload>,
     order: VecDeque<u64>,
 }
 
@@ -319,19 +313,10 @@ pub fn serve(
                 let id =
                     ids.fetch_add(1, Ordering::Relaxed) | (u64::from(std::process::id()) << 40);
                 // The id goes into the post: by Ref a write into shared
-                // pages, so one page is copied (copy-on-write).
-                let p = call.take_payload();
-                let p = if p.in_pool() {
-                    let mut b = p
-                        .keep()?
-                        .ok_or_else(|| RpcError::internal("a pool payload without pages"))?;
-                    b.write(8, &id.to_le_bytes())?;
-                    Payload::from_buffer(b)
-                } else {
-                    let mut v = p.into_vec()?;
-                    v[8..16].copy_from_slice(&id.to_le_bytes());
-                    Payload::from_vec(v)
-                };
+                // pages, so one page is copied (copy-on-write); inline, in
+                // place.
+                let mut p = call.take_payload();
+                p.write(8, &id.to_le_bytes())?;
                 t.call("store", p)?;
                 let mut m = hd.author.to_le_bytes().to_vec();
                 m.extend_from_slice(&id.to_le_bytes());
@@ -378,17 +363,9 @@ pub fn serve(
                 if hd.id == 0 {
                     return Err(invalid("a post without an id"));
                 }
-                let p = call.take_payload();
                 // By Ref the pages are shared (no copy); inline bytes are
                 // the payload's own.
-                let kept = if p.in_pool() {
-                    Stored::Pages(
-                        p.keep()?
-                            .ok_or_else(|| RpcError::internal("a pool payload without pages"))?,
-                    )
-                } else {
-                    Stored::Bytes(p.into_vec()?)
-                };
+                let kept = call.take_payload().keep()?;
                 let evicted = {
                     let mut s = lock(&st);
                     if s.posts.insert(hd.id, kept).is_none() {
@@ -410,8 +387,7 @@ pub fn serve(
                 let s = lock(&st2);
                 match s.posts.get(&id) {
                     None => Ok(Payload::empty()),
-                    Some(Stored::Bytes(v)) => Ok(Payload::from_vec(v.clone())),
-                    Some(Stored::Pages(b)) => Ok(Payload::from_buffer(b.pool().dup(b)?)),
+                    Some(p) => p.forward(),
                 }
             })
         }

@@ -1,7 +1,7 @@
 //! `dmrpc demo`: a client, a load balancer and two workers, as four
 //! processes calling each other over shared-memory channels.
 //!
-//! The client sends requests of `--size` bytes to the load balancer
+//! The client sends requests of each `--sizes` to the load balancer
 //! (`demo/lb`), which forwards each, round robin, to one of two workers
 //! (`demo/worker/0`, `demo/worker/1`). A worker reads every byte
 //! (checksum), transforms the data (rewrites its first 4 KiB) and answers
@@ -16,10 +16,11 @@
 //!   are copied into each ring and out of it, at every hop, both ways):
 //!   what an RPC framework without a shared pool does.
 //!
-//! It prints latency and throughput of both modes, measured in rounds in
-//! which the two take turns (so that a drift of the host's speed does not
-//! favour either), checks every answer, shuts the services down and ends
-//! with `pool check --deep`.
+//! For each size it prints latency and throughput of both modes, measured
+//! after a warm-up that is not counted, in rounds in which the two take
+//! turns (so that a drift of the host's speed does not favour either),
+//! with the range of the ratio over the rounds. It checks every answer,
+//! shuts the services down and ends with `pool check --deep`.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -39,10 +40,12 @@ pub struct DemoArgs {
     /// nobody is attached).
     #[arg(long, default_value = "demo")]
     pub pool: String,
-    /// Size of each request.
-    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
-    pub size: u64,
-    /// Calls per mode.
+    /// Sizes of the requests, comma separated: where by reference starts
+    /// to win. At most 4 MiB: by value, a request must fit half a ring,
+    /// and rings are at most 16 MiB.
+    #[arg(long, default_value = "64KiB,1MiB,4MiB", value_delimiter = ',', value_parser = parse_size)]
+    pub sizes: Vec<u64>,
+    /// Calls per mode and size.
     #[arg(long, default_value_t = 300)]
     pub calls: usize,
 }
@@ -103,15 +106,15 @@ fn ring_for(size: u64) -> u32 {
 }
 
 fn node_pair(pool: &Pool) -> (Node, Node) {
-    let by_ref = Node::new(pool.clone());
-    let by_value = Node::with_config(
+    let by_ref = Node::with_config(
         pool.clone(),
         Config {
-            inline_max: usize::MAX,
+            // Every request of the demo by Ref, whatever its size.
+            inline_max: 0,
             ..Default::default()
         },
     );
-    (by_ref, by_value)
+    (by_ref, Node::with_config(pool.clone(), Config::by_value()))
 }
 
 /// One service process: serves NAME by reference and NAME/v by value.
@@ -130,26 +133,18 @@ pub fn service(a: ServiceArgs) -> Result<()> {
         let b = node.server(&name);
         let s = match a.role.as_str() {
             "worker" => b.method("transform", |c| {
-                let p = c.take_payload();
+                let mut p = c.take_payload();
                 // Read every byte.
                 std::hint::black_box(checksum(&p.segments()?));
-                if p.in_pool() {
-                    // By Ref: keep the pages (own shares) and write: only
-                    // the page written is copied; the caller's stay intact.
-                    let Some(mut buf) = p.keep()? else {
-                        return Err(RpcError::internal("a pool payload without pages"));
-                    };
-                    let mut head = vec![0u8; EDIT.min(buf.len() as usize)];
-                    buf.read(0, &mut head)?;
-                    transform_head(&mut head);
-                    buf.write(0, &head)?;
-                    Ok(Payload::from_buffer(buf))
-                } else {
-                    // By value: the bytes are already ours.
-                    let mut v = p.into_vec()?;
-                    transform_head(&mut v);
-                    Ok(Payload::from_vec(v))
-                }
+                // Rewrite the head, the same code both ways. By Ref the
+                // write copies only the page it lands in (copy-on-write):
+                // the caller's pages stay intact. By value the bytes are
+                // the payload's own.
+                let mut head = vec![0u8; EDIT.min(p.len() as usize)];
+                p.read(0, &mut head)?;
+                transform_head(&mut head);
+                p.write(0, &head)?;
+                Ok(p)
             }),
             "lb" => {
                 let workers: Vec<String> = a
@@ -247,11 +242,11 @@ impl Drop for Proc {
     }
 }
 
-fn open_pool(args: &DemoArgs) -> Result<(PathBuf, Pool)> {
+fn open_pool(args: &DemoArgs, largest: u64) -> Result<(PathBuf, Pool)> {
     let path = dm_pool::default_path(&args.pool);
-    let ring = ring_for(args.size);
+    let ring = ring_for(largest);
     let cfg = PoolConfig {
-        size: (args.size * 16 + (256 << 20)).max(1 << 30),
+        size: (largest * 16 + (256 << 20)).max(1 << 30),
         channels: Some(16),
         ring_size: ring,
         name: args.pool.clone(),
@@ -268,7 +263,7 @@ fn open_pool(args: &DemoArgs) -> Result<(PathBuf, Pool)> {
             .map(|l| {
                 l.ring_size >= ring
                     && l.n_channels >= 8
-                    && l.n_pages as u64 * l.page_size as u64 >= args.size * 8
+                    && l.n_pages as u64 * l.page_size as u64 >= largest * 8
             })
             .unwrap_or(false);
         if !fits {
@@ -291,7 +286,7 @@ fn open_pool(args: &DemoArgs) -> Result<(PathBuf, Pool)> {
 /// How many rounds the two modes take turns in.
 const ROUNDS: usize = 6;
 
-/// One mode of the demo: its client and what it measured.
+/// One mode of the demo: its client and what it measured at one size.
 struct Mode {
     name: &'static str,
     by_ref: bool,
@@ -322,31 +317,49 @@ impl Mode {
     fn per_s(&self) -> f64 {
         self.lat.len() as f64 / self.secs
     }
+
+    /// The median latency, ms (of sorted latencies).
+    fn p50(&self) -> f64 {
+        self.lat[self.lat.len() / 2]
+    }
 }
 
-/// What every call of the demo needs.
+/// What every call of the demo at one size needs.
 struct CallCtx<'a> {
     pool: &'a Pool,
-    data: &'a [u8],
+    data: Vec<u8>,
     /// The checksum of a right answer.
     want: u64,
 }
 
-impl CallCtx<'_> {
+impl<'a> CallCtx<'a> {
+    fn new(pool: &'a Pool, size: u64) -> Self {
+        let data: Vec<u8> = (0..size)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let mut expect = data.clone();
+        transform_head(&mut expect);
+        let want = checksum(&[&expect]);
+        CallCtx { pool, data, want }
+    }
+
     /// One call. Each builds its request from the client's bytes: written
     /// into a pool buffer (by Ref: one copy, then only the Ref travels),
     /// or into the frame's bytes (by value: copied again at every hop).
     fn one(&self, m: &Mode) -> Result<()> {
         let p = if m.by_ref {
             let mut b = self.pool.alloc(self.data.len() as u64)?;
-            b.write(0, self.data)?;
+            b.write(0, &self.data)?;
             Payload::from_buffer(b)
         } else {
-            Payload::from_vec(self.data.to_vec())
+            Payload::from_vec(self.data.clone())
         };
         let answer = m.client.call("transform", p)?;
         if checksum(&answer.segments()?) != self.want {
             bail!("{}: wrong answer", m.name);
+        }
+        if answer.in_pool() != m.by_ref {
+            bail!("{}: the answer came the other way", m.name);
         }
         Ok(())
     }
@@ -368,6 +381,68 @@ impl CallCtx<'_> {
         m.copied += (lb_copied(&m.client)? - copied0).saturating_sub(8);
         Ok(n as f64 / secs)
     }
+
+    /// Both modes at this size: a warm-up round that is not counted, then
+    /// `rounds` in which they take turns. Prints their figures, and
+    /// returns the ratio of by reference's throughput to by value's, with
+    /// its range over the rounds.
+    fn compare(&self, clients: [&Client; 2], calls: usize) -> Result<(f64, f64, f64)> {
+        let mut modes = [
+            Mode::new("by reference", true, clients[0].clone()),
+            Mode::new("by value", false, clients[1].clone()),
+        ];
+        for m in &modes {
+            for _ in 0..(calls / 10).max(3) {
+                self.one(m)?;
+            }
+        }
+        // The modes take turns, in rounds whose order alternates: on a
+        // shared host the speed of both cores drifts over seconds, and one
+        // mode measured after the other would carry the drift into the
+        // ratio.
+        let rounds = ROUNDS.min(calls);
+        let mut ratios = Vec::with_capacity(rounds);
+        for r in 0..rounds {
+            let n = calls / rounds + usize::from(r < calls % rounds);
+            let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
+            let mut per_s = [0.0; 2];
+            for k in order {
+                per_s[k] = self.round(&mut modes[k], n)?;
+            }
+            ratios.push(per_s[0] / per_s[1]);
+        }
+        let size = self.data.len() as u64;
+        for m in &mut modes {
+            m.lat.sort_by(|a, b| a.total_cmp(b));
+            let p99 = m.lat[((m.lat.len() - 1) as f64 * 0.99) as usize];
+            println!(
+                "{:<9} {:<14} {:>9.3} {:>9.3} {:>10.0} {:>10.0} {:>15} {:>16.1}",
+                if m.by_ref {
+                    fmt_size(size)
+                } else {
+                    String::new()
+                },
+                m.name,
+                m.p50(),
+                p99,
+                m.per_s(),
+                m.per_s() * size as f64 / (1 << 20) as f64,
+                fmt_size(m.copied / calls as u64),
+                m.cow as f64 / calls as f64
+            );
+        }
+        ratios.sort_by(|a, b| a.total_cmp(b));
+        let ratio = modes[0].per_s() / modes[1].per_s();
+        println!(
+            "{:<9} by reference: {ratio:.1}x the throughput of by value (rounds {:.1}x to {:.1}x), \
+             {:.1}x lower p50",
+            "",
+            ratios[0],
+            ratios[rounds - 1],
+            modes[1].p50() / modes[0].p50()
+        );
+        Ok((ratio, ratios[0], ratios[rounds - 1]))
+    }
 }
 
 /// The bytes the load balancer's transports copied so far (its `stats`).
@@ -379,19 +454,24 @@ fn lb_copied(c: &Client) -> Result<u64> {
 }
 
 pub fn run(args: DemoArgs) -> Result<()> {
-    if args.calls == 0 || args.size < 8 {
-        bail!("--calls must be at least 1 and --size at least 8 bytes");
+    if args.calls == 0 || args.sizes.iter().any(|&s| s < EDIT as u64) {
+        bail!("--calls must be at least 1 and every size at least 4KiB");
     }
-    if args.size > 4 << 20 {
-        bail!("--size is at most 4MiB (by value, a request must fit a ring)");
+    let Some(&largest) = args.sizes.iter().max() else {
+        bail!("--sizes names no size");
+    };
+    if largest > 4 << 20 {
+        bail!(
+            "--sizes are at most 4MiB: by value a request must fit half a ring, \
+             and rings are at most 16 MiB"
+        );
     }
-    let (path, pool) = open_pool(&args)?;
+    let (path, pool) = open_pool(&args, largest)?;
     println!(
         "dmrpc demo: client -> load balancer -> 2 workers, 4 processes over shared-memory channels"
     );
     println!(
-        "{} requests, {} calls per mode; pool {}",
-        fmt_size(args.size),
+        "{} calls per mode and size, after a warm-up; pool {}",
         args.calls,
         path.display()
     );
@@ -405,86 +485,26 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let lb = format!("{base}/lb");
     procs.push(Proc::spawn(&path, "lb", &lb, &workers.join(","))?);
 
-    let data: Vec<u8> = (0..args.size)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
-    let mut expect = data.clone();
-    transform_head(&mut expect);
-    let want = checksum(&[&expect]);
     let (by_ref, by_value) = node_pair(&pool);
-    let mut modes = [
-        Mode::new("by reference", true, by_ref.connect(&lb)?),
-        Mode::new("by value", false, by_value.connect(&format!("{lb}/v"))?),
-    ];
-    let ctx = CallCtx {
-        pool: &pool,
-        data: &data,
-        want,
-    };
-    for m in &modes {
-        for _ in 0..(args.calls / 10).max(3) {
-            ctx.one(m)?;
-        }
-    }
-    // The modes take turns, in rounds whose order alternates: on a shared
-    // host the speed of both cores drifts over seconds, and one mode
-    // measured after the other would carry the drift into the ratio.
-    let rounds = ROUNDS.min(args.calls);
-    let mut ratios = Vec::with_capacity(rounds);
-    for r in 0..rounds {
-        let n = args.calls / rounds + usize::from(r < args.calls % rounds);
-        let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
-        let mut per_s = [0.0; 2];
-        for k in order {
-            per_s[k] = ctx.round(&mut modes[k], n)?;
-        }
-        ratios.push(per_s[0] / per_s[1]);
+    let clients = [by_ref.connect(&lb)?, by_value.connect(&format!("{lb}/v"))?];
+    println!(
+        "{:<9} {:<14} {:>9} {:>9} {:>10} {:>10} {:>15} {:>16}",
+        "size", "mode", "p50 ms", "p99 ms", "calls/s", "MiB/s", "LB copied/call", "CoW pages/call"
+    );
+    for &size in &args.sizes {
+        CallCtx::new(&pool, size).compare([&clients[0], &clients[1]], args.calls)?;
     }
     // Copy-on-write: the worker wrote into what it received; the client's
     // own buffer (shared with it) must be unchanged.
-    let mut mine = pool.alloc(args.size)?;
+    let data = CallCtx::new(&pool, largest).data;
+    let mut mine = pool.alloc(largest)?;
     mine.write(0, &data)?;
-    let r = mine.share()?;
-    modes[0]
-        .client
-        .call("transform", Payload::from_buffer(pool.map_ref(&r)?))?;
-    pool.release_ref(&r)?;
+    clients[0].call("transform", mine.dup()?)?;
     if mine.to_vec()? != data {
         bail!("the client's data changed under copy-on-write");
     }
     drop(mine);
-    println!(
-        "{:<14} {:>9} {:>9} {:>10} {:>10} {:>15} {:>16}",
-        "mode", "p50 ms", "p99 ms", "calls/s", "MiB/s", "LB copied/call", "CoW pages/call"
-    );
-    for m in &mut modes {
-        m.lat.sort_by(|a, b| a.total_cmp(b));
-    }
-    let p50 = |m: &Mode| m.lat[m.lat.len() / 2];
-    for m in &modes {
-        let p99 = m.lat[((m.lat.len() - 1) as f64 * 0.99) as usize];
-        println!(
-            "{:<14} {:>9.3} {:>9.3} {:>10.0} {:>10.0} {:>15} {:>16.1}",
-            m.name,
-            p50(m),
-            p99,
-            m.per_s(),
-            m.per_s() * args.size as f64 / (1 << 20) as f64,
-            fmt_size(m.copied / args.calls as u64),
-            m.cow as f64 / args.calls as f64
-        );
-    }
-    ratios.sort_by(|a, b| a.total_cmp(b));
-    println!(
-        "by reference: {:.1}x the throughput of by value, {:.1}x lower p50 \
-         ({rounds} round{} taking turns: {:.1}x to {:.1}x)",
-        modes[0].per_s() / modes[1].per_s(),
-        p50(&modes[1]) / p50(&modes[0]),
-        if rounds == 1 { "" } else { "s" },
-        ratios[0],
-        ratios[rounds - 1]
-    );
-    drop(modes);
+    drop(clients);
     for p in procs {
         p.stop()?;
     }

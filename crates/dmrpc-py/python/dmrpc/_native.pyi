@@ -314,7 +314,19 @@ Metadata = dict[str, str | bytes] | list[tuple[str, str | bytes]] | tuple[tuple[
 class Node:
     """This process's RPC endpoint on a pool."""
 
-    def __init__(self, pool: Pool, memservers: MemPool | None = None, inline_max: int | None = None) -> None: ...
+    def __init__(
+        self,
+        pool: Pool,
+        memservers: MemPool | None = None,
+        inline_max: int | None = None,
+        by_value: bool = False,
+    ) -> None:
+        """`inline_max`: payloads up to this many bytes go inline, larger by
+        Ref, capped by what a connection's frames carry (over shared memory,
+        half a ring). `by_value`: every payload inline, whatever its size;
+        one too large for the connection's frames raises
+        `ResourceExhausted`."""
+        ...
     def serve(
         self,
         name: str,
