@@ -38,7 +38,10 @@ pub enum Error {
         align: u64,
     },
     /// The pool (or its descriptor or slot table) has no room.
-    #[error("resource exhausted: no free {what} in the pool")]
+    #[error(
+        "resource exhausted: no free {what} in the pool. {}",
+        exhausted_hint(what)
+    )]
     ResourceExhausted {
         /// Pages, descriptors or slots.
         what: &'static str,
@@ -185,6 +188,34 @@ pub enum Error {
     /// Other I/O.
     #[error("{0}")]
     Io(#[from] std::io::Error),
+}
+
+/// What to do when the pool has no free `what`: the message's second half.
+fn exhausted_hint(what: &str) -> &'static str {
+    match what {
+        "pages" => {
+            "Free buffers and release Refs you hold (`dmrpc pool stats NAME` shows what is \
+             held), or create a larger pool (`dmrpc pool create NAME --size 4GiB`, \
+             `PoolConfig::size`)"
+        }
+        "descriptors" => {
+            "Each live buffer and Ref takes one: free buffers and release Refs, or create the \
+             pool with more (`PoolConfig::descs`, by default a quarter of its pages)"
+        }
+        "slots" => {
+            "Too many processes are attached: detach some, or create the pool with more \
+             (`dmrpc pool create NAME --slots N`, `PoolConfig::slots`)"
+        }
+        "service records" => {
+            "Too many services are registered (`dmrpc ls`): stop some, or create the pool with \
+             more (`dmrpc pool create NAME --services N`, `PoolConfig::services`)"
+        }
+        "channels" => {
+            "Too many shared-memory connections are open: close clients, or create the pool \
+             with more (`dmrpc pool create NAME --channels N`, `PoolConfig::channels`)"
+        }
+        _ => "Drop some of them first",
+    }
 }
 
 impl From<PageError> for Error {

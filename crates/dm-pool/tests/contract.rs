@@ -147,6 +147,8 @@ fn exhausted_pool_errors_then_recovers() {
         matches!(err, Error::ResourceExhausted { what: "pages" }),
         "{err}"
     );
+    // The message says what to do.
+    assert!(err.to_string().contains("--size"), "{err}");
     let pages_before = pool.check().pages_held;
     // All-or-nothing: the failed write took nothing.
     assert!(pool.check().ok());

@@ -185,8 +185,7 @@ impl<C: Member> Balancer<C> {
             }
         }
         if set.is_empty() {
-            return Err(first_error
-                .unwrap_or_else(|| RpcError::not_found(format!("no service named {name:?}"))));
+            return Err(first_error.unwrap_or_else(|| node.no_service(name)));
         }
         let found = AtomicUsize::new(set.len());
         Ok(Balancer {

@@ -90,7 +90,7 @@ impl Node {
         self.resolve_all(target)?
             .into_iter()
             .next()
-            .ok_or_else(|| RpcError::not_found(format!("no service named {:?}", target.text())))
+            .ok_or_else(|| self.no_service(target.text()))
     }
 
     /// Every registration of `target` now (a name's replicas, or its one
@@ -160,7 +160,7 @@ impl Node {
         }
         routes.extend(tcp);
         if routes.is_empty() {
-            return Err(RpcError::not_found(format!("no service named {name:?}")));
+            return Err(self.no_service(name));
         }
         Ok(routes)
     }
@@ -211,6 +211,16 @@ impl Node {
 
     /// The error of a dial to `name` that found every channel of the pool
     /// in use.
+    /// `NotFound` for a name nobody serves, saying where to look and how
+    /// to wait for it.
+    pub(crate) fn no_service(&self, name: &str) -> RpcError {
+        RpcError::not_found(format!(
+            "no service named {name:?} in the pool {} (`dmrpc ls` lists those registered). \
+             To wait for it: `CallOptions::wait_for_ready`, or `Node::connect_lazily`",
+            self.pool.path().display()
+        ))
+    }
+
     fn no_channel(&self, name: &str) -> RpcError {
         let n = self.pool.layout().n_channels;
         RpcError::resource_exhausted(format!(

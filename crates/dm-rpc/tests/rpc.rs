@@ -3783,3 +3783,18 @@ fn by_value_goes_inline_at_any_size_or_fails_saying_why() {
     drop((c, svc, c2, svc2, sized, value));
     tp.assert_clean();
 }
+
+/// A name nobody serves: `NotFound`, saying where to look and how to wait.
+#[test]
+fn connecting_to_a_missing_service_says_where_to_look() {
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let e = node.connect(&unique("missing")).unwrap_err();
+    assert_eq!(e.status, Status::NotFound, "{e}");
+    assert!(
+        e.message.contains("dmrpc ls") && e.message.contains("wait_for_ready"),
+        "{e}"
+    );
+    let e = node.connect_balanced(&unique("missing")).unwrap_err();
+    assert!(e.message.contains("dmrpc ls"), "{e}");
+}
