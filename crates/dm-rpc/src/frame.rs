@@ -43,6 +43,13 @@
 //! reading the connection, and which requests it took: every request whose
 //! call id is above the frame's call id was never taken, and never will be
 //! (see [`crate::transport::GoAway`]). It carries nothing else.
+//!
+//! **Parts** (version 8). A frame too large for one record of a
+//! shared-memory ring travels as [`Kind::Part`] frames, each carrying the
+//! next slice of its encoding as an inline payload, with the call id of
+//! the frame: the first flagged [`FLAG_PART_FIRST`], the last
+//! [`FLAG_PART_LAST`]. The receiver joins them and decodes the whole
+//! (`transport/parts.rs`). Parts never leave the transport.
 //! The decoder checks every field, every Ref encoding and every metadata
 //! entry, bounds the payload and the metadata by [`Limits`], returns `Ok(None)` when more bytes are needed (streams), and
 //! never panics, whatever the bytes: it is fuzzed (`fuzz/fuzz_targets/frame_decode.rs`).
@@ -63,6 +70,10 @@ pub const FLAG_REFUSED: u16 = 2;
 /// Flag of a request whose caller reads its answer as a stream of items
 /// (frames v7).
 pub const FLAG_STREAM: u16 = 4;
+/// Flag of the first [`Kind::Part`] of a frame (frames v8).
+pub const FLAG_PART_FIRST: u16 = 8;
+/// Flag of the last [`Kind::Part`] of a frame (frames v8).
+pub const FLAG_PART_LAST: u16 = 16;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 32;
 const MAGIC: [u8; 2] = [0xD5, 0x52];
@@ -86,6 +97,9 @@ pub enum Kind {
     /// The caller of the stream with this id takes this many more items
     /// (in the method field; client to server; frames v7).
     Credit = 6,
+    /// A slice of the encoding of a frame too large for one record of a
+    /// ring (frames v8).
+    Part = 7,
 }
 
 /// Outcome of a call, carried by responses.
@@ -127,6 +141,7 @@ impl Kind {
             4 => Kind::GoAway,
             5 => Kind::Item,
             6 => Kind::Credit,
+            7 => Kind::Part,
             _ => return None,
         })
     }
@@ -408,6 +423,17 @@ impl Frame {
         }
     }
 
+    /// One slice of the encoding of the frame of call `call_id`, flagged
+    /// [`FLAG_PART_FIRST`] and [`FLAG_PART_LAST`] as it is.
+    pub fn part(call_id: u64, flags: u16, slice: Bytes) -> Frame {
+        Frame {
+            kind: Kind::Part,
+            flags,
+            payload: Body::Inline(slice),
+            ..Frame::cancel(call_id)
+        }
+    }
+
     /// Encoded size.
     pub fn encoded_len(&self) -> usize {
         HEADER_LEN + self.payload.len() + self.meta.encoded_len()
@@ -582,7 +608,12 @@ impl Head {
         }
         let kind = Kind::from_u8(h[3]).ok_or(FrameError::Kind(h[3]))?;
         let flags = u16_at(4);
-        if flags & !(FLAG_ECHO | FLAG_REFUSED | FLAG_STREAM) != 0 {
+        let part = if kind == Kind::Part {
+            FLAG_PART_FIRST | FLAG_PART_LAST
+        } else {
+            0
+        };
+        if flags & !(FLAG_ECHO | FLAG_REFUSED | FLAG_STREAM | part) != 0 {
             return Err(FrameError::Reserved("flags"));
         }
         let pkind = h[6];
@@ -618,6 +649,18 @@ impl Head {
             }
             Kind::Credit if pkind != 0 => {
                 return Err(FrameError::Inconsistent("a credit carries no payload"))
+            }
+            Kind::Part
+                if method != 0
+                    || deadline_us != 0
+                    || status != Status::Ok
+                    || pkind != 1
+                    || meta != 0
+                    || flags & !(FLAG_PART_FIRST | FLAG_PART_LAST) != 0 =>
+            {
+                return Err(FrameError::Inconsistent(
+                    "a part carries bytes of its frame and nothing else",
+                ))
             }
             Kind::Cancel | Kind::GoAway if status != Status::Ok || pkind != 0 => {
                 return Err(FrameError::Inconsistent(
@@ -1137,8 +1180,26 @@ mod tests {
             }
         }
         let mut g = Frame::go_away(3).encode();
-        g[3] = 7;
-        assert_eq!(Frame::decode(&g, &l), Err(FrameError::Kind(7)));
+        g[3] = 8;
+        assert_eq!(Frame::decode(&g, &l), Err(FrameError::Kind(8)));
+        // A part carries bytes of its frame and nothing else; its flags
+        // are its own.
+        let part = Frame::part(3, FLAG_PART_FIRST, Bytes::from_static(b"abc"));
+        assert_eq!(Frame::decode(&part.encode(), &l).unwrap().unwrap().0, part);
+        for (at, v) in [(16, 1), (20, 1), (7, 4), (4, 1), (6, 0), (28, 1)] {
+            let mut c = part.encode();
+            c[at] = v;
+            assert!(
+                matches!(
+                    Frame::decode(&c, &l),
+                    Err(FrameError::Inconsistent(_) | FrameError::Reserved(_))
+                ),
+                "a part with byte {at} = {v}"
+            );
+        }
+        let mut c = Frame::cancel(3).encode();
+        c[4] = FLAG_PART_LAST as u8;
+        assert_eq!(Frame::decode(&c, &l), Err(FrameError::Reserved("flags")));
         let err_refs = Frame::response(1, Status::Internal, Body::Refs(vec![a_ref()])).encode();
         assert!(matches!(
             Frame::decode(&err_refs, &l),

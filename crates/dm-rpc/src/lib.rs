@@ -166,6 +166,10 @@ pub mod raw {
     pub mod mem {
         pub use crate::transport::mem::{bind, connect, MAX_INLINE};
     }
+    /// Frames in parts.
+    pub mod parts {
+        pub use crate::transport::parts::fuzz_join;
+    }
     /// The ring of the shared-memory transport.
     pub mod ring {
         pub use crate::transport::ring::{

@@ -33,15 +33,16 @@ pub const DEFAULT_INLINE_MAX: usize = 64 << 10;
 /// carries:
 ///
 /// 1. With [`by_value`](Self::by_value), every payload travels inline,
-///    whatever its size. One larger than the connection's frames carry
-///    fails the call with `ResourceExhausted`, saying what carries it.
+///    whatever its size, up to what the connection carries: over shared
+///    memory 64 MiB (a frame longer than a ring's record goes in parts),
+///    over TCP 16 MiB, in process 128 KiB. A larger one fails the call
+///    with `ResourceExhausted`, saying what to do.
 /// 2. Otherwise a payload up to the threshold travels inline, and a larger
 ///    one by Ref. The threshold is [`inline_max`](Self::inline_max),
-///    capped by what the connection's frames carry: over shared memory a
-///    frame takes at most half a ring, less its 32-byte header and the
-///    call's metadata (`PoolConfig::ring_size`); over TCP 16 MiB; in
-///    process 128 KiB. An answer's cap can be lower still: the room its
-///    server keeps for it in the ring.
+///    capped by what the connection carries (above). An answer's cap can
+///    be lower: over shared memory, the room its server keeps for it in
+///    the ring (at most half a ring, less the frame's 32-byte header and
+///    metadata; `PoolConfig::ring_size`).
 /// 3. A Ref needs a peer that can use it. With a peer that shares neither
 ///    the pool nor the memory servers (TCP between hosts), every payload
 ///    travels inline.

@@ -11,3 +11,8 @@ fn frame_decode_corpus() {
 fn ring_consume_corpus() {
     replay_corpus("ring_consume", dm_rpc::raw::ring::fuzz_consume);
 }
+
+#[test]
+fn parts_join_corpus() {
+    replay_corpus("parts_join", dm_rpc::raw::parts::fuzz_join);
+}

@@ -3696,8 +3696,9 @@ fn how(c: &mut dm_rpc::Call) -> Result<Payload, RpcError> {
 
 /// A node that asks for by value sends every payload inline, whatever
 /// its size, over every transport that carries it (checked on the
-/// receiver), and forwards a payload that came by Ref as bytes; a payload
-/// too large for the connection's frames fails its call with a message
+/// receiver): over shared memory a frame longer than a ring's record goes
+/// in parts, both ways. It forwards a payload that came by Ref as bytes.
+/// A payload too large for the connection fails its call with a message
 /// that says what to do, and never travels by Ref instead.
 #[test]
 fn by_value_goes_inline_at_any_size_or_fails_saying_why() {
@@ -3714,20 +3715,36 @@ fn by_value_goes_inline_at_any_size_or_fails_saying_why() {
             sum(&Payload::from(data))
         );
     };
-    // Default rings (256 KiB): a frame takes at most half a ring.
+    // Default rings (256 KiB): a record takes at most half a ring.
     let tp = pool();
     let value = Node::with_config(tp.attach(), Config::by_value());
     let name = unique("by-value");
-    let svc = value.server(&name).method("how", how).spawn().unwrap();
+    let svc = value
+        .server(&name)
+        .method("how", how)
+        .method("echo", |c| Ok(c.take_payload()))
+        .spawn()
+        .unwrap();
     let c = value.connect(&name).unwrap();
     let small = common::pattern(100 << 10, 1); // above the default threshold
     check(c.call("how", small.clone()).unwrap(), &small, false);
-    let e = c.call("how", big.clone()).unwrap_err();
+    // 6 MiB both ways, in parts, many at once.
+    check(c.call("how", big.clone()).unwrap(), &big, false);
+    std::thread::scope(|s| {
+        for k in 0..3u8 {
+            let (c, v) = (c.clone(), common::pattern((3 << 20) + k as usize, k));
+            s.spawn(move || {
+                let back = c.call("echo", v.clone()).unwrap();
+                assert!(!back.in_pool());
+                assert!(back.to_vec().unwrap() == v, "echo {k}");
+            });
+        }
+    });
+    // Beyond what a connection carries: refused, saying what to do.
+    let huge = vec![0u8; (64 << 20) + 1];
+    let e = c.call("how", huge).unwrap_err();
     assert_eq!(e.status, Status::ResourceExhausted, "{e}");
-    assert!(
-        e.message.contains("--ring-size") && e.message.contains("by Ref"),
-        "{e}"
-    );
+    assert!(e.message.contains("by Ref"), "{e}");
     // The connection is fine after the refusal.
     check(c.call("how", small.clone()).unwrap(), &small, false);
     // A pool buffer, and a Ref forwarded by a by-value node, go as bytes.
@@ -3746,23 +3763,17 @@ fn by_value_goes_inline_at_any_size_or_fails_saying_why() {
         .spawn()
         .unwrap();
     let rc = by_ref.connect(&relay_name).unwrap();
-    check(rc.call("fwd", small.clone()).unwrap(), &small, false);
-    drop((rc, relay, c, svc, by_ref, value));
-    tp.assert_clean();
-
-    // 16 MiB rings carry 6 MiB by value.
-    let tp = TempPool::with(PoolConfig {
-        size: 256 << 20,
-        channels: Some(4),
-        ring_size: 16 << 20,
-        ..Default::default()
-    });
-    let value = Node::with_config(tp.attach(), Config::by_value());
-    let svc = value.server(&name).method("how", how).spawn().unwrap();
-    let c = value.connect(&name).unwrap();
-    check(c.call("how", big.clone()).unwrap(), &big, false);
-    drop((c, svc));
-    // And so does TCP (its frames carry up to 16 MiB).
+    check(rc.call("fwd", big.clone()).unwrap(), &big, false);
+    // Without by_value the same call goes by Ref (the threshold rule).
+    let svc2 = by_ref
+        .server(&unique("sized"))
+        .method("how", how)
+        .spawn()
+        .unwrap();
+    let c2 = by_ref.connect(svc2.name()).unwrap();
+    check(c2.call("how", big.clone()).unwrap(), &big, true);
+    drop((rc, relay, c, svc, c2, svc2, by_ref));
+    // TCP carries 6 MiB by value too (its frames, up to 16 MiB).
     let svc = value
         .server(&name)
         .transport(Transport::Tcp("127.0.0.1:0".into()))
@@ -3771,16 +3782,7 @@ fn by_value_goes_inline_at_any_size_or_fails_saying_why() {
         .unwrap();
     let c = value.connect(&name).unwrap();
     check(c.call("how", big.clone()).unwrap(), &big, false);
-    // Without by_value the same call goes by Ref (the threshold rule).
-    let sized = Node::new(tp.attach());
-    let svc2 = sized
-        .server(&unique("sized"))
-        .method("how", how)
-        .spawn()
-        .unwrap();
-    let c2 = sized.connect(svc2.name()).unwrap();
-    check(c2.call("how", big.clone()).unwrap(), &big, true);
-    drop((c, svc, c2, svc2, sized, value));
+    drop((c, svc, value));
     tp.assert_clean();
 }
 

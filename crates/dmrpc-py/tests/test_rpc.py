@@ -1166,11 +1166,14 @@ def test_by_value_goes_inline_or_raises_saying_why(pool):
     name = f"py/by-value/{os.getpid()}/{next(_N)}"
     srv = node.serve(name, {"how": lambda b: bytes([b.by_ref]) + len(b).to_bytes(8, "little")})
     c = node.connect(name)
-    # Above the default threshold, below half the default 256 KiB ring.
+    # Above the default threshold.
     got = bytes(c.call("how", b"x" * (100 << 10)))
     assert got[0] == 0 and int.from_bytes(got[1:], "little") == 100 << 10
-    with pytest.raises(dmrpc.ResourceExhausted, match="--ring-size"):
-        c.call("how", np.zeros(6 << 20, np.uint8))
+    # 6 MiB by value too, in parts (a default ring's record is 128 KiB).
+    got = bytes(c.call("how", np.zeros(6 << 20, np.uint8)))
+    assert got[0] == 0 and int.from_bytes(got[1:], "little") == 6 << 20
+    with pytest.raises(dmrpc.ResourceExhausted, match="by Ref"):
+        c.call("how", np.zeros((64 << 20) + 1, np.uint8))
     # A size-aware node sends the same argument by Ref.
     sized = dmrpc.Node(p)
     got = bytes(sized.connect(name).call("how", np.zeros(6 << 20, np.uint8)))

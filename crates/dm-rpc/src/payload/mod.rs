@@ -495,10 +495,9 @@ impl Payload {
         if len > inline_max as u64 {
             return Err(RpcError::resource_exhausted(format!(
                 "a payload of {len} bytes is to travel by value (Config::by_value), and this \
-                 connection's frames carry at most {inline_max} bytes of it. Over shared memory \
-                 a frame takes at most half a ring: create the pool with larger rings \
-                 (`dmrpc pool create NAME --ring-size 16MiB`, `PoolConfig::ring_size`), or let \
-                 large payloads travel by Ref (`by_value: false`)"
+                 connection carries at most {inline_max} bytes of it inline (shared memory \
+                 64 MiB, in parts; TCP 16 MiB; in process 128 KiB): let large payloads travel \
+                 by Ref (`by_value: false`), or send the data in smaller calls or a stream"
             )));
         }
         let body = match self.repr {

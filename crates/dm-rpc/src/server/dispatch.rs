@@ -111,7 +111,8 @@ impl Dispatcher {
                 // stream that ended is dropped).
                 Kind::Credit => self.grant(p.conn, p.frame.call_id, p.frame.method),
                 // Clients do not send responses, go-aways or items.
-                Kind::Response | Kind::GoAway | Kind::Item => {}
+                // (Parts are joined by the transport: none gets here.)
+                Kind::Response | Kind::GoAway | Kind::Item | Kind::Part => {}
             }
         }
     }
@@ -511,8 +512,10 @@ impl Dispatcher {
         let (mut cfg_inline, mut max_inline) =
             (self.node.cfg.threshold(), self.listener.max_inline());
         if let Some(cap) = self.listener.answer_max(conn, id) {
+            // (Above the transport's record only for answers it sends in
+            // parts: a shared-memory server of a by-value node.)
             cfg_inline = cfg_inline.min(cap);
-            max_inline = max_inline.min(cap);
+            max_inline = cap;
         }
         let inline_max = match meta.inline_room(cfg_inline, max_inline) {
             Ok(room) => room,

@@ -128,7 +128,8 @@ pub(crate) fn take_in(
                 later.push(Later::Credit(conn, frame.call_id, frame.method));
             }
         }
-        Kind::Response | Kind::GoAway | Kind::Item => {}
+        // (Parts are joined by the transport: none gets here.)
+        Kind::Response | Kind::GoAway | Kind::Item | Kind::Part => {}
     }
 }
 

@@ -20,6 +20,7 @@ use std::time::Instant;
 #[allow(unreachable_pub)] // (public in loom builds)
 pub(crate) mod goaway;
 pub(crate) mod mem;
+pub(crate) mod parts;
 #[allow(unreachable_pub)] // (public in loom builds)
 pub(crate) mod ring;
 pub(crate) mod shm;
@@ -397,7 +398,9 @@ pub trait Listener: Send {
     /// The most bytes of payload and metadata the answer to call `id` of
     /// connection `conn` may carry inline (a larger payload goes by Ref),
     /// if the transport keeps room for each answer (then an answer never
-    /// waits for room); `None`: only the transport's own limit.
+    /// waits for room); `None`: only the transport's own limit. It may
+    /// exceed [`max_inline`](Self::max_inline) for a transport that sends
+    /// a longer answer in parts (then the parts wait for room).
     fn answer_max(&self, conn: ConnId, id: u64) -> Option<usize> {
         let _ = (conn, id);
         None

@@ -43,6 +43,7 @@
 //! the highest call id it took, so the client sends the requests it never
 //! took to another server (control version 3).
 
+use super::parts::{self, Joiner, MAX_JOINED};
 use super::ring::{self, record_len, Consumer, Producer, RawData, RingControl};
 use super::{
     ConnId, Connection, FrameRx, FrameTx, Listener, Looked, TransportError, Waker, WatchSet,
@@ -177,6 +178,8 @@ struct ShmRx {
     /// payload takes the vector, other records leave it for the next
     /// (a by-Ref answer then costs no allocation).
     rest: Vec<u8>,
+    /// An answer arriving in parts.
+    joiner: Joiner,
 }
 
 /// The policy of a producer waiting for room in a full ring: the consumer
@@ -232,6 +235,7 @@ pub fn connect(
         },
         sh,
         rest: Vec::new(),
+        joiner: Joiner::default(),
     };
     let goaway = Arc::new(ShmGoAway {
         word: p.goaway,
@@ -255,7 +259,8 @@ pub fn connect(
     Ok(Connection {
         tx: Box::new(tx),
         rx: Box::new(rx),
-        max_inline,
+        // (A frame longer than a record goes in parts.)
+        max_inline: max_inline.max(MAX_JOINED),
         refs: super::Sharing::POOL,
         goaway,
     })
@@ -265,6 +270,7 @@ pub fn connect(
 /// (the ring's room bell, or several bells), running `meanwhile` before
 /// each look at the room (an error from it ends the wait) and `check`
 /// between park slices.
+#[inline]
 fn push(
     prod: &mut Producer<'static, RawData>,
     f: &Frame,
@@ -296,11 +302,73 @@ fn push(
     }
 }
 
+/// Pushes `f` as [`push`] does, in parts if it is longer than a record
+/// of the ring: each part waits for room in turn. `Ok(false)` if the
+/// deadline passed first, maybe after some parts (the receiver drops a
+/// frame whose parts stop: [`Joiner`]). (The ring refuses a record too
+/// long before it takes any step: the path of every other frame is
+/// [`push`]'s.)
+#[inline]
+fn push_whole(
+    prod: &mut Producer<'static, RawData>,
+    f: &Frame,
+    waiter: &mut Waiter,
+    deadline: Option<Instant>,
+    sleeper: impl crate::wait::Sleeper + Copy,
+    mut meanwhile: impl FnMut() -> Result<(), TransportError>,
+    mut check: impl FnMut() -> Result<(), TransportError>,
+) -> Result<bool, TransportError> {
+    match push(
+        prod,
+        f,
+        waiter,
+        deadline,
+        sleeper,
+        &mut meanwhile,
+        &mut check,
+    ) {
+        Err(TransportError::TooLarge { max, .. }) => {
+            push_parts(prod, f, max, waiter, deadline, sleeper, meanwhile, check)
+        }
+        r => r,
+    }
+}
+
+/// The parts of [`push_whole`]'s frame, each at most `max_rec` bytes,
+/// pushed in turn.
+#[allow(clippy::too_many_arguments)]
+#[cold]
+fn push_parts(
+    prod: &mut Producer<'static, RawData>,
+    f: &Frame,
+    max_rec: usize,
+    waiter: &mut Waiter,
+    deadline: Option<Instant>,
+    sleeper: impl crate::wait::Sleeper + Copy,
+    mut meanwhile: impl FnMut() -> Result<(), TransportError>,
+    mut check: impl FnMut() -> Result<(), TransportError>,
+) -> Result<bool, TransportError> {
+    for p in parts::split(f, max_rec - HEADER_LEN) {
+        if !push(
+            prod,
+            &p,
+            waiter,
+            deadline,
+            sleeper,
+            &mut meanwhile,
+            &mut check,
+        )? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 impl FrameTx for ShmTx {
     fn send(&mut self, f: &Frame, deadline: Option<Instant>) -> Result<bool, TransportError> {
         let (sh, bell) = (&self.sh, self.prod.bell());
         let check = || sh.check_peer();
-        push(
+        push_whole(
             &mut self.prod,
             f,
             &mut self.waiter,
@@ -328,7 +396,7 @@ impl FrameTx for ShmTx {
         let bells = [self.prod.bell().0, answers];
         let sh = &self.sh;
         let (read, check) = (|| super::drain(rx, got), || sh.check_peer());
-        let r = push(
+        let r = push_whole(
             &mut self.prod,
             f,
             &mut self.waiter,
@@ -358,8 +426,9 @@ impl ShmRx {
     }
 }
 
-impl FrameRx for ShmRx {
-    fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
+impl ShmRx {
+    /// The next record's frame, as [`FrameRx::recv`] (parts not joined).
+    fn recv_record(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
         let sh = &self.sh;
         let (cons, rest) = (&mut self.cons, &mut self.rest);
         let mut head = [0u8; HEADER_LEN];
@@ -386,12 +455,39 @@ impl FrameRx for ShmRx {
             Some(len) => Ok(Some(self.decode(&head, len?)?)),
         }
     }
+}
+
+impl FrameRx for ShmRx {
+    /// The next frame; one that came in parts once its last part is here.
+    fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<Frame>, TransportError> {
+        loop {
+            let Some(f) = self.recv_record(deadline)? else {
+                return Ok(None);
+            };
+            if f.kind != Kind::Part {
+                self.joiner.passing();
+                return Ok(Some(f));
+            }
+            if let Some(f) = self.joiner.part(&f)? {
+                return Ok(Some(f));
+            }
+        }
+    }
 
     fn try_recv(&mut self) -> Result<Option<Frame>, TransportError> {
         let mut head = [0u8; HEADER_LEN];
-        match self.cons.try_pop_split(&mut head, &mut self.rest)? {
-            None => Ok(None),
-            Some(len) => Ok(Some(self.decode(&head, len)?)),
+        loop {
+            let Some(len) = self.cons.try_pop_split(&mut head, &mut self.rest)? else {
+                return Ok(None);
+            };
+            let f = self.decode(&head, len)?;
+            if f.kind != Kind::Part {
+                self.joiner.passing();
+                return Ok(Some(f));
+            }
+            if let Some(f) = self.joiner.part(&f)? {
+                return Ok(Some(f));
+            }
         }
     }
 
@@ -438,6 +534,8 @@ struct ServerConn {
     /// (`ShmListener::hold_max`), then the connection is not read.
     held: VecDeque<Frame>,
     held_bytes: usize,
+    /// A request arriving in parts.
+    joiner: Joiner,
     /// Call ids of the blocking streams taken and not yet answered: while
     /// one runs, the connection's other requests are held (its handler
     /// holds up the server, so their answers would keep room its items
@@ -553,6 +651,7 @@ impl ServerConn {
     }
 
     /// Takes request `f` with room `kept`: its answer is owed.
+    #[inline]
     fn took(&mut self, f: &Frame, kept: Kept) {
         self.owed += 1;
         self.taken = self.taken.max(f.call_id);
@@ -646,6 +745,8 @@ impl ShmListener {
     /// large.
     pub fn whole_answers(mut self) -> Self {
         self.room.whole = true;
+        // (An answer longer than a record goes in parts.)
+        self.answer_max.0 = self.answer_max.0.max(MAX_JOINED);
         self
     }
 
@@ -753,6 +854,7 @@ impl ShmListener {
                 goaway: p.goaway,
                 held: VecDeque::new(),
                 held_bytes: 0,
+                joiner: Joiner::default(),
                 streams: Vec::new(),
             });
             self.next_id += 1;
@@ -782,8 +884,20 @@ impl ShmListener {
     fn decode_for(&mut self, i: usize) -> Option<Frame> {
         let h = &self.head[..self.rec_len.min(HEADER_LEN)];
         let f = match Frame::decode_record(h, &mut self.rest, &self.limits) {
-            Ok(f) => f,
-            _ => {
+            Ok(f) if f.kind != Kind::Part => {
+                self.conns[i].joiner.passing();
+                f
+            }
+            Ok(p) => match self.conns[i].joiner.part(&p) {
+                Ok(Some(f)) => f,
+                // The request is not whole yet.
+                Ok(None) => return None,
+                Err(_) => {
+                    self.drop_conn(i);
+                    return None;
+                }
+            },
+            Err(_) => {
                 self.drop_conn(i);
                 return None;
             }
@@ -1023,7 +1137,7 @@ impl Listener for ShmListener {
         c.keep_room(self.room);
         let (pool, ch) = (&self.pool, c.ch);
         let bell = self.conns[k].resp.bell();
-        let r = push(
+        let r = push_whole(
             &mut self.conns[k].resp,
             f,
             &mut self.reply_waiter,
