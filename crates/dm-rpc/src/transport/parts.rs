@@ -16,9 +16,62 @@ use bytes::Bytes;
 /// a receiver gathers for a peer before the frame is whole.
 pub(crate) const MAX_JOINED: usize = 64 << 20;
 
-/// The parts of `f`, each carrying at most `slice` bytes of its encoding
-/// (at least 1). The encoding is made once and shared by the parts.
-pub(crate) fn split(f: &Frame, slice: usize) -> Vec<Frame> {
+/// One part's record, written straight from its frame: its header, then
+/// its slice of the frame's encoding.
+pub(crate) struct PartRecord<'a> {
+    f: &'a Frame,
+    head: [u8; HEADER_LEN],
+    /// The slice: bytes `lo..hi` of the frame's encoding.
+    lo: usize,
+    hi: usize,
+}
+
+impl PartRecord<'_> {
+    /// The record's length.
+    pub(crate) fn len(&self) -> usize {
+        HEADER_LEN + self.hi - self.lo
+    }
+
+    /// Writes the record's bytes through `put`.
+    pub(crate) fn fill(&self, put: &mut dyn FnMut(&[u8])) {
+        put(&self.head);
+        let (lo, hi, mut at) = (self.lo, self.hi, 0);
+        self.f.encode_with(|piece: &[u8]| {
+            let (a, b) = (at.max(lo), (at + piece.len()).min(hi));
+            if a < b {
+                put(&piece[a - at..b - at]);
+            }
+            at += piece.len();
+        });
+    }
+}
+
+/// The records of `f`'s parts, each carrying at most `slice` bytes of its
+/// encoding (at least 1), written straight from the frame. The same bytes
+/// as [`split`]'s frames encode, with no copy of the frame made first.
+pub(crate) fn records(f: &Frame, slice: usize) -> impl Iterator<Item = PartRecord<'_>> {
+    let slice = slice.max(1);
+    let total = f.encoded_len();
+    let n = total.div_ceil(slice);
+    (0..n).map(move |k| {
+        let (lo, hi) = (k * slice, ((k + 1) * slice).min(total));
+        let mut flags = 0;
+        if k == 0 {
+            flags |= FLAG_PART_FIRST;
+        }
+        if k + 1 == n {
+            flags |= FLAG_PART_LAST;
+        }
+        let mut head = Frame::part(f.call_id, flags, Bytes::new()).header();
+        head[24..28].copy_from_slice(&((hi - lo) as u32).to_le_bytes());
+        PartRecord { f, head, lo, hi }
+    })
+}
+
+/// The parts of `f` as frames, each carrying at most `slice` bytes of its
+/// encoding (at least 1): what [`records`] writes.
+#[cfg(test)]
+fn split(f: &Frame, slice: usize) -> Vec<Frame> {
     let all = Bytes::from(f.encode());
     let slice = slice.max(1);
     let n = all.len().div_ceil(slice);
@@ -41,8 +94,12 @@ pub(crate) fn split(f: &Frame, slice: usize) -> Vec<Frame> {
 /// the whole once the last has come.
 #[derive(Debug, Default)]
 pub(crate) struct Joiner {
-    /// The call id of the frame being gathered, and its bytes so far.
-    at: Option<(u64, Vec<u8>)>,
+    /// The call id of the frame being gathered, its bytes past the header
+    /// so far, and how many its header announces.
+    at: Option<(u64, Vec<u8>, usize)>,
+    /// The frame's header, once its first bytes came (the rest gathers
+    /// in `at`, which becomes the payload without a copy).
+    head: [u8; HEADER_LEN],
 }
 
 impl Joiner {
@@ -83,39 +140,49 @@ impl Joiner {
         let crate::frame::Body::Inline(slice) = &f.payload else {
             return Err(bad("a part without bytes"));
         };
+        let limits = Limits {
+            max_payload: MAX_JOINED as u32,
+            ..Limits::default()
+        };
+        let mut slice: &[u8] = slice;
         if f.flags & FLAG_PART_FIRST != 0 {
-            self.at = Some((f.call_id, Vec::new()));
+            // The whole frame's header: checked now, so that what it
+            // announces (at most the limits) can be reserved at once.
+            let Some(h) = slice.get(..HEADER_LEN) else {
+                self.at = None;
+                return Err(bad("a first part shorter than a header"));
+            };
+            if let Err(e) = Frame::decode(h, &limits) {
+                self.at = None;
+                return Err(bad(&e.to_string()));
+            }
+            self.head.copy_from_slice(h);
+            let at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+            let rest = at(24) as usize + at(28) as usize;
+            self.at = Some((f.call_id, Vec::with_capacity(rest), rest));
+            slice = &slice[HEADER_LEN..];
         }
-        let Some((id, buf)) = self.at.as_mut() else {
+        let Some((id, buf, want)) = self.at.as_mut() else {
             return Err(bad("a part before the first"));
         };
         if *id != f.call_id {
+            self.at = None;
             return Err(bad("a part of another call"));
         }
-        let limit = HEADER_LEN + MAX_JOINED + crate::metadata::DEFAULT_MAX_META as usize;
-        if buf.len() + slice.len() > limit {
+        if buf.len() + slice.len() > *want {
             self.at = None;
-            return Err(bad(&format!("more than {limit} bytes")));
+            return Err(bad("more bytes than its header announces"));
         }
         buf.extend_from_slice(slice);
         if f.flags & FLAG_PART_LAST == 0 {
             return Ok(None);
         }
-        let Some((id, buf)) = self.at.take() else {
+        let Some((id, mut buf, _)) = self.at.take() else {
             return Err(bad("no frame"));
         };
-        let limits = Limits {
-            max_payload: MAX_JOINED as u32,
-            ..Limits::default()
-        };
-        match Frame::decode(&buf, &limits) {
-            Ok(Some((whole, used))) if used == buf.len() && whole.call_id == id => {
-                if whole.kind == Kind::Part {
-                    return Err(bad("a part inside a part"));
-                }
-                Ok(Some(whole))
-            }
-            Ok(_) => Err(bad("the parts do not make one frame of their call")),
+        match Frame::decode_record(&self.head, &mut buf, &limits) {
+            Ok(whole) if whole.call_id == id && whole.kind != Kind::Part => Ok(Some(whole)),
+            Ok(_) => Err(bad("the parts make a part, or a frame of another call")),
             Err(e) => Err(bad(&e.to_string())),
         }
     }
@@ -148,7 +215,13 @@ pub fn fuzz_join(data: &[u8]) {
         let slice = 1 + data.first().map_or(0, |&b| b as usize) * 16;
         let mut j = Joiner::default();
         let mut out = None;
-        for p in split(&f, slice) {
+        for r in records(&f, slice) {
+            let mut rec = Vec::new();
+            r.fill(&mut |b: &[u8]| rec.extend_from_slice(b));
+            let (p, _) = Frame::decode(&rec, &Limits::default())
+                .ok()
+                .flatten()
+                .expect("a part decodes");
             out = j.take(p).expect("parts of a frame join");
         }
         assert_eq!(out, Some(f), "a frame split and joined is itself");
@@ -231,19 +304,35 @@ mod tests {
             r = j.take(p);
         }
         assert!(r.is_err(), "a part inside a part");
-        // More than the bound: refused before it is gathered.
+        // More bytes than the header announces: refused as they come.
         let mut j = Joiner::default();
-        let first = Frame::part(1, FLAG_PART_FIRST, Bytes::from(vec![0u8; 1 << 20]));
-        j.take(first).unwrap();
-        let mut refused = false;
-        for _ in 0..80 {
-            if j.take(Frame::part(1, 0, Bytes::from(vec![0u8; 1 << 20])))
-                .is_err()
-            {
-                refused = true;
-                break;
-            }
+        j.take(parts[0].clone()).unwrap();
+        let extra = Frame::part(9, 0, Bytes::from(vec![0u8; 10_000]));
+        assert!(j.take(extra).is_err());
+        // A header announcing more than the bound: refused at the first part.
+        let mut h = big(10).encode();
+        h[24..28].copy_from_slice(&(MAX_JOINED as u32 + 1).to_le_bytes());
+        let first = Frame::part(9, FLAG_PART_FIRST, Bytes::from(h));
+        assert!(Joiner::default().take(first).is_err());
+    }
+
+    #[test]
+    fn records_are_the_parts_written_straight_from_the_frame() {
+        let meta = crate::metadata::Metadata::new()
+            .with("k", b"value".to_vec())
+            .unwrap();
+        let f = big(10_000).with_meta(meta);
+        for slice in [1, 7, 1000, 9_999, 20_000] {
+            let want: Vec<Vec<u8>> = split(&f, slice).iter().map(Frame::encode).collect();
+            let got: Vec<Vec<u8>> = records(&f, slice)
+                .map(|r| {
+                    let mut v = Vec::new();
+                    r.fill(&mut |b: &[u8]| v.extend_from_slice(b));
+                    assert_eq!(v.len(), r.len());
+                    v
+                })
+                .collect();
+            assert_eq!(got, want, "slice {slice}");
         }
-        assert!(refused);
     }
 }

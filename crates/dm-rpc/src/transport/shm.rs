@@ -335,7 +335,7 @@ fn push_whole(
 }
 
 /// The parts of [`push_whole`]'s frame, each at most `max_rec` bytes,
-/// pushed in turn.
+/// pushed in turn, each written straight from the frame.
 #[allow(clippy::too_many_arguments)]
 #[cold]
 fn push_parts(
@@ -348,17 +348,28 @@ fn push_parts(
     mut meanwhile: impl FnMut() -> Result<(), TransportError>,
     mut check: impl FnMut() -> Result<(), TransportError>,
 ) -> Result<bool, TransportError> {
-    for p in parts::split(f, max_rec - HEADER_LEN) {
-        if !push(
-            prod,
-            &p,
-            waiter,
-            deadline,
+    for r in parts::records(f, max_rec - HEADER_LEN) {
+        let len = r.len();
+        if prod.try_push(len, |put| r.fill(put))? {
+            continue;
+        }
+        let room = waiter.wait(
             sleeper,
-            &mut meanwhile,
+            deadline,
+            || match meanwhile() {
+                Err(e) => Some(Err(e)),
+                Ok(()) => prod.fits(len).then_some(Ok(())),
+            },
             &mut check,
-        )? {
-            return Ok(false);
+        )?;
+        match room {
+            None => return Ok(false),
+            Some(ready) => {
+                ready?;
+                if !prod.try_push(len, |put| r.fill(put))? {
+                    return Ok(false);
+                }
+            }
         }
     }
     Ok(true)
