@@ -422,6 +422,9 @@ struct Inner {
 }
 
 impl Inner {
+    /// The connection to the server of `r`, once `r` is checked as far as
+    /// the client can: a Ref of one of its servers, no longer than that
+    /// server holds (a forged length must not size a buffer or a loop).
     fn conn_of(&self, r: &Ref) -> Result<&Conn> {
         if r.backend != BACKEND_MEMSERVER {
             return Err(Error::ForeignPool {
@@ -429,13 +432,21 @@ impl Inner {
                 found: r.pool_id,
             });
         }
-        self.conns
+        let c = self
+            .conns
             .iter()
             .find(|c| c.server_id == r.pool_id)
             .ok_or(Error::ForeignPool {
                 expected: self.conns[0].server_id,
                 found: r.pool_id,
-            })
+            })?;
+        if r.len > c.max_len {
+            return Err(Error::TooLarge {
+                len: r.len,
+                max: c.max_len,
+            });
+        }
+        Ok(c)
     }
 
     fn call(&self, server: usize, req: &Request) -> Answer {
@@ -533,6 +544,13 @@ impl MemPool {
             },
         )?;
         proto::decode_ref(&a).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    /// Checks `r` as far as the client can without asking its server: a
+    /// Ref of one of these servers, no longer than that server holds.
+    /// What a receiver does before it sizes anything by the Ref's length.
+    pub fn check_ref(&self, r: &Ref) -> Result<()> {
+        self.inner.conn_of(r).map(drop)
     }
 
     /// Reads `out.len()` bytes at `offset` of `r`'s snapshot without

@@ -393,3 +393,36 @@ fn large_reads_answered_from_the_pages_are_whole_and_leave_nothing_pinned() {
     drop(p);
     settle(&s);
 }
+
+/// A Ref whose length was forged (2^62 bytes) is refused with a typed
+/// error by every client call, before the length sizes a buffer or a
+/// loop; the server and the session go on.
+#[test]
+fn a_ref_with_a_forged_length_is_refused_before_it_sizes_anything() {
+    let s = Server::start(Config::default()).unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let mut b = p.alloc(4096).unwrap();
+    b.write(0, b"real").unwrap();
+    let r = p.create_ref(&b, 0, 4096).unwrap();
+    let mut forged = r;
+    forged.len = 1 << 62;
+    let too_large = |e: Error| matches!(e, Error::TooLarge { .. });
+    assert!(too_large(p.check_ref(&forged).unwrap_err()));
+    assert!(too_large(
+        p.read_ref(&forged, 0, &mut [0u8; 4]).unwrap_err()
+    ));
+    assert!(too_large(p.map_ref(&forged).unwrap_err()));
+    let mut one = [0u8; 4];
+    assert!(too_large(
+        p.read_ref_ranges(&forged, &mut [(0, &mut one[..])])
+            .unwrap_err()
+    ));
+    // The real Ref still reads.
+    let mut got = [0u8; 4];
+    p.read_ref(&r, 0, &mut got).unwrap();
+    assert_eq!(&got, b"real");
+    p.release_ref(&r).unwrap();
+    p.free(b).unwrap();
+    drop(p);
+    settle(&s);
+}

@@ -143,6 +143,15 @@ pub enum Error {
     /// The pool is still being initialised by its creator (or the creator died).
     #[error("pool is not initialised (its creator has not finished or died while creating it)")]
     NotReady,
+    /// This process is a child forked after its parent attached: what it
+    /// inherited (the pool handle, buffers, Refs in flight) is its
+    /// parent's.
+    #[error(
+        "this process was forked after the pool was attached: the attachment, its buffers and \
+         Refs belong to the parent. Attach the pool anew in the child (`Pool::open`), and drop \
+         what was inherited unused"
+    )]
+    Forked,
     /// This process's lease expired (it was stopped too long) and others reclaimed it.
     #[error("this process's lease on the pool was lost; its holdings were reclaimed")]
     LeaseLost,

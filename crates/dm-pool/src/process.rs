@@ -18,6 +18,10 @@ pub(crate) struct Core {
     pub(crate) slot: u16,
     pub(crate) incarnation: u32,
     pub(crate) lost: AtomicBool,
+    /// This process's fork count when it attached
+    /// ([`dm_sys::proc::watch_forks`]): a child forked since sees a higher
+    /// one, and its calls fail with [`Error::Forked`].
+    pub(crate) forks: u64,
     /// Where this process's next descriptor claim starts looking: the
     /// descriptor it freed last (still in this core's caches), else the
     /// one after its last claim. Process-local: a cursor shared by all
@@ -49,6 +53,9 @@ impl Core {
     /// was stopped past its lease has had its holdings reclaimed and must
     /// not touch them. One load of the slot word (read-mostly, shared).
     pub(crate) fn live(&self) -> Result<()> {
+        if dm_sys::proc::forks() != self.forks {
+            return Err(Error::Forked);
+        }
         if !self.lost.load(Ordering::Relaxed) {
             let w = self
                 .shm

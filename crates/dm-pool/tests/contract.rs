@@ -799,3 +799,31 @@ fn a_buffer_turned_into_a_ref_expires_with_its_time_to_live() {
     drop(pool);
     tp.assert_clean();
 }
+
+/// A pool larger than the free space of its file system is refused at
+/// creation with a typed error (written past the free space, its mapping
+/// would end the process with SIGBUS), and leaves no file behind.
+#[test]
+fn a_pool_larger_than_the_free_space_of_its_file_system_is_refused() {
+    // SAFETY: a zeroed statvfs is a valid out-value; the path is a valid C string.
+    let free = unsafe {
+        let mut v: libc::statvfs = std::mem::zeroed();
+        assert_eq!(libc::statvfs(c"/dev/shm".as_ptr(), &mut v), 0);
+        v.f_bavail as u64 * v.f_frsize as u64
+    };
+    let path = std::path::PathBuf::from(format!(
+        "/dev/shm/dmrpc-test-nospace-{}.pool",
+        std::process::id()
+    ));
+    let e = Pool::create(
+        &path,
+        &PoolConfig {
+            size: free + (1 << 30),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::Sys(_)), "{e:?}");
+    assert!(e.to_string().contains("SIGBUS"), "{e}");
+    assert!(!path.exists());
+}

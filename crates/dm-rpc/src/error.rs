@@ -119,7 +119,8 @@ impl From<dm_pool::Error> for RpcError {
             | E::RefExpired { .. }
             | E::RefDecode(_)
             | E::InvalidConfig(_)
-            | E::InvalidName(_) => Status::InvalidArgument,
+            | E::InvalidName(_)
+            | E::Forked => Status::InvalidArgument,
             E::LeaseLost | E::NoChannel(_) | E::Unavailable(_) | E::RefClockInUse { .. } => {
                 Status::Unavailable
             }

@@ -194,3 +194,48 @@ fn reading_part_of_a_remote_payload_fetches_that_part() {
     pa.assert_clean();
     pb.assert_clean();
 }
+
+/// A request carrying a memory-server Ref whose length was forged (2^62
+/// bytes) is refused with `InvalidArgument` as it arrives, before the
+/// length sizes anything; the server goes on serving.
+#[test]
+fn a_memory_server_ref_with_a_forged_length_is_refused_on_arrival() {
+    use dm_rpc::frame::{method_id, Body, Frame};
+    use std::time::{Duration, Instant};
+    let ms = MemServer::start(MsConfig::default()).unwrap();
+    let tp = TempPool::new(16 << 20);
+    let n = node(&tp, &[&ms]);
+    let svc = n
+        .server("net/forged")
+        .method("sum", sum_and_how)
+        .spawn()
+        .unwrap();
+    let m = n.memserver().unwrap();
+    let mut b = m.alloc(4096).unwrap();
+    b.write(0, &[1u8; 4096]).unwrap();
+    let real = m.create_ref(&b, 0, 4096).unwrap();
+    let mut forged = real;
+    forged.len = 1 << 62;
+    let info = n.pool().lookup("net/forged").unwrap().unwrap();
+    let policy = dm_rpc::WaitPolicy::default();
+    let mut raw = dm_rpc::raw::shm::connect(n.pool(), &info, policy).unwrap();
+    let soon = || Some(Instant::now() + Duration::from_secs(10));
+    let ask = |id, r| Frame::request(id, method_id("sum"), 0, Body::Refs(vec![r]));
+    assert!(raw.tx.send(&ask(1, forged), soon()).unwrap());
+    let f = raw.rx.recv(soon()).unwrap().expect("an answer");
+    assert_eq!(f.status, dm_rpc::Status::InvalidArgument, "{f:?}");
+    // The real Ref is served on the same connection.
+    assert!(raw.tx.send(&ask(2, real), soon()).unwrap());
+    let f = raw.rx.recv(soon()).unwrap().expect("an answer");
+    assert_eq!(f.status, dm_rpc::Status::Ok);
+    let Body::Inline(v) = &f.payload else {
+        panic!("{f:?}")
+    };
+    assert_eq!(u64::from_le_bytes(v[..8].try_into().unwrap()), 4096);
+    drop(raw);
+    m.release_ref(&real).unwrap();
+    m.free(b).unwrap();
+    drop((svc, n));
+    settled(&ms);
+    tp.assert_clean();
+}

@@ -200,9 +200,43 @@ pub mod rand {
 
 /// Process liveness.
 pub mod proc {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
     /// This process's id.
     pub fn pid() -> u32 {
         std::process::id()
+    }
+
+    /// Forks this process went through since it started watching
+    /// ([`watch_forks`]).
+    static FORKS: AtomicU64 = AtomicU64::new(0);
+
+    extern "C" fn forked() {
+        // In the child, right after the fork: one atomic add, which is
+        // async-signal-safe.
+        FORKS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Starts counting the forks of this process, once, and returns the
+    /// count so far: a value to compare [`forks`] with later. A child made
+    /// by `fork()` sees a higher count than its parent saw when it took
+    /// this value, whatever thread forked. (Its handler runs in the child,
+    /// `pthread_atfork`.)
+    pub fn watch_forks() -> u64 {
+        static WATCH: std::sync::Once = std::sync::Once::new();
+        WATCH.call_once(|| {
+            // SAFETY: `forked` is a plain `extern "C" fn()` that lives for
+            // the whole process; the other handlers are none.
+            let r = unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+            debug_assert_eq!(r, 0, "pthread_atfork");
+        });
+        forks()
+    }
+
+    /// The forks counted so far (see [`watch_forks`]): one relaxed load.
+    #[inline]
+    pub fn forks() -> u64 {
+        FORKS.load(Ordering::Relaxed)
     }
 
     /// Whether a process with this pid runs on this host: it exists (a

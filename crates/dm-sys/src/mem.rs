@@ -29,6 +29,21 @@ pub enum SysError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The file system has less free space than the file's size: writing
+    /// into the mapping past it would end the process with `SIGBUS`.
+    #[error(
+        "cannot create {path} of {size} bytes: its file system has {free} bytes free. A mapping \
+         written past the free space ends the process with SIGBUS: free space there, or make \
+         it smaller"
+    )]
+    NoSpace {
+        /// The path.
+        path: PathBuf,
+        /// The size asked for.
+        size: u64,
+        /// The free bytes of its file system.
+        free: u64,
+    },
     /// `mmap` refused the backing file.
     #[error("cannot map {path} ({len} bytes): {source}")]
     Map {
@@ -102,6 +117,15 @@ impl SharedFile {
         }
         // SAFETY: fd was just returned by open and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        if let Some(free) = free_bytes(&fd).filter(|&free| free < size) {
+            // SAFETY: `c` is valid; we remove the file we just created.
+            unsafe { libc::unlink(c.as_ptr()) };
+            return Err(SysError::NoSpace {
+                path: path.to_owned(),
+                size,
+                free,
+            });
+        }
         // SAFETY: fd is a valid open file descriptor.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
             let e = std::io::Error::last_os_error();
@@ -478,4 +502,23 @@ impl Drop for PinnedRegion {
         // SAFETY: our own mapping, unmapped once.
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
+}
+
+/// The bytes an unprivileged writer may still use on the file system of
+/// the regular file `fd` (None for a device, or if it cannot be told).
+fn free_bytes(fd: &OwnedFd) -> Option<u64> {
+    // SAFETY: zeroed stat and statvfs are valid values of plain C structs.
+    let (mut st, mut vfs): (libc::stat, libc::statvfs) =
+        unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+    // SAFETY: `fd` is open; `st` is a valid out-pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0
+        || st.st_mode & libc::S_IFMT != libc::S_IFREG
+    {
+        return None;
+    }
+    // SAFETY: `fd` is open; `vfs` is a valid out-pointer.
+    if unsafe { libc::fstatvfs(fd.as_raw_fd(), &mut vfs) } != 0 {
+        return None;
+    }
+    Some((vfs.f_bavail as u64).saturating_mul(vfs.f_frsize as u64))
 }

@@ -150,6 +150,8 @@ impl PyMemPool {
         length: Option<u64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let pool = self.get()?;
+        // (A forged length must not size the buffer.)
+        pool.check_ref(&r.r).map_err(pool_err)?;
         let len = range(offset, length, r.r.len)?;
         read_into(py, len, |out| pool.read_ref(&r.r, offset, out))
     }

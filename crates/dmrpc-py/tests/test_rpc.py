@@ -829,6 +829,10 @@ def test_memory_server_contract_from_python(memserver):
             m.release_ref(r2)  # double release
         with pytest.raises(dmrpc.InvalidArgument):
             m.map_ref(dmrpc.Ref.from_bytes(bytes(r)[:-1] + bytes([bytes(r)[-1] ^ 1])))  # forged
+        huge = dmrpc.Ref.from_bytes(bytes(r)[:32] + (1 << 62).to_bytes(8, "little"))
+        assert len(huge) == 1 << 62
+        with pytest.raises(dmrpc.InvalidArgument):
+            m.read_ref(huge)  # a forged length sizes nothing: a typed error, not an abort
         m.release_ref(r)
         other.free()
         b.free()

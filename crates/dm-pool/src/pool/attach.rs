@@ -89,6 +89,9 @@ impl std::fmt::Debug for Inner {
 
 impl Pool {
     pub(super) fn attach(shm: Shm, opts: AttachOptions) -> Result<Pool> {
+        // (Counted before the slot is claimed: a fork from here on makes a
+        // child that must not use this attachment.)
+        let forks = dm_sys::proc::watch_forks();
         let now = LeaseNow::read();
         let lease = opts.lease_ms.unwrap_or(shm.layout.lease_ms).max(10);
         let mut claimed = None;
@@ -187,6 +190,7 @@ impl Pool {
             slot,
             incarnation,
             lost: AtomicBool::new(false),
+            forks,
             desc_hint: std::sync::atomic::AtomicU32::new(first_desc),
         });
         let stop = Arc::new(AtomicBool::new(false));
@@ -407,6 +411,12 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if dm_sys::proc::forks() != self.core.forks {
+            // A child forked after the attach: the slot, its holdings and
+            // the lease thread (which the child does not have) are the
+            // parent's. Leave them be.
+            return;
+        }
         self.stop.store(true, Ordering::Release);
         if let Some(h) = self.lease_thread.lock().ok().and_then(|mut g| g.take()) {
             h.thread().unpark();

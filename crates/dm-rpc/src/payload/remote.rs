@@ -142,24 +142,26 @@ pub(super) fn request(node: &Node, r: &Ref) -> Result<Payload, RpcError> {
                 r.pool_id
             ))
         })?;
-    Ok(received(m, r, false))
+    received(m, r, false)
 }
 
 /// A received answer's memory-server Ref: made for this caller alone, read
 /// on first access, released when the payload goes.
 pub(super) fn answer(node: &Node, r: &Ref) -> Result<Payload, RpcError> {
-    Ok(received(servers(node, "a memory-server Ref")?, r, true))
+    received(servers(node, "a memory-server Ref")?, r, true)
 }
 
-fn received(m: &MemPool, r: &Ref, owned: bool) -> Payload {
-    Payload {
+fn received(m: &MemPool, r: &Ref, owned: bool) -> Result<Payload, RpcError> {
+    // A peer's Ref: checked before its length sizes anything.
+    m.check_ref(r)?;
+    Ok(Payload {
         repr: Repr::Remote(Arc::new(RemoteReceived {
             pool: m.clone(),
             r: *r,
             data: OnceLock::new(),
             owned,
         })),
-    }
+    })
 }
 
 /// A memory-server buffer as a body: a Ref of `len` bytes of it, and the
