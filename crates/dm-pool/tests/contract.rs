@@ -809,7 +809,7 @@ fn a_pool_larger_than_the_free_space_of_its_file_system_is_refused() {
     let free = unsafe {
         let mut v: libc::statvfs = std::mem::zeroed();
         assert_eq!(libc::statvfs(c"/dev/shm".as_ptr(), &mut v), 0);
-        v.f_bavail as u64 * v.f_frsize as u64
+        v.f_bavail * v.f_frsize
     };
     let path = std::path::PathBuf::from(format!(
         "/dev/shm/dmrpc-test-nospace-{}.pool",

@@ -520,5 +520,5 @@ fn free_bytes(fd: &OwnedFd) -> Option<u64> {
     if unsafe { libc::fstatvfs(fd.as_raw_fd(), &mut vfs) } != 0 {
         return None;
     }
-    Some((vfs.f_bavail as u64).saturating_mul(vfs.f_frsize as u64))
+    Some(vfs.f_bavail.saturating_mul(vfs.f_frsize))
 }
