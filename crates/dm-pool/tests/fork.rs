@@ -35,6 +35,31 @@ fn child(pool: Pool, mut b: Buffer, r: Ref) -> i32 {
     0
 }
 
+/// The child's second act: it attaches anew and works, with random
+/// numbers of its own (the next 64 bits it draws, through `out`).
+fn child_anew(path: &std::path::Path, out: i32) -> i32 {
+    let v = dm_sys::rand::random_u64().to_le_bytes();
+    // SAFETY: `out` is the pipe's open write end; `v` is 8 valid bytes.
+    if unsafe { libc::write(out, v.as_ptr().cast(), 8) } != 8 {
+        return 10;
+    }
+    let Ok(pool) = Pool::open(path, AttachOptions::default()) else {
+        return 11;
+    };
+    let Ok(mut b) = pool.alloc(100) else {
+        return 12;
+    };
+    if b.write(0, b"own").is_err() {
+        return 13;
+    }
+    let Ok(r) = b.share() else { return 14 };
+    if pool.release_ref(&r).is_err() {
+        return 15;
+    }
+    drop((b, pool));
+    0
+}
+
 #[test]
 fn a_child_forked_after_attaching_cannot_use_or_free_the_parents_attachment() {
     let tp = TempPool::new(16 << 20);
@@ -45,15 +70,33 @@ fn a_child_forked_after_attaching_cannot_use_or_free_the_parents_attachment() {
     let mut b = pool.alloc(8192).unwrap();
     b.write(0, b"parent").unwrap();
     let r = b.share().unwrap();
+    // The parent's batch of random numbers is drawn before the fork.
+    let _ = dm_sys::rand::random_u64();
+    let mut fds = [0i32; 2];
+    // SAFETY: `fds` is a valid out-array of two descriptors.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
     // SAFETY: the child runs `child` alone (no other thread of this
     // process does anything at the fork) and leaves with `_exit`.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
     if pid == 0 {
-        let code = child(pool, b, r);
+        let mut code = child(pool, b, r);
+        if code == 0 {
+            code = child_anew(&tp.path, fds[1]);
+        }
         // SAFETY: ends the child at once, running nothing of the parent's.
         unsafe { libc::_exit(code) };
     }
+    let mut theirs = [0u8; 8];
+    // SAFETY: the pipe's read end; `theirs` has room for 8 bytes.
+    let n = unsafe { libc::read(fds[0], theirs.as_mut_ptr().cast(), 8) };
+    assert_eq!(n, 8, "the child wrote no random number");
+    let ours = dm_sys::rand::random_u64();
+    assert_ne!(
+        u64::from_le_bytes(theirs),
+        ours,
+        "the child drew the parent's random number"
+    );
     let mut status = 0;
     // SAFETY: waits for our own child; `status` is a valid out-pointer.
     let got = unsafe { libc::waitpid(pid, &mut status, 0) };

@@ -172,19 +172,23 @@ pub mod rand {
     thread_local! {
         // Kernel randomness fetched 4 KiB at a time: the same strength as
         // one getrandom(2) per value, without a syscall per Ref.
-        static POOL: RefCell<(Vec<u8>, usize)> = const { RefCell::new((Vec::new(), 0)) };
+        // (The bytes, the next unused one, and the process's fork count
+        // when they were drawn.)
+        static POOL: RefCell<(Vec<u8>, usize, u64)> = const { RefCell::new((Vec::new(), 0, 0)) };
     }
 
     /// 64 random bits from the kernel (`getrandom(2)`, batched per thread).
-    /// After a fork, the child must not reuse the parent's batch: processes
-    /// here are spawned with exec, which starts with an empty one.
+    /// A child made by `fork()` draws a batch of its own: it never hands
+    /// out the values its parent will ([`crate::proc::watch_forks`]).
     pub fn random_u64() -> u64 {
+        let forks = crate::proc::watch_forks();
         POOL.with(|p| {
             let mut p = p.borrow_mut();
-            if p.0.len() < 4096 || p.1 + 8 > p.0.len() {
+            if p.0.len() < 4096 || p.1 + 8 > p.0.len() || p.2 != forks {
                 p.0.resize(4096, 0);
                 fill(&mut p.0);
                 p.1 = 0;
+                p.2 = forks;
             }
             let at = p.1;
             p.1 += 8;
