@@ -356,10 +356,21 @@ impl Shm {
     }
 
     /// Reads entry `i` with its `BORROWED` flag (NO_PAGE when absent). An
-    /// inheriting buffer reads its Ref's entry, borrowed.
+    /// inheriting buffer reads its Ref's entry, borrowed. Only a mapped
+    /// buffer inherits, and from a Ref, which never does: a chain any
+    /// longer (a loop included) is corrupt shared metadata, refused
+    /// rather than followed.
     pub(crate) fn raw_entry(&self, d: &Desc, i: usize) -> Result<u32> {
         if let Some(r) = self.inherits_from(d) {
-            let p = unborrow(self.raw_entry(r, i)?);
+            if self.inherits_from(r).is_some() {
+                return Err(Error::Corrupt(
+                    "a descriptor inherits from one that inherits".into(),
+                ));
+            }
+            let p = unborrow(
+                self.entry(r, i)?
+                    .map_or(NO_PAGE, |e| e.load(Ordering::Acquire)),
+            );
             return Ok(if p == NO_PAGE { p } else { p | BORROWED });
         }
         Ok(self

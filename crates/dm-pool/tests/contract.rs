@@ -827,3 +827,41 @@ fn a_pool_larger_than_the_free_space_of_its_file_system_is_refused() {
     assert!(e.to_string().contains("SIGBUS"), "{e}");
     assert!(!path.exists());
 }
+
+/// Shared metadata corrupted into a loop (a Ref's descriptor set to
+/// inherit from itself) is refused with `Corrupt` by a read through it and
+/// reported by `check`, never followed without a bound.
+#[test]
+fn an_inherit_chain_corrupted_into_a_loop_is_refused_not_followed() {
+    use std::os::unix::fs::FileExt;
+    let tp = TempPool::new(16 << 20);
+    let pool = tp.attach();
+    let mut b = pool.alloc(8192).unwrap();
+    b.write(0, b"data").unwrap();
+    let r = b.share().unwrap();
+    let m = pool.map_ref(&r).unwrap(); // reads through the Ref
+    let at = pool.layout().desc_off + r.desc as u64 * 256;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&tp.path)
+        .unwrap();
+    let mut saved = [0u8; 64];
+    f.read_exact_at(&mut saved, at).unwrap();
+    // The Ref's descriptor: its tag names itself, its flags say it inherits.
+    f.write_all_at(&(r.desc as u64).to_le_bytes(), at + 8)
+        .unwrap();
+    let flags = u32::from_le_bytes(saved[56..60].try_into().unwrap()) | 2;
+    f.write_all_at(&flags.to_le_bytes(), at + 56).unwrap();
+    let e = m.read(0, &mut [0u8; 4]).unwrap_err();
+    assert!(matches!(e, Error::Corrupt(_)), "{e}");
+    assert!(!pool.check().ok(), "check sees the corruption");
+    // Put it back: the pool is whole again.
+    f.write_all_at(&saved, at).unwrap();
+    let mut got = [0u8; 4];
+    m.read(0, &mut got).unwrap();
+    assert_eq!(&got, b"data");
+    pool.release_ref(&r).unwrap();
+    drop((m, b, pool));
+    tp.assert_clean();
+}
