@@ -102,18 +102,18 @@ fn shm_words(shm: &Shm) -> &[crate::sync::AtomicU64] {
 /// process of this host to attach takes it over once none of that host's
 /// processes lives, and expires the Refs left from it.
 pub fn ref_clock_is_ours(path: &Path) -> Result<bool> {
-    Ok(Shm::open(path)?.ref_clock_is_ours())
+    Ok(Shm::open(path, dm_sys::mem::Access::Group)?.ref_clock_is_ours())
 }
 
 /// The validated layout of the pool at `path` (no attach).
 pub fn layout_of(path: &Path) -> Result<crate::layout::Layout> {
-    Ok(Shm::open(path)?.layout)
+    Ok(Shm::open(path, dm_sys::mem::Access::Group)?.layout)
 }
 
 /// Every service registered in the pool at `path` (no attach), each with
 /// the number of open connections to it: what `dmrpc ls` shows.
 pub fn services_at(path: &Path) -> Result<Vec<(ServiceInfo, usize)>> {
-    let shm = Shm::open(path)?;
+    let shm = Shm::open(path, dm_sys::mem::Access::Group)?;
     Ok(shm
         .list_services()
         .into_iter()

@@ -421,7 +421,7 @@ pub(crate) fn check(shm: &Shm) -> CheckReport {
 /// every pass found are reported: on a busy pool an operation in flight
 /// looks like a problem to one pass, a real one stays.
 pub fn check_path(path: &Path, deep: bool) -> Result<CheckReport> {
-    let shm = Shm::open(path)?;
+    let shm = Shm::open(path, dm_sys::mem::Access::Group)?;
     Ok(settled(|| check_shm(&shm, deep), PAUSE))
 }
 
@@ -480,7 +480,7 @@ pub(crate) fn counters(shm: &Shm) -> Counters {
 
 /// The lifetime counters of the pool at `path` (no attach).
 pub fn counters_of(path: &Path) -> Result<Counters> {
-    Ok(counters(&Shm::open(path)?))
+    Ok(counters(&Shm::open(path, dm_sys::mem::Access::Group)?))
 }
 
 #[cfg(test)]

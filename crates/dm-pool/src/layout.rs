@@ -254,6 +254,10 @@ pub struct PoolConfig {
     pub ref_clock: RefClock,
     /// Name recorded in the header.
     pub name: String,
+    /// Create the file readable and writable by its group too (mode 0660),
+    /// for processes of several users in one group; they attach with
+    /// `AttachOptions::group`. Default false (mode 0600).
+    pub group: bool,
 }
 
 impl Default for PoolConfig {
@@ -270,6 +274,7 @@ impl Default for PoolConfig {
             ring_size: 256 << 10,
             ref_clock: RefClock::Host,
             name: String::new(),
+            group: false,
         }
     }
 }

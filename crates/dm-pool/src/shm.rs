@@ -8,7 +8,7 @@ use crate::layout::{HeaderAtomics, Layout, ParseError, RefClock, ATOMICS_OFF, HE
 use crate::pages::{PageTable, BORROWED, NO_PAGE};
 use crate::slot::{LeaseNow, Slot, SlotKind, SlotState};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
-use dm_sys::mem::SharedFile;
+use dm_sys::mem::{Access, SharedFile};
 use std::path::Path;
 
 /// A mapped, validated pool.
@@ -20,17 +20,18 @@ pub(crate) struct Shm {
 }
 
 impl Shm {
-    /// Maps `path` and validates its header.
-    pub(crate) fn open(path: &Path) -> Result<Shm> {
+    /// Maps `path`, a file written by no one `access` does not name
+    /// ([`SharedFile::open`]), and validates its header.
+    pub(crate) fn open(path: &Path, access: Access) -> Result<Shm> {
         let device = SharedFile::is_device(path);
         let file = if device {
             // A device has no size: read the header to learn the pool's length.
-            let probe = SharedFile::open(path, Some(HEADER_LEN))?;
+            let probe = SharedFile::open(path, Some(HEADER_LEN), access)?;
             let l = Self::parse(&probe, path, u64::MAX)?;
             drop(probe);
-            SharedFile::open(path, Some(l.total_len))?
+            SharedFile::open(path, Some(l.total_len), access)?
         } else {
-            SharedFile::open(path, None)?
+            SharedFile::open(path, None, access)?
         };
         let layout = Self::parse(&file, path, file.len() as u64)?;
         let shm = Shm { file, layout };

@@ -865,3 +865,60 @@ fn an_inherit_chain_corrupted_into_a_loop_is_refused_not_followed() {
     drop((m, b, pool));
     tp.assert_clean();
 }
+
+/// A pool file others could have written is refused: a symbolic link to
+/// it, a file any user may write, a file of another user, and one its
+/// group may write unless the attach asks for group sharing (as a pool
+/// created for its group is).
+#[test]
+fn a_pool_file_others_could_write_is_refused() {
+    use dm_pool::AttachOptions;
+    use std::os::unix::fs::PermissionsExt;
+    let refused = |r: dm_pool::Result<Pool>, what: &str| match r {
+        Err(e @ Error::Sys(_)) => assert!(e.to_string().contains("refusing"), "{what}: {e}"),
+        Err(e) => panic!("{what}: {e:?}"),
+        Ok(_) => panic!("{what}: attached"),
+    };
+    let tp = TempPool::new(8 << 20);
+    let chmod =
+        |mode| std::fs::set_permissions(&tp.path, std::fs::Permissions::from_mode(mode)).unwrap();
+    let link = tp.path.with_extension("link");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&tp.path, &link).unwrap();
+    refused(Pool::open(&link, AttachOptions::default()), "a symlink");
+    std::fs::remove_file(&link).unwrap();
+    chmod(0o666);
+    refused(Pool::open(&tp.path, AttachOptions::default()), "mode 666");
+    chmod(0o660);
+    refused(Pool::open(&tp.path, AttachOptions::default()), "mode 660");
+    let group = AttachOptions {
+        group: true,
+        ..Default::default()
+    };
+    drop(Pool::open(&tp.path, group.clone()).unwrap());
+    chmod(0o600);
+    drop(Pool::open(&tp.path, AttachOptions::default()).unwrap());
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        std::os::unix::fs::chown(&tp.path, Some(65534), None).unwrap();
+        refused(Pool::open(&tp.path, group.clone()), "another user's");
+        std::os::unix::fs::chown(&tp.path, Some(0), None).unwrap();
+    }
+    // A pool created for its group is mode 0660, and attached as such.
+    let path = tp.path.with_extension("group");
+    let _ = Pool::destroy(&path);
+    Pool::create(
+        &path,
+        &PoolConfig {
+            size: 8 << 20,
+            group: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660);
+    drop(Pool::open(&path, group).unwrap());
+    Pool::destroy(&path).unwrap();
+    tp.assert_clean();
+}

@@ -78,7 +78,8 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("relay") {
         // relay FILE IDX LAST PARK: participant IDX of 1..=LAST.
-        let f = dm_sys::mem::SharedFile::open(args[2].as_ref(), None).unwrap();
+        let f = dm_sys::mem::SharedFile::open(args[2].as_ref(), None, dm_sys::mem::Access::Own)
+            .unwrap();
         let (idx, last): (usize, usize) = (args[3].parse().unwrap(), args[4].parse().unwrap());
         let park = args[5] == "1";
         let (down, up) = (|i: usize| slot(&f, 2 * i), |i: usize| slot(&f, 2 * i + 1));
@@ -104,7 +105,8 @@ fn main() {
     let rounds: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20_000);
     for park in [false, true] {
         let path = format!("/dev/shm/dmrpc-relay-waits-{}", std::process::id());
-        let f = dm_sys::mem::SharedFile::create(path.as_ref(), 4096).unwrap();
+        let f =
+            dm_sys::mem::SharedFile::create(path.as_ref(), 4096, dm_sys::mem::Access::Own).unwrap();
         let peers: Vec<_> = (1..=tiers)
             .map(|i| {
                 let (i, t, p) = (i.to_string(), tiers.to_string(), u8::from(park).to_string());

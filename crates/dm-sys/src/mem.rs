@@ -44,6 +44,15 @@ pub enum SysError {
         /// The free bytes of its file system.
         free: u64,
     },
+    /// A file others could have written, or a symbolic link: mapping it
+    /// would let them change this process's shared state.
+    #[error("refusing {path}: {why}")]
+    Unsafe {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong with it, and what to do.
+        why: String,
+    },
     /// `mmap` refused the backing file.
     #[error("cannot map {path} ({len} bytes): {source}")]
     Map {
@@ -70,6 +79,17 @@ pub enum SysError {
 /// The mapping lives as long as this value. Everything in it may be changed
 /// at any time by other processes: read it through atomics or accept torn
 /// values, never through `&T` of a type with invalid bit patterns.
+/// Who may have written a shared file that is opened: what
+/// [`SharedFile::open`] accepts besides a file of this user's alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Only this process's user: the file is its own, and writable by
+    /// neither its group nor others.
+    Own,
+    /// Also the file's group (mode 0660): shared with a group on purpose.
+    Group,
+}
+
 #[derive(Debug)]
 pub struct SharedFile {
     fd: OwnedFd,
@@ -93,9 +113,11 @@ fn cpath(path: &Path) -> Result<CString, SysError> {
 }
 
 impl SharedFile {
-    /// Creates `path` exclusively with `size` bytes and maps it.
+    /// Creates `path` exclusively with `size` bytes and maps it, readable
+    /// and writable by this user (mode 0600), and by its group too with
+    /// [`Access::Group`] (0660, whatever the umask).
     /// A DAX or other character device cannot be created: use [`open`](Self::open).
-    pub fn create(path: &Path, size: u64) -> Result<Self, SysError> {
+    pub fn create(path: &Path, size: u64, access: Access) -> Result<Self, SysError> {
         let c = cpath(path)?;
         // SAFETY: `c` is a valid NUL-terminated path.
         let fd = unsafe {
@@ -117,6 +139,10 @@ impl SharedFile {
         }
         // SAFETY: fd was just returned by open and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        if access == Access::Group {
+            // SAFETY: `fd` is open; the mode is a plain value.
+            unsafe { libc::fchmod(fd.as_raw_fd(), 0o660) };
+        }
         if let Some(free) = free_bytes(&fd).filter(|&free| free < size) {
             // SAFETY: `c` is valid; we remove the file we just created.
             unsafe { libc::unlink(c.as_ptr()) };
@@ -145,18 +171,40 @@ impl SharedFile {
 
     /// Opens an existing backing and maps it whole. For regular files the
     /// length is the file size; for devices (DAX) `device_len` must be given.
-    pub fn open(path: &Path, device_len: Option<u64>) -> Result<Self, SysError> {
+    ///
+    /// A regular file must be this user's, and writable by no one else
+    /// (its group too with [`Access::Group`]); a symbolic link is refused.
+    /// A device (DAX) is left to its own permissions.
+    pub fn open(path: &Path, device_len: Option<u64>, access: Access) -> Result<Self, SysError> {
         let c = cpath(path)?;
         // SAFETY: `c` is a valid NUL-terminated path.
-        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            )
+        };
         if fd < 0 {
+            let source = std::io::Error::last_os_error();
+            if source.raw_os_error() == Some(libc::ELOOP) {
+                return Err(SysError::Unsafe {
+                    path: path.to_owned(),
+                    why: "it is a symbolic link: open the pool by its own path".into(),
+                });
+            }
             return Err(SysError::Open {
                 path: path.to_owned(),
-                source: std::io::Error::last_os_error(),
+                source,
             });
         }
         // SAFETY: fd was just returned by open and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        if let Some(why) = unsafe_to_share(&fd, access) {
+            return Err(SysError::Unsafe {
+                path: path.to_owned(),
+                why,
+            });
+        }
         let len = match device_len {
             Some(l) => l,
             None => file_len(&fd).map_err(|source| SysError::Open {
@@ -521,4 +569,40 @@ fn free_bytes(fd: &OwnedFd) -> Option<u64> {
         return None;
     }
     Some(vfs.f_bavail.saturating_mul(vfs.f_frsize))
+}
+
+/// Why the regular file `fd` is not safe to map with `access` (None: it
+/// is, or it is not a regular file).
+fn unsafe_to_share(fd: &OwnedFd, access: Access) -> Option<String> {
+    // SAFETY: a zeroed stat is a valid value of a plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is open; `st` is a valid out-pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0
+        || st.st_mode & libc::S_IFMT != libc::S_IFREG
+    {
+        return None;
+    }
+    // SAFETY: geteuid takes no arguments and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if st.st_uid != me {
+        return Some(format!(
+            "it belongs to user {}, not to this process's user {me}: a pool is attached by \
+             its owner's processes",
+            st.st_uid
+        ));
+    }
+    if st.st_mode & 0o002 != 0 {
+        return Some(format!(
+            "any user may write it (mode {:o}): `chmod o-w` it",
+            st.st_mode & 0o777
+        ));
+    }
+    if st.st_mode & 0o020 != 0 && access != Access::Group {
+        return Some(format!(
+            "its group may write it (mode {:o}): `chmod g-w` it, or attach it as shared with \
+             its group (`AttachOptions::group`)",
+            st.st_mode & 0o777
+        ));
+    }
+    None
 }

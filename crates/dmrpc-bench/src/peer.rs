@@ -398,13 +398,13 @@ pub struct PingPong {
 impl PingPong {
     pub fn create(path: &Path) -> Result<PingPong> {
         Ok(PingPong {
-            file: dm_sys::mem::SharedFile::create(path, 4096)?,
+            file: dm_sys::mem::SharedFile::create(path, 4096, dm_sys::mem::Access::Own)?,
         })
     }
 
     pub fn open(path: &Path) -> Result<PingPong> {
         Ok(PingPong {
-            file: dm_sys::mem::SharedFile::open(path, None)?,
+            file: dm_sys::mem::SharedFile::open(path, None, dm_sys::mem::Access::Own)?,
         })
     }
 

@@ -42,6 +42,10 @@ pub struct AttachOptions {
     pub reclaim: bool,
     /// Fault in the whole data area at attach so that no access faults later.
     pub prefault: bool,
+    /// Accept a pool file its group may write (mode 0660: created with
+    /// [`PoolConfig::group`](crate::PoolConfig::group)). Default false: a
+    /// pool file must be this user's alone.
+    pub group: bool,
 }
 
 impl Default for AttachOptions {
@@ -55,6 +59,7 @@ impl Default for AttachOptions {
             heartbeat: true,
             reclaim: true,
             prefault: false,
+            group: false,
         }
     }
 }

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::layout::{Layout, PoolConfig};
 use crate::shm::Shm;
 use crate::sync::Ordering;
-use dm_sys::mem::SharedFile;
+use dm_sys::mem::{Access, SharedFile};
 use dm_sys::time::now_ms;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -52,10 +52,15 @@ impl Pool {
     pub fn create(path: &Path, cfg: &PoolConfig) -> Result<()> {
         let layout = Layout::compute(cfg, dm_sys::rand::random_u64(), now_ms())
             .map_err(Error::InvalidConfig)?;
-        let file = if SharedFile::is_device(path) {
-            SharedFile::open(path, Some(layout.total_len))?
+        let access = if cfg.group {
+            Access::Group
         } else {
-            match SharedFile::create(path, layout.total_len) {
+            Access::Own
+        };
+        let file = if SharedFile::is_device(path) {
+            SharedFile::open(path, Some(layout.total_len), access)?
+        } else {
+            match SharedFile::create(path, layout.total_len, access) {
                 Err(dm_sys::mem::SysError::Exists(p)) => return Err(Error::AlreadyExists(p)),
                 r => r?,
             }
@@ -66,7 +71,12 @@ impl Pool {
 
     /// Attaches to the pool at `path`.
     pub fn open(path: &Path, opts: AttachOptions) -> Result<Pool> {
-        let shm = Shm::open(path)?;
+        let access = if opts.group {
+            Access::Group
+        } else {
+            Access::Own
+        };
+        let shm = Shm::open(path, access)?;
         Self::attach(shm, opts)
     }
 
@@ -83,7 +93,7 @@ impl Pool {
     /// (the device node itself is never removed). Attached processes keep
     /// their mappings until they detach.
     pub fn destroy(path: &Path) -> Result<()> {
-        let shm = Shm::open(path)?;
+        let shm = Shm::open(path, Access::Group)?;
         if SharedFile::is_device(path) {
             shm.erase_header();
             return Ok(());

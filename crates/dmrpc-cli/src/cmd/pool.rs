@@ -61,6 +61,12 @@ pub enum PoolCmd {
         /// Bytes of each ring of a connection (power of two, 4KiB..16MiB).
         #[arg(long, default_value = "256KiB", value_parser = parse_size)]
         ring_size: u64,
+        /// Shared with the file's group (mode 0660): for processes of
+        /// several users in one group, which attach with
+        /// `AttachOptions::group`. By default the pool is its creator's
+        /// user's alone (mode 0600).
+        #[arg(long)]
+        group: bool,
     },
     /// Show the pool's format and geometry.
     Info {
@@ -108,6 +114,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             services,
             channels,
             ring_size,
+            group,
         } => {
             let path = target.path();
             let cfg = PoolConfig {
@@ -122,6 +129,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 ring_size: u32::try_from(ring_size).context("ring size too large")?,
                 ref_clock,
                 name: target.name.clone(),
+                group,
             };
             Pool::create(&path, &cfg)
                 .with_context(|| format!("creating pool {}", path.display()))?;
