@@ -5,9 +5,14 @@
 //! process (once) and calls a resolver registered by the layer above with the
 //! faulting address. If the resolver does not claim the fault (an address
 //! outside every DM window, or a real bug), the previous handler runs as if we
-//! were never there: a `SA_SIGINFO` handler is called with the same arguments,
-//! `SIG_IGN` returns, and `SIG_DFL` is restored so that the re-executed
-//! instruction faults again and the process dies with the usual signal.
+//! were never there: a `SA_SIGINFO` handler is called with the same arguments.
+//! `SIG_DFL` is restored so that the re-executed instruction faults again and
+//! the process dies with the usual signal, and so is `SIG_IGN`: an ignored
+//! fault would re-execute the instruction forever (the kernel, too, delivers
+//! a fault that is ignored with the default action).
+//!
+//! The handler saves `errno` and restores it before it returns: the
+//! resolver's system calls must not change what the interrupted code reads.
 //!
 //! Everything reachable from the handler must be async-signal-safe: atomics,
 //! plain loads and stores, and raw syscalls. No allocation, no locks.
@@ -56,18 +61,24 @@ pub fn install(resolver: Resolver) -> std::io::Result<()> {
 }
 
 extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: __errno_location returns this thread's errno, always valid.
+    let errno = unsafe { libc::__errno_location() };
+    // SAFETY: as above; a plain read of an int.
+    let saved = unsafe { *errno };
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
     let addr = unsafe { (*info).si_addr() } as usize;
     let is_write = fault_is_write(ctx);
     let r = RESOLVER.load(Ordering::Acquire);
-    if !r.is_null() {
+    let resolved = !r.is_null() && {
         // SAFETY: RESOLVER only ever holds a `Resolver` fn pointer (see `install`).
         let f: Resolver = unsafe { std::mem::transmute::<*mut (), Resolver>(r) };
-        if f(addr, is_write) {
-            return;
-        }
+        f(addr, is_write)
+    };
+    if !resolved {
+        chain(sig, info, ctx);
     }
-    chain(sig, info, ctx);
+    // SAFETY: as above; a plain write of an int.
+    unsafe { *errno = saved };
 }
 
 #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
@@ -94,10 +105,8 @@ fn chain(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: PREV was fully written before PREV_SET was published.
     let prev: &libc::sigaction = unsafe { &*(&raw const PREV).cast::<libc::sigaction>() };
     let h = prev.sa_sigaction;
-    if h == libc::SIG_IGN {
-        return;
-    }
-    if h == libc::SIG_DFL {
+    if h == libc::SIG_IGN || h == libc::SIG_DFL {
+        // (Ignored, the fault would come back at once, forever.)
         restore_default(sig);
         return;
     }

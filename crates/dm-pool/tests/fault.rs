@@ -1,0 +1,69 @@
+//! The write-fault hook and faults that are not its own: a process that
+//! ignores SIGSEGV and then writes where nothing is mapped dies of the
+//! signal, as it would without the hook, instead of faulting forever.
+#![allow(clippy::unwrap_used)]
+
+use dm_pool::testing::TempPool;
+use dm_pool::MappedBuffer;
+use std::os::unix::process::ExitStatusExt;
+use std::time::{Duration, Instant};
+
+const CHILD: &str = "DMRPC_FAULT_TEST_CHILD";
+
+/// The child: SIGSEGV ignored, the hook installed (by a mapped buffer), a
+/// copy-on-write fault resolved, then a store to an address nothing maps.
+fn child(path: &str) {
+    // SAFETY: setting SIGSEGV to SIG_IGN; no handler code runs.
+    unsafe { libc::signal(libc::SIGSEGV, libc::SIG_IGN) };
+    let pool = dm_pool::Pool::open(path.as_ref(), Default::default()).unwrap();
+    let mut b = pool.alloc(8192).unwrap();
+    b.write(0, b"x").unwrap();
+    let r = b.share().unwrap();
+    let mut m = MappedBuffer::map_ref(&pool, &r).unwrap();
+    m.as_mut_slice()[0] = b'y'; // a fault the hook resolves
+    assert_eq!(b.to_vec().unwrap()[0], b'x');
+    pool.release_ref(&r).unwrap();
+    println!("resolved");
+    let bad = 16usize as *mut u8;
+    // SAFETY: not safe at all, on purpose: the store must kill the process.
+    unsafe { std::ptr::write_volatile(bad, 1) };
+    println!("survived");
+}
+
+#[test]
+fn a_fault_that_is_not_the_hooks_kills_even_when_sigsegv_is_ignored() {
+    if let Ok(path) = std::env::var(CHILD) {
+        child(&path);
+        return;
+    }
+    let tp = TempPool::new(16 << 20);
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_fault_that_is_not_the_hooks_kills_even_when_sigsegv_is_ignored",
+            "--nocapture",
+        ])
+        .env(CHILD, &tp.path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(20);
+    let st = loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > until {
+            let _ = c.kill();
+            panic!("the child faults forever");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut c.stdout.take().unwrap(), &mut out).unwrap();
+    assert!(out.contains("resolved"), "{out}");
+    assert!(!out.contains("survived"), "{out}");
+    assert_eq!(st.signal(), Some(libc::SIGSEGV), "{st:?}");
+    // The dead child's holdings are reclaimed.
+    dm_pool::gc_path(&tp.path).unwrap();
+    tp.assert_clean();
+}
