@@ -162,9 +162,10 @@ pub enum Error {
     /// (exited, killed, a zombie, or its lease lost) never does: its name
     /// is taken over at once.
     #[error(
-        "service {name:?} is held by live process {pid} (its lease runs {lease_left_ms} ms \
-         more, and it renews it while it lives): stop that process, choose another name, \
-         or wait for the name (`ServerBuilder::wait_for_name`)"
+        "service {name:?} is held by live process {pid} (on its host it holds the name as long \
+         as it runs; elsewhere its lease runs {lease_left_ms} ms more unless renewed): stop \
+         that process, choose another name, or wait for the name \
+         (`ServerBuilder::wait_for_name`)"
     )]
     NameTaken {
         /// The name.

@@ -465,6 +465,15 @@ impl Shm {
     /// wall clock, the only clock the two hosts share.
     pub(crate) fn slot_expired(&self, slot: &Slot, now: LeaseNow) -> bool {
         let here = slot.host.load(Ordering::Relaxed) == host_id();
+        let ns = slot.pid_ns.load(Ordering::Relaxed);
+        if here && ns != 0 && ns == dm_sys::proc::pid_namespace() {
+            // A process of this host and PID namespace: the process itself
+            // decides, alive (stopped or not) or gone, never its lease. So
+            // a stopped process is never robbed of pages it may still
+            // write through its mappings when it resumes.
+            let pid = slot.pid.load(Ordering::Relaxed);
+            return !dm_sys::proc::alive_since(pid, slot.start.load(Ordering::Relaxed));
+        }
         let (hb, now) = if here {
             (slot.heartbeat_mono_ms.load(Ordering::Acquire), now.mono_ms)
         } else {
@@ -474,8 +483,10 @@ impl Shm {
         if now > hb.saturating_add(lease) {
             return true;
         }
-        // On the same host a vanished pid is dead without waiting for the lease.
-        here && !dm_sys::proc::pid_alive(slot.pid.load(Ordering::Relaxed))
+        // On the same host (a slot of an older build, or one judged by its
+        // lease) a vanished pid is dead without waiting for the lease. A
+        // pid of another namespace means nothing here: the lease alone.
+        here && ns == 0 && !dm_sys::proc::pid_alive(slot.pid.load(Ordering::Relaxed))
     }
 }
 

@@ -88,7 +88,16 @@ pub(crate) struct Slot {
     /// the lease, so that a step of the wall clock makes no live process
     /// look dead.
     pub heartbeat_mono_ms: AtomicU64,
-    _rsv: [AtomicU64; 5],
+    /// The process's PID namespace ([`dm_sys::proc::pid_namespace`]; in
+    /// words reserved before pool format 7 had them, so 0 in slots
+    /// written by older builds, and for an attach judged by its lease
+    /// alone). A process of this host and namespace is judged by its pid
+    /// and start time, never by its lease.
+    pub pid_ns: AtomicU64,
+    /// When the process started, in clock ticks since boot
+    /// ([`dm_sys::proc::start_time`]; 0: unknown).
+    pub start: AtomicU64,
+    _rsv: [AtomicU64; 3],
 }
 
 /// The time a lease is judged at, on both clocks a heartbeat records.

@@ -436,6 +436,7 @@ fn registry_names_and_channel_lifecycle() {
     // A dead owner: its service and its end of a channel go with its lease.
     let dying = tp.attach_with(AttachOptions {
         heartbeat: false,
+        lease_only: true,
         lease_ms: Some(30),
         ..Default::default()
     });
@@ -473,6 +474,7 @@ fn an_opener_frees_dead_channels_and_sees_the_closing_ones() {
     let svc = server.register("svc/live", &Endpoint::Shm).unwrap();
     let dying = tp.attach_with(AttachOptions {
         heartbeat: false,
+        lease_only: true,
         lease_ms: Some(30),
         ..Default::default()
     });
@@ -622,6 +624,7 @@ fn a_name_has_any_number_of_replicas_or_one_exclusive_registration() {
     // exclusive owner's name is free for replicas.
     let dying = tp.attach_with(AttachOptions {
         heartbeat: false,
+        lease_only: true,
         lease_ms: Some(30),
         ..Default::default()
     });
@@ -638,6 +641,7 @@ fn a_name_has_any_number_of_replicas_or_one_exclusive_registration() {
     a.unregister(&rl).unwrap();
     let dying = tp.attach_with(AttachOptions {
         heartbeat: false,
+        lease_only: true,
         lease_ms: Some(30),
         ..Default::default()
     });

@@ -248,23 +248,58 @@ pub mod proc {
     /// reaped by its parent (a zombie) still exists, but is dead. A hint
     /// only: pids are reused, so leases remain the authority.
     pub fn pid_alive(pid: u32) -> bool {
+        alive_since(pid, 0)
+    }
+
+    /// Whether process `pid` runs, as [`pid_alive`], and is the one that
+    /// started at `start` ([`start_time`]; 0: any): a pid reused by a
+    /// newer process is not the process it was.
+    pub fn alive_since(pid: u32, start: u64) -> bool {
         if pid == 0 || pid > i32::MAX as u32 {
             return false;
         }
         // SAFETY: kill with signal 0 performs only the permission/existence check.
         let r = unsafe { libc::kill(pid as i32, 0) };
         let exists = r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-        exists && !exited(pid)
+        if !exists {
+            return false;
+        }
+        match std::fs::read(format!("/proc/{pid}/stat")) {
+            Ok(stat) => {
+                !exited_state(&stat)
+                    && (start == 0 || start_of_stat(&stat).is_none_or(|s| s == start))
+            }
+            Err(_) => true,
+        }
     }
 
-    /// Whether process `pid` has exited and waits to be reaped: its state
-    /// in `/proc/PID/stat` is `Z` (zombie) or `X` (dead). False when that
-    /// cannot be read.
-    fn exited(pid: u32) -> bool {
-        let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else {
-            return false;
-        };
-        exited_state(&stat)
+    /// When process `pid` started, in clock ticks since boot (field 22 of
+    /// `/proc/PID/stat`): with its pid, it names a process for good. None
+    /// if that cannot be read.
+    pub fn start_time(pid: u32) -> Option<u64> {
+        start_of_stat(&std::fs::read(format!("/proc/{pid}/stat")).ok()?)
+    }
+
+    /// The start time in a `/proc/PID/stat` line: the 20th field after
+    /// the command (which is in parentheses and may contain them).
+    fn start_of_stat(stat: &[u8]) -> Option<u64> {
+        let after = &stat[stat.iter().rposition(|&b| b == b')')? + 1..];
+        let field = std::str::from_utf8(after)
+            .ok()?
+            .split_whitespace()
+            .nth(19)?;
+        field.parse().ok()
+    }
+
+    /// This process's PID namespace (the inode of `/proc/self/ns/pid`; 0
+    /// if it cannot be read): processes whose pids can be compared with
+    /// this process's share it.
+    pub fn pid_namespace() -> u64 {
+        static NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        *NS.get_or_init(|| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+        })
     }
 
     /// The state of a `/proc/PID/stat` line says the process exited. The
@@ -372,6 +407,21 @@ pub mod proc {
             assert!(!exited_state(b"42 (a) Z b) R 1 42"));
             assert!(!exited_state(b"42 (cut"));
             assert!(!exited_state(b""));
+        }
+
+        #[test]
+        fn a_process_is_its_pid_and_its_start_time() {
+            let line = b"42 (a) b) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 9 9";
+            assert_eq!(start_of_stat(line), Some(987_654));
+            assert_eq!(start_of_stat(b"42 (cut"), None);
+            let me = start_time(pid()).unwrap();
+            assert!(alive_since(pid(), me));
+            assert!(alive_since(pid(), 0));
+            assert!(
+                !alive_since(pid(), me + 1),
+                "the same pid, started at another time"
+            );
+            assert_ne!(pid_namespace(), 0);
         }
 
         /// A child that exited is dead while it waits to be reaped (a

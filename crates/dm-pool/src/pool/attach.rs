@@ -42,6 +42,12 @@ pub struct AttachOptions {
     pub reclaim: bool,
     /// Fault in the whole data area at attach so that no access faults later.
     pub prefault: bool,
+    /// Judge this attachment by its lease alone, as a process of another
+    /// host is judged: its holdings are reclaimed once it stops renewing
+    /// its lease, even while it runs. Default false: a process of this
+    /// host and PID namespace keeps its holdings while it runs, stopped or
+    /// not, and loses them at once when it is gone.
+    pub lease_only: bool,
     /// Accept a pool file its group may write (mode 0660: created with
     /// [`PoolConfig::group`](crate::PoolConfig::group)). Default false: a
     /// pool file must be this user's alone.
@@ -59,6 +65,7 @@ impl Default for AttachOptions {
             heartbeat: true,
             reclaim: true,
             prefault: false,
+            lease_only: false,
             group: false,
         }
     }
@@ -127,6 +134,17 @@ impl Pool {
             s.attached_ms.store(now.wall_ms, Ordering::Relaxed);
             s.pid.store(dm_sys::proc::pid(), Ordering::Relaxed);
             s.host.store(host_id(), Ordering::Relaxed);
+            let (ns, start) = if opts.lease_only {
+                (0, 0)
+            } else {
+                let me = dm_sys::proc::pid();
+                (
+                    dm_sys::proc::pid_namespace(),
+                    dm_sys::proc::start_time(me).unwrap_or(0),
+                )
+            };
+            s.pid_ns.store(ns, Ordering::Relaxed);
+            s.start.store(start, Ordering::Relaxed);
             let name = opts.name.clone().unwrap_or_else(|| {
                 std::env::current_exe()
                     .ok()

@@ -252,6 +252,60 @@ mod tests {
     use crate::testing::TempPool;
     use std::time::Duration;
 
+    /// A process of this host and PID namespace is judged by its pid and
+    /// start time, never by its lease; a process of another PID namespace
+    /// (whose pid means nothing here) by its lease alone.
+    #[test]
+    fn this_namespace_is_judged_by_the_process_another_by_the_lease() {
+        use crate::slot::LeaseNow;
+        use crate::sync::Ordering;
+        let tp = TempPool::new(16 << 20);
+        let watcher = tp.attach();
+        let watched = tp.attach_with(crate::AttachOptions {
+            heartbeat: false,
+            lease_ms: Some(100),
+            ..Default::default()
+        });
+        let shm = watcher.shm();
+        let s = watched.slot();
+        let slot = shm.slot(s).unwrap();
+        let now = LeaseNow::read();
+        assert_eq!(
+            slot.pid_ns.load(Ordering::Relaxed),
+            dm_sys::proc::pid_namespace()
+        );
+        // Long past its lease, and alive: live.
+        slot.heartbeat_mono_ms
+            .store(now.mono_ms - 10_000, Ordering::Release);
+        assert!(shm.slot_live(s, LeaseNow::read()));
+        // The same pid started at another time is another process: gone.
+        let start = slot.start.load(Ordering::Relaxed);
+        slot.start.store(start + 1, Ordering::Relaxed);
+        assert!(!shm.slot_live(s, LeaseNow::read()));
+        slot.start.store(start, Ordering::Relaxed);
+        // Another PID namespace, with a pid no process here has: the lease
+        // decides, live while it is renewed.
+        let (pid, ns) = (
+            slot.pid.load(Ordering::Relaxed),
+            slot.pid_ns.load(Ordering::Relaxed),
+        );
+        slot.pid_ns.store(ns ^ 1, Ordering::Relaxed);
+        slot.pid.store(0x3fff_fff0, Ordering::Relaxed);
+        slot.heartbeat_mono_ms
+            .store(LeaseNow::read().mono_ms, Ordering::Release);
+        assert!(
+            shm.slot_live(s, LeaseNow::read()),
+            "judged dead by a foreign pid"
+        );
+        slot.heartbeat_mono_ms
+            .store(now.mono_ms - 10_000, Ordering::Release);
+        assert!(!shm.slot_live(s, LeaseNow::read()), "its lease ran out");
+        slot.pid_ns.store(ns, Ordering::Relaxed);
+        slot.pid.store(pid, Ordering::Relaxed);
+        drop((watched, watcher));
+        tp.assert_clean();
+    }
+
     /// A step of the wall clock makes no live process of this host look
     /// dead (its lease is judged by the monotonic clock); a process whose
     /// monotonic heartbeat is older than its lease is dead whatever its
@@ -266,6 +320,7 @@ mod tests {
         let lease = 200u64;
         let watched = tp.attach_with(crate::AttachOptions {
             heartbeat: false,
+            lease_only: true,
             lease_ms: Some(lease),
             ..Default::default()
         });
