@@ -15,7 +15,10 @@ pub fn ref_decode(data: &[u8]) {
     }
 }
 
-/// Parses bytes as a pool header, then opens them as a pool file.
+/// Parses bytes as a pool header, then opens them as a pool file, runs
+/// the invariant check over it, and gc (which repairs what it can): no
+/// panic, no hang, no unbounded allocation, whatever the page table,
+/// descriptors, slots and registry say.
 pub fn pool_open(data: &[u8]) {
     for len in [data.len() as u64, 4096, 1 << 20, u64::MAX] {
         let _ = Layout::parse(data, len);
@@ -32,6 +35,8 @@ pub fn pool_open(data: &[u8]) {
         };
         if let Ok(pool) = Pool::open(&path, opts) {
             let _ = pool.check();
+            drop(pool);
+            let _ = crate::gc_path(&path);
         }
         let _ = std::fs::remove_file(&path);
     }
