@@ -70,28 +70,28 @@ fn an_exhausted_server_says_so_and_keeps_serving() {
     let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
     let mut a = p.alloc(6 * 4096).unwrap();
     a.write(0, &[1u8; 6 * 4096]).unwrap();
-    let mut b = p.alloc(6 * 4096).unwrap();
-    let e = b.write(0, &[2u8; 6 * 4096]).unwrap_err();
-    assert!(
-        matches!(e, Error::ResourceExhausted { what: "pages" }),
-        "{e}"
-    );
-    // All or nothing: the failed write took no page.
-    assert_eq!(p.usage().unwrap().pages_held, 6);
-    assert_eq!(b.to_vec().unwrap(), vec![0u8; 6 * 4096]);
-    // A Ref needs no page; writing through a mapping needs a copy, which
-    // fails cleanly too.
+    // Allocations reserve the region: 6 pages more do not fit in the 2
+    // left.
+    let e = p.alloc(6 * 4096).unwrap_err();
+    assert!(matches!(e, Error::ResourceExhausted { .. }), "{e}");
+    // A Ref needs no page; writing through a mapping needs copies: two
+    // fit, a write needing two more fails cleanly, all or nothing.
     let r = p.create_ref(&a, 0, 4096 * 6).unwrap();
     let mut m = p.map_ref(&r).unwrap();
     m.write(0, &[3u8; 4096]).unwrap();
     m.write(4096, &[3u8; 4096]).unwrap();
-    assert!(matches!(
-        m.write(2 * 4096, &[3u8; 4096]),
-        Err(Error::ResourceExhausted { .. })
-    ));
+    let e = m.write(2 * 4096, &[3u8; 2 * 4096]).unwrap_err();
+    assert!(
+        matches!(e, Error::ResourceExhausted { what: "pages" }),
+        "{e}"
+    );
+    assert_eq!(p.usage().unwrap().pages_held, 8);
+    assert_eq!(m.to_vec().unwrap()[2 * 4096..], vec![1u8; 4 * 4096]);
     p.release_ref(&r).unwrap();
     drop((a, m));
-    b.write(0, &[2u8; 6 * 4096]).unwrap();
+    // It keeps serving: the whole region is there again.
+    let mut b = p.alloc(8 * 4096).unwrap();
+    b.write(0, &[2u8; 8 * 4096]).unwrap();
     drop((b, p));
     settle(&s);
 }
@@ -424,5 +424,59 @@ fn a_ref_with_a_forged_length_is_refused_before_it_sizes_anything() {
     p.release_ref(&r).unwrap();
     p.free(b).unwrap();
     drop(p);
+    settle(&s);
+}
+
+/// Allocations reserve the region: a client cannot allocate more than the
+/// server holds, however little it writes (its address maps would grow
+/// without bound); a buffer freed, or a session ended, gives its part
+/// back. A Ref's TTL is capped.
+#[test]
+fn allocations_reserve_the_region_and_ttls_are_capped() {
+    let s = Server::start(Config {
+        size: 1 << 20,
+        max_ttl: Duration::from_secs(60),
+        ..Default::default()
+    })
+    .unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let whole = 1 << 20;
+    let b = p.alloc(whole).unwrap();
+    let e = p.alloc(whole).unwrap_err();
+    assert!(matches!(e, Error::ResourceExhausted { .. }), "{e}");
+    assert!(e.to_string().contains("--size"), "{e}");
+    let e = p.alloc(4096).unwrap_err();
+    assert!(matches!(e, Error::ResourceExhausted { .. }), "{e}");
+    p.free(b).unwrap();
+    let b = p.alloc(whole).unwrap();
+    // Another client, while this one holds the region: refused; once this
+    // one's session ends, it gets it.
+    let q = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    assert!(q.alloc(whole).is_err());
+    drop(b);
+    drop(p);
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let b = loop {
+        match q.alloc(whole) {
+            Ok(b) => break b,
+            Err(_) if std::time::Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("the ended session's reservation stays: {e}"),
+        }
+    };
+    // TTLs: the default and up to the maximum are fine; above, refused.
+    let r = q.create_ref(&b, 0, 4096).unwrap();
+    q.release_ref(&r).unwrap();
+    let r = q
+        .create_ref_ttl(&b, 0, 4096, Duration::from_secs(60))
+        .unwrap();
+    q.release_ref(&r).unwrap();
+    let e = q
+        .create_ref_ttl(&b, 0, 4096, Duration::from_secs(7200))
+        .unwrap_err();
+    assert!(e.to_string().contains("maximum"), "{e}");
+    q.free(b).unwrap();
+    drop(q);
     settle(&s);
 }

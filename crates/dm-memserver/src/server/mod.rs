@@ -49,6 +49,9 @@ pub struct Config {
     pub metrics: Option<String>,
     /// TTL of a Ref created without one.
     pub default_ttl: Duration,
+    /// The longest TTL a client may ask for (default one hour): a Ref
+    /// nobody releases holds its pages at most this long.
+    pub max_ttl: Duration,
     /// Live Refs at most (default: one per page).
     pub max_refs: Option<usize>,
     /// Buffers per session at most.
@@ -73,6 +76,7 @@ impl Default for Config {
             threads: 2,
             metrics: None,
             default_ttl: Duration::from_secs(60),
+            max_ttl: Duration::from_secs(3600),
             max_refs: None,
             max_buffers: 1 << 20,
             default_lease: Duration::from_secs(10),
@@ -195,12 +199,21 @@ impl State {
         self.metrics.clients.fetch_sub(1, Ordering::Relaxed);
     }
 
-    fn ttl(&self, ttl_ms: u32) -> Duration {
-        if ttl_ms == 0 {
-            self.cfg.default_ttl
-        } else {
-            Duration::from_millis(ttl_ms as u64)
+    /// The TTL a client asked for (0: the default), within the maximum.
+    fn ttl(&self, ttl_ms: u32) -> Result<Duration> {
+        let ttl = match ttl_ms {
+            0 => self.cfg.default_ttl,
+            ms => Duration::from_millis(ms as u64),
+        };
+        if ttl > self.cfg.max_ttl {
+            return Err(Error::InvalidConfig(format!(
+                "a Ref TTL of {} ms is above this server's maximum of {} ms: ask for less, and \
+                 create a new Ref before it expires",
+                ttl.as_millis(),
+                self.cfg.max_ttl.as_millis()
+            )));
         }
+        Ok(ttl)
     }
 
     /// For a read [`answered_in_place`] (of a buffer or a Ref): the
@@ -350,7 +363,7 @@ impl State {
                 len,
                 ttl_ms,
             } => {
-                let expires = Instant::now() + self.ttl(ttl_ms);
+                let expires = Instant::now() + self.ttl(ttl_ms)?;
                 let r = sp.create_ref(pages, &self.refs, addr, offset, len, expires)?;
                 encode_ok(id, out, |o| o.extend_from_slice(&r.to_bytes()));
             }
@@ -366,7 +379,7 @@ impl State {
                 let len = data.len() as u64;
                 let a = sp.alloc(pages, len, self.max_len())?;
                 let r = sp.write(pages, a, 0, &data).and_then(|()| {
-                    let expires = Instant::now() + self.ttl(ttl_ms);
+                    let expires = Instant::now() + self.ttl(ttl_ms)?;
                     sp.create_ref(pages, &self.refs, a, 0, len, expires)
                 });
                 sp.free(pages, a)?;

@@ -37,6 +37,10 @@ pub struct Pages {
     free_count: AtomicU64,
     /// Pages copied on write, since start.
     pub cow_copies: AtomicU64,
+    /// Pages reserved by the buffers clients allocated (each the length
+    /// of its buffer): never more than the region has, so that the
+    /// address maps cannot promise more than the region holds.
+    reserved: AtomicU64,
 }
 
 /// Locks a mutex, ignoring poisoning (every critical section here leaves
@@ -72,6 +76,7 @@ impl Pages {
             free: free.into_iter().map(Mutex::new).collect(),
             free_count: AtomicU64::new(n as u64),
             cow_copies: AtomicU64::new(0),
+            reserved: AtomicU64::new(0),
         })
     }
 
@@ -83,6 +88,26 @@ impl Pages {
     /// Number of pages.
     pub fn total(&self) -> u32 {
         self.n
+    }
+
+    /// Reserves `n` pages for a buffer being allocated: false if the
+    /// buffers allocated already reserve the region but for fewer.
+    pub fn reserve(&self, n: u64) -> bool {
+        self.reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |r| {
+                r.checked_add(n).filter(|&t| t <= self.n as u64)
+            })
+            .is_ok()
+    }
+
+    /// Returns `n` reserved pages (a buffer allocated is freed).
+    pub fn unreserve(&self, n: u64) {
+        self.reserved.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// Pages reserved by allocated buffers now.
+    pub fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::Relaxed)
     }
 
     /// Pages free now.

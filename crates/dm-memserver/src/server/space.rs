@@ -22,6 +22,9 @@ struct Buffer {
     len: u64,
     head: u32,
     pages: Vec<u32>,
+    /// Pages it reserves of the region ([`Pages::reserve`]): its page
+    /// count if it was allocated, 0 if it maps a Ref.
+    reserved: u64,
 }
 
 /// A client's address space.
@@ -119,14 +122,21 @@ impl Space {
             return Err(Error::TooLarge { len, max: max_len });
         }
         let n = len.div_ceil(pages.page_size() as u64) as usize;
+        if !pages.reserve(n as u64) {
+            return Err(Error::ResourceExhausted {
+                what: "memory-server pages",
+            });
+        }
         self.add(
             pages.page_size(),
             Buffer {
                 len,
                 head: 0,
                 pages: vec![NONE; n],
+                reserved: n as u64,
             },
         )
+        .inspect_err(|_| pages.unreserve(n as u64))
     }
 
     /// Frees the buffer at `addr` (its exact start).
@@ -134,6 +144,7 @@ impl Space {
         let ps = pages.page_size();
         match self.maps.remove(&addr) {
             Some(b) => {
+                pages.unreserve(b.reserved);
                 for p in b.pages {
                     pages.unshare(self.hint, p);
                 }
@@ -284,6 +295,7 @@ impl Space {
                 len,
                 head: s.head,
                 pages: s.pages,
+                reserved: 0,
             },
         )
         .map(|a| (a, len))
@@ -297,6 +309,7 @@ impl Space {
     /// Frees every buffer (the session ended).
     pub fn clear(&mut self, pages: &Pages) {
         for (_, b) in std::mem::take(&mut self.maps) {
+            pages.unreserve(b.reserved);
             for p in b.pages {
                 pages.unshare(self.hint, p);
             }

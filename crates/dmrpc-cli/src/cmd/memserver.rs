@@ -25,6 +25,10 @@ pub struct MemserverArgs {
     /// Time to live of a Ref created without one, in seconds.
     #[arg(long, default_value_t = 60)]
     pub ref_ttl_secs: u64,
+    /// The longest TTL a client may ask for, in seconds: a Ref nobody
+    /// releases holds its pages at most this long.
+    #[arg(long, default_value_t = 3600)]
+    pub max_ttl_secs: u64,
     /// A session silent this long ends (clients renew it; seconds).
     #[arg(long, default_value_t = 10)]
     pub lease_secs: u64,
@@ -49,6 +53,7 @@ pub fn run(a: MemserverArgs) -> Result<()> {
         threads: a.threads.max(1),
         metrics: a.metrics,
         default_ttl: Duration::from_secs(a.ref_ttl_secs.max(1)),
+        max_ttl: Duration::from_secs(a.max_ttl_secs.max(a.ref_ttl_secs).max(1)),
         default_lease: Duration::from_secs(a.lease_secs.max(1)),
         spin: Duration::from_micros(a.spin_us),
         ..Default::default()
