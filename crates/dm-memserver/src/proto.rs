@@ -489,7 +489,9 @@ pub enum ErrorCode {
     TooLarge = 2,
     /// `Error::OutOfBounds { offset, len, size }`.
     OutOfBounds = 3,
-    /// `Error::ResourceExhausted { what }` (field 0: 0 pages, 1 refs, 2 buffers).
+    /// `Error::ResourceExhausted { what }` (field 0: 0 pages, 1 refs, 2
+    /// buffers, 3 the region reserved by allocated buffers, 4 sessions;
+    /// an older client reads 3 and 4 as pages).
     Exhausted = 4,
     /// `Error::DoubleFree { desc, generation }`.
     DoubleFree = 5,
@@ -513,7 +515,13 @@ pub enum ErrorCode {
     Internal = 14,
 }
 
-const EXHAUSTED: [&str; 3] = ["pages", "refs", "buffers"];
+const EXHAUSTED: [&str; 5] = [
+    "pages",
+    "refs",
+    "buffers",
+    "memory-server pages",
+    "memory-server sessions",
+];
 
 /// Encodes a typed error as (code, three fields, message).
 pub fn error_parts(e: &Error) -> (ErrorCode, [u64; 3], String) {

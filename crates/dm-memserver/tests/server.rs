@@ -480,3 +480,35 @@ fn allocations_reserve_the_region_and_ttls_are_capped() {
     drop(q);
     settle(&s);
 }
+
+/// One client more than the server takes is refused with a typed error
+/// that says what to do; once a client leaves, a new one is served.
+#[test]
+fn one_client_more_than_the_cap_is_refused() {
+    let s = Server::start(Config {
+        max_clients: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let addr = [s.addr().to_string()];
+    let a = MemPool::connect(&addr).unwrap();
+    let b = MemPool::connect(&addr).unwrap();
+    let e = MemPool::connect(&addr).unwrap_err();
+    assert!(matches!(e, Error::ResourceExhausted { .. }), "{e}");
+    assert!(e.to_string().contains("--max-clients"), "{e}");
+    drop(a);
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let c = loop {
+        match MemPool::connect(&addr) {
+            Ok(c) => break c,
+            Err(_) if std::time::Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("no room after a client left: {e}"),
+        }
+    };
+    let mut x = c.alloc(4096).unwrap();
+    x.write(0, b"ok").unwrap();
+    drop((x, b, c));
+    settle(&s);
+}

@@ -220,6 +220,10 @@ fn exhausted_hint(what: &str) -> &'static str {
             "Too many services are registered (`dmrpc ls`): stop some, or create the pool with \
              more (`dmrpc pool create NAME --services N`, `PoolConfig::services`)"
         }
+        "memory-server sessions" => {
+            "The memory server has as many clients as it takes: close idle ones, or start it \
+             with more (`dmrpc memserver --max-clients N`)"
+        }
         "memory-server pages" => {
             "The buffers allocated on the memory server reserve its whole region: free some, \
              or start it with more (`dmrpc memserver --size`)"

@@ -56,6 +56,10 @@ pub struct Config {
     pub max_refs: Option<usize>,
     /// Buffers per session at most.
     pub max_buffers: usize,
+    /// Sessions (client connections) at once at most (default 1024): the
+    /// first request of one more is answered `ResourceExhausted`, and its
+    /// connection closed.
+    pub max_clients: usize,
     /// A session silent this long (without a hello saying otherwise) ends.
     pub default_lease: Duration,
     /// How often expired Refs are swept.
@@ -79,6 +83,7 @@ impl Default for Config {
             max_ttl: Duration::from_secs(3600),
             max_refs: None,
             max_buffers: 1 << 20,
+            max_clients: 1024,
             default_lease: Duration::from_secs(10),
             sweep_every: Duration::from_millis(250),
             spin: Duration::from_micros(200),
@@ -500,7 +505,9 @@ async fn session(
         .peer_addr()
         .map_or_else(|_| "?".into(), |a| a.to_string());
     let (sid, space) = state.open_session();
-    tracing::debug!(session = sid, %peer, "session opened");
+    // (Counted with this one.)
+    let over_cap = state.metrics.clients.load(Ordering::Relaxed) as usize > state.cfg.max_clients;
+    tracing::debug!(session = sid, %peer, over_cap, "session opened");
     let (rd, wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(1 << 16, rd);
     let mut wr = BufWriter::with_capacity(1 << 16, wr);
@@ -597,6 +604,17 @@ async fn session(
                     }
                     None => (op, state.serve(&space, id, req, &mut out)),
                 }
+            }
+            Ok((id, _)) if over_cap => {
+                // One session too many: its first request says so, and the
+                // connection closes.
+                let e = Error::ResourceExhausted {
+                    what: "memory-server sessions",
+                };
+                encode_err(id, &e, &mut out);
+                let _ = wr.write_all(&out).await;
+                let _ = wr.flush().await;
+                break "one session too many";
             }
             Ok((id, req)) => {
                 if let Request::Hello { lease_ms } = req {

@@ -29,6 +29,10 @@ pub struct MemserverArgs {
     /// releases holds its pages at most this long.
     #[arg(long, default_value_t = 3600)]
     pub max_ttl_secs: u64,
+    /// Client connections at once at most; one more is refused with
+    /// `ResourceExhausted`.
+    #[arg(long, default_value_t = 1024)]
+    pub max_clients: usize,
     /// A session silent this long ends (clients renew it; seconds).
     #[arg(long, default_value_t = 10)]
     pub lease_secs: u64,
@@ -54,6 +58,7 @@ pub fn run(a: MemserverArgs) -> Result<()> {
         metrics: a.metrics,
         default_ttl: Duration::from_secs(a.ref_ttl_secs.max(1)),
         max_ttl: Duration::from_secs(a.max_ttl_secs.max(a.ref_ttl_secs).max(1)),
+        max_clients: a.max_clients.max(1),
         default_lease: Duration::from_secs(a.lease_secs.max(1)),
         spin: Duration::from_micros(a.spin_us),
         ..Default::default()
