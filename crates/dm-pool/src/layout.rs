@@ -1,7 +1,8 @@
 //! The pool file format (version 7): header, areas, and their validation.
 //!
 //! ```text
-//! 0        header (4 KiB): immutable part (checksummed), then shared atomics at 512
+//! 0        header (4 KiB): immutable part (checksummed), the pool's secret
+//!          at 256 (32 random bytes), then shared atomics at 512
 //! pt_off   page table: one u64 per data page            (see pages.rs)
 //! st_off   stripe locks: one u64 per 64 data pages      (see pages.rs)
 //! slot_off slot table: SLOT_SIZE bytes per slot         (see slot.rs)
@@ -33,6 +34,12 @@ pub(crate) const CONTROL_LEN: usize = 4096;
 pub(crate) const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// Format version this build reads and writes (history: `CHANGELOG.md`).
 pub const POOL_VERSION: u32 = 7;
+/// Where the pool's secret lies in the header: 32 random bytes written at
+/// creation, known to the processes that can read the pool (zero in pools
+/// created before there was one).
+pub(crate) const SECRET_OFF: usize = 256;
+/// Bytes of the pool's secret.
+pub(crate) const SECRET_LEN: usize = 32;
 /// Bytes reserved for the header.
 pub(crate) const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.

@@ -74,6 +74,20 @@ impl Shm {
         // SAFETY: the mapping is at least total_len >= HEADER_LEN bytes and
         // nobody else uses it before `ready` is published below.
         unsafe { std::ptr::copy_nonoverlapping(enc.as_ptr(), file.base(), enc.len()) };
+        let mut secret = [0u8; crate::layout::SECRET_LEN];
+        for c in secret.chunks_mut(8) {
+            c.copy_from_slice(&dm_sys::rand::random_u64().to_le_bytes());
+        }
+        // SAFETY: the secret's 32 bytes at SECRET_OFF lie in the header
+        // (HEADER_LEN bytes, mapped), past its immutable part and before
+        // its atomics; nobody else uses the mapping before `ready`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                secret.as_ptr(),
+                file.base().add(crate::layout::SECRET_OFF),
+                secret.len(),
+            )
+        };
         let shm = Shm { file, layout };
         for i in 0..shm.layout.n_descs {
             if let Some(d) = shm.desc(i) {
@@ -85,6 +99,23 @@ impl Shm {
             .store(host_id(), Ordering::Relaxed);
         shm.atomics().ready.store(READY, Ordering::Release);
         shm
+    }
+
+    /// The pool's secret (all zeros in a pool created before there was
+    /// one). Written once at creation; a process that scribbles on it only
+    /// makes its own proofs fail.
+    pub(crate) fn secret(&self) -> [u8; crate::layout::SECRET_LEN] {
+        let mut s = [0u8; crate::layout::SECRET_LEN];
+        // SAFETY: SECRET_LEN bytes at SECRET_OFF lie in the mapped header;
+        // any bytes are a valid [u8; N], and a torn read only breaks a proof.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.file.base().add(crate::layout::SECRET_OFF),
+                s.as_mut_ptr(),
+                s.len(),
+            )
+        };
+        s
     }
 
     /// Overwrites the magic so that the backing is no longer a pool.

@@ -193,6 +193,7 @@ impl Node {
         crate::transport::tcp::Identity {
             pool: self.pool.id(),
             remote: self.remote_domain(),
+            key: self.pool.secret(),
         }
     }
 

@@ -548,16 +548,18 @@ fn close(tp: TempPool, node: Node, svc: dm_rpc::Server) {
 }
 
 /// A raw TCP client of `addr` that has said hello (as a peer without a
-/// pool: every payload inline).
+/// pool: every payload inline): its hello (pool 0, no memory servers, a
+/// nonce), the server's hello and proof, its own (empty) proof.
 fn raw_tcp_client(addr: &str) -> std::net::TcpStream {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     let mut hello = dm_rpc::raw::tcp::HELLO.to_vec();
-    hello.extend_from_slice(&[0u8; 16]);
+    hello.extend_from_slice(&[0u8; 32]);
     s.write_all(&hello).unwrap();
-    let mut theirs = [0u8; 24];
+    let mut theirs = [0u8; 40 + 32];
     s.read_exact(&mut theirs).unwrap();
     assert_eq!(&theirs[..8], &dm_rpc::raw::tcp::HELLO);
+    s.write_all(&[0u8; 32]).unwrap();
     s
 }
 
@@ -1439,12 +1441,15 @@ fn a_forged_echo_is_refused() {
     let pool_id = node.pool().id();
     let peer = std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
-        let mut hello = [0u8; 24];
+        let mut hello = [0u8; 40];
         s.read_exact(&mut hello).unwrap();
+        // It claims the pool, and cannot prove it (a proof of zeros).
         let mut mine = dm_rpc::raw::tcp::HELLO.to_vec();
         mine.extend_from_slice(&pool_id.to_le_bytes());
-        mine.extend_from_slice(&0u64.to_le_bytes());
+        mine.extend_from_slice(&[0u8; 8 + 16 + 32]);
         s.write_all(&mine).unwrap();
+        let mut proof = [0u8; 32];
+        s.read_exact(&mut proof).unwrap();
         let mut h = [0u8; dm_rpc::frame::HEADER_LEN];
         s.read_exact(&mut h).unwrap();
         let len = u32::from_le_bytes(h[24..28].try_into().unwrap()) as usize;
@@ -3799,4 +3804,45 @@ fn connecting_to_a_missing_service_says_where_to_look() {
     );
     let e = node.connect_balanced(&unique("missing")).unwrap_err();
     assert!(e.message.contains("dmrpc ls"), "{e}");
+}
+
+/// Over TCP, pool Refs go only to a peer that proves it is attached to
+/// the pool: one that claims the pool id (a hello discloses it) without
+/// the pool's secret gets a large answer by value, never a Ref it could
+/// not release; a node of the pool gets it by Ref.
+#[test]
+fn a_tcp_peer_that_claims_the_pool_without_proof_gets_values() {
+    use std::io::{Read, Write};
+    let (tp, node, svc, addr) = tcp_service("tcp-claim");
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    let mut hello = dm_rpc::raw::tcp::HELLO.to_vec();
+    hello.extend_from_slice(&node.pool().id().to_le_bytes()); // the claim
+    hello.extend_from_slice(&0u64.to_le_bytes());
+    hello.extend_from_slice(&[7u8; 16]);
+    s.write_all(&hello).unwrap();
+    let mut theirs = [0u8; 40 + 32];
+    s.read_exact(&mut theirs).unwrap();
+    s.write_all(&[9u8; 32]).unwrap(); // not a proof
+    let big = vec![5u8; 1 << 20];
+    let req = dm_rpc::Frame::request(
+        1,
+        dm_rpc::frame::method_id("echo"),
+        0,
+        dm_rpc::Body::Inline(big.clone().into()),
+    );
+    s.write_all(&req.encode()).unwrap();
+    let f = read_frame(&mut s, &mut Vec::new());
+    assert_eq!(f.status, Status::Ok, "{f:?}");
+    match &f.payload {
+        dm_rpc::Body::Inline(b) => assert!(b[..] == big[..]),
+        other => panic!("the unproved peer got {other:?}"),
+    }
+    drop(s);
+    // A node of the pool proves it, and gets the answer by Ref.
+    let c = node.connect_tcp(&addr).unwrap();
+    let back = c.call("echo", big.clone()).unwrap();
+    assert!(back.in_pool(), "a proved peer shares the pool");
+    assert!(back.to_vec().unwrap() == big);
+    drop((back, c));
+    close(tp, node, svc);
 }

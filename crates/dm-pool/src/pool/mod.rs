@@ -143,6 +143,14 @@ impl Pool {
         self.inner.renew()
     }
 
+    /// A key only processes that can read this pool know: 32 random bytes
+    /// written at its creation, for proving to a peer (over TCP, say) that
+    /// this process is attached to the same pool. None in a pool created
+    /// before pools had one.
+    pub fn secret(&self) -> Option<[u8; 32]> {
+        Some(self.shm().secret()).filter(|s| s.iter().any(|&b| b != 0))
+    }
+
     /// Reserves a zero-filled buffer of `len` bytes. Pages are backed lazily
     /// on first write, so this costs no page work.
     pub fn alloc(&self, len: u64) -> Result<Buffer> {

@@ -40,29 +40,91 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Magic and version of the hello exchange.
-pub const HELLO: [u8; 8] = *b"DMRPCTC2";
-/// Bytes of a hello.
-const HELLO_LEN: usize = 24;
+/// Magic and version of the hello exchange (version 3: with the proof of
+/// the pool below).
+pub const HELLO: [u8; 8] = *b"DMRPCTC3";
+/// Bytes of a hello: magic, pool id, memory-server domain, a nonce.
+const HELLO_LEN: usize = 40;
+/// Bytes of a proof of the pool.
+const PROOF_LEN: usize = 32;
 
 /// What an end says about itself in the hello: the pool it is attached to
-/// and the memory servers it uses (0: none).
+/// and the memory servers it uses (0: none), and the pool's secret
+/// ([`dm_pool::Pool::secret`]) with which it proves that it is attached.
+///
+/// The exchange: the client sends its hello (with a random nonce); the
+/// server answers its own hello and its proof; the client sends its
+/// proof. A proof is HMAC-SHA-256 under the pool's secret of the role and
+/// both nonces. Pool Refs travel on the connection only if both ends name
+/// the same pool and the peer's proof holds: a peer that merely claims the
+/// pool id (which a hello discloses) gets every payload by value, and
+/// cannot be handed pool Refs it could never release.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Identity {
     /// Pool id.
     pub pool: u64,
     /// Memory-server domain ([`crate::Node::remote_domain`]).
     pub remote: u64,
+    /// The pool's secret (None: this end proves nothing, and shares no
+    /// pool Refs over TCP).
+    pub key: Option<[u8; 32]>,
+}
+
+/// What the peer said in its hello.
+#[derive(Debug, Clone, Copy)]
+struct Hello {
+    pool: u64,
+    remote: u64,
+    nonce: [u8; 16],
 }
 
 impl Identity {
-    /// Which Refs both ends can use.
-    fn sharing(self, theirs: Identity) -> Sharing {
+    /// Which Refs both ends can use, given the peer's hello and whether
+    /// its proof of the pool holds.
+    fn sharing(self, theirs: &Hello, proved: bool) -> Sharing {
         Sharing {
-            pool: self.pool != 0 && self.pool == theirs.pool,
+            pool: self.pool != 0 && self.pool == theirs.pool && proved,
             remote: self.remote != 0 && self.remote == theirs.remote,
         }
     }
+
+    /// This end's proof, as `role` (b'C' client, b'S' server), of the
+    /// nonces `(client's, server's)`; zeros without a key.
+    fn proof(&self, role: u8, nonces: (&[u8; 16], &[u8; 16])) -> [u8; PROOF_LEN] {
+        use hmac::Mac;
+        let Some(key) = &self.key else {
+            return [0; PROOF_LEN];
+        };
+        mac(key, role, nonces).finalize().into_bytes().into()
+    }
+
+    /// Whether `proof` is the peer's (in `role`) under this end's key: it
+    /// is attached to the same pool. Compared in constant time.
+    fn checks(&self, role: u8, nonces: (&[u8; 16], &[u8; 16]), proof: &[u8]) -> bool {
+        use hmac::Mac;
+        match &self.key {
+            Some(key) => mac(key, role, nonces).verify_slice(proof).is_ok(),
+            None => false,
+        }
+    }
+}
+
+fn mac(key: &[u8; 32], role: u8, (c, s): (&[u8; 16], &[u8; 16])) -> hmac::Hmac<sha2::Sha256> {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length"));
+    m.update(b"dmrpc-tcp-pool-proof");
+    m.update(&[role]);
+    m.update(c);
+    m.update(s);
+    m
+}
+
+fn nonce() -> [u8; 16] {
+    let mut n = [0u8; 16];
+    n[..8].copy_from_slice(&dm_sys::rand::random_u64().to_le_bytes());
+    n[8..].copy_from_slice(&dm_sys::rand::random_u64().to_le_bytes());
+    n
 }
 /// Largest inline payload over TCP.
 pub const MAX_INLINE: usize = 16 << 20;
@@ -83,18 +145,19 @@ fn limits() -> Limits {
     }
 }
 
-fn hello(me: Identity) -> [u8; HELLO_LEN] {
+fn hello(me: &Identity, nonce: &[u8; 16]) -> [u8; HELLO_LEN] {
     let mut h = [0u8; HELLO_LEN];
     h[..8].copy_from_slice(&HELLO);
     h[8..16].copy_from_slice(&me.pool.to_le_bytes());
-    h[16..].copy_from_slice(&me.remote.to_le_bytes());
+    h[16..24].copy_from_slice(&me.remote.to_le_bytes());
+    h[24..].copy_from_slice(nonce);
     h
 }
 
-fn parse_hello(h: &[u8; HELLO_LEN]) -> Result<Identity, TransportError> {
+fn parse_hello(h: &[u8; HELLO_LEN]) -> Result<Hello, TransportError> {
     if h[..8] != HELLO {
         return Err(TransportError::Protocol(
-            "the peer does not speak dmrpc over TCP version 2 (bad hello)".into(),
+            "the peer does not speak dmrpc over TCP version 3 (bad hello)".into(),
         ));
     }
     let at = |i: usize| {
@@ -102,9 +165,12 @@ fn parse_hello(h: &[u8; HELLO_LEN]) -> Result<Identity, TransportError> {
         x.copy_from_slice(&h[i..i + 8]);
         u64::from_le_bytes(x)
     };
-    Ok(Identity {
+    let mut nonce = [0u8; 16];
+    nonce.copy_from_slice(&h[24..]);
+    Ok(Hello {
         pool: at(8),
         remote: at(16),
+        nonce,
     })
 }
 
@@ -143,10 +209,15 @@ fn handshake(mut s: TcpStream, me: Identity, spin: Duration) -> Result<Connectio
     s.set_nodelay(true).map_err(unavailable)?;
     s.set_read_timeout(Some(HELLO_TIMEOUT))
         .map_err(unavailable)?;
-    s.write_all(&hello(me)).map_err(unavailable)?;
-    let mut h = [0u8; HELLO_LEN];
+    let mine = nonce();
+    s.write_all(&hello(&me, &mine)).map_err(unavailable)?;
+    let mut h = [0u8; HELLO_LEN + PROOF_LEN];
     s.read_exact(&mut h).map_err(unavailable)?;
-    let refs = me.sharing(parse_hello(&h)?);
+    let theirs = parse_hello(h[..HELLO_LEN].try_into().unwrap_or(&[0; HELLO_LEN]))?;
+    let nonces = (&mine, &theirs.nonce);
+    let proved = me.checks(b'S', nonces, &h[HELLO_LEN..]);
+    s.write_all(&me.proof(b'C', nonces)).map_err(unavailable)?;
+    let refs = me.sharing(&theirs, proved);
     let r = s.try_clone().map_err(unavailable)?;
     let goaway = Arc::new(super::GoAwayWord::default());
     Ok(Connection {
@@ -473,6 +544,9 @@ struct ServerConn {
     s: TcpStream,
     /// What the client may be sent, once it has said hello.
     refs: Option<Sharing>,
+    /// The client's hello and this end's nonce, once the hello came and
+    /// until its proof does.
+    hello: Option<(Hello, [u8; 16])>,
     /// When it was accepted (a hello is due within [`HELLO_TIMEOUT`]).
     opened: Instant,
     rx: Incoming,
@@ -626,6 +700,7 @@ impl TcpListener {
                 ServerConn {
                     s,
                     refs: None,
+                    hello: None,
                     opened: Instant::now(),
                     rx: Incoming::new(),
                     pending: VecDeque::new(),
@@ -666,7 +741,7 @@ impl TcpListener {
                     break;
                 }
             }
-            if c.refs.is_none() {
+            if c.refs.is_none() && c.hello.is_none() {
                 // Not dmrpc (or another version): no need to wait for the rest.
                 let got = c.rx.buffered();
                 if got[..got.len().min(HELLO.len())] != HELLO[..got.len().min(HELLO.len())] {
@@ -675,16 +750,36 @@ impl TcpListener {
                 }
                 match c.rx.take_prefix::<HELLO_LEN>() {
                     None => continue,
-                    Some(h) => match parse_hello(&h) {
-                        Ok(theirs) if c.s.write_all(&hello(self.me)).is_ok() => {
-                            c.refs = Some(self.me.sharing(theirs));
-                            self.hellos -= 1;
+                    Some(h) => {
+                        let mine = nonce();
+                        let me = &self.me;
+                        let answered = parse_hello(&h).ok().filter(|theirs| {
+                            let mut out = [0u8; HELLO_LEN + PROOF_LEN];
+                            out[..HELLO_LEN].copy_from_slice(&hello(me, &mine));
+                            out[HELLO_LEN..]
+                                .copy_from_slice(&me.proof(b'S', (&theirs.nonce, &mine)));
+                            c.s.write_all(&out).is_ok()
+                        });
+                        match answered {
+                            Some(theirs) => c.hello = Some((theirs, mine)),
+                            None => {
+                                ok = false;
+                                break;
+                            }
                         }
-                        _ => {
-                            ok = false;
-                            break;
-                        }
-                    },
+                    }
+                }
+            }
+            if let Some((theirs, mine)) = c.hello.filter(|_| c.refs.is_none()) {
+                // The client's proof of the pool, before any frame.
+                match c.rx.take_prefix::<PROOF_LEN>() {
+                    None => continue,
+                    Some(p) => {
+                        let proved = self.me.checks(b'C', (&theirs.nonce, &mine), &p);
+                        c.refs = Some(self.me.sharing(&theirs, proved));
+                        c.hello = None;
+                        self.hellos -= 1;
+                    }
                 }
             }
             let mut broken = false;
@@ -981,7 +1076,8 @@ mod tests {
             let (mut s, _) = l.accept().unwrap();
             let mut h = [0u8; HELLO_LEN];
             s.read_exact(&mut h).unwrap();
-            s.write_all(&hello(Identity::default())).unwrap();
+            s.write_all(&hello(&Identity::default(), &[0; 16])).unwrap();
+            s.write_all(&[0; PROOF_LEN]).unwrap();
             // The first frame in slow pieces (the reader's deadline passes
             // mid-payload), the rest in one go.
             let first = frames[0].encoded_len();
