@@ -111,6 +111,22 @@ fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7 + 1) as u8).collect()
 }
 
+/// `hop` with `len` bytes through `c` until a server answers (a failed
+/// call is `Unavailable`: the old server gone, its successor not called
+/// yet), until `until`; the answer.
+fn hop_until_served(c: &dm_rpc::Client, len: usize, until: Instant) -> Vec<u8> {
+    loop {
+        match c.call("hop", pattern(len)) {
+            Ok(p) => return p.to_vec().unwrap(),
+            Err(e) => {
+                assert_eq!(e.status, Status::Unavailable, "{e}");
+                assert!(Instant::now() < until, "no server is called: {e}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+}
+
 /// Three threads in `s` calling `hop` through `call` until `done`: small
 /// requests inline, every fourth one of 100 000 bytes by Ref; each answer
 /// is checked and any failure fails the test. Each returns its count.
@@ -319,16 +335,7 @@ fn server_killed(transport: &[&str]) {
     // A new process takes the name: the client calls it, by Ref too.
     let successor = Agent::serve(&tp, &name, transport);
     let until = Instant::now() + Duration::from_secs(5);
-    let got = loop {
-        match c.call("hop", pattern(100_000)) {
-            Ok(p) => break p.to_vec().unwrap(),
-            Err(e) => {
-                assert_eq!(e.status, Status::Unavailable, "{e}");
-                assert!(Instant::now() < until, "the successor is not called: {e}");
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        }
-    };
+    let got = hop_until_served(&c, 100_000, until);
     assert_eq!(hash_in(&got), hash(&pattern(100_000)));
     let got = idempotent.join().unwrap().unwrap();
     assert_eq!(hash_in(&got), hash(&pattern(100_000)));
@@ -1049,16 +1056,7 @@ fn restart_at_once(reaped: bool) {
     );
     // The client reconnects to the successor.
     let until = Instant::now() + Duration::from_secs(5);
-    let got = loop {
-        match c.call("hop", pattern(100_000)) {
-            Ok(p) => break p.to_vec().unwrap(),
-            Err(e) => {
-                assert_eq!(e.status, Status::Unavailable, "{e}");
-                assert!(Instant::now() < until, "the successor is not called: {e}");
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
-    };
+    let got = hop_until_served(&c, 100_000, until);
     assert_eq!(hash_in(&got), hash(&pattern(100_000)));
     assert_eq!(
         u32::from_le_bytes(got[8..12].try_into().unwrap()),
@@ -1076,16 +1074,7 @@ fn restart_at_once(reaped: bool) {
     }
     let mut third = Agent::start(&tp, &[&["serve", &name], &long[..]].concat());
     assert_eq!(third.line(), "ready", "a restart right after a death");
-    let got = loop {
-        match c.call("hop", pattern(10)) {
-            Ok(p) => break p.to_vec().unwrap(),
-            Err(e) => {
-                assert_eq!(e.status, Status::Unavailable, "{e}");
-                assert!(Instant::now() < until, "the third is not called: {e}");
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
-    };
+    let got = hop_until_served(&c, 10, until);
     assert_eq!(
         u32::from_le_bytes(got[8..12].try_into().unwrap()),
         third.pid()

@@ -277,11 +277,28 @@ fn push(
     waiter: &mut Waiter,
     deadline: Option<Instant>,
     sleeper: impl crate::wait::Sleeper,
+    meanwhile: impl FnMut() -> Result<(), TransportError>,
+    check: impl FnMut() -> Result<(), TransportError>,
+) -> Result<bool, TransportError> {
+    let fill = |put: &mut dyn FnMut(&[u8])| f.encode_with(put);
+    let len = f.encoded_len();
+    push_record(prod, len, fill, waiter, deadline, sleeper, meanwhile, check)
+}
+
+/// Pushes a record of `len` bytes that `fill` writes, as [`push`] does.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn push_record(
+    prod: &mut Producer<'static, RawData>,
+    len: usize,
+    fill: impl Fn(&mut dyn FnMut(&[u8])),
+    waiter: &mut Waiter,
+    deadline: Option<Instant>,
+    sleeper: impl crate::wait::Sleeper,
     mut meanwhile: impl FnMut() -> Result<(), TransportError>,
     check: impl FnMut() -> Result<(), TransportError>,
 ) -> Result<bool, TransportError> {
-    let len = f.encoded_len();
-    if prod.try_push(len, |put| f.encode_with(put))? {
+    if prod.try_push(len, |put| fill(put))? {
         return Ok(true);
     }
     let room = waiter.wait(
@@ -297,7 +314,7 @@ fn push(
         None => Ok(false),
         Some(r) => {
             r?;
-            Ok(prod.try_push(len, |put| f.encode_with(put))?)
+            Ok(prod.try_push(len, |put| fill(put))?)
         }
     }
 }
@@ -349,27 +366,10 @@ fn push_parts(
     mut check: impl FnMut() -> Result<(), TransportError>,
 ) -> Result<bool, TransportError> {
     for r in parts::records(f, max_rec - HEADER_LEN) {
-        let len = r.len();
-        if prod.try_push(len, |put| r.fill(put))? {
-            continue;
-        }
-        let room = waiter.wait(
-            sleeper,
-            deadline,
-            || match meanwhile() {
-                Err(e) => Some(Err(e)),
-                Ok(()) => prod.fits(len).then_some(Ok(())),
-            },
-            &mut check,
-        )?;
-        match room {
-            None => return Ok(false),
-            Some(ready) => {
-                ready?;
-                if !prod.try_push(len, |put| r.fill(put))? {
-                    return Ok(false);
-                }
-            }
+        let fill = |put: &mut dyn FnMut(&[u8])| r.fill(put);
+        let (m, c) = (&mut meanwhile, &mut check);
+        if !push_record(prod, r.len(), fill, waiter, deadline, sleeper, m, c)? {
+            return Ok(false);
         }
     }
     Ok(true)
