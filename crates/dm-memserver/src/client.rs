@@ -14,6 +14,7 @@
 
 use crate::cache::{key_of, CacheStats, PageCache, RefKey};
 use crate::proto::{self, Request, MAX_FRAME, MAX_IO};
+use dm_pool::auth::Key;
 use dm_pool::{Dm, DmBuffer, Error, Ref, Result, Usage, BACKEND_MEMSERVER};
 use dm_sys::poll::Spin;
 use std::collections::{HashMap, HashSet};
@@ -46,6 +47,13 @@ pub struct ClientConfig {
     /// at once). A blocked reader's wake-up costs more than a loopback
     /// round trip on the test machine (BENCHMARKS.md, `bench memserver`).
     pub spin: Duration,
+    /// The servers' client key (the file their `--key-file` names). With
+    /// it, a client proves it holds the key and refuses a server that
+    /// does not prove the same.
+    pub key: Option<Key>,
+    /// The servers' admin key, for `check` and `maintain` from another
+    /// host. It admits as a client too.
+    pub admin_key: Option<Key>,
 }
 
 impl Default for ClientConfig {
@@ -56,6 +64,8 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(5),
             cache_bytes: 32 << 20,
             spin: Duration::from_micros(200),
+            key: None,
+            admin_key: None,
         }
     }
 }
@@ -206,13 +216,67 @@ impl Conn {
             next_id: AtomicU64::new(1),
         };
         let lease_ms = cfg.lease.as_millis().min(u32::MAX as u128) as u32;
-        let body = c.call(&Request::Hello { lease_ms }, cfg.timeout)?;
-        let (id, ps, max) =
-            proto::decode_hello(&body).map_err(|e| Error::Protocol(e.to_string()))?;
-        c.server_id = id;
-        c.page_size = ps;
-        c.max_len = max;
+        // A client with a key challenges the server; one without sends the
+        // hello servers before authentication understood.
+        let nonce = (cfg.key.is_some() || cfg.admin_key.is_some()).then(dm_pool::auth::nonce);
+        let body = c.call(&Request::Hello { lease_ms, nonce }, cfg.timeout)?;
+        let h = proto::HelloAnswer::decode(&body).map_err(|e| Error::Protocol(e.to_string()))?;
+        c.server_id = h.server_id;
+        c.page_size = h.page_size;
+        c.max_len = h.max_len;
+        if let Some(cn) = nonce {
+            c.authenticate(cfg, &cn, h.auth)?;
+        }
         Ok(c)
+    }
+
+    /// Checks the server's proof of the key this client holds, then
+    /// proves this client's keys.
+    fn authenticate(
+        &self,
+        cfg: &ClientConfig,
+        cn: &[u8; 16],
+        offer: Option<proto::AuthOffer>,
+    ) -> Result<()> {
+        let addr = &self.addr;
+        let Some(o) = offer else {
+            return Err(Error::Unauthenticated(format!(
+                "memory server {addr} does not authenticate itself (it is older than keys): \
+                 connect to it without a key"
+            )));
+        };
+        let ctx = proto::AUTH_CONTEXT;
+        let server_holds = |k: &Option<Key>, role, proof: &[u8]| {
+            k.as_ref()
+                .is_some_and(|k| k.verify(ctx, role, cn, &o.nonce, proof))
+        };
+        if !server_holds(&cfg.key, b'S', &o.proof)
+            && !server_holds(&cfg.admin_key, b'T', &o.admin_proof)
+        {
+            return Err(Error::Unauthenticated(format!(
+                "memory server {addr} did not prove it holds this client's key: it is not the \
+                 server meant, or it was started with another key file (or none)"
+            )));
+        }
+        let mut roles = Vec::new();
+        if let Some(k) = cfg
+            .key
+            .as_ref()
+            .filter(|_| o.flags & proto::AUTH_NEEDS_KEY != 0)
+        {
+            roles.push((proto::ROLE_CLIENT, k.proof(ctx, b'C', cn, &o.nonce)));
+        }
+        if let Some(k) = cfg
+            .admin_key
+            .as_ref()
+            .filter(|_| o.flags & proto::AUTH_HAS_ADMIN != 0)
+        {
+            roles.push((proto::ROLE_ADMIN, k.proof(ctx, b'A', cn, &o.nonce)));
+        }
+        for (role, proof) in roles {
+            self.call(&Request::Auth { role, proof }, cfg.timeout)?;
+        }
+        Ok(())
     }
 
     fn unavailable(&self, why: &str) -> Error {

@@ -11,7 +11,7 @@
 //!
 //! | op | request body | answer body |
 //! |---|---|---|
-//! | 1 hello | lease_ms u32 | server_id u64, page_size u32, max_len u64 |
+//! | 1 hello | lease_ms u32 [, nonce 16 bytes] | server_id u64, page_size u32, max_len u64 [, auth u8, nonce 16 bytes, proof 32 bytes, admin proof 32 bytes] |
 //! | 2 alloc | len u64 | addr u64 |
 //! | 3 free | addr u64 | — |
 //! | 4 read | addr u64, offset u64, len u32 | the bytes |
@@ -25,12 +25,27 @@
 //! | 12 maintain | — | — |
 //! | 13 put | ttl_ms u32 (0: default), data (the rest) | Ref (40 bytes) |
 //! | 14 read_ref | Ref (40 bytes), offset u64, len u32 | the bytes |
+//! | 15 auth | role u8 (1 client, 2 admin), proof 32 bytes | — |
 //!
 //! `put` is alloc + write + create_ref + free in one request (a sender's
 //! by-Ref argument in one round trip); `read_ref` reads a Ref's snapshot
 //! without mapping it (a receiver's read in one round trip). Both were
 //! added within version 1: a server without them answers "unknown
 //! operation".
+//!
+//! Authentication (also within version 1) is the challenge of
+//! [`dm_pool::auth`]. A client that sends a nonce in its hello gets the
+//! server's in the answer, with `auth` flags (bit 0: the server wants a
+//! client key, bit 1: it has an admin key) and the server's proofs (role
+//! `S` under its client key, role `T` under its admin key; zeros for a key
+//! it does not have). The client checks the proof of the key it holds,
+//! then proves itself with `auth` (role `C` under the client key, `A`
+//! under the admin key; the admin key admits as a client too). Until then a server with a client key
+//! answers every request but `hello`, `auth` and `ping` with
+//! `Unauthenticated`; `check` and `maintain` need the admin key, or, on a
+//! server without one, a client on the server's own host
+//! (`PermissionDenied`). A hello without a nonce gets the short answer,
+//! as before.
 //!
 //! A request's `id` is the client's; the answer carries it back (a client
 //! pipelines many requests on one connection; a connection's answers come
@@ -40,6 +55,7 @@
 //! pool backend returns. The decoders never panic (fuzz target
 //! `memserver_request`).
 
+use dm_pool::auth::{NONCE_LEN, PROOF_LEN};
 use dm_pool::{Error, Ref};
 use std::borrow::Cow;
 
@@ -61,6 +77,8 @@ pub enum Request<'a> {
     Hello {
         /// The client's lease: silence longer than this ends the session.
         lease_ms: u32,
+        /// The client's challenge (none: the client does not authenticate).
+        nonce: Option<[u8; NONCE_LEN]>,
     },
     /// A zero-filled buffer.
     Alloc {
@@ -129,6 +147,50 @@ pub enum Request<'a> {
         /// Bytes (at most [`MAX_IO`]).
         len: u32,
     },
+    /// Proves the client holds a key ([`ROLE_CLIENT`] or [`ROLE_ADMIN`]).
+    Auth {
+        /// Which key.
+        role: u8,
+        /// HMAC of both nonces under it.
+        proof: [u8; PROOF_LEN],
+    },
+}
+
+/// `auth` role: the client key.
+pub const ROLE_CLIENT: u8 = 1;
+/// `auth` role: the admin key.
+pub const ROLE_ADMIN: u8 = 2;
+/// The context of this protocol's proofs.
+pub const AUTH_CONTEXT: &[u8] = b"dmrpc-memserver-v1";
+/// Hello-answer flag: the server wants a client key.
+pub const AUTH_NEEDS_KEY: u8 = 1;
+/// Hello-answer flag: the server has an admin key.
+pub const AUTH_HAS_ADMIN: u8 = 2;
+
+/// What a server says in its hello answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HelloAnswer {
+    /// The server's id (in its Refs).
+    pub server_id: u64,
+    /// Its page size.
+    pub page_size: u32,
+    /// Its largest buffer.
+    pub max_len: u64,
+    /// Its side of the challenge, if the client sent a nonce.
+    pub auth: Option<AuthOffer>,
+}
+
+/// The server's side of the challenge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuthOffer {
+    /// [`AUTH_NEEDS_KEY`], [`AUTH_HAS_ADMIN`].
+    pub flags: u8,
+    /// The server's nonce.
+    pub nonce: [u8; NONCE_LEN],
+    /// The server's proof under its client key (zeros if it has none).
+    pub proof: [u8; PROOF_LEN],
+    /// The server's proof under its admin key (zeros if it has none).
+    pub admin_proof: [u8; PROOF_LEN],
 }
 
 /// Operation codes.
@@ -147,10 +209,11 @@ mod op {
     pub const MAINTAIN: u8 = 12;
     pub const PUT: u8 = 13;
     pub const READ_REF: u8 = 14;
+    pub const AUTH: u8 = 15;
 }
 
 /// Number of operation codes (for per-op counters), index = op - 1.
-pub const OPS: usize = 14;
+pub const OPS: usize = 15;
 
 /// Names of the operations, index = op - 1.
 pub const OP_NAMES: [&str; OPS] = [
@@ -168,6 +231,7 @@ pub const OP_NAMES: [&str; OPS] = [
     "maintain",
     "put",
     "read_ref",
+    "auth",
 ];
 
 /// Why bytes are not a valid frame.
@@ -239,6 +303,12 @@ impl<'a> Rd<'a> {
         Ok(u64::from_le_bytes(x))
     }
 
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], ProtoError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
     fn reference(&mut self) -> Result<Ref, ProtoError> {
         Ok(Ref::from_bytes(self.take(Ref::SIZE)?)?)
     }
@@ -308,7 +378,8 @@ impl<'a> Request<'a> {
                 ttl_ms,
                 data: Cow::Owned(data.into_owned()),
             },
-            Request::Hello { lease_ms } => Request::Hello { lease_ms },
+            Request::Hello { lease_ms, nonce } => Request::Hello { lease_ms, nonce },
+            Request::Auth { role, proof } => Request::Auth { role, proof },
             Request::Alloc { len } => Request::Alloc { len },
             Request::Free { addr } => Request::Free { addr },
             Request::Read { addr, offset, len } => Request::Read { addr, offset, len },
@@ -350,6 +421,7 @@ impl<'a> Request<'a> {
             Request::Maintain => op::MAINTAIN,
             Request::Put { .. } => op::PUT,
             Request::ReadRef { .. } => op::READ_REF,
+            Request::Auth { .. } => op::AUTH,
         }
     }
 
@@ -357,7 +429,16 @@ impl<'a> Request<'a> {
     pub fn encode(&self, id: u64, out: &mut Vec<u8>) {
         let at = start(out, self.op(), id);
         match self {
-            Request::Hello { lease_ms } => out.extend_from_slice(&lease_ms.to_le_bytes()),
+            Request::Hello { lease_ms, nonce } => {
+                out.extend_from_slice(&lease_ms.to_le_bytes());
+                if let Some(n) = nonce {
+                    out.extend_from_slice(n);
+                }
+            }
+            Request::Auth { role, proof } => {
+                out.push(*role);
+                out.extend_from_slice(proof);
+            }
             Request::Alloc { len } => out.extend_from_slice(&len.to_le_bytes()),
             Request::Free { addr } => out.extend_from_slice(&addr.to_le_bytes()),
             Request::Read { addr, offset, len } => {
@@ -431,7 +512,17 @@ impl<'a> Request<'a> {
         let (code, id, mut r) = header(frame).map_err(|e| (None, e))?;
         let req = (|| {
             let req = match code {
-                op::HELLO => Request::Hello { lease_ms: r.u32()? },
+                op::HELLO => Request::Hello {
+                    lease_ms: r.u32()?,
+                    nonce: match r.b.len() - r.at {
+                        0 => None,
+                        _ => Some(r.array()?),
+                    },
+                },
+                op::AUTH => Request::Auth {
+                    role: r.take(1)?[0],
+                    proof: r.array()?,
+                },
                 op::ALLOC => Request::Alloc { len: r.u64()? },
                 op::FREE => Request::Free { addr: r.u64()? },
                 op::READ => {
@@ -513,14 +604,20 @@ pub enum ErrorCode {
     Unavailable = 13,
     /// Anything else (`Error::Corrupt(message)`).
     Internal = 14,
+    /// `Error::Unauthenticated(message)`: no key, or a wrong one.
+    Unauthenticated = 15,
+    /// `Error::PermissionDenied(message)`: an admin operation without
+    /// the admin key.
+    PermissionDenied = 16,
 }
 
-const EXHAUSTED: [&str; 5] = [
+const EXHAUSTED: [&str; 6] = [
     "pages",
     "refs",
     "buffers",
     "memory-server pages",
     "memory-server sessions",
+    "memory-server quota",
 ];
 
 /// Encodes a typed error as (code, three fields, message).
@@ -560,10 +657,16 @@ pub fn error_parts(e: &Error) -> (ErrorCode, [u64; 3], String) {
         }
         Error::Protocol(_) | Error::RefDecode(_) => (C::Protocol, [0; 3]),
         Error::Unavailable(_) => (C::Unavailable, [0; 3]),
+        Error::Unauthenticated(_) => (C::Unauthenticated, [0; 3]),
+        Error::PermissionDenied(_) => (C::PermissionDenied, [0; 3]),
         _ => (C::Internal, [0; 3]),
     };
     let msg = match e {
-        Error::Protocol(m) | Error::Unavailable(m) | Error::Corrupt(m) => m.clone(),
+        Error::Protocol(m)
+        | Error::Unavailable(m)
+        | Error::Corrupt(m)
+        | Error::Unauthenticated(m)
+        | Error::PermissionDenied(m) => m.clone(),
         _ => e.to_string(),
     };
     (c, f, msg)
@@ -615,6 +718,8 @@ pub fn error_from(status: u8, body: &[u8]) -> Result<Error, ProtoError> {
         12 => Error::Protocol(msg),
         13 => Error::Unavailable(msg),
         14 => Error::Corrupt(msg),
+        15 => Error::Unauthenticated(msg),
+        16 => Error::PermissionDenied(msg),
         s => return Err(ProtoError::Status(s)),
     })
 }
@@ -667,12 +772,42 @@ pub fn u64s<const N: usize>(body: &[u8]) -> Result<[u64; N], ProtoError> {
     Ok(v)
 }
 
-/// The hello answer: server id, page size, largest buffer.
-pub fn decode_hello(body: &[u8]) -> Result<(u64, u32, u64), ProtoError> {
-    let mut r = Rd { b: body, at: 0 };
-    let v = (r.u64()?, r.u32()?, r.u64()?);
-    r.end()?;
-    Ok(v)
+impl HelloAnswer {
+    /// Appends the answer's body.
+    pub fn encode_body(&self, o: &mut Vec<u8>) {
+        o.extend_from_slice(&self.server_id.to_le_bytes());
+        o.extend_from_slice(&self.page_size.to_le_bytes());
+        o.extend_from_slice(&self.max_len.to_le_bytes());
+        if let Some(a) = &self.auth {
+            o.push(a.flags);
+            o.extend_from_slice(&a.nonce);
+            o.extend_from_slice(&a.proof);
+            o.extend_from_slice(&a.admin_proof);
+        }
+    }
+
+    /// Reads the answer's body (short, from a server or to a client that
+    /// does not authenticate, or with the server's side of the challenge).
+    pub fn decode(body: &[u8]) -> Result<HelloAnswer, ProtoError> {
+        let mut r = Rd { b: body, at: 0 };
+        let (server_id, page_size, max_len) = (r.u64()?, r.u32()?, r.u64()?);
+        let auth = match r.b.len() - r.at {
+            0 => None,
+            _ => Some(AuthOffer {
+                flags: r.take(1)?[0],
+                nonce: r.array()?,
+                proof: r.array()?,
+                admin_proof: r.array()?,
+            }),
+        };
+        r.end()?;
+        Ok(HelloAnswer {
+            server_id,
+            page_size,
+            max_len,
+            auth,
+        })
+    }
 }
 
 /// A Ref in an answer body.
@@ -705,7 +840,7 @@ pub fn fuzz_decode(data: &[u8]) {
         }
         let _ = decode_answer(frame);
         let _ = u64s::<2>(frame);
-        let _ = decode_hello(frame);
+        let _ = HelloAnswer::decode(frame);
         let _ = decode_ref(frame);
         rest = &body[frame.len()..];
     }
@@ -729,7 +864,10 @@ mod tests {
 
     fn requests() -> impl Strategy<Value = Request<'static>> {
         prop_oneof![
-            any::<u32>().prop_map(|lease_ms| Request::Hello { lease_ms }),
+            (any::<u32>(), any::<Option<[u8; 16]>>())
+                .prop_map(|(lease_ms, nonce)| Request::Hello { lease_ms, nonce }),
+            (any::<u8>(), any::<[u8; 32]>())
+                .prop_map(|(role, proof)| Request::Auth { role, proof }),
             any::<u64>().prop_map(|len| Request::Alloc { len }),
             any::<u64>().prop_map(|addr| Request::Free { addr }),
             (any::<u64>(), any::<u64>(), 0u32..=MAX_IO as u32)

@@ -242,7 +242,11 @@ fn a_silent_client_loses_its_session_at_lease_expiry() {
     let srv = ServerProc::start(&[]);
     let mut s = TcpStream::connect(&srv.addr).unwrap();
     let mut f = Vec::new();
-    Request::Hello { lease_ms: 300 }.encode(1, &mut f);
+    Request::Hello {
+        lease_ms: 300,
+        nonce: None,
+    }
+    .encode(1, &mut f);
     Request::Alloc { len: 8192 }.encode(2, &mut f);
     s.write_all(&f).unwrap();
     let _ = answer(&mut s).unwrap();

@@ -81,17 +81,37 @@ fn a_ref_across_two_network_namespaces() {
             return;
         }
     };
-    let mut server = hosts
+    // Beyond loopback a server needs a key (or --open).
+    let refused = hosts
         .exec(
             &hosts.server,
             env!("CARGO_BIN_EXE_dm-memserver"),
             &["--listen", "10.77.0.1:0"],
         )
-        .stdout(Stdio::piped())
-        .spawn()
+        .output()
         .unwrap();
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("--key-file"), "{why}");
+    let dir = std::env::temp_dir().join(format!("dm-netns-key-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let key_file = dir.join("memory.key");
+    dm_pool::auth::Key::generate_file(&key_file).unwrap();
+    let key_path = key_file.to_str().unwrap();
+    let mut server = Killed(
+        hosts
+            .exec(
+                &hosts.server,
+                env!("CARGO_BIN_EXE_dm-memserver"),
+                &["--listen", "10.77.0.1:0", "--key-file", key_path],
+            )
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let mut line = String::new();
-    BufReader::new(server.stdout.take().unwrap())
+    BufReader::new(server.0.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
     let addr = line.split_whitespace().nth(1).unwrap().to_owned();
@@ -106,8 +126,28 @@ fn a_ref_across_two_network_namespaces() {
     )
     .is_err());
     let client = env!("CARGO_BIN_EXE_dm-memclient");
+    // Without the key, the other host is served nothing.
+    let no_key = hosts
+        .exec(&hosts.client, client, &[&addr, "share", "100"])
+        .output()
+        .unwrap();
+    assert!(!no_key.status.success());
+    let why = String::from_utf8_lossy(&no_key.stderr);
+    assert!(why.to_lowercase().contains("unauthenticated"), "{why}");
+    // With it, the check (an admin operation) is still refused from there.
+    let check = hosts
+        .exec(&hosts.client, client, &[&addr, "check"])
+        .env("DMRPC_KEY_FILE", key_path)
+        .output()
+        .unwrap();
+    let why = String::from_utf8_lossy(&check.stderr);
+    assert!(
+        !check.status.success() && why.to_lowercase().contains("permission"),
+        "{why}"
+    );
     let mut a = hosts
         .exec(&hosts.client, client, &[&addr, "share", "20000"])
+        .env("DMRPC_KEY_FILE", key_path)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -119,6 +159,7 @@ fn a_ref_across_two_network_namespaces() {
     assert_eq!(f[0], "ref", "{l}");
     let b = hosts
         .exec(&hosts.client, client, &[&addr, "cow", f[1]])
+        .env("DMRPC_KEY_FILE", key_path)
         .output()
         .unwrap();
     assert!(b.status.success(), "{}", String::from_utf8_lossy(&b.stderr));
@@ -130,6 +171,16 @@ fn a_ref_across_two_network_namespaces() {
     );
     writeln!(a.stdin.as_mut().unwrap()).unwrap();
     assert!(a.wait().unwrap().success());
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A child killed (and reaped) on drop, also when an assertion fails.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -189,6 +189,14 @@ pub enum Error {
     /// or it dropped this client).
     #[error("memory server unavailable: {0}")]
     Unavailable(String),
+    /// The peer did not prove who it is: it has no key, or another one
+    /// (the message says which end, and what to give it).
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(String),
+    /// The peer is known and may not do this (an admin operation asked
+    /// for without the admin key).
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
     /// A peer sent bytes that break the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -227,6 +235,11 @@ fn exhausted_hint(what: &str) -> &'static str {
         "memory-server pages" => {
             "The buffers allocated on the memory server reserve its whole region: free some, \
              or start it with more (`dmrpc memserver --size`)"
+        }
+        "memory-server quota" => {
+            "This client holds as much of the memory server as one client may: free buffers \
+             and release Refs it holds, or start the server with a larger quota \
+             (`dmrpc memserver --client-quota`)"
         }
         "channels" => {
             "Too many shared-memory connections are open: close clients, or create the pool \

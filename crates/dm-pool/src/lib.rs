@@ -72,6 +72,8 @@ mod sync;
 #[cfg(not(loom))]
 mod admin;
 #[cfg(not(loom))]
+pub mod auth;
+#[cfg(not(loom))]
 mod channel;
 #[cfg(not(loom))]
 mod check;

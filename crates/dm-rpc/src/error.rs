@@ -125,6 +125,8 @@ impl From<dm_pool::Error> for RpcError {
                 Status::Unavailable
             }
             E::NameTaken { .. } => Status::AlreadyExists,
+            E::Unauthenticated(_) => Status::Unauthenticated,
+            E::PermissionDenied(_) => Status::PermissionDenied,
             E::NotRegistered(_) => Status::InvalidArgument,
             _ => Status::Internal,
         };

@@ -34,6 +34,9 @@ enum Cmd {
     Call(cmd::call::CallArgs),
     /// Serve disaggregated memory over TCP (a memory server, DmRPC-net).
     Memserver(cmd::memserver::MemserverArgs),
+    /// Make and inspect key files (peers over TCP prove they hold one).
+    #[command(subcommand)]
+    Key(cmd::key::KeyCmd),
     /// Run a benchmark against its baseline (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
     #[command(name = "__demo-service", hide = true)]
@@ -57,6 +60,7 @@ fn main() {
             Err(e) => Err(e),
         },
         Cmd::Memserver(a) => cmd::memserver::run(a),
+        Cmd::Key(c) => cmd::key::run(c),
         Cmd::Bench(a) => bench::run(a),
         Cmd::DemoService(a) => cmd::demo::service(a),
         Cmd::BenchPeer(a) => bench::peer(a),

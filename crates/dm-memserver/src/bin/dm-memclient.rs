@@ -6,7 +6,11 @@
 //! * `dm-memclient ADDR share LEN` writes LEN bytes, prints `ref HEXREF
 //!   SUM`, and releases the Ref when a line arrives on stdin;
 //! * `dm-memclient ADDR churn` prints `started`, then allocates, writes,
-//!   shares, maps and frees in a loop until killed.
+//!   shares, maps and frees in a loop until killed;
+//! * `dm-memclient ADDR check` runs the server's check and prints `ok` or
+//!   its problems.
+//!
+//! With `DMRPC_KEY_FILE` set, it proves the key in that file.
 
 use dm_memserver::MemPool;
 use dm_pool::{Dm, DmBuffer, Ref};
@@ -20,7 +24,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (Some(addr), Some(cmd)) = (args.get(1), args.get(2)) else {
         return Err("usage: dm-memclient ADDR cow HEXREF | churn".into());
     };
-    let pool = MemPool::connect(&[addr])?;
+    let cfg = dm_memserver::ClientConfig {
+        key: std::env::var_os("DMRPC_KEY_FILE")
+            .map(dm_pool::auth::Key::from_file)
+            .transpose()?,
+        ..Default::default()
+    };
+    let pool = MemPool::connect_with(&[addr], cfg)?;
     match cmd.as_str() {
         "cow" => {
             let hex = args.get(3).ok_or("cow needs a Ref")?;
@@ -59,6 +69,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 m.write(0, b"x")?;
                 pool.release_ref(&r)?;
                 drop((b, m));
+            }
+        }
+        "check" => {
+            let problems = pool.check_servers()?;
+            if problems.is_empty() {
+                println!("ok");
+            }
+            for p in problems {
+                println!("{p}");
             }
         }
         other => return Err(format!("unknown command {other}").into()),

@@ -35,6 +35,8 @@ pub struct Metrics {
     pub leases_expired: AtomicU64,
     /// Refs expired by TTL.
     pub refs_expired: AtomicU64,
+    /// Proofs of a key that did not hold.
+    pub auth_failures: AtomicU64,
 }
 
 /// Point-in-time values the state supplies when rendering.
@@ -146,6 +148,12 @@ impl Metrics {
             "counter",
             "Requests answered with an error.",
             self.total(|s| &s.errors),
+        );
+        metric(
+            "dmrpc_memserver_auth_failures_total",
+            "counter",
+            "Proofs of a key that did not hold.",
+            self.auth_failures.load(Ordering::Relaxed),
         );
         metric(
             "dmrpc_memserver_malformed_total",

@@ -12,16 +12,18 @@
 
 pub mod metrics;
 pub mod pages;
+pub mod quota;
 pub mod refs;
 pub mod space;
 
 use crate::proto::{self, encode_err, encode_ok, Request, MAX_FRAME};
+use dm_pool::auth::Key;
 use dm_pool::{Error, Result, Usage};
 use dm_sys::poll::IdlePoll;
 use metrics::{Gauges, Metrics};
 use pages::{lock, Pages};
 use refs::Refs;
-use space::Space;
+use space::{Space, Standing};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -69,6 +71,20 @@ pub struct Config {
     /// A sleeping worker's wake-up costs more than a loopback round trip
     /// on the test machine (BENCHMARKS.md, `bench memserver`).
     pub spin: Duration,
+    /// The key clients prove they hold (`--key-file`). None: any client
+    /// that reaches the port is served, and the server refuses to listen
+    /// beyond loopback unless [`open`](Self::open) says so.
+    pub key: Option<Key>,
+    /// The key of the admin operations (`check`, `maintain`;
+    /// `--admin-key-file`). None: they are served to clients on this
+    /// host only.
+    pub admin_key: Option<Key>,
+    /// Listen beyond loopback without a key (`--open`): anyone who reaches
+    /// the port may allocate and read.
+    pub open: bool,
+    /// Bytes one session may hold at most: its buffers and the live Refs
+    /// it created (`--client-quota`; default: no quota but the region).
+    pub client_quota: Option<u64>,
 }
 
 impl Default for Config {
@@ -87,9 +103,17 @@ impl Default for Config {
             default_lease: Duration::from_secs(10),
             sweep_every: Duration::from_millis(250),
             spin: Duration::from_micros(200),
+            key: None,
+            admin_key: None,
+            open: false,
+            client_quota: None,
         }
     }
 }
+
+/// How long a session of a server with a key may stay unauthenticated
+/// (or the default lease, if shorter).
+const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The shared state of a server.
 #[derive(Debug)]
@@ -190,9 +214,22 @@ impl State {
         self.metrics.render(self.gauges())
     }
 
-    fn open_session(&self) -> (u64, Arc<Mutex<Space>>) {
+    /// A new session, of a client on this host (`local`) or not.
+    fn open_session(&self, local: bool) -> (u64, Arc<Mutex<Space>>) {
         let id = self.next_session.fetch_add(1, Ordering::Relaxed);
-        let space = Arc::new(Mutex::new(Space::new(id as usize, self.cfg.max_buffers)));
+        let ps = self.pages.page_size() as u64;
+        let quota = self.cfg.client_quota.map_or(u64::MAX, |b| b.div_ceil(ps));
+        let standing = Standing {
+            client: self.cfg.key.is_none(),
+            admin: self.cfg.admin_key.is_none() && local,
+            challenge: None,
+        };
+        let space = Arc::new(Mutex::new(Space::new(
+            id as usize,
+            self.cfg.max_buffers,
+            quota,
+            standing,
+        )));
         lock(&self.sessions).insert(id, space.clone());
         self.metrics.clients.fetch_add(1, Ordering::Relaxed);
         (id, space)
@@ -249,6 +286,9 @@ impl State {
             }
         };
         let mut sp = lock(space);
+        if !sp.standing.client {
+            return None;
+        }
         let (len, r) = match *req {
             Request::Read { addr, offset, len } => (
                 len,
@@ -306,28 +346,22 @@ impl State {
                 }
             })
         };
-        // Operations on the whole server first: they take no session lock.
+        // Operations on the whole server first: they take the session's
+        // lock only to read or record what it proved.
         match req {
-            Request::Hello { .. } => {
-                encode_ok(id, out, |o| {
-                    o.extend_from_slice(&self.id.to_le_bytes());
-                    o.extend_from_slice(&(self.pages.page_size() as u32).to_le_bytes());
-                    o.extend_from_slice(&self.max_len().to_le_bytes());
-                });
+            Request::Hello { nonce, .. } => {
+                let auth = nonce.map(|cn| self.offer(space, cn));
+                let h = proto::HelloAnswer {
+                    server_id: self.id,
+                    page_size: self.pages.page_size() as u32,
+                    max_len: self.max_len(),
+                    auth,
+                };
+                encode_ok(id, out, |o| h.encode_body(o));
                 return Ok(());
             }
-            Request::Usage => {
-                let u = self.usage();
-                ok(out, &[u.pages_held, u.pages_shared, u.refs, u.pages_free]);
-                return Ok(());
-            }
-            Request::Check => {
-                let problems = self.check().join("\n");
-                encode_ok(id, out, |o| o.extend_from_slice(problems.as_bytes()));
-                return Ok(());
-            }
-            Request::Maintain => {
-                self.maintain();
+            Request::Auth { role, proof } => {
+                self.authenticate(space, role, &proof)?;
                 ok(out, &[]);
                 return Ok(());
             }
@@ -335,10 +369,33 @@ impl State {
                 ok(out, &[]);
                 return Ok(());
             }
+            Request::Usage => {
+                self.may_use(&lock(space))?;
+                let u = self.usage();
+                ok(out, &[u.pages_held, u.pages_shared, u.refs, u.pages_free]);
+                return Ok(());
+            }
+            Request::Check | Request::Maintain => {
+                let what = if matches!(req, Request::Check) {
+                    "check"
+                } else {
+                    "maintain"
+                };
+                self.may_administer(&lock(space), what)?;
+                if matches!(req, Request::Check) {
+                    let problems = self.check().join("\n");
+                    encode_ok(id, out, |o| o.extend_from_slice(problems.as_bytes()));
+                } else {
+                    self.maintain();
+                    ok(out, &[]);
+                }
+                return Ok(());
+            }
             _ => {}
         }
         let pages = &self.pages;
         let mut sp = lock(space);
+        self.may_use(&sp)?;
         match req {
             Request::Alloc { len } => {
                 let a = sp.alloc(pages, len, self.max_len())?;
@@ -382,7 +439,8 @@ impl State {
             }
             Request::Put { ttl_ms, data } => {
                 let len = data.len() as u64;
-                let a = sp.alloc(pages, len, self.max_len())?;
+                // The Ref's charge is the one that stays.
+                let a = sp.alloc_with(pages, len, self.max_len(), false)?;
                 let r = sp.write(pages, a, 0, &data).and_then(|()| {
                     let expires = Instant::now() + self.ttl(ttl_ms)?;
                     sp.create_ref(pages, &self.refs, a, 0, len, expires)
@@ -405,12 +463,98 @@ impl State {
                 res?;
             }
             Request::Hello { .. }
+            | Request::Auth { .. }
             | Request::Usage
             | Request::Check
             | Request::Maintain
             | Request::Ping => {}
         }
         Ok(())
+    }
+
+    /// The server's side of the challenge, for a hello with nonce `cn`.
+    fn offer(&self, space: &Mutex<Space>, cn: [u8; 16]) -> proto::AuthOffer {
+        let sn = dm_pool::auth::nonce();
+        lock(space).standing.challenge = Some((cn, sn));
+        let mut flags = 0;
+        if self.cfg.key.is_some() {
+            flags |= proto::AUTH_NEEDS_KEY;
+        }
+        if self.cfg.admin_key.is_some() {
+            flags |= proto::AUTH_HAS_ADMIN;
+        }
+        let prove = |k: &Option<Key>, role| {
+            k.as_ref()
+                .map_or([0; 32], |k| k.proof(proto::AUTH_CONTEXT, role, &cn, &sn))
+        };
+        proto::AuthOffer {
+            flags,
+            nonce: sn,
+            proof: prove(&self.cfg.key, b'S'),
+            admin_proof: prove(&self.cfg.admin_key, b'T'),
+        }
+    }
+
+    /// Checks a client's proof of a key, against the nonces of its last
+    /// hello.
+    fn authenticate(&self, space: &Mutex<Space>, role: u8, proof: &[u8; 32]) -> Result<()> {
+        let mut sp = lock(space);
+        let Some((cn, sn)) = sp.standing.challenge else {
+            return Err(Error::Unauthenticated(
+                "auth without a hello that sent a nonce first".into(),
+            ));
+        };
+        let (key, letter, what) = match role {
+            proto::ROLE_CLIENT => (self.cfg.key.as_ref(), b'C', "client"),
+            proto::ROLE_ADMIN => (self.cfg.admin_key.as_ref(), b'A', "admin"),
+            r => return Err(Error::Protocol(format!("unknown auth role {r}"))),
+        };
+        let Some(key) = key else {
+            return Err(Error::Unauthenticated(format!(
+                "this memory server has no {what} key: connect without one"
+            )));
+        };
+        if !key.verify(proto::AUTH_CONTEXT, letter, &cn, &sn, proof) {
+            self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::Unauthenticated(format!(
+                "the {what} key does not match this memory server's: give the client the \
+                 server's key file"
+            )));
+        }
+        match role {
+            proto::ROLE_ADMIN => {
+                sp.standing.admin = true;
+                sp.standing.client = true;
+            }
+            _ => sp.standing.client = true,
+        }
+        Ok(())
+    }
+
+    fn may_use(&self, sp: &Space) -> Result<()> {
+        if sp.standing.client {
+            return Ok(());
+        }
+        Err(Error::Unauthenticated(
+            "this memory server wants a client key: give the client the server's key file \
+             (`ClientConfig::key`, `--key-file`)"
+                .into(),
+        ))
+    }
+
+    fn may_administer(&self, sp: &Space, what: &str) -> Result<()> {
+        if sp.standing.admin {
+            return Ok(());
+        }
+        Err(Error::PermissionDenied(format!(
+            "{what} is an admin operation: {}",
+            if self.cfg.admin_key.is_some() {
+                "connect with the server's admin key (`ClientConfig::admin_key`, `--admin-key-file`)"
+            } else {
+                "run it on the server's own host, or start the server with an admin key \
+                 (`--admin-key-file`)"
+            }
+        )))
     }
 }
 
@@ -444,16 +588,17 @@ impl Pinned {
     }
 }
 
-/// Writes `head` and then the pinned pieces where they lie, unpinning
-/// them whatever happens.
+/// Writes `head` and then the pinned pieces where they lie, within
+/// `within`, unpinning them whatever happens.
 async fn write_pinned(
     wr: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
     pages: &Pages,
     space: &Mutex<Space>,
     head: &[u8],
     body: Pinned,
+    within: Duration,
 ) -> std::io::Result<()> {
-    let r = async {
+    let w = async {
         let mut slices: Vec<std::io::IoSlice<'_>> = Vec::with_capacity(body.pieces.len() + 1);
         slices.push(std::io::IoSlice::new(head));
         for &(p, off, n) in &body.pieces {
@@ -471,8 +616,10 @@ async fn write_pinned(
             std::io::IoSlice::advance_slices(&mut rest, k);
         }
         Ok(())
-    }
-    .await;
+    };
+    let r = tokio::time::timeout(within, w)
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()));
     body.unpin(pages, space);
     r
 }
@@ -501,10 +648,11 @@ async fn session(
     let fd = stream.as_raw_fd();
     // Polled by the worker before it sleeps (a failure only loses that).
     let _ = polled.add(fd);
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "?".into(), |a| a.to_string());
-    let (sid, space) = state.open_session();
+    let peer_addr = stream.peer_addr().ok();
+    let local = peer_addr.is_some_and(|a| a.ip().is_loopback());
+    let peer = peer_addr.map_or_else(|| "?".into(), |a| a.to_string());
+    let (sid, space) = state.open_session(local);
+    let opened = Instant::now();
     // (Counted with this one.)
     let over_cap = state.metrics.clients.load(Ordering::Relaxed) as usize > state.cfg.max_clients;
     tracing::debug!(session = sid, %peer, over_cap, "session opened");
@@ -534,6 +682,11 @@ async fn session(
                 Err(_) => break "closed",
             },
             _ = tick.tick() => {
+                if opened.elapsed() >= AUTH_TIMEOUT.min(state.cfg.default_lease)
+                    && !lock(&space).standing.client
+                {
+                    break "not authenticated in time";
+                }
                 if std::mem::take(&mut active) {
                     idle_since = None;
                 } else if idle_since.get_or_insert_with(Instant::now).elapsed() >= lease {
@@ -571,31 +724,28 @@ async fn session(
             let _ = wr.flush().await;
             break "oversized frame";
         }
-        // The buffer only grows (zero-filled then, once): a large write
-        // after small requests does not zero it again.
-        if frame.len() < n {
-            frame.resize(n, 0);
-        }
-        let frame = &mut frame[..n];
         let whole = avail.1 == Some(n) && avail.0 >= 4 + n;
-        let got = if whole {
-            rd.read_exact(frame).await.map_err(|_| ())
-        } else {
-            match tokio::time::timeout(lease, rd.read_exact(frame)).await {
-                Ok(Ok(_)) => Ok(0),
-                _ => Err(()),
+        if whole {
+            // The buffer only grows (zero-filled then, once): a large
+            // write after small requests does not zero it again.
+            if frame.len() < n {
+                frame.resize(n, 0);
             }
-        };
-        if got.is_err() {
+            if rd.read_exact(&mut frame[..n]).await.is_err() {
+                break "truncated frame";
+            }
+        } else if read_slowly(&mut rd, &mut frame, n, lease).await.is_err() {
             break "truncated frame";
         }
+        let frame = &frame[..n];
         let t = Instant::now();
         let (op, ok) = match Request::decode(frame) {
             Ok((id, req)) if answered_in_place(&req) => {
                 let op = req.op();
                 match state.read_pinned(&space, id, &req, &mut out) {
                     Some(body) => {
-                        let w = write_pinned(&mut wr, &state.pages, &space, &out, body).await;
+                        let w =
+                            write_pinned(&mut wr, &state.pages, &space, &out, body, lease).await;
                         state.metrics.request(sid as usize, op, t.elapsed(), true);
                         if w.is_err() {
                             break "write failed";
@@ -617,7 +767,7 @@ async fn session(
                 break "one session too many";
             }
             Ok((id, req)) => {
-                if let Request::Hello { lease_ms } = req {
+                if let Request::Hello { lease_ms, .. } = req {
                     lease = Duration::from_millis(lease_ms.clamp(100, 3_600_000) as u64);
                     tick = tokio::time::interval(lease / 10);
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -656,16 +806,59 @@ async fn session(
             }
         };
         state.metrics.request(sid as usize, op, t.elapsed(), ok);
-        if wr.write_all(&out).await.is_err() {
-            break "write failed";
-        }
-        if rd.buffer().is_empty() && wr.flush().await.is_err() {
-            break "write failed";
+        let flush = rd.buffer().is_empty();
+        if write_within(&mut wr, &out, flush, lease).await.is_err() {
+            break "write failed or not read";
         }
     };
     polled.remove(fd);
     state.close_session(sid, &space);
     tracing::debug!(session = sid, %peer, why, "session closed");
+}
+
+/// Reads a frame of `n` bytes that has not arrived whole into `frame`,
+/// growing the buffer as bytes come (by at most 1 MiB ahead of them: an
+/// announced length costs memory only once it is sent), all of it within
+/// `within` (a client that sends a frame slowly is dropped).
+async fn read_slowly(
+    rd: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    frame: &mut Vec<u8>,
+    n: usize,
+    within: Duration,
+) -> std::result::Result<(), ()> {
+    let deadline = tokio::time::Instant::now() + within;
+    let mut got = 0;
+    while got < n {
+        let upto = n.min(got + (1 << 20));
+        if frame.len() < upto {
+            frame.resize(upto, 0);
+        }
+        match tokio::time::timeout_at(deadline, rd.read(&mut frame[got..upto])).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(()),
+            Ok(Ok(k)) => got += k,
+        }
+    }
+    Ok(())
+}
+
+/// Writes `bytes` (and flushes, if `flush`) within `within`: a client that
+/// reads no answers is dropped, not waited for.
+async fn write_within(
+    wr: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    bytes: &[u8],
+    flush: bool,
+    within: Duration,
+) -> std::io::Result<()> {
+    let w = async {
+        wr.write_all(bytes).await?;
+        if flush {
+            wr.flush().await?;
+        }
+        Ok(())
+    };
+    tokio::time::timeout(within, w)
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
 }
 
 /// Answers every HTTP request on `l` with the metrics.
@@ -713,6 +906,15 @@ pub struct Server {
 impl Server {
     /// Pins the region, binds, and starts serving.
     pub fn start(cfg: Config) -> Result<Server> {
+        if cfg.key.is_none() && !cfg.open && !dm_pool::auth::is_loopback(&cfg.listen) {
+            return Err(Error::InvalidConfig(format!(
+                "listening on {} without a key would let any host that reaches the port \
+                 allocate memory and read every Ref it learns: give a key (`--key-file FILE`; \
+                 `dmrpc key new FILE` makes one, and clients use the same file), or say \
+                 `--open` to serve anyone",
+                cfg.listen
+            )));
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -1011,7 +1213,7 @@ pub fn fuzz_serve(data: &[u8]) {
         .expect("a small server");
     }
     STATE.with(|st| {
-        let (sid, space) = st.open_session();
+        let (sid, space) = st.open_session(true);
         let mut last = None;
         let mut out = Vec::new();
         let mut model = Model::default();

@@ -8,6 +8,7 @@
 //! the next generation.
 
 use super::pages::{lock, Pages};
+use super::quota::Charge;
 use dm_pool::{Error, Ref, Result, BACKEND_MEMSERVER};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -34,6 +35,8 @@ enum State {
         tag: u64,
         snap: Snapshot,
         expires: Instant,
+        /// Its pages, charged to the quota of the session that made it.
+        _charge: Charge,
     },
     Released,
     Expired,
@@ -84,7 +87,7 @@ impl Refs {
 
     /// Records a snapshot (whose page shares the caller took) as a new Ref.
     /// On failure the caller still owns the shares.
-    pub fn insert(&self, snap: Snapshot, expires: Instant) -> Result<Ref> {
+    pub fn insert(&self, snap: Snapshot, expires: Instant, charge: Charge) -> Result<Ref> {
         let tag = dm_sys::rand::random_u64();
         let start = self.next_shard.fetch_add(1, Ordering::Relaxed);
         for k in 0..SHARDS {
@@ -104,7 +107,12 @@ impl Refs {
                 continue;
             };
             let len = snap.len;
-            sh.slots[idx as usize].state = State::Live { tag, snap, expires };
+            sh.slots[idx as usize].state = State::Live {
+                tag,
+                snap,
+                expires,
+                _charge: charge,
+            };
             self.live.fetch_add(1, Ordering::Relaxed);
             self.created.fetch_add(1, Ordering::Relaxed);
             return Ok(Ref {

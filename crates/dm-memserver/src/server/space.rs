@@ -8,9 +8,11 @@
 //! address inside no buffer is reported as such.
 
 use super::pages::{Pages, NONE};
+use super::quota::{Account, Charge};
 use super::refs::{Refs, Snapshot};
 use dm_pool::{Error, Ref, Result};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Where addresses start (0 is never a buffer).
@@ -25,6 +27,9 @@ struct Buffer {
     /// Pages it reserves of the region ([`Pages::reserve`]): its page
     /// count if it was allocated, 0 if it maps a Ref.
     reserved: u64,
+    /// Its pages, charged to its session's quota (given back when the
+    /// buffer is dropped).
+    _charge: Option<Charge>,
 }
 
 /// A client's address space.
@@ -38,6 +43,23 @@ pub struct Space {
     /// Pages pinned for the answer this client's session is writing from
     /// where they lie (one share each, taken for it; see `Pages::slice`).
     pub pinned: Vec<u32>,
+    /// What its buffers and the Refs it created hold, against its quota.
+    pub account: Arc<Account>,
+    /// What the session has proved.
+    pub standing: Standing,
+}
+
+/// What a session has proved (see `proto`, authentication).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Standing {
+    /// It may use the server (it proved the client key, or the server
+    /// has none).
+    pub client: bool,
+    /// It may run admin operations.
+    pub admin: bool,
+    /// The nonces of its last hello (the client's, the server's), which
+    /// its `auth` proofs bind.
+    pub challenge: Option<([u8; 16], [u8; 16])>,
 }
 
 /// A buffer's number for errors: its address in pages.
@@ -47,13 +69,15 @@ fn desc_of(addr: u64, ps: usize) -> u32 {
 
 impl Space {
     /// An empty space.
-    pub fn new(hint: usize, max_buffers: usize) -> Space {
+    pub fn new(hint: usize, max_buffers: usize, quota_pages: u64, standing: Standing) -> Space {
         Space {
             hint,
             maps: BTreeMap::new(),
             next: BASE,
             max_buffers,
             pinned: Vec::new(),
+            account: Account::new(quota_pages),
+            standing,
         }
     }
 
@@ -113,8 +137,21 @@ fn span(base: u64, b: &Buffer, addr: u64, offset: u64, len: u64) -> Result<(u64,
 }
 
 impl Space {
-    /// A zero-filled buffer (no page backed yet).
+    /// A zero-filled buffer (no page backed yet), charged to this
+    /// session's quota.
     pub fn alloc(&mut self, pages: &Pages, len: u64, max_len: u64) -> Result<u64> {
+        self.alloc_with(pages, len, max_len, true)
+    }
+
+    /// [`alloc`](Self::alloc), `charged` to the quota or not (a buffer
+    /// freed within the same request, whose pages a Ref charged keeps).
+    pub fn alloc_with(
+        &mut self,
+        pages: &Pages,
+        len: u64,
+        max_len: u64,
+        charged: bool,
+    ) -> Result<u64> {
         if len == 0 {
             return Err(Error::ZeroLength);
         }
@@ -122,6 +159,10 @@ impl Space {
             return Err(Error::TooLarge { len, max: max_len });
         }
         let n = len.div_ceil(pages.page_size() as u64) as usize;
+        let charge = match charged {
+            true => Some(self.account.charge(n as u64)?),
+            false => None,
+        };
         if !pages.reserve(n as u64) {
             return Err(Error::ResourceExhausted {
                 what: "memory-server pages",
@@ -134,6 +175,7 @@ impl Space {
                 head: 0,
                 pages: vec![NONE; n],
                 reserved: n as u64,
+                _charge: charge,
             },
         )
         .inspect_err(|_| pages.unreserve(n as u64))
@@ -273,11 +315,12 @@ impl Space {
             head: (start % ps as u64) as u32,
             pages: b.pages[first..=last].to_vec(),
         };
+        let charge = self.account.charge(snap.pages.len() as u64)?;
         for &p in &snap.pages {
             pages.share(p);
         }
         let held = snap.pages.clone();
-        refs.insert(snap, expires).inspect_err(|_| {
+        refs.insert(snap, expires, charge).inspect_err(|_| {
             for p in held {
                 pages.unshare(self.hint, p);
             }
@@ -287,6 +330,15 @@ impl Space {
     /// Maps `r` as a new buffer; returns its address and length.
     pub fn map_ref(&mut self, pages: &Pages, refs: &Refs, r: &Ref) -> Result<(u64, u64)> {
         let s = refs.map(pages, self.hint, r)?;
+        let charge = match self.account.charge(s.pages.len() as u64) {
+            Ok(c) => c,
+            Err(e) => {
+                for p in s.pages {
+                    pages.unshare(self.hint, p);
+                }
+                return Err(e);
+            }
+        };
         let len = s.len;
         let held = s.pages.clone();
         self.add(
@@ -296,6 +348,7 @@ impl Space {
                 head: s.head,
                 pages: s.pages,
                 reserved: 0,
+                _charge: Some(charge),
             },
         )
         .map(|a| (a, len))

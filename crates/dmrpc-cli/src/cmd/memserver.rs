@@ -2,6 +2,7 @@
 
 use anyhow::Result;
 use clap::Args;
+use dm_pool::auth::Key;
 use dmrpc::parse_size;
 use std::time::Duration;
 
@@ -40,6 +41,22 @@ pub struct MemserverArgs {
     /// microseconds (adapted to the load; 0: sleep at once).
     #[arg(long, default_value_t = 200)]
     pub spin_us: u64,
+    /// Serve only clients that prove they hold the key in this file
+    /// (`dmrpc key new FILE` makes one; clients use the same file).
+    #[arg(long)]
+    pub key_file: Option<std::path::PathBuf>,
+    /// `check` and `maintain` from other hosts need the key in this file
+    /// (without it they are served to clients on this host only).
+    #[arg(long)]
+    pub admin_key_file: Option<std::path::PathBuf>,
+    /// Listen beyond loopback without a key: anyone who reaches the port
+    /// may allocate and read.
+    #[arg(long)]
+    pub open: bool,
+    /// Bytes one client connection may hold at most (its buffers and the
+    /// Refs it created), e.g. 256MiB.
+    #[arg(long, value_parser = parse_size)]
+    pub client_quota: Option<u64>,
 }
 
 pub fn run(a: MemserverArgs) -> Result<()> {
@@ -61,11 +78,19 @@ pub fn run(a: MemserverArgs) -> Result<()> {
         max_clients: a.max_clients.max(1),
         default_lease: Duration::from_secs(a.lease_secs.max(1)),
         spin: Duration::from_micros(a.spin_us),
+        key: a.key_file.map(Key::from_file).transpose()?,
+        admin_key: a.admin_key_file.map(Key::from_file).transpose()?,
+        open: a.open,
+        client_quota: a.client_quota,
         ..Default::default()
     };
+    let fingerprint = cfg.key.as_ref().map(Key::fingerprint);
     dm_memserver::server::run(cfg, |s| {
         // One line on stdout for scripts: where it listens and its id.
         println!("listening {} id {:#018x}", s.addr(), s.state().id);
+        if let Some(f) = &fingerprint {
+            println!("clients must prove key {f}");
+        }
         if let Some(m) = s.metrics_addr() {
             println!("metrics http://{m}/metrics");
         }

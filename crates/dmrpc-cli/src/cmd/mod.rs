@@ -2,6 +2,7 @@
 
 pub mod call;
 pub mod demo;
+pub mod key;
 pub mod ls;
 pub mod memserver;
 pub mod pool;
