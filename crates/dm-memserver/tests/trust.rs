@@ -79,7 +79,7 @@ fn a_server_with_a_key_serves_only_clients_that_prove_it() {
 fn a_wrong_proof_is_refused_and_counted() {
     let k = key("the cluster's memory key");
     let s = Server::start(Config {
-        key: Some(k.clone()),
+        key: Some(k),
         ..Default::default()
     })
     .unwrap();

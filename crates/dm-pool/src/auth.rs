@@ -30,7 +30,7 @@ pub const PROOF_LEN: usize = 32;
 pub const NONCE_LEN: usize = 16;
 
 /// A shared secret. Its `Debug` shows a fingerprint, never the key.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Key([u8; 32]);
 
 impl std::fmt::Debug for Key {

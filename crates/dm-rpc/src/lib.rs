@@ -144,6 +144,8 @@ pub use server::{
 };
 #[cfg(not(loom))]
 pub use stream::{AsyncSink, AsyncStreaming, Sink, Streaming};
+/// What a TCP server takes from its clients ([`Config::tcp_limits`]).
+pub use transport::tcp::TcpLimits;
 pub use wait::WaitPolicy;
 
 /// Beneath the API, for the benchmarks' floors (a raw ring ping-pong),
@@ -160,7 +162,10 @@ pub mod raw {
     }
     /// The TCP transport.
     pub mod tcp {
-        pub use crate::transport::tcp::{connect, Identity, TcpListener, HELLO, MAX_INLINE};
+        pub use crate::transport::tcp::{
+            connect, Identity, TcpListener, FLAG_FULL, FLAG_KEYED, HELLO, HELLO_LEN, MAX_INLINE,
+            PROOFS_LEN, VERDICT_OK,
+        };
     }
     /// The in-process transport.
     pub mod mem {

@@ -68,6 +68,19 @@ pub struct Config {
     /// thread blocks; adapted to the waits seen, and given up at once on a
     /// crowded core ([`dm_sys::poll::Spin`]). Zero: block at once.
     pub tcp_spin: Duration,
+    /// The access key of TCP connections ([`dm_pool::auth`]; a key file is
+    /// read with [`Key::from_file`](dm_pool::auth::Key::from_file)). A
+    /// server with one serves only TCP clients that prove it; a client
+    /// with one connects only to servers that prove it. Shared-memory
+    /// clients are attached to the pool and need none. None by default.
+    pub tcp_key: Option<dm_pool::auth::Key>,
+    /// Listen on TCP beyond loopback without an access key: anyone who
+    /// reaches the port may call. Off by default (such a listen is
+    /// refused with what to do).
+    pub tcp_open: bool,
+    /// Connections a TCP server takes at once, and how long a frame may
+    /// take to arrive.
+    pub tcp_limits: crate::TcpLimits,
 }
 
 /// The default [`Config::tcp_spin`]: a loopback round trip between polling
@@ -107,6 +120,9 @@ impl Default for Config {
             wait: WaitPolicy::from_env(),
             default_deadline: None,
             tcp_spin: DEFAULT_TCP_SPIN,
+            tcp_key: None,
+            tcp_open: false,
+            tcp_limits: crate::TcpLimits::default(),
         }
     }
 }
@@ -194,6 +210,7 @@ impl Node {
             pool: self.pool.id(),
             remote: self.remote_domain(),
             key: self.pool.secret(),
+            access: self.cfg.tcp_key,
         }
     }
 

@@ -553,13 +553,14 @@ fn close(tp: TempPool, node: Node, svc: dm_rpc::Server) {
 fn raw_tcp_client(addr: &str) -> std::net::TcpStream {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let mut hello = dm_rpc::raw::tcp::HELLO.to_vec();
-    hello.extend_from_slice(&[0u8; 32]);
+    use dm_rpc::raw::tcp::{HELLO, HELLO_LEN, PROOFS_LEN};
+    let mut hello = HELLO.to_vec();
+    hello.resize(HELLO_LEN, 0);
     s.write_all(&hello).unwrap();
-    let mut theirs = [0u8; 40 + 32];
+    let mut theirs = [0u8; HELLO_LEN + PROOFS_LEN];
     s.read_exact(&mut theirs).unwrap();
-    assert_eq!(&theirs[..8], &dm_rpc::raw::tcp::HELLO);
-    s.write_all(&[0u8; 32]).unwrap();
+    assert_eq!(&theirs[..8], &HELLO);
+    s.write_all(&[0u8; PROOFS_LEN]).unwrap();
     s
 }
 
@@ -1441,14 +1442,15 @@ fn a_forged_echo_is_refused() {
     let pool_id = node.pool().id();
     let peer = std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
-        let mut hello = [0u8; 40];
+        use dm_rpc::raw::tcp::{HELLO, HELLO_LEN, PROOFS_LEN};
+        let mut hello = [0u8; HELLO_LEN];
         s.read_exact(&mut hello).unwrap();
-        // It claims the pool, and cannot prove it (a proof of zeros).
-        let mut mine = dm_rpc::raw::tcp::HELLO.to_vec();
+        // It claims the pool, and cannot prove it (proofs of zeros).
+        let mut mine = HELLO.to_vec();
         mine.extend_from_slice(&pool_id.to_le_bytes());
-        mine.extend_from_slice(&[0u8; 8 + 16 + 32]);
+        mine.resize(HELLO_LEN + PROOFS_LEN, 0);
         s.write_all(&mine).unwrap();
-        let mut proof = [0u8; 32];
+        let mut proof = [0u8; PROOFS_LEN];
         s.read_exact(&mut proof).unwrap();
         let mut h = [0u8; dm_rpc::frame::HEADER_LEN];
         s.read_exact(&mut h).unwrap();
@@ -3196,7 +3198,8 @@ fn raw_pair(node: &Node, t: &Transport) -> RawPair {
         Transport::Tcp(_) => {
             let me = tcp::Identity::default();
             let spin = dm_rpc::DEFAULT_TCP_SPIN;
-            let mut l = tcp::TcpListener::bind("127.0.0.1:0", me, stop, spin).unwrap();
+            let mut l =
+                tcp::TcpListener::bind("127.0.0.1:0", me, stop, spin, Default::default()).unwrap();
             let addr = l.local_addr().to_string();
             // The hello is answered by the listener's turns.
             let c = std::thread::scope(|s| {
@@ -3815,14 +3818,16 @@ fn a_tcp_peer_that_claims_the_pool_without_proof_gets_values() {
     use std::io::{Read, Write};
     let (tp, node, svc, addr) = tcp_service("tcp-claim");
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
-    let mut hello = dm_rpc::raw::tcp::HELLO.to_vec();
+    use dm_rpc::raw::tcp::{HELLO, HELLO_LEN, PROOFS_LEN};
+    let mut hello = HELLO.to_vec();
     hello.extend_from_slice(&node.pool().id().to_le_bytes()); // the claim
     hello.extend_from_slice(&0u64.to_le_bytes());
     hello.extend_from_slice(&[7u8; 16]);
+    hello.resize(HELLO_LEN, 0);
     s.write_all(&hello).unwrap();
-    let mut theirs = [0u8; 40 + 32];
+    let mut theirs = [0u8; HELLO_LEN + PROOFS_LEN];
     s.read_exact(&mut theirs).unwrap();
-    s.write_all(&[9u8; 32]).unwrap(); // not a proof
+    s.write_all(&[9u8; PROOFS_LEN]).unwrap(); // not proofs
     let big = vec![5u8; 1 << 20];
     let req = dm_rpc::Frame::request(
         1,

@@ -20,7 +20,7 @@
 //! latency.
 
 use super::net::Proc;
-use super::peer::percentile;
+use super::peer::{median, percentile};
 use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
@@ -363,11 +363,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
     }
     let paired = paired_p50(&ms_addr, &redis_addr, a.quick)?;
+    let auth = auth_bench(&ms_addr, budget)?;
     // The page cache: Refs read through fresh mappings, with and without.
     let cache_rows = cache_bench(&ms_addr, budget)?;
     let mut res = Obj::default();
     res.str("benchmark", "memserver");
     res.arr("paired", &paired);
+    res.arr("auth", &auth);
     res.arr("cache", &cache_rows);
     res.str(
         "method",
@@ -401,6 +403,68 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "throughput_ratio",
         ],
     )
+}
+
+/// The open server against one with a key and a per-client quota, in
+/// the same run: 16 connections, reads and writes, the two servers
+/// alternated three times each (medians of the throughputs).
+fn auth_bench(open_addr: &str, budget: Duration) -> Result<Vec<Obj>> {
+    let dir = std::env::temp_dir().join(format!("dmrpc-bench-key-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let file = dir.join("memory.key");
+    let key = dm_pool::auth::Key::generate_file(&file)?;
+    let path = file.to_string_lossy().into_owned();
+    let (_keyed, keyed_addr) = super::net::start_memserver_with(
+        "256MiB",
+        &["--key-file", &path, "--client-quota", "8MiB"],
+    )?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let connect = |addr: &str, keyed: bool| -> Result<Vec<Box<dyn Conn>>> {
+        let mut v: Vec<Box<dyn Conn>> = Vec::new();
+        for _ in 0..16 {
+            let cfg = dm_memserver::ClientConfig {
+                key: keyed.then_some(key),
+                ..Default::default()
+            };
+            let pool = MemPool::connect_with(&[addr], cfg)?;
+            let bufs = (0..KEYS)
+                .map(|_| pool.alloc(VALUE as u64))
+                .collect::<dm_pool::Result<Vec<_>>>()?;
+            v.push(Box::new(MemConn { _pool: pool, bufs }));
+        }
+        fill(&mut v)?;
+        Ok(v)
+    };
+    let mut open = connect(open_addr, false)?;
+    let mut keyed = connect(&keyed_addr, true)?;
+    say!("\nwith a key and a per-client quota (8 MiB) against the open server, 16 connections, alternated 3 times (medians)");
+    say!(
+        "{:>5} {:>14} {:>14} {:>8}",
+        "op",
+        "open ops/s",
+        "keyed ops/s",
+        "ratio"
+    );
+    let mut rows = Vec::new();
+    for write in [false, true] {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            a.push(drive(&mut open, write, budget)?.ops);
+            b.push(drive(&mut keyed, write, budget)?.ops);
+        }
+        let (a, b) = (median(&mut a), median(&mut b));
+        let op = if write { "write" } else { "read" };
+        say!("{:>5} {:>14.0} {:>14.0} {:>7.2}x", op, a, b, b / a);
+        let mut o = Obj::default();
+        o.str("op", op);
+        o.num("connections", 16.0);
+        o.num("open_ops_per_s", a);
+        o.num("keyed_ops_per_s", b);
+        o.num("keyed_over_open", b / a);
+        rows.push(o);
+    }
+    Ok(rows)
 }
 
 /// The cache experiment: (cache bytes, hit rate, p50, p99, calls/s) rows.

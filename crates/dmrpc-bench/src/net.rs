@@ -24,6 +24,11 @@ impl Drop for Proc {
 
 /// Starts `dmrpc memserver` (2 worker threads) on a free loopback port.
 pub fn start_memserver(size: &str) -> Result<(Proc, String)> {
+    start_memserver_with(size, &[])
+}
+
+/// [`start_memserver`] with more flags (a key file, a quota).
+pub fn start_memserver_with(size: &str, more: &[&str]) -> Result<(Proc, String)> {
     let mut c = Command::new(std::env::current_exe()?)
         .args([
             "memserver",
@@ -34,6 +39,7 @@ pub fn start_memserver(size: &str) -> Result<(Proc, String)> {
             "--threads",
             "2",
         ])
+        .args(more)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()

@@ -55,15 +55,28 @@ fn read_into<'py>(
 impl PyMemPool {
     /// Connects to the memory servers at `servers` (`host:port` each);
     /// `cache_bytes` sizes the cache of pages read through mapped Refs.
+    /// `key_file`: the servers' client key (their `--key-file`);
+    /// `admin_key_file`: their admin key, for `check` from another host.
     #[new]
-    #[pyo3(signature = (servers, cache_bytes=None, timeout=None))]
+    #[pyo3(signature = (servers, cache_bytes=None, timeout=None, key_file=None, admin_key_file=None))]
     fn new(
         py: Python<'_>,
         servers: Vec<String>,
         cache_bytes: Option<u64>,
         timeout: Option<f64>,
+        key_file: Option<std::path::PathBuf>,
+        admin_key_file: Option<std::path::PathBuf>,
     ) -> PyResult<PyMemPool> {
-        let mut cfg = ClientConfig::default();
+        let key = |f: Option<std::path::PathBuf>| {
+            f.map(dm_pool::auth::Key::from_file)
+                .transpose()
+                .map_err(pool_err)
+        };
+        let mut cfg = ClientConfig {
+            key: key(key_file)?,
+            admin_key: key(admin_key_file)?,
+            ..ClientConfig::default()
+        };
         if let Some(c) = cache_bytes {
             cfg.cache_bytes = c;
         }

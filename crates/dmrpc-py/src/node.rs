@@ -115,16 +115,27 @@ impl PyNode {
     /// connection's frames carry (over shared memory, half a ring).
     /// `by_value`: every payload inline, whatever its size; one too large
     /// for the connection's frames raises `ResourceExhausted`.
+    /// `key_file`: the access key of TCP connections (`dmrpc key new FILE`
+    /// makes one): its services serve only TCP clients that prove it, its
+    /// clients connect only to servers that prove it. `tcp_open`: listen
+    /// on TCP beyond loopback without a key.
     #[new]
-    #[pyo3(signature = (pool, memservers=None, inline_max=None, by_value=false))]
+    #[pyo3(signature = (pool, memservers=None, inline_max=None, by_value=false, key_file=None, tcp_open=false))]
     fn new(
         pool: &PyPool,
         memservers: Option<&PyMemPool>,
         inline_max: Option<usize>,
         by_value: bool,
+        key_file: Option<std::path::PathBuf>,
+        tcp_open: bool,
     ) -> PyResult<PyNode> {
         let mut cfg = Config {
             by_value,
+            tcp_open,
+            tcp_key: key_file
+                .map(dm_pool::auth::Key::from_file)
+                .transpose()
+                .map_err(crate::errors::pool_err)?,
             ..Config::default()
         };
         if let Some(m) = inline_max {

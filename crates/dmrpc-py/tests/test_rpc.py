@@ -847,6 +847,54 @@ def test_memory_server_contract_from_python(memserver):
         dmrpc.MemPool(["127.0.0.1:1"], timeout=1.0)
 
 
+def _key_file(tmp_path, name, secret):
+    path = tmp_path / name
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_keys_for_memory_servers_and_tcp_services(tmp_path, pool):
+    pool, _ = pool
+    path = os.environ.get("DMRPC_MEMSERVER") or os.path.join(ROOT, "target", "release", "dm-memserver")
+    if not os.path.exists(path):
+        pytest.skip(f"no dm-memserver at {path} (scripts/python.sh builds it)")
+    key = _key_file(tmp_path, "memory.key", "a memory key of some length")
+    wrong = _key_file(tmp_path, "wrong.key", "not the memory key at all")
+    proc = subprocess.Popen([path, "--key-file", key], stdout=subprocess.PIPE, text=True)
+    try:
+        addr = proc.stdout.readline().split()[1]
+        with dmrpc.MemPool([addr]) as m:
+            with pytest.raises(dmrpc.Unauthenticated):
+                m.alloc(10)
+        with pytest.raises(dmrpc.Unauthenticated):
+            dmrpc.MemPool([addr], key_file=wrong)
+        with dmrpc.MemPool([addr], key_file=key) as m:
+            r = m.put(b"with the key")
+            assert m.read_ref(r) == b"with the key"
+            m.release_ref(r)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+    # A key file others may read is refused, saying how to fix it.
+    loose = tmp_path / "loose.key"
+    loose.write_text("a memory key of some length")
+    loose.chmod(0o644)
+    with pytest.raises(dmrpc.InvalidArgument, match="chmod 600"):
+        dmrpc.MemPool([addr], key_file=str(loose))
+    # A TCP service with a key serves only nodes with it.
+    keyed = dmrpc.Node(pool, key_file=key)
+    srv = keyed.serve(f"keyed-{os.getpid()}", {"echo": lambda p: p}, tcp="127.0.0.1:0")
+    with pytest.raises(dmrpc.Unauthenticated):
+        dmrpc.Node(pool).connect_tcp(srv.tcp_addr)
+    c = dmrpc.Node(pool, key_file=key).connect_tcp(srv.tcp_addr)
+    assert bytes(c.call("echo", b"hi")) == b"hi"
+    del c
+    with pytest.raises(dmrpc.InvalidArgument, match="tcp_open"):
+        dmrpc.Node(pool).serve(f"open-{os.getpid()}", {"echo": lambda p: p}, tcp="0.0.0.0:0")
+    srv.shutdown()
+
+
 def test_services_in_two_pools_pass_payloads_by_memory_server_ref(memserver, tmp_path):
     pools = []
     for i in range(2):

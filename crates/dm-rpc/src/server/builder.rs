@@ -279,11 +279,23 @@ impl ServerBuilder {
                 }
             }
             Transport::Tcp(addr) => {
+                if node.cfg.tcp_key.is_none()
+                    && !node.cfg.tcp_open
+                    && !dm_pool::auth::is_loopback(addr)
+                {
+                    return Err(RpcError::invalid_argument(format!(
+                        "listening on {addr} without an access key would let any host that \
+                         reaches the port call the service: give the node a key \
+                         (`Config::tcp_key`; `dmrpc key new FILE` makes a key file, and \
+                         clients use the same file), or set `Config::tcp_open` to serve anyone"
+                    )));
+                }
                 let l = crate::transport::tcp::TcpListener::bind(
                     addr,
                     node.identity(),
                     stop.clone(),
                     node.cfg.tcp_spin,
+                    node.cfg.tcp_limits,
                 )?;
                 let at = l.local_addr().to_string();
                 let at_ = Endpoint::Tcp(at.clone());

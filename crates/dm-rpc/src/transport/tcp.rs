@@ -4,13 +4,14 @@
 //! Frames are self-delimiting (the fixed header carries the payload
 //! length), so the stream is a plain sequence of frames; the decoder
 //! enforces [`Limits`] before it buffers a payload. Nagle is off on both
-//! ends. A connection starts with a 24-byte hello each way (version 2):
-//! `DMRPCTC2`, the sender's pool id and its memory-server domain (a digest
-//! of the memory servers it is a client of), each 0 if none. When the pool
-//! ids are equal the two ends share a pool and may pass pool Refs; when the
-//! domains are equal they may pass memory-server Refs; otherwise every
-//! payload travels inline (by value, up to [`MAX_INLINE`]). (Version 1's
-//! hello was `DMRPCTCP` and the pool id: a version-1 peer is refused.)
+//! ends. A connection starts with a hello each way (version 4, [`Identity`]
+//! tells the exchange): `DMRPCTC4`, the sender's pool id and its
+//! memory-server domain (a digest of the memory servers it is a client
+//! of), each 0 if none, a nonce and flags. When the pool ids are equal and
+//! the peer proves it is attached, the two ends share a pool and may pass
+//! pool Refs; when the domains are equal they may pass memory-server Refs;
+//! otherwise every payload travels inline (by value, up to
+//! [`MAX_INLINE`]). A peer of another version is refused.
 //!
 //! A server that stops sends each client a go-away frame with the highest
 //! call id it took from it, then closes: the client sends the requests it
@@ -40,25 +41,46 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Magic and version of the hello exchange (version 3: with the proof of
-/// the pool below).
-pub const HELLO: [u8; 8] = *b"DMRPCTC3";
-/// Bytes of a hello: magic, pool id, memory-server domain, a nonce.
-const HELLO_LEN: usize = 40;
-/// Bytes of a proof of the pool.
+/// Magic and version of the hello exchange (version 4: with the access
+/// key's proofs and flags).
+pub const HELLO: [u8; 8] = *b"DMRPCTC4";
+/// Bytes of a hello: magic, pool id, memory-server domain, a nonce, flags.
+pub const HELLO_LEN: usize = 48;
+/// Bytes of an end's proofs: of the pool, then of the access key.
+pub const PROOFS_LEN: usize = 64;
+/// Bytes of one proof.
 const PROOF_LEN: usize = 32;
+/// Hello flag: this end has an access key (a server: it serves only
+/// clients that prove it, and answers their proofs with a verdict byte).
+pub const FLAG_KEYED: u64 = 1;
+/// Hello flag of a server: it has as many connections as it takes, and
+/// closes this one.
+pub const FLAG_FULL: u64 = 2;
+/// The verdict byte of a keyed server: the client's proof held.
+pub const VERDICT_OK: u8 = 0;
+/// Contexts of the proofs.
+const POOL_PROOF: &[u8] = b"dmrpc-tcp-pool-proof";
+const ACCESS_PROOF: &[u8] = b"dmrpc-tcp-access-proof";
 
 /// What an end says about itself in the hello: the pool it is attached to
-/// and the memory servers it uses (0: none), and the pool's secret
-/// ([`dm_pool::Pool::secret`]) with which it proves that it is attached.
+/// and the memory servers it uses (0: none), the pool's secret
+/// ([`dm_pool::Pool::secret`]) with which it proves that it is attached,
+/// and the access key the two ends share, if any.
 ///
 /// The exchange: the client sends its hello (with a random nonce); the
-/// server answers its own hello and its proof; the client sends its
-/// proof. A proof is HMAC-SHA-256 under the pool's secret of the role and
-/// both nonces. Pool Refs travel on the connection only if both ends name
-/// the same pool and the peer's proof holds: a peer that merely claims the
-/// pool id (which a hello discloses) gets every payload by value, and
-/// cannot be handed pool Refs it could never release.
+/// server answers its own hello and its proofs; the client sends its
+/// proofs; a server with an access key then sends one verdict byte
+/// ([`VERDICT_OK`], or another and it closes). A proof is HMAC-SHA-256
+/// ([`dm_pool::auth`]) of the role and both nonces, under the pool's
+/// secret or under the access key (zeros without one).
+///
+/// - Pool Refs travel on the connection only if both ends name the same
+///   pool and the peer's pool proof holds: a peer that merely claims the
+///   pool id (which a hello discloses) gets every payload by value, and
+///   cannot be handed pool Refs it could never release.
+/// - A server with an access key serves only clients whose access proof
+///   holds. A client with one connects only to a server whose access
+///   proof holds (it cannot be an impostor listening on the address).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Identity {
     /// Pool id.
@@ -68,6 +90,8 @@ pub struct Identity {
     /// The pool's secret (None: this end proves nothing, and shares no
     /// pool Refs over TCP).
     pub key: Option<[u8; 32]>,
+    /// The access key ([`crate::Config::tcp_key`]).
+    pub access: Option<dm_pool::auth::Key>,
 }
 
 /// What the peer said in its hello.
@@ -76,6 +100,7 @@ struct Hello {
     pool: u64,
     remote: u64,
     nonce: [u8; 16],
+    flags: u64,
 }
 
 impl Identity {
@@ -88,44 +113,52 @@ impl Identity {
         }
     }
 
-    /// This end's proof, as `role` (b'C' client, b'S' server), of the
-    /// nonces `(client's, server's)`; zeros without a key.
-    fn proof(&self, role: u8, nonces: (&[u8; 16], &[u8; 16])) -> [u8; PROOF_LEN] {
-        use hmac::Mac;
-        let Some(key) = &self.key else {
-            return [0; PROOF_LEN];
-        };
-        mac(key, role, nonces).finalize().into_bytes().into()
+    fn pool_key(&self) -> Option<Key> {
+        self.key.map(Key::from_bytes)
     }
 
-    /// Whether `proof` is the peer's (in `role`) under this end's key: it
-    /// is attached to the same pool. Compared in constant time.
-    fn checks(&self, role: u8, nonces: (&[u8; 16], &[u8; 16]), proof: &[u8]) -> bool {
-        use hmac::Mac;
-        match &self.key {
-            Some(key) => mac(key, role, nonces).verify_slice(proof).is_ok(),
-            None => false,
+    /// This end's proofs (of the pool, of the access key), as `role`
+    /// (b'C' client, b'S' server), of the nonces `(client's, server's)`;
+    /// zeros for a key it does not have.
+    fn proofs(&self, role: u8, (c, s): (&[u8; 16], &[u8; 16])) -> [u8; PROOFS_LEN] {
+        let mut out = [0u8; PROOFS_LEN];
+        for (k, ctx, at) in [
+            (self.pool_key(), POOL_PROOF, 0),
+            (self.access, ACCESS_PROOF, PROOF_LEN),
+        ] {
+            if let Some(k) = k {
+                out[at..at + PROOF_LEN].copy_from_slice(&k.proof(ctx, role, c, s));
+            }
+        }
+        out
+    }
+
+    /// Whether the peer's proofs (in `role`) hold under this end's keys:
+    /// (it is attached to the same pool, it holds the access key).
+    /// Compared in constant time.
+    fn checks(
+        &self,
+        role: u8,
+        (c, s): (&[u8; 16], &[u8; 16]),
+        proofs: &[u8; PROOFS_LEN],
+    ) -> (bool, bool) {
+        let holds = |k: Option<Key>, ctx, p: &[u8]| k.is_some_and(|k| k.verify(ctx, role, c, s, p));
+        (
+            holds(self.pool_key(), POOL_PROOF, &proofs[..PROOF_LEN]),
+            holds(self.access, ACCESS_PROOF, &proofs[PROOF_LEN..]),
+        )
+    }
+
+    fn flags(&self) -> u64 {
+        if self.access.is_some() {
+            FLAG_KEYED
+        } else {
+            0
         }
     }
 }
 
-fn mac(key: &[u8; 32], role: u8, (c, s): (&[u8; 16], &[u8; 16])) -> hmac::Hmac<sha2::Sha256> {
-    use hmac::Mac;
-    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(key)
-        .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length"));
-    m.update(b"dmrpc-tcp-pool-proof");
-    m.update(&[role]);
-    m.update(c);
-    m.update(s);
-    m
-}
-
-fn nonce() -> [u8; 16] {
-    let mut n = [0u8; 16];
-    n[..8].copy_from_slice(&dm_sys::rand::random_u64().to_le_bytes());
-    n[8..].copy_from_slice(&dm_sys::rand::random_u64().to_le_bytes());
-    n
-}
+use dm_pool::auth::{nonce, Key};
 /// Largest inline payload over TCP.
 pub const MAX_INLINE: usize = 16 << 20;
 /// How long the dispatcher waits for room in a client's socket for an
@@ -137,6 +170,26 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(1);
 const PENDING_MAX: usize = 64 << 20;
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a TCP server takes from its clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpLimits {
+    /// Connections at once; one more is told so in its hello
+    /// ([`FLAG_FULL`]: the client gets `ResourceExhausted`) and closed.
+    pub max_connections: usize,
+    /// A frame begun must arrive whole within this, or its connection is
+    /// dropped (a client that sends slowly holds no memory for long).
+    pub frame_timeout: Duration,
+}
+
+impl Default for TcpLimits {
+    fn default() -> Self {
+        TcpLimits {
+            max_connections: 1024,
+            frame_timeout: Duration::from_secs(10),
+        }
+    }
+}
 
 fn limits() -> Limits {
     Limits {
@@ -150,14 +203,15 @@ fn hello(me: &Identity, nonce: &[u8; 16]) -> [u8; HELLO_LEN] {
     h[..8].copy_from_slice(&HELLO);
     h[8..16].copy_from_slice(&me.pool.to_le_bytes());
     h[16..24].copy_from_slice(&me.remote.to_le_bytes());
-    h[24..].copy_from_slice(nonce);
+    h[24..40].copy_from_slice(nonce);
+    h[40..].copy_from_slice(&me.flags().to_le_bytes());
     h
 }
 
 fn parse_hello(h: &[u8; HELLO_LEN]) -> Result<Hello, TransportError> {
     if h[..8] != HELLO {
         return Err(TransportError::Protocol(
-            "the peer does not speak dmrpc over TCP version 3 (bad hello)".into(),
+            "the peer does not speak dmrpc over TCP version 4 (bad hello)".into(),
         ));
     }
     let at = |i: usize| {
@@ -166,11 +220,12 @@ fn parse_hello(h: &[u8; HELLO_LEN]) -> Result<Hello, TransportError> {
         u64::from_le_bytes(x)
     };
     let mut nonce = [0u8; 16];
-    nonce.copy_from_slice(&h[24..]);
+    nonce.copy_from_slice(&h[24..40]);
     Ok(Hello {
         pool: at(8),
         remote: at(16),
         nonce,
+        flags: at(40),
     })
 }
 
@@ -211,12 +266,41 @@ fn handshake(mut s: TcpStream, me: Identity, spin: Duration) -> Result<Connectio
         .map_err(unavailable)?;
     let mine = nonce();
     s.write_all(&hello(&me, &mine)).map_err(unavailable)?;
-    let mut h = [0u8; HELLO_LEN + PROOF_LEN];
+    let mut h = [0u8; HELLO_LEN + PROOFS_LEN];
     s.read_exact(&mut h).map_err(unavailable)?;
     let theirs = parse_hello(h[..HELLO_LEN].try_into().unwrap_or(&[0; HELLO_LEN]))?;
     let nonces = (&mine, &theirs.nonce);
-    let proved = me.checks(b'S', nonces, &h[HELLO_LEN..]);
-    s.write_all(&me.proof(b'C', nonces)).map_err(unavailable)?;
+    let proofs: &[u8; PROOFS_LEN] = h[HELLO_LEN..].try_into().unwrap_or(&[0; PROOFS_LEN]);
+    let (proved, holds_key) = me.checks(b'S', nonces, proofs);
+    let denied = |m: String| TransportError::Pool(dm_pool::Error::Unauthenticated(m));
+    let peer = s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
+    if me.access.is_some() && !holds_key {
+        return Err(denied(format!(
+            "the server at {peer} did not prove it holds this client's key: it is not the \
+             service meant, or it runs with another key (or none)"
+        )));
+    }
+    if theirs.flags & FLAG_FULL != 0 {
+        return Err(TransportError::Pool(dm_pool::Error::ResourceExhausted {
+            what: "TCP connections",
+        }));
+    }
+    if theirs.flags & FLAG_KEYED != 0 && me.access.is_none() {
+        return Err(denied(format!(
+            "the server at {peer} serves only clients with its key: give this client the \
+             service's key file (`Config::tcp_key`; `dmrpc call --key-file`)"
+        )));
+    }
+    s.write_all(&me.proofs(b'C', nonces)).map_err(unavailable)?;
+    if theirs.flags & FLAG_KEYED != 0 {
+        let mut verdict = [1u8];
+        s.read_exact(&mut verdict).map_err(unavailable)?;
+        if verdict[0] != VERDICT_OK {
+            return Err(denied(format!(
+                "the server at {peer} refused this client's key"
+            )));
+        }
+    }
     let refs = me.sharing(&theirs, proved);
     let r = s.try_clone().map_err(unavailable)?;
     let goaway = Arc::new(super::GoAwayWord::default());
@@ -363,6 +447,12 @@ impl Incoming {
             end: 0,
             partial: None,
         }
+    }
+
+    /// Whether bytes of a frame are here whose rest has not come (after
+    /// the whole frames were taken).
+    fn mid_frame(&self) -> bool {
+        self.partial.is_some() || self.start < self.end
     }
 
     /// The next whole frame, if its bytes are here; an error if they are
@@ -558,6 +648,12 @@ struct ServerConn {
     pending_bytes: usize,
     /// The highest call id of the requests taken (said in the go-away).
     taken: u64,
+    /// One connection more than the server takes: its hello is answered
+    /// with [`FLAG_FULL`], and it is closed.
+    full: bool,
+    /// Since when a frame has been arriving (bytes of it buffered, the
+    /// rest not come), if one is.
+    partial_since: Option<Instant>,
 }
 
 impl ServerConn {
@@ -589,6 +685,9 @@ pub struct TcpListener {
     next_id: ConnId,
     /// Connections that have not said hello yet.
     hellos: usize,
+    limits: TcpLimits,
+    /// When connections with a partial frame are next looked at.
+    next_sweep: Instant,
     tokens: Vec<u64>,
     spin: Spin,
     stop: Arc<AtomicBool>,
@@ -614,6 +713,7 @@ impl TcpListener {
         me: Identity,
         stop: Arc<AtomicBool>,
         spin: Duration,
+        limits: TcpLimits,
     ) -> Result<TcpListener, TransportError> {
         let l = std::net::TcpListener::bind(addr)
             .map_err(|e| TransportError::Unavailable(format!("cannot listen on {addr}: {e}")))?;
@@ -635,6 +735,8 @@ impl TcpListener {
             ready: VecDeque::new(),
             next_id: 1,
             hellos: 0,
+            limits,
+            next_sweep: Instant::now(),
             tokens: Vec::new(),
             spin: Spin::new(spin),
             stop,
@@ -690,6 +792,11 @@ impl TcpListener {
             if s.set_nonblocking(true).is_err() || s.set_nodelay(true).is_err() {
                 continue;
             }
+            let n = self.conns.len();
+            if n >= 2 * self.limits.max_connections {
+                // Far beyond the cap: not even told.
+                continue;
+            }
             let id = self.next_id;
             self.next_id += 1;
             if self.set.add_with(s.as_raw_fd(), id).is_err() {
@@ -706,6 +813,8 @@ impl TcpListener {
                     pending: VecDeque::new(),
                     pending_bytes: 0,
                     taken: 0,
+                    full: n >= self.limits.max_connections,
+                    partial_since: None,
                 },
             );
             self.hellos += 1;
@@ -753,12 +862,18 @@ impl TcpListener {
                     Some(h) => {
                         let mine = nonce();
                         let me = &self.me;
+                        let full = c.full;
                         let answered = parse_hello(&h).ok().filter(|theirs| {
-                            let mut out = [0u8; HELLO_LEN + PROOF_LEN];
+                            let mut out = [0u8; HELLO_LEN + PROOFS_LEN];
                             out[..HELLO_LEN].copy_from_slice(&hello(me, &mine));
-                            out[HELLO_LEN..]
-                                .copy_from_slice(&me.proof(b'S', (&theirs.nonce, &mine)));
-                            c.s.write_all(&out).is_ok()
+                            if full {
+                                let f = (me.flags() | FLAG_FULL).to_le_bytes();
+                                out[40..HELLO_LEN].copy_from_slice(&f);
+                            } else {
+                                out[HELLO_LEN..]
+                                    .copy_from_slice(&me.proofs(b'S', (&theirs.nonce, &mine)));
+                            }
+                            c.s.write_all(&out).is_ok() && !full
                         });
                         match answered {
                             Some(theirs) => c.hello = Some((theirs, mine)),
@@ -771,11 +886,18 @@ impl TcpListener {
                 }
             }
             if let Some((theirs, mine)) = c.hello.filter(|_| c.refs.is_none()) {
-                // The client's proof of the pool, before any frame.
-                match c.rx.take_prefix::<PROOF_LEN>() {
+                // The client's proofs, before any frame.
+                match c.rx.take_prefix::<PROOFS_LEN>() {
                     None => continue,
                     Some(p) => {
-                        let proved = self.me.checks(b'C', (&theirs.nonce, &mine), &p);
+                        let (proved, holds_key) = self.me.checks(b'C', (&theirs.nonce, &mine), &p);
+                        if self.me.access.is_some() {
+                            let verdict = if holds_key { VERDICT_OK } else { 1 };
+                            if c.s.write_all(&[verdict]).is_err() || !holds_key {
+                                ok = false;
+                                break;
+                            }
+                        }
                         c.refs = Some(self.me.sharing(&theirs, proved));
                         c.hello = None;
                         self.hellos -= 1;
@@ -806,11 +928,42 @@ impl TcpListener {
                 break;
             }
         }
+        // A frame begun and not finished must finish within the limit
+        // (bytes still buffered while no frame is pending are such a frame).
+        if c.pending.is_empty() && c.refs.is_some() && c.rx.mid_frame() {
+            c.partial_since.get_or_insert_with(Instant::now);
+        } else {
+            c.partial_since = None;
+        }
         // A connection that ended after whole requests still gets them
         // served (their answers then fail to send).
         if !ok && c.pending.is_empty() {
             self.close(id);
         }
+    }
+
+    /// Drops the connections whose frame has been arriving for longer
+    /// than the limit (looked at a few times per limit); when to look
+    /// next.
+    fn expire_partials(&mut self) -> Option<Instant> {
+        let now = Instant::now();
+        let limit = self.limits.frame_timeout;
+        if now >= self.next_sweep {
+            self.next_sweep = now + limit / 4;
+            let late: Vec<ConnId> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.partial_since.is_some_and(|t| now - t >= limit))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in late {
+                self.close(id);
+            }
+        }
+        self.conns
+            .values()
+            .any(|c| c.partial_since.is_some())
+            .then_some(self.next_sweep)
     }
 
     fn close(&mut self, id: ConnId) {
@@ -887,7 +1040,10 @@ impl Listener for TcpListener {
                 return Ok(Some(x));
             }
             // Overdue hellos go first (a busy server polls without sleeping).
-            let hello_due = self.expire_hellos();
+            let hello_due = match (self.expire_hellos(), self.expire_partials()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             let mut tokens = std::mem::take(&mut self.tokens);
             let set = &self.set;
             let polled = self.spin.run(|| {
@@ -1077,7 +1233,7 @@ mod tests {
             let mut h = [0u8; HELLO_LEN];
             s.read_exact(&mut h).unwrap();
             s.write_all(&hello(&Identity::default(), &[0; 16])).unwrap();
-            s.write_all(&[0; PROOF_LEN]).unwrap();
+            s.write_all(&[0; PROOFS_LEN]).unwrap();
             // The first frame in slow pieces (the reader's deadline passes
             // mid-payload), the rest in one go.
             let first = frames[0].encoded_len();

@@ -60,6 +60,10 @@ pub struct CallArgs {
     /// The pool's file, instead of its name.
     #[arg(long)]
     pub path: Option<std::path::PathBuf>,
+    /// The service's access key file, for a service on TCP that wants one
+    /// (default: $DMRPC_KEY_FILE).
+    #[arg(long)]
+    pub key_file: Option<std::path::PathBuf>,
 }
 
 /// What the call ends with: 0 done, 1 the call failed, 2 no connection.
@@ -107,7 +111,18 @@ pub fn run(a: CallArgs) -> Result<i32> {
             None,
         ),
     };
-    let node = Node::new(pool);
+    let key_file = a
+        .key_file
+        .clone()
+        .or_else(|| std::env::var_os("DMRPC_KEY_FILE").map(std::path::PathBuf::from));
+    let key = key_file.map(dm_pool::auth::Key::from_file).transpose()?;
+    let node = Node::with_config(
+        pool,
+        dm_rpc::Config {
+            tcp_key: key,
+            ..Default::default()
+        },
+    );
     let code = call(&a, &node, &arg, &meta);
     drop(node);
     if let Some(p) = private {
