@@ -265,6 +265,12 @@ pub struct PoolConfig {
     /// for processes of several users in one group; they attach with
     /// `AttachOptions::group`. Default false (mode 0600).
     pub group: bool,
+    /// Allocate the file's whole space at creation (`fallocate`): a pool
+    /// that does not fit is refused, and no store into it can later find
+    /// its file system full (a bus error). On tmpfs the memory is taken at
+    /// once. Default false: space is taken as pages are first written, and
+    /// creation checks only that the file system has the room now.
+    pub reserve: bool,
 }
 
 impl Default for PoolConfig {
@@ -282,6 +288,7 @@ impl Default for PoolConfig {
             ref_clock: RefClock::Host,
             name: String::new(),
             group: false,
+            reserve: false,
         }
     }
 }

@@ -17,6 +17,7 @@
 //! * [`poll`] — busy-polling sockets before blocking, with an adaptive budget.
 //! * [`malloc`] — keeping large transient buffers' memory mapped.
 
+pub mod bus;
 pub mod fault;
 pub mod futex;
 pub mod mem;

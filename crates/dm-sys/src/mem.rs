@@ -96,6 +96,8 @@ pub struct SharedFile {
     base: *mut u8,
     len: usize,
     path: PathBuf,
+    /// A bus error in the mapping says which file and why.
+    _bus: crate::bus::Watch,
 }
 
 // SAFETY: the mapping is plain shared memory; the raw pointer is only an
@@ -250,11 +252,48 @@ impl SharedFile {
                 source: std::io::Error::last_os_error(),
             });
         }
+        let bus = crate::bus::watch(
+            p as usize,
+            len,
+            format!(
+                "dmrpc: bus error writing the pool file {}: its file system has no space left for \
+                 a page (or the file was cut short). Free space there, make the pool smaller, or \
+                 create it with its space reserved (`dmrpc pool create --reserve`, \
+                 `PoolConfig::reserve`)",
+                path.display()
+            ),
+        );
         Ok(Self {
             fd,
             base: p.cast(),
             len,
             path: path.to_owned(),
+            _bus: bus,
+        })
+    }
+
+    /// Allocates the whole file's space now (`fallocate`), so that no
+    /// store into the mapping can find its file system full. On tmpfs
+    /// this takes the memory at once. A file system without room is
+    /// [`SysError::NoSpace`].
+    pub fn reserve_space(&self) -> Result<(), SysError> {
+        // SAFETY: fd is open; the range is the file's.
+        let r = unsafe { libc::fallocate(self.fd.as_raw_fd(), 0, 0, self.len as libc::off_t) };
+        if r == 0 {
+            return Ok(());
+        }
+        let source = std::io::Error::last_os_error();
+        if source.raw_os_error() == Some(libc::ENOSPC) {
+            return Err(SysError::NoSpace {
+                path: self.path.clone(),
+                size: self.len as u64,
+                free: free_bytes(&self.fd).unwrap_or(0),
+            });
+        }
+        Err(SysError::Resize {
+            path: self.path.clone(),
+            size: self.len as u64,
+            source,
         })
     }
 

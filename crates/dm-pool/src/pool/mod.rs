@@ -60,10 +60,18 @@ impl Pool {
         let file = if SharedFile::is_device(path) {
             SharedFile::open(path, Some(layout.total_len), access)?
         } else {
-            match SharedFile::create(path, layout.total_len, access) {
+            let f = match SharedFile::create(path, layout.total_len, access) {
                 Err(dm_sys::mem::SysError::Exists(p)) => return Err(Error::AlreadyExists(p)),
                 r => r?,
+            };
+            if cfg.reserve {
+                if let Err(e) = f.reserve_space() {
+                    drop(f);
+                    let _ = dm_sys::mem::unlink(path);
+                    return Err(e.into());
+                }
             }
+            f
         };
         Shm::init(file, layout);
         Ok(())

@@ -89,7 +89,8 @@ pub fn run(a: MemserverArgs) -> Result<()> {
         // One line on stdout for scripts: where it listens and its id.
         println!("listening {} id {:#018x}", s.addr(), s.state().id);
         if let Some(f) = &fingerprint {
-            println!("clients must prove key {f}");
+            // (stderr: a script may read the first line only, and close.)
+            eprintln!("clients must prove key {f}");
         }
         if let Some(m) = s.metrics_addr() {
             println!("metrics http://{m}/metrics");

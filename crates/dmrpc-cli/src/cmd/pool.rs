@@ -67,6 +67,11 @@ pub enum PoolCmd {
         /// user's alone (mode 0600).
         #[arg(long)]
         group: bool,
+        /// Allocate the whole file now: a pool that does not fit is
+        /// refused, and no write into it can later find the file system
+        /// full. On tmpfs this takes the memory at once.
+        #[arg(long)]
+        reserve: bool,
     },
     /// Show the pool's format and geometry.
     Info {
@@ -115,6 +120,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             channels,
             ring_size,
             group,
+            reserve,
         } => {
             let path = target.path();
             let cfg = PoolConfig {
@@ -130,6 +136,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 ref_clock,
                 name: target.name.clone(),
                 group,
+                reserve,
             };
             Pool::create(&path, &cfg)
                 .with_context(|| format!("creating pool {}", path.display()))?;

@@ -1,0 +1,152 @@
+//! Bus errors in shared mappings, explained.
+//!
+//! A store into a page of a shared file mapping whose file system has no
+//! space left (a full tmpfs, a file truncated by someone else) raises
+//! `SIGBUS`. The store cannot return an error, so the process still ends.
+//! This module makes it end with a message that says which file, why, and
+//! what to do, instead of a bare "Bus error".
+//!
+//! Mappings register their range with a message ([`watch`]); one process-
+//! wide handler writes the message of the range the fault lies in to
+//! stderr, then lets the signal take its usual course: a previous handler
+//! runs as if this one were not there, or, without one, the default action
+//! ends the process. A fault outside every range goes straight to the
+//! previous handler.
+//!
+//! Everything the handler touches is async-signal-safe: atomics, `write`,
+//! `sigaction`.
+
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Mutex, Once};
+
+/// Ranges watched at once at most (a pool's mapping and its window
+/// reservation each take one; later ones go unexplained).
+const RANGES: usize = 64;
+
+struct Range {
+    start: AtomicUsize,
+    len: AtomicUsize,
+    msg: AtomicPtr<u8>,
+    msg_len: AtomicUsize,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY: Range = Range {
+    start: AtomicUsize::new(0),
+    len: AtomicUsize::new(0),
+    msg: AtomicPtr::new(std::ptr::null_mut()),
+    msg_len: AtomicUsize::new(0),
+};
+
+static TABLE: [Range; RANGES] = [EMPTY; RANGES];
+/// Serialises registration (the handler only reads).
+static REGISTER: Mutex<()> = Mutex::new(());
+static INSTALL: Once = Once::new();
+static PREV_SET: AtomicUsize = AtomicUsize::new(0);
+static mut PREV: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
+
+/// A watched range; unwatched when dropped.
+#[derive(Debug)]
+pub struct Watch {
+    slot: Option<usize>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(i) = self.slot {
+            let _g = REGISTER.lock().unwrap_or_else(|p| p.into_inner());
+            // The message stays allocated: a handler may be reading it.
+            TABLE[i].start.store(0, Ordering::Release);
+            TABLE[i].len.store(0, Ordering::Release);
+        }
+    }
+}
+
+/// Watches `len` bytes at `start`: a bus error there prints `message`
+/// (one line is added) before the process ends. Installs the handler once.
+/// When the table is full, or the handler cannot be installed, the range
+/// goes unwatched (a bus error there is reported as before).
+pub fn watch(start: usize, len: usize, message: String) -> Watch {
+    INSTALL.call_once(|| {
+        // SAFETY: a zeroed sigaction is a valid value; we fill in our
+        // handler and save the previous one into PREV before publishing
+        // PREV_SET, which the handler reads first.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = handler as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER;
+            libc::sigemptyset(&mut sa.sa_mask);
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGBUS, &sa, &mut old) == 0 {
+                let prev = &raw mut PREV;
+                (*prev).write(old);
+                PREV_SET.store(1, Ordering::Release);
+            }
+        }
+    });
+    let _g = REGISTER.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(i) = TABLE
+        .iter()
+        .position(|r| r.len.load(Ordering::Acquire) == 0)
+    else {
+        return Watch { slot: None };
+    };
+    let msg: &'static mut [u8] = format!("{message}\n").into_bytes().leak();
+    let r = &TABLE[i];
+    r.msg_len.store(msg.len(), Ordering::Relaxed);
+    r.msg.store(msg.as_mut_ptr(), Ordering::Release);
+    r.start.store(start, Ordering::Release);
+    r.len.store(len, Ordering::Release);
+    Watch { slot: Some(i) }
+}
+
+extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    for r in &TABLE {
+        let (start, len) = (
+            r.start.load(Ordering::Acquire),
+            r.len.load(Ordering::Acquire),
+        );
+        if len != 0 && addr.wrapping_sub(start) < len {
+            let p = r.msg.load(Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: `p` points to a leaked message of `msg_len`
+                // bytes, never freed; write(2) is async-signal-safe.
+                unsafe { libc::write(2, p.cast(), r.msg_len.load(Ordering::Relaxed)) };
+            }
+            break;
+        }
+    }
+    pass_on(sig, info, ctx);
+}
+
+/// What would have happened without this handler.
+fn pass_on(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    if PREV_SET.load(Ordering::Acquire) != 0 {
+        // SAFETY: PREV was fully written before PREV_SET was published.
+        let prev: &libc::sigaction = unsafe { &*(&raw const PREV).cast::<libc::sigaction>() };
+        let h = prev.sa_sigaction;
+        if h != libc::SIG_IGN && h != libc::SIG_DFL {
+            if prev.sa_flags & libc::SA_SIGINFO != 0 {
+                // SAFETY: installed with SA_SIGINFO: this signature.
+                let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) =
+                    unsafe { std::mem::transmute(h) };
+                f(sig, info, ctx);
+            } else {
+                // SAFETY: a plain handler takes the signal number only.
+                let f: extern "C" fn(i32) = unsafe { std::mem::transmute(h) };
+                f(sig);
+            }
+            return;
+        }
+    }
+    // SAFETY: resetting to SIG_DFL is async-signal-safe; the faulting
+    // instruction runs again and the default action ends the process.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = libc::SIG_DFL;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(sig, &sa, std::ptr::null_mut());
+    }
+}
