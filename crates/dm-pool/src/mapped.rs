@@ -356,7 +356,7 @@ unsafe fn cow_one(
         return unsafe { protect(page_addr, win.ps, Prot::ReadWrite) }.is_ok();
     }
     let Some(q) = t.claim_one(cursor, win.slot) else {
-        return false;
+        return ends_saying(NO_PAGE_MSG);
     };
     let qptr = unsafe_page(win, q);
     if p != NO_PAGE {
@@ -373,7 +373,9 @@ unsafe fn cow_one(
     // SAFETY: page_addr is a page of our reservation; the user's access
     // there is the faulting instruction, which retries after we return.
     if unsafe { map_file_fixed(page_addr, win.fd, off, win.ps, Prot::ReadWrite) }.is_err() {
-        return false;
+        // q goes back; nothing else changed.
+        let _ = t.release_cached(q, win.slot);
+        return ends_saying(NO_MAPPING_MSG);
     }
     if p != NO_PAGE && !borrowed {
         d.journal_old.store(p, Ordering::Relaxed);
@@ -427,6 +429,25 @@ unsafe fn cow_one(
 
 /// # Safety
 /// None beyond the syscall's: it only yields the CPU.
+/// Said when a store into a mapped buffer needs a page and the pool has
+/// none: a store cannot fail, so the process ends (the fault is passed on).
+const NO_PAGE_MSG: &[u8] = b"dmrpc: a store into a mapped buffer needs a new page (copy-on-write) \
+and the pool has none free, so the process ends. Free buffers and Refs, use a larger pool, or \
+write through explicit buffers, which return ResourceExhausted instead.\n";
+
+/// Said when the kernel refuses the mapping of a copied page: the
+/// process's mappings are at `vm.max_map_count` (or memory ran out).
+const NO_MAPPING_MSG: &[u8] = b"dmrpc: a store into a mapped buffer needs one more memory mapping \
+(copy-on-write) and the kernel refused it (the process is at vm.max_map_count, or out of \
+memory), so the process ends. Raise vm.max_map_count (sysctl), map fewer or smaller buffers, or \
+write through explicit buffers.\n";
+
+/// Writes `msg` to stderr and declines the fault (async-signal-safe).
+fn ends_saying(msg: &[u8]) -> bool {
+    dm_sys::io::write_stderr(msg);
+    false
+}
+
 unsafe fn libc_yield() {
     dm_sys::sched_yield();
 }

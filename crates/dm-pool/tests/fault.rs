@@ -67,3 +67,77 @@ fn a_fault_that_is_not_the_hooks_kills_even_when_sigsegv_is_ignored() {
     dm_pool::gc_path(&tp.path).unwrap();
     tp.assert_clean();
 }
+
+const MAPS_CHILD: &str = "DMRPC_FAULT_TEST_MAPS_CHILD";
+
+/// The child: a mapped buffer, then every memory mapping the kernel gives
+/// taken (alternating protections, so none merge), then a store that needs
+/// one more for its copy-on-write.
+fn maps_child(path: &str) {
+    let pool = dm_pool::Pool::open(path.as_ref(), Default::default()).unwrap();
+    let mut b = pool.alloc(65536).unwrap();
+    b.write(0, &[1u8; 65536]).unwrap();
+    let r = b.share().unwrap();
+    let mut m = MappedBuffer::map_ref(&pool, &r).unwrap();
+    let mut n = 0u64;
+    loop {
+        let prot = if n.is_multiple_of(2) {
+            libc::PROT_READ
+        } else {
+            libc::PROT_NONE
+        };
+        // SAFETY: a fresh private anonymous mapping, kept until the end.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                prot,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            break;
+        }
+        n += 1;
+    }
+    println!("took {n} mappings");
+    m.as_mut_slice()[8192] = 9; // needs a mapping of the copy
+    println!("survived");
+}
+
+/// A copy-on-write store that the kernel's mapping limit
+/// (`vm.max_map_count`) refuses ends the process with a message that says
+/// so, not silently; the pool stays consistent.
+#[test]
+fn a_store_beyond_the_mapping_limit_ends_with_a_message() {
+    if let Ok(path) = std::env::var(MAPS_CHILD) {
+        maps_child(&path);
+        return;
+    }
+    let tp = TempPool::new(16 << 20);
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_store_beyond_the_mapping_limit_ends_with_a_message",
+            "--nocapture",
+        ])
+        .env(MAPS_CHILD, &tp.path)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.contains("took"), "{stdout} {stderr}");
+    assert!(!stdout.contains("survived"), "{stdout}");
+    assert_eq!(out.status.signal(), Some(libc::SIGSEGV), "{:?}", out.status);
+    assert!(stderr.contains("vm.max_map_count"), "{stderr}");
+    // What remains is the Ref it made (in flight until its TTL): its 16
+    // pages, and nothing of the buffers or the refused copy.
+    dm_pool::gc_path(&tp.path).unwrap();
+    let report = dm_pool::check_path(&tp.path, false).unwrap();
+    assert!(report.ok(), "{report:?}");
+    assert_eq!((report.refs_live, report.pages_held), (1, 16), "{report:?}");
+}

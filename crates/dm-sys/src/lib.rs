@@ -124,6 +124,14 @@ pub mod io {
         Ok(())
     }
 
+    /// Writes `msg` to stderr with one `write(2)`, ignoring failure.
+    /// Async-signal-safe (for fault handlers).
+    pub fn write_stderr(msg: &[u8]) {
+        // SAFETY: `msg` is valid for its length; write(2) is
+        // async-signal-safe.
+        unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+    }
+
     #[cfg(test)]
     mod tests {
         /// A writer that takes at most 3 bytes per call: every slice still
