@@ -58,6 +58,9 @@ fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
 
 fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport) -> Result<()> {
     rep.recounted = true;
+    // No other process holds anything: no tenant does (this one's own
+    // buffers are a gc's, none).
+    shm.reset_tenants();
     // Descriptors owned by slots that no longer exist (we are the only
     // slot: every other owner is gone).
     pool.inner.reclaim_orphans()?;

@@ -55,8 +55,22 @@ pub struct CheckReport {
     pub services: u64,
     /// Channels in use.
     pub channels: u64,
+    /// Quotas and what is held against them: each tenant, and each live
+    /// process that holds buffers or has a quota.
+    pub quotas: Vec<QuotaUse>,
     /// Every violation of the invariant, precisely.
     pub problems: Vec<String>,
+}
+
+/// A quota and what is held against it (pages).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaUse {
+    /// `tenant NAME`, or `process PID (NAME)`.
+    pub who: String,
+    /// Pages of buffers held.
+    pub held_pages: u64,
+    /// The quota in pages (0: none).
+    pub quota_pages: u64,
 }
 
 impl CheckReport {
@@ -283,6 +297,13 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
     };
     let now = LeaseNow::read();
     let mut problems = Vec::new();
+    for (name, held, quota) in shm.tenant_usage() {
+        rep.quotas.push(QuotaUse {
+            who: format!("tenant {name}"),
+            held_pages: held,
+            quota_pages: quota,
+        });
+    }
     for s in 0..shm.layout.n_slots as u16 {
         let Some(slot) = shm.slot(s) else { continue };
         let st = SlotState::decode(slot.state.load(Ordering::Acquire));
@@ -294,7 +315,30 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
                     slot.pid.load(Ordering::Relaxed)
                 ));
             }
-            Some(SlotKind::Live) => rep.slots_live += 1,
+            Some(SlotKind::Live) => {
+                rep.slots_live += 1;
+                let (held, quota) = (
+                    slot.held_pages.load(Ordering::Relaxed),
+                    slot.quota_pages.load(Ordering::Relaxed),
+                );
+                if held != 0 || quota != 0 {
+                    let name: Vec<u8> = slot
+                        .name
+                        .iter()
+                        .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
+                        .take_while(|&c| c != 0)
+                        .collect();
+                    rep.quotas.push(QuotaUse {
+                        who: format!(
+                            "process {} ({})",
+                            slot.pid.load(Ordering::Relaxed),
+                            String::from_utf8_lossy(&name)
+                        ),
+                        held_pages: held,
+                        quota_pages: quota,
+                    });
+                }
+            }
             Some(SlotKind::Reclaiming) => {
                 rep.slots_dead += 1;
                 problems.push(format!(
@@ -304,6 +348,15 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
             }
             Some(SlotKind::Free) => {}
             None => problems.push(format!("slot {s}: invalid state word")),
+        }
+    }
+    if rep.slots_live == 0 && rep.slots_dead == 0 {
+        // Nobody holds anything: neither does a tenant.
+        for q in rep.quotas.iter().filter(|q| q.held_pages != 0) {
+            problems.push(format!(
+                "{} counts {} pages with no process attached (run gc to recount)",
+                q.who, q.held_pages
+            ));
         }
     }
     let holders = count_holders(shm, &mut problems, &mut rep);

@@ -241,6 +241,16 @@ fn exhausted_hint(what: &str) -> &'static str {
              and release Refs it holds, or start the server with a larger quota \
              (`dmrpc memserver --client-quota`)"
         }
+        "process quota" => {
+            "This process holds as many bytes of buffers as its quota allows: free buffers \
+             (or turn them into Refs), or attach with a larger quota (`AttachOptions::quota`, \
+             `dmrpc pool create --process-quota`)"
+        }
+        "tenant quota" => {
+            "This process's tenant holds as many bytes of buffers as its quota allows \
+             (`dmrpc pool stats NAME` shows who holds what): free buffers, or create the pool \
+             with a larger quota for the tenant (`--tenant NAME=SIZE`)"
+        }
         "channels" => {
             "Too many shared-memory connections are open: close clients, or create the pool \
              with more (`dmrpc pool create NAME --channels N`, `PoolConfig::channels`)"

@@ -193,6 +193,44 @@ pub(crate) struct HeaderAtomics {
     pub ref_clock_host: AtomicU64,
 }
 
+/// Where the quota table lies in the header (after the atomics; zeros in
+/// a pool created before quotas: no quota).
+pub(crate) const QUOTAS_OFF: usize = 1024;
+/// Tenants a pool may name.
+pub const MAX_TENANTS: usize = 16;
+/// Bytes of a tenant's name, at most.
+pub const TENANT_NAME_MAX: usize = 24;
+
+/// The quota table, at [`QUOTAS_OFF`] in the header (`quota.rs`).
+#[repr(C)]
+#[derive(Debug)]
+pub(crate) struct Quotas {
+    /// Every process's quota in pages, unless its attach asks for less
+    /// (0: none).
+    pub process_pages: AtomicU64,
+    /// The tenants (a name of all zeros: an unused record).
+    pub tenants: [Tenant; MAX_TENANTS],
+}
+
+/// A tenant: processes that attach as it share its quota.
+#[repr(C)]
+#[derive(Debug)]
+pub(crate) struct Tenant {
+    /// Name, NUL padded.
+    pub name: [AtomicU64; 3],
+    /// Quota in pages (0: none).
+    pub quota_pages: AtomicU64,
+    /// Pages its processes' buffers hold.
+    pub held_pages: AtomicU64,
+    _rsv: AtomicU64,
+}
+
+#[cfg(not(loom))]
+const _: () = assert!(
+    ATOMICS_OFF + std::mem::size_of::<HeaderAtomics>() <= QUOTAS_OFF
+        && QUOTAS_OFF + std::mem::size_of::<Quotas>() <= HEADER_LEN as usize
+);
+
 /// Most service records a pool may have.
 pub(crate) const MAX_SERVICES: u32 = 1 << 16;
 /// Most channels a pool may have.
@@ -271,6 +309,13 @@ pub struct PoolConfig {
     /// once. Default false: space is taken as pages are first written, and
     /// creation checks only that the file system has the room now.
     pub reserve: bool,
+    /// Bytes of buffers each process may hold at most, unless its attach
+    /// asks for less (`AttachOptions::quota`). Default: no quota.
+    pub process_quota: Option<u64>,
+    /// Tenants and their quotas in bytes: the processes that attach as a
+    /// tenant (`AttachOptions::tenant`) share its quota. At most
+    /// [`MAX_TENANTS`], names of 1 to [`TENANT_NAME_MAX`] bytes.
+    pub tenants: Vec<(String, u64)>,
 }
 
 impl Default for PoolConfig {
@@ -289,6 +334,8 @@ impl Default for PoolConfig {
             name: String::new(),
             group: false,
             reserve: false,
+            process_quota: None,
+            tenants: Vec::new(),
         }
     }
 }
@@ -318,6 +365,8 @@ impl Layout {
         if cfg.name.len() > 32 {
             return Err("pool name is longer than 32 bytes".into());
         }
+        #[cfg(not(loom))]
+        crate::quota::validate(cfg)?;
         if cfg.services > MAX_SERVICES || cfg.channels.unwrap_or(0) > MAX_CHANNELS {
             return Err(format!(
                 "at most {MAX_SERVICES} services and {MAX_CHANNELS} channels"

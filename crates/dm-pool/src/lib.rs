@@ -98,6 +98,8 @@ mod pool;
 #[cfg(not(loom))]
 mod process;
 #[cfg(not(loom))]
+mod quota;
+#[cfg(not(loom))]
 mod reclaim;
 #[cfg(not(loom))]
 mod registry;
@@ -112,13 +114,16 @@ pub use admin::{gc_path, layout_of, ref_clock_is_ours, services_at};
 #[cfg(not(loom))]
 pub use channel::{ChannelId, ChannelMemory, Closing, Peer, Side};
 #[cfg(not(loom))]
-pub use check::{check_path, counters_of, CheckReport, Counters};
+pub use check::{check_path, counters_of, CheckReport, Counters, QuotaUse};
 #[cfg(not(loom))]
 pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]
 pub use error::{check_range, Error, Result};
 #[cfg(not(loom))]
-pub use layout::{Layout, ParseError, PoolConfig, RefClock, MAX_RING, MIN_RING, POOL_VERSION};
+pub use layout::{
+    Layout, ParseError, PoolConfig, RefClock, MAX_RING, MAX_TENANTS, MIN_RING, POOL_VERSION,
+    TENANT_NAME_MAX,
+};
 #[cfg(not(loom))]
 pub use mapped::MappedBuffer;
 #[cfg(not(loom))]

@@ -31,6 +31,21 @@ pub(crate) struct Core {
 }
 
 impl Core {
+    /// Charges `n` pages of buffers to this process's quotas (quota.rs).
+    pub(crate) fn charge(&self, n: u64) -> Result<()> {
+        match self.shm.slot(self.slot) {
+            Some(s) => self.shm.charge(s, n),
+            None => Ok(()),
+        }
+    }
+
+    /// Gives back `n` pages charged.
+    pub(crate) fn uncharge(&self, n: u64) {
+        if let Some(s) = self.shm.slot(self.slot) {
+            self.shm.uncharge(s, n);
+        }
+    }
+
     pub(crate) fn set_entry(&self, d: &Desc, k: usize, p: u32) -> Result<()> {
         match self.shm.entry(d, k)? {
             Some(e) => {

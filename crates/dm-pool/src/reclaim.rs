@@ -509,6 +509,10 @@ impl Core {
                 t.release_cached(p, s)?;
             }
         }
+        // Its buffers are gone: so are their charges (quota.rs).
+        if let Some(sl) = self.shm.slot(s) {
+            self.shm.drop_charges(sl);
+        }
         Ok(())
     }
 

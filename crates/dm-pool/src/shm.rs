@@ -69,7 +69,7 @@ impl Shm {
     }
 
     /// Creates the pool in a fresh mapping: writes metadata, then publishes `ready`.
-    pub(crate) fn init(file: SharedFile, layout: Layout) -> Shm {
+    pub(crate) fn init(file: SharedFile, layout: Layout, cfg: &crate::PoolConfig) -> Shm {
         let enc = layout.encode();
         // SAFETY: the mapping is at least total_len >= HEADER_LEN bytes and
         // nobody else uses it before `ready` is published below.
@@ -94,6 +94,7 @@ impl Shm {
                 d.reset();
             }
         }
+        shm.init_quotas(cfg);
         shm.atomics()
             .ref_clock_host
             .store(host_id(), Ordering::Relaxed);

@@ -97,7 +97,14 @@ pub(crate) struct Slot {
     /// When the process started, in clock ticks since boot
     /// ([`dm_sys::proc::start_time`]; 0: unknown).
     pub start: AtomicU64,
-    _rsv: [AtomicU64; 3],
+    /// Pages of the buffers this process holds, counted against its
+    /// quota and its tenant's (`quota.rs`; in words reserved before, so 0
+    /// in slots of builds without quotas).
+    pub held_pages: AtomicU64,
+    /// Its quota in pages (0: none).
+    pub quota_pages: AtomicU64,
+    /// Its tenant: index + 1 in the pool's tenant table (0: none).
+    pub tenant: AtomicU64,
 }
 
 /// The time a lease is judged at, on both clocks a heartbeat records.

@@ -1,7 +1,8 @@
 //! An interactive pool client for multi-process tests and debugging.
 //!
-//! `dm-pool-agent POOL_PATH [LEASE_MS]` attaches and reads one command per
-//! line on stdin, answering `ok [values]` or `err <kind>: <message>` on stdout:
+//! `dm-pool-agent POOL_PATH [LEASE_MS]` attaches (as the tenant named by
+//! `DMRPC_TENANT`, if set) and reads one command per line on stdin,
+//! answering `ok [values]` or `err <kind>: <message>` on stdout:
 //!
 //! ```text
 //! alloc LEN                 -> ok B           (a buffer handle number)
@@ -319,6 +320,7 @@ mod agent {
                 lease_ms,
                 name: Some("dm-pool-agent".into()),
                 reclaim: std::env::var_os("DMRPC_AGENT_NO_RECLAIM").is_none(),
+                tenant: std::env::var("DMRPC_TENANT").ok(),
                 ..Default::default()
             },
         ) {

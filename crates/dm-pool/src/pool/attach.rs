@@ -52,6 +52,14 @@ pub struct AttachOptions {
     /// [`PoolConfig::group`](crate::PoolConfig::group)). Default false: a
     /// pool file must be this user's alone.
     pub group: bool,
+    /// Bytes of buffers this process may hold at most: the smaller of this
+    /// and the pool's process quota ([`PoolConfig::process_quota`](crate::PoolConfig::process_quota)).
+    /// Past it, an allocation or a mapping is `ResourceExhausted`.
+    pub quota: Option<u64>,
+    /// The tenant this process belongs to (one of the pool's
+    /// [`PoolConfig::tenants`](crate::PoolConfig::tenants)): its buffers
+    /// count against the tenant's quota too.
+    pub tenant: Option<String>,
 }
 
 impl Default for AttachOptions {
@@ -67,6 +75,8 @@ impl Default for AttachOptions {
             prefault: false,
             lease_only: false,
             group: false,
+            quota: None,
+            tenant: None,
         }
     }
 }
@@ -106,6 +116,19 @@ impl Pool {
         let forks = dm_sys::proc::watch_forks();
         let now = LeaseNow::read();
         let lease = opts.lease_ms.unwrap_or(shm.layout.lease_ms).max(10);
+        let tenant = match &opts.tenant {
+            Some(name) => shm.find_tenant(name)?,
+            None => 0,
+        };
+        let quota_pages = {
+            let ps = shm.layout.page_size as u64;
+            let pool = shm.quotas().process_pages.load(Ordering::Relaxed);
+            let mine = opts.quota.map_or(0, |b| b.div_ceil(ps).max(1));
+            match (pool, mine) {
+                (0, m) | (m, 0) => m,
+                (p, m) => p.min(m),
+            }
+        };
         let mut claimed = None;
         for i in 0..shm.layout.n_slots as u16 {
             let Some(s) = shm.slot(i) else { break };
@@ -145,6 +168,9 @@ impl Pool {
             };
             s.pid_ns.store(ns, Ordering::Relaxed);
             s.start.store(start, Ordering::Relaxed);
+            s.held_pages.store(0, Ordering::Relaxed);
+            s.quota_pages.store(quota_pages, Ordering::Relaxed);
+            s.tenant.store(tenant, Ordering::Relaxed);
             let name = opts.name.clone().unwrap_or_else(|| {
                 std::env::current_exe()
                     .ok()
@@ -388,6 +414,7 @@ impl Inner {
         let n = d.n_pages.load(Ordering::Relaxed);
         if kind == Kind::Buf {
             d.held.store(n, Ordering::Relaxed);
+            self.uncharge(n as u64);
         }
         d.progress.store(0, Ordering::Relaxed);
         let from = DescState::encode(gen, kind, self.slot);

@@ -73,7 +73,7 @@ impl Pool {
             }
             f
         };
-        Shm::init(file, layout);
+        Shm::init(file, layout, cfg);
         Ok(())
     }
 
@@ -174,7 +174,11 @@ impl Pool {
             });
         }
         let n = len.div_ceil(self.page_size() as u64) as usize;
-        let (idx, gen) = i.claim_desc(Kind::Buf)?;
+        i.charge(n as u64)?;
+        let (idx, gen) = i
+            .claim_desc(Kind::Buf)
+            .inspect_err(|_| i.uncharge(n as u64))?;
+        // (From here a drop of the descriptor gives the charge back.)
         let d = i.desc(idx)?;
         if let Err(e) = i.attach_lists(d, n, true) {
             i.drop_own(idx, gen, Kind::Buf, END_ABORTED)?;

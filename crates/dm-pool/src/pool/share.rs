@@ -162,6 +162,8 @@ impl Pool {
             return Err((e, buf));
         }
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
+        // A Ref in flight is bounded by its TTL, not by a quota.
+        i.uncharge(buf.n_pages as u64);
         Ok(Ref {
             backend: crate::refs::BACKEND_POOL,
             pool_id: self.id(),
@@ -367,6 +369,11 @@ impl Pool {
     pub fn map_ref(&self, r: &Ref) -> Result<Buffer> {
         let i = &self.inner;
         let (rd, w, idx, gen, n) = self.begin_map(r)?;
+        if let Err(e) = i.charge(n as u64) {
+            i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
+            return Err(e);
+        }
+        // (From here a drop of the buffer gives the charge back.)
         let d = i.desc(idx)?;
         // Link (one count on the Ref), then check it is still the Ref we
         // validated: from then on it cannot be dropped, so its entries are
@@ -393,6 +400,7 @@ impl Pool {
             d.flags.fetch_or(FLAG_INHERIT, Ordering::Release);
         }
         if !ok {
+            i.uncharge(n as u64);
             i.drop_own(idx, gen, Kind::MapBuild, END_ABORTED)?;
             self.validate(r)?;
             return Err(Error::RefReleased {

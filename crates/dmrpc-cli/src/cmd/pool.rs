@@ -6,6 +6,14 @@ use dm_pool::{default_path, Pool, PoolConfig, RefClock};
 use dmrpc::{fmt_size, parse_size};
 use std::path::PathBuf;
 
+/// `NAME=SIZE` of `--tenant`.
+fn parse_tenant(s: &str) -> std::result::Result<(String, u64), String> {
+    let (name, size) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not NAME=SIZE"))?;
+    Ok((name.to_owned(), parse_size(size)?))
+}
+
 /// Which pool: a name (backed by /dev/shm/dmrpc-NAME.pool) or a path.
 #[derive(Args, Debug, Clone)]
 pub struct Target {
@@ -72,6 +80,13 @@ pub enum PoolCmd {
         /// full. On tmpfs this takes the memory at once.
         #[arg(long)]
         reserve: bool,
+        /// Bytes of buffers each process may hold at most (e.g. 256MiB).
+        #[arg(long, value_parser = parse_size)]
+        process_quota: Option<u64>,
+        /// A tenant and its quota, NAME=SIZE (repeat for more, at most 16):
+        /// processes that attach as it share the quota.
+        #[arg(long = "tenant", value_name = "NAME=SIZE", value_parser = parse_tenant)]
+        tenants: Vec<(String, u64)>,
     },
     /// Show the pool's format and geometry.
     Info {
@@ -121,6 +136,8 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             ring_size,
             group,
             reserve,
+            process_quota,
+            tenants,
         } => {
             let path = target.path();
             let cfg = PoolConfig {
@@ -137,6 +154,8 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 name: target.name.clone(),
                 group,
                 reserve,
+                process_quota,
+                tenants,
             };
             Pool::create(&path, &cfg)
                 .with_context(|| format!("creating pool {}", path.display()))?;
@@ -216,6 +235,18 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 r.slots_live, r.slots_dead, r.slots_total, counters.slots_reclaimed
             );
             println!("cow     pages copied {}", counters.cow_copies);
+            let ps = dm_pool::layout_of(&path)?.page_size as u64;
+            for q in &r.quotas {
+                let quota = match q.quota_pages {
+                    0 => "no quota".to_owned(),
+                    n => format!("of {}", fmt_size(n * ps)),
+                };
+                println!(
+                    "quota   {}: {} held, {quota}",
+                    q.who,
+                    fmt_size(q.held_pages * ps)
+                );
+            }
             println!(
                 "rpc     services {}  channels open {}  (dmrpc ls for the list)",
                 r.services, r.channels

@@ -1,0 +1,178 @@
+//! Quotas: per process (set for the pool and per attach) and per tenant
+//! (shared by the processes that attach as it, across processes). Past a
+//! quota an allocation or a mapping is `ResourceExhausted` naming it, and
+//! the pool stays usable; what is freed, turned into a Ref, or held by a
+//! process that died is given back.
+#![cfg(not(loom))]
+#![allow(clippy::unwrap_used)]
+
+use dm_pool::testing::TempPool;
+use dm_pool::{AttachOptions, Error, PoolConfig};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+
+const PAGE: u64 = 4096;
+
+fn pool() -> TempPool {
+    TempPool::with(PoolConfig {
+        size: 16 << 20,
+        process_quota: Some(64 * PAGE),
+        tenants: vec![("shop".into(), 96 * PAGE), ("search".into(), 1 << 20)],
+        ..Default::default()
+    })
+}
+
+fn quota_error(e: &Error) -> Option<&'static str> {
+    match e {
+        Error::ResourceExhausted { what } => Some(what),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_process_quota_bounds_its_buffers_and_gives_back_what_is_freed() {
+    let tp = pool();
+    let p = tp.attach();
+    let a = p.alloc(48 * PAGE).unwrap();
+    let e = p.alloc(32 * PAGE).unwrap_err();
+    assert_eq!(quota_error(&e), Some("process quota"), "{e}");
+    assert!(e.to_string().contains("--process-quota"), "{e}");
+    // Nothing was taken by the refusal: 16 pages are still free to take.
+    let b = p.alloc(16 * PAGE).unwrap();
+    // A buffer turned into a Ref leaves the quota (a Ref is bounded by
+    // its TTL); mapping it back charges again.
+    let r = p.into_ref(a).unwrap();
+    let c = p.alloc(48 * PAGE).unwrap();
+    let e = p.map_ref(&r).unwrap_err();
+    assert_eq!(quota_error(&e), Some("process quota"), "{e}");
+    p.free(c).unwrap();
+    let m = p.map_ref(&r).unwrap();
+    assert_eq!(m.len(), 48 * PAGE);
+    drop((m, b));
+    p.release_ref(&r).unwrap();
+    // An attach may ask for less than the pool's quota, never more.
+    let small = tp.attach_with(AttachOptions {
+        quota: Some(8 * PAGE),
+        ..Default::default()
+    });
+    assert!(small.alloc(9 * PAGE).is_err());
+    small.free(small.alloc(8 * PAGE).unwrap()).unwrap();
+    let big = tp.attach_with(AttachOptions {
+        quota: Some(1 << 30),
+        ..Default::default()
+    });
+    assert!(
+        big.alloc(65 * PAGE).is_err(),
+        "the pool's quota still holds"
+    );
+    drop((p, small, big));
+    tp.assert_clean();
+}
+
+#[test]
+fn an_unknown_tenant_is_refused_naming_the_tenants() {
+    let tp = pool();
+    let e = dm_pool::Pool::open(
+        &tp.path,
+        AttachOptions {
+            tenant: Some("ads".into()),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+    let m = e.to_string();
+    assert!(
+        m.contains("shop") && m.contains("search") && m.contains("--tenant"),
+        "{m}"
+    );
+}
+
+#[test]
+fn pool_configs_with_bad_tenants_are_refused() {
+    for tenants in [
+        vec![("".to_owned(), 1u64 << 20)],
+        vec![("x".repeat(25), 1 << 20)],
+        vec![("a".into(), 0)],
+        vec![("a".into(), 1 << 20), ("a".into(), 1 << 20)],
+        (0..17).map(|i| (format!("t{i}"), 1 << 20)).collect(),
+    ] {
+        let cfg = PoolConfig {
+            size: 16 << 20,
+            tenants: tenants.clone(),
+            ..Default::default()
+        };
+        let path = std::env::temp_dir().join(format!("dm-quota-bad-{}", std::process::id()));
+        let e = dm_pool::Pool::create(&path, &cfg).unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig(_)), "{tenants:?}: {e}");
+        assert!(!path.exists());
+    }
+}
+
+/// An agent process attached as tenant `shop`; its commands and answers.
+struct Agent {
+    child: std::process::Child,
+    input: std::process::ChildStdin,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Agent {
+    fn start(tp: &TempPool, tenant: &str) -> Agent {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dm-pool-agent"))
+            .arg(&tp.path)
+            .env("DMRPC_TENANT", tenant)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let input = child.stdin.take().unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut hello = String::new();
+        out.read_line(&mut hello).unwrap();
+        assert!(hello.starts_with("ok slot"), "{hello}");
+        Agent { child, input, out }
+    }
+
+    fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.input, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        line.trim().to_owned()
+    }
+}
+
+/// Two processes of one tenant share its quota; a third of another
+/// tenant does not; a killed process's charge goes back to its tenant.
+#[test]
+fn a_tenant_quota_is_shared_by_its_processes() {
+    let tp = pool();
+    let mut a = Agent::start(&tp, "shop");
+    let mut b = Agent::start(&tp, "shop");
+    let mut c = Agent::start(&tp, "search");
+    assert!(a.ask(&format!("alloc {}", 60 * PAGE)).starts_with("ok "));
+    let refused = b.ask(&format!("alloc {}", 40 * PAGE));
+    assert!(refused.contains("tenant quota"), "{refused}");
+    assert!(b.ask(&format!("alloc {}", 36 * PAGE)).starts_with("ok "));
+    assert!(c.ask(&format!("alloc {}", 60 * PAGE)).starts_with("ok "));
+    let shop = |tp: &TempPool| {
+        let r = dm_pool::check_path(&tp.path, false).unwrap();
+        r.quotas
+            .iter()
+            .find(|q| q.who == "tenant shop")
+            .map(|q| (q.held_pages, q.quota_pages))
+            .unwrap()
+    };
+    assert_eq!(shop(&tp), (96, 96));
+    // Killed: its 60 pages go back to the tenant when it is reclaimed.
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    dm_pool::gc_path(&tp.path).unwrap();
+    assert_eq!(shop(&tp), (36, 96));
+    assert!(b.ask(&format!("alloc {}", 28 * PAGE)).starts_with("ok "));
+    for mut x in [b, c] {
+        x.ask("exit");
+        x.child.wait().unwrap();
+    }
+    assert_eq!(shop(&tp), (0, 96));
+    tp.assert_clean();
+}
