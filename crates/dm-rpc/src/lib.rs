@@ -145,6 +145,7 @@ pub use server::{
 #[cfg(not(loom))]
 pub use stream::{AsyncSink, AsyncStreaming, Sink, Streaming};
 /// What a TCP server takes from its clients ([`Config::tcp_limits`]).
+#[cfg(not(loom))]
 pub use transport::tcp::TcpLimits;
 pub use wait::WaitPolicy;
 
