@@ -18,6 +18,20 @@ use std::path::Path;
 /// other process is attached, recounts every page from the descriptors and
 /// repairs what an ill-timed crash leaked.
 pub fn gc_path(path: &Path) -> Result<GcReport> {
+    gc_path_with(path, false)
+}
+
+/// [`gc_path`], and first, with `now`, ends the quarantine of processes
+/// whose lease ran out ([`PoolConfig::quarantine_ms`](crate::PoolConfig::quarantine_ms)):
+/// the operator says they are gone, not stopped.
+pub fn gc_path_with(path: &Path, now: bool) -> Result<GcReport> {
+    if now {
+        Shm::open(path, dm_sys::mem::Access::Own)?.end_quarantines();
+    }
+    gc_inner(path)
+}
+
+fn gc_inner(path: &Path) -> Result<GcReport> {
     let pool = Pool::open(
         path,
         AttachOptions {

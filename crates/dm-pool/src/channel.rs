@@ -176,8 +176,17 @@ impl Shm {
                 let (s, inc) = unword(a.load(Ordering::Acquire));
                 self.slot_is(s, inc, now)
             };
+            // An end whose owner is in quarantine may still be written:
+            // closed, but its rings are not reused yet.
+            let held = |a: &AtomicU64| {
+                let (s, inc) = unword(a.load(Ordering::Acquire));
+                self.slot(s)
+                    .is_some_and(|sl| self.in_quarantine(sl, Some(inc), now))
+            };
             let to = match kind {
-                OPENING if !alive(&c.client) => st(gen.wrapping_add(1), FREE, 0),
+                OPENING if !alive(&c.client) && !held(&c.client) => {
+                    st(gen.wrapping_add(1), FREE, 0)
+                }
                 OPEN => {
                     let mut f = flags;
                     if f & CLIENT_CLOSED == 0 && !alive(&c.client) {
@@ -186,7 +195,10 @@ impl Shm {
                     if f & SERVER_CLOSED == 0 && !alive(&c.server) {
                         f |= SERVER_CLOSED;
                     }
-                    if f & (CLIENT_CLOSED | SERVER_CLOSED) == CLIENT_CLOSED | SERVER_CLOSED {
+                    if f & (CLIENT_CLOSED | SERVER_CLOSED) == CLIENT_CLOSED | SERVER_CLOSED
+                        && !held(&c.client)
+                        && !held(&c.server)
+                    {
                         st(gen.wrapping_add(1), FREE, 0)
                     } else if f != flags {
                         st(gen, OPEN, f)

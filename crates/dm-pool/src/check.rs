@@ -308,6 +308,14 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
         let Some(slot) = shm.slot(s) else { continue };
         let st = SlotState::decode(slot.state.load(Ordering::Acquire));
         match st.kind {
+            Some(SlotKind::Live) if shm.in_quarantine(slot, None, now) => {
+                rep.slots_dead += 1;
+                problems.push(format!(
+                    "slot {s} (pid {}): lease expired, holdings kept in quarantine in case it \
+                     was only stopped (`dmrpc pool gc --now` reclaims them if it is gone)",
+                    slot.pid.load(Ordering::Relaxed)
+                ));
+            }
             Some(SlotKind::Live) if shm.slot_expired(slot, now) => {
                 rep.slots_dead += 1;
                 problems.push(format!(

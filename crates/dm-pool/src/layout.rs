@@ -191,6 +191,11 @@ pub(crate) struct HeaderAtomics {
     /// creator; replaced, under `maint`, by the first process of another
     /// boot once no process of the old one is alive (since format 7).
     pub ref_clock_host: AtomicU64,
+    /// How long a slot judged by its lease is kept after its lease ran
+    /// out before its holdings are reused, in ms (`Shm::in_quarantine`;
+    /// since the quarantine was added to format 7, so 0, none, in pools
+    /// created before).
+    pub quarantine_ms: AtomicU64,
 }
 
 /// Where the quota table lies in the header (after the atomics; zeros in
@@ -316,6 +321,13 @@ pub struct PoolConfig {
     /// tenant (`AttachOptions::tenant`) share its quota. At most
     /// [`MAX_TENANTS`], names of 1 to [`TENANT_NAME_MAX`] bytes.
     pub tenants: Vec<(String, u64)>,
+    /// How long the holdings of a process judged by its lease (of another
+    /// host or PID namespace) are kept after its lease ran out, in ms,
+    /// before others reuse them: a process that was only stopped and
+    /// resumes within it loses nothing and overwrites no one. Default
+    /// 30 s. 0: reused at once (a stopped process that resumes later may
+    /// store into pages handed to another).
+    pub quarantine_ms: u64,
 }
 
 impl Default for PoolConfig {
@@ -336,6 +348,7 @@ impl Default for PoolConfig {
             reserve: false,
             process_quota: None,
             tenants: Vec::new(),
+            quarantine_ms: 30_000,
         }
     }
 }

@@ -110,7 +110,7 @@ mod shm;
 pub mod testing;
 
 #[cfg(not(loom))]
-pub use admin::{gc_path, layout_of, ref_clock_is_ours, services_at};
+pub use admin::{gc_path, gc_path_with, layout_of, ref_clock_is_ours, services_at};
 #[cfg(not(loom))]
 pub use channel::{ChannelId, ChannelMemory, Closing, Peer, Side};
 #[cfg(not(loom))]

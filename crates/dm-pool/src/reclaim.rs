@@ -458,7 +458,9 @@ impl Core {
         let w = slot.state.load(Ordering::Acquire);
         let st = SlotState::decode(w);
         let dead = match st.kind {
-            Some(SlotKind::Live) => self.shm.slot_expired(slot, now),
+            Some(SlotKind::Live) => {
+                self.shm.slot_expired(slot, now) && !self.shm.in_quarantine(slot, None, now)
+            }
             Some(SlotKind::Reclaiming) => {
                 st.reclaimer != s && !self.shm.slot_live(st.reclaimer, now)
             }

@@ -96,6 +96,9 @@ impl Shm {
         }
         shm.init_quotas(cfg);
         shm.atomics()
+            .quarantine_ms
+            .store(cfg.quarantine_ms, Ordering::Relaxed);
+        shm.atomics()
             .ref_clock_host
             .store(host_id(), Ordering::Relaxed);
         shm.atomics().ready.store(READY, Ordering::Release);
@@ -486,6 +489,58 @@ impl Shm {
         };
         hb.saturating_add(slot.lease_ms.load(Ordering::Relaxed))
             .saturating_sub(now)
+    }
+
+    /// Whether slot `slot`, of incarnation `inc`, is in quarantine at
+    /// `now`: live, judged by its lease (another host or PID namespace, or
+    /// [`AttachOptions::lease_only`](crate::AttachOptions::lease_only)),
+    /// expired, and expired for less than the pool's quarantine
+    /// ([`PoolConfig::quarantine_ms`](crate::PoolConfig::quarantine_ms)).
+    ///
+    /// Such a process may only be stopped (a debugger, a frozen VM) and
+    /// resume storing through its mappings: its pages and the rings of its
+    /// channels are not reused until the quarantine ends. Its names are
+    /// free at once (a name holds no memory). A process that resumes
+    /// within the quarantine renews its lease and loses nothing.
+    pub(crate) fn in_quarantine(&self, slot: &Slot, inc: Option<u32>, now: LeaseNow) -> bool {
+        let st = SlotState::decode(slot.state.load(Ordering::Acquire));
+        if st.kind != Some(SlotKind::Live) || inc.is_some_and(|i| i != st.incarnation) {
+            return false;
+        }
+        let q = self.atomics().quarantine_ms.load(Ordering::Relaxed);
+        if q == 0 || !self.slot_expired(slot, now) {
+            return false;
+        }
+        let here = slot.host.load(Ordering::Relaxed) == host_id();
+        let ns = slot.pid_ns.load(Ordering::Relaxed);
+        if here && ns != 0 && ns == dm_sys::proc::pid_namespace() {
+            // Judged by its process, which is gone: nothing can resume.
+            return false;
+        }
+        let (hb, now) = if here {
+            (slot.heartbeat_mono_ms.load(Ordering::Acquire), now.mono_ms)
+        } else {
+            (slot.heartbeat_ms.load(Ordering::Acquire), now.wall_ms)
+        };
+        let lease = slot.lease_ms.load(Ordering::Relaxed);
+        now <= hb.saturating_add(lease).saturating_add(q)
+    }
+
+    /// Ends the quarantine of every slot in it now (the operator knows
+    /// their processes are gone: `dmrpc pool gc --now`): their heartbeats
+    /// are set far enough back. Returns how many.
+    pub(crate) fn end_quarantines(&self) -> u64 {
+        let now = LeaseNow::read();
+        let mut n = 0;
+        for s in 0..self.layout.n_slots as u16 {
+            let Some(slot) = self.slot(s) else { break };
+            if self.in_quarantine(slot, None, now) {
+                slot.heartbeat_ms.store(0, Ordering::Release);
+                slot.heartbeat_mono_ms.store(0, Ordering::Release);
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Whether a live slot's lease has expired (or its process is gone).

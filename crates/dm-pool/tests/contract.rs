@@ -7,6 +7,16 @@ use common::TempPool;
 use dm_pool::{AttachOptions, Error, MappedBuffer, Pool, PoolConfig, Ref};
 use std::time::Duration;
 
+/// A pool whose processes judged by their lease are reclaimed as soon as
+/// it runs out (no quarantine), for tests of what follows a death.
+fn no_quarantine() -> TempPool {
+    TempPool::with(PoolConfig {
+        size: 16 << 20,
+        quarantine_ms: 0,
+        ..Default::default()
+    })
+}
+
 /// The conformance suite every backend runs (the memory server runs it
 /// too), on two attachments of one pool plus a foreign pool. The tests
 /// below are the pool's own: its layout, files, faults and limits.
@@ -348,7 +358,8 @@ fn pool_on_a_regular_disk_file() {
 #[test]
 fn registry_names_and_channel_lifecycle() {
     use dm_pool::{Endpoint, Peer, Side};
-    let tp = TempPool::new(16 << 20);
+    // Its dying processes are judged by their lease: reused at once.
+    let tp = no_quarantine();
     let server = tp.attach();
     let client = tp.attach();
     assert!(matches!(
@@ -464,6 +475,7 @@ fn registry_names_and_channel_lifecycle() {
 fn an_opener_frees_dead_channels_and_sees_the_closing_ones() {
     use dm_pool::{Closing, Endpoint, Peer, Side};
     let tp = TempPool::with(PoolConfig {
+        quarantine_ms: 0,
         size: 16 << 20,
         channels: Some(2),
         ring_size: 16 << 10,
@@ -579,7 +591,8 @@ fn recycled_pages_read_zero_where_not_written() {
 #[test]
 fn a_name_has_any_number_of_replicas_or_one_exclusive_registration() {
     use dm_pool::Endpoint;
-    let tp = TempPool::new(16 << 20);
+    // Its dying processes are judged by their lease: reused at once.
+    let tp = no_quarantine();
     let (a, b, c) = (tp.attach(), tp.attach(), tp.attach());
     let name = "shop/images/worker";
     let ra = a.register_replica(name, &Endpoint::Shm).unwrap();

@@ -1,7 +1,9 @@
 //! An interactive pool client for multi-process tests and debugging.
 //!
 //! `dm-pool-agent POOL_PATH [LEASE_MS]` attaches (as the tenant named by
-//! `DMRPC_TENANT`, if set) and reads one command per line on stdin,
+//! `DMRPC_TENANT`, if set; judged by its lease alone, as a process of
+//! another host, if `DMRPC_LEASE_ONLY` is set) and reads one command per
+//! line on stdin,
 //! answering `ok [values]` or `err <kind>: <message>` on stdout:
 //!
 //! ```text
@@ -321,6 +323,7 @@ mod agent {
                 name: Some("dm-pool-agent".into()),
                 reclaim: std::env::var_os("DMRPC_AGENT_NO_RECLAIM").is_none(),
                 tenant: std::env::var("DMRPC_TENANT").ok(),
+                lease_only: std::env::var_os("DMRPC_LEASE_ONLY").is_some(),
                 ..Default::default()
             },
         ) {

@@ -364,12 +364,16 @@ mod tests {
         slot.host.store(host ^ 1, Ordering::Relaxed);
         assert!(!shm.slot_live(s, LeaseNow::read()));
         slot.host.store(host, Ordering::Relaxed);
-        // A process that stopped renewing for longer than its lease is
-        // dead even if its wall-clock heartbeat (stepped back) looks new.
+        // A process that stopped renewing for longer than its lease (and
+        // the pool's quarantine) is dead even if its wall-clock heartbeat
+        // (stepped back) looks new.
         slot.heartbeat_ms
             .store(now.wall_ms + 3_600_000, Ordering::Release);
-        slot.heartbeat_mono_ms
-            .store(now.mono_ms - 2 * lease, Ordering::Release);
+        let quarantine = crate::PoolConfig::default().quarantine_ms;
+        slot.heartbeat_mono_ms.store(
+            now.mono_ms.saturating_sub(2 * lease + quarantine),
+            Ordering::Release,
+        );
         assert!(!shm.slot_live(s, LeaseNow::read()));
         assert_eq!(watcher.maintain().unwrap().slots_reclaimed, 1);
         assert!(watched.inner.live().is_err(), "its lease is lost");

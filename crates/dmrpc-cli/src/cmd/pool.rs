@@ -87,6 +87,11 @@ pub enum PoolCmd {
         /// processes that attach as it share the quota.
         #[arg(long = "tenant", value_name = "NAME=SIZE", value_parser = parse_tenant)]
         tenants: Vec<(String, u64)>,
+        /// How long the holdings of a process of another host or PID
+        /// namespace are kept after its lease ran out, in case it was only
+        /// stopped and resumes storing into them (0: reused at once).
+        #[arg(long, default_value_t = 30)]
+        quarantine_secs: u64,
     },
     /// Show the pool's format and geometry.
     Info {
@@ -113,6 +118,10 @@ pub enum PoolCmd {
     Gc {
         #[command(flatten)]
         target: Target,
+        /// Also reclaim processes in quarantine (lease expired, holdings
+        /// kept in case they were only stopped): say so when they are gone.
+        #[arg(long)]
+        now: bool,
     },
     /// Remove the pool's backing file.
     Destroy {
@@ -138,6 +147,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             reserve,
             process_quota,
             tenants,
+            quarantine_secs,
         } => {
             let path = target.path();
             let cfg = PoolConfig {
@@ -156,6 +166,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 reserve,
                 process_quota,
                 tenants,
+                quarantine_ms: quarantine_secs.saturating_mul(1000),
             };
             Pool::create(&path, &cfg)
                 .with_context(|| format!("creating pool {}", path.display()))?;
@@ -269,10 +280,10 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        PoolCmd::Gc { target } => {
+        PoolCmd::Gc { target, now } => {
             let path = target.path();
-            let g =
-                dm_pool::gc_path(&path).with_context(|| format!("opening {}", path.display()))?;
+            let g = dm_pool::gc_path_with(&path, now)
+                .with_context(|| format!("opening {}", path.display()))?;
             println!(
                 "gc: {} dead slot(s) reclaimed, {} expired Ref(s) reclaimed, recount {}{}",
                 g.slots_reclaimed,
