@@ -59,6 +59,105 @@ fn alloc_loop(pool: &Pool, n: u64) -> Result<()> {
     Ok(())
 }
 
+/// Sharing `src`: create_ref here, map_ref + unmap in the peer, release
+/// here, for `budget` (at least 5 times): each time's create_ref, map_ref
+/// and whole round, in ns.
+fn share_loop(
+    pool: &Pool,
+    peer: &mut Peer,
+    src: &dm_pool::Buffer,
+    budget: Duration,
+) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+    let (mut create, mut map, mut total) = (Vec::new(), Vec::new(), Vec::new());
+    let t_end = Instant::now() + budget;
+    while create.len() < 5 || (Instant::now() < t_end && create.len() < 5_000) {
+        let t = Instant::now();
+        let r = src.share()?;
+        let c = t.elapsed().as_nanos() as f64;
+        peer.send(&format!("map {}", hex(&r.to_bytes())))?;
+        let nums = peer.ok_nums()?;
+        let t = Instant::now();
+        pool.release_ref(&r)?;
+        let rel = t.elapsed().as_nanos() as f64;
+        let (m, f) = (
+            nums.first().copied().unwrap_or(f64::NAN),
+            nums.get(1).copied().unwrap_or(f64::NAN),
+        );
+        create.push(c);
+        map.push(m);
+        total.push(c + m + f + rel);
+    }
+    Ok((create, map, total))
+}
+
+/// The same sharing on a pool with quotas (a process quota, and both
+/// processes in one tenant) against the pool without, alternated three
+/// times per size: what quota accounting costs. Rows of medians.
+fn quota_cost(pool: &Pool, peer: &mut Peer, budget: Duration, sizes: &[u64]) -> Result<Vec<Obj>> {
+    let path = PathBuf::from(format!(
+        "/dev/shm/dmrpc-bench-cow-quota-{}.pool",
+        std::process::id()
+    ));
+    let _guard = TempFile(path.clone());
+    let size = 256 << 20;
+    Pool::create(
+        &path,
+        &PoolConfig {
+            size,
+            name: "bench-cow-quota".into(),
+            process_quota: Some(size),
+            tenants: vec![("bench".into(), size)],
+            ..Default::default()
+        },
+    )?;
+    let quota = Pool::open(
+        &path,
+        AttachOptions {
+            prefault: true,
+            batch: 1024,
+            tenant: Some("bench".into()),
+            ..Default::default()
+        },
+    )?;
+    let mut qpeer = Peer::spawn(&path, &[("DMRPC_BENCH_TENANT", "bench")])?;
+    say!("\nwith quotas (a process quota, and both processes in one tenant) against without, alternated 3 times (medians of the share totals)");
+    say!(
+        "{:>9} {:>13} {:>13} {:>8}",
+        "size",
+        "no quota",
+        "quotas",
+        "ratio"
+    );
+    let mut rows = Vec::new();
+    for &n in sizes {
+        let data: Vec<u8> = (0..n).map(|i| i as u8).collect();
+        let mut a = pool.alloc(n)?;
+        a.write(0, &data)?;
+        let mut b = quota.alloc(n)?;
+        b.write(0, &data)?;
+        let (mut open, mut quoted) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            open.push(median(&mut share_loop(pool, peer, &a, budget)?.2));
+            quoted.push(median(&mut share_loop(&quota, &mut qpeer, &b, budget)?.2));
+        }
+        let (o, q) = (median(&mut open), median(&mut quoted));
+        say!(
+            "{:>9} {:>10.2} us {:>10.2} us {:>7.2}x",
+            fmt_size(n),
+            o / 1e3,
+            q / 1e3,
+            q / o
+        );
+        let mut r = Obj::default();
+        r.num("size", n as f64);
+        r.num("share_total_ns", o);
+        r.num("share_total_with_quotas_ns", q);
+        r.num("quotas_over_none", q / o);
+        rows.push(r);
+    }
+    Ok(rows)
+}
+
 pub fn run(a: &BenchArgs) -> Result<()> {
     let max = if a.quick { 16 << 20 } else { 64 << 20 };
     let budget = Duration::from_millis(if a.quick { 150 } else { 600 });
@@ -117,26 +216,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             black_box(&dst);
             copy.push(t.elapsed().as_nanos() as f64);
         }
-        // Sharing: create_ref here, map_ref + unmap in the peer, release here.
-        let (mut create, mut map, mut total) = (Vec::new(), Vec::new(), Vec::new());
-        let t_end = Instant::now() + budget;
-        while create.len() < 5 || (Instant::now() < t_end && create.len() < 5_000) {
-            let t = Instant::now();
-            let r = src.share()?;
-            let c = t.elapsed().as_nanos() as f64;
-            peer.send(&format!("map {}", hex(&r.to_bytes())))?;
-            let nums = peer.ok_nums()?;
-            let t = Instant::now();
-            pool.release_ref(&r)?;
-            let rel = t.elapsed().as_nanos() as f64;
-            let (m, f) = (
-                nums.first().copied().unwrap_or(f64::NAN),
-                nums.get(1).copied().unwrap_or(f64::NAN),
-            );
-            create.push(c);
-            map.push(m);
-            total.push(c + m + f + rel);
-        }
+        let (mut create, mut map, mut total) = share_loop(&pool, &mut peer, &src, budget)?;
         drop(view);
         let (copy_ns, create_ns, map_ns, share_ns) = (
             median(&mut copy),
@@ -213,6 +293,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         one / 1e6,
         two / 1e6
     );
+    let quota_rows = quota_cost(&pool, &mut peer, budget, &[4096, 64 << 10, 1 << 20])?;
     drop(peer);
     let rep = pool.check();
     if !rep.ok() {
@@ -224,6 +305,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let mut res = Obj::default();
     res.str("benchmark", "cow");
     res.arr("network", &net_rows);
+    res.arr("quotas", &quota_rows);
     res.str("method", "median; copy = memcpy into a pre-faulted private buffer; share = create_ref + map_ref and unmap in another process + release_ref");
     res.obj("machine", &super::machine());
     res.arr("sizes", &rows);

@@ -50,6 +50,7 @@ pub fn peer(a: PeerArgs) -> Result<()> {
         AttachOptions {
             prefault: true,
             name: Some("bench-peer".into()),
+            tenant: std::env::var("DMRPC_BENCH_TENANT").ok(),
             ..Default::default()
         },
     )?;
@@ -79,11 +80,12 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                     pool.clone(),
                     Config {
                         wait: policy(pol)?,
+                        tcp_key: (fourth.as_deref() == Some("tcpkey")).then(bench_key),
                         ..Default::default()
                     },
                 );
                 let transport = match fourth.as_deref() {
-                    Some("tcp") => Transport::Tcp("127.0.0.1:0".into()),
+                    Some("tcp" | "tcpkey") => Transport::Tcp("127.0.0.1:0".into()),
                     _ => Transport::Shm,
                 };
                 servers.push(
@@ -707,4 +709,10 @@ pub fn request(pool: &Pool, mode: &str, data: &[u8]) -> Result<Payload> {
     } else {
         Payload::from_vec(data.to_vec())
     })
+}
+
+/// The access key of the benchmarks' keyed TCP services: the same on both
+/// ends, and no secret (it measures what proving a key costs).
+pub fn bench_key() -> dm_pool::auth::Key {
+    dm_pool::auth::Key::from_bytes(*b"dmrpc bench: what a key costs..!")
 }

@@ -309,6 +309,41 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let (v, wall) = timed_async(&c, n / 4)?;
     rows.push(row("dmrpc tcp async (loopback)", 0, &dist(v, wall), f50));
     drop(c);
+    // The same with an access key on both ends, against the open service,
+    // alternated (medians of the p50s).
+    let kname = format!("bench/rtt/{id}/tcpkey");
+    peer.cmd(&format!("serve {kname} default tcpkey"))?;
+    let open = Node::new(pool.clone()).connect(&name)?;
+    let keyed = Node::with_config(
+        pool.clone(),
+        dm_rpc::Config {
+            tcp_key: Some(super::peer::bench_key()),
+            ..Default::default()
+        },
+    )
+    .connect(&kname)?;
+    let (mut po, mut pk) = (Vec::new(), Vec::new());
+    let mut keyed_dist = None;
+    for _ in 0..3 {
+        for (c, p) in [(&open, &mut po), (&keyed, &mut pk)] {
+            let (v, wall) = timed(n / 8, || {
+                c.call("noop", Payload::empty())?;
+                Ok(())
+            })?;
+            let d = dist(v, wall);
+            p.push(d.p50);
+            if std::ptr::eq(c, &keyed) {
+                keyed_dist = Some(d);
+            }
+        }
+    }
+    let (po, pk) = (percentile(&mut po, 0.5), percentile(&mut pk, 0.5));
+    if let Some(d) = keyed_dist {
+        rows.push(row("dmrpc tcp with a key (loopback)", 0, &d, f50));
+    }
+    say!("tcp with an access key: p50 {pk:.0} ns against {po:.0} ns open ({:.2}x; medians of 3 alternated rounds)", pk / po);
+    let tcp_keyed_over_open = pk / po;
+    drop((open, keyed));
     peer.cmd("unserve")?;
 
     // gRPC (tonic) in the peer process, over loopback TCP and a Unix
@@ -503,6 +538,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         },
     );
     res.num("tonic_tcp_p50_over_dmrpc_shm_p50", over_grpc);
+    res.num("tcp_keyed_p50_over_open", tcp_keyed_over_open);
     res.num("iceoryx2_p50_over_dmrpc_shm_p50", over_iox);
     let ratios: Vec<Obj> = echo_ratios
         .iter()
