@@ -315,12 +315,27 @@ unsafe fn resolve_in(win: &Window, addr: usize) -> bool {
             std::slice::from_raw_parts(win.stripes, crate::pages::stripes_for(win.n_pages) as usize)
         },
     );
+    // Another thread of this process holds it for one page's copy. Held
+    // for seconds, it was scribbled on (the word is in the shared pool):
+    // the fault is passed on rather than waited for forever.
+    let mut spins = 0u32;
+    let mut since = None;
     while d
         .lock
         .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
         .is_err()
     {
-        std::hint::spin_loop();
+        spins += 1;
+        if spins < 1024 {
+            std::hint::spin_loop();
+            continue;
+        }
+        let now = dm_sys::time::monotonic_ms();
+        if now.saturating_sub(*since.get_or_insert(now)) > LOCK_WAIT_MS {
+            return ends_saying(LOCK_MSG);
+        }
+        // SAFETY: sched_yield is async-signal-safe.
+        unsafe { libc_yield() };
     }
     // SAFETY: per the contract.
     let ok = unsafe { cow_one(win, d, t, cursor, k, page_addr) };
@@ -441,6 +456,14 @@ const NO_MAPPING_MSG: &[u8] = b"dmrpc: a store into a mapped buffer needs one mo
 (copy-on-write) and the kernel refused it (the process is at vm.max_map_count, or out of \
 memory), so the process ends. Raise vm.max_map_count (sysctl), map fewer or smaller buffers, or \
 write through explicit buffers.\n";
+
+/// The longest a fault waits for its buffer's lock, in ms.
+const LOCK_WAIT_MS: u64 = 2000;
+
+/// Said when a buffer's lock stays held (pool metadata scribbled on).
+const LOCK_MSG: &[u8] = b"dmrpc: a store into a mapped buffer waited over 2 s for the buffer's \
+lock in the pool, which no thread of this process holds that long: the pool's metadata was \
+overwritten. The process ends; run `dmrpc pool check`.\n";
 
 /// Writes `msg` to stderr and declines the fault (async-signal-safe).
 fn ends_saying(msg: &[u8]) -> bool {

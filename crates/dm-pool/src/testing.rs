@@ -127,3 +127,11 @@ pub fn stop_creating_ref(pool: &Pool, buf: &crate::Buffer) -> crate::Result<()> 
 pub fn stop_sealing(pool: &Pool, buf: crate::Buffer) -> crate::Result<()> {
     pool.seal_stop_before_commit(buf)
 }
+
+/// Sets the lock word of `buf`'s descriptor, as a process with write
+/// access to the pool file could; for tests of what a fault does then.
+pub fn scribble_desc_lock(pool: &Pool, buf: &crate::Buffer, v: u32) -> crate::Result<()> {
+    let d = pool.inner.desc(buf.desc_index())?;
+    d.lock.store(v, std::sync::atomic::Ordering::Release);
+    Ok(())
+}

@@ -68,6 +68,38 @@ fn a_fault_that_is_not_the_hooks_kills_even_when_sigsegv_is_ignored() {
     tp.assert_clean();
 }
 
+/// Runs this test binary's test `name` as a child with `env` set to
+/// `path`, killed if it runs past 20 s: its status, stdout and stderr.
+fn run_child(
+    name: &str,
+    env: &str,
+    path: &std::path::Path,
+) -> (std::process::ExitStatus, String, String) {
+    use std::io::Read;
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture"])
+        .env(env, path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(20);
+    let st = loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > until {
+            let _ = c.kill();
+            panic!("the child {name} runs forever");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (st, out, err)
+}
+
 const MAPS_CHILD: &str = "DMRPC_FAULT_TEST_MAPS_CHILD";
 
 /// The child: a mapped buffer, then every memory mapping the kernel gives
@@ -117,22 +149,14 @@ fn a_store_beyond_the_mapping_limit_ends_with_a_message() {
         return;
     }
     let tp = TempPool::new(16 << 20);
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_store_beyond_the_mapping_limit_ends_with_a_message",
-            "--nocapture",
-        ])
-        .env(MAPS_CHILD, &tp.path)
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let (status, stdout, stderr) = run_child(
+        "a_store_beyond_the_mapping_limit_ends_with_a_message",
+        MAPS_CHILD,
+        &tp.path,
     );
     assert!(stdout.contains("took"), "{stdout} {stderr}");
     assert!(!stdout.contains("survived"), "{stdout}");
-    assert_eq!(out.status.signal(), Some(libc::SIGSEGV), "{:?}", out.status);
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
     assert!(stderr.contains("vm.max_map_count"), "{stderr}");
     // What remains is the Ref it made (in flight until its TTL): its 16
     // pages, and nothing of the buffers or the refused copy.
@@ -140,4 +164,39 @@ fn a_store_beyond_the_mapping_limit_ends_with_a_message() {
     let report = dm_pool::check_path(&tp.path, false).unwrap();
     assert!(report.ok(), "{report:?}");
     assert_eq!((report.refs_live, report.pages_held), (1, 16), "{report:?}");
+}
+
+const LOCK_CHILD: &str = "DMRPC_FAULT_TEST_LOCK_CHILD";
+
+/// A mapped buffer whose lock word in the pool was scribbled on (held by
+/// no thread): a store waits a bounded time, then the process ends with a
+/// message, instead of spinning in the fault handler forever.
+#[test]
+fn a_store_never_waits_forever_for_a_scribbled_lock() {
+    if let Ok(path) = std::env::var(LOCK_CHILD) {
+        let pool = dm_pool::Pool::open(path.as_ref(), Default::default()).unwrap();
+        let mut b = pool.alloc(8192).unwrap();
+        b.write(0, b"x").unwrap();
+        let r = b.share().unwrap();
+        let mut m = MappedBuffer::map_ref(&pool, &r).unwrap();
+        dm_pool::testing::scribble_desc_lock(&pool, m.buffer(), 1).unwrap();
+        println!("scribbled");
+        m.as_mut_slice()[0] = b'y';
+        println!("survived");
+        return;
+    }
+    let tp = TempPool::new(16 << 20);
+    let (status, stdout, stderr) = run_child(
+        "a_store_never_waits_forever_for_a_scribbled_lock",
+        LOCK_CHILD,
+        &tp.path,
+    );
+    assert!(
+        stdout.contains("scribbled") && !stdout.contains("survived"),
+        "{stdout}"
+    );
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
+    assert!(stderr.contains("lock"), "{stderr}");
+    dm_pool::gc_path(&tp.path).unwrap();
+    assert!(dm_pool::check_path(&tp.path, false).unwrap().ok());
 }
