@@ -320,3 +320,27 @@ fn an_unauthenticated_session_cannot_be_held_open() {
     };
     assert!(dropped, "still open after {:?}", t.elapsed());
 }
+
+/// Without an admin key, admin operations are for clients of the
+/// server's host that hold the client key, not for any local process.
+#[test]
+fn without_an_admin_key_admin_operations_need_this_host_and_the_key() {
+    let s = Server::start(Config {
+        key: Some(key("the cluster's memory key")),
+        ..Default::default()
+    })
+    .unwrap();
+    let addr = [s.addr().to_string()];
+    let anyone = MemPool::connect(&addr).unwrap();
+    assert!(matches!(
+        anyone.check_servers(),
+        Err(Error::PermissionDenied(_))
+    ));
+    let client = MemPool::connect_with(
+        &addr,
+        with_keys(Some(key("the cluster's memory key")), None),
+    )
+    .unwrap();
+    assert!(client.check_servers().unwrap().is_empty());
+    client.maintain().unwrap();
+}

@@ -543,7 +543,8 @@ impl State {
     }
 
     fn may_administer(&self, sp: &Space, what: &str) -> Result<()> {
-        if sp.standing.admin {
+        // (A client of this host without the client key is no admin.)
+        if sp.standing.admin && sp.standing.client {
             return Ok(());
         }
         Err(Error::PermissionDenied(format!(

@@ -686,6 +686,8 @@ pub struct TcpListener {
     /// Connections that have not said hello yet.
     hellos: usize,
     limits: TcpLimits,
+    /// Connections with a frame arriving (`partial_since` set).
+    partials: usize,
     /// When connections with a partial frame are next looked at.
     next_sweep: Instant,
     tokens: Vec<u64>,
@@ -736,6 +738,7 @@ impl TcpListener {
             next_id: 1,
             hellos: 0,
             limits,
+            partials: 0,
             next_sweep: Instant::now(),
             tokens: Vec::new(),
             spin: Spin::new(spin),
@@ -930,10 +933,16 @@ impl TcpListener {
         }
         // A frame begun and not finished must finish within the limit
         // (bytes still buffered while no frame is pending are such a frame).
+        let was = c.partial_since.is_some();
         if c.pending.is_empty() && c.refs.is_some() && c.rx.mid_frame() {
             c.partial_since.get_or_insert_with(Instant::now);
         } else {
             c.partial_since = None;
+        }
+        match (was, c.partial_since.is_some()) {
+            (false, true) => self.partials += 1,
+            (true, false) => self.partials -= 1,
+            _ => {}
         }
         // A connection that ended after whole requests still gets them
         // served (their answers then fail to send).
@@ -946,6 +955,9 @@ impl TcpListener {
     /// than the limit (looked at a few times per limit); when to look
     /// next.
     fn expire_partials(&mut self) -> Option<Instant> {
+        if self.partials == 0 {
+            return None;
+        }
         let now = Instant::now();
         let limit = self.limits.frame_timeout;
         if now >= self.next_sweep {
@@ -960,15 +972,15 @@ impl TcpListener {
                 self.close(id);
             }
         }
-        self.conns
-            .values()
-            .any(|c| c.partial_since.is_some())
-            .then_some(self.next_sweep)
+        (self.partials > 0).then_some(self.next_sweep)
     }
 
     fn close(&mut self, id: ConnId) {
         if let Some(c) = self.conns.remove(&id) {
             self.set.remove(c.s.as_raw_fd());
+            if c.partial_since.is_some() {
+                self.partials -= 1;
+            }
             if c.refs.is_none() {
                 self.hellos -= 1;
             }
