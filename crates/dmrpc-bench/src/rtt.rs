@@ -339,7 +339,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
     let (po, pk) = (percentile(&mut po, 0.5), percentile(&mut pk, 0.5));
     if let Some(d) = keyed_dist {
-        rows.push(row("dmrpc tcp with a key (loopback)", 0, &d, f50));
+        rows.push(row("dmrpc tcp keyed (loopback)", 0, &d, f50));
     }
     say!("tcp with an access key: p50 {pk:.0} ns against {po:.0} ns open ({:.2}x; medians of 3 alternated rounds)", pk / po);
     let tcp_keyed_over_open = pk / po;
