@@ -93,7 +93,10 @@ pub fn run(a: MemserverArgs) -> Result<()> {
             eprintln!("clients must prove key {f}");
         }
         if let Some(m) = s.metrics_addr() {
-            println!("metrics http://{m}/metrics");
+            // (A reader that took the first line and left must not kill
+            // the server: a write to its closed pipe is ignored.)
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout(), "metrics http://{m}/metrics");
         }
     })?;
     Ok(())
