@@ -176,3 +176,35 @@ fn a_tenant_quota_is_shared_by_its_processes() {
     assert_eq!(shop(&tp), (0, 96));
     tp.assert_clean();
 }
+
+/// An allocation refused for want of pages (its page lists) gives its
+/// charge back: what the quota counts is exactly what is held.
+#[test]
+fn a_refused_allocation_leaves_no_charge() {
+    let tp = TempPool::with(PoolConfig {
+        size: 8 << 20,
+        descs: Some(8192),
+        process_quota: Some(1 << 30),
+        ..Default::default()
+    });
+    let p = tp.attach();
+    // Every page written, one buffer each, until none is left.
+    let mut held = Vec::new();
+    loop {
+        let Ok(mut b) = p.alloc(PAGE) else { break };
+        let full = b.write(0, &[1]).is_err();
+        held.push(b);
+        if full {
+            break;
+        }
+    }
+    let pages = held.len() as u64;
+    // The pool is full: a large buffer needs list pages, and is refused.
+    let e = p.alloc(4 << 20).unwrap_err();
+    assert_eq!(quota_error(&e), Some("pages"), "{e}");
+    let q = dm_pool::check_path(&tp.path, false).unwrap().quotas;
+    let mine = q.iter().find(|q| q.who.starts_with("process")).unwrap();
+    assert_eq!(mine.held_pages, pages, "{q:?}");
+    drop((held, p));
+    tp.assert_clean();
+}

@@ -181,6 +181,8 @@ impl Pool {
         // (From here a drop of the descriptor gives the charge back.)
         let d = i.desc(idx)?;
         if let Err(e) = i.attach_lists(d, n, true) {
+            // (Its n_pages is not set yet: the drop gives back nothing.)
+            i.uncharge(n as u64);
             i.drop_own(idx, gen, Kind::Buf, END_ABORTED)?;
             return Err(e);
         }
