@@ -18,7 +18,7 @@
 //! change or read packets in flight, carry the connection in a tunnel
 //! that encrypts (WireGuard, IPsec, an ssh or TLS tunnel).
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 use hmac::Mac;
 use std::path::Path;
 

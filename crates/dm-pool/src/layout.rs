@@ -378,8 +378,7 @@ impl Layout {
         if cfg.name.len() > 32 {
             return Err("pool name is longer than 32 bytes".into());
         }
-        #[cfg(not(loom))]
-        crate::quota::validate(cfg)?;
+        validate_quotas(cfg)?;
         if cfg.services > MAX_SERVICES || cfg.channels.unwrap_or(0) > MAX_CHANNELS {
             return Err(format!(
                 "at most {MAX_SERVICES} services and {MAX_CHANNELS} channels"
@@ -789,4 +788,28 @@ mod tests {
             }
         }
     }
+}
+
+/// Checks the quotas and tenants of a configuration (`quota.rs`).
+fn validate_quotas(cfg: &PoolConfig) -> std::result::Result<(), String> {
+    if cfg.tenants.len() > MAX_TENANTS {
+        return Err(format!("at most {MAX_TENANTS} tenants"));
+    }
+    for (i, (name, bytes)) in cfg.tenants.iter().enumerate() {
+        if name.is_empty() || name.len() > TENANT_NAME_MAX || name.contains('\0') {
+            return Err(format!(
+                "tenant name {name:?} must be 1 to {TENANT_NAME_MAX} bytes, without NUL"
+            ));
+        }
+        if *bytes == 0 {
+            return Err(format!("tenant {name:?} has a quota of 0 bytes"));
+        }
+        if cfg.tenants[..i].iter().any(|(n, _)| n == name) {
+            return Err(format!("tenant {name:?} is named twice"));
+        }
+    }
+    if cfg.process_quota == Some(0) {
+        return Err("a process quota of 0 bytes".into());
+    }
+    Ok(())
 }

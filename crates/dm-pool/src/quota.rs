@@ -22,10 +22,10 @@
 //! pool: a tenant index is checked against the table, and counts saturate
 //! instead of wrapping.
 
+use crate::error::{Error, Result};
 use crate::layout::{Quotas, Tenant, MAX_TENANTS, QUOTAS_OFF, TENANT_NAME_MAX};
 use crate::shm::Shm;
 use crate::slot::Slot;
-use crate::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 impl Shm {
@@ -46,7 +46,7 @@ impl Shm {
     }
 
     /// Writes the quotas of a pool being created (before it is ready).
-    pub(crate) fn init_quotas(&self, cfg: &crate::PoolConfig) {
+    pub(crate) fn init_quotas(&self, cfg: &crate::layout::PoolConfig) {
         let ps = self.layout.page_size as u64;
         let q = self.quotas();
         q.process_pages.store(
@@ -185,28 +185,4 @@ fn name_of(w: &[u64; 3]) -> String {
     let b: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
     String::from_utf8_lossy(&b[..end]).into_owned()
-}
-
-/// Checks the tenants of a configuration.
-pub(crate) fn validate(cfg: &crate::PoolConfig) -> std::result::Result<(), String> {
-    if cfg.tenants.len() > MAX_TENANTS {
-        return Err(format!("at most {MAX_TENANTS} tenants"));
-    }
-    for (i, (name, bytes)) in cfg.tenants.iter().enumerate() {
-        if name.is_empty() || name.len() > TENANT_NAME_MAX || name.contains('\0') {
-            return Err(format!(
-                "tenant name {name:?} must be 1 to {TENANT_NAME_MAX} bytes, without NUL"
-            ));
-        }
-        if *bytes == 0 {
-            return Err(format!("tenant {name:?} has a quota of 0 bytes"));
-        }
-        if cfg.tenants[..i].iter().any(|(n, _)| n == name) {
-            return Err(format!("tenant {name:?} is named twice"));
-        }
-    }
-    if cfg.process_quota == Some(0) {
-        return Err("a process quota of 0 bytes".into());
-    }
-    Ok(())
 }

@@ -69,7 +69,7 @@ impl Shm {
     }
 
     /// Creates the pool in a fresh mapping: writes metadata, then publishes `ready`.
-    pub(crate) fn init(file: SharedFile, layout: Layout, cfg: &crate::PoolConfig) -> Shm {
+    pub(crate) fn init(file: SharedFile, layout: Layout, cfg: &crate::layout::PoolConfig) -> Shm {
         let enc = layout.encode();
         // SAFETY: the mapping is at least total_len >= HEADER_LEN bytes and
         // nobody else uses it before `ready` is published below.
