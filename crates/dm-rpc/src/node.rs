@@ -80,7 +80,7 @@ pub struct Config {
     pub tcp_open: bool,
     /// Connections a TCP server takes at once, and how long a frame may
     /// take to arrive.
-    pub tcp_limits: crate::TcpLimits,
+    pub tcp_limits: crate::transport::tcp::TcpLimits,
 }
 
 /// The default [`Config::tcp_spin`]: a loopback round trip between polling
@@ -122,7 +122,7 @@ impl Default for Config {
             tcp_spin: DEFAULT_TCP_SPIN,
             tcp_key: None,
             tcp_open: false,
-            tcp_limits: crate::TcpLimits::default(),
+            tcp_limits: crate::transport::tcp::TcpLimits::default(),
         }
     }
 }
