@@ -58,6 +58,9 @@ pub struct CheckReport {
     /// Quotas and what is held against them: each tenant, and each live
     /// process that holds buffers or has a quota.
     pub quotas: Vec<QuotaUse>,
+    /// Every process's quota unless its attach asks for less, in pages
+    /// (0: none).
+    pub process_quota_pages: u64,
     /// Every violation of the invariant, precisely.
     pub problems: Vec<String>,
 }
@@ -297,6 +300,7 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
     };
     let now = LeaseNow::read();
     let mut problems = Vec::new();
+    rep.process_quota_pages = shm.quotas().process_pages.load(Ordering::Relaxed);
     for (name, held, quota) in shm.tenant_usage() {
         rep.quotas.push(QuotaUse {
             who: format!("tenant {name}"),

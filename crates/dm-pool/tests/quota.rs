@@ -33,6 +33,12 @@ fn quota_error(e: &Error) -> Option<&'static str> {
 fn a_process_quota_bounds_its_buffers_and_gives_back_what_is_freed() {
     let tp = pool();
     let p = tp.attach();
+    assert_eq!(
+        dm_pool::check_path(&tp.path, false)
+            .unwrap()
+            .process_quota_pages,
+        64
+    );
     let a = p.alloc(48 * PAGE).unwrap();
     let e = p.alloc(32 * PAGE).unwrap_err();
     assert_eq!(quota_error(&e), Some("process quota"), "{e}");

@@ -247,6 +247,12 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
             );
             println!("cow     pages copied {}", counters.cow_copies);
             let ps = dm_pool::layout_of(&path)?.page_size as u64;
+            if r.process_quota_pages != 0 {
+                println!(
+                    "quota   every process: {}",
+                    fmt_size(r.process_quota_pages * ps)
+                );
+            }
             for q in &r.quotas {
                 let quota = match q.quota_pages {
                     0 => "no quota".to_owned(),
