@@ -42,8 +42,7 @@ static TABLE: [Range; RANGES] = [EMPTY; RANGES];
 /// Serialises registration (the handler only reads).
 static REGISTER: Mutex<()> = Mutex::new(());
 static INSTALL: Once = Once::new();
-static PREV_SET: AtomicUsize = AtomicUsize::new(0);
-static mut PREV: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
+static BUS: crate::fault::Chain = crate::fault::Chain::new();
 
 /// A watched range; unwatched when dropped.
 #[derive(Debug)]
@@ -68,21 +67,8 @@ impl Drop for Watch {
 /// goes unwatched (a bus error there is reported as before).
 pub fn watch(start: usize, len: usize, message: String) -> Watch {
     INSTALL.call_once(|| {
-        // SAFETY: a zeroed sigaction is a valid value; we fill in our
-        // handler and save the previous one into PREV before publishing
-        // PREV_SET, which the handler reads first.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = handler as *const () as usize;
-            sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER;
-            libc::sigemptyset(&mut sa.sa_mask);
-            let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(libc::SIGBUS, &sa, &mut old) == 0 {
-                let prev = &raw mut PREV;
-                (*prev).write(old);
-                PREV_SET.store(1, Ordering::Release);
-            }
-        }
+        // (Without the handler, bus errors go unexplained, as before.)
+        let _ = BUS.install(libc::SIGBUS, handler);
     });
     let _g = REGISTER.lock().unwrap_or_else(|p| p.into_inner());
     let Some(i) = TABLE
@@ -118,35 +104,5 @@ extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_vo
             break;
         }
     }
-    pass_on(sig, info, ctx);
-}
-
-/// What would have happened without this handler.
-fn pass_on(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    if PREV_SET.load(Ordering::Acquire) != 0 {
-        // SAFETY: PREV was fully written before PREV_SET was published.
-        let prev: &libc::sigaction = unsafe { &*(&raw const PREV).cast::<libc::sigaction>() };
-        let h = prev.sa_sigaction;
-        if h != libc::SIG_IGN && h != libc::SIG_DFL {
-            if prev.sa_flags & libc::SA_SIGINFO != 0 {
-                // SAFETY: installed with SA_SIGINFO: this signature.
-                let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) =
-                    unsafe { std::mem::transmute(h) };
-                f(sig, info, ctx);
-            } else {
-                // SAFETY: a plain handler takes the signal number only.
-                let f: extern "C" fn(i32) = unsafe { std::mem::transmute(h) };
-                f(sig);
-            }
-            return;
-        }
-    }
-    // SAFETY: resetting to SIG_DFL is async-signal-safe; the faulting
-    // instruction runs again and the default action ends the process.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = libc::SIG_DFL;
-        libc::sigemptyset(&mut sa.sa_mask);
-        libc::sigaction(sig, &sa, std::ptr::null_mut());
-    }
+    BUS.pass_on(sig, info, ctx);
 }

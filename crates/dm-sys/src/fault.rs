@@ -27,36 +27,95 @@ pub type Resolver = fn(addr: usize, is_write: bool) -> bool;
 
 static RESOLVER: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
 static INSTALL: Once = Once::new();
-static PREV_SET: AtomicUsize = AtomicUsize::new(0);
-static mut PREV: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
+static SEGV: Chain = Chain::new();
 
 /// Installs the process-wide handler (idempotent) and sets the resolver.
 /// Returns an error if `sigaction` fails.
 pub fn install(resolver: Resolver) -> std::io::Result<()> {
     RESOLVER.store(resolver as *mut (), Ordering::Release);
     let mut err = None;
-    INSTALL.call_once(|| {
-        // SAFETY: we build a zeroed sigaction (a valid value), fill in our
-        // handler with SA_SIGINFO, and save the previous one into PREV before
-        // any fault can read it (PREV_SET is published after the write).
+    INSTALL.call_once(|| err = SEGV.install(libc::SIGSEGV, handler).err());
+    match err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// A signal handler of ours and the action it replaced, which it passes
+/// the signals that are not its own to (this module's `SIGSEGV`, and
+/// [`crate::bus`]'s `SIGBUS`).
+pub(crate) struct Chain {
+    /// Set once `prev` is written.
+    set: AtomicUsize,
+    prev: std::cell::UnsafeCell<std::mem::MaybeUninit<libc::sigaction>>,
+}
+
+// SAFETY: `prev` is written once, before `set` is published (Release), and
+// only read after `set` is seen (Acquire); `install` runs under a `Once`.
+unsafe impl Sync for Chain {}
+
+impl Chain {
+    pub(crate) const fn new() -> Chain {
+        Chain {
+            set: AtomicUsize::new(0),
+            prev: std::cell::UnsafeCell::new(std::mem::MaybeUninit::uninit()),
+        }
+    }
+
+    /// Installs `handler` for `sig` (`SA_SIGINFO`, on the alternate stack,
+    /// re-entrant) and keeps the action it replaces. Call once (a `Once`).
+    pub(crate) fn install(
+        &self,
+        sig: i32,
+        handler: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void),
+    ) -> std::io::Result<()> {
+        // SAFETY: a zeroed sigaction is a valid value; we fill in the
+        // handler and write the previous action into `prev` before `set`
+        // is published, which every reader checks first.
         unsafe {
             let mut sa: libc::sigaction = std::mem::zeroed();
             sa.sa_sigaction = handler as *const () as usize;
             sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER;
             libc::sigemptyset(&mut sa.sa_mask);
             let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(libc::SIGSEGV, &sa, &mut old) != 0 {
-                err = Some(std::io::Error::last_os_error());
-                return;
+            if libc::sigaction(sig, &sa, &mut old) != 0 {
+                return Err(std::io::Error::last_os_error());
             }
-            let prev = &raw mut PREV;
-            (*prev).write(old);
-            PREV_SET.store(1, Ordering::Release);
+            (*self.prev.get()).write(old);
         }
-    });
-    match err {
-        Some(e) => Err(e),
-        None => Ok(()),
+        self.set.store(1, Ordering::Release);
+        Ok(())
+    }
+
+    /// What would have happened without our handler: the previous handler
+    /// runs with the same arguments; a previous `SIG_DFL` or `SIG_IGN`
+    /// becomes the default action, so the re-executed instruction faults
+    /// again and the process dies of the signal (an ignored fault would
+    /// re-execute it forever; the kernel, too, delivers an ignored fault
+    /// with the default action). Async-signal-safe.
+    pub(crate) fn pass_on(&self, sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+        if self.set.load(Ordering::Acquire) == 0 {
+            restore_default(sig);
+            return;
+        }
+        // SAFETY: `prev` was fully written before `set` was published.
+        let prev: &libc::sigaction = unsafe { (*self.prev.get()).assume_init_ref() };
+        let h = prev.sa_sigaction;
+        if h == libc::SIG_IGN || h == libc::SIG_DFL {
+            restore_default(sig);
+            return;
+        }
+        if prev.sa_flags & libc::SA_SIGINFO != 0 {
+            // SAFETY: the previous handler was installed with SA_SIGINFO, so it
+            // has this signature.
+            let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) =
+                unsafe { std::mem::transmute(h) };
+            f(sig, info, ctx);
+        } else {
+            // SAFETY: a plain handler takes the signal number only.
+            let f: extern "C" fn(i32) = unsafe { std::mem::transmute(h) };
+            f(sig);
+        }
     }
 }
 
@@ -75,7 +134,7 @@ extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_vo
         f(addr, is_write)
     };
     if !resolved {
-        chain(sig, info, ctx);
+        SEGV.pass_on(sig, info, ctx);
     }
     // SAFETY: as above; a plain write of an int.
     unsafe { *errno = saved };
@@ -95,32 +154,6 @@ fn fault_is_write(ctx: *mut libc::c_void) -> bool {
 #[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
 fn fault_is_write(_ctx: *mut libc::c_void) -> bool {
     true
-}
-
-fn chain(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    if PREV_SET.load(Ordering::Acquire) == 0 {
-        restore_default(sig);
-        return;
-    }
-    // SAFETY: PREV was fully written before PREV_SET was published.
-    let prev: &libc::sigaction = unsafe { &*(&raw const PREV).cast::<libc::sigaction>() };
-    let h = prev.sa_sigaction;
-    if h == libc::SIG_IGN || h == libc::SIG_DFL {
-        // (Ignored, the fault would come back at once, forever.)
-        restore_default(sig);
-        return;
-    }
-    if prev.sa_flags & libc::SA_SIGINFO != 0 {
-        // SAFETY: the previous handler was installed with SA_SIGINFO, so it
-        // has this signature.
-        let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) =
-            unsafe { std::mem::transmute(h) };
-        f(sig, info, ctx);
-    } else {
-        // SAFETY: a plain handler takes the signal number only.
-        let f: extern "C" fn(i32) = unsafe { std::mem::transmute(h) };
-        f(sig);
-    }
 }
 
 fn restore_default(sig: i32) {
