@@ -37,29 +37,11 @@ fn a_fault_that_is_not_the_hooks_kills_even_when_sigsegv_is_ignored() {
         return;
     }
     let tp = TempPool::new(16 << 20);
-    let mut c = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_fault_that_is_not_the_hooks_kills_even_when_sigsegv_is_ignored",
-            "--nocapture",
-        ])
-        .env(CHILD, &tp.path)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let until = Instant::now() + Duration::from_secs(20);
-    let st = loop {
-        if let Some(st) = c.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > until {
-            let _ = c.kill();
-            panic!("the child faults forever");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut c.stdout.take().unwrap(), &mut out).unwrap();
+    let (st, out, _) = run_child(
+        "a_fault_that_is_not_the_hooks_kills_even_when_sigsegv_is_ignored",
+        CHILD,
+        &tp.path,
+    );
     assert!(out.contains("resolved"), "{out}");
     assert!(!out.contains("survived"), "{out}");
     assert_eq!(st.signal(), Some(libc::SIGSEGV), "{st:?}");

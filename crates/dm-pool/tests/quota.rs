@@ -6,10 +6,9 @@
 #![cfg(not(loom))]
 #![allow(clippy::unwrap_used)]
 
-use dm_pool::testing::TempPool;
+mod common;
+use common::{Agent, TempPool};
 use dm_pool::{AttachOptions, Error, PoolConfig};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
 
 const PAGE: u64 = 4096;
 
@@ -115,36 +114,9 @@ fn pool_configs_with_bad_tenants_are_refused() {
     }
 }
 
-/// An agent process attached as tenant `shop`; its commands and answers.
-struct Agent {
-    child: std::process::Child,
-    input: std::process::ChildStdin,
-    out: BufReader<std::process::ChildStdout>,
-}
-
-impl Agent {
-    fn start(tp: &TempPool, tenant: &str) -> Agent {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dm-pool-agent"))
-            .arg(&tp.path)
-            .env("DMRPC_TENANT", tenant)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let input = child.stdin.take().unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut hello = String::new();
-        out.read_line(&mut hello).unwrap();
-        assert!(hello.starts_with("ok slot"), "{hello}");
-        Agent { child, input, out }
-    }
-
-    fn ask(&mut self, cmd: &str) -> String {
-        writeln!(self.input, "{cmd}").unwrap();
-        let mut line = String::new();
-        self.out.read_line(&mut line).unwrap();
-        line.trim().to_owned()
-    }
+/// An agent process attached as `tenant`.
+fn agent(tp: &TempPool, tenant: &str) -> Agent {
+    Agent::spawn_with(&tp.path, None, &[("DMRPC_TENANT", tenant)], false)
 }
 
 /// Two processes of one tenant share its quota; a third of another
@@ -152,14 +124,14 @@ impl Agent {
 #[test]
 fn a_tenant_quota_is_shared_by_its_processes() {
     let tp = pool();
-    let mut a = Agent::start(&tp, "shop");
-    let mut b = Agent::start(&tp, "shop");
-    let mut c = Agent::start(&tp, "search");
-    assert!(a.ask(&format!("alloc {}", 60 * PAGE)).starts_with("ok "));
-    let refused = b.ask(&format!("alloc {}", 40 * PAGE));
+    let mut a = agent(&tp, "shop");
+    let mut b = agent(&tp, "shop");
+    let mut c = agent(&tp, "search");
+    assert!(a.raw(&format!("alloc {}", 60 * PAGE)).starts_with("ok "));
+    let refused = b.raw(&format!("alloc {}", 40 * PAGE));
     assert!(refused.contains("tenant quota"), "{refused}");
-    assert!(b.ask(&format!("alloc {}", 36 * PAGE)).starts_with("ok "));
-    assert!(c.ask(&format!("alloc {}", 60 * PAGE)).starts_with("ok "));
+    assert!(b.raw(&format!("alloc {}", 36 * PAGE)).starts_with("ok "));
+    assert!(c.raw(&format!("alloc {}", 60 * PAGE)).starts_with("ok "));
     let shop = |tp: &TempPool| {
         let r = dm_pool::check_path(&tp.path, false).unwrap();
         r.quotas
@@ -170,14 +142,12 @@ fn a_tenant_quota_is_shared_by_its_processes() {
     };
     assert_eq!(shop(&tp), (96, 96));
     // Killed: its 60 pages go back to the tenant when it is reclaimed.
-    a.child.kill().unwrap();
-    a.child.wait().unwrap();
+    a.kill9();
     dm_pool::gc_path(&tp.path).unwrap();
     assert_eq!(shop(&tp), (36, 96));
-    assert!(b.ask(&format!("alloc {}", 28 * PAGE)).starts_with("ok "));
-    for mut x in [b, c] {
-        x.ask("exit");
-        x.child.wait().unwrap();
+    assert!(b.raw(&format!("alloc {}", 28 * PAGE)).starts_with("ok "));
+    for x in [b, c] {
+        x.exit();
     }
     assert_eq!(shop(&tp), (0, 96));
     tp.assert_clean();

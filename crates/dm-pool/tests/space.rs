@@ -6,11 +6,13 @@
 #![cfg(not(loom))]
 #![allow(clippy::unwrap_used)]
 
+mod common;
+use common::Agent;
 use dm_pool::{Error, Pool, PoolConfig};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 /// A 4 MiB tmpfs, unmounted on drop.
 struct SmallFs(PathBuf);
@@ -63,43 +65,26 @@ fn cfg(reserve: bool) -> PoolConfig {
 /// An agent process that attaches `pool` and writes `len` bytes into a
 /// new buffer (`how`: `fill`, through the pool, or `mfill`, plain stores
 /// through a mapped buffer). Its exit status and stderr.
-fn write_in_child(pool: &Path, how: &str, len: u64) -> (std::process::ExitStatus, String) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_dm-pool-agent"))
-        .arg(pool)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = c.stdin.take().unwrap();
-    let mut out = BufReader::new(c.stdout.take().unwrap());
-    let mut greeting = String::new(); // ok slot N
-    let _ = out.read_line(&mut greeting);
-    // Each command's answer's second word (a handle), or None (none, or
-    // the agent is gone).
-    let mut ask = |cmd: String| -> Option<String> {
-        writeln!(input, "{cmd}").ok()?;
-        let mut line = String::new();
-        out.read_line(&mut line).ok()?;
-        line.split_whitespace().nth(1).map(str::to_owned)
+/// An agent attached to `pool` with a new buffer of `len` bytes to write
+/// (`how`: `fill`, through the pool, or `mfill`, plain stores through a
+/// mapped buffer): the agent, and the handle `how` writes through.
+fn writer(pool: &Path, how: &str, len: u64) -> (Agent, String) {
+    let mut a = Agent::spawn_with(pool, None, &[], true);
+    let b = a.ok(&format!("alloc {len}"));
+    let target = if how == "mfill" {
+        let r = a.ok(&format!("share {b} 0 {len}"));
+        a.ok(&format!("mmap {r}"))
+    } else {
+        b
     };
-    let _ = (|| {
-        let b = ask(format!("alloc {len}"))?;
-        let target = if how == "mfill" {
-            let r = ask(format!("share {b} 0 {len}"))?;
-            ask(format!("mmap {r}"))?
-        } else {
-            b
-        };
-        ask(format!("{how} {target} 0 {len} 7"));
-        ask("exit".into())
-    })();
-    drop(input);
-    let out = c.wait_with_output().unwrap();
-    (
-        out.status,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    (a, target)
+}
+
+/// Has `a` write its buffer (it may die of it): its exit status and stderr.
+fn write(mut a: Agent, how: &str, target: &str, len: u64) -> (std::process::ExitStatus, String) {
+    a.try_raw(&format!("{how} {target} 0 {len} 7"));
+    let (status, stderr) = a.end();
+    (status.expect("the agent ends"), stderr)
 }
 
 #[test]
@@ -113,11 +98,14 @@ fn a_full_file_system_is_a_clear_error() {
     };
     // Unreserved: created while the room is there; then another file takes
     // it, and a writer dies with a message naming the pool.
+    // The writer attaches first: attaching writes the pool's slot pages,
+    // and an agent that attaches to a full file system dies right there.
     let path = fs.0.join("lazy.pool");
     Pool::create(&path, &cfg(false)).unwrap();
+    let writers = ["fill"].map(|how| (how, writer(&path, how, 2 << 20)));
     let filler = fs.fill();
-    for how in ["fill", "mfill"] {
-        let (status, stderr) = write_in_child(&path, how, 2 << 20);
+    for (how, (a, target)) in writers {
+        let (status, stderr) = write(a, how, &target, 2 << 20);
         assert_eq!(
             status.signal(),
             Some(libc::SIGBUS),
@@ -144,7 +132,8 @@ fn a_full_file_system_is_a_clear_error() {
     std::fs::remove_file(&path).unwrap();
     Pool::create(&reserved, &cfg(true)).unwrap();
     fs.fill();
-    let (status, stderr) = write_in_child(&reserved, "fill", 2 << 20);
+    let (a, target) = writer(&reserved, "fill", 2 << 20);
+    let (status, stderr) = write(a, "fill", &target, 2 << 20);
     assert!(status.success(), "{status:?} {stderr}");
     let report = dm_pool::check_path(&reserved, false).unwrap();
     assert!(report.ok(), "{report:?}");

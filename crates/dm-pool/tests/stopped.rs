@@ -7,9 +7,9 @@
 #![cfg(not(loom))]
 #![allow(clippy::unwrap_used)]
 
-use dm_pool::testing::TempPool;
+mod common;
+use common::{Agent, TempPool};
 use dm_pool::PoolConfig;
-use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -23,54 +23,23 @@ fn pool(quarantine_ms: u64) -> TempPool {
     })
 }
 
-struct Agent {
-    child: std::process::Child,
-    input: std::process::ChildStdin,
-    out: BufReader<std::process::ChildStdout>,
+/// An agent judged by its lease, holding a 64 KiB buffer of 0xAA (the
+/// buffer's handle).
+fn start(tp: &TempPool) -> (Agent, String) {
+    let a = Agent::spawn_with(
+        &tp.path,
+        Some(LEASE_MS),
+        &[("DMRPC_LEASE_ONLY", "1")],
+        false,
+    );
+    filled(a)
 }
 
-impl Agent {
-    /// An agent judged by its lease, holding a 64 KiB buffer of 0xAA.
-    fn start(tp: &TempPool) -> (Agent, String) {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dm-pool-agent"))
-            .arg(&tp.path)
-            .arg(LEASE_MS.to_string())
-            .env("DMRPC_LEASE_ONLY", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let input = child.stdin.take().unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut hello = String::new();
-        out.read_line(&mut hello).unwrap();
-        let mut a = Agent { child, input, out };
-        let b = a
-            .ask("alloc 65536")
-            .split_whitespace()
-            .nth(1)
-            .unwrap()
-            .to_owned();
-        assert_eq!(a.ask(&format!("fill {b} 0 65536 170")), "ok");
-        (a, b)
-    }
-
-    fn ask(&mut self, cmd: &str) -> String {
-        writeln!(self.input, "{cmd}").unwrap();
-        let mut line = String::new();
-        self.out.read_line(&mut line).unwrap();
-        line.trim().to_owned()
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: a signal to our own child.
-        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
-    }
-
-    fn exit(mut self) {
-        let _ = writeln!(self.input, "exit");
-        self.child.wait().unwrap();
-    }
+/// `a` with a new 64 KiB buffer of 0xAA, and the buffer's handle.
+fn filled(mut a: Agent) -> (Agent, String) {
+    let b = a.ok("alloc 65536");
+    assert_eq!(a.raw(&format!("fill {b} 0 65536 170")), "ok");
+    (a, b)
 }
 
 fn report(tp: &TempPool) -> dm_pool::CheckReport {
@@ -80,8 +49,8 @@ fn report(tp: &TempPool) -> dm_pool::CheckReport {
 #[test]
 fn a_process_stopped_past_its_lease_resumes_within_the_quarantine_intact() {
     let tp = pool(30_000);
-    let (mut a, b) = Agent::start(&tp);
-    let sum = a.ask(&format!("sum {b}"));
+    let (mut a, b) = start(&tp);
+    let sum = a.raw(&format!("sum {b}"));
     a.signal(libc::SIGSTOP);
     std::thread::sleep(Duration::from_millis(4 * LEASE_MS));
     // Others reclaim nothing of it, and its pages stay its own.
@@ -100,10 +69,10 @@ fn a_process_stopped_past_its_lease_resumes_within_the_quarantine_intact() {
     mine.write(0, &vec![0x55; 4 << 20]).unwrap();
     a.signal(libc::SIGCONT);
     std::thread::sleep(Duration::from_millis(2 * LEASE_MS));
-    assert_eq!(a.ask(&format!("sum {b}")), sum, "resumed, it lost nothing");
-    assert_eq!(a.ask(&format!("fill {b} 0 65536 187")), "ok");
+    assert_eq!(a.raw(&format!("sum {b}")), sum, "resumed, it lost nothing");
+    assert_eq!(a.raw(&format!("fill {b} 0 65536 187")), "ok");
     assert!(mine.to_vec().unwrap().iter().all(|&x| x == 0x55));
-    a.exit();
+    let _ = a.end();
     drop((mine, other));
     tp.assert_clean();
 }
@@ -112,16 +81,16 @@ fn a_process_stopped_past_its_lease_resumes_within_the_quarantine_intact() {
 fn after_the_quarantine_or_gc_now_its_holdings_are_reclaimed() {
     for now in [false, true] {
         let tp = pool(if now { 30_000 } else { 300 });
-        let (mut a, b) = Agent::start(&tp);
+        let (mut a, b) = start(&tp);
         a.signal(libc::SIGSTOP);
         std::thread::sleep(Duration::from_millis(if now { 300 } else { 700 }));
         let g = dm_pool::gc_path_with(&tp.path, now).unwrap();
         assert_eq!(g.slots_reclaimed, 1, "now: {now}");
         assert!(report(&tp).ok(), "{:?}", report(&tp).problems);
         a.signal(libc::SIGCONT);
-        let e = a.ask(&format!("fill {b} 0 65536 187"));
+        let e = a.raw(&format!("fill {b} 0 65536 187"));
         assert!(e.starts_with("err") && e.contains("lease"), "{e}");
-        a.exit();
+        let _ = a.end();
         tp.assert_clean();
     }
 }
@@ -134,49 +103,24 @@ fn after_the_quarantine_or_gc_now_its_holdings_are_reclaimed() {
 #[test]
 fn a_process_of_another_pid_namespace_is_judged_by_its_lease() {
     let tp = pool(30_000);
-    let mut child = match Command::new("unshare")
-        .args(["--pid", "--fork", "--kill-child"])
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--pid", "--fork", "--kill-child"])
         .arg(env!("CARGO_BIN_EXE_dm-pool-agent"))
         .arg(&tp.path)
         .arg(LEASE_MS.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
-        Ok(c) => c,
+        .stderr(Stdio::piped());
+    let a = match Agent::spawn_command(cmd) {
+        Ok(a) => a,
         Err(e) => {
             eprintln!("SKIPPED a_process_of_another_pid_namespace_is_judged_by_its_lease: {e}");
             return;
         }
     };
-    let mut input = child.stdin.take().unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut hello = String::new();
-    out.read_line(&mut hello).unwrap();
-    if !hello.starts_with("ok slot") {
-        let _ = child.kill();
-        let mut err = String::new();
-        let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err);
-        eprintln!("SKIPPED a_process_of_another_pid_namespace_is_judged_by_its_lease: {err}");
-        return;
-    }
-    let mut ask = |cmd: &str| {
-        writeln!(input, "{cmd}").unwrap();
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        line.trim().to_owned()
-    };
-    let b = ask("alloc 65536")
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .to_owned();
-    assert_eq!(ask(&format!("fill {b} 0 65536 170")), "ok");
-    let sum = ask(&format!("sum {b}"));
+    let (mut a, b) = filled(a);
+    let sum = a.raw(&format!("sum {b}"));
     // Its pid in this namespace: the child of `unshare`.
     let children =
-        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id())).unwrap();
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", a.child.id())).unwrap();
     let agent: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
     std::thread::sleep(Duration::from_millis(3 * LEASE_MS));
     assert_eq!(
@@ -199,8 +143,7 @@ fn a_process_of_another_pid_namespace_is_judged_by_its_lease() {
     // SAFETY: as above.
     unsafe { libc::kill(agent, libc::SIGCONT) };
     std::thread::sleep(Duration::from_millis(2 * LEASE_MS));
-    assert_eq!(ask(&format!("sum {b}")), sum);
-    let _ = writeln!(input, "exit");
-    child.wait().unwrap();
+    assert_eq!(a.raw(&format!("sum {b}")), sum);
+    let _ = a.end();
     tp.assert_clean();
 }

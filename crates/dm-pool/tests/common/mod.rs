@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
+#[allow(unused_imports)]
 pub use dm_pool::testing::TempPool;
 
 /// A `dm-pool-agent` child process driven line by line.
@@ -17,25 +18,52 @@ pub struct Agent {
 
 impl Agent {
     pub fn spawn(path: &Path, lease_ms: Option<u64>) -> Agent {
+        Self::spawn_with(path, lease_ms, &[], false)
+    }
+
+    /// [`spawn`](Self::spawn) with environment variables (`DMRPC_TENANT`,
+    /// `DMRPC_LEASE_ONLY`), and its stderr kept for [`end`](Self::end)
+    /// if `stderr`.
+    pub fn spawn_with(
+        path: &Path,
+        lease_ms: Option<u64>,
+        env: &[(&str, &str)],
+        stderr: bool,
+    ) -> Agent {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dm-pool-agent"));
         cmd.arg(path);
         if let Some(l) = lease_ms {
             cmd.arg(l.to_string());
         }
+        if stderr {
+            cmd.stderr(Stdio::piped());
+        }
+        cmd.envs(env.iter().copied());
+        Self::spawn_command(cmd).unwrap_or_else(|e| panic!("agent failed to attach: {e}"))
+    }
+
+    /// An agent started by `cmd` (the agent, or a wrapper that runs it,
+    /// such as `unshare`), once it has attached; what went wrong if it
+    /// could not start or attach.
+    pub fn spawn_command(mut cmd: Command) -> Result<Agent, String> {
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .unwrap();
+            .map_err(|e| e.to_string())?;
         let stdin = child.stdin.take().unwrap();
         let out = BufReader::new(child.stdout.take().unwrap());
         let mut a = Agent { child, stdin, out };
-        let hello = a.line();
-        assert!(
-            hello.starts_with("ok slot"),
-            "agent failed to attach: {hello}"
-        );
-        a
+        let mut hello = String::new();
+        let _ = a.out.read_line(&mut hello);
+        if !hello.starts_with("ok slot") {
+            let mut err = String::new();
+            if let Some(mut e) = a.child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut err);
+            }
+            return Err(format!("{} {err}", hello.trim_end()));
+        }
+        Ok(a)
     }
 
     fn line(&mut self) -> String {
@@ -49,6 +77,40 @@ impl Agent {
         writeln!(self.stdin, "{cmd}").unwrap();
         self.stdin.flush().unwrap();
         self.line()
+    }
+
+    /// Sends a command to an agent that may have died; its answer, empty
+    /// if it is gone.
+    pub fn try_raw(&mut self, cmd: &str) -> String {
+        if writeln!(self.stdin, "{cmd}")
+            .and_then(|()| self.stdin.flush())
+            .is_err()
+        {
+            return String::new();
+        }
+        let mut s = String::new();
+        let _ = self.out.read_line(&mut s);
+        s.trim_end().to_string()
+    }
+
+    /// Sends `sig` to the agent.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: a signal to our own child.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
+    }
+
+    /// Says `exit` (if it still listens) and waits up to 10 s for the
+    /// agent to end, however it ends: its status, and its stderr if kept.
+    pub fn end(mut self) -> (Option<std::process::ExitStatus>, String) {
+        let _ = writeln!(self.stdin, "exit");
+        let _ = self.stdin.flush();
+        let err = self.child.stderr.take();
+        let st = self.wait_exit(Duration::from_secs(10));
+        let mut text = String::new();
+        if let Some(mut e) = err {
+            let _ = std::io::Read::read_to_string(&mut e, &mut text);
+        }
+        (st, text)
     }
 
     /// Sends a command that must succeed; returns its value.
