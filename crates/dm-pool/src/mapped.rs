@@ -374,17 +374,33 @@ unsafe fn cow_one(
         return ends_saying(NO_PAGE_MSG);
     };
     let qptr = unsafe_page(win, q);
-    if p != NO_PAGE {
-        // SAFETY: p is shared and therefore frozen; q is ours; distinct pages.
-        unsafe { std::ptr::copy_nonoverlapping(unsafe_page(win, p), qptr, win.ps) };
+    // The copy must not store into a page the file system has no room for:
+    // that bus error would be raised inside this handler, on a nearly full
+    // signal stack, and end the process with a bare SIGSEGV. The kernel
+    // copies instead (`pwrite`, which says ENOSPC), or the page's storage
+    // is allocated before it is zeroed; a full file system is said plainly.
+    let off = win.data_off + q as u64 * win.ps as u64;
+    let filled = if p != NO_PAGE {
+        // SAFETY: p is shared and therefore frozen, a page of the pool.
+        let src = unsafe { std::slice::from_raw_parts(unsafe_page(win, p), win.ps) };
+        dm_sys::mem::write_at(win.fd, src, off)
     } else {
-        // An unbacked page reads as zero; a taken page keeps old bytes.
-        // SAFETY: q is ours (Cached by this slot), a page of the pool.
-        unsafe { std::ptr::write_bytes(qptr, 0, win.ps) };
+        dm_sys::mem::back_range(win.fd, off, win.ps).map(|()| {
+            // An unbacked page reads as zero; a taken page keeps old bytes.
+            // SAFETY: q is ours (Cached by this slot), a page of the pool,
+            // and its storage now exists.
+            unsafe { std::ptr::write_bytes(qptr, 0, win.ps) };
+        })
+    };
+    if filled.is_err() {
+        let _ = t.release_cached(q, win.slot);
+        if !dm_sys::bus::explain(qptr as usize) {
+            dm_sys::io::write_stderr(NO_SPACE_MSG);
+        }
+        return false;
     }
     // Map the copy first (the syscall stays outside the commit window), then
     // commit: journal, link, hold q, drop p's share, clear the journal.
-    let off = win.data_off + q as u64 * win.ps as u64;
     // SAFETY: page_addr is a page of our reservation; the user's access
     // there is the faulting instruction, which retries after we return.
     if unsafe { map_file_fixed(page_addr, win.fd, off, win.ps, Prot::ReadWrite) }.is_err() {
@@ -449,6 +465,13 @@ unsafe fn cow_one(
 const NO_PAGE_MSG: &[u8] = b"dmrpc: a store into a mapped buffer needs a new page (copy-on-write) \
 and the pool has none free, so the process ends. Free buffers and Refs, use a larger pool, or \
 write through explicit buffers, which return ResourceExhausted instead.\n";
+
+/// Said when the page a store copies into cannot get storage (the pool
+/// file's file system is full) and the pool file's mapping is not watched.
+const NO_SPACE_MSG: &[u8] =
+    b"dmrpc: a store into a mapped buffer needs a new page (copy-on-write) \
+and the pool file's file system has no room for it, so the process ends. Free space there, or \
+create the pool with its space reserved (`dmrpc pool create --reserve`).\n";
 
 /// Said when the kernel refuses the mapping of a copied page: the
 /// process's mappings are at `vm.max_map_count` (or memory ran out).

@@ -86,9 +86,11 @@ pub fn watch(start: usize, len: usize, message: String) -> Watch {
     Watch { slot: Some(i) }
 }
 
-extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
-    let addr = unsafe { (*info).si_addr() } as usize;
+/// Writes the message of the watched range that `addr` lies in to stderr,
+/// for a bus error that was foreseen rather than raised (a page whose
+/// storage could not be allocated). `false` when no range holds `addr`.
+/// Async-signal-safe.
+pub fn explain(addr: usize) -> bool {
     for r in &TABLE {
         let (start, len) = (
             r.start.load(Ordering::Acquire),
@@ -101,8 +103,15 @@ extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_vo
                 // bytes, never freed; write(2) is async-signal-safe.
                 unsafe { libc::write(2, p.cast(), r.msg_len.load(Ordering::Relaxed)) };
             }
-            break;
+            return true;
         }
     }
+    false
+}
+
+extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    explain(addr);
     BUS.pass_on(sig, info, ctx);
 }

@@ -277,24 +277,26 @@ impl SharedFile {
     /// this takes the memory at once. A file system without room is
     /// [`SysError::NoSpace`].
     pub fn reserve_space(&self) -> Result<(), SysError> {
-        // SAFETY: fd is open; the range is the file's.
-        let r = unsafe { libc::fallocate(self.fd.as_raw_fd(), 0, 0, self.len as libc::off_t) };
-        if r == 0 {
-            return Ok(());
-        }
-        let source = std::io::Error::last_os_error();
-        if source.raw_os_error() == Some(libc::ENOSPC) {
-            return Err(SysError::NoSpace {
+        self.reserve_range(0, self.len as u64)
+    }
+
+    /// Allocates the space of `len` bytes of the file from `off` now, as
+    /// [`SharedFile::reserve_space`] does for the whole file. A file
+    /// system that cannot allocate ahead is left as it is.
+    pub fn reserve_range(&self, off: u64, len: u64) -> Result<(), SysError> {
+        match back_range(self.fd.as_raw_fd(), off, len as usize) {
+            Ok(()) => Ok(()),
+            Err(libc::ENOSPC) => Err(SysError::NoSpace {
                 path: self.path.clone(),
                 size: self.len as u64,
                 free: free_bytes(&self.fd).unwrap_or(0),
-            });
+            }),
+            Err(e) => Err(SysError::Resize {
+                path: self.path.clone(),
+                size: self.len as u64,
+                source: std::io::Error::from_raw_os_error(e),
+            }),
         }
-        Err(SysError::Resize {
-            path: self.path.clone(),
-            size: self.len as u64,
-            source,
-        })
     }
 
     /// Base address of the mapping.
@@ -471,6 +473,64 @@ impl Reservation {
 }
 
 /// Maps `len` bytes of `fd` at `file_off` over `addr` (`MAP_SHARED|MAP_FIXED`).
+/// Writes `src` into the file at `file_off` (`pwrite`, repeated until all
+/// is written). The error is the `errno`: `ENOSPC` when the file system
+/// is full, where a store through a mapping would raise `SIGBUS`.
+///
+/// System calls only, no allocation: callable from a signal handler.
+pub fn write_at(fd: i32, src: &[u8], file_off: u64) -> Result<(), i32> {
+    let mut done = 0usize;
+    while done < src.len() {
+        let rest = &src[done..];
+        // SAFETY: `rest` is readable for its length; pwrite only reads it.
+        let r = unsafe {
+            libc::pwrite(
+                fd,
+                rest.as_ptr().cast(),
+                rest.len(),
+                (file_off + done as u64) as libc::off_t,
+            )
+        };
+        if r > 0 {
+            done += r as usize;
+            continue;
+        }
+        if r == 0 {
+            return Err(libc::ENOSPC);
+        }
+        // SAFETY: __errno_location returns this thread's errno.
+        match unsafe { *libc::__errno_location() } {
+            libc::EINTR => continue,
+            e => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Gives `len` bytes of the file at `file_off` their storage now
+/// (`fallocate`), so that stores through a mapping of them cannot raise
+/// `SIGBUS` for want of space. The error is the `errno`: `ENOSPC` when the
+/// file system is full. A file system that cannot allocate ahead (no
+/// `fallocate` there) is `Ok`: stores may still find it full.
+///
+/// One system call, no allocation: callable from a signal handler.
+pub fn back_range(fd: i32, file_off: u64, len: usize) -> Result<(), i32> {
+    loop {
+        // SAFETY: fallocate only reads its arguments; a bad fd or range is
+        // an error, not undefined behaviour.
+        let r = unsafe { libc::fallocate(fd, 0, file_off as libc::off_t, len as libc::off_t) };
+        if r == 0 {
+            return Ok(());
+        }
+        // SAFETY: __errno_location returns this thread's errno.
+        match unsafe { *libc::__errno_location() } {
+            libc::EINTR => continue,
+            libc::EOPNOTSUPP | libc::ENODEV | libc::ESPIPE => return Ok(()),
+            e => return Err(e),
+        }
+    }
+}
+
 /// A raw syscall wrapper with no allocation: callable from a signal handler.
 ///
 /// # Safety

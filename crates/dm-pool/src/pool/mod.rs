@@ -64,12 +64,20 @@ impl Pool {
                 Err(dm_sys::mem::SysError::Exists(p)) => return Err(Error::AlreadyExists(p)),
                 r => r?,
             };
-            if cfg.reserve {
-                if let Err(e) = f.reserve_space() {
-                    drop(f);
-                    let _ = dm_sys::mem::unlink(path);
-                    return Err(e.into());
-                }
+            // The bookkeeping (header, page table, slots, descriptors,
+            // registry) always gets its space now. It is small, and it is
+            // written inside signal handlers (a mapped buffer's
+            // copy-on-write), where a full file system could not be said
+            // plainly. The data pages and rings get theirs only if asked.
+            let reserved = if cfg.reserve {
+                f.reserve_space()
+            } else {
+                f.reserve_range(0, layout.chan_off)
+            };
+            if let Err(e) = reserved {
+                drop(f);
+                let _ = dm_sys::mem::unlink(path);
+                return Err(e.into());
             }
             f
         };
