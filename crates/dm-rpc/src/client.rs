@@ -483,6 +483,11 @@ impl BlockingConn {
     /// Gives an answer read for another caller to it (or releases what it
     /// carries if that caller gave up).
     fn deliver(&self, st: &mut State, f: Frame) {
+        if f.kind == Kind::Credit {
+            // Grants are for callers that send items of their own, which
+            // this client does not open: nothing to release.
+            return;
+        }
         if f.kind == Kind::Response {
             if let Some(slot) = st.slot(f.call_id) {
                 *slot = Some(f);

@@ -1,4 +1,4 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 8).
+//! Where frames are parsed: the wire format of dmrpc calls (version 9).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
@@ -10,7 +10,7 @@
 //! | 0..2   | magic        | `D5 52`                                                |
 //! | 2      | version      | [`FRAME_VERSION`]                                      |
 //! | 3      | kind         | [`Kind`]: request, response, cancel, go-away, item, credit |
-//! | 4..6   | flags        | [`FLAG_ECHO`], [`FLAG_REFUSED`], [`FLAG_STREAM`]; others zero |
+//! | 4..6   | flags        | [`FLAG_ECHO`], [`FLAG_REFUSED`], [`FLAG_STREAM`], [`FLAG_CALLER_STREAM`], [`FLAG_LAST`]; others zero |
 //! | 6      | payload kind | 0 none, 1 inline bytes, 2 Refs                         |
 //! | 7      | status       | [`Status`]; zero except in responses                   |
 //! | 8..16  | call id      | chosen by the caller, echoed by the response           |
@@ -44,6 +44,19 @@
 //! call id is above the frame's call id was never taken, and never will be
 //! (see [`crate::transport::GoAway`]). It carries nothing else.
 //!
+//! **Streams of the caller** (version 9). A request flagged
+//! [`FLAG_CALLER_STREAM`] is followed by items of its caller:
+//! [`Kind::Item`] frames from client to server, with the request's call
+//! id, then one item flagged [`FLAG_LAST`] that carries nothing and ends
+//! them. Flow control is by items here too, the other way: the caller
+//! sends an item only while the server has granted more than it was
+//! sent, in [`Kind::Credit`] frames from server to client (the last
+//! marker needs no grant). The server grants once its handler starts;
+//! the caller starts with none. An item's Refs are made for the server,
+//! which releases them. A request flagged both ways is a bidirectional
+//! stream; one flagged [`FLAG_CALLER_STREAM`] alone is answered by its
+//! one response.
+//!
 //! **Parts** (version 8). A frame too large for one record of a
 //! shared-memory ring travels as [`Kind::Part`] frames, each carrying the
 //! next slice of its encoding as an inline payload, with the call id of
@@ -60,7 +73,7 @@ use dm_pool::{Ref, RefDecodeError};
 
 /// Frame encoding version written and read by this build (history:
 /// `CHANGELOG.md`).
-pub const FRAME_VERSION: u8 = 8;
+pub const FRAME_VERSION: u8 = 9;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
 pub const FLAG_ECHO: u16 = 1;
@@ -74,6 +87,11 @@ pub const FLAG_STREAM: u16 = 4;
 pub const FLAG_PART_FIRST: u16 = 8;
 /// Flag of the last [`Kind::Part`] of a frame (frames v8).
 pub const FLAG_PART_LAST: u16 = 16;
+/// Flag of a request whose caller sends items after it (frames v9).
+pub const FLAG_CALLER_STREAM: u16 = 32;
+/// Flag of the item that ends the caller's items: it carries nothing
+/// (frames v9).
+pub const FLAG_LAST: u16 = 64;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 32;
 const MAGIC: [u8; 2] = [0xD5, 0x52];
@@ -92,10 +110,12 @@ pub enum Kind {
     /// an id above this frame's call id (server to client).
     GoAway = 4,
     /// One item of the stream answering the call with the same id (server
-    /// to client; frames v7).
+    /// to client; frames v7), or of the stream its caller sends (client
+    /// to server; frames v9).
     Item = 5,
     /// The caller of the stream with this id takes this many more items
-    /// (in the method field; client to server; frames v7).
+    /// (in the method field; client to server; frames v7), or the server
+    /// takes this many more of its caller's (server to client; frames v9).
     Credit = 6,
     /// A slice of the encoding of a frame too large for one record of a
     /// ring (frames v8).
@@ -210,7 +230,7 @@ pub struct Frame {
     pub deadline_us: u32,
     /// Outcome (responses; `Ok` otherwise).
     pub status: Status,
-    /// [`FLAG_ECHO`], [`FLAG_REFUSED`] or nothing.
+    /// `FLAG_*` bits, as the kind allows (see the module documentation).
     pub flags: u16,
     /// Body.
     pub payload: Body,
@@ -413,8 +433,18 @@ impl Frame {
         }
     }
 
+    /// The end of the items the caller of call `call_id` sends
+    /// ([`FLAG_LAST`]).
+    pub fn last_item(call_id: u64) -> Frame {
+        Frame {
+            flags: FLAG_LAST,
+            ..Frame::item(call_id, Body::None)
+        }
+    }
+
     /// A grant of `items` more items (at least one) of the stream
-    /// answering call `call_id`.
+    /// answering call `call_id`, or, from a server, of the stream its
+    /// caller sends.
     pub fn credit(call_id: u64, items: u32) -> Frame {
         Frame {
             kind: Kind::Credit,
@@ -613,7 +643,8 @@ impl Head {
         } else {
             0
         };
-        if flags & !(FLAG_ECHO | FLAG_REFUSED | FLAG_STREAM | part) != 0 {
+        let known = FLAG_ECHO | FLAG_REFUSED | FLAG_STREAM | FLAG_CALLER_STREAM | FLAG_LAST;
+        if flags & !(known | part) != 0 {
             return Err(FrameError::Reserved("flags"));
         }
         let pkind = h[6];
@@ -684,8 +715,13 @@ impl Head {
                     "only an Unavailable answer refuses its request",
                 ))
             }
-            _ if flags & FLAG_STREAM != 0 && kind != Kind::Request => {
+            _ if flags & (FLAG_STREAM | FLAG_CALLER_STREAM) != 0 && kind != Kind::Request => {
                 return Err(FrameError::Inconsistent("only a request asks for a stream"))
+            }
+            _ if flags & FLAG_LAST != 0 && (kind != Kind::Item || pkind != 0) => {
+                return Err(FrameError::Inconsistent(
+                    "only an empty item ends the caller's items",
+                ))
             }
             _ if meta != 0 && !matches!(kind, Kind::Request | Kind::Response) => {
                 return Err(FrameError::Inconsistent(
@@ -1043,10 +1079,41 @@ mod tests {
             Err(FrameError::Magic([0, 0x52])),
             "early, from 2 bytes"
         );
-        assert_eq!(bad(2, 9), Err(FrameError::Version(9)));
+        assert_eq!(bad(2, 8), Err(FrameError::Version(8)));
         assert_eq!(bad(3, 0), Err(FrameError::Kind(0)));
         assert_eq!(bad(4, 8), Err(FrameError::Reserved("flags")));
+        assert_eq!(bad(4, 128), Err(FrameError::Reserved("flags")));
         assert_eq!(bad(5, 1), Err(FrameError::Reserved("flags")));
+        // The caller's stream: its flag on requests only, the last marker
+        // on empty items only.
+        assert!(
+            bad(4, FLAG_CALLER_STREAM as u8).is_ok(),
+            "a request with items"
+        );
+        assert!(
+            matches!(bad(4, FLAG_LAST as u8), Err(FrameError::Inconsistent(_))),
+            "a request flagged last"
+        );
+        let last = Frame::last_item(4);
+        assert_eq!(Frame::decode(&last.encode(), &l).unwrap().unwrap().0, last);
+        let mut full = Frame::item(4, Body::Inline(Bytes::from_static(b"x")));
+        full.flags = FLAG_LAST;
+        assert!(
+            matches!(
+                Frame::decode(&full.encode(), &l),
+                Err(FrameError::Inconsistent(_))
+            ),
+            "a last marker with a payload"
+        );
+        let mut answer = Frame::response(4, Status::Ok, Body::None);
+        answer.flags = FLAG_CALLER_STREAM;
+        assert!(
+            matches!(
+                Frame::decode(&answer.encode(), &l),
+                Err(FrameError::Inconsistent(_))
+            ),
+            "an answer flagged with the caller's items"
+        );
         assert!(
             matches!(bad(4, 2), Err(FrameError::Inconsistent(_))),
             "a request flagged as refused"

@@ -115,6 +115,12 @@ impl Sender {
         let _ = self.tx.send(&Frame::cancel(id), Some(Instant::now()));
     }
 
+    /// Sends `f` only if there is room now, without reading: whether it
+    /// went.
+    pub(crate) fn try_send(&mut self, f: &Frame) -> bool {
+        matches!(self.tx.send(f, Some(Instant::now())), Ok(true))
+    }
+
     /// [`FrameTx::room_needs_reader`].
     pub(crate) fn room_needs_reader(&self) -> bool {
         self.tx.room_needs_reader()

@@ -369,6 +369,53 @@ impl AsyncConn {
     }
 }
 
+impl AsyncConn {
+    /// Takes one grant for an item the caller of stream `id` sends,
+    /// awaiting one: `Ok(false)` once the stream's answer came or the
+    /// stream was closed (the server takes no more); `DeadlineExceeded`
+    /// once `deadline` passes.
+    pub(crate) async fn item_credit(
+        &self,
+        id: u64,
+        deadline: Option<Instant>,
+    ) -> Result<bool, RpcError> {
+        let credit = std::future::poll_fn(|cx| self.reader.poll_credit(id, cx));
+        let Some(d) = deadline else {
+            return credit.await;
+        };
+        match tokio::time::timeout_at(d.into(), credit).await {
+            Ok(got) => got,
+            Err(_) => Err(RpcError::deadline_exceeded(format!(
+                "{:?} granted no room for an item before the deadline",
+                self.name
+            ))),
+        }
+    }
+
+    /// Gives back a grant taken for an item that did not go.
+    pub(crate) fn regrant(&self, id: u64) {
+        self.reader.regrant(id);
+    }
+
+    /// Sends the end of the caller's items of stream `id` if there is
+    /// room now, else cancels the call: a server never waits for items
+    /// that will not come.
+    pub(crate) fn finish_or_cancel(&self, id: u64) {
+        if self.reader.broken.load(Ordering::Acquire) {
+            return;
+        }
+        let mut tx = lock(&self.tx);
+        if !tx.try_send(&Frame::last_item(id)) {
+            tx.cancel(id);
+        }
+    }
+
+    /// The largest inline payload, and which Refs the server can use.
+    pub(crate) fn carries_what(&self) -> (usize, crate::transport::Sharing) {
+        (self.max_inline, self.refs)
+    }
+}
+
 impl crate::stream::StreamConn for AsyncConn {
     fn node(&self) -> &Node {
         &self.node

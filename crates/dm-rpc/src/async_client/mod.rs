@@ -273,6 +273,42 @@ impl AsyncClient {
     }
 }
 
+impl AsyncClient {
+    /// Calls method `method` with `payload` and a stream of items the
+    /// caller sends after it: a bidirectional stream (the method's
+    /// handler answers with items too) or a caller's stream answered
+    /// once. See [`crate::stream`].
+    pub async fn call_bidi(
+        &self,
+        method: &str,
+        payload: impl Into<Payload>,
+    ) -> Result<crate::stream::AsyncBidi, RpcError> {
+        let p = payload.into();
+        self.call_bidi_with(method, p, CallOptions::default(), Metadata::new())
+            .await
+    }
+
+    /// [`call_bidi`](Self::call_bidi) with options (the deadline bounds
+    /// the whole call; [`CallOptions::window`] is how many of the
+    /// server's items it holds unread at most) and metadata. The request
+    /// is sent when this returns; the caller's items go as the server
+    /// grants them. Unlike a server's stream, the request is never sent
+    /// to another server once it went: its items follow it.
+    pub async fn call_bidi_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<crate::stream::AsyncBidi, RpcError> {
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
+        let (c, opts) = self.usable(opts).await?;
+        let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
+        let how = crate::stream::How::of(opts, &out);
+        crate::stream::AsyncBidi::open(self.h.clone(), c, method, out, how).await
+    }
+}
+
 /// A future whose output goes through a function when it is ready: a
 /// layer that adds nothing to the future's state but the function.
 pub(crate) struct Then<F, G>(F, Option<G>);

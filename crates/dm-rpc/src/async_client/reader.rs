@@ -46,12 +46,22 @@ pub(super) struct Fed {
     /// After `failed`, what was left on the connection was read.
     pub(super) rest_read: bool,
     pub(super) waker: Option<Waker>,
+    /// Items of its own the caller may still send (granted by the server,
+    /// not yet sent).
+    pub(super) credit: u64,
+    /// The answer that ends the stream came: the caller sends no more.
+    pub(super) answered: bool,
+    /// The task waiting for a grant, if any.
+    pub(super) credit_waker: Option<Waker>,
 }
 
 impl Fed {
-    /// Wakes the task waiting for the stream, if any.
+    /// Wakes the tasks waiting for the stream, if any.
     fn wake(&mut self) {
         if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+        if let Some(w) = self.credit_waker.take() {
             w.wake();
         }
     }
@@ -199,10 +209,19 @@ impl Reader {
         };
         let mut st = lock(&self.state);
         match st.pending.get_mut(&f.call_id) {
+            Some(Slot::Stream(fed)) if f.kind == Kind::Credit => {
+                fed.credit += u64::from(f.method);
+                if let Some(w) = fed.credit_waker.take() {
+                    w.wake();
+                }
+            }
             Some(Slot::Stream(fed)) => {
+                fed.answered |= f.kind == Kind::Response;
                 fed.frames.push_back(f);
                 fed.wake();
             }
+            // (A grant for nothing open carries nothing to release.)
+            _ if f.kind == Kind::Credit => {}
             // (An item is only ever a stream's.)
             _ if f.kind != Kind::Response => {
                 drop(st);
@@ -369,6 +388,45 @@ impl Reader {
             w => *w = Some(cx.waker().clone()),
         }
         Poll::Pending
+    }
+
+    /// Takes one item of credit for the items the caller of stream `id`
+    /// sends, waiting for a grant: `Ok(false)` once the stream's answer
+    /// came (the server takes no more), the error that broke the
+    /// connection.
+    pub(super) fn poll_credit(
+        &self,
+        id: u64,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Result<bool, RpcError>> {
+        let mut st = lock(&self.state);
+        let Some(Slot::Stream(fed)) = st.pending.get_mut(&id) else {
+            // (Closed: its answer was read, or it was dropped.)
+            return Poll::Ready(Ok(false));
+        };
+        if fed.answered {
+            return Poll::Ready(Ok(false));
+        }
+        if let Some(e) = &fed.failed {
+            return Poll::Ready(Err(e.clone()));
+        }
+        if fed.credit > 0 {
+            fed.credit -= 1;
+            return Poll::Ready(Ok(true));
+        }
+        match &mut fed.credit_waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            w => *w = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+
+    /// Gives back a grant of stream `id`, taken for an item that did not
+    /// go.
+    pub(super) fn regrant(&self, id: u64) {
+        if let Some(Slot::Stream(fed)) = lock(&self.state).pending.get_mut(&id) {
+            fed.credit += 1;
+        }
     }
 
     /// The lone caller `id`, whose spin ran out (it holds the receiving

@@ -13,10 +13,10 @@ use crate::retry::{Retry, Statuses};
 use std::time::{Duration, Instant};
 
 /// Whether a client takes frames of this kind from its server: answers,
-/// and items of the streams it opened.
+/// items of the streams it opened, and grants for the items it sends.
 #[inline]
 pub(crate) fn answers(kind: Kind) -> bool {
-    matches!(kind, Kind::Response | Kind::Item)
+    matches!(kind, Kind::Response | Kind::Item | Kind::Credit)
 }
 
 /// A request ready to send: what both clients compute from a call (and

@@ -13,7 +13,7 @@ use crate::frame::method_id;
 use crate::metadata::Metadata;
 use crate::node::{Node, Transport};
 use crate::payload::Payload;
-use crate::stream::{AsyncSink, Sink};
+use crate::stream::{AsyncInbox, AsyncSink, Sink};
 use crate::transport::Listener;
 use dm_pool::Endpoint;
 use std::collections::VecDeque;
@@ -221,6 +221,29 @@ impl ServerBuilder {
         )
     }
 
+    /// Registers an async method whose caller sends a stream of items
+    /// after its request ([`AsyncClient::call_bidi`](crate::AsyncClient::call_bidi)):
+    /// the handler reads them from the [`AsyncInbox`] as they come
+    /// (granting more as it reads: a caller never sends more than the
+    /// handler holds unread), answers with items into the [`AsyncSink`]
+    /// as a streaming handler does, and returns how the call ends. A
+    /// bidirectional stream, or, sending no item, a caller's stream
+    /// answered once (its answer's payload travels as the last item).
+    /// Called without items (`call_stream`), its inbox is empty. Its
+    /// calls run beside the server's others, as async streams do.
+    pub fn method_bidi_async<F, Fut>(self, name: &str, handler: F) -> Self
+    where
+        F: Fn(AsyncCall, AsyncInbox, AsyncSink) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), RpcError>> + Send + 'static,
+    {
+        self.add(
+            name,
+            Method::AsyncBidi(Arc::new(move |c, i, s| {
+                Box::pin(handler(c, i, s)) as StreamFuture
+            })),
+        )
+    }
+
     fn add(mut self, name: &str, m: Method) -> Self {
         let id = method_id(name);
         if let Some((other, _)) = self.methods.get(&id) {
@@ -331,11 +354,12 @@ impl ServerBuilder {
         };
         let waker = listener.waker();
         let stats = Arc::new(Stats::default());
-        let rt = if self
-            .methods
-            .values()
-            .any(|(_, m)| matches!(m, Method::Async(_) | Method::AsyncStream(_)))
-        {
+        let rt = if self.methods.values().any(|(_, m)| {
+            matches!(
+                m,
+                Method::Async(_) | Method::AsyncStream(_) | Method::AsyncBidi(_)
+            )
+        }) {
             Some(
                 tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(1)
@@ -363,6 +387,7 @@ impl ServerBuilder {
             queue: VecDeque::new(),
             tasks: Tasks::default(),
             outlets: Vec::new(),
+            inlets: Vec::new(),
             rt,
             waker: waker.clone(),
         };

@@ -6,16 +6,16 @@ use super::handler::{
     intercept, panicked, run_handler, run_stream, AsyncCall, HandlerFuture, Interceptor, Method,
     Methods, Scope,
 };
-use super::intake::{intake, pending, refuse, Later, Pending, To};
+use super::intake::{ended_items_of, intake, pending, refuse, Later, Pending, To};
 use super::running::{bump, Stats};
 use super::tasks::{Task, TaskWake, Tasks};
 use crate::async_client::polling_with;
 use crate::error::RpcError;
-use crate::frame::{Body, Frame, Kind, Status, FLAG_STREAM};
+use crate::frame::{Body, Frame, Kind, Status, FLAG_CALLER_STREAM, FLAG_STREAM};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Payload};
-use crate::stream::{AsyncSink, Outlet, Sink};
+use crate::stream::{AsyncInbox, AsyncSink, Inlet, Outlet, Sink};
 use crate::transport::{ConnId, Listener, Waker, WatchSet};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,6 +45,9 @@ pub(super) struct Dispatcher {
     /// The async streams in progress: their items, sent by the
     /// dispatcher between polls.
     pub(super) outlets: Vec<Arc<Outlet>>,
+    /// The items callers send to the calls in progress, taken in by the
+    /// dispatcher (which sends their grants).
+    pub(super) inlets: Vec<Arc<Inlet>>,
     /// The context async handlers are polled in (only if the server has
     /// some): their timers, I/O and spawned tasks.
     pub(super) rt: Option<tokio::runtime::Runtime>,
@@ -70,6 +73,9 @@ impl Dispatcher {
         for o in std::mem::take(&mut self.outlets) {
             o.end(&self.node, RpcError::unavailable("the server is stopping"));
         }
+        for i in std::mem::take(&mut self.inlets) {
+            i.end(&self.node, RpcError::unavailable("the server is stopping"));
+        }
         for p in std::mem::take(&mut self.queue) {
             if p.frame.kind == Kind::Request {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -85,7 +91,7 @@ impl Dispatcher {
             if self.rt.is_some() {
                 self.poll_woken();
             }
-            if !self.outlets.is_empty() {
+            if !self.outlets.is_empty() || !self.inlets.is_empty() {
                 self.tend_outlets();
             }
             if self.drained() {
@@ -110,9 +116,11 @@ impl Dispatcher {
                 // A grant for an async stream in progress (one for a
                 // stream that ended is dropped).
                 Kind::Credit => self.grant(p.conn, p.frame.call_id, p.frame.method),
-                // Clients do not send responses, go-aways or items.
+                // An item of a caller's stream.
+                Kind::Item => self.feed_item(p.conn, p.frame),
+                // Clients do not send responses or go-aways.
                 // (Parts are joined by the transport: none gets here.)
-                Kind::Response | Kind::GoAway | Kind::Item | Kind::Part => {}
+                Kind::Response | Kind::GoAway | Kind::Part => {}
             }
         }
     }
@@ -124,10 +132,11 @@ impl Dispatcher {
     /// does not say when room comes, to send items that found none (a
     /// millisecond).
     fn wake_by(&self) -> Option<Instant> {
-        if self.outlets.is_empty() {
+        if self.outlets.is_empty() && self.inlets.is_empty() {
             return self.draining;
         }
-        let poll = !self.listener.wakes_for_room() && self.outlets.iter().any(|o| o.unsent());
+        let poll = !self.listener.wakes_for_room()
+            && (self.outlets.iter().any(|o| o.unsent()) || self.inlets.iter().any(|i| i.owes()));
         let slice = Duration::from_millis(if poll { 1 } else { 50 });
         let mut by = Instant::now() + slice;
         for d in self.outlets.iter().filter_map(|o| o.deadline) {
@@ -142,6 +151,12 @@ impl Dispatcher {
     fn tend_outlets(&mut self) {
         let now = Instant::now();
         let (listener, stats, node) = (&mut self.listener, &self.stats, &self.node);
+        for i in &self.inlets {
+            i.flush(node, &mut **listener);
+            if !listener.is_open(i.conn) {
+                i.end(node, RpcError::unavailable("the call's caller is gone"));
+            }
+        }
         for o in &self.outlets {
             o.flush(node, &mut **listener, stats);
             if !listener.is_open(o.conn) {
@@ -163,13 +178,38 @@ impl Dispatcher {
         }
     }
 
+    /// An item the caller of call `f.call_id` of `conn` sent: to its
+    /// handler's inbox; the end of the items of a queued request is noted
+    /// there; any other is released (its call ended, or never took items).
+    fn feed_item(&mut self, conn: ConnId, f: Frame) {
+        if let Some(i) = self
+            .inlets
+            .iter()
+            .find(|i| i.conn == conn && i.id == f.call_id)
+        {
+            i.take(&self.node, f);
+        } else if !ended_items_of(&mut self.queue, conn, &f) {
+            crate::call::attempt::orphan(&self.node, f);
+        }
+    }
+
     /// Applies what was read for calls in progress while a handler ran.
     fn apply(&mut self, later: Vec<Later>) {
         for l in later {
             match l {
                 Later::Cancel(conn, id) => self.cancel_task(conn, id),
                 Later::Credit(conn, id, n) => self.grant(conn, id, n),
+                Later::Item(conn, f) => self.feed_item(conn, f),
             }
+        }
+    }
+
+    /// A call's inlet goes (its call ended): what it still held is
+    /// released, and what comes for it later too.
+    fn close_inlet(&mut self, inlet: Option<Arc<Inlet>>) {
+        if let Some(i) = inlet {
+            self.inlets.retain(|x| !Arc::ptr_eq(x, &i));
+            i.end(&self.node, RpcError::unavailable("the call has ended"));
         }
     }
 
@@ -225,6 +265,7 @@ impl Dispatcher {
             frame,
             deadline,
             credit,
+            items_ended,
         } = p;
         let to = To {
             conn,
@@ -254,11 +295,20 @@ impl Dispatcher {
             Err(e)
         } else {
             match method {
-                Some((name, Method::Stream(_) | Method::AsyncStream(_)))
+                Some((name, Method::Stream(_) | Method::AsyncStream(_) | Method::AsyncBidi(_)))
                     if frame.flags & FLAG_STREAM == 0 =>
                 {
                     Err(RpcError::invalid_argument(format!(
                         "method {name:?} answers with a stream: call it with call_stream"
+                    )))
+                }
+                Some((name, m))
+                    if frame.flags & FLAG_CALLER_STREAM != 0
+                        && !matches!(m, Method::AsyncBidi(_)) =>
+                {
+                    Err(RpcError::invalid_argument(format!(
+                        "method {name:?} takes no items from its caller: call it with call or \
+                         call_stream"
                     )))
                 }
                 Some((name, Method::Async(h))) => {
@@ -267,7 +317,7 @@ impl Dispatcher {
                         self.start_future(name, (frame.payload, frame.meta), &mut scope, |c| h(c));
                     match started {
                         Ok(fut) => {
-                            self.start_async(to, frame.method, fut, scope, None);
+                            self.start_async(to, frame.method, fut, scope, (None, None));
                             self.drain();
                             return;
                         }
@@ -287,7 +337,8 @@ impl Dispatcher {
                             intake(&mut **listener, queue, stats, draining, &mut later);
                             let mine = Later::Cancel(running.0, running.1);
                             if let Some(k) = later.iter().position(|c| *c == mine) {
-                                later.swap_remove(k);
+                                // (In order: a caller's items stay in theirs.)
+                                later.remove(k);
                                 seen = true;
                             }
                         }
@@ -338,7 +389,47 @@ impl Dispatcher {
                             // Its connection's other requests go on beside it.
                             self.listener.stream_beside(conn, frame.call_id);
                             self.outlets.push(outlet.clone());
-                            self.start_async(to, frame.method, fut, scope, Some(outlet));
+                            self.start_async(to, frame.method, fut, scope, (Some(outlet), None));
+                            self.drain();
+                            return;
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+                Some((name, Method::AsyncBidi(h))) => {
+                    let outlet = Arc::new(Outlet::new(conn, frame.call_id, deadline, credit));
+                    let items = frame.flags & FLAG_CALLER_STREAM != 0 && !items_ended;
+                    let inlet = Arc::new(Inlet::new(conn, frame.call_id, items));
+                    let (ours, max) = (self.node.cfg.threshold(), self.listener.max_inline());
+                    let sink = AsyncSink::new(
+                        outlet.clone(),
+                        self.node.clone(),
+                        self.waker.clone(),
+                        ours.min(max),
+                        self.listener.refs(conn),
+                    );
+                    let inbox =
+                        AsyncInbox::new(inlet.clone(), self.node.clone(), self.waker.clone());
+                    let (h, o) = (h.clone(), outlet.clone());
+                    let req = (frame.payload, frame.meta);
+                    let started = self.start_future(name, req, &mut scope, move |c| {
+                        let fut = h(c, inbox, sink);
+                        Box::pin(async move {
+                            let r = fut.await;
+                            // Its items go before its end.
+                            let flushed = o.flushed().await;
+                            r.and(flushed).map(|()| Payload::empty())
+                        })
+                    });
+                    match started {
+                        Ok(fut) => {
+                            self.listener.stream_beside(conn, frame.call_id);
+                            self.outlets.push(outlet.clone());
+                            // Its first grant goes at once, if there is room.
+                            inlet.flush(&self.node, &mut *self.listener);
+                            self.inlets.push(inlet.clone());
+                            let io = (Some(outlet), Some(inlet));
+                            self.start_async(to, frame.method, fut, scope, io);
                             self.drain();
                             return;
                         }
@@ -383,7 +474,7 @@ impl Dispatcher {
         method: u32,
         fut: HandlerFuture,
         scope: Scope,
-        outlet: Option<Arc<Outlet>>,
+        (outlet, inlet): (Option<Arc<Outlet>>, Option<Arc<Inlet>>),
     ) {
         let t = &mut self.tasks;
         let slot = t.free.pop().unwrap_or_else(|| {
@@ -402,6 +493,7 @@ impl Dispatcher {
             fut,
             scope,
             outlet,
+            inlet,
         });
         self.poll_task(slot);
     }
@@ -425,7 +517,11 @@ impl Dispatcher {
         };
         t.free.push(slot);
         let Task {
-            to, fut, outlet, ..
+            to,
+            fut,
+            outlet,
+            inlet,
+            ..
         } = task;
         {
             // Dropped as it is polled: in the runtime's context, its
@@ -436,6 +532,7 @@ impl Dispatcher {
             });
         }
         self.close_outlet(outlet);
+        self.close_inlet(inlet);
         self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
         let cancelled = RpcError::new(Status::Cancelled, "cancelled by the caller");
         self.answer(to, Err(cancelled), Metadata::new());
@@ -495,6 +592,7 @@ impl Dispatcher {
         if let Some(t) = self.tasks.slots[slot].take() {
             self.tasks.free.push(slot);
             self.close_outlet(t.outlet);
+            self.close_inlet(t.inlet);
             self.answer(t.to, r, t.scope.meta.reply);
         }
     }

@@ -8,7 +8,7 @@ use crate::frame::{Body, Frame};
 use crate::metadata::{Metadata, MetadataError};
 use crate::node::Node;
 use crate::payload::Payload;
-use crate::stream::{AsyncSink, Sink};
+use crate::stream::{AsyncInbox, AsyncSink, Sink};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -35,6 +35,12 @@ pub type StreamFuture =
 /// An async streaming method's handler
 /// ([`ServerBuilder::method_stream_async`]).
 pub type AsyncStreamHandler = Arc<dyn Fn(AsyncCall, AsyncSink) -> StreamFuture + Send + Sync>;
+
+/// An async handler of a method whose caller sends items too
+/// ([`ServerBuilder::method_bidi_async`]): it reads them from the
+/// [`AsyncInbox`] and answers with items into the [`AsyncSink`].
+pub type AsyncBidiHandler =
+    Arc<dyn Fn(AsyncCall, AsyncInbox, AsyncSink) -> StreamFuture + Send + Sync>;
 
 /// A check every request passes before its handler runs
 /// ([`ServerBuilder::intercept`]).
@@ -111,6 +117,9 @@ pub(super) enum Method {
     /// as async handlers' are: many at once, beside the server's other
     /// calls.
     AsyncStream(AsyncStreamHandler),
+    /// Reads a stream of its caller's items and answers with a stream of
+    /// its own, polled as an async stream's handler is.
+    AsyncBidi(AsyncBidiHandler),
 }
 
 /// One call, as an async handler sees it (owned, so it can be held across

@@ -18,6 +18,9 @@ pub(crate) struct Pending {
     pub(super) deadline: Option<Instant>,
     /// Items its caller granted while it was queued (a stream's request).
     pub(super) credit: u64,
+    /// Its caller ended its items while it was queued (before any could
+    /// be granted).
+    pub(super) items_ended: bool,
 }
 
 pub(super) fn pending(conn: ConnId, frame: Frame) -> Pending {
@@ -28,6 +31,7 @@ pub(super) fn pending(conn: ConnId, frame: Frame) -> Pending {
         frame,
         deadline,
         credit: 0,
+        items_ended: false,
     }
 }
 
@@ -51,12 +55,14 @@ pub(super) fn refuse(
 
 /// A frame for a call in progress, read while a handler ran: applied
 /// when it returns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Later {
     /// The caller of call `.1` of connection `.0` cancelled it.
     Cancel(ConnId, u64),
     /// The caller of stream `.1` of connection `.0` granted `.2` more items.
     Credit(ConnId, u64, u32),
+    /// An item the caller of a call in progress sent (on connection `.0`).
+    Item(ConnId, Frame),
 }
 
 /// Moves every frame already waiting in `listener` into `queue`, applying
@@ -128,8 +134,34 @@ pub(crate) fn take_in(
                 later.push(Later::Credit(conn, frame.call_id, frame.method));
             }
         }
+        // An item of a caller's stream: for a call in progress (one for
+        // a queued request was never granted; the dispatcher releases it).
+        Kind::Item => {
+            if !ended_items_of(queue, conn, &frame) {
+                later.push(Later::Item(conn, frame));
+            }
+        }
         // (Parts are joined by the transport: none gets here.)
-        Kind::Response | Kind::GoAway | Kind::Item | Kind::Part => {}
+        Kind::Response | Kind::GoAway | Kind::Part => {}
+    }
+}
+
+/// Whether `f`, an item of connection `conn`, is the end of the items of
+/// a request still queued (the one item that needs no grant): then it
+/// is noted there.
+pub(super) fn ended_items_of(queue: &mut VecDeque<Pending>, conn: ConnId, f: &Frame) -> bool {
+    if f.flags & crate::frame::FLAG_LAST == 0 {
+        return false;
+    }
+    match queue
+        .iter_mut()
+        .find(|q| q.conn == conn && q.frame.call_id == f.call_id)
+    {
+        Some(q) => {
+            q.items_ended = true;
+            true
+        }
+        None => false,
     }
 }
 

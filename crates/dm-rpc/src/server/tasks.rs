@@ -4,7 +4,7 @@
 
 use super::handler::{HandlerFuture, Scope};
 use super::intake::To;
-use crate::stream::Outlet;
+use crate::stream::{Inlet, Outlet};
 use crate::transport::Waker;
 use std::sync::{Arc, Mutex};
 
@@ -32,6 +32,8 @@ pub(super) struct Task {
     pub(super) scope: Scope,
     /// An async stream's items on their way out.
     pub(super) outlet: Option<Arc<Outlet>>,
+    /// Its caller's items on their way in.
+    pub(super) inlet: Option<Arc<Inlet>>,
 }
 
 /// The waker of slot `slot`'s call: queues the slot and pokes the

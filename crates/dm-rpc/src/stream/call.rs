@@ -10,7 +10,7 @@ use crate::call::options::CallOptions;
 use crate::call::options::Reply;
 use crate::error::RpcError;
 use crate::frame::Status;
-use crate::frame::{Frame, Kind, FLAG_REFUSED, FLAG_STREAM};
+use crate::frame::{Frame, Kind, FLAG_CALLER_STREAM, FLAG_REFUSED, FLAG_STREAM};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Lent, Payload};
@@ -85,6 +85,8 @@ pub(crate) struct How {
     window: u32,
     wait_for_ready: bool,
     idempotent: bool,
+    /// The caller sends items of its own ([`FLAG_CALLER_STREAM`]).
+    caller_items: bool,
 }
 
 impl How {
@@ -98,6 +100,17 @@ impl How {
             },
             wait_for_ready: opts.wait_for_ready,
             idempotent: out.again.idempotent,
+            caller_items: false,
+        }
+    }
+
+    /// The same, for a stream whose caller sends items too: its request
+    /// never moves to another server once it went (its items went with
+    /// it).
+    pub(crate) fn with_caller_items(self) -> How {
+        How {
+            caller_items: true,
+            ..self
         }
     }
 }
@@ -133,6 +146,9 @@ impl<C: StreamConn> Opened<C> {
     fn new(h: Arc<Redial<C>>, conn: Arc<C>, method: &str, out: Outgoing, how: How) -> Self {
         let (mut req, lent, deadline, _) = out.into_frame();
         req.flags |= FLAG_STREAM;
+        if how.caller_items {
+            req.flags |= FLAG_CALLER_STREAM;
+        }
         Opened {
             h,
             conn,
@@ -541,5 +557,65 @@ impl AsyncStreaming {
             }
             return self.o.take(got);
         }
+    }
+}
+
+/// The async caller's end of a call whose caller sends a stream of items
+/// too ([`AsyncClient::call_bidi`](crate::AsyncClient::call_bidi)): a
+/// bidirectional stream, or a caller's stream answered once. Items go
+/// with [`send`](Self::send), their end with [`finish`](Self::finish);
+/// what the server answers comes from [`next`](Self::next), as from an
+/// [`AsyncStreaming`]. [`split`](Self::split) gives the two halves to two
+/// tasks.
+#[derive(Debug)]
+pub struct AsyncBidi {
+    items: super::AsyncItems,
+    answers: AsyncStreaming,
+}
+
+impl AsyncBidi {
+    /// Sends request `out` (a call of `method`) over `conn`, flagged as
+    /// followed by the caller's items, and opens its stream.
+    pub(crate) async fn open(
+        h: Arc<Redial<crate::async_client::AsyncConn>>,
+        conn: Arc<crate::async_client::AsyncConn>,
+        method: &str,
+        out: Outgoing,
+        how: How,
+    ) -> Result<AsyncBidi, RpcError> {
+        let mut answers =
+            AsyncStreaming::open(h, conn, method, out, how.with_caller_items()).await?;
+        // Its items follow it: the request stays where it went.
+        answers.o.request = None;
+        let o = &answers.o;
+        let items = super::AsyncItems::new(o.conn.clone(), o.id, o.deadline);
+        Ok(AsyncBidi { items, answers })
+    }
+
+    /// Sends `item` to the server ([`AsyncItems::send`](super::AsyncItems::send)).
+    pub async fn send(&mut self, item: impl Into<Payload>) -> Result<(), RpcError> {
+        self.items.send(item).await
+    }
+
+    /// Ends the items ([`AsyncItems::finish`](super::AsyncItems::finish)).
+    pub async fn finish(&mut self) -> Result<(), RpcError> {
+        self.items.finish().await
+    }
+
+    /// The next item of the answer ([`AsyncStreaming::next`]).
+    pub async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
+        self.answers.next().await
+    }
+
+    /// The metadata of the answer that ended the call.
+    pub fn metadata(&self) -> &Metadata {
+        self.answers.metadata()
+    }
+
+    /// The two halves: the items to send, and the answer's stream. The
+    /// answer's half owns the call: dropping it before the end cancels
+    /// the call, and then the items' sends fail.
+    pub fn split(self) -> (super::AsyncItems, AsyncStreaming) {
+        (self.items, self.answers)
     }
 }

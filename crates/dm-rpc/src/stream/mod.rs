@@ -1,4 +1,5 @@
-//! Streaming calls: a method that answers with a stream of items.
+//! Streaming calls: a method that answers with a stream of items, and one
+//! that also reads a stream of its caller's.
 //!
 //! A server registers a streaming method with
 //! [`ServerBuilder::method_stream`](crate::ServerBuilder::method_stream):
@@ -50,15 +51,40 @@
 //! released. An async handler's items go out before its end. A server that dies ends its
 //! streams with `Unavailable`, as it does calls.
 //!
-//! The wire format is in [`crate::frame`] (frames v7). The server's end
+//! **The caller's items.** A method registered with
+//! [`ServerBuilder::method_bidi_async`](crate::ServerBuilder::method_bidi_async)
+//! also reads items its caller sends after the request: a bidirectional
+//! stream, or, if it answers with one item, a caller's stream answered
+//! once. The caller opens the call with
+//! [`AsyncClient::call_bidi`](crate::AsyncClient::call_bidi), sends with
+//! [`AsyncBidi::send`] and ends its items with [`AsyncBidi::finish`]
+//! (or [`AsyncBidi::split`]s the call into an [`AsyncItems`] and an
+//! [`AsyncStreaming`] for two tasks). The handler reads them from its
+//! [`AsyncInbox`]. Flow control runs the other way here: the server
+//! grants a window of items when the handler starts, and grants more as
+//! the handler reads half of it, so what the handler has not read stays
+//! within the window. A caller that sends beyond its grant ends the
+//! items with `ResourceExhausted`. A call ended by its handler fails the
+//! caller's later sends (`Cancelled`: its answer says how); a caller that
+//! drops the call cancels it; items dropped without a finish end the
+//! items if that can go at once, else cancel the call.
+//!
+//! The wire format is in [`crate::frame`] (frames v7, and v9 for the
+//! caller's items). The server's end
 //! is in `sink.rs`; the callers' (one state machine for both clients) in
-//! `call.rs`.
+//! `call.rs`. The caller's items leave from `items.rs` and arrive in
+//! `inbox.rs`.
 
 mod call;
+mod inbox;
+mod items;
 mod sink;
 
-pub use call::{AsyncStreaming, Streaming};
+pub use call::{AsyncBidi, AsyncStreaming, Streaming};
 pub(crate) use call::{How, StreamConn};
+pub use inbox::AsyncInbox;
+pub(crate) use inbox::Inlet;
+pub use items::AsyncItems;
 pub use sink::{AsyncSink, Sink};
 pub(crate) use sink::{Feed, Outlet};
 

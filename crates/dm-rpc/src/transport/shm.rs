@@ -922,8 +922,11 @@ impl ShmListener {
                 }
             }
             Kind::Request => (true, None),
-            // (A cancel or a grant of a held request stays behind it.)
-            Kind::Cancel | Kind::Credit => (c.held.iter().any(|h| h.call_id == f.call_id), None),
+            // (A cancel, a grant or an item of its caller of a held
+            // request stays behind it.)
+            Kind::Cancel | Kind::Credit | Kind::Item => {
+                (c.held.iter().any(|h| h.call_id == f.call_id), None)
+            }
             _ => (false, None),
         };
         if hold {

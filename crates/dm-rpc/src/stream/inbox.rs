@@ -1,0 +1,246 @@
+//! The server's end of the items a caller sends (frames v9): what the
+//! dispatcher takes in for a call in progress, and what its handler reads
+//! from an [`AsyncInbox`].
+
+use crate::call::attempt::orphan;
+use crate::error::RpcError;
+use crate::frame::{Frame, Status, FLAG_LAST};
+use crate::node::Node;
+use crate::payload::Payload;
+use crate::transport::{ConnId, Listener};
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::task::{Poll, Waker};
+
+/// Items a handler takes from its caller at once: the caller sends no
+/// more before the handler reads half of them.
+pub(crate) const WINDOW: u32 = super::DEFAULT_WINDOW;
+
+/// What a call's caller sent and its handler has not read, shared by the
+/// dispatcher (which takes the items in and sends the grants) and the
+/// handler's [`AsyncInbox`].
+pub(crate) struct Inlet {
+    /// The call's connection and id.
+    pub(crate) conn: ConnId,
+    pub(crate) id: u64,
+    /// The dispatcher's thread: a read elsewhere pokes it to send grants.
+    home: std::thread::ThreadId,
+    state: Mutex<Held>,
+}
+
+struct Held {
+    items: VecDeque<Frame>,
+    /// Items granted to the caller (sent or owed), and received.
+    granted: u64,
+    received: u64,
+    /// Items read since the last grant.
+    read: u32,
+    /// Grants to send (the dispatcher sends them, as the connection has
+    /// room).
+    owed: u32,
+    /// The caller's last marker came.
+    finished: bool,
+    /// How the items ended early: every read from then on gives it.
+    ended: Option<RpcError>,
+    waker: Option<Waker>,
+}
+
+impl Inlet {
+    /// The inlet of call `id` of `conn`: with the first grant owed if
+    /// its caller sends `items`, else ended already (a call made without
+    /// items).
+    pub(crate) fn new(conn: ConnId, id: u64, items: bool) -> Self {
+        let window = if items { WINDOW } else { 0 };
+        Inlet {
+            conn,
+            id,
+            home: std::thread::current().id(),
+            state: Mutex::new(Held {
+                items: VecDeque::new(),
+                granted: u64::from(window),
+                received: 0,
+                read: 0,
+                owed: window,
+                finished: !items,
+                ended: None,
+                waker: None,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        crate::sync::lock(&self.state)
+    }
+
+    /// Takes item `f` of the caller in: queued for the handler, or the
+    /// end of the items. An item beyond what was granted ends the items
+    /// with `ResourceExhausted` (the caller broke the flow control); one
+    /// after the end, or after they ended, is released.
+    pub(crate) fn take(&self, node: &Node, f: Frame) {
+        let mut h = self.lock();
+        if h.ended.is_some() || h.finished {
+            drop(h);
+            orphan(node, f);
+            return;
+        }
+        if f.flags & FLAG_LAST != 0 {
+            h.finished = true;
+        } else if h.received >= h.granted {
+            let e = RpcError::new(
+                Status::ResourceExhausted,
+                "the caller sent more items than the server granted",
+            );
+            let left = Self::end_locked(&mut h, e);
+            drop(h);
+            orphan(node, f);
+            release(node, left);
+            return;
+        } else {
+            h.received += 1;
+            h.items.push_back(f);
+        }
+        if let Some(w) = h.waker.take() {
+            drop(h);
+            w.wake();
+        }
+    }
+
+    /// Whether grants wait to be sent.
+    pub(crate) fn owes(&self) -> bool {
+        self.lock().owed > 0
+    }
+
+    /// Sends the grants owed, if the connection has room for them; a
+    /// connection that fails ends the items (its caller is gone).
+    pub(crate) fn flush(&self, node: &Node, listener: &mut dyn Listener) {
+        let mut h = self.lock();
+        if h.owed == 0 || h.ended.is_some() {
+            return;
+        }
+        match listener.send_item(self.conn, &Frame::credit(self.id, h.owed)) {
+            Ok(true) => h.owed = 0,
+            Ok(false) => {}
+            Err(e) => {
+                let e = RpcError::unavailable(format!("the call's caller is gone: {e}"));
+                let left = Self::end_locked(&mut h, e);
+                drop(h);
+                release(node, left);
+            }
+        }
+    }
+
+    /// Ends the items early with `e` (if they have not ended): what is
+    /// held is released, and a waiting read is woken to fail.
+    pub(crate) fn end(&self, node: &Node, e: RpcError) {
+        let mut h = self.lock();
+        if h.ended.is_some() {
+            return;
+        }
+        let left = Self::end_locked(&mut h, e);
+        let w = h.waker.take();
+        drop(h);
+        release(node, left);
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    fn end_locked(h: &mut Held, e: RpcError) -> VecDeque<Frame> {
+        h.ended = Some(e);
+        std::mem::take(&mut h.items)
+    }
+
+    /// The next item, as its handler reads it: a grant is owed once half
+    /// the window is read.
+    fn poll_next(&self, cx: &mut std::task::Context<'_>) -> Poll<Option<Result<Frame, RpcError>>> {
+        let mut h = self.lock();
+        if let Some(f) = h.items.pop_front() {
+            h.read += 1;
+            if h.read >= (WINDOW / 2).max(1) && !h.finished {
+                let n = std::mem::take(&mut h.read);
+                h.owed += n;
+                h.granted += u64::from(n);
+            }
+            return Poll::Ready(Some(Ok(f)));
+        }
+        if let Some(e) = &h.ended {
+            return Poll::Ready(Some(Err(e.clone())));
+        }
+        if h.finished {
+            return Poll::Ready(None);
+        }
+        match &mut h.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            w => *w = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+}
+
+/// Releases what items carried.
+fn release(node: &Node, items: VecDeque<Frame>) {
+    for f in items {
+        orphan(node, f);
+    }
+}
+
+/// Where an async handler reads the items its caller sends
+/// ([`ServerBuilder::method_bidi_async`](crate::ServerBuilder::method_bidi_async)).
+/// Owned, so the handler's future holds it across awaits (or moves it
+/// into a task it spawns).
+pub struct AsyncInbox {
+    inlet: std::sync::Arc<Inlet>,
+    node: Node,
+    /// Pokes the dispatcher (an inbox read off its thread), to send the
+    /// grants the read owes.
+    poke: crate::transport::Waker,
+    read: u64,
+}
+
+impl std::fmt::Debug for AsyncInbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncInbox")
+            .field("call_id", &self.inlet.id)
+            .field("read", &self.read)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AsyncInbox {
+    pub(crate) fn new(
+        inlet: std::sync::Arc<Inlet>,
+        node: Node,
+        poke: crate::transport::Waker,
+    ) -> Self {
+        AsyncInbox {
+            inlet,
+            node,
+            poke,
+            read: 0,
+        }
+    }
+
+    /// Items read so far.
+    pub fn read(&self) -> u64 {
+        self.read
+    }
+
+    /// The caller's next item: `Some(Ok)`, `None` once the caller ended
+    /// its items (also at once for a call made without any), or
+    /// `Some(Err)` if they ended early: `Unavailable` (the caller is
+    /// gone, the server stopping) or `ResourceExhausted` (the caller sent
+    /// more than it was granted). Items travel inline or as Refs made for
+    /// this server, which the payload releases when it is dropped.
+    pub async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
+        let f = match std::future::poll_fn(|cx| self.inlet.poll_next(cx)).await? {
+            Ok(f) => f,
+            Err(e) => return Some(Err(e)),
+        };
+        self.read += 1;
+        if std::thread::current().id() != self.inlet.home && self.inlet.owes() {
+            self.poke.wake();
+        }
+        crate::stats::count(&f.payload, false);
+        Some(Payload::from_response_body(f.payload, &self.node))
+    }
+}
