@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{every_transport, pattern, pool, unique};
+use common::{every_transport, pattern, pool, rt, unique};
 
 /// What the handlers saw.
 #[derive(Default)]
@@ -114,14 +114,6 @@ fn service(node: &Node, name: &str, t: &Transport, seen: Arc<Seen>) -> Server {
         })
         .method_async("unary", |call| async move { Ok(call.payload) })
         .spawn()
-        .unwrap()
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
         .unwrap()
 }
 

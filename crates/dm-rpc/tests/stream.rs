@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{every_transport, pattern, pool, unique};
+use common::{every_transport, pattern, pool, rt, unique};
 
 /// Waits (up to 5 s) until `f` holds.
 fn eventually(what: &str, f: impl Fn() -> bool) {
@@ -459,14 +459,6 @@ fn streams_survive_a_rolling_restart() {
 
 // The async client's streams ([`dm_rpc::AsyncStreaming`]): the same
 // service, read from futures.
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 /// Runs `body` over every transport with an async client of a fresh
 /// `service` on a tokio runtime, then stops it and checks that the pool

@@ -23,6 +23,26 @@ use std::sync::{Arc, OnceLock};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
+/// Makes an async stream's handler future from its call.
+type MakeStream = Box<dyn FnOnce(AsyncCall) -> crate::server::StreamFuture + Send>;
+
+/// The call's future of an async stream whose handler `make` makes: it
+/// ends once the items it queued in `outlet` went out.
+fn items_before_end(
+    make: MakeStream,
+    outlet: Arc<Outlet>,
+) -> impl FnOnce(AsyncCall) -> HandlerFuture {
+    move |c| {
+        let fut = make(c);
+        Box::pin(async move {
+            let r = fut.await;
+            // Its items go before its end.
+            let flushed = outlet.flushed().await;
+            r.and(flushed).map(|()| Payload::empty())
+        })
+    }
+}
+
 pub(super) struct Dispatcher {
     pub(super) node: Node,
     pub(super) methods: Methods,
@@ -365,32 +385,15 @@ impl Dispatcher {
                 }
                 Some((name, Method::AsyncStream(h))) => {
                     let outlet = Arc::new(Outlet::new(conn, frame.call_id, deadline, credit));
-                    let (ours, max) = (self.node.cfg.threshold(), self.listener.max_inline());
-                    let sink = AsyncSink::new(
-                        outlet.clone(),
-                        self.node.clone(),
-                        self.waker.clone(),
-                        ours.min(max),
-                        self.listener.refs(conn),
-                    );
-                    let (h, o) = (h.clone(), outlet.clone());
+                    let sink = self.sink(&outlet, conn);
+                    let h = h.clone();
+                    let make: MakeStream = Box::new(move |c| h(c, sink));
                     let req = (frame.payload, frame.meta);
-                    let started = self.start_future(name, req, &mut scope, move |c| {
-                        let fut = h(c, sink);
-                        Box::pin(async move {
-                            let r = fut.await;
-                            // Its items go before its end.
-                            let flushed = o.flushed().await;
-                            r.and(flushed).map(|()| Payload::empty())
-                        })
-                    });
-                    match started {
+                    let make = items_before_end(make, outlet.clone());
+                    match self.start_future(name, req, &mut scope, make) {
                         Ok(fut) => {
-                            // Its connection's other requests go on beside it.
-                            self.listener.stream_beside(conn, frame.call_id);
-                            self.outlets.push(outlet.clone());
-                            self.start_async(to, frame.method, fut, scope, (Some(outlet), None));
-                            self.drain();
+                            let io = (outlet, None);
+                            self.start_stream(to, frame.method, fut, scope, io);
                             return;
                         }
                         Err(e) => Err(e),
@@ -398,39 +401,19 @@ impl Dispatcher {
                 }
                 Some((name, Method::AsyncBidi(h))) => {
                     let outlet = Arc::new(Outlet::new(conn, frame.call_id, deadline, credit));
+                    let sink = self.sink(&outlet, conn);
                     let items = frame.flags & FLAG_CALLER_STREAM != 0 && !items_ended;
                     let inlet = Arc::new(Inlet::new(conn, frame.call_id, items));
-                    let (ours, max) = (self.node.cfg.threshold(), self.listener.max_inline());
-                    let sink = AsyncSink::new(
-                        outlet.clone(),
-                        self.node.clone(),
-                        self.waker.clone(),
-                        ours.min(max),
-                        self.listener.refs(conn),
-                    );
                     let inbox =
                         AsyncInbox::new(inlet.clone(), self.node.clone(), self.waker.clone());
-                    let (h, o) = (h.clone(), outlet.clone());
+                    let h = h.clone();
+                    let make: MakeStream = Box::new(move |c| h(c, inbox, sink));
                     let req = (frame.payload, frame.meta);
-                    let started = self.start_future(name, req, &mut scope, move |c| {
-                        let fut = h(c, inbox, sink);
-                        Box::pin(async move {
-                            let r = fut.await;
-                            // Its items go before its end.
-                            let flushed = o.flushed().await;
-                            r.and(flushed).map(|()| Payload::empty())
-                        })
-                    });
-                    match started {
+                    let make = items_before_end(make, outlet.clone());
+                    match self.start_future(name, req, &mut scope, make) {
                         Ok(fut) => {
-                            self.listener.stream_beside(conn, frame.call_id);
-                            self.outlets.push(outlet.clone());
-                            // Its first grant goes at once, if there is room.
-                            inlet.flush(&self.node, &mut *self.listener);
-                            self.inlets.push(inlet.clone());
-                            let io = (Some(outlet), Some(inlet));
-                            self.start_async(to, frame.method, fut, scope, io);
-                            self.drain();
+                            let io = (outlet, Some(inlet));
+                            self.start_stream(to, frame.method, fut, scope, io);
                             return;
                         }
                         Err(e) => Err(e),
@@ -441,6 +424,41 @@ impl Dispatcher {
         };
         self.apply(later);
         self.answer(to, result, scope.meta.reply);
+    }
+
+    /// The sink of an async stream whose items leave through `outlet`, on
+    /// connection `conn`.
+    fn sink(&self, outlet: &Arc<Outlet>, conn: ConnId) -> AsyncSink {
+        let (ours, max) = (self.node.cfg.threshold(), self.listener.max_inline());
+        AsyncSink::new(
+            outlet.clone(),
+            self.node.clone(),
+            self.waker.clone(),
+            ours.min(max),
+            self.listener.refs(conn),
+        )
+    }
+
+    /// Starts an async stream's call, its future made: its items go out
+    /// through `outlet`, its caller's come in through `inlet` (whose first
+    /// grant goes at once, if there is room), and its connection's other
+    /// requests go on beside it.
+    fn start_stream(
+        &mut self,
+        to: To,
+        method: u32,
+        fut: HandlerFuture,
+        scope: Scope,
+        (outlet, inlet): (Arc<Outlet>, Option<Arc<Inlet>>),
+    ) {
+        self.listener.stream_beside(to.conn, to.id);
+        self.outlets.push(outlet.clone());
+        if let Some(i) = &inlet {
+            i.flush(&self.node, &mut *self.listener);
+            self.inlets.push(i.clone());
+        }
+        self.start_async(to, method, fut, scope, (Some(outlet), inlet));
+        self.drain();
     }
 
     /// The future of an async handler's call of method `name` with

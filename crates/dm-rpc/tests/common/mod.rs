@@ -42,3 +42,13 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
         .collect()
 }
+
+/// A tokio runtime of two worker threads (for tests whose tasks run
+/// beside each other).
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
