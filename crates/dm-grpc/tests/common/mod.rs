@@ -1,0 +1,114 @@
+//! The example service (`proto/imaging.proto`) and what the suites share.
+#![allow(dead_code, clippy::unwrap_used)]
+
+pub mod imaging {
+    tonic::include_proto!("imaging");
+}
+
+use imaging::imaging_server::Imaging;
+use imaging::{Blob, Image, Summary, TileRequest};
+use std::pin::Pin;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+pub type Items<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// FNV-1a of `b`.
+pub fn digest(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ u64::from(x)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// `len` bytes of a pattern that differs with `seed`.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+        .collect()
+}
+
+/// The example service: what each method does is in the `.proto`.
+#[derive(Debug, Default)]
+pub struct Service;
+
+#[tonic::async_trait]
+impl Imaging for Service {
+    async fn echo(&self, req: Request<Blob>) -> Result<Response<Blob>, Status> {
+        // Metadata both ways: a header asked for comes back as a header.
+        let tag = req.metadata().get("x-tag").cloned();
+        if let Some(code) = req.metadata().get("x-fail") {
+            let code: i32 = code.to_str().unwrap().parse().unwrap();
+            let mut s = Status::with_details(
+                tonic::Code::from_i32(code),
+                "asked to fail",
+                bytes::Bytes::from_static(b"\x01details"),
+            );
+            s.metadata_mut().insert("x-why", "asked".parse().unwrap());
+            return Err(s);
+        }
+        if let Some(ms) = req.metadata().get("x-sleep-ms") {
+            let ms: u64 = ms.to_str().unwrap().parse().unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
+        let mut answer = Response::new(req.into_inner());
+        if let Some(tag) = tag {
+            answer.metadata_mut().insert("x-tag", tag);
+        }
+        Ok(answer)
+    }
+
+    async fn invert(&self, req: Request<Image>) -> Result<Response<Image>, Status> {
+        let img = req.into_inner();
+        if img.pixels.len() as u64 != u64::from(img.width) * u64::from(img.height) * 3 {
+            return Err(Status::invalid_argument("pixels do not fill the image"));
+        }
+        let pixels: Vec<u8> = img.pixels.iter().map(|p| 255 - p).collect();
+        Ok(Response::new(Image {
+            width: img.width,
+            height: img.height,
+            digest: digest(&pixels),
+            pixels: pixels.into(),
+        }))
+    }
+
+    type TilesStream = Items<Blob>;
+
+    async fn tiles(&self, req: Request<TileRequest>) -> Result<Response<Items<Blob>>, Status> {
+        let r = req.into_inner();
+        let tiles = (0..r.count).map(move |k| {
+            Ok(Blob {
+                data: pattern(r.size as usize, k as u8).into(),
+                seq: u64::from(k),
+            })
+        });
+        let end = (r.fail_with != 0).then(|| {
+            Err(Status::new(
+                tonic::Code::from_i32(r.fail_with),
+                "the tiles ran out",
+            ))
+        });
+        let s = tokio_stream::iter(tiles.chain(end));
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn upload(&self, req: Request<Streaming<Blob>>) -> Result<Response<Summary>, Status> {
+        let mut s = req.into_inner();
+        let mut sum = Summary::default();
+        while let Some(b) = s.next().await {
+            let b = b?;
+            if b.data.as_ref() != pattern(b.data.len(), b.seq as u8).as_slice() {
+                return Err(Status::data_loss(format!("blob {} is not its own", b.seq)));
+            }
+            sum.blobs += 1;
+            sum.bytes += b.data.len() as u64;
+        }
+        Ok(Response::new(sum))
+    }
+
+    type ChatStream = Items<Blob>;
+
+    async fn chat(&self, req: Request<Streaming<Blob>>) -> Result<Response<Items<Blob>>, Status> {
+        let s = req.into_inner();
+        Ok(Response::new(Box::pin(s)))
+    }
+}

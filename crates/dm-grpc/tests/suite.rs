@@ -1,0 +1,240 @@
+//! The example service over every path a client may take: tonic over TCP,
+//! and HTTP/2 over dmrpc's shared memory. One suite: unary calls with
+//! metadata, errors with details, deadlines and cancellation, large
+//! messages checked byte for byte, and every kind of stream.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+use common::imaging::imaging_client::ImagingClient;
+use common::imaging::imaging_server::ImagingServer;
+use common::imaging::{Blob, Image, TileRequest};
+use common::{digest, pattern, Service};
+use dm_pool::testing::TempPool;
+use dm_pool::PoolConfig;
+use dm_rpc::Node;
+use std::time::Duration;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+use tonic::Code;
+
+/// The paths a channel takes.
+#[derive(Debug, Clone, Copy)]
+enum Path {
+    Tcp,
+    H2OverShm,
+}
+
+const PATHS: [Path; 2] = [Path::Tcp, Path::H2OverShm];
+
+fn pool() -> TempPool {
+    TempPool::with(PoolConfig {
+        size: 256 << 20,
+        channels: Some(32),
+        ..Default::default()
+    })
+}
+
+/// Serves the example service over `path` and gives a channel to it.
+async fn serve(node: &Node, path: Path, name: &str) -> (Channel, tokio::task::JoinHandle<()>) {
+    let router = tonic::transport::Server::builder()
+        .add_service(ImagingServer::new(Service).max_decoding_message_size(64 << 20));
+    match path {
+        Path::Tcp => {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            let task = tokio::spawn(async move {
+                router.serve_with_incoming(incoming).await.unwrap();
+            });
+            // The same dial as shared memory's: the name is not in the
+            // pool, so it falls back to TCP.
+            let ch = dm_grpc::h2::Dial::new(node, name)
+                .or_tcp(&format!("http://{addr}"))
+                .connect()
+                .await
+                .unwrap();
+            (ch, task)
+        }
+        Path::H2OverShm => {
+            let incoming = dm_grpc::h2::listen(node, name).unwrap();
+            let task = tokio::spawn(async move {
+                router.serve_with_incoming(incoming).await.unwrap();
+            });
+            let dial = dm_grpc::h2::Dial::new(node, name).or_tcp("http://127.0.0.1:1");
+            assert!(dial.in_pool());
+            (dial.connect().await.unwrap(), task)
+        }
+    }
+}
+
+/// Runs `body` with a client of the example service over every path,
+/// then checks that the pool is clean.
+fn over_every_path<F, Fut>(test: &str, body: F)
+where
+    F: Fn(Path, ImagingClient<Channel>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    for path in PATHS {
+        let tp = pool();
+        {
+            let node = Node::new(tp.attach());
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let name = format!("test/{test}/{}", std::process::id());
+                let (ch, task) = serve(&node, path, &name).await;
+                body(
+                    path,
+                    ImagingClient::new(ch).max_decoding_message_size(64 << 20),
+                )
+                .await;
+                task.abort();
+                let _ = task.await;
+            });
+        }
+        tp.assert_clean_within(Duration::from_secs(2));
+    }
+}
+
+fn blob(len: usize, seq: u64) -> Blob {
+    Blob {
+        data: pattern(len, seq as u8).into(),
+        seq,
+    }
+}
+
+#[test]
+fn unary_calls_carry_metadata_and_large_messages() {
+    over_every_path("grpc-unary", |path, mut c| async move {
+        for len in [0usize, 64, 4 << 10, 64 << 10, 1 << 20, 4 << 20] {
+            let mut req = tonic::Request::new(blob(len, 3));
+            req.metadata_mut().insert("x-tag", "seven".parse().unwrap());
+            let answer = c.echo(req).await.unwrap();
+            assert_eq!(answer.metadata().get("x-tag").unwrap(), "seven", "{path:?}");
+            let b = answer.into_inner();
+            assert_eq!(b.seq, 3);
+            assert!(
+                b.data.as_ref() == pattern(len, 3).as_slice(),
+                "{path:?} {len}"
+            );
+        }
+        // An image, inverted, byte for byte.
+        let (w, h) = (640u32, 480u32);
+        let pixels = pattern((w * h * 3) as usize, 1);
+        let img = Image {
+            width: w,
+            height: h,
+            pixels: pixels.clone().into(),
+            digest: 0,
+        };
+        let out = c.invert(img).await.unwrap().into_inner();
+        let want: Vec<u8> = pixels.iter().map(|p| 255 - p).collect();
+        assert!(out.pixels.as_ref() == want.as_slice(), "{path:?}");
+        assert_eq!(out.digest, digest(&want));
+    });
+}
+
+#[test]
+fn errors_deadlines_and_cancellation_behave_as_grpc_says() {
+    over_every_path("grpc-errors", |path, mut c| async move {
+        // An error with details and metadata.
+        let mut req = tonic::Request::new(blob(8, 1));
+        req.metadata_mut().insert("x-fail", "7".parse().unwrap());
+        let e = c.echo(req).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{path:?}");
+        assert_eq!(e.message(), "asked to fail");
+        assert_eq!(e.details(), b"\x01details");
+        assert_eq!(e.metadata().get("x-why").unwrap(), "asked");
+        // The server's own check.
+        let bad = Image {
+            width: 2,
+            height: 2,
+            pixels: vec![0u8; 5].into(),
+            digest: 0,
+        };
+        let e = c.invert(bad).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{path:?}");
+        // A deadline.
+        let mut req = tonic::Request::new(blob(8, 1));
+        req.metadata_mut()
+            .insert("x-sleep-ms", "2000".parse().unwrap());
+        req.set_timeout(Duration::from_millis(50));
+        let started = std::time::Instant::now();
+        let e = c.echo(req).await.unwrap_err();
+        // (tonic's server says Cancelled, "Timeout expired".)
+        assert!(
+            matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
+            "{path:?}: {e}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(1), "{path:?}");
+        // A dropped call (a timeout around the future): the channel goes on.
+        let mut req = tonic::Request::new(blob(8, 1));
+        req.metadata_mut()
+            .insert("x-sleep-ms", "2000".parse().unwrap());
+        let mut c2 = c.clone();
+        let dropped = tokio::time::timeout(Duration::from_millis(50), c2.echo(req)).await;
+        assert!(dropped.is_err(), "{path:?}");
+        let b = c.echo(blob(10, 2)).await.unwrap().into_inner();
+        assert_eq!(b.seq, 2);
+    });
+}
+
+#[test]
+fn every_kind_of_stream() {
+    over_every_path("grpc-streams", |path, mut c| async move {
+        // The server's stream.
+        for (count, size) in [(0u32, 1u32), (10, 100), (100, 64 << 10)] {
+            let req = TileRequest {
+                count,
+                size,
+                fail_with: 0,
+            };
+            let mut s = c.tiles(req).await.unwrap().into_inner();
+            let mut k = 0u32;
+            while let Some(b) = s.next().await {
+                let b = b.unwrap();
+                assert_eq!(b.seq, u64::from(k));
+                assert!(b.data.as_ref() == pattern(size as usize, k as u8).as_slice());
+                k += 1;
+            }
+            assert_eq!(k, count, "{path:?}");
+        }
+        // ... ending with an error.
+        let req = TileRequest {
+            count: 3,
+            size: 10,
+            fail_with: Code::ResourceExhausted as i32,
+        };
+        let mut s = c.tiles(req).await.unwrap().into_inner();
+        for _ in 0..3 {
+            s.next().await.unwrap().unwrap();
+        }
+        let e = s.next().await.unwrap().unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted, "{path:?}");
+        // The caller's stream.
+        for (n, len) in [(0u64, 1usize), (5, 10), (40, 256 << 10)] {
+            let up = tokio_stream::iter((0..n).map(move |k| blob(len, k)));
+            let sum = c.upload(up).await.unwrap().into_inner();
+            assert_eq!((sum.blobs, sum.bytes), (n, n * len as u64), "{path:?}");
+        }
+        // Both ways: every blob back, in order, while more go.
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut back = c
+            .chat(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        for k in 0..200u64 {
+            let len = if k % 50 == 0 { 300 << 10 } else { 100 };
+            tx.send(blob(len, k)).await.unwrap();
+            let b = back.next().await.unwrap().unwrap();
+            assert_eq!(b.seq, k, "{path:?}");
+            assert!(b.data.as_ref() == pattern(len, k as u8).as_slice());
+        }
+        drop(tx);
+        assert!(back.next().await.is_none(), "{path:?}");
+    });
+}
