@@ -4,13 +4,14 @@
 //! through tonic's `connect_with_connector` ([`Dial`]).
 
 use crate::pipe::{Pipe, PIPE_METHOD};
+use crate::Channel;
 use dm_pool::Endpoint;
 use dm_rpc::{Node, RpcError};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::sync::{mpsc, oneshot};
-use tonic::transport::{Channel, Endpoint as GrpcEndpoint};
+use tonic::transport::Endpoint as GrpcEndpoint;
 
 /// How many byte streams wait, accepted and not yet taken by tonic.
 const BACKLOG: usize = 64;
@@ -125,6 +126,7 @@ impl Dial {
             return e
                 .connect()
                 .await
+                .map(Channel::new)
                 .map_err(|e| RpcError::unavailable(format!("cannot connect to {uri}: {e}")));
         }
         let client = Arc::new(self.node.connect_async(&self.name)?);
@@ -142,6 +144,7 @@ impl Dial {
         GrpcEndpoint::from_static("http://dmrpc.invalid")
             .connect_with_connector(connector)
             .await
+            .map(Channel::new)
             .map_err(|e| RpcError::unavailable(format!("cannot open {:?}: {e}", self.name)))
     }
 }

@@ -29,7 +29,10 @@
 //! let mut client = ImagingClient::new(channel);
 //! ```
 
+mod channel;
+pub mod example;
 pub mod h2;
 mod pipe;
 
+pub use channel::Channel;
 pub use pipe::Pipe;

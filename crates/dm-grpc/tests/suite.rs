@@ -4,17 +4,16 @@
 //! messages checked byte for byte, and every kind of stream.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-use common::imaging::imaging_client::ImagingClient;
-use common::imaging::imaging_server::ImagingServer;
-use common::imaging::{Blob, Image, TileRequest};
-use common::{digest, pattern, Service};
+use dm_grpc::example::imaging::imaging_client::ImagingClient;
+use dm_grpc::example::imaging::imaging_server::ImagingServer;
+use dm_grpc::example::imaging::{Blob, Image, TileRequest};
+use dm_grpc::example::{digest, pattern, Service};
+use dm_grpc::Channel;
 use dm_pool::testing::TempPool;
 use dm_pool::PoolConfig;
 use dm_rpc::Node;
 use std::time::Duration;
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
 use tonic::Code;
 
 /// The paths a channel takes.

@@ -1,6 +1,9 @@
-//! The example service (`proto/imaging.proto`) and what the suites share.
-#![allow(dead_code, clippy::unwrap_used)]
+//! The example service of the tests, the examples and `bench grpc`
+//! (`proto/imaging.proto`): its generated code ([`imaging`]) and an
+//! implementation ([`Service`]).
 
+/// The code tonic and prost generate from `proto/imaging.proto`.
+#[allow(missing_docs, clippy::all, missing_debug_implementations)]
 pub mod imaging {
     tonic::include_proto!("imaging");
 }
@@ -11,6 +14,7 @@ use std::pin::Pin;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
+/// A stream of messages a method answers with.
 pub type Items<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// FNV-1a of `b`.
@@ -27,7 +31,10 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// The example service: what each method does is in the `.proto`.
+/// The example service: what each method does is in the `.proto`. Echo
+/// also answers metadata: `x-tag` comes back, `x-fail: CODE` fails with
+/// that code (with details and trailer metadata), `x-sleep-ms: MS` waits
+/// first.
 #[derive(Debug, Default)]
 pub struct Service;
 
@@ -37,17 +44,20 @@ impl Imaging for Service {
         // Metadata both ways: a header asked for comes back as a header.
         let tag = req.metadata().get("x-tag").cloned();
         if let Some(code) = req.metadata().get("x-fail") {
-            let code: i32 = code.to_str().unwrap().parse().unwrap();
+            let code: i32 = code.to_str().ok().and_then(|c| c.parse().ok()).unwrap_or(2);
             let mut s = Status::with_details(
                 tonic::Code::from_i32(code),
                 "asked to fail",
                 bytes::Bytes::from_static(b"\x01details"),
             );
-            s.metadata_mut().insert("x-why", "asked".parse().unwrap());
+            s.metadata_mut().insert(
+                "x-why",
+                tonic::metadata::MetadataValue::from_static("asked"),
+            );
             return Err(s);
         }
         if let Some(ms) = req.metadata().get("x-sleep-ms") {
-            let ms: u64 = ms.to_str().unwrap().parse().unwrap();
+            let ms: u64 = ms.to_str().ok().and_then(|m| m.parse().ok()).unwrap_or(0);
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         }
         let mut answer = Response::new(req.into_inner());
