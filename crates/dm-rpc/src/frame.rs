@@ -17,7 +17,7 @@
 //! | 16..20 | method       | [`method_id`] of the method's full name (requests); items granted (credits) |
 //! | 20..24 | deadline     | microseconds the caller will wait, 0 = none (requests) |
 //! | 24..28 | length       | payload bytes                                          |
-//! | 28..32 | meta length  | bytes of metadata after the payload (requests, answers) |
+//! | 28..32 | meta length  | bytes of metadata after the payload (requests, answers, items) |
 //!
 //! A Refs payload is one or more 40-byte encoded Refs (`dm_pool::refs`).
 //! An answer's Ref is made for its caller, who releases it, except in an
@@ -43,6 +43,9 @@
 //! reading the connection, and which requests it took: every request whose
 //! call id is above the frame's call id was never taken, and never will be
 //! (see [`crate::transport::GoAway`]). It carries nothing else.
+//!
+//! An item may carry metadata too (version 9): a stream's first item may
+//! carry what gRPC sends as response headers before any message.
 //!
 //! **Streams of the caller** (version 9). A request flagged
 //! [`FLAG_CALLER_STREAM`] is followed by items of its caller:
@@ -723,9 +726,9 @@ impl Head {
                     "only an empty item ends the caller's items",
                 ))
             }
-            _ if meta != 0 && !matches!(kind, Kind::Request | Kind::Response) => {
+            _ if meta != 0 && !matches!(kind, Kind::Request | Kind::Response | Kind::Item) => {
                 return Err(FrameError::Inconsistent(
-                    "only requests and answers carry metadata",
+                    "only requests, answers and items carry metadata",
                 ))
             }
             _ => {}
@@ -1029,15 +1032,14 @@ mod tests {
         let mut item = Frame::item(3, Body::None);
         item.flags = FLAG_STREAM;
         assert!(inconsistent(item));
-        // An item carries no status, method, deadline, metadata or echo.
+        // An item carries no status, method, deadline or echo (metadata,
+        // since version 9, it may).
         let mut item = Frame::item(3, Body::None);
         item.status = Status::Internal;
         assert!(inconsistent(item));
         let mut item = Frame::item(3, Body::None);
         item.method = 5;
         assert!(inconsistent(item));
-        let meta = crate::metadata::Metadata::new().with("k", "v").unwrap();
-        assert!(inconsistent(Frame::item(3, Body::None).with_meta(meta)));
         let mut item = Frame::item(3, Body::Refs(vec![a_ref()]));
         item.flags = FLAG_ECHO;
         assert!(inconsistent(item));
@@ -1171,8 +1173,8 @@ mod tests {
                 max: l.max_meta
             })
         );
-        // Metadata: only on requests and answers, and well formed, in both
-        // decoders.
+        // Metadata: only on requests, answers and items, and well formed,
+        // in both decoders.
         let meta = crate::metadata::Metadata::new()
             .with("trace-id", "t1")
             .unwrap();
@@ -1200,6 +1202,10 @@ mod tests {
         let answer = Frame::response(4, Status::Internal, Body::None).with_meta(meta);
         let b = answer.encode();
         assert_eq!(Frame::decode(&b, &l), Ok(Some((answer, b.len()))));
+        let meta = crate::metadata::Metadata::new().with("k", "v").unwrap();
+        let item = Frame::item(4, Body::None).with_meta(meta);
+        let b = item.encode();
+        assert_eq!(Frame::decode(&b, &l), Ok(Some((item, b.len()))));
         let mut cancel = Frame::cancel(4).encode();
         cancel[28] = 3;
         cancel.extend_from_slice(&[1, b'k', 0]);

@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 use dm_rpc::frame::{method_id, Frame, FLAG_CALLER_STREAM, FLAG_STREAM};
-use dm_rpc::{Body, Node, Payload, RpcError, Server, Status, Transport};
+use dm_rpc::{Body, CallOptions, Metadata, Node, Payload, RpcError, Server, Status, Transport};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -113,6 +113,18 @@ fn service(node: &Node, name: &str, t: &Transport, seen: Arc<Seen>) -> Server {
             }
         })
         .method_async("unary", |call| async move { Ok(call.payload) })
+        // Any other method: its name from the metadata, back as the
+        // first item's metadata, then the items it was sent.
+        .fallback_bidi_async(|call, mut inbox, mut sink| async move {
+            let asked = call.metadata.get("path").unwrap_or(b"?").to_vec();
+            let head = Metadata::new().with("path", asked).unwrap();
+            sink.send_with_metadata(Payload::empty(), head).await?;
+            sink.send(call.payload).await?;
+            while let Some(item) = inbox.next().await {
+                sink.send(item?).await?;
+            }
+            Ok(())
+        })
         .spawn()
         .unwrap()
 }
@@ -316,4 +328,38 @@ fn a_caller_that_sends_more_than_granted_is_refused() {
         s.shutdown();
     }
     tp.assert_clean_within(Duration::from_secs(2));
+}
+
+#[test]
+fn a_fallback_serves_every_other_method_and_items_carry_metadata() {
+    over_every_transport("bidi-fallback", |t, c, _, _| async move {
+        for (method, items) in [("/pkg.Svc/Unary", 0u32), ("/pkg.Svc/Stream", 3)] {
+            let meta = Metadata::new().with("path", method).unwrap();
+            let arg = Payload::from_vec(pattern(300 << 10, 1));
+            let mut call = c
+                .call_bidi_with(method, arg, CallOptions::default(), meta)
+                .await
+                .unwrap();
+            // The first item: empty, with metadata.
+            let (head, m) = call.next_with_metadata().await.unwrap().unwrap();
+            assert!(head.is_empty(), "{t:?}");
+            assert_eq!(m.get("path"), Some(method.as_bytes()), "{t:?}");
+            let (arg, m) = call.next_with_metadata().await.unwrap().unwrap();
+            assert!(m.is_empty());
+            assert_eq!(arg.to_vec().unwrap(), pattern(300 << 10, 1), "{t:?}");
+            for k in 0..items {
+                call.send(pattern(10, k as u8)).await.unwrap();
+                let back = call.next().await.unwrap().unwrap();
+                assert_eq!(back.to_vec().unwrap(), pattern(10, k as u8));
+            }
+            call.finish().await.unwrap();
+            assert!(call.next().await.is_none(), "{t:?}");
+        }
+        // Registered methods are still theirs; a plain call of an
+        // unregistered one is refused, not served.
+        let back = c.call("unary", vec![3u8]).await.unwrap();
+        assert_eq!(back.to_vec().unwrap(), vec![3u8]);
+        let e = c.call("/pkg.Svc/Unary", vec![3u8]).await.unwrap_err();
+        assert_eq!(e.status, Status::InvalidArgument, "{t:?}: {e}");
+    });
 }

@@ -59,6 +59,8 @@ pub struct ServerBuilder {
     pub(super) node: Node,
     pub(super) name: String,
     pub(super) methods: Methods,
+    /// What serves the methods not registered ([`ServerBuilder::fallback_bidi_async`]).
+    pub(super) fallback: Option<(Arc<str>, Method)>,
     pub(super) transport: Transport,
     pub(super) clash: Option<String>,
     pub(super) interceptors: Vec<Interceptor>,
@@ -89,6 +91,7 @@ impl ServerBuilder {
             node,
             name: name.to_owned(),
             methods: Methods::default(),
+            fallback: None,
             transport: Transport::Shm,
             clash: None,
             interceptors: Vec::new(),
@@ -244,6 +247,25 @@ impl ServerBuilder {
         )
     }
 
+    /// Serves every method not registered by name with `handler`, an
+    /// async handler of a method whose caller may send items too (as
+    /// [`method_bidi_async`](Self::method_bidi_async)): for a server that
+    /// learns what a call is from its metadata (a gRPC adapter carries
+    /// the method's path there). Its calls see the method name `*`. It
+    /// must be called as a stream (`call_stream` or `call_bidi`); a plain
+    /// call is refused with `InvalidArgument`.
+    pub fn fallback_bidi_async<F, Fut>(mut self, handler: F) -> Self
+    where
+        F: Fn(AsyncCall, AsyncInbox, AsyncSink) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), RpcError>> + Send + 'static,
+    {
+        let m = Method::AsyncBidi(Arc::new(move |c, i, s| {
+            Box::pin(handler(c, i, s)) as StreamFuture
+        }));
+        self.fallback = Some(("*".into(), m));
+        self
+    }
+
     fn add(mut self, name: &str, m: Method) -> Self {
         let id = method_id(name);
         if let Some((other, _)) = self.methods.get(&id) {
@@ -354,7 +376,7 @@ impl ServerBuilder {
         };
         let waker = listener.waker();
         let stats = Arc::new(Stats::default());
-        let rt = if self.methods.values().any(|(_, m)| {
+        let rt = if self.methods.values().chain(&self.fallback).any(|(_, m)| {
             matches!(
                 m,
                 Method::Async(_) | Method::AsyncStream(_) | Method::AsyncBidi(_)
@@ -377,6 +399,7 @@ impl ServerBuilder {
             watch,
             node: node.clone(),
             methods: self.methods,
+            fallback: self.fallback,
             interceptors: self.interceptors,
             propagate: self.propagate,
             listener,

@@ -46,6 +46,8 @@ fn items_before_end(
 pub(super) struct Dispatcher {
     pub(super) node: Node,
     pub(super) methods: Methods,
+    /// What serves the methods not registered, if anything.
+    pub(super) fallback: Option<(Arc<str>, Method)>,
     /// Run before every handler ([`ServerBuilder::intercept`]).
     pub(super) interceptors: Vec<Interceptor>,
     /// Metadata keys passed on ([`ServerBuilder::propagate_metadata`]).
@@ -305,7 +307,7 @@ impl Dispatcher {
         if !self.propagate.is_empty() && !frame.meta.is_empty() {
             scope.meta.inherited = frame.meta.only(&self.propagate);
         }
-        let method = self.methods.get(&frame.method);
+        let method = self.methods.get(&frame.method).or(self.fallback.as_ref());
         let result = if deadline.is_some_and(|d| Instant::now() >= d) {
             self.stats.expired.fetch_add(1, Ordering::Relaxed);
             Err(RpcError::deadline_exceeded(
@@ -603,7 +605,11 @@ impl Dispatcher {
             Ok(Poll::Pending) => return,
             Ok(Poll::Ready(r)) => r,
             Err(p) => {
-                let name = self.methods.get(&method).map_or("?", |(n, _)| &**n);
+                let name = self
+                    .methods
+                    .get(&method)
+                    .or(self.fallback.as_ref())
+                    .map_or("?", |(n, _)| &**n);
                 Err(panicked(name, &*p))
             }
         };

@@ -78,6 +78,9 @@ pub(crate) trait StreamConn: Connected {
     fn close_stream(&self, id: u64, cancel: bool);
 }
 
+/// An item and the metadata it carried.
+type Item = (Payload, Metadata);
+
 /// How a stream is asked for: its window, whether its request waits for
 /// a server to come back, and whether it may run twice.
 #[derive(Debug, Clone, Copy)]
@@ -264,10 +267,11 @@ impl<C: StreamConn> Opened<C> {
         Err((e, again))
     }
 
-    /// What the stream gives for `got`, what came for it: an item
-    /// (`Ok(Some)`), its end (`Ok(None)`, or the last item the ending
-    /// answer carries), or the error it ended with.
-    fn take(&mut self, got: Result<Frame, RpcError>) -> Result<Option<Payload>, RpcError> {
+    /// What the stream gives for `got`, what came for it: an item with
+    /// its metadata (`Ok(Some)`), its end (`Ok(None)`, or the last item
+    /// the ending answer carries, whose metadata is then the stream's
+    /// [`trailer`](Self::trailer)), or the error it ended with.
+    fn take(&mut self, got: Result<Frame, RpcError>) -> Result<Option<Item>, RpcError> {
         let f = match got {
             Ok(f) => f,
             Err(e) => return Err(self.fail(e)),
@@ -283,7 +287,8 @@ impl<C: StreamConn> Opened<C> {
                 }
             }
             crate::stats::count(&f.payload, false);
-            return Payload::from_response_body(f.payload, self.conn.node()).map(Some);
+            let p = Payload::from_response_body(f.payload, self.conn.node())?;
+            return Ok(Some((p, f.meta)));
         }
         // The answer that ends the stream (what the argument lent is
         // ended with it: an answer may pass the request's Ref back).
@@ -292,7 +297,7 @@ impl<C: StreamConn> Opened<C> {
         match answer(self.conn.node(), f, lent) {
             Ok(Reply { payload, metadata }) => {
                 self.trailer = metadata;
-                Ok((!payload.is_empty()).then_some(payload))
+                Ok((!payload.is_empty()).then_some((payload, Metadata::new())))
             }
             Err(mut e) => {
                 self.trailer = e.metadata.clone();
@@ -414,9 +419,19 @@ impl Streaming {
         }
     }
 
+    /// The next item and the metadata it carried (empty unless its
+    /// handler sent some with it), as [`next`](Iterator::next) gives the
+    /// item.
+    pub fn next_with_metadata(&mut self) -> Option<Result<Item, RpcError>> {
+        if self.o.done {
+            return None;
+        }
+        self.step().transpose()
+    }
+
     /// The next item: `Ok(Some)`, `Ok(None)` at the end, or the error the
     /// stream ended with.
-    fn step(&mut self) -> Result<Option<Payload>, RpcError> {
+    fn step(&mut self) -> Result<Option<Item>, RpcError> {
         loop {
             let got = self.o.conn.stream_next(self.o.id, self.o.deadline);
             if let Some(refused) = self.o.unrun_by(&got) {
@@ -433,10 +448,7 @@ impl Iterator for Streaming {
     type Item = Result<Payload, RpcError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.o.done {
-            return None;
-        }
-        self.step().transpose()
+        self.next_with_metadata().map(|r| r.map(|(p, _)| p))
     }
 }
 
@@ -492,6 +504,15 @@ impl AsyncStreaming {
     /// The next item: `Some(Ok)`, `None` once the stream ended well, or
     /// `Some(Err)` with the status it ended with (then `None`).
     pub async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
+        self.next_with_metadata().await.map(|r| r.map(|(p, _)| p))
+    }
+
+    /// The next item and the metadata it carried (empty unless its
+    /// handler sent some with it: [`AsyncSink::send_with_metadata`](crate::AsyncSink::send_with_metadata)),
+    /// as [`next`](Self::next) gives the item. The last item an ending
+    /// answer carries comes with none: the answer's is
+    /// [`metadata`](Self::metadata), once this gives `None`.
+    pub async fn next_with_metadata(&mut self) -> Option<Result<Item, RpcError>> {
         if self.o.done {
             return None;
         }
@@ -541,7 +562,7 @@ impl AsyncStreaming {
     }
 
     /// [`Streaming::step`].
-    async fn step(&mut self) -> Result<Option<Payload>, RpcError> {
+    async fn step(&mut self) -> Result<Option<Item>, RpcError> {
         if !self.o.started {
             // (A `next` dropped while its request moved to another server.)
             if let Err(e) = self.launch().await {
@@ -605,6 +626,12 @@ impl AsyncBidi {
     /// The next item of the answer ([`AsyncStreaming::next`]).
     pub async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
         self.answers.next().await
+    }
+
+    /// The next item of the answer and its metadata
+    /// ([`AsyncStreaming::next_with_metadata`]).
+    pub async fn next_with_metadata(&mut self) -> Option<Result<(Payload, Metadata), RpcError>> {
+        self.answers.next_with_metadata().await
     }
 
     /// The metadata of the answer that ended the call.

@@ -3,6 +3,7 @@
 
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind};
+use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Payload};
 use crate::server::{take_in, Later, Pending, Stats};
@@ -467,10 +468,32 @@ impl AsyncSink {
     /// caller that drops the stream cancels the call: the handler's
     /// future is dropped (as an async handler's is).
     pub async fn send(&mut self, item: impl Into<Payload>) -> Result<(), RpcError> {
+        self.send_with_metadata(item, Metadata::new()).await
+    }
+
+    /// Sends `item` with metadata `meta`, as [`send`](Self::send) does:
+    /// for what a caller must see before the stream's first item (gRPC's
+    /// response headers). The item may be empty. An item's metadata is
+    /// bounded as an answer's: what exceeds the room for it fails
+    /// with `Internal`.
+    pub async fn send_with_metadata(
+        &mut self,
+        item: impl Into<Payload>,
+        meta: Metadata,
+    ) -> Result<(), RpcError> {
         let item = item.into();
         self.outlet.take_credit().await?;
+        let inline_max = match meta.inline_room(self.inline_max, self.inline_max) {
+            Ok(room) => room,
+            Err((len, max)) => {
+                self.outlet.grant(1);
+                return Err(RpcError::internal(format!(
+                    "an item's metadata of {len} bytes exceeds the limit of {max}"
+                )));
+            }
+        };
         let (body, lent) =
-            match item.into_body(&self.node, self.inline_max, Dir::Answer(None), self.refs) {
+            match item.into_body(&self.node, inline_max, Dir::Answer(None), self.refs) {
                 Ok(x) => x,
                 Err(e) => {
                     self.outlet.grant(1);
@@ -478,7 +501,10 @@ impl AsyncSink {
                 }
             };
         let made = lent.made_ref();
-        let frame = Frame::item(self.outlet.id, body);
+        let mut frame = Frame::item(self.outlet.id, body);
+        if !meta.is_empty() {
+            frame.meta = meta;
+        }
         {
             let mut b = self.outlet.lock();
             if let Some(e) = &b.ended {
