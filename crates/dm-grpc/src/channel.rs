@@ -2,6 +2,7 @@
 //! whichever way it goes, which says `Unavailable` when the transport
 //! under a call breaks, as gRPC asks.
 
+use crate::direct::client::Direct;
 use bytes::Bytes;
 use http_body::Frame;
 use std::future::Future;
@@ -10,47 +11,91 @@ use std::task::{ready, Context, Poll};
 use tonic::body::Body;
 
 /// A channel to a gRPC service, for a generated client
-/// (`FooClient::new(channel)`): HTTP/2 over dmrpc's shared memory, or
-/// over TCP ([`crate::h2::Dial`]). Cheap to clone; clones share the
-/// connection.
+/// (`FooClient::new(channel)`), made by [`Dial`](crate::Dial): each call
+/// straight onto a dmrpc call, HTTP/2 over dmrpc's shared memory, or
+/// gRPC over TCP. Cheap to clone; clones share the connection.
 ///
 /// A call whose transport breaks under it (its server killed, its
 /// connection reset) ends with `Unavailable`, on every path. (tonic
 /// alone reports a stream broken mid-way as `Unknown`.)
 #[derive(Debug, Clone)]
 pub struct Channel {
-    inner: tonic::transport::Channel,
+    via: Via,
+}
+
+#[derive(Debug, Clone)]
+enum Via {
+    /// HTTP/2, over a dmrpc byte stream or TCP.
+    Http2(tonic::transport::Channel),
+    /// Each call a dmrpc call.
+    Direct(Direct),
 }
 
 impl Channel {
-    pub(crate) fn new(inner: tonic::transport::Channel) -> Channel {
-        Channel { inner }
+    pub(crate) fn http2(inner: tonic::transport::Channel) -> Channel {
+        Channel {
+            via: Via::Http2(inner),
+        }
+    }
+
+    pub(crate) fn direct(d: Direct) -> Channel {
+        Channel {
+            via: Via::Direct(d),
+        }
+    }
+
+    /// Whether its calls are dmrpc calls (no HTTP/2).
+    pub fn is_direct(&self) -> bool {
+        matches!(self.via, Via::Direct(_))
     }
 }
 
-type Answer = Result<http::Response<Body>, tonic::transport::Error>;
+type Answer = Result<http::Response<Body>, tonic::Status>;
 
 impl tower::Service<http::Request<Body>> for Channel {
     type Response = http::Response<Body>;
-    type Error = tonic::transport::Error;
+    type Error = tonic::Status;
     type Future = Pin<Box<dyn Future<Output = Answer> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+        match &mut self.via {
+            Via::Http2(c) => c.poll_ready(cx).map_err(unavailable),
+            Via::Direct(_) => Poll::Ready(Ok(())),
+        }
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let answer = self.inner.call(req);
-        Box::pin(async move {
-            let a = answer.await?;
-            Ok(a.map(|b| {
-                Body::new(Guarded {
-                    inner: b,
-                    done: false,
+        match &mut self.via {
+            Via::Http2(c) => {
+                let answer = c.call(req);
+                Box::pin(async move {
+                    let a = answer.await.map_err(unavailable)?;
+                    Ok(a.map(|b| {
+                        Body::new(Guarded {
+                            inner: b,
+                            done: false,
+                        })
+                    }))
                 })
-            }))
-        })
+            }
+            Via::Direct(d) => Box::pin(d.clone().call(req)),
+        }
     }
+}
+
+/// What a call that failed in its channel ends with: `DeadlineExceeded`
+/// if its timeout passed (tonic's client says `Cancelled`), else
+/// `Unavailable`, as gRPC says of a transport that fails (a connection
+/// that closed, or none that could be made).
+fn unavailable(e: tonic::transport::Error) -> tonic::Status {
+    let mut x: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(c) = x {
+        if c.is::<tonic::TimeoutExpired>() {
+            return tonic::Status::deadline_exceeded(format!("the call's timeout passed: {e}"));
+        }
+        x = c.source();
+    }
+    tonic::Status::unavailable(format!("the transport failed: {e}"))
 }
 
 /// A response body whose transport failure ends it with trailers that

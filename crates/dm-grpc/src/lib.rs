@@ -30,9 +30,15 @@
 //! ```
 
 mod channel;
+mod dial;
+mod direct;
 pub mod example;
 pub mod h2;
 mod pipe;
+mod serve;
 
 pub use channel::Channel;
+pub use dial::{Dial, Way};
+pub use direct::GrpcService;
 pub use pipe::Pipe;
+pub use serve::serve;

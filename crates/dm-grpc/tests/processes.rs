@@ -45,16 +45,23 @@ fn rt() -> tokio::runtime::Runtime {
 
 #[test]
 fn a_server_killed_mid_stream_ends_it_unavailable_and_leaks_nothing() {
+    for way in [dm_grpc::Way::Direct, dm_grpc::Way::Http2] {
+        killed_mid_stream(way);
+    }
+}
+
+fn killed_mid_stream(way: dm_grpc::Way) {
     let tp = pool();
     let name = format!("test/grpc-kill/{}", std::process::id());
     let mut srv = server(&tp, &name);
     {
         let node = dm_rpc::Node::new(tp.attach());
         rt().block_on(async {
-            let ch = dm_grpc::h2::Dial::new(&node, &name)
-                .connect()
-                .await
-                .unwrap();
+            let mut dial = dm_grpc::Dial::new(&node, &name);
+            if way == dm_grpc::Way::Http2 {
+                dial = dial.http2();
+            }
+            let ch = dial.connect().await.unwrap();
             let mut c = ImagingClient::new(ch);
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             let mut back = c
@@ -89,7 +96,7 @@ fn a_server_killed_mid_stream_ends_it_unavailable_and_leaks_nothing() {
                 .await
                 .expect("the stream ends");
             let status = end.expect("with a status").unwrap_err();
-            assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
+            assert_eq!(status.code(), tonic::Code::Unavailable, "{way:?}: {status}");
             // New calls fail the same way, promptly.
             let e = tokio::time::timeout(
                 Duration::from_secs(10),
@@ -101,7 +108,7 @@ fn a_server_killed_mid_stream_ends_it_unavailable_and_leaks_nothing() {
             .await
             .expect("promptly")
             .unwrap_err();
-            assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+            assert_eq!(e.code(), tonic::Code::Unavailable, "{way:?}: {e}");
         });
     }
     // What the dead server held is reclaimed; nothing else is left.
@@ -135,7 +142,8 @@ fn bytes_that_are_not_http2_lose_their_stream_only() {
                 assert!(ended.is_ok(), "the server ends the stream");
             }
             // The server still serves.
-            let ch = dm_grpc::h2::Dial::new(&node, &name)
+            let ch = dm_grpc::Dial::new(&node, &name)
+                .http2()
                 .connect()
                 .await
                 .unwrap();

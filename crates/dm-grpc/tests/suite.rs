@@ -21,9 +21,10 @@ use tonic::Code;
 enum Path {
     Tcp,
     H2OverShm,
+    Direct,
 }
 
-const PATHS: [Path; 2] = [Path::Tcp, Path::H2OverShm];
+const PATHS: [Path; 3] = [Path::Tcp, Path::H2OverShm, Path::Direct];
 
 fn pool() -> TempPool {
     TempPool::with(PoolConfig {
@@ -33,10 +34,16 @@ fn pool() -> TempPool {
     })
 }
 
+/// What serves the example service for a test.
+enum Serving {
+    Task(tokio::task::JoinHandle<()>),
+    Dmrpc(Box<dm_rpc::Server>),
+}
+
 /// Serves the example service over `path` and gives a channel to it.
-async fn serve(node: &Node, path: Path, name: &str) -> (Channel, tokio::task::JoinHandle<()>) {
-    let router = tonic::transport::Server::builder()
-        .add_service(ImagingServer::new(Service).max_decoding_message_size(64 << 20));
+async fn serve(node: &Node, path: Path, name: &str) -> (Channel, Serving) {
+    let service = ImagingServer::new(Service).max_decoding_message_size(64 << 20);
+    let router = tonic::transport::Server::builder().add_service(service.clone());
     match path {
         Path::Tcp => {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -47,21 +54,31 @@ async fn serve(node: &Node, path: Path, name: &str) -> (Channel, tokio::task::Jo
             });
             // The same dial as shared memory's: the name is not in the
             // pool, so it falls back to TCP.
-            let ch = dm_grpc::h2::Dial::new(node, name)
+            let ch = dm_grpc::Dial::new(node, name)
                 .or_tcp(&format!("http://{addr}"))
                 .connect()
                 .await
                 .unwrap();
-            (ch, task)
+            assert!(!ch.is_direct());
+            (ch, Serving::Task(task))
         }
         Path::H2OverShm => {
+            // tonic's own server, on dmrpc byte streams.
             let incoming = dm_grpc::h2::listen(node, name).unwrap();
             let task = tokio::spawn(async move {
                 router.serve_with_incoming(incoming).await.unwrap();
             });
-            let dial = dm_grpc::h2::Dial::new(node, name).or_tcp("http://127.0.0.1:1");
+            let dial = dm_grpc::Dial::new(node, name)
+                .http2()
+                .or_tcp("http://127.0.0.1:1");
             assert!(dial.in_pool());
-            (dial.connect().await.unwrap(), task)
+            (dial.connect().await.unwrap(), Serving::Task(task))
+        }
+        Path::Direct => {
+            let server = dm_grpc::serve(node, name, service).unwrap();
+            let ch = dm_grpc::Dial::new(node, name).connect().await.unwrap();
+            assert!(ch.is_direct());
+            (ch, Serving::Dmrpc(Box::new(server)))
         }
     }
 }
@@ -84,14 +101,19 @@ where
                 .unwrap();
             rt.block_on(async {
                 let name = format!("test/{test}/{}", std::process::id());
-                let (ch, task) = serve(&node, path, &name).await;
+                let (ch, serving) = serve(&node, path, &name).await;
                 body(
                     path,
                     ImagingClient::new(ch).max_decoding_message_size(64 << 20),
                 )
                 .await;
-                task.abort();
-                let _ = task.await;
+                match serving {
+                    Serving::Task(task) => {
+                        task.abort();
+                        let _ = task.await;
+                    }
+                    Serving::Dmrpc(server) => server.shutdown(),
+                }
             });
         }
         tp.assert_clean_within(Duration::from_secs(2));
@@ -163,7 +185,8 @@ fn errors_deadlines_and_cancellation_behave_as_grpc_says() {
         req.set_timeout(Duration::from_millis(50));
         let started = std::time::Instant::now();
         let e = c.echo(req).await.unwrap_err();
-        // (tonic's server says Cancelled, "Timeout expired".)
+        // (tonic's own server says Cancelled, "Timeout expired", when its
+        // timer fires before the client's.)
         assert!(
             matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
             "{path:?}: {e}"

@@ -70,7 +70,9 @@ fn service(node: &Node, name: &str, t: &Transport, seen: Arc<Seen>) -> Server {
             }
             let mut out = bytes.to_le_bytes().to_vec();
             out.extend(inbox.read().to_le_bytes());
-            sink.send(Payload::from_vec(out)).await
+            // Carried by the answer itself.
+            sink.end_with(Payload::from_vec(out));
+            Ok(())
         })
         // Reads only as many items as `allow` says.
         .method_bidi_async("gate", move |_call, mut inbox, _sink| {

@@ -4,11 +4,15 @@
 //!
 //! ```text
 //! imaging serve POOL NAME [TCP_ADDR]     serve on dmrpc NAME in pool file POOL
-//!                                        (HTTP/2 over shared memory), and on
-//!                                        TCP_ADDR too if given; prints `ready`
-//! imaging call POOL NAME [TCP_URI]       unary echo, a 1 MiB image, and a chat
-//!                                        of 100 blobs; prints what it measured
-//! imaging chat POOL NAME N               a chat of N blobs, one line per answer
+//!                                        (both ways: direct, and HTTP/2 over
+//!                                        shared memory), and on TCP_ADDR too
+//!                                        if given; prints `ready`
+//! imaging call POOL NAME [HOW]           unary echo, a 1 MiB image, and a chat
+//!                                        of 100 blobs; prints what it measured.
+//!                                        HOW: `direct` (the default), `http2`,
+//!                                        or a TCP URI (`http://host:port`) for
+//!                                        when NAME is not in the pool
+//! imaging chat POOL NAME N [HOW]         a chat of N blobs, one line per answer
 //! ```
 
 use dm_grpc::example::imaging::imaging_client::ImagingClient;
@@ -29,16 +33,15 @@ fn node(pool: &str) -> Result<dm_rpc::Node> {
 
 async fn serve(pool: &str, name: &str, tcp: Option<&str>) -> Result<()> {
     let node = node(pool)?;
-    let shm = tonic::transport::Server::builder()
-        .add_service(ImagingServer::new(Service).max_decoding_message_size(64 << 20))
-        .serve_with_incoming(dm_grpc::h2::listen(&node, name)?);
+    let service = ImagingServer::new(Service).max_decoding_message_size(64 << 20);
+    let _served = dm_grpc::serve(&node, name, service.clone())?;
     let tcp = match tcp {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr).await?;
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
             Some(
                 tonic::transport::Server::builder()
-                    .add_service(ImagingServer::new(Service).max_decoding_message_size(64 << 20))
+                    .add_service(service)
                     .serve_with_incoming(incoming),
             )
         }
@@ -47,32 +50,32 @@ async fn serve(pool: &str, name: &str, tcp: Option<&str>) -> Result<()> {
     println!("ready");
     std::io::stdout().flush()?;
     match tcp {
-        Some(tcp) => {
-            let (a, b) = tokio::join!(shm, tcp);
-            a?;
-            b?;
-        }
-        None => shm.await?,
+        Some(tcp) => tcp.await?,
+        None => std::future::pending().await,
     }
     Ok(())
 }
 
+/// A client of `name`: `how` is `direct` (the default), `http2`, or a TCP
+/// URI for when `name` is not in the pool.
 async fn client(
     pool: &str,
     name: &str,
-    tcp: Option<&str>,
+    how: Option<&str>,
 ) -> Result<ImagingClient<dm_grpc::Channel>> {
     let node = node(pool)?;
-    let mut dial = dm_grpc::h2::Dial::new(&node, name);
-    if let Some(uri) = tcp {
-        dial = dial.or_tcp(uri);
+    let mut dial = dm_grpc::Dial::new(&node, name);
+    match how {
+        None | Some("direct") => {}
+        Some("http2") => dial = dial.http2(),
+        Some(uri) => dial = dial.or_tcp(uri),
     }
-    let how = if dial.in_pool() {
-        "shared memory"
-    } else {
-        "TCP"
+    let via = match (dial.in_pool(), dial.way()) {
+        (false, _) => "TCP",
+        (true, dm_grpc::Way::Direct) => "shared memory, direct",
+        (true, dm_grpc::Way::Http2) => "shared memory, HTTP/2",
     };
-    eprintln!("imaging: {name} over {how}");
+    eprintln!("imaging: {name} over {via}");
     Ok(ImagingClient::new(dial.connect().await?).max_decoding_message_size(64 << 20))
 }
 
@@ -129,8 +132,8 @@ async fn call(pool: &str, name: &str, tcp: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-async fn chat(pool: &str, name: &str, n: u64) -> Result<()> {
-    let mut c = client(pool, name, None).await?;
+async fn chat(pool: &str, name: &str, n: u64, how: Option<&str>) -> Result<()> {
+    let mut c = client(pool, name, how).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut back = c
         .chat(tokio_stream::wrappers::ReceiverStream::new(rx))
@@ -172,8 +175,8 @@ fn main() -> Result<()> {
         (Some("call"), Some(pool), Some(name)) => rt.block_on(call(pool, name, a(3))),
         (Some("chat"), Some(pool), Some(name)) => {
             let n = a(3).and_then(|n| n.parse().ok()).unwrap_or(1000);
-            rt.block_on(chat(pool, name, n))
+            rt.block_on(chat(pool, name, n, a(4)))
         }
-        _ => Err("usage: imaging serve|call|chat POOL NAME [TCP]".into()),
+        _ => Err("usage: imaging serve|call|chat POOL NAME [...] (see the source)".into()),
     }
 }

@@ -410,6 +410,13 @@ impl AsyncConn {
         }
     }
 
+    /// Cancels call `id`, best effort, without waiting for room.
+    pub(crate) fn cancel_call(&self, id: u64) {
+        if !self.reader.broken.load(Ordering::Acquire) {
+            lock(&self.tx).cancel(id);
+        }
+    }
+
     /// The largest inline payload, and which Refs the server can use.
     pub(crate) fn carries_what(&self) -> (usize, crate::transport::Sharing) {
         (self.max_inline, self.refs)

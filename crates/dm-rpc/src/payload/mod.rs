@@ -414,6 +414,30 @@ impl Payload {
         }
     }
 
+    /// The data as [`Bytes`]: inline data as it is, and pool data whose
+    /// pages are contiguous as a view of them that owns the payload (its
+    /// mapping stays while any clone of the `Bytes` lives): no copy. Other
+    /// data is copied.
+    pub fn into_bytes(self) -> Result<Bytes, RpcError> {
+        match self.repr {
+            Repr::Bytes(b) => return Ok(b),
+            Repr::Empty => return Ok(Bytes::new()),
+            _ => {}
+        }
+        let one = match self.segments()?.as_slice() {
+            [s] => Some((s.as_ptr(), s.len())),
+            _ => None,
+        };
+        match one {
+            Some((ptr, len)) => Ok(Bytes::from_owner(View {
+                _payload: self,
+                ptr,
+                len,
+            })),
+            None => self.to_vec().map(Bytes::from),
+        }
+    }
+
     /// The data as an owned vector (no copy for inline data).
     pub fn into_vec(self) -> Result<Vec<u8>, RpcError> {
         match self.repr {
@@ -623,6 +647,35 @@ fn remote_request(_: &Node, r: &Ref) -> Result<Payload, RpcError> {
 #[cfg(not(feature = "memserver"))]
 fn remote_answer(node: &Node, r: &Ref) -> Result<Payload, RpcError> {
     remote_request(node, r)
+}
+
+/// A payload's contiguous bytes, owned with it ([`Payload::into_bytes`]).
+struct View {
+    _payload: Payload,
+    ptr: *const u8,
+    len: usize,
+}
+
+// (What the impls below rely on.)
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Payload>();
+};
+
+// SAFETY: `ptr..ptr+len` is a mapping the payload keeps alive and that
+// nobody writes while it is shared (pool pages are copy-on-write once
+// shared; a buffer it owns is written only through `&mut` to it, which
+// the view owns); the payload itself is Send and Sync.
+unsafe impl Send for View {}
+// SAFETY: as above: shared access only reads.
+unsafe impl Sync for View {}
+
+impl AsRef<[u8]> for View {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: see the Send impl: the range is mapped and unchanged for
+        // as long as the view lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
 }
 
 /// Which way a body goes.

@@ -36,9 +36,10 @@ fn items_before_end(
         let fut = make(c);
         Box::pin(async move {
             let r = fut.await;
-            // Its items go before its end.
+            // Its items go before its end, which may carry the last one.
             let flushed = outlet.flushed().await;
-            r.and(flushed).map(|()| Payload::empty())
+            r.and(flushed)
+                .map(|()| outlet.take_last().unwrap_or_default())
         })
     }
 }

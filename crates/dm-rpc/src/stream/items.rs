@@ -105,6 +105,16 @@ impl AsyncItems {
     }
 }
 
+impl AsyncItems {
+    /// Cancels the call instead of ending its items (the source of the
+    /// items failed): its server is told (best effort, without waiting),
+    /// and its answer ends `Cancelled`.
+    pub fn abort(mut self) {
+        self.finished = true;
+        self.conn.cancel_call(self.id);
+    }
+}
+
 impl Drop for AsyncItems {
     fn drop(&mut self) {
         if !self.finished {

@@ -289,6 +289,9 @@ struct Outbox {
     credit_waker: Option<std::task::Waker>,
     /// The handler's end waiting for its items to go out.
     flush_waker: Option<std::task::Waker>,
+    /// The last item, which the answer that ends the stream carries
+    /// ([`AsyncSink::end_with`]).
+    last: Option<Payload>,
 }
 
 impl Outlet {
@@ -393,6 +396,11 @@ impl Outlet {
         .await
     }
 
+    /// The last item the answer carries, if the handler set one.
+    pub(crate) fn take_last(&self) -> Option<Payload> {
+        self.lock().last.take()
+    }
+
     /// Takes one item of credit, waiting for a grant.
     async fn take_credit(&self) -> Result<(), RpcError> {
         std::future::poll_fn(|cx| {
@@ -469,6 +477,16 @@ impl AsyncSink {
     /// future is dropped (as an async handler's is).
     pub async fn send(&mut self, item: impl Into<Payload>) -> Result<(), RpcError> {
         self.send_with_metadata(item, Metadata::new()).await
+    }
+
+    /// Makes `item` the stream's last item, carried by the answer that
+    /// ends it once the handler returns `Ok` (instead of a frame of its
+    /// own): a stream that turns out to be one item long costs one frame,
+    /// as a call's answer does. It needs no grant. The caller reads it as
+    /// it reads any item, before the end. Replaces a last item set
+    /// before.
+    pub fn end_with(&mut self, item: impl Into<Payload>) {
+        self.outlet.lock().last = Some(item.into());
     }
 
     /// Sends `item` with metadata `meta`, as [`send`](Self::send) does:

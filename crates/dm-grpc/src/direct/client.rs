@@ -1,0 +1,126 @@
+//! The client's end of the direct way: a gRPC call as a dmrpc call
+//! (see `wire.rs` for the mapping).
+
+use super::body::{self, Gather};
+use super::wire::{answer_headers, grpc_timeout, headers_into, status_of, HEADERS, PATH};
+use bytes::Bytes;
+use dm_rpc::{AsyncClient, AsyncStreaming, CallOptions, Metadata, Payload};
+use http_body::Body as _;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use tonic::body::Body;
+
+/// A client of a gRPC service served the direct way.
+#[derive(Debug, Clone)]
+pub(crate) struct Direct {
+    client: AsyncClient,
+}
+
+impl Direct {
+    pub(crate) fn new(client: AsyncClient) -> Direct {
+        Direct { client }
+    }
+
+    /// Makes gRPC call `req`, and gives its response.
+    pub(crate) async fn call(
+        self,
+        req: http::Request<Body>,
+    ) -> Result<http::Response<Body>, tonic::Status> {
+        let (parts, mut req_body) = req.into_parts();
+        let path = parts.uri.path();
+        let mut meta = Metadata::new();
+        meta.insert(PATH, path.as_bytes())
+            .map_err(|e| tonic::Status::internal(e.to_string()))?;
+        headers_into(&mut meta, &parts.headers).map_err(status_of)?;
+        let opts = CallOptions {
+            deadline: grpc_timeout(&parts.headers),
+            ..CallOptions::default()
+        };
+        // The body the client wrote already goes with the request: all
+        // of a unary or server-streaming call's.
+        let (first, ended) = ready_data(&mut req_body)?;
+        let st = if ended {
+            self.client
+                .call_stream_with(path, Payload::from_bytes(first), opts, meta)
+                .await
+                .map_err(status_of)?
+        } else {
+            let call = self
+                .client
+                .call_bidi_with(path, Payload::from_bytes(first), opts, meta)
+                .await
+                .map_err(status_of)?;
+            let (mut items, st) = call.split();
+            // The rest, as the client writes it.
+            tokio::spawn(async move {
+                let mut b = std::pin::pin!(req_body);
+                while let Some(f) = std::future::poll_fn(|cx| b.as_mut().poll_frame(cx)).await {
+                    let Ok(f) = f else {
+                        items.abort();
+                        return;
+                    };
+                    if let Ok(d) = f.into_data() {
+                        if items.send(Payload::from_bytes(d)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                let _ = items.finish().await;
+            });
+            st
+        };
+        answer(st).await
+    }
+}
+
+/// The data of `b` that is there now, and whether `b` ended.
+fn ready_data(b: &mut Body) -> Result<(Bytes, bool), tonic::Status> {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let mut got = Gather::default();
+    loop {
+        match Pin::new(&mut *b).poll_frame(&mut cx) {
+            Poll::Ready(Some(Ok(f))) => {
+                if let Ok(d) = f.into_data() {
+                    got.push(d);
+                }
+            }
+            Poll::Ready(Some(Err(s))) => return Err(s),
+            Poll::Ready(None) => return Ok((got.bytes(), true)),
+            Poll::Pending => return Ok((got.bytes(), false)),
+        }
+    }
+}
+
+/// The response of a call whose answer comes through `st`.
+async fn answer(mut st: AsyncStreaming) -> Result<http::Response<Body>, tonic::Status> {
+    let first = st.next_with_metadata().await;
+    let (head, body) = match first {
+        Some(Err(e)) => return Err(status_of(e)),
+        // A stream: the headers came first, the rest follows.
+        Some(Ok((p, m))) if m.get(HEADERS).is_some() => {
+            let (head, _) = answer_headers(&m).map_err(status_of)?;
+            let data = p.into_bytes().map_err(status_of)?;
+            (head, Body::new(body::Answer::new(st, data)))
+        }
+        // The whole answer at once: its payload (if any), then the
+        // headers and trailers its metadata holds.
+        got => {
+            let data = match got {
+                Some(Ok((p, _))) => {
+                    if st.next().await.is_some() {
+                        return Err(tonic::Status::internal(
+                            "the server sent items after an answer without headers",
+                        ));
+                    }
+                    p.into_bytes().map_err(status_of)?
+                }
+                _ => Bytes::new(),
+            };
+            let (head, tail) = answer_headers(st.metadata()).map_err(status_of)?;
+            (head, Body::new(body::Ready::new(data, tail)))
+        }
+    };
+    let mut r = http::Response::new(body);
+    *r.headers_mut() = head;
+    Ok(r)
+}
