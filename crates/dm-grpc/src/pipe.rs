@@ -30,8 +30,8 @@ enum Source {
 }
 
 impl Source {
-    async fn next(mut self) -> (Source, Option<Result<Payload, RpcError>>) {
-        let got = match &mut self {
+    async fn next(mut self: Box<Self>) -> (Box<Source>, Option<Result<Payload, RpcError>>) {
+        let got = match &mut *self {
             Source::Answer(s) => s.next().await,
             Source::Inbox(i) => i.next().await,
         };
@@ -66,9 +66,12 @@ impl Drain {
     }
 }
 
+/// One read of the source: the future that owns it until it gives an item.
+type Read = Boxed<(Box<Source>, Option<Result<Payload, RpcError>>)>;
+
 enum Reading {
-    Idle(Source),
-    Busy(Boxed<(Source, Option<Result<Payload, RpcError>>)>),
+    Idle(Box<Source>),
+    Busy(Read),
     /// The other end finished writing (or failed).
     Done,
 }
@@ -113,7 +116,7 @@ impl Pipe {
     /// The client's end: the caller's items and the answer's.
     pub(crate) fn client(items: AsyncItems, answer: AsyncStreaming) -> Pipe {
         Pipe {
-            reading: Reading::Idle(Source::Answer(answer)),
+            reading: Reading::Idle(Box::new(Source::Answer(answer))),
             current: None,
             writing: Writing::Idle(Drain::Items(items)),
             _end: None,
@@ -128,7 +131,7 @@ impl Pipe {
         end: tokio::sync::oneshot::Sender<()>,
     ) -> Pipe {
         Pipe {
-            reading: Reading::Idle(Source::Inbox(inbox)),
+            reading: Reading::Idle(Box::new(Source::Inbox(inbox))),
             current: None,
             writing: Writing::Idle(Drain::Sink(sink)),
             _end: Some(end),

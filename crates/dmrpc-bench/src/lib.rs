@@ -17,6 +17,7 @@ mod access;
 mod chain;
 mod cow;
 mod grpc;
+mod grpc_ways;
 mod image;
 #[cfg(feature = "iceoryx2")]
 mod iox;
@@ -47,8 +48,9 @@ pub struct BenchArgs {
     /// pool, a memory server), `image` (the 7-tier image-processing
     /// application: by Ref vs by value, pool and memory server), `social`
     /// (the social network: throughput, latency against offered load),
-    /// `stream` (items of a streaming call vs one call per item), or
-    /// `all`.
+    /// `stream` (items of a streaming call vs one call per item), `grpc`
+    /// (one generated tonic service five ways: tonic TCP and UDS, HTTP/2
+    /// over shared memory, direct, native dmrpc), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -88,6 +90,7 @@ fn run_named(a: &BenchArgs) -> Result<()> {
         "image" => image::run(a),
         "social" => social::run(a),
         "stream" => stream::run(a),
+        "grpc" => grpc_ways::run(a),
         "all" => {
             cow::run(a)?;
             rtt::run(a)?;
@@ -99,10 +102,11 @@ fn run_named(a: &BenchArgs) -> Result<()> {
             access::run(a)?;
             image::run(a)?;
             social::run(a)?;
-            stream::run(a)
+            stream::run(a)?;
+            grpc_ways::run(a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, grpc, all)"
         ),
     }
 }

@@ -9,7 +9,8 @@
 //! `image ROLE NAME MODE NEXT KEY MS` (a tier of bench image),
 //! `social ROLE MODE ID` (a service of bench social), `grpc tcp NEXT|-`
 //! and `grpc uds PATH [NEXT|-]` (the tonic peer, over loopback TCP or a
-//! Unix socket, forwarding `Go` to NEXT), `iox NAME` and `ioxecho NAME
+//! Unix socket, forwarding `Go` to NEXT), `grpcsvc NAME UDS` (bench
+//! grpc's example service, every way), `iox NAME` and `ioxecho NAME
 //! MAX` (iceoryx2 servers, with the feature), `quit`.
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -158,6 +159,11 @@ pub fn peer(a: PeerArgs) -> Result<()> {
             (Some("image"), _, _) => {
                 let words: Vec<&str> = line.split_whitespace().skip(1).collect();
                 let (s, addr) = super::image::peer_cmd(&pool, &words)?;
+                servers.push(s);
+                format!("ok {addr}")
+            }
+            (Some("grpcsvc"), Some(name), Some(uds)) => {
+                let (s, addr) = super::grpc_ways::peer_serve(&pool, name, uds)?;
                 servers.push(s);
                 format!("ok {addr}")
             }

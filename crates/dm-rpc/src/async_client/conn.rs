@@ -355,17 +355,13 @@ impl AsyncConn {
         id: u64,
         deadline: Option<Instant>,
     ) -> Result<Frame, RpcError> {
-        let next = std::future::poll_fn(|cx| self.reader.poll_stream(id, cx));
-        let Some(d) = deadline else {
-            return next.await;
-        };
-        match tokio::time::timeout_at(d.into(), next).await {
-            Ok(got) => got,
-            Err(_) => Err(RpcError::deadline_exceeded(format!(
-                "no answer from {:?} before the deadline",
-                self.name
-            ))),
-        }
+        // It spins first, reading the connection itself, as a call does
+        // for its answer: a frame that comes within the spin wakes no
+        // thread (the pump's hand-over costs microseconds).
+        let r = &self.reader;
+        let now = || r.try_stream(id).map(Ok);
+        let poll = |cx: &mut std::task::Context<'_>| r.poll_stream(id, cx);
+        self.wait_for(deadline, now, poll, "no answer").await
     }
 }
 
@@ -379,17 +375,67 @@ impl AsyncConn {
         id: u64,
         deadline: Option<Instant>,
     ) -> Result<bool, RpcError> {
-        let credit = std::future::poll_fn(|cx| self.reader.poll_credit(id, cx));
-        let Some(d) = deadline else {
-            return credit.await;
+        let r = &self.reader;
+        let now = || {
+            r.try_credit(id).or_else(|| {
+                // Reads what came, if nobody else does.
+                if let Ok(rx) = r.rx.try_lock() {
+                    r.drain(rx);
+                }
+                r.try_credit(id)
+            })
         };
-        match tokio::time::timeout_at(d.into(), credit).await {
-            Ok(got) => got,
-            Err(_) => Err(RpcError::deadline_exceeded(format!(
-                "{:?} granted no room for an item before the deadline",
-                self.name
-            ))),
+        let poll = |cx: &mut std::task::Context<'_>| r.poll_credit(id, cx);
+        self.wait_for(deadline, now, poll, "no room for an item")
+            .await
+    }
+
+    /// Waits for what `poll` gives: spinning first, checking `now` (which
+    /// may read the connection itself), as a call spins for its answer;
+    /// then, with someone reading for it (the pump, unless a server's
+    /// listener reads), awaiting it (`poll` registers its waker). A spin that ran out just before the
+    /// wait ended grows the next one again, as a call's does.
+    /// `DeadlineExceeded` (saying `what` came) once `deadline` passes.
+    async fn wait_for<T>(
+        &self,
+        deadline: Option<Instant>,
+        now: impl FnMut() -> Option<Result<T, RpcError>>,
+        mut poll: impl FnMut(&mut std::task::Context<'_>) -> Poll<Result<T, RpcError>>,
+        what: &str,
+    ) -> Result<T, RpcError> {
+        let r = &self.reader;
+        let (got, spun) = r.spin_with(deadline, now, || {
+            r.check();
+        });
+        if let Some(x) = got {
+            return x;
         }
+        let at = Instant::now();
+        // Someone reads for it while it waits (the pump, unless a server's
+        // listener does), asked once its waker is in place: the pump
+        // reads only while a caller is parked.
+        let mut asked = r.driver.load(Ordering::Acquire) != PUMP;
+        let waited = std::future::poll_fn(|cx| {
+            let p = poll(cx);
+            if p.is_pending() && !std::mem::replace(&mut asked, true) {
+                if let Err(e) = r.want_pump() {
+                    return Poll::Ready(Err(e));
+                }
+            }
+            p
+        });
+        let got = match deadline {
+            None => waited.await,
+            Some(d) => match tokio::time::timeout_at(d.into(), waited).await {
+                Ok(got) => got,
+                Err(_) => Err(RpcError::deadline_exceeded(format!(
+                    "{what} from {:?} before the deadline",
+                    self.name
+                ))),
+            },
+        };
+        r.ended_after_spin(spun, spun + at.elapsed());
+        got
     }
 
     /// Gives back a grant taken for an item that did not go.
@@ -461,11 +507,8 @@ impl crate::stream::StreamConn for AsyncConn {
         let mut enlist = |old: u64, new: u64| r.enlist(old, new, &mut first);
         let sent = r.send(&self.tx, Out::Listed(req, &mut enlist), deadline);
         sent_as(&self.name, sent, |e| r.fail(e))?;
-        // A stream's frames come at any time: the pump reads while it is
-        // open (a server's listener reads while any call waits).
-        if r.driver.load(Ordering::Acquire) == PUMP {
-            r.want_pump().map_err(|e| (e, false))?;
-        }
+        // (Its frames are read by its caller while it spins for them, and
+        // by the pump once it waits: `stream_next`.)
         Ok(())
     }
 

@@ -131,10 +131,24 @@ pub(super) struct State {
     pub(super) pending: Pending,
     pub(super) broken: Option<RpcError>,
     /// A pending call waits on the pump thread (it reads answers until
-    /// none is pending).
+    /// none is parked).
     pub(super) wanted: bool,
     /// The pump thread runs.
     pub(super) pumping: bool,
+}
+
+impl State {
+    /// Whether a caller is parked, waiting for someone to read for it: a
+    /// call awaiting its answer on its channel, a stream's caller awaiting
+    /// a frame or a grant. (Callers that spin read for themselves; the
+    /// pump reading meanwhile would only take the connection from them.)
+    pub(super) fn anyone_parked(&self) -> bool {
+        self.pending.values().any(|s| match s {
+            Slot::Waiting(_) => true,
+            Slot::Stream(fed) => fed.waker.is_some() || fed.credit_waker.is_some(),
+            Slot::Spinning | Slot::Ready(_) => false,
+        })
+    }
 }
 
 thread_local! {
@@ -388,6 +402,45 @@ impl Reader {
             w => *w = Some(cx.waker().clone()),
         }
         Poll::Pending
+    }
+
+    /// The next frame of stream `id` if it is there, reading what the
+    /// connection holds if nobody else reads it (a stream's caller looks
+    /// while it spins, as a call's does). `None` if nothing came yet, or
+    /// the connection failed (then [`poll_stream`](Self::poll_stream)
+    /// says how, in order).
+    pub(super) fn try_stream(&self, id: u64) -> Option<Frame> {
+        let take = |st: &mut State| match st.pending.get_mut(&id) {
+            Some(Slot::Stream(fed)) if fed.failed.is_none() => fed.frames.pop_front(),
+            _ => None,
+        };
+        if let Some(f) = take(&mut lock(&self.state)) {
+            return Some(f);
+        }
+        if let Ok(rx) = self.rx.try_lock() {
+            self.drain(rx);
+        }
+        take(&mut lock(&self.state))
+    }
+
+    /// [`poll_credit`](Self::poll_credit) without waiting: `None` if no
+    /// grant is there yet (no waker is left behind).
+    pub(super) fn try_credit(&self, id: u64) -> Option<Result<bool, RpcError>> {
+        let mut st = lock(&self.state);
+        let Some(Slot::Stream(fed)) = st.pending.get_mut(&id) else {
+            return Some(Ok(false));
+        };
+        if fed.answered {
+            return Some(Ok(false));
+        }
+        if let Some(e) = &fed.failed {
+            return Some(Err(e.clone()));
+        }
+        if fed.credit > 0 {
+            fed.credit -= 1;
+            return Some(Ok(true));
+        }
+        None
     }
 
     /// Takes one item of credit for the items the caller of stream `id`
@@ -752,7 +805,7 @@ impl Watched for WatchedClient {
 }
 
 /// Reads answers and completes the calls waiting for them while calls rely
-/// on it (from a call's `want_pump` until none is pending), until the
+/// on it (from a call's `want_pump` until none is parked), until the
 /// client is dropped or the connection breaks. In between it waits on
 /// `pump_cv` without the receiving half, which the calls then read
 /// themselves.
@@ -763,7 +816,8 @@ pub(super) fn pump(reader: Weak<Reader>) {
         };
         {
             let mut st = lock(&r.state);
-            if st.pending.is_empty() {
+            if !st.anyone_parked() {
+                // The callers that spin read for themselves.
                 st.wanted = false;
             }
             if !st.wanted {
