@@ -8,6 +8,29 @@ pub mod imaging {
     tonic::include_proto!("imaging");
 }
 
+/// The encoded descriptors of `proto/imaging.proto`, for a reflection
+/// service (`tonic-reflection`).
+pub const DESCRIPTORS: &[u8] = tonic::include_file_descriptor_set!("imaging_descriptor");
+
+/// The example service with gRPC's health and reflection services beside
+/// it, as a server would serve them: one `Routes`. Health reports the
+/// example service serving.
+pub async fn routes() -> Result<tonic::service::Routes, tonic_reflection::server::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<imaging::imaging_server::ImagingServer<Service>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(DESCRIPTORS)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let imaging =
+        imaging::imaging_server::ImagingServer::new(Service).max_decoding_message_size(64 << 20);
+    Ok(tonic::service::Routes::new(imaging)
+        .add_service(health)
+        .add_service(reflection))
+}
+
 use imaging::imaging_server::Imaging;
 use imaging::{Blob, Image, Summary, TileRequest};
 use std::pin::Pin;

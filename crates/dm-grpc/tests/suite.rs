@@ -5,9 +5,8 @@
 #![allow(clippy::unwrap_used)]
 
 use dm_grpc::example::imaging::imaging_client::ImagingClient;
-use dm_grpc::example::imaging::imaging_server::ImagingServer;
 use dm_grpc::example::imaging::{Blob, Image, TileRequest};
-use dm_grpc::example::{digest, pattern, Service};
+use dm_grpc::example::{digest, pattern};
 use dm_grpc::Channel;
 use dm_pool::testing::TempPool;
 use dm_pool::PoolConfig;
@@ -42,8 +41,9 @@ enum Serving {
 
 /// Serves the example service over `path` and gives a channel to it.
 async fn serve(node: &Node, path: Path, name: &str) -> (Channel, Serving) {
-    let service = ImagingServer::new(Service).max_decoding_message_size(64 << 20);
-    let router = tonic::transport::Server::builder().add_service(service.clone());
+    // The example service with health and reflection beside it.
+    let routes = dm_grpc::example::routes().await.unwrap();
+    let router = tonic::transport::Server::builder().add_routes(routes.clone());
     match path {
         Path::Tcp => {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -75,7 +75,7 @@ async fn serve(node: &Node, path: Path, name: &str) -> (Channel, Serving) {
             (dial.connect().await.unwrap(), Serving::Task(task))
         }
         Path::Direct => {
-            let server = dm_grpc::serve(node, name, service).unwrap();
+            let server = dm_grpc::serve(node, name, routes).unwrap();
             let ch = dm_grpc::Dial::new(node, name).connect().await.unwrap();
             assert!(ch.is_direct());
             (ch, Serving::Dmrpc(Box::new(server)))
@@ -87,7 +87,7 @@ async fn serve(node: &Node, path: Path, name: &str) -> (Channel, Serving) {
 /// then checks that the pool is clean.
 fn over_every_path<F, Fut>(test: &str, body: F)
 where
-    F: Fn(Path, ImagingClient<Channel>) -> Fut,
+    F: Fn(Path, Channel) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     for path in PATHS {
@@ -102,11 +102,7 @@ where
             rt.block_on(async {
                 let name = format!("test/{test}/{}", std::process::id());
                 let (ch, serving) = serve(&node, path, &name).await;
-                body(
-                    path,
-                    ImagingClient::new(ch).max_decoding_message_size(64 << 20),
-                )
-                .await;
+                body(path, ch).await;
                 match serving {
                     Serving::Task(task) => {
                         task.abort();
@@ -120,6 +116,11 @@ where
     }
 }
 
+/// The example service's client on `ch`.
+fn imaging(ch: Channel) -> ImagingClient<Channel> {
+    ImagingClient::new(ch).max_decoding_message_size(64 << 20)
+}
+
 fn blob(len: usize, seq: u64) -> Blob {
     Blob {
         data: pattern(len, seq as u8).into(),
@@ -129,7 +130,8 @@ fn blob(len: usize, seq: u64) -> Blob {
 
 #[test]
 fn unary_calls_carry_metadata_and_large_messages() {
-    over_every_path("grpc-unary", |path, mut c| async move {
+    over_every_path("grpc-unary", |path, ch| async move {
+        let mut c = imaging(ch);
         for len in [0usize, 64, 4 << 10, 64 << 10, 1 << 20, 4 << 20] {
             let mut req = tonic::Request::new(blob(len, 3));
             req.metadata_mut().insert("x-tag", "seven".parse().unwrap());
@@ -160,7 +162,8 @@ fn unary_calls_carry_metadata_and_large_messages() {
 
 #[test]
 fn errors_deadlines_and_cancellation_behave_as_grpc_says() {
-    over_every_path("grpc-errors", |path, mut c| async move {
+    over_every_path("grpc-errors", |path, ch| async move {
+        let mut c = imaging(ch);
         // An error with details and metadata.
         let mut req = tonic::Request::new(blob(8, 1));
         req.metadata_mut().insert("x-fail", "7".parse().unwrap());
@@ -206,7 +209,8 @@ fn errors_deadlines_and_cancellation_behave_as_grpc_says() {
 
 #[test]
 fn every_kind_of_stream() {
-    over_every_path("grpc-streams", |path, mut c| async move {
+    over_every_path("grpc-streams", |path, ch| async move {
+        let mut c = imaging(ch);
         // The server's stream.
         for (count, size) in [(0u32, 1u32), (10, 100), (100, 64 << 10)] {
             let req = TileRequest {
@@ -258,5 +262,50 @@ fn every_kind_of_stream() {
         }
         drop(tx);
         assert!(back.next().await.is_none(), "{path:?}");
+    });
+}
+
+#[test]
+fn health_checking_and_reflection_work_over_every_path() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    over_every_path("grpc-health", |path, ch| async move {
+        let mut health = HealthClient::new(ch.clone());
+        let req = HealthCheckRequest {
+            service: "imaging.Imaging".into(),
+        };
+        let status = health.check(req).await.unwrap().into_inner().status;
+        assert_eq!(status, ServingStatus::Serving as i32, "{path:?}");
+        let unknown = HealthCheckRequest {
+            service: "nope.Nope".into(),
+        };
+        let e = health.check(unknown).await.unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{path:?}");
+        // Reflection: a bidirectional stream, listing the services.
+        let mut refl = ServerReflectionClient::new(ch);
+        let ask = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut answers = refl
+            .server_reflection_info(tokio_stream::iter([ask]))
+            .await
+            .unwrap()
+            .into_inner();
+        let got = answers.next().await.unwrap().unwrap();
+        let Some(MessageResponse::ListServicesResponse(list)) = got.message_response else {
+            panic!("{path:?}: not a list of services: {got:?}");
+        };
+        let names: Vec<_> = list.service.iter().map(|s| s.name.as_str()).collect();
+        assert!(names.contains(&"imaging.Imaging"), "{path:?}: {names:?}");
+        assert!(
+            names.contains(&"grpc.health.v1.Health"),
+            "{path:?}: {names:?}"
+        );
     });
 }

@@ -6,7 +6,8 @@
 //! imaging serve POOL NAME [TCP_ADDR]     serve on dmrpc NAME in pool file POOL
 //!                                        (both ways: direct, and HTTP/2 over
 //!                                        shared memory), and on TCP_ADDR too
-//!                                        if given; prints `ready`
+//!                                        if given, with gRPC health checking
+//!                                        and reflection; prints `ready`
 //! imaging call POOL NAME [HOW]           unary echo, a 1 MiB image, and a chat
 //!                                        of 100 blobs; prints what it measured.
 //!                                        HOW: `direct` (the default), `http2`,
@@ -16,9 +17,8 @@
 //! ```
 
 use dm_grpc::example::imaging::imaging_client::ImagingClient;
-use dm_grpc::example::imaging::imaging_server::ImagingServer;
 use dm_grpc::example::imaging::{Blob, Image};
-use dm_grpc::example::{digest, pattern, Service};
+use dm_grpc::example::{digest, pattern};
 use std::error::Error;
 use std::io::Write;
 use std::time::Instant;
@@ -33,15 +33,16 @@ fn node(pool: &str) -> Result<dm_rpc::Node> {
 
 async fn serve(pool: &str, name: &str, tcp: Option<&str>) -> Result<()> {
     let node = node(pool)?;
-    let service = ImagingServer::new(Service).max_decoding_message_size(64 << 20);
-    let _served = dm_grpc::serve(&node, name, service.clone())?;
+    // The example service, with gRPC health checking and reflection.
+    let routes = dm_grpc::example::routes().await?;
+    let _served = dm_grpc::serve(&node, name, routes.clone())?;
     let tcp = match tcp {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr).await?;
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
             Some(
                 tonic::transport::Server::builder()
-                    .add_service(service)
+                    .add_routes(routes)
                     .serve_with_incoming(incoming),
             )
         }
