@@ -49,6 +49,7 @@ pub fn listen(node: &Node, name: &str) -> Result<Incoming, RpcError> {
     let (tx, rx) = mpsc::channel(BACKLOG);
     let server = node
         .server(name)
+        .protocol(dm_pool::Protocol::Grpc)
         .method_bidi_async(PIPE_METHOD, move |_call, inbox, sink| {
             let tx = tx.clone();
             async move {

@@ -35,6 +35,7 @@ mod direct;
 pub mod example;
 pub mod h2;
 mod pipe;
+pub mod raw;
 mod serve;
 
 pub use channel::Channel;

@@ -21,6 +21,7 @@ use tower::ServiceExt;
 pub fn serve<S: GrpcService>(node: &Node, name: &str, svc: S) -> Result<Server, RpcError> {
     let pipes = svc.clone();
     node.server(name)
+        .protocol(dm_pool::Protocol::Grpc)
         .method_bidi_async(PIPE_METHOD, move |_call, inbox, sink| {
             let svc = pipes.clone();
             async move {

@@ -132,4 +132,6 @@ pub use pool::{default_path, AttachOptions, Buffer, BufferId, Pool};
 pub use reclaim::GcReport;
 pub use refs::{Ref, RefDecodeError, BACKEND_MEMSERVER, BACKEND_POOL, REF_VERSION};
 #[cfg(not(loom))]
-pub use registry::{validate_name as validate_service_name, Endpoint, ServiceInfo, NAME_MAX};
+pub use registry::{
+    validate_name as validate_service_name, Endpoint, Protocol, ServiceInfo, NAME_MAX,
+};

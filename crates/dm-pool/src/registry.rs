@@ -8,7 +8,7 @@
 //! 8    owner incarnation (the slot's, so a reused slot is not the owner)
 //! 16   registered at, ms since the epoch
 //! 24   name length (u32) | endpoint kind (u32: 1 shm, 2 tcp)
-//! 32   endpoint length (u32) | flags (u32: bit 0 replica)
+//! 32   endpoint length (u32) | flags (u32: bit 0 replica, bit 1 gRPC)
 //! 64   name, 128 bytes (hierarchical: `shop/images/resize`)
 //! 192  endpoint, 128 bytes (for TCP, the address as text)
 //! 320  192 bytes owned by the RPC layer (doorbells), zeroed on registration
@@ -25,7 +25,9 @@
 //! The flags word was reserved (zero) before replicas: records of pools
 //! made earlier read as exclusive, and a build that predates the flag reads
 //! a replica as an exclusive registration (it finds one of the replicas and
-//! cannot register the name), so the pool format version did not change. Readers
+//! cannot register the name), so the pool format version did not change.
+//! Bit 1 says the service speaks gRPC ([`Protocol::Grpc`]): a label for
+//! people and tools (`dmrpc ls`, `dmrpc call`), which older builds ignore. Readers
 //! (`list`, `lookup`) also take it: registry traffic is rare and short. A
 //! record whose owner slot is dead is removed by the pool's maintenance
 //! (any live process's lease thread, or `dmrpc pool gc`), so a crashed
@@ -48,6 +50,18 @@ const KIND_FREE: u64 = 0;
 const KIND_LIVE: u64 = 1;
 /// Flag: the registration is one replica of its name.
 pub(crate) const FLAG_REPLICA: u32 = 1;
+/// Record flag: the service speaks gRPC over dmrpc ([`Protocol::Grpc`]).
+pub(crate) const FLAG_GRPC: u32 = 2;
+
+/// What a registered service speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// dmrpc's own calls, by method name.
+    #[default]
+    Dmrpc,
+    /// gRPC calls (by path) over dmrpc, served by the `dm-grpc` crate.
+    Grpc,
+}
 
 /// A service record as laid out in the pool.
 #[repr(C)]
@@ -111,6 +125,8 @@ pub struct ServiceInfo {
     pub live: bool,
     /// Whether it is one replica of its name ([`Pool::register_replica`](crate::Pool::register_replica)).
     pub replica: bool,
+    /// What it speaks ([`Pool::register_with`](crate::Pool::register_with)).
+    pub protocol: Protocol,
 }
 
 /// Checks a service name: 1 to 128 bytes of `/`-separated segments made of
@@ -247,6 +263,11 @@ impl Shm {
             registered_ms: r.registered_ms.load(Ordering::Relaxed),
             live: self.slot_is(slot, incarnation, now),
             replica: r.flags.load(Ordering::Relaxed) & FLAG_REPLICA != 0,
+            protocol: if r.flags.load(Ordering::Relaxed) & FLAG_GRPC != 0 {
+                Protocol::Grpc
+            } else {
+                Protocol::Dmrpc
+            },
         })
     }
 
@@ -305,7 +326,7 @@ impl crate::pool::Pool {
     /// [`unregister`](Self::unregister) or its death. A name held by a live
     /// process gives `NameTaken`; one held by a dead process is taken over.
     pub fn register(&self, name: &str, endpoint: &Endpoint) -> Result<ServiceInfo> {
-        self.register_as(name, endpoint, false)
+        self.register_with(name, endpoint, false, Protocol::Dmrpc)
     }
 
     /// Registers one replica of `name` at `endpoint`: the name may have
@@ -313,10 +334,18 @@ impl crate::pool::Pool {
     /// finds them all. A name registered exclusively by a live process
     /// gives `NameTaken`.
     pub fn register_replica(&self, name: &str, endpoint: &Endpoint) -> Result<ServiceInfo> {
-        self.register_as(name, endpoint, true)
+        self.register_with(name, endpoint, true, Protocol::Dmrpc)
     }
 
-    fn register_as(&self, name: &str, endpoint: &Endpoint, replica: bool) -> Result<ServiceInfo> {
+    /// Registers `name` at `endpoint` as [`register`](Self::register)
+    /// does, or one replica of it (`replica`), recording what it speaks.
+    pub fn register_with(
+        &self,
+        name: &str,
+        endpoint: &Endpoint,
+        replica: bool,
+        protocol: Protocol,
+    ) -> Result<ServiceInfo> {
         validate_name(name)?;
         let text = match endpoint {
             Endpoint::Shm => "",
@@ -370,8 +399,13 @@ impl crate::pool::Pool {
             .store(if text.is_empty() { 1 } else { 2 }, Ordering::Relaxed);
         r.endpoint_len.store(text.len() as u32, Ordering::Relaxed);
         store_text(&r.endpoint, text.as_bytes());
-        r.flags
-            .store(if replica { FLAG_REPLICA } else { 0 }, Ordering::Relaxed);
+        let grpc = if protocol == Protocol::Grpc {
+            FLAG_GRPC
+        } else {
+            0
+        };
+        let flags = if replica { FLAG_REPLICA } else { 0 } | grpc;
+        r.flags.store(flags, Ordering::Relaxed);
         for w in &r.rpc {
             w.store(0, Ordering::Relaxed);
         }

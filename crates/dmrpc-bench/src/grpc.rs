@@ -10,7 +10,8 @@
 //! each request goes to the next of them in turn.
 
 use anyhow::{anyhow, Context, Result};
-use bytes::{Buf, BufMut, Bytes};
+use bytes::Bytes;
+use dm_grpc::raw::BytesCodec;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -18,53 +19,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 use tokio_stream::StreamExt;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::{Request, Response, Status};
 
 const ECHO: &str = "/dmrpc.bench.Bench/Echo";
 const GO: &str = "/dmrpc.bench.Bench/Go";
 
 type Channel = tonic::transport::Channel;
-
-/// Raw bytes as gRPC messages.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BytesCodec;
-
-#[derive(Debug)]
-pub struct BytesEncoder;
-
-#[derive(Debug)]
-pub struct BytesDecoder;
-
-impl Encoder for BytesEncoder {
-    type Item = Bytes;
-    type Error = Status;
-    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for BytesDecoder {
-    type Item = Bytes;
-    type Error = Status;
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
-        Ok(Some(src.copy_to_bytes(src.remaining())))
-    }
-}
-
-impl Codec for BytesCodec {
-    type Encode = Bytes;
-    type Decode = Bytes;
-    type Encoder = BytesEncoder;
-    type Decoder = BytesDecoder;
-    fn encoder(&mut self) -> BytesEncoder {
-        BytesEncoder
-    }
-    fn decoder(&mut self) -> BytesDecoder {
-        BytesDecoder
-    }
-}
 
 /// The Echo method.
 #[derive(Debug, Clone, Copy)]

@@ -36,6 +36,12 @@ fn ls_lists_services_with_their_connections() {
         .method("m", |_| Ok(Payload::empty()))
         .spawn()
         .unwrap();
+    let g = node
+        .server("shop/grpc")
+        .protocol(dm_pool::Protocol::Grpc)
+        .method("m", |_| Ok(Payload::empty()))
+        .spawn()
+        .unwrap();
     let workers: Vec<_> = (0..2)
         .map(|_| {
             node.server("shop/workers")
@@ -63,14 +69,19 @@ fn ls_lists_services_with_their_connections() {
     assert_eq!(resize[3], "1", "one connection");
     assert_eq!(resize[4], "yes");
     assert_eq!(resize[6], "sole");
+    assert_eq!(resize[7], "dmrpc");
     assert_eq!(line("shop/cart")[3], "0");
+    assert_eq!(line("shop/grpc")[7], "grpc", "what it speaks");
     // A name shared by replicas: a line each.
     let replicas: Vec<&str> = out
         .lines()
         .filter(|l| l.starts_with("shop/workers"))
         .collect();
     assert_eq!(replicas.len(), 2, "{out}");
-    assert!(replicas.iter().all(|l| l.ends_with("replica")), "{out}");
+    assert!(
+        replicas.iter().all(|l| l.ends_with("replica dmrpc")),
+        "{out}"
+    );
     let (_, out) = dmrpc(&["ls", "--path", path, "--prefix", "shop/c"]);
     assert!(
         out.contains("shop/cart") && !out.contains("resize"),
@@ -79,6 +90,7 @@ fn ls_lists_services_with_their_connections() {
     drop(c);
     a.shutdown();
     b.shutdown();
+    g.shutdown();
     for w in workers {
         w.shutdown();
     }
@@ -326,4 +338,70 @@ fn ls_takes_the_pool_as_call_does_and_a_missing_pool_says_why_once() {
     // ENOENT (2 on Linux): "No such file or directory (os error 2)".
     let reason = std::io::Error::from_raw_os_error(2).to_string();
     assert_eq!(out.matches(&reason).count(), 1, "{out}");
+}
+
+#[test]
+fn call_calls_a_grpc_service_with_raw_messages() {
+    let tp = TempPool::new(64 << 20);
+    let path = tp.path.to_str().unwrap();
+    let node = Node::new(tp.attach());
+    let routes = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(dm_grpc::example::routes())
+        .unwrap();
+    let server = dm_grpc::serve(&node, "cli/imaging", routes).unwrap();
+    let (ok, out) = dmrpc(&["ls", "--path", path]);
+    assert!(ok && out.contains("grpc"), "{out}");
+    // imaging.Blob { data: "hi", seq: 7 }, encoded by hand.
+    let blob = "\x0a\x02hi\x10\x07";
+    let call = |more: &[&str]| {
+        let base = ["call", "--path", path, "cli/imaging"];
+        dmrpc_out(&[&base[..], more].concat())
+    };
+    let (code, out, err) = call(&["/imaging.Imaging/Echo", "--data", blob]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, blob.as_bytes(), "{err}");
+    assert!(
+        err.contains("ok: 1 message(s)") && err.contains("grpc-status: 0"),
+        "{err}"
+    );
+    // A server stream: every message.
+    // imaging.TileRequest { count: 3, size: 2 }.
+    let (code, out, err) = call(&[
+        "/imaging.Imaging/Tiles",
+        "--data",
+        "\x08\x03\x10\x02",
+        "--hex",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        String::from_utf8_lossy(&out).matches("\n\n").count(),
+        3,
+        "{err}"
+    );
+    // A status other than Ok: its code, and exit 1.
+    let (code, _, err) = call(&[
+        "/imaging.Imaging/Echo",
+        "--data",
+        blob,
+        "--meta",
+        "x-fail=7",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("PermissionDenied") && err.contains("x-why: asked"),
+        "{err}"
+    );
+    // A name that is no path, and a method the service lacks.
+    let (code, _, err) = call(&["Echo", "--data", blob]);
+    assert_ne!(code, 0);
+    assert!(err.contains("/package.Service/Method"), "{err}");
+    let (code, _, err) = call(&["/imaging.Imaging/Nope", "--data", blob]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("Unimplemented"), "{err}");
+    server.shutdown();
+    drop(node);
+    tp.assert_clean();
 }

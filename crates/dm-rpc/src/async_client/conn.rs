@@ -15,7 +15,7 @@ use crate::sender::{Out, Sender};
 use crate::sync::lock;
 use crate::transport::Connection;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -53,7 +53,7 @@ impl Connected for AsyncConn {
             ready: AtomicUsize::new(0),
             broken: AtomicBool::new(false),
             driver: AtomicU8::new(NO_READER),
-            pump_cv: Condvar::new(),
+            pump: Arc::default(),
             spinner: Mutex::new(node.cfg.wait.waiter()),
             choosing: Mutex::new(()),
             name: name.to_owned(),

@@ -108,9 +108,11 @@ pub(super) struct Reader {
     pub(super) broken: AtomicBool,
     /// Who reads answers: [`NO_READER`], [`PUMP`] or [`LISTENER`].
     pub(super) driver: AtomicU8,
-    /// The pump thread waits here, under `state`, until a call relies on
-    /// it (`State::wanted`).
-    pub(super) pump_cv: Condvar,
+    /// Wakes the pump thread out of its idle wait, when a call relies on
+    /// it (`State::wanted`). The wait holds no reference to the reader: a
+    /// client dropped while its pump idles is gone at once, its pool with
+    /// it.
+    pub(super) pump: Arc<PumpSignal>,
     /// The spin of calls that read their own answers (the node's waiting
     /// policy, adapted to the waits seen).
     pub(super) spinner: Mutex<Waiter>,
@@ -653,7 +655,7 @@ impl Reader {
             st.pumping = true;
         }
         drop(st);
-        self.pump_cv.notify_one();
+        self.pump.poke();
         Ok(())
     }
 
@@ -804,10 +806,46 @@ impl Watched for WatchedClient {
     }
 }
 
+/// What wakes an idle pump thread: a count of pokes (a want, or the
+/// client's end), so that a poke between its look and its wait is not
+/// lost.
+#[derive(Default)]
+pub(super) struct PumpSignal {
+    pokes: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl PumpSignal {
+    /// The pokes so far.
+    pub(super) fn seen(&self) -> u64 {
+        *lock(&self.pokes)
+    }
+
+    /// Wakes the pump.
+    pub(super) fn poke(&self) {
+        *lock(&self.pokes) += 1;
+        self.cv.notify_one();
+    }
+
+    /// Waits until a poke after `seen`, or `max` passes.
+    fn wait_past(&self, seen: u64, max: Duration) {
+        let g = lock(&self.pokes);
+        let _ = self.cv.wait_timeout_while(g, max, |p| *p == seen);
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        // The pump, if idle, ends now.
+        self.pump.poke();
+    }
+}
+
 /// Reads answers and completes the calls waiting for them while calls rely
 /// on it (from a call's `want_pump` until none is parked), until the
 /// client is dropped or the connection breaks. In between it waits on
-/// `pump_cv` without the receiving half, which the calls then read
+/// its [`PumpSignal`] without the receiving half (nor the reader itself),
+/// which the calls then read
 /// themselves.
 pub(super) fn pump(reader: Weak<Reader>) {
     loop {
@@ -821,8 +859,12 @@ pub(super) fn pump(reader: Weak<Reader>) {
                 st.wanted = false;
             }
             if !st.wanted {
-                // Looks again within 100 ms: the client may be gone.
-                let _ = r.pump_cv.wait_timeout(st, Duration::from_millis(100));
+                // Waits for a poke (or looks again within 100 ms) holding
+                // only the signal: the client may go meanwhile.
+                let (signal, seen) = (r.pump.clone(), r.pump.seen());
+                drop(st);
+                drop(r);
+                signal.wait_past(seen, Duration::from_millis(100));
                 continue;
             }
         }

@@ -67,6 +67,8 @@ pub struct ServerBuilder {
     pub(super) propagate: Vec<String>,
     /// Registered as one replica of the name ([`ServerBuilder::replica`]).
     pub(super) replica: bool,
+    /// What the service speaks, as its registration says ([`ServerBuilder::protocol`]).
+    pub(super) protocol: dm_pool::Protocol,
     /// How long `spawn` waits for a name a live process holds.
     pub(super) wait_for_name: Duration,
 }
@@ -97,6 +99,7 @@ impl ServerBuilder {
             interceptors: Vec::new(),
             propagate: Vec::new(),
             replica: false,
+            protocol: dm_pool::Protocol::Dmrpc,
             wait_for_name: Duration::ZERO,
         }
     }
@@ -112,6 +115,14 @@ impl ServerBuilder {
     /// for one. The name is taken within about 10 ms of being free.
     pub fn wait_for_name(mut self, deadline: Duration) -> Self {
         self.wait_for_name = deadline;
+        self
+    }
+
+    /// Records in the pool's registry that the service speaks `p` (gRPC
+    /// over dmrpc, for the `dm-grpc` crate's servers): `dmrpc ls` shows
+    /// it. It changes nothing in how calls are served.
+    pub fn protocol(mut self, p: dm_pool::Protocol) -> Self {
+        self.protocol = p;
         self
     }
 
@@ -296,11 +307,12 @@ impl ServerBuilder {
         let (listener, reg): (Box<dyn Listener>, Option<Reg>) = match &self.transport {
             Transport::Shm => {
                 let svc = claim_name(self.wait_for_name, || {
-                    Ok(if self.replica {
-                        node.pool.register_replica(&self.name, &Endpoint::Shm)?
-                    } else {
-                        node.pool.register(&self.name, &Endpoint::Shm)?
-                    })
+                    Ok(node.pool.register_with(
+                        &self.name,
+                        &Endpoint::Shm,
+                        self.replica,
+                        self.protocol,
+                    )?)
                 })?;
                 match crate::transport::shm::ShmListener::new(
                     &node.pool,

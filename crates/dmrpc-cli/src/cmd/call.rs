@@ -9,7 +9,9 @@
 //! times and the latencies are summarised: a quick check of a live
 //! service from where its callers run. With `--stream` the method is
 //! called as a streaming one: each item's bytes go to stdout as they come
-//! (with `--hex`, one block per item), and a summary to stderr.
+//! (with `--hex`, one block per item), and a summary to stderr. A service
+//! that speaks gRPC is called as gRPC (`grpc.rs`): the method is a path,
+//! the argument one encoded message.
 
 use super::pool::Target;
 use anyhow::{bail, Context, Result};
@@ -147,6 +149,14 @@ fn argument(a: &CallArgs) -> Result<Vec<u8>> {
 }
 
 fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i32> {
+    // A service that speaks gRPC is called with gRPC's framing.
+    let grpc = matches!(
+        node.pool().lookup(&a.service),
+        Ok(Some(s)) if s.protocol == dm_pool::Protocol::Grpc
+    );
+    if a.tcp.is_none() && grpc {
+        return super::grpc::call(a, node, arg, meta);
+    }
     let connected = match &a.tcp {
         Some(addr) => node.connect_tcp(addr),
         None if a.wait_for_ready => node.connect_lazily(&a.service),
@@ -196,15 +206,7 @@ fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i32> {
     let how = if answer.in_pool() { "by Ref" } else { "inline" };
     let bytes = answer.to_vec()?;
     let mut out = std::io::stdout().lock();
-    if a.hex {
-        for line in bytes.chunks(32) {
-            let h: Vec<String> = line.iter().map(|b| format!("{b:02x}")).collect();
-            writeln!(out, "{}", h.join(" "))?;
-        }
-    } else {
-        out.write_all(&bytes)?;
-    }
-    out.flush()?;
+    write_bytes(&mut out, &bytes, a.hex)?;
     took.sort();
     let pct = |q: f64| took[((took.len() - 1) as f64 * q).round() as usize];
     if took.len() == 1 {
@@ -279,16 +281,7 @@ fn stream(
         by_ref += item.in_pool() as u64;
         let b = item.to_vec()?;
         bytes += b.len() as u64;
-        if a.hex {
-            for line in b.chunks(32) {
-                let h: Vec<String> = line.iter().map(|b| format!("{b:02x}")).collect();
-                writeln!(out, "{}", h.join(" "))?;
-            }
-            writeln!(out)?;
-        } else {
-            out.write_all(&b)?;
-        }
-        out.flush()?;
+        write_bytes(&mut out, &b, a.hex)?;
     }
     show_metadata(st.metadata());
     eprintln!(
@@ -300,7 +293,23 @@ fn stream(
 
 /// Prints the metadata of an answer on stderr, `< key: value` a line: a
 /// value of printable text as it is, any other in hex (`0x…`).
-fn show_metadata(m: &Metadata) {
+/// Writes `b` to `out` as it is, or as hex (32 bytes a line, then an
+/// empty line: one block per item or message).
+pub(super) fn write_bytes(out: &mut impl Write, b: &[u8], hex: bool) -> Result<()> {
+    if hex {
+        for line in b.chunks(32) {
+            let h: Vec<String> = line.iter().map(|b| format!("{b:02x}")).collect();
+            writeln!(out, "{}", h.join(" "))?;
+        }
+        writeln!(out)?;
+    } else {
+        out.write_all(b)?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+pub(super) fn show_metadata(m: &Metadata) {
     for (k, v) in m.iter() {
         match std::str::from_utf8(v) {
             Ok(s) if s.chars().all(|c| !c.is_control()) => eprintln!("< {k}: {s}"),
@@ -312,6 +321,6 @@ fn show_metadata(m: &Metadata) {
     }
 }
 
-fn us(d: Duration) -> f64 {
+pub(super) fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }

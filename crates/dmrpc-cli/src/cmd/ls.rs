@@ -1,5 +1,6 @@
 //! `dmrpc ls`: the services registered in a pool (a name shared by
-//! replicas has a line per replica, marked `replica`).
+//! replicas has a line per replica, marked `replica`), and what each
+//! speaks (dmrpc's calls, or gRPC).
 
 use super::pool::Target;
 use anyhow::Result;
@@ -31,8 +32,8 @@ pub fn run(mut a: LsArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<40} {:<22} {:>8} {:>6} {:>5} {:>10}  role",
-        "service", "endpoint", "pid", "conns", "live", "up"
+        "{:<40} {:<22} {:>8} {:>6} {:>5} {:>10}  {:<7} speaks",
+        "service", "endpoint", "pid", "conns", "live", "up", "role"
     );
     for (s, conns) in services {
         let ep = match &s.endpoint {
@@ -41,14 +42,18 @@ pub fn run(mut a: LsArgs) -> Result<()> {
         };
         let up = now.saturating_sub(s.registered_ms) as f64 / 1000.0;
         println!(
-            "{:<40} {:<22} {:>8} {:>6} {:>5} {:>9.1}s  {}",
+            "{:<40} {:<22} {:>8} {:>6} {:>5} {:>9.1}s  {:<7} {}",
             s.name,
             ep,
             s.pid,
             conns,
             if s.live { "yes" } else { "DEAD" },
             up,
-            if s.replica { "replica" } else { "sole" }
+            if s.replica { "replica" } else { "sole" },
+            match s.protocol {
+                dm_pool::Protocol::Dmrpc => "dmrpc",
+                dm_pool::Protocol::Grpc => "grpc",
+            }
         );
     }
     Ok(())
