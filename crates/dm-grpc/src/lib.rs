@@ -40,6 +40,8 @@ mod serve;
 
 pub use channel::Channel;
 pub use dial::{Dial, Way};
+#[doc(hidden)]
+pub use direct::fuzz_wire;
 pub use direct::GrpcService;
 pub use pipe::Pipe;
 pub use serve::serve;

@@ -10,3 +10,35 @@ pub(crate) mod server;
 pub(crate) mod wire;
 
 pub use server::GrpcService;
+
+/// What a peer's metadata becomes on the direct way, for the fuzz target
+/// `grpc_wire`: `data` as metadata entries (a key length byte, the key, a
+/// value length byte, the value; keys dmrpc refuses are skipped), read as
+/// a request (its method's URI, its headers, its timeout) and as an answer
+/// (its headers and trailers). Never panics, whatever the bytes.
+#[doc(hidden)]
+pub fn fuzz_wire(mut data: &[u8]) {
+    let mut meta = dm_rpc::Metadata::new();
+    let take = |n: usize, d: &mut &[u8]| -> Option<Vec<u8>> {
+        let (a, b) = d.split_at_checked(n)?;
+        *d = b;
+        Some(a.to_vec())
+    };
+    while let Some(k) = take(1, &mut data) {
+        let Some(key) = take(usize::from(k[0] % 64), &mut data) else {
+            break;
+        };
+        let Some(v) = take(1, &mut data) else { break };
+        let Some(value) = take(usize::from(v[0]), &mut data) else {
+            break;
+        };
+        if let Ok(key) = std::str::from_utf8(&key) {
+            let _ = meta.insert(key, value);
+        }
+    }
+    let _ = server::request_uri(&meta);
+    if let Ok(h) = wire::request_headers(&meta) {
+        let _ = wire::grpc_timeout(&h);
+    }
+    let _ = wire::answer_headers(&meta);
+}

@@ -48,15 +48,7 @@ pub(crate) async fn serve_call<S: GrpcService>(
     inbox: AsyncInbox,
     mut sink: AsyncSink,
 ) -> Result<(), RpcError> {
-    let path = call
-        .metadata
-        .get(PATH)
-        .and_then(|p| std::str::from_utf8(p).ok())
-        .filter(|p| p.starts_with('/'))
-        .ok_or_else(|| RpcError::invalid_argument("a gRPC call without its method's path"))?;
-    let uri: http::Uri = format!("http://dmrpc{path}")
-        .parse()
-        .map_err(|_| RpcError::invalid_argument(format!("{path:?} is not a method's path")))?;
+    let uri = request_uri(&call.metadata)?;
     let mut headers = request_headers(&call.metadata)?;
     headers.insert("te", http::HeaderValue::from_static("trailers"));
     headers
@@ -117,6 +109,18 @@ pub(crate) async fn serve_call<S: GrpcService>(
     call.set_reply_metadata(tail)
         .map_err(|e| RpcError::internal(e.to_string()))?;
     Ok(())
+}
+
+/// The URI of the method a request's metadata names (its path, checked).
+pub(crate) fn request_uri(meta: &Metadata) -> Result<http::Uri, RpcError> {
+    let path = meta
+        .get(PATH)
+        .and_then(|p| std::str::from_utf8(p).ok())
+        .filter(|p| p.starts_with('/'))
+        .ok_or_else(|| RpcError::invalid_argument("a gRPC call without its method's path"))?;
+    format!("http://dmrpc{path}")
+        .parse()
+        .map_err(|_| RpcError::invalid_argument(format!("{path:?} is not a method's path")))
 }
 
 /// The data of `b` there now, and its trailers if it ended (empty ones
