@@ -85,7 +85,7 @@ struct State {
     /// Streams open on the connection ([`Client::call_stream`]), each with
     /// what arrived for it and is not read yet: items, then the answer
     /// that ends it (bounded by its window).
-    streams: Vec<(u64, VecDeque<Frame>)>,
+    streams: Vec<(u64, Incoming)>,
     broken: Option<RpcError>,
     /// Callers asleep on the condition variable: it is notified only if
     /// there are any (a notification is a `futex` system call).
@@ -105,7 +105,7 @@ impl State {
         self.waiting.swap_remove(k).1
     }
 
-    fn stream(&mut self, id: u64) -> Option<&mut VecDeque<Frame>> {
+    fn stream(&mut self, id: u64) -> Option<&mut Incoming> {
         self.streams
             .iter_mut()
             .find(|(i, _)| *i == id)
@@ -121,6 +121,17 @@ impl State {
     fn anyone_waits(&self) -> bool {
         self.waiters() != 0
     }
+}
+
+/// What came for an open stream and is not read yet.
+#[derive(Default)]
+struct Incoming {
+    /// Items, then the answer that ends it.
+    frames: VecDeque<Frame>,
+    /// Grants of the caller's own items, not yet used.
+    credit: u64,
+    /// The answer came: the server takes no more items.
+    answered: bool,
 }
 
 /// Lists a call under `new`, the id its request goes with: moves what
@@ -245,6 +256,38 @@ impl Client {
         let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
         let how = crate::stream::How::of(opts, &out);
         crate::stream::Streaming::open(self.h.clone(), Arc::clone(&*c), method, out, how)
+    }
+
+    /// Calls method `method` with `payload` and a stream of items the
+    /// caller sends after it, as [`AsyncClient::call_bidi`](crate::AsyncClient::call_bidi)
+    /// does, blocking.
+    pub fn call_bidi(
+        &self,
+        method: &str,
+        payload: impl Into<Payload>,
+    ) -> Result<crate::stream::Bidi, RpcError> {
+        self.call_bidi_with(
+            method,
+            payload.into(),
+            CallOptions::default(),
+            Metadata::new(),
+        )
+    }
+
+    /// [`call_bidi`](Self::call_bidi) with options and metadata
+    /// ([`AsyncClient::call_bidi_with`](crate::AsyncClient::call_bidi_with)).
+    pub fn call_bidi_with(
+        &self,
+        method: &str,
+        payload: Payload,
+        opts: CallOptions,
+        meta: Metadata,
+    ) -> Result<crate::stream::Bidi, RpcError> {
+        let (opts, meta) = self.defaults.apply(method, &payload, opts, meta)?;
+        let (c, opts) = self.usable(opts)?;
+        let out = outgoing(&c.node, c.max_inline, c.refs, method, payload, opts, meta)?;
+        let how = crate::stream::How::of(opts, &out);
+        crate::stream::Bidi::open(self.h.clone(), Arc::clone(&*c), method, out, how)
     }
 
     /// Calls `method` with options.
@@ -484,8 +527,11 @@ impl BlockingConn {
     /// carries if that caller gave up).
     fn deliver(&self, st: &mut State, f: Frame) {
         if f.kind == Kind::Credit {
-            // Grants are for callers that send items of their own, which
-            // this client does not open: nothing to release.
+            // A grant of the caller's own items (one for nothing open
+            // carries nothing to release).
+            if let Some(q) = st.stream(f.call_id) {
+                q.credit += u64::from(f.method);
+            }
             return;
         }
         if f.kind == Kind::Response {
@@ -495,7 +541,10 @@ impl BlockingConn {
             }
         }
         match st.stream(f.call_id) {
-            Some(q) => q.push_back(f),
+            Some(q) => {
+                q.answered |= f.kind == Kind::Response;
+                q.frames.push_back(f);
+            }
             None => orphan(&self.node, f),
         }
     }
@@ -587,7 +636,7 @@ impl BlockingConn {
     fn enlist(&self, stream: bool, old: u64, new: u64) {
         let mut st = lock(&self.state);
         let added = if stream {
-            list_under(&mut st.streams, old, new, VecDeque::new)
+            list_under(&mut st.streams, old, new, Incoming::default)
         } else {
             list_under(&mut st.waiting, old, new, || None)
         };
@@ -637,7 +686,22 @@ impl BlockingConn {
         deadline: Option<Instant>,
     ) -> Result<Frame, RpcError> {
         self.wait_until(id, deadline, |st| {
-            st.stream(id).and_then(VecDeque::pop_front)
+            st.stream(id).and_then(|q| q.frames.pop_front())
+        })
+    }
+
+    /// Takes one grant for an item the caller of stream `id` sends,
+    /// waiting for one: `Ok(false)` once the stream's answer came or it
+    /// was closed (the server takes no more).
+    pub(crate) fn item_credit(&self, id: u64, deadline: Option<Instant>) -> Result<bool, RpcError> {
+        self.wait_until(id, deadline, |st| match st.stream(id) {
+            None => Some(false),
+            Some(q) if q.answered => Some(false),
+            Some(q) if q.credit > 0 => {
+                q.credit -= 1;
+                Some(true)
+            }
+            Some(_) => None,
         })
     }
 
@@ -666,12 +730,12 @@ impl BlockingConn {
     /// arrived for call `id`), reading frames when nobody else does and
     /// handing each to its caller, or until the connection breaks or
     /// `deadline` passes.
-    fn wait_until(
+    fn wait_until<T>(
         &self,
         id: u64,
         deadline: Option<Instant>,
-        mut take: impl FnMut(&mut State) -> Option<Frame>,
-    ) -> Result<Frame, RpcError> {
+        mut take: impl FnMut(&mut State) -> Option<T>,
+    ) -> Result<T, RpcError> {
         let i = self;
         let yielding = Instant::now();
         let mut st = lock(&i.state);
@@ -789,7 +853,7 @@ impl crate::stream::StreamConn for BlockingConn {
         let left = {
             let mut st = lock(&self.state);
             let left = match st.streams.iter().position(|(i, _)| *i == id) {
-                Some(k) => st.streams.swap_remove(k).1,
+                Some(k) => st.streams.swap_remove(k).1.frames,
                 None => VecDeque::new(),
             };
             self.rx.set_waiting(st.waiters());
@@ -832,5 +896,33 @@ impl Node {
     /// only if the server is attached to this node's pool.
     pub fn connect_tcp(&self, addr: &str) -> Result<Client, RpcError> {
         Ok(Client::new(self.redialer(Target::Addr(addr.to_owned()))?))
+    }
+}
+
+impl crate::stream::ItemConn for BlockingConn {
+    fn regrant(&self, id: u64) {
+        if let Some(q) = lock(&self.state).stream(id) {
+            q.credit += 1;
+        }
+    }
+
+    fn finish_or_cancel(&self, id: u64) {
+        if self.broken.load(Ordering::Acquire) {
+            return;
+        }
+        let mut tx = lock(&self.tx);
+        if !tx.try_send(&Frame::last_item(id)) {
+            tx.cancel(id);
+        }
+    }
+
+    fn cancel_call(&self, id: u64) {
+        if !self.broken.load(Ordering::Acquire) {
+            lock(&self.tx).cancel(id);
+        }
+    }
+
+    fn carries_what(&self) -> (usize, crate::transport::Sharing) {
+        (self.max_inline, self.refs)
     }
 }

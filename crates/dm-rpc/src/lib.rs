@@ -139,11 +139,15 @@ pub use registry::{PoolRegistry, Registry, ServiceEntry};
 pub use retry::{Retry, Statuses};
 #[cfg(not(loom))]
 pub use server::{
-    AsyncBidiHandler, AsyncCall, AsyncHandler, AsyncStreamHandler, Call, Handler, HandlerFuture,
-    Incoming, Interceptor, Server, ServerBuilder, Stats, StreamFuture, StreamHandler,
+    AsyncBidiHandler, AsyncCall, AsyncHandler, AsyncStreamHandler, BidiHandler, Call, Handler,
+    HandlerFuture, Incoming, Interceptor, Server, ServerBuilder, Stats, StreamFuture,
+    StreamHandler,
 };
 #[cfg(not(loom))]
-pub use stream::{AsyncBidi, AsyncInbox, AsyncItems, AsyncSink, AsyncStreaming, Sink, Streaming};
+pub use stream::{
+    AsyncBidi, AsyncInbox, AsyncItems, AsyncSink, AsyncStreaming, Bidi, Inbox, Items, Sink,
+    Streaming,
+};
 /// What a TCP server takes from its clients ([`Config::tcp_limits`]).
 #[cfg(not(loom))]
 pub use transport::tcp::TcpLimits;

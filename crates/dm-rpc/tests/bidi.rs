@@ -115,6 +115,13 @@ fn service(node: &Node, name: &str, t: &Transport, seen: Arc<Seen>) -> Server {
             }
         })
         .method_async("unary", |call| async move { Ok(call.payload) })
+        // `echo`, from a blocking handler.
+        .method_bidi("becho", |_call, inbox, sink| {
+            for item in inbox.by_ref() {
+                sink.send(item?)?;
+            }
+            sink.send(Payload::from_vec(inbox.read().to_le_bytes().to_vec()))
+        })
         // Any other method: its name from the metadata, back as the
         // first item's metadata, then the items it was sent.
         .fallback_bidi_async(|call, mut inbox, mut sink| async move {
@@ -309,24 +316,27 @@ fn a_caller_that_sends_more_than_granted_is_refused() {
         let node = Node::new(tp.attach());
         let name = unique("bidi-flood");
         let s = service(&node, &name, &Transport::Mem, Arc::new(Seen::default()));
-        let mut conn = dm_rpc::raw::mem::connect(&name).unwrap();
-        let mut req = Frame::request(1, method_id("echo"), 0, Body::None);
-        req.flags = FLAG_STREAM | FLAG_CALLER_STREAM;
-        assert!(conn.tx.send(&req, None).unwrap());
-        assert!(conn.tx.send(&Frame::credit(1, 1000), None).unwrap());
-        // Past the window, without waiting for a grant.
-        for k in 0..100u8 {
-            let item = Frame::item(1, Body::Inline(vec![k].into()));
-            assert!(conn.tx.send(&item, None).unwrap());
-        }
-        let until = Instant::now() + Duration::from_secs(5);
-        let end = loop {
-            let f = conn.rx.recv(Some(until)).unwrap().expect("an answer");
-            if f.kind == dm_rpc::Kind::Response {
-                break f;
+        // From an async handler, and from a blocking one.
+        for (id, method) in [(1u64, "echo"), (2, "becho")] {
+            let mut conn = dm_rpc::raw::mem::connect(&name).unwrap();
+            let mut req = Frame::request(id, method_id(method), 0, Body::None);
+            req.flags = FLAG_STREAM | FLAG_CALLER_STREAM;
+            assert!(conn.tx.send(&req, None).unwrap());
+            assert!(conn.tx.send(&Frame::credit(id, 1000), None).unwrap());
+            // Past the window, without waiting for a grant.
+            for k in 0..100u8 {
+                let item = Frame::item(id, Body::Inline(vec![k].into()));
+                assert!(conn.tx.send(&item, None).unwrap());
             }
-        };
-        assert_eq!(end.status, Status::ResourceExhausted);
+            let until = Instant::now() + Duration::from_secs(5);
+            let end = loop {
+                let f = conn.rx.recv(Some(until)).unwrap().expect("an answer");
+                if f.kind == dm_rpc::Kind::Response {
+                    break f;
+                }
+            };
+            assert_eq!(end.status, Status::ResourceExhausted, "{method}");
+        }
         s.shutdown();
     }
     tp.assert_clean_within(Duration::from_secs(2));
@@ -364,4 +374,74 @@ fn a_fallback_serves_every_other_method_and_items_carry_metadata() {
         let e = c.call("/pkg.Svc/Unary", vec![3u8]).await.unwrap_err();
         assert_eq!(e.status, Status::InvalidArgument, "{t:?}: {e}");
     });
+}
+
+/// Echoes through `method` with a blocking caller: in turn, then from two
+/// threads.
+fn blocking_echo(t: &Transport, c: &dm_rpc::Client, method: &str) {
+    for (n, len) in [(0u32, 0usize), (30, 64), (10, 300 << 10)] {
+        let mut call = c.call_bidi(method, vec![]).unwrap();
+        for k in 0..n {
+            call.send(pattern(len, k as u8)).unwrap();
+            let back = call.next().unwrap().unwrap();
+            assert_eq!(
+                back.to_vec().unwrap(),
+                pattern(len, k as u8),
+                "{t:?} {method} {k}"
+            );
+        }
+        call.finish().unwrap();
+        let count = call.next().unwrap().unwrap().to_vec().unwrap();
+        assert_eq!(count, u64::from(n).to_le_bytes(), "{t:?} {method}");
+        assert!(call.next().is_none());
+    }
+    let (mut items, answers) = c.call_bidi(method, vec![]).unwrap().split();
+    let sender = std::thread::spawn(move || {
+        for k in 0..300u32 {
+            items.send(pattern(500, k as u8)).unwrap();
+        }
+        items.finish().unwrap();
+    });
+    let got: Vec<_> = answers.map(|p| p.unwrap().to_vec().unwrap()).collect();
+    sender.join().unwrap();
+    assert_eq!(got.len(), 301, "{t:?} {method}");
+    for (k, g) in got[..300].iter().enumerate() {
+        assert_eq!(*g, pattern(500, k as u8), "{t:?} {method} {k}");
+    }
+}
+
+#[test]
+fn blocking_callers_and_handlers_stream_both_ways() {
+    for t in every_transport() {
+        let tp = pool();
+        {
+            let node = Node::new(tp.attach());
+            let name = unique("bidi-blocking");
+            let s = service(&node, &name, &t, Arc::new(Seen::default()));
+            // A blocking caller, of a blocking handler and of an async one.
+            let c = node.connect(&name).unwrap();
+            blocking_echo(&t, &c, "becho");
+            blocking_echo(&t, &c, "echo");
+            // An async caller of the blocking handler.
+            let ac = node.connect_async(&name).unwrap();
+            rt().block_on(async {
+                let mut call = ac.call_bidi("becho", vec![]).await.unwrap();
+                for k in 0..40u32 {
+                    call.send(pattern(70 << 10, k as u8)).await.unwrap();
+                    let back = call.next().await.unwrap().unwrap();
+                    assert_eq!(back.to_vec().unwrap(), pattern(70 << 10, k as u8));
+                }
+                call.finish().await.unwrap();
+                let count = call.next().await.unwrap().unwrap().to_vec().unwrap();
+                assert_eq!(count, 40u64.to_le_bytes(), "{t:?}");
+            });
+            // A method that takes no items says so to a blocking caller.
+            let mut call = c.call_bidi("unary", vec![1u8]).unwrap();
+            let e = call.next().unwrap().unwrap_err();
+            assert_eq!(e.status, Status::InvalidArgument, "{t:?}: {e}");
+            drop((c, ac));
+            s.shutdown();
+        }
+        tp.assert_clean_within(Duration::from_secs(2));
+    }
 }

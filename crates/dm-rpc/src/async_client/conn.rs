@@ -437,36 +437,6 @@ impl AsyncConn {
         r.ended_after_spin(spun, spun + at.elapsed());
         got
     }
-
-    /// Gives back a grant taken for an item that did not go.
-    pub(crate) fn regrant(&self, id: u64) {
-        self.reader.regrant(id);
-    }
-
-    /// Sends the end of the caller's items of stream `id` if there is
-    /// room now, else cancels the call: a server never waits for items
-    /// that will not come.
-    pub(crate) fn finish_or_cancel(&self, id: u64) {
-        if self.reader.broken.load(Ordering::Acquire) {
-            return;
-        }
-        let mut tx = lock(&self.tx);
-        if !tx.try_send(&Frame::last_item(id)) {
-            tx.cancel(id);
-        }
-    }
-
-    /// Cancels call `id`, best effort, without waiting for room.
-    pub(crate) fn cancel_call(&self, id: u64) {
-        if !self.reader.broken.load(Ordering::Acquire) {
-            lock(&self.tx).cancel(id);
-        }
-    }
-
-    /// The largest inline payload, and which Refs the server can use.
-    pub(crate) fn carries_what(&self) -> (usize, crate::transport::Sharing) {
-        (self.max_inline, self.refs)
-    }
 }
 
 impl crate::stream::StreamConn for AsyncConn {
@@ -629,5 +599,31 @@ impl Drop for Cancel<'_> {
         if let Ok(mut tx) = i.tx.try_lock() {
             tx.cancel(self.id);
         }
+    }
+}
+
+impl crate::stream::ItemConn for AsyncConn {
+    fn regrant(&self, id: u64) {
+        self.reader.regrant(id);
+    }
+
+    fn finish_or_cancel(&self, id: u64) {
+        if self.reader.broken.load(Ordering::Acquire) {
+            return;
+        }
+        let mut tx = lock(&self.tx);
+        if !tx.try_send(&Frame::last_item(id)) {
+            tx.cancel(id);
+        }
+    }
+
+    fn cancel_call(&self, id: u64) {
+        if !self.reader.broken.load(Ordering::Acquire) {
+            lock(&self.tx).cancel(id);
+        }
+    }
+
+    fn carries_what(&self) -> (usize, crate::transport::Sharing) {
+        (self.max_inline, self.refs)
     }
 }

@@ -13,7 +13,7 @@ use crate::frame::method_id;
 use crate::metadata::Metadata;
 use crate::node::{Node, Transport};
 use crate::payload::Payload;
-use crate::stream::{AsyncInbox, AsyncSink, Sink};
+use crate::stream::{AsyncInbox, AsyncSink, Inbox, Sink};
 use crate::transport::Listener;
 use dm_pool::Endpoint;
 use std::collections::VecDeque;
@@ -233,6 +233,23 @@ impl ServerBuilder {
                 Box::pin(handler(c, s)) as StreamFuture
             })),
         )
+    }
+
+    /// Registers a method whose caller sends a stream of items after its
+    /// request ([`Client::call_bidi`](crate::Client::call_bidi)), with a
+    /// blocking handler: it reads them from the [`Inbox`] (reading its
+    /// server's connections while it waits), answers with items into the
+    /// [`Sink`], and returns how the call ends. It holds up its server's
+    /// other calls until it returns, as a blocking streaming handler does
+    /// ([`method_bidi_async`](Self::method_bidi_async) runs beside them).
+    pub fn method_bidi<F>(self, name: &str, handler: F) -> Self
+    where
+        F: Fn(&mut Call<'_>, &mut Inbox<'_>, &mut Sink<'_>) -> Result<(), RpcError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.add(name, Method::Bidi(Arc::new(handler)))
     }
 
     /// Registers an async method whose caller sends a stream of items

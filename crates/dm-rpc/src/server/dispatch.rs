@@ -3,8 +3,8 @@
 //! documentation of `server/`).
 
 use super::handler::{
-    intercept, panicked, run_handler, run_stream, AsyncCall, HandlerFuture, Interceptor, Method,
-    Methods, Scope,
+    intercept, panicked, run_bidi, run_handler, run_stream, AsyncCall, HandlerFuture, Interceptor,
+    Method, Methods, Scope,
 };
 use super::intake::{ended_items_of, intake, pending, refuse, Later, Pending, To};
 use super::running::{bump, Stats};
@@ -15,7 +15,7 @@ use crate::frame::{Body, Frame, Kind, Status, FLAG_CALLER_STREAM, FLAG_STREAM};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Dir, Payload};
-use crate::stream::{AsyncInbox, AsyncSink, Inlet, Outlet, Sink};
+use crate::stream::{AsyncInbox, AsyncSink, Inbox, Inlet, Outlet, Sink};
 use crate::transport::{ConnId, Listener, Waker, WatchSet};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -318,16 +318,18 @@ impl Dispatcher {
             Err(e)
         } else {
             match method {
-                Some((name, Method::Stream(_) | Method::AsyncStream(_) | Method::AsyncBidi(_)))
-                    if frame.flags & FLAG_STREAM == 0 =>
-                {
-                    Err(RpcError::invalid_argument(format!(
-                        "method {name:?} answers with a stream: call it with call_stream"
-                    )))
-                }
+                Some((
+                    name,
+                    Method::Stream(_)
+                    | Method::AsyncStream(_)
+                    | Method::Bidi(_)
+                    | Method::AsyncBidi(_),
+                )) if frame.flags & FLAG_STREAM == 0 => Err(RpcError::invalid_argument(format!(
+                    "method {name:?} answers with a stream: call it with call_stream"
+                ))),
                 Some((name, m))
                     if frame.flags & FLAG_CALLER_STREAM != 0
-                        && !matches!(m, Method::AsyncBidi(_)) =>
+                        && !matches!(m, Method::Bidi(_) | Method::AsyncBidi(_)) =>
                 {
                     Err(RpcError::invalid_argument(format!(
                         "method {name:?} takes no items from its caller: call it with call or \
@@ -384,6 +386,30 @@ impl Dispatcher {
                     let req = (frame.payload, frame.meta);
                     let r = run_stream(h, name, &self.node, req, &mut scope, &mut sink);
                     later = cell.borrow_mut().take_later();
+                    r.map(|()| Payload::empty())
+                }
+                Some((name, Method::Bidi(h))) => {
+                    let items = frame.flags & FLAG_CALLER_STREAM != 0 && !items_ended;
+                    let mut feed = crate::stream::Feed::new(
+                        &mut *self.listener,
+                        &mut self.queue,
+                        &self.stats,
+                        self.draining,
+                        ((conn, frame.call_id), credit),
+                    );
+                    feed.taking = Some(crate::stream::Taking::new(items));
+                    let cell = std::cell::RefCell::new(feed);
+                    let mut sink =
+                        Sink::new(&cell, &self.node, &self.stop, deadline, frame.call_id);
+                    let mut inbox = Inbox::new(&cell, &self.node, &self.stop, deadline);
+                    let req = (frame.payload, frame.meta);
+                    let io = (&mut inbox, &mut sink);
+                    let r = run_bidi(h, name, &self.node, req, &mut scope, io);
+                    let mut f = cell.borrow_mut();
+                    later = f.take_later();
+                    if let Some(t) = f.taking.take() {
+                        t.release(&self.node);
+                    }
                     r.map(|()| Payload::empty())
                 }
                 Some((name, Method::AsyncStream(h))) => {

@@ -8,7 +8,7 @@ use crate::frame::{Body, Frame};
 use crate::metadata::{Metadata, MetadataError};
 use crate::node::Node;
 use crate::payload::Payload;
-use crate::stream::{AsyncInbox, AsyncSink, Sink};
+use crate::stream::{AsyncInbox, AsyncSink, Inbox, Sink};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,6 +20,12 @@ pub type Handler = Arc<dyn Fn(&mut Call<'_>) -> Result<Payload, RpcError> + Send
 /// the [`Sink`], and returns how the stream ends ([`ServerBuilder::method_stream`]).
 pub type StreamHandler =
     Arc<dyn Fn(&mut Call<'_>, &mut Sink<'_>) -> Result<(), RpcError> + Send + Sync>;
+
+/// A blocking handler of a method whose caller sends items too
+/// ([`ServerBuilder::method_bidi`]): it reads them from the [`Inbox`] and
+/// answers with items into the [`Sink`].
+pub type BidiHandler =
+    Arc<dyn Fn(&mut Call<'_>, &mut Inbox<'_>, &mut Sink<'_>) -> Result<(), RpcError> + Send + Sync>;
 
 /// The future an async handler returns.
 pub type HandlerFuture =
@@ -117,6 +123,9 @@ pub(super) enum Method {
     /// as async handlers' are: many at once, beside the server's other
     /// calls.
     AsyncStream(AsyncStreamHandler),
+    /// Reads a stream of its caller's items and answers with a stream of
+    /// its own, on the dispatcher thread, as a blocking stream's handler.
+    Bidi(BidiHandler),
     /// Reads a stream of its caller's items and answers with a stream of
     /// its own, polled as an async stream's handler is.
     AsyncBidi(AsyncBidiHandler),
@@ -275,6 +284,25 @@ pub(super) fn run_stream(
     let feed = sink.feed();
     let mut check = || feed.borrow_mut().cancelled();
     match crate::deadline::watching(&mut check, || scope.run(|| h(&mut call, sink))) {
+        Ok(r) => r,
+        Err(p) => Err(panicked(name, &*p)),
+    }
+}
+
+/// Runs a blocking bidirectional handler on the dispatcher's thread, as
+/// [`run_stream`] runs a streaming one.
+pub(super) fn run_bidi(
+    h: &BidiHandler,
+    name: &str,
+    node: &Node,
+    (body, metadata): (Body, Metadata),
+    scope: &mut Scope,
+    (inbox, sink): (&mut Inbox<'_>, &mut Sink<'_>),
+) -> Result<(), RpcError> {
+    let mut call = Call::of(name, node, (body, metadata), scope)?;
+    let feed = sink.feed();
+    let mut check = || feed.borrow_mut().cancelled();
+    match crate::deadline::watching(&mut check, || scope.run(|| h(&mut call, inbox, sink))) {
         Ok(r) => r,
         Err(p) => Err(panicked(name, &*p)),
     }

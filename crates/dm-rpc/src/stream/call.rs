@@ -646,3 +646,63 @@ impl AsyncBidi {
         (self.items, self.answers)
     }
 }
+
+/// The blocking caller's end of a call whose caller sends items too
+/// ([`Client::call_bidi`](crate::Client::call_bidi)): as [`AsyncBidi`],
+/// with calls that block. [`split`](Self::split) gives the two halves to
+/// two threads.
+#[derive(Debug)]
+pub struct Bidi {
+    items: super::Items,
+    answers: Streaming,
+}
+
+impl Bidi {
+    /// Sends request `out` (a call of `method`) over `conn`, flagged as
+    /// followed by the caller's items, and opens its stream.
+    pub(crate) fn open(
+        h: Arc<Redial<crate::client::BlockingConn>>,
+        conn: Arc<crate::client::BlockingConn>,
+        method: &str,
+        out: Outgoing,
+        how: How,
+    ) -> Result<Bidi, RpcError> {
+        let mut answers = Streaming::open(h, conn, method, out, how.with_caller_items())?;
+        // Its items follow it: the request stays where it went.
+        answers.o.request = None;
+        let o = &answers.o;
+        let items = super::Items::new(o.conn.clone(), o.id, o.deadline);
+        Ok(Bidi { items, answers })
+    }
+
+    /// Sends `item` to the server ([`Items::send`](super::Items::send)).
+    pub fn send(&mut self, item: impl Into<Payload>) -> Result<(), RpcError> {
+        self.items.send(item)
+    }
+
+    /// Ends the items ([`Items::finish`](super::Items::finish)).
+    pub fn finish(&mut self) -> Result<(), RpcError> {
+        self.items.finish()
+    }
+
+    /// The metadata of the answer that ended the call.
+    pub fn metadata(&self) -> &Metadata {
+        self.answers.metadata()
+    }
+
+    /// The two halves: the items to send, and the answer's stream. The
+    /// answer's half owns the call: dropping it before the end cancels
+    /// the call, and then the items' sends fail.
+    pub fn split(self) -> (super::Items, Streaming) {
+        (self.items, self.answers)
+    }
+}
+
+impl Iterator for Bidi {
+    type Item = Result<Payload, RpcError>;
+
+    /// The next item of the answer, as [`Streaming`] gives them.
+    fn next(&mut self) -> Option<Self::Item> {
+        self.answers.next()
+    }
+}

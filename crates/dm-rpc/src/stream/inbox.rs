@@ -1,6 +1,7 @@
 //! The server's end of the items a caller sends (frames v9): what the
 //! dispatcher takes in for a call in progress, and what its handler reads
-//! from an [`AsyncInbox`].
+//! from an [`AsyncInbox`] (an async handler) or an [`Inbox`] (a blocking
+//! one, which reads its server's connections itself meanwhile).
 
 use crate::call::attempt::orphan;
 use crate::error::RpcError;
@@ -242,5 +243,189 @@ impl AsyncInbox {
         }
         crate::stats::count(&f.payload, false);
         Some(Payload::from_response_body(f.payload, &self.node))
+    }
+}
+
+/// The caller's items of a blocking handler's call, kept in its sink's
+/// feed ([`super::Feed`]) as the feed reads them.
+pub(crate) struct Taking {
+    items: VecDeque<Frame>,
+    granted: u64,
+    received: u64,
+    read: u32,
+    /// Grants to send.
+    owed: u32,
+    finished: bool,
+    /// The caller sent beyond its grant.
+    overflow: bool,
+    /// Items not to be read (after the end, or beyond the grant), to
+    /// release.
+    spill: Vec<Frame>,
+}
+
+impl Taking {
+    /// The items of a call, with the first grant owed if its caller sends
+    /// `items`, else ended already.
+    pub(crate) fn new(items: bool) -> Taking {
+        let window = if items { WINDOW } else { 0 };
+        Taking {
+            items: VecDeque::new(),
+            granted: u64::from(window),
+            received: 0,
+            read: 0,
+            owed: window,
+            finished: !items,
+            overflow: false,
+            spill: Vec::new(),
+        }
+    }
+
+    /// Takes item `f` of the caller in (see [`Inlet::take`]); what it
+    /// cannot keep is kept for release by the inbox (it has the node).
+    pub(crate) fn take(&mut self, f: Frame) {
+        if self.finished || self.overflow {
+            self.spill.push(f);
+            return;
+        }
+        if f.flags & FLAG_LAST != 0 {
+            self.finished = true;
+        } else if self.received >= self.granted {
+            self.overflow = true;
+            self.spill.push(f);
+        } else {
+            self.received += 1;
+            self.items.push_back(f);
+        }
+    }
+
+    /// Releases what it holds (its call ended).
+    pub(crate) fn release(self, node: &Node) {
+        release(node, self.items);
+        release(node, self.spill.into());
+    }
+}
+
+/// Where a blocking handler reads the items its caller sends
+/// ([`ServerBuilder::method_bidi`](crate::ServerBuilder::method_bidi)).
+/// While it waits for one, it reads its server's connections, as its
+/// [`Sink`](super::Sink) does.
+pub struct Inbox<'a> {
+    feed: &'a std::cell::RefCell<super::Feed<'a>>,
+    node: &'a Node,
+    stop: &'a std::sync::atomic::AtomicBool,
+    deadline: Option<std::time::Instant>,
+    read: u64,
+}
+
+impl std::fmt::Debug for Inbox<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox")
+            .field("read", &self.read)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Inbox<'a> {
+    pub(crate) fn new(
+        feed: &'a std::cell::RefCell<super::Feed<'a>>,
+        node: &'a Node,
+        stop: &'a std::sync::atomic::AtomicBool,
+        deadline: Option<std::time::Instant>,
+    ) -> Self {
+        Inbox {
+            feed,
+            node,
+            stop,
+            deadline,
+            read: 0,
+        }
+    }
+
+    /// Items read so far.
+    pub fn read(&self) -> u64 {
+        self.read
+    }
+}
+
+impl Iterator for Inbox<'_> {
+    type Item = Result<Payload, RpcError>;
+
+    /// The caller's next item, as [`AsyncInbox::next`] gives it; also
+    /// `Cancelled` if the caller cancelled the call, `DeadlineExceeded`
+    /// once its deadline passed.
+    fn next(&mut self) -> Option<Self::Item> {
+        let mut slice = std::time::Duration::from_millis(1);
+        loop {
+            let mut f = self.feed.borrow_mut();
+            f.look();
+            let id = f.call_id();
+            let t = f.taking.as_mut()?;
+            if !t.spill.is_empty() {
+                let spilled: VecDeque<Frame> = std::mem::take(&mut t.spill).into();
+                release(self.node, spilled);
+            }
+            if t.overflow {
+                let left = std::mem::take(&mut t.items);
+                drop(f);
+                release(self.node, left);
+                return Some(Err(RpcError::new(
+                    Status::ResourceExhausted,
+                    "the caller sent more items than the server granted",
+                )));
+            }
+            if let Some(item) = t.items.pop_front() {
+                t.read += 1;
+                if t.read >= (WINDOW / 2).max(1) && !t.finished {
+                    let n = std::mem::take(&mut t.read);
+                    t.owed += n;
+                    t.granted += u64::from(n);
+                }
+                grant(&mut f, id);
+                drop(f);
+                self.read += 1;
+                crate::stats::count(&item.payload, false);
+                return Some(Payload::from_response_body(item.payload, self.node));
+            }
+            if t.finished {
+                return None;
+            }
+            grant(&mut f, id);
+            if f.cancelled() {
+                return Some(Err(RpcError::new(
+                    Status::Cancelled,
+                    "the caller cancelled the call",
+                )));
+            }
+            if self.stop.load(std::sync::atomic::Ordering::Acquire) {
+                return Some(Err(RpcError::unavailable("the server is stopping")));
+            }
+            let now = std::time::Instant::now();
+            if self.deadline.is_some_and(|d| now >= d) {
+                return Some(Err(RpcError::deadline_exceeded(
+                    "the call's deadline passed",
+                )));
+            }
+            let until = self.deadline.map_or(now + slice, |d| d.min(now + slice));
+            f.wait(until);
+            let (l, conn) = f.listener();
+            if !l.is_open(conn) {
+                return Some(Err(RpcError::unavailable("the call's caller is gone")));
+            }
+            slice = (slice * 2).min(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+/// Sends the grants the feed's items owe, if its connection has room.
+fn grant(f: &mut super::Feed<'_>, id: u64) {
+    let owed = f.taking.as_ref().map_or(0, |t| t.owed);
+    if owed == 0 {
+        return;
+    }
+    let (l, conn) = f.listener();
+    if let Ok(true) = l.send_item(conn, &Frame::credit(id, owed)) {
+        if let Some(t) = f.taking.as_mut() {
+            t.owed = 0;
+        }
     }
 }

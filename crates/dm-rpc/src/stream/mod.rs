@@ -80,11 +80,12 @@ mod inbox;
 mod items;
 mod sink;
 
-pub use call::{AsyncBidi, AsyncStreaming, Streaming};
+pub use call::{AsyncBidi, AsyncStreaming, Bidi, Streaming};
 pub(crate) use call::{How, StreamConn};
-pub use inbox::AsyncInbox;
-pub(crate) use inbox::Inlet;
-pub use items::AsyncItems;
+pub use inbox::{AsyncInbox, Inbox};
+pub(crate) use inbox::{Inlet, Taking};
+pub(crate) use items::ItemConn;
+pub use items::{AsyncItems, Items};
 pub use sink::{AsyncSink, Sink};
 pub(crate) use sink::{Feed, Outlet};
 

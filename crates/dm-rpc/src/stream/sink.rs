@@ -35,6 +35,9 @@ pub(crate) struct Feed<'a> {
     credit: u64,
     /// The caller cancelled the stream.
     cancelled: bool,
+    /// The caller's own items, for a handler that reads them
+    /// ([`super::Inbox`]); `None` for one that does not.
+    pub(crate) taking: Option<super::inbox::Taking>,
 }
 
 impl<'a> Feed<'a> {
@@ -54,12 +57,23 @@ impl<'a> Feed<'a> {
             running,
             credit,
             cancelled: false,
+            taking: None,
         }
     }
 
     /// The cancels of other calls and grants of async streams it read.
     pub(crate) fn take_later(&mut self) -> Vec<Later> {
         std::mem::take(&mut self.later)
+    }
+
+    /// The listener it reads, and the stream's connection.
+    pub(crate) fn listener(&mut self) -> (&mut dyn Listener, ConnId) {
+        (&mut *self.listener, self.running.0)
+    }
+
+    /// The stream's call id.
+    pub(crate) fn call_id(&self) -> u64 {
+        self.running.1
     }
 
     /// Takes in what already waits, then says whether the stream was
@@ -80,6 +94,12 @@ impl<'a> Feed<'a> {
                     self.cancelled = true;
                     return;
                 }
+                Kind::Item => {
+                    if let Some(t) = &mut self.taking {
+                        t.take(f);
+                        return;
+                    }
+                }
                 _ => {}
             }
         }
@@ -95,7 +115,7 @@ impl<'a> Feed<'a> {
     }
 
     /// Takes in every frame already waiting, without waiting.
-    fn look(&mut self) {
+    pub(crate) fn look(&mut self) {
         while let Ok(Some((conn, f))) = self.listener.poll() {
             self.take(conn, f);
             if self.queue.len() > 4096 {
@@ -105,7 +125,7 @@ impl<'a> Feed<'a> {
     }
 
     /// Waits for a frame until `until`, and takes it in.
-    fn wait(&mut self, until: Instant) {
+    pub(crate) fn wait(&mut self, until: Instant) {
         if let Ok(Some((conn, f))) = self.listener.next(Some(until)) {
             self.take(conn, f);
         }
