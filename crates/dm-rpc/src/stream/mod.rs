@@ -60,13 +60,18 @@
 //! [`AsyncBidi::send`] and ends its items with [`AsyncBidi::finish`]
 //! (or [`AsyncBidi::split`]s the call into an [`AsyncItems`] and an
 //! [`AsyncStreaming`] for two tasks). The handler reads them from its
-//! [`AsyncInbox`]. Flow control runs the other way here: the server
+//! [`AsyncInbox`]. Blocking callers and handlers have the same:
+//! [`Client::call_bidi`](crate::Client::call_bidi) ([`Bidi`], [`Items`])
+//! and [`ServerBuilder::method_bidi`](crate::ServerBuilder::method_bidi)
+//! ([`Inbox`]).
+//!
+//! Flow control runs the other way here: the server
 //! grants a window of items when the handler starts, and grants more as
 //! the handler reads half of it, so what the handler has not read stays
 //! within the window. A caller that sends beyond its grant ends the
 //! items with `ResourceExhausted`. A call ended by its handler fails the
-//! caller's later sends (`Cancelled`: its answer says how); a caller that
-//! drops the call cancels it; items dropped without a finish end the
+//! caller's later sends (`Cancelled`: its answer says how). A caller that
+//! drops the call cancels it. Items dropped without a finish end the
 //! items if that can go at once, else cancel the call.
 //!
 //! The wire format is in [`crate::frame`] (frames v7, and v9 for the
