@@ -92,6 +92,175 @@ pub(crate) fn peer_serve(
     Ok((served, addr))
 }
 
+/// The next tier of a chain, as a client.
+#[derive(Clone)]
+enum NextTier {
+    Tcp(ImagingClient<tonic::transport::Channel>),
+    Dmrpc(ImagingClient<dm_grpc::Channel>),
+}
+
+/// A tier of `bench grpc`'s chain: `Echo` forwards its message to the next
+/// tier and answers with what comes back (the last tier answers with the
+/// message). Its other methods are not served.
+struct Tier {
+    next: Option<NextTier>,
+}
+
+#[tonic::async_trait]
+impl dm_grpc::example::imaging::imaging_server::Imaging for Tier {
+    async fn echo(&self, req: tonic::Request<Blob>) -> Result<tonic::Response<Blob>, tonic::Status> {
+        let blob = req.into_inner();
+        match self.next.clone() {
+            None => Ok(tonic::Response::new(blob)),
+            Some(NextTier::Tcp(mut c)) => c.echo(blob).await,
+            Some(NextTier::Dmrpc(mut c)) => c.echo(blob).await,
+        }
+    }
+
+    async fn invert(
+        &self,
+        _: tonic::Request<dm_grpc::example::imaging::Image>,
+    ) -> Result<tonic::Response<dm_grpc::example::imaging::Image>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a tier only forwards Echo"))
+    }
+
+    type TilesStream = dm_grpc::example::Items<Blob>;
+
+    async fn tiles(
+        &self,
+        _: tonic::Request<TileRequest>,
+    ) -> Result<tonic::Response<Self::TilesStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a tier only forwards Echo"))
+    }
+
+    async fn upload(
+        &self,
+        _: tonic::Request<tonic::Streaming<Blob>>,
+    ) -> Result<tonic::Response<dm_grpc::example::imaging::Summary>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a tier only forwards Echo"))
+    }
+
+    type ChatStream = dm_grpc::example::Items<Blob>;
+
+    async fn chat(
+        &self,
+        _: tonic::Request<tonic::Streaming<Blob>>,
+    ) -> Result<tonic::Response<Self::ChatStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a tier only forwards Echo"))
+    }
+}
+
+/// A tier of the chain served by a peer: dropped, it stops, and what it
+/// held of the pool goes with it (before the peer exits).
+pub(crate) struct TierGuard {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for TierGuard {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The peer's `grpctier WAY NAME NEXT`: a tier of the chain, served over
+/// `WAY` (`tcp`: tonic on loopback, NAME unused, NEXT an address; `direct`
+/// or `http2`: dmrpc name NAME, NEXT a dmrpc name), forwarding to NEXT
+/// (`-`: the last tier). The tier, and its address.
+pub(crate) fn peer_tier(
+    pool: &dm_pool::Pool,
+    way: &str,
+    name: &str,
+    next: &str,
+) -> Result<(TierGuard, String)> {
+    use dm_grpc::example::imaging::imaging_server::ImagingServer;
+    let node = Node::new(pool.clone());
+    let (way, next, name) = (way.to_owned(), next.to_owned(), name.to_owned());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("grpc-tier".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+            };
+            rt.block_on(async move {
+                let limit = 64 << 20;
+                let next = match (next.as_str(), way.as_str()) {
+                    ("-", _) => None,
+                    (addr, "tcp") => {
+                        let e = match tonic::transport::Endpoint::from_shared(format!("http://{addr}")) {
+                            Ok(e) => e.tcp_nodelay(true),
+                            Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                        };
+                        Some(NextTier::Tcp(
+                            ImagingClient::new(e.connect_lazy()).max_decoding_message_size(limit),
+                        ))
+                    }
+                    (n, w) => {
+                        let mut d = dm_grpc::Dial::new(&node, n);
+                        if w == "http2" {
+                            d = d.http2();
+                        }
+                        match d.connect().await {
+                            Ok(c) => Some(NextTier::Dmrpc(
+                                ImagingClient::new(c).max_decoding_message_size(limit),
+                            )),
+                            Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                        }
+                    }
+                };
+                let svc = ImagingServer::new(Tier { next }).max_decoding_message_size(limit);
+                if way == "tcp" {
+                    let l = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                        Ok(l) => l,
+                        Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                    };
+                    let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                    let incoming = tokio_stream::wrappers::TcpListenerStream::new(l).map(|s| {
+                        let s = s?;
+                        s.set_nodelay(true)?;
+                        Ok::<_, std::io::Error>(s)
+                    });
+                    let _ = tx.send(Ok(addr));
+                    let server = tonic::transport::Server::builder()
+                        .add_service(svc)
+                        .serve_with_incoming(incoming);
+                    // Stopped at once: its callers' connections may stay.
+                    tokio::select! {
+                        _ = server => {}
+                        _ = stopped => {}
+                    }
+                } else {
+                    let served = match dm_grpc::serve(&node, &name, svc) {
+                        Ok(s) => s,
+                        Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                    };
+                    let _ = tx.send(Ok(name.clone()));
+                    let _ = stopped.await;
+                    served.shutdown();
+                }
+            })
+        })?;
+    let addr = rx
+        .recv()
+        .context("the tier's thread ended")?
+        .map_err(|e| anyhow!("a gRPC tier: {e}"))?;
+    let guard = TierGuard {
+        stop: Some(stop),
+        thread: Some(thread),
+    };
+    Ok((guard, addr))
+}
+
 /// The ways a call goes, in the order of the table.
 const WAYS: [&str; 5] = [
     "tonic TCP",
@@ -195,6 +364,88 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
+/// Calls per second of a chain of three gRPC tiers (three processes),
+/// each forwarding a 1 MiB `bytes` field to the next: over tonic TCP,
+/// HTTP/2 over shm, and the direct way; one call at a time.
+fn chain(a: &BenchArgs, bp: &BenchPool, id: u32) -> Result<Vec<Obj>> {
+    let size = 1 << 20;
+    let n: u32 = if a.quick { 20 } else { 400 };
+    say!("\n3-tier chain, each tier forwarding a 1 MiB bytes field, one call at a time:");
+    say!("{:>16} {:>10} {:>9}", "way", "calls/s", "way/tcp");
+    let mut rates = Vec::new();
+    let mut rows = Vec::new();
+    for way in ["tcp", "http2", "direct"] {
+        let mut peers = Vec::new();
+        let mut next = "-".to_string();
+        for k in (1..=3).rev() {
+            let mut p = Peer::spawn(&bp.path, &[])?;
+            let name = format!("bench/grpc-chain/{id}/{way}/{k}");
+            next = p.cmd_text(&format!("grpctier {way} {name} {next}"))?;
+            peers.push(p);
+        }
+        let node = Node::new(bp.pool.clone());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let rate = rt.block_on(async {
+            let limit = 64 << 20;
+            let blob = Blob {
+                data: bytes::Bytes::from(vec![3u8; size]),
+                seq: 1,
+            };
+            let t = if way == "tcp" {
+                let e = tonic::transport::Endpoint::from_shared(format!("http://{next}"))?
+                    .tcp_nodelay(true);
+                let mut c = ImagingClient::new(e.connect().await?).max_decoding_message_size(limit);
+                for _ in 0..3 {
+                    c.echo(blob.clone()).await?;
+                }
+                let t = Instant::now();
+                for _ in 0..n {
+                    if c.echo(blob.clone()).await?.into_inner().data.len() != size {
+                        bail!("a chain's echo of another size");
+                    }
+                }
+                t.elapsed()
+            } else {
+                let mut d = dm_grpc::Dial::new(&node, &next);
+                if way == "http2" {
+                    d = d.http2();
+                }
+                let mut c = ImagingClient::new(d.connect().await?).max_decoding_message_size(limit);
+                for _ in 0..3 {
+                    c.echo(blob.clone()).await?;
+                }
+                let t = Instant::now();
+                for _ in 0..n {
+                    if c.echo(blob.clone()).await?.into_inner().data.len() != size {
+                        bail!("a chain's echo of another size");
+                    }
+                }
+                t.elapsed()
+            };
+            Ok::<_, anyhow::Error>(f64::from(n) / t.as_secs_f64())
+        })?;
+        for mut p in peers {
+            p.cmd("unserve")?;
+        }
+        rates.push(rate);
+        let label = match way {
+            "tcp" => "tonic TCP",
+            "http2" => "HTTP/2 over shm",
+            _ => "direct",
+        };
+        say!("{:>16} {:>10.0} {:>8.1}x", label, rate, rate / rates[0]);
+        let mut o = Obj::default();
+        o.str("chain_way", label);
+        o.num("chain_calls_per_s", rate);
+        o.num("chain_over_tcp", rate / rates[0]);
+        rows.push(o);
+        super::progress::tick(format!("chain {label}"));
+    }
+    Ok(rows)
+}
+
 pub fn run(a: &BenchArgs) -> Result<()> {
     let id = std::process::id();
     let bp = BenchPool::create(
@@ -225,7 +476,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "p99 us",
         "tcp/way"
     );
-    super::progress::start("grpc", sizes.len() as u64 + 2);
+    super::progress::start("grpc", sizes.len() as u64 + 5);
     let mut rows = Vec::new();
     rt.block_on(async {
         let mut c = Clients::connect(&node, &name, &native, &tcp, &uds.to_string_lossy()).await?;
@@ -315,6 +566,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     })?;
     peer.cmd("unserve")?;
     drop(peer);
+    let chain = chain(a, &bp, id)?;
+    rows.extend(chain);
     let _ = std::fs::remove_file(&uds);
     drop(node);
     bp.check()?;

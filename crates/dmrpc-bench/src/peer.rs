@@ -10,7 +10,8 @@
 //! `social ROLE MODE ID` (a service of bench social), `grpc tcp NEXT|-`
 //! and `grpc uds PATH [NEXT|-]` (the tonic peer, over loopback TCP or a
 //! Unix socket, forwarding `Go` to NEXT), `grpcsvc NAME UDS` (bench
-//! grpc's example service, every way), `iox NAME` and `ioxecho NAME
+//! grpc's example service, every way), `grpctier WAY NAME NEXT` (a tier
+//! of its chain), `iox NAME` and `ioxecho NAME
 //! MAX` (iceoryx2 servers, with the feature), `quit`.
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -56,6 +57,8 @@ pub fn peer(a: PeerArgs) -> Result<()> {
         },
     )?;
     let mut servers = Vec::new();
+    // Tiers of `bench grpc`'s chain (stopped on `unserve`).
+    let mut tiers = Vec::new();
     // Set on `unserve`: stops the iceoryx2 server's polling thread.
     #[cfg_attr(not(feature = "iceoryx2"), allow(unused_mut))]
     let mut iox_stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -162,6 +165,12 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 servers.push(s);
                 format!("ok {addr}")
             }
+            (Some("grpctier"), Some(way), Some(name)) => {
+                let next = fourth.as_deref().unwrap_or("-");
+                let (t, addr) = super::grpc_ways::peer_tier(&pool, way, name, next)?;
+                tiers.push(t);
+                format!("ok {addr}")
+            }
             (Some("grpcsvc"), Some(name), Some(uds)) => {
                 let (s, addr) = super::grpc_ways::peer_serve(&pool, name, uds)?;
                 servers.push(s);
@@ -196,6 +205,7 @@ pub fn peer(a: PeerArgs) -> Result<()> {
             }
             (Some("unserve"), _, _) => {
                 servers.clear();
+                tiers.clear();
                 iox_stop.store(true, Ordering::Relaxed);
                 "ok".into()
             }
