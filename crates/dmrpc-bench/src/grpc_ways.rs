@@ -108,7 +108,10 @@ struct Tier {
 
 #[tonic::async_trait]
 impl dm_grpc::example::imaging::imaging_server::Imaging for Tier {
-    async fn echo(&self, req: tonic::Request<Blob>) -> Result<tonic::Response<Blob>, tonic::Status> {
+    async fn echo(
+        &self,
+        req: tonic::Request<Blob>,
+    ) -> Result<tonic::Response<Blob>, tonic::Status> {
         let blob = req.into_inner();
         match self.next.clone() {
             None => Ok(tonic::Response::new(blob)),
@@ -197,10 +200,12 @@ pub(crate) fn peer_tier(
                 let next = match (next.as_str(), way.as_str()) {
                     ("-", _) => None,
                     (addr, "tcp") => {
-                        let e = match tonic::transport::Endpoint::from_shared(format!("http://{addr}")) {
-                            Ok(e) => e.tcp_nodelay(true),
-                            Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
-                        };
+                        let e =
+                            match tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                            {
+                                Ok(e) => e.tcp_nodelay(true),
+                                Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                            };
                         Some(NextTier::Tcp(
                             ImagingClient::new(e.connect_lazy()).max_decoding_message_size(limit),
                         ))
