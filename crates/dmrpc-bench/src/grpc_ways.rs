@@ -18,7 +18,7 @@
 //! (`Tiles`) of items of 64 B and 64 KiB: items per second each way.
 //! Ratios: tonic TCP's p50 over each way's.
 
-use super::peer::{BenchPool, Peer};
+use super::peer::{BenchPool, Pin};
 use super::plot::Chart;
 use super::serde_like::Obj;
 use super::BenchArgs;
@@ -372,7 +372,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 /// Calls per second of a chain of three gRPC tiers (three processes),
 /// each forwarding a 1 MiB `bytes` field to the next: over tonic TCP,
 /// HTTP/2 over shm, and the direct way; one call at a time.
-fn chain(a: &BenchArgs, bp: &BenchPool, id: u32) -> Result<Vec<Obj>> {
+fn chain(a: &BenchArgs, bp: &BenchPool, id: u32, pin: &Pin) -> Result<Vec<Obj>> {
     let size = 1 << 20;
     let n: u32 = if a.quick { 20 } else { 400 };
     say!("\n3-tier chain, each tier forwarding a 1 MiB bytes field, one call at a time:");
@@ -383,7 +383,7 @@ fn chain(a: &BenchArgs, bp: &BenchPool, id: u32) -> Result<Vec<Obj>> {
         let mut peers = Vec::new();
         let mut next = "-".to_string();
         for k in (1..=3).rev() {
-            let mut p = Peer::spawn(&bp.path, &[])?;
+            let mut p = pin.spawn(&bp.path, k)?;
             let name = format!("bench/grpc-chain/{id}/{way}/{k}");
             next = p.cmd_text(&format!("grpctier {way} {name} {next}"))?;
             peers.push(p);
@@ -461,7 +461,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             ..Default::default()
         },
     )?;
-    let mut peer = Peer::spawn(&bp.path, &[])?;
+    // Pinned (--pin): this process on the first CPU, the peer on the
+    // second, so that the client and the server never take turns on one.
+    let pin = Pin::new(a.pin)?;
+    let mut peer = pin.spawn(&bp.path, 0)?;
     let name = format!("bench/grpc/{id}");
     let native = format!("bench/grpc-native/{id}");
     let uds = std::env::temp_dir().join(format!("dmrpc-bench-grpc-{id}.sock"));
@@ -571,7 +574,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     })?;
     peer.cmd("unserve")?;
     drop(peer);
-    let chain = chain(a, &bp, id)?;
+    let chain = chain(a, &bp, id, &pin)?;
     rows.extend(chain);
     let _ = std::fs::remove_file(&uds);
     drop(node);
@@ -583,6 +586,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "the example service of dm-grpc (tonic + prost generated) served by one peer process: tonic over loopback TCP and a Unix socket, HTTP/2 over a dmrpc byte stream (NotNets' way), each call a dmrpc call (direct), and a native dmrpc echo; unary Echo with a bytes field of each size, one call at a time, the ways taking turns in ten rounds of consecutive calls; then server streams of 64 B and 64 KiB tiles",
     );
     res.obj("machine", &super::machine());
+    res.str("pinned", if pin.on() { "yes" } else { "no" });
     res.arr("rows", &rows);
     let unary: Vec<Obj> = rows.iter().take(sizes.len()).cloned().collect();
     super::write_results(

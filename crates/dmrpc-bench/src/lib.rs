@@ -56,9 +56,10 @@ pub struct BenchArgs {
     #[arg(long)]
     pub quick: bool,
     /// Pin the bench's processes, so the scheduler does not move them
-    /// during the run: `rtt`'s client and peer on CPUs 0 and 1; `chain`'s
-    /// client on the first CPU and tier k on CPU k+1 (mod the CPUs), so
-    /// neighbouring tiers alternate between cores. dmrpc and its peers
+    /// during the run: `rtt`'s and `grpc`'s client and peer on CPUs 0 and
+    /// 1; `chain`'s client (and `grpc`'s chain's) on the first CPU and
+    /// tier k on CPU k+1 (mod the CPUs), so neighbouring tiers alternate
+    /// between cores. dmrpc and its peers
     /// (tonic) run in the same processes, pinned alike.
     #[arg(long)]
     pub pin: bool,
