@@ -13,6 +13,7 @@
 //! that speaks gRPC is called as gRPC (`grpc.rs`): the method is a path,
 //! the argument one encoded message.
 
+use super::out::{show_metadata, us, write_bytes};
 use super::pool::Target;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -155,7 +156,14 @@ fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i32> {
         Ok(Some(s)) if s.protocol == dm_pool::Protocol::Grpc
     );
     if a.tcp.is_none() && grpc {
-        return super::grpc::call(a, node, arg, meta);
+        let how = super::grpc::How {
+            service: &a.service,
+            method: &a.method,
+            timeout: Duration::from_secs_f64(a.timeout),
+            repeat: a.repeat,
+            hex: a.hex,
+        };
+        return super::grpc::call(&how, node, arg, meta);
     }
     let connected = match &a.tcp {
         Some(addr) => node.connect_tcp(addr),
@@ -289,38 +297,4 @@ fn stream(
         t0.elapsed().as_secs_f64() * 1e3
     );
     Ok(0)
-}
-
-/// Prints the metadata of an answer on stderr, `< key: value` a line: a
-/// value of printable text as it is, any other in hex (`0x…`).
-/// Writes `b` to `out` as it is, or as hex (32 bytes a line, then an
-/// empty line: one block per item or message).
-pub(super) fn write_bytes(out: &mut impl Write, b: &[u8], hex: bool) -> Result<()> {
-    if hex {
-        for line in b.chunks(32) {
-            let h: Vec<String> = line.iter().map(|b| format!("{b:02x}")).collect();
-            writeln!(out, "{}", h.join(" "))?;
-        }
-        writeln!(out)?;
-    } else {
-        out.write_all(b)?;
-    }
-    out.flush()?;
-    Ok(())
-}
-
-pub(super) fn show_metadata(m: &Metadata) {
-    for (k, v) in m.iter() {
-        match std::str::from_utf8(v) {
-            Ok(s) if s.chars().all(|c| !c.is_control()) => eprintln!("< {k}: {s}"),
-            _ => {
-                let hex: String = v.iter().map(|b| format!("{b:02x}")).collect();
-                eprintln!("< {k}: 0x{hex}");
-            }
-        }
-    }
-}
-
-pub(super) fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }

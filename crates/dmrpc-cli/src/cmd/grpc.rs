@@ -4,14 +4,23 @@
 //! bytes of each message of the answer, as `grpcurl` would with raw
 //! messages. The call goes the direct way (`dm-grpc`).
 
-use super::call::{show_metadata, us, write_bytes, CallArgs};
+use super::out::{show_metadata, us, write_bytes};
 use anyhow::{bail, Result};
 use dm_rpc::{Metadata, Node};
 use std::time::{Duration, Instant};
 
+/// What to call, and how (from `dmrpc call`'s arguments).
+pub struct How<'a> {
+    pub service: &'a str,
+    pub method: &'a str,
+    pub timeout: Duration,
+    pub repeat: u32,
+    pub hex: bool,
+}
+
 /// Calls gRPC method `a.method` of `a.service` with `arg`: 0 done, 1 the
 /// call failed (a status other than `Ok`), 2 no connection.
-pub fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i32> {
+pub fn call(a: &How<'_>, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i32> {
     if !a.method.starts_with('/') {
         bail!(
             "{} speaks gRPC: its methods are paths, /package.Service/Method (not {:?})",
@@ -23,7 +32,7 @@ pub fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i3
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let channel = match dm_grpc::Dial::new(node, &a.service).connect().await {
+        let channel = match dm_grpc::Dial::new(node, a.service).connect().await {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("cannot reach {}: {e}", a.service);
@@ -34,14 +43,14 @@ pub fn call(a: &CallArgs, node: &Node, arg: &[u8], meta: &Metadata) -> Result<i3
         let mut last = None;
         for _ in 0..a.repeat {
             let mut req = tonic::Request::new(bytes::Bytes::copy_from_slice(arg));
-            req.set_timeout(Duration::from_secs_f64(a.timeout));
+            req.set_timeout(a.timeout);
             for (k, v) in meta.iter() {
                 let key = tonic::metadata::MetadataKey::from_bytes(k.as_bytes())?;
                 let value = tonic::metadata::MetadataValue::try_from(v)?;
                 req.metadata_mut().insert(key, value);
             }
             let t0 = Instant::now();
-            match dm_grpc::raw::call(channel.clone(), &a.method, req).await {
+            match dm_grpc::raw::call(channel.clone(), a.method, req).await {
                 Ok(answer) => {
                     took.push(t0.elapsed());
                     last = Some(answer);

@@ -6,4 +6,5 @@ pub mod grpc;
 pub mod key;
 pub mod ls;
 pub mod memserver;
+pub mod out;
 pub mod pool;
