@@ -32,6 +32,35 @@ use dmrpc::fmt_size;
 use std::time::Instant;
 use tokio_stream::StreamExt;
 
+/// Runs `f` on a thread of its own, on a tokio runtime of one worker: `f`
+/// says through its sender what it started (or why it could not), then
+/// runs on until it returns. What it said, and the thread.
+fn on_runtime_thread<T, F, Fut>(name: &str, f: F) -> Result<(T, std::thread::JoinHandle<()>)>
+where
+    T: Send + 'static,
+    F: FnOnce(std::sync::mpsc::Sender<Result<T, String>>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(f(tx)),
+                Err(e) => tx.send(Err(e.to_string())).unwrap_or(()),
+            }
+        })?;
+    let said = rx
+        .recv()
+        .with_context(|| format!("the thread {name} ended"))?
+        .map_err(|e| anyhow!("{name}: {e}"))?;
+    Ok((said, thread))
+}
+
 /// The peer's `grpcsvc NAME UDS`: the example service on dmrpc name
 /// `NAME` (both ways: the server returned), and on loopback TCP and Unix
 /// socket `UDS` (tonic's servers, on a runtime of their own, until the
@@ -45,50 +74,33 @@ pub(crate) fn peer_serve(
     let svc = ImagingServer::new(dm_grpc::example::Service).max_decoding_message_size(64 << 20);
     let node = Node::new(pool.clone());
     let served = dm_grpc::serve(&node, name, svc.clone())?;
-    let (tx, rx) = std::sync::mpsc::channel();
     let uds = std::path::PathBuf::from(uds);
-    std::thread::Builder::new()
-        .name("grpc-ways".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
-            };
-            rt.block_on(async move {
-                let tcp = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
-                    Ok(l) => l,
-                    Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
-                };
-                let _ = std::fs::remove_file(&uds);
-                let unix = match tokio::net::UnixListener::bind(&uds) {
-                    Ok(l) => l,
-                    Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
-                };
-                let addr = tcp.local_addr().map(|a| a.to_string()).unwrap_or_default();
-                let tcp = tokio_stream::wrappers::TcpListenerStream::new(tcp).map(|s| {
-                    let s = s?;
-                    s.set_nodelay(true)?;
-                    Ok::<_, std::io::Error>(s)
-                });
-                let unix = tokio_stream::wrappers::UnixListenerStream::new(unix);
-                let a = tonic::transport::Server::builder()
-                    .add_service(svc.clone())
-                    .serve_with_incoming(tcp);
-                let b = tonic::transport::Server::builder()
-                    .add_service(svc)
-                    .serve_with_incoming(unix);
-                let _ = tx.send(Ok(addr));
-                let _ = tokio::join!(a, b);
-            })
-        })?;
-    let addr = rx
-        .recv()
-        .context("the gRPC servers' thread ended")?
-        .map_err(|e| anyhow!("gRPC servers: {e}"))?;
+    let (addr, _thread) = on_runtime_thread("grpc-ways", move |tx| async move {
+        let tcp = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+            Ok(l) => l,
+            Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+        };
+        let _ = std::fs::remove_file(&uds);
+        let unix = match tokio::net::UnixListener::bind(&uds) {
+            Ok(l) => l,
+            Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+        };
+        let addr = tcp.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        let tcp = tokio_stream::wrappers::TcpListenerStream::new(tcp).map(|s| {
+            let s = s?;
+            s.set_nodelay(true)?;
+            Ok::<_, std::io::Error>(s)
+        });
+        let unix = tokio_stream::wrappers::UnixListenerStream::new(unix);
+        let a = tonic::transport::Server::builder()
+            .add_service(svc.clone())
+            .serve_with_incoming(tcp);
+        let b = tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(unix);
+        let _ = tx.send(Ok(addr));
+        let _ = tokio::join!(a, b);
+    })?;
     Ok((served, addr))
 }
 
@@ -182,83 +194,64 @@ pub(crate) fn peer_tier(
     use dm_grpc::example::imaging::imaging_server::ImagingServer;
     let node = Node::new(pool.clone());
     let (way, next, name) = (way.to_owned(), next.to_owned(), name.to_owned());
-    let (tx, rx) = std::sync::mpsc::channel();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let thread = std::thread::Builder::new()
-        .name("grpc-tier".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
+    let (addr, thread) = on_runtime_thread("grpc-tier", move |tx| async move {
+        let limit = 64 << 20;
+        let next = match (next.as_str(), way.as_str()) {
+            ("-", _) => None,
+            (addr, "tcp") => {
+                let e = match tonic::transport::Endpoint::from_shared(format!("http://{addr}")) {
+                    Ok(e) => e.tcp_nodelay(true),
+                    Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                };
+                Some(NextTier::Tcp(
+                    ImagingClient::new(e.connect_lazy()).max_decoding_message_size(limit),
+                ))
+            }
+            (n, w) => {
+                let mut d = dm_grpc::Dial::new(&node, n);
+                if w == "http2" {
+                    d = d.http2();
+                }
+                match d.connect().await {
+                    Ok(c) => Some(NextTier::Dmrpc(
+                        ImagingClient::new(c).max_decoding_message_size(limit),
+                    )),
+                    Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+                }
+            }
+        };
+        let svc = ImagingServer::new(Tier { next }).max_decoding_message_size(limit);
+        if way == "tcp" {
+            let l = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                Ok(l) => l,
                 Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
             };
-            rt.block_on(async move {
-                let limit = 64 << 20;
-                let next = match (next.as_str(), way.as_str()) {
-                    ("-", _) => None,
-                    (addr, "tcp") => {
-                        let e =
-                            match tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-                            {
-                                Ok(e) => e.tcp_nodelay(true),
-                                Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
-                            };
-                        Some(NextTier::Tcp(
-                            ImagingClient::new(e.connect_lazy()).max_decoding_message_size(limit),
-                        ))
-                    }
-                    (n, w) => {
-                        let mut d = dm_grpc::Dial::new(&node, n);
-                        if w == "http2" {
-                            d = d.http2();
-                        }
-                        match d.connect().await {
-                            Ok(c) => Some(NextTier::Dmrpc(
-                                ImagingClient::new(c).max_decoding_message_size(limit),
-                            )),
-                            Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
-                        }
-                    }
-                };
-                let svc = ImagingServer::new(Tier { next }).max_decoding_message_size(limit);
-                if way == "tcp" {
-                    let l = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
-                        Ok(l) => l,
-                        Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
-                    };
-                    let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
-                    let incoming = tokio_stream::wrappers::TcpListenerStream::new(l).map(|s| {
-                        let s = s?;
-                        s.set_nodelay(true)?;
-                        Ok::<_, std::io::Error>(s)
-                    });
-                    let _ = tx.send(Ok(addr));
-                    let server = tonic::transport::Server::builder()
-                        .add_service(svc)
-                        .serve_with_incoming(incoming);
-                    // Stopped at once: its callers' connections may stay.
-                    tokio::select! {
-                        _ = server => {}
-                        _ = stopped => {}
-                    }
-                } else {
-                    let served = match dm_grpc::serve(&node, &name, svc) {
-                        Ok(s) => s,
-                        Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
-                    };
-                    let _ = tx.send(Ok(name.clone()));
-                    let _ = stopped.await;
-                    served.shutdown();
-                }
-            })
-        })?;
-    let addr = rx
-        .recv()
-        .context("the tier's thread ended")?
-        .map_err(|e| anyhow!("a gRPC tier: {e}"))?;
+            let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l).map(|s| {
+                let s = s?;
+                s.set_nodelay(true)?;
+                Ok::<_, std::io::Error>(s)
+            });
+            let _ = tx.send(Ok(addr));
+            let server = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(incoming);
+            // Stopped at once: its callers' connections may stay.
+            tokio::select! {
+                _ = server => {}
+                _ = stopped => {}
+            }
+        } else {
+            let served = match dm_grpc::serve(&node, &name, svc) {
+                Ok(s) => s,
+                Err(e) => return tx.send(Err(e.to_string())).unwrap_or(()),
+            };
+            let _ = tx.send(Ok(name.clone()));
+            let _ = stopped.await;
+            served.shutdown();
+        }
+    })?;
     let guard = TierGuard {
         stop: Some(stop),
         thread: Some(thread),
