@@ -1,7 +1,7 @@
 //! A byte stream over one dmrpc call: what HTTP/2 runs over between two
 //! processes of one pool (NotNets' way). The client's end is a call whose
 //! caller's items carry what it writes and whose answer's items carry
-//! what it reads; the server's end is that call's handler. Each write is
+//! what it reads. The server's end is that call's handler. Each write is
 //! one item (inline in the ring, or by Ref when large), so the rings'
 //! flow control by items is the stream's.
 
