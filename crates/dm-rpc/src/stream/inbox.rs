@@ -30,17 +30,9 @@ pub(crate) struct Inlet {
 }
 
 struct Held {
-    items: VecDeque<Frame>,
-    /// Items granted to the caller (sent or owed), and received.
-    granted: u64,
-    received: u64,
-    /// Items read since the last grant.
-    read: u32,
-    /// Grants to send (the dispatcher sends them, as the connection has
-    /// room).
-    owed: u32,
-    /// The caller's last marker came.
-    finished: bool,
+    /// The items and their grants (the dispatcher sends those owed, as
+    /// the connection has room).
+    t: Taking,
     /// How the items ended early: every read from then on gives it.
     ended: Option<RpcError>,
     waker: Option<Waker>,
@@ -51,18 +43,12 @@ impl Inlet {
     /// its caller sends `items`, else ended already (a call made without
     /// items).
     pub(crate) fn new(conn: ConnId, id: u64, items: bool) -> Self {
-        let window = if items { WINDOW } else { 0 };
         Inlet {
             conn,
             id,
             home: std::thread::current().id(),
             state: Mutex::new(Held {
-                items: VecDeque::new(),
-                granted: u64::from(window),
-                received: 0,
-                read: 0,
-                owed: window,
-                finished: !items,
+                t: Taking::new(items),
                 ended: None,
                 waker: None,
             }),
@@ -79,26 +65,21 @@ impl Inlet {
     /// after the end, or after they ended, is released.
     pub(crate) fn take(&self, node: &Node, f: Frame) {
         let mut h = self.lock();
-        if h.ended.is_some() || h.finished {
+        if h.ended.is_some() {
             drop(h);
             orphan(node, f);
             return;
         }
-        if f.flags & FLAG_LAST != 0 {
-            h.finished = true;
-        } else if h.received >= h.granted {
-            let e = RpcError::new(
-                Status::ResourceExhausted,
-                "the caller sent more items than the server granted",
-            );
-            let left = Self::end_locked(&mut h, e);
+        if let Some(f) = h.t.take(f) {
+            let left = if h.t.overflow {
+                Self::end_locked(&mut h, overflowed())
+            } else {
+                VecDeque::new()
+            };
             drop(h);
             orphan(node, f);
             release(node, left);
             return;
-        } else {
-            h.received += 1;
-            h.items.push_back(f);
         }
         if let Some(w) = h.waker.take() {
             drop(h);
@@ -108,18 +89,18 @@ impl Inlet {
 
     /// Whether grants wait to be sent.
     pub(crate) fn owes(&self) -> bool {
-        self.lock().owed > 0
+        self.lock().t.owed > 0
     }
 
     /// Sends the grants owed, if the connection has room for them; a
     /// connection that fails ends the items (its caller is gone).
     pub(crate) fn flush(&self, node: &Node, listener: &mut dyn Listener) {
         let mut h = self.lock();
-        if h.owed == 0 || h.ended.is_some() {
+        if h.t.owed == 0 || h.ended.is_some() {
             return;
         }
-        match listener.send_item(self.conn, &Frame::credit(self.id, h.owed)) {
-            Ok(true) => h.owed = 0,
+        match listener.send_item(self.conn, &Frame::credit(self.id, h.t.owed)) {
+            Ok(true) => h.t.owed = 0,
             Ok(false) => {}
             Err(e) => {
                 let e = RpcError::unavailable(format!("the call's caller is gone: {e}"));
@@ -148,26 +129,20 @@ impl Inlet {
 
     fn end_locked(h: &mut Held, e: RpcError) -> VecDeque<Frame> {
         h.ended = Some(e);
-        std::mem::take(&mut h.items)
+        std::mem::take(&mut h.t.items)
     }
 
     /// The next item, as its handler reads it: a grant is owed once half
     /// the window is read.
     fn poll_next(&self, cx: &mut std::task::Context<'_>) -> Poll<Option<Result<Frame, RpcError>>> {
         let mut h = self.lock();
-        if let Some(f) = h.items.pop_front() {
-            h.read += 1;
-            if h.read >= (WINDOW / 2).max(1) && !h.finished {
-                let n = std::mem::take(&mut h.read);
-                h.owed += n;
-                h.granted += u64::from(n);
-            }
+        if let Some(f) = h.t.pop() {
             return Poll::Ready(Some(Ok(f)));
         }
         if let Some(e) = &h.ended {
             return Poll::Ready(Some(Err(e.clone())));
         }
-        if h.finished {
+        if h.t.finished {
             return Poll::Ready(None);
         }
         match &mut h.waker {
@@ -176,6 +151,14 @@ impl Inlet {
         }
         Poll::Pending
     }
+}
+
+/// How a caller's items end when it sends more than it was granted.
+fn overflowed() -> RpcError {
+    RpcError::new(
+        Status::ResourceExhausted,
+        "the caller sent more items than the server granted",
+    )
 }
 
 /// Releases what items carried.
@@ -246,8 +229,9 @@ impl AsyncInbox {
     }
 }
 
-/// The caller's items of a blocking handler's call, kept in its sink's
-/// feed ([`super::Feed`]) as the feed reads them.
+/// A call's items from its caller and their grants: what the async
+/// handler's [`Inlet`] and the blocking handler's feed ([`super::Feed`],
+/// read by its [`Inbox`]) both keep.
 pub(crate) struct Taking {
     items: VecDeque<Frame>,
     granted: u64,
@@ -280,22 +264,43 @@ impl Taking {
         }
     }
 
-    /// Takes item `f` of the caller in (see [`Inlet::take`]); what it
-    /// cannot keep is kept for release by the inbox (it has the node).
-    pub(crate) fn take(&mut self, f: Frame) {
+    /// Takes item `f` of the caller in: queued, or the end of the items.
+    /// One after the end, or beyond what was granted (which sets
+    /// `overflow`: the caller broke the flow control), is given back, to
+    /// be released.
+    pub(crate) fn take(&mut self, f: Frame) -> Option<Frame> {
         if self.finished || self.overflow {
-            self.spill.push(f);
-            return;
+            return Some(f);
         }
         if f.flags & FLAG_LAST != 0 {
             self.finished = true;
         } else if self.received >= self.granted {
             self.overflow = true;
-            self.spill.push(f);
+            return Some(f);
         } else {
             self.received += 1;
             self.items.push_back(f);
         }
+        None
+    }
+
+    /// The next item as the handler reads it: a grant is owed once half
+    /// the window is read.
+    fn pop(&mut self) -> Option<Frame> {
+        let f = self.items.pop_front()?;
+        self.read += 1;
+        if self.read >= (WINDOW / 2).max(1) && !self.finished {
+            let n = std::mem::take(&mut self.read);
+            self.owed += n;
+            self.granted += u64::from(n);
+        }
+        Some(f)
+    }
+
+    /// Keeps `f`, given back by [`take`](Self::take), for release by the
+    /// blocking handler's inbox (which has the node).
+    pub(crate) fn spill(&mut self, f: Frame) {
+        self.spill.push(f);
     }
 
     /// Releases what it holds (its call ended).
@@ -368,18 +373,9 @@ impl Iterator for Inbox<'_> {
                 let left = std::mem::take(&mut t.items);
                 drop(f);
                 release(self.node, left);
-                return Some(Err(RpcError::new(
-                    Status::ResourceExhausted,
-                    "the caller sent more items than the server granted",
-                )));
+                return Some(Err(overflowed()));
             }
-            if let Some(item) = t.items.pop_front() {
-                t.read += 1;
-                if t.read >= (WINDOW / 2).max(1) && !t.finished {
-                    let n = std::mem::take(&mut t.read);
-                    t.owed += n;
-                    t.granted += u64::from(n);
-                }
+            if let Some(item) = t.pop() {
                 grant(&mut f, id);
                 drop(f);
                 self.read += 1;

@@ -96,7 +96,9 @@ impl<'a> Feed<'a> {
                 }
                 Kind::Item => {
                     if let Some(t) = &mut self.taking {
-                        t.take(f);
+                        if let Some(f) = t.take(f) {
+                            t.spill(f);
+                        }
                         return;
                     }
                 }
