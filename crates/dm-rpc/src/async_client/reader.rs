@@ -428,8 +428,13 @@ impl Reader {
     /// [`poll_credit`](Self::poll_credit) without waiting: `None` if no
     /// grant is there yet (no waker is left behind).
     pub(super) fn try_credit(&self, id: u64) -> Option<Result<bool, RpcError>> {
-        let mut st = lock(&self.state);
+        Self::credit_in(&mut lock(&self.state), id)
+    }
+
+    /// [`try_credit`](Self::try_credit) under the state lock.
+    fn credit_in(st: &mut State, id: u64) -> Option<Result<bool, RpcError>> {
         let Some(Slot::Stream(fed)) = st.pending.get_mut(&id) else {
+            // (Closed: its answer was read, or it was dropped.)
             return Some(Ok(false));
         };
         if fed.answered {
@@ -455,20 +460,12 @@ impl Reader {
         cx: &mut std::task::Context<'_>,
     ) -> Poll<Result<bool, RpcError>> {
         let mut st = lock(&self.state);
+        if let Some(got) = Self::credit_in(&mut st, id) {
+            return Poll::Ready(got);
+        }
         let Some(Slot::Stream(fed)) = st.pending.get_mut(&id) else {
-            // (Closed: its answer was read, or it was dropped.)
             return Poll::Ready(Ok(false));
         };
-        if fed.answered {
-            return Poll::Ready(Ok(false));
-        }
-        if let Some(e) = &fed.failed {
-            return Poll::Ready(Err(e.clone()));
-        }
-        if fed.credit > 0 {
-            fed.credit -= 1;
-            return Poll::Ready(Ok(true));
-        }
         match &mut fed.credit_waker {
             Some(w) if w.will_wake(cx.waker()) => {}
             w => *w = Some(cx.waker().clone()),
