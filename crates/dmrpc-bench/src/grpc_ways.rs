@@ -111,6 +111,15 @@ enum NextTier {
     Dmrpc(ImagingClient<dm_grpc::Channel>),
 }
 
+impl NextTier {
+    async fn echo(&mut self, blob: Blob) -> Result<tonic::Response<Blob>, tonic::Status> {
+        match self {
+            NextTier::Tcp(c) => c.echo(blob).await,
+            NextTier::Dmrpc(c) => c.echo(blob).await,
+        }
+    }
+}
+
 /// A tier of `bench grpc`'s chain: `Echo` forwards its message to the next
 /// tier and answers with what comes back (the last tier answers with the
 /// message). Its other methods are not served.
@@ -127,8 +136,7 @@ impl dm_grpc::example::imaging::imaging_server::Imaging for Tier {
         let blob = req.into_inner();
         match self.next.clone() {
             None => Ok(tonic::Response::new(blob)),
-            Some(NextTier::Tcp(mut c)) => c.echo(blob).await,
-            Some(NextTier::Dmrpc(mut c)) => c.echo(blob).await,
+            Some(mut next) => next.echo(blob).await,
         }
     }
 
@@ -391,37 +399,31 @@ fn chain(a: &BenchArgs, bp: &BenchPool, id: u32, pin: &Pin) -> Result<Vec<Obj>> 
                 data: bytes::Bytes::from(vec![3u8; size]),
                 seq: 1,
             };
-            let t = if way == "tcp" {
+            let mut c = if way == "tcp" {
                 let e = tonic::transport::Endpoint::from_shared(format!("http://{next}"))?
                     .tcp_nodelay(true);
-                let mut c = ImagingClient::new(e.connect().await?).max_decoding_message_size(limit);
-                for _ in 0..3 {
-                    c.echo(blob.clone()).await?;
-                }
-                let t = Instant::now();
-                for _ in 0..n {
-                    if c.echo(blob.clone()).await?.into_inner().data.len() != size {
-                        bail!("a chain's echo of another size");
-                    }
-                }
-                t.elapsed()
+                NextTier::Tcp(
+                    ImagingClient::new(e.connect().await?).max_decoding_message_size(limit),
+                )
             } else {
                 let mut d = dm_grpc::Dial::new(&node, &next);
                 if way == "http2" {
                     d = d.http2();
                 }
-                let mut c = ImagingClient::new(d.connect().await?).max_decoding_message_size(limit);
-                for _ in 0..3 {
-                    c.echo(blob.clone()).await?;
-                }
-                let t = Instant::now();
-                for _ in 0..n {
-                    if c.echo(blob.clone()).await?.into_inner().data.len() != size {
-                        bail!("a chain's echo of another size");
-                    }
-                }
-                t.elapsed()
+                NextTier::Dmrpc(
+                    ImagingClient::new(d.connect().await?).max_decoding_message_size(limit),
+                )
             };
+            for _ in 0..3 {
+                c.echo(blob.clone()).await?;
+            }
+            let t = Instant::now();
+            for _ in 0..n {
+                if c.echo(blob.clone()).await?.into_inner().data.len() != size {
+                    bail!("a chain's echo of another size");
+                }
+            }
+            let t = t.elapsed();
             Ok::<_, anyhow::Error>(f64::from(n) / t.as_secs_f64())
         })?;
         for mut p in peers {
