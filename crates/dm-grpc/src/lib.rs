@@ -36,6 +36,7 @@ pub mod example;
 pub mod h2;
 mod pipe;
 pub mod raw;
+mod reader;
 mod serve;
 
 pub use channel::Channel;

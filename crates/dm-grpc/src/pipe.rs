@@ -5,6 +5,7 @@
 //! one item (inline in the ring, or by Ref when large), so the rings'
 //! flow control by items is the stream's.
 
+use crate::reader::Reader;
 use bytes::Bytes;
 use dm_rpc::{AsyncInbox, AsyncItems, AsyncSink, AsyncStreaming, Payload, RpcError};
 use std::future::Future;
@@ -29,13 +30,12 @@ enum Source {
     Inbox(AsyncInbox),
 }
 
-impl Source {
-    async fn next(mut self: Box<Self>) -> (Box<Source>, Option<Result<Payload, RpcError>>) {
-        let got = match &mut *self {
+impl crate::reader::Source for Source {
+    async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
+        match self {
             Source::Answer(s) => s.next().await,
             Source::Inbox(i) => i.next().await,
-        };
-        (self, got)
+        }
     }
 }
 
@@ -66,16 +66,6 @@ impl Drain {
     }
 }
 
-/// One read of the source: the future that owns it until it gives an item.
-type Read = Boxed<(Box<Source>, Option<Result<Payload, RpcError>>)>;
-
-enum Reading {
-    Idle(Box<Source>),
-    Busy(Read),
-    /// The other end finished writing (or failed).
-    Done,
-}
-
 // One per byte stream, moved between its states by value on every write:
 // boxing the idle half would allocate per write instead.
 #[allow(clippy::large_enum_variant)]
@@ -89,7 +79,9 @@ enum Writing {
 /// `AsyncWrite` for HTTP/2 (tonic's `serve_with_incoming` and
 /// `connect_with_connector`).
 pub struct Pipe {
-    reading: Reading,
+    reading: Reader<Source>,
+    /// The other end finished writing (or failed).
+    read_all: bool,
     /// What is left of the item being read, and where.
     current: Option<(Payload, u64)>,
     writing: Writing,
@@ -116,7 +108,8 @@ impl Pipe {
     /// The client's end: the caller's items and the answer's.
     pub(crate) fn client(items: AsyncItems, answer: AsyncStreaming) -> Pipe {
         Pipe {
-            reading: Reading::Idle(Box::new(Source::Answer(answer))),
+            reading: Reader::new(Source::Answer(answer)),
+            read_all: false,
             current: None,
             writing: Writing::Idle(Drain::Items(items)),
             _end: None,
@@ -131,7 +124,8 @@ impl Pipe {
         end: tokio::sync::oneshot::Sender<()>,
     ) -> Pipe {
         Pipe {
-            reading: Reading::Idle(Box::new(Source::Inbox(inbox))),
+            reading: Reader::new(Source::Inbox(inbox)),
+            read_all: false,
             current: None,
             writing: Writing::Idle(Drain::Sink(sink)),
             _end: Some(end),
@@ -169,26 +163,20 @@ impl AsyncRead for Pipe {
                 }
                 return Poll::Ready(Ok(()));
             }
-            match std::mem::replace(&mut this.reading, Reading::Done) {
-                Reading::Done => return Poll::Ready(Ok(())),
-                Reading::Idle(s) => this.reading = Reading::Busy(Box::pin(s.next())),
-                Reading::Busy(mut f) => match f.as_mut().poll(cx) {
-                    Poll::Pending => {
-                        this.reading = Reading::Busy(f);
-                        return Poll::Pending;
-                    }
-                    Poll::Ready((s, got)) => match got {
-                        Some(Ok(p)) => {
-                            this.reading = Reading::Idle(s);
-                            if !p.is_empty() {
-                                this.current = Some((p, 0));
-                            }
-                        }
-                        // The other end finished: end of stream.
-                        None => return Poll::Ready(Ok(())),
-                        Some(Err(e)) => return Poll::Ready(Err(io_error(e))),
-                    },
-                },
+            if this.read_all {
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(this.reading.poll_next(cx)) {
+                Some(Ok(p)) => this.current = Some((p, 0)),
+                // The other end finished: end of stream.
+                None => {
+                    this.read_all = true;
+                    return Poll::Ready(Ok(()));
+                }
+                Some(Err(e)) => {
+                    this.read_all = true;
+                    return Poll::Ready(Err(io_error(e)));
+                }
             }
         }
     }

@@ -3,15 +3,14 @@
 //! bodies read from a call's answer (client side).
 
 use super::wire::{answer_headers, status_of, status_trailers};
+use crate::reader::Reader;
 use bytes::Bytes;
-use dm_rpc::{AsyncInbox, AsyncStreaming, Payload, RpcError};
+use dm_rpc::{AsyncInbox, AsyncStreaming, Payload};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
-use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-type Boxed<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 type Polled = Poll<Option<Result<Frame<Bytes>, tonic::Status>>>;
 
 /// Chunks of body data joined: one chunk as it is (no copy), more
@@ -83,70 +82,6 @@ impl Body for Ready {
 /// pool's pages that owns them).
 fn data(p: Payload) -> Result<Bytes, tonic::Status> {
     p.into_bytes().map_err(status_of)
-}
-
-/// Where items come from: a call's answer (client side), or its caller's
-/// items (server side). `None` once they end, and again after.
-pub(crate) trait Source: Send + 'static {
-    fn next(&mut self) -> impl Future<Output = Option<Result<Payload, RpcError>>> + Send;
-}
-
-impl Source for AsyncStreaming {
-    async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
-        AsyncStreaming::next(self).await
-    }
-}
-
-impl Source for AsyncInbox {
-    async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
-        AsyncInbox::next(self).await
-    }
-}
-
-/// One read of a source: the future that owns it until it gives an item.
-type Step<S> = Boxed<(Box<S>, Option<Result<Payload, RpcError>>)>;
-
-/// Reads a source one item at a time, from `poll` functions: between
-/// reads it holds the source; during one, a future that owns it.
-struct Reader<S> {
-    idle: Option<Box<S>>,
-    busy: Option<Step<S>>,
-}
-
-impl<S: Source> Reader<S> {
-    fn new(s: S) -> Self {
-        Reader {
-            idle: Some(Box::new(s)),
-            busy: None,
-        }
-    }
-
-    /// The next non-empty item, or the end.
-    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Payload, RpcError>>> {
-        loop {
-            if let Some(mut s) = self.idle.take() {
-                self.busy = Some(Box::pin(async move {
-                    let got = s.next().await;
-                    (s, got)
-                }));
-            }
-            let Some(f) = &mut self.busy else {
-                return Poll::Ready(None);
-            };
-            let (s, got) = std::task::ready!(f.as_mut().poll(cx));
-            self.busy = None;
-            self.idle = Some(s);
-            match got {
-                Some(Ok(p)) if p.is_empty() => continue,
-                other => return Poll::Ready(other),
-            }
-        }
-    }
-
-    /// The source, between reads.
-    fn source(&self) -> Option<&S> {
-        self.idle.as_deref()
-    }
 }
 
 /// The response body of a call whose answer is a stream: its items as
