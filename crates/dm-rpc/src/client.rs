@@ -907,12 +907,8 @@ impl crate::stream::ItemConn for BlockingConn {
     }
 
     fn finish_or_cancel(&self, id: u64) {
-        if self.broken.load(Ordering::Acquire) {
-            return;
-        }
-        let mut tx = lock(&self.tx);
-        if !tx.try_send(&Frame::last_item(id)) {
-            tx.cancel(id);
+        if !self.broken.load(Ordering::Acquire) {
+            lock(&self.tx).finish_or_cancel(id);
         }
     }
 

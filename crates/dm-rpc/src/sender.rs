@@ -115,10 +115,16 @@ impl Sender {
         let _ = self.tx.send(&Frame::cancel(id), Some(Instant::now()));
     }
 
-    /// Sends `f` only if there is room now, without reading: whether it
-    /// went.
-    pub(crate) fn try_send(&mut self, f: &Frame) -> bool {
-        matches!(self.tx.send(f, Some(Instant::now())), Ok(true))
+    /// Sends the end of the items of the caller of call `id` if there is
+    /// room now, without reading; else cancels the call, best effort (a
+    /// server never waits for items that will not come).
+    pub(crate) fn finish_or_cancel(&mut self, id: u64) {
+        if !matches!(
+            self.tx.send(&Frame::last_item(id), Some(Instant::now())),
+            Ok(true)
+        ) {
+            self.cancel(id);
+        }
     }
 
     /// [`FrameTx::room_needs_reader`].

@@ -608,12 +608,8 @@ impl crate::stream::ItemConn for AsyncConn {
     }
 
     fn finish_or_cancel(&self, id: u64) {
-        if self.reader.broken.load(Ordering::Acquire) {
-            return;
-        }
-        let mut tx = lock(&self.tx);
-        if !tx.try_send(&Frame::last_item(id)) {
-            tx.cancel(id);
+        if !self.reader.broken.load(Ordering::Acquire) {
+            lock(&self.tx).finish_or_cancel(id);
         }
     }
 
