@@ -28,7 +28,7 @@ enum Via {
     /// HTTP/2, over a dmrpc byte stream or TCP.
     Http2(tonic::transport::Channel),
     /// Each call a dmrpc call.
-    Direct(Direct),
+    Direct(Box<Direct>),
 }
 
 impl Channel {
@@ -40,7 +40,7 @@ impl Channel {
 
     pub(crate) fn direct(d: Direct) -> Channel {
         Channel {
-            via: Via::Direct(d),
+            via: Via::Direct(Box::new(d)),
         }
     }
 

@@ -91,7 +91,7 @@ impl Dial {
         }
         if self.way == Way::Direct {
             let client = self.node.connect_async(&self.name)?;
-            return Ok(Channel::direct(Direct::new(client)));
+            return Ok(Channel::direct(Direct::new(&self.node, client)));
         }
         let client = Arc::new(self.node.connect_async(&self.name)?);
         let connector = tower::service_fn(move |_: http::Uri| {

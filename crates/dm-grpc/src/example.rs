@@ -8,6 +8,14 @@ pub mod imaging {
     tonic::include_proto!("imaging");
 }
 
+/// The same service and client with tonic's stock codec
+/// (`tonic_prost::ProstCodec`): unchanged generated code, for tests that
+/// mix it with [`imaging`]'s. [`Service`] serves both.
+#[allow(missing_docs, clippy::all, missing_debug_implementations)]
+pub mod stock {
+    include!(concat!(env!("OUT_DIR"), "/stock/imaging.rs"));
+}
+
 /// The encoded descriptors of `proto/imaging.proto`, for a reflection
 /// service (`tonic-reflection`).
 pub const DESCRIPTORS: &[u8] = tonic::include_file_descriptor_set!("imaging_descriptor");
@@ -143,5 +151,34 @@ impl Imaging for Service {
     async fn chat(&self, req: Request<Streaming<Blob>>) -> Result<Response<Items<Blob>>, Status> {
         let s = req.into_inner();
         Ok(Response::new(Box::pin(s)))
+    }
+}
+
+/// [`Service`] behind the stock codec's trait: every method is the one
+/// above.
+#[tonic::async_trait]
+impl stock::imaging_server::Imaging for Service {
+    async fn echo(&self, req: Request<Blob>) -> Result<Response<Blob>, Status> {
+        Imaging::echo(self, req).await
+    }
+
+    async fn invert(&self, req: Request<Image>) -> Result<Response<Image>, Status> {
+        Imaging::invert(self, req).await
+    }
+
+    type TilesStream = Items<Blob>;
+
+    async fn tiles(&self, req: Request<TileRequest>) -> Result<Response<Items<Blob>>, Status> {
+        Imaging::tiles(self, req).await
+    }
+
+    async fn upload(&self, req: Request<Streaming<Blob>>) -> Result<Response<Summary>, Status> {
+        Imaging::upload(self, req).await
+    }
+
+    type ChatStream = Items<Blob>;
+
+    async fn chat(&self, req: Request<Streaming<Blob>>) -> Result<Response<Items<Blob>>, Status> {
+        Imaging::chat(self, req).await
     }
 }

@@ -30,6 +30,7 @@
 //! ```
 
 mod channel;
+mod codec;
 mod dial;
 mod direct;
 pub mod example;
@@ -40,6 +41,7 @@ mod reader;
 mod serve;
 
 pub use channel::Channel;
+pub use codec::{by_ref_counts, Codec, MessageDecoder, MessageEncoder};
 pub use dial::{Dial, Way};
 #[doc(hidden)]
 pub use direct::fuzz_wire;

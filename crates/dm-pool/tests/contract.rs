@@ -50,6 +50,57 @@ fn partial_ref_at_odd_offset_and_segments() {
 }
 
 #[test]
+fn overwrite_writes_in_place_and_zeroes_what_it_leaves() {
+    let tp = TempPool::new(8 << 20);
+    let pool = tp.attach();
+    let data: Vec<u8> = (0..3 * 4096 + 100).map(|i| (i % 253) as u8).collect();
+    // A fresh buffer: its pages come straight from the free set.
+    let mut a = pool.alloc(data.len() as u64).unwrap();
+    a.overwrite(|runs| {
+        let mut at = 0;
+        for r in runs.iter_mut() {
+            for b in r.iter_mut() {
+                b.write(data[at]);
+                at += 1;
+            }
+        }
+        at
+    })
+    .unwrap();
+    assert_eq!(a.to_vec().unwrap(), data);
+    // Shared pages are replaced, not written: the other holder keeps its
+    // bytes. What `fill` leaves unwritten reads as zeros.
+    let kept = a.dup().unwrap();
+    a.overwrite(|runs| {
+        runs[0][..10].fill(std::mem::MaybeUninit::new(7));
+        10
+    })
+    .unwrap();
+    let mut want = vec![0u8; data.len()];
+    want[..10].fill(7);
+    assert_eq!(a.to_vec().unwrap(), want);
+    assert_eq!(kept.to_vec().unwrap(), data);
+    // A buffer starting inside a page (mapped from a Ref at an odd offset):
+    // the bytes around its range stay the page's.
+    let r = pool.create_ref(&kept, 1000, 5000).unwrap();
+    let mut m = pool.map_ref(&r).unwrap();
+    m.overwrite(|runs| {
+        let n: usize = runs.iter().map(|r| r.len()).sum();
+        assert_eq!(n, 5000);
+        for r in runs.iter_mut() {
+            r.fill(std::mem::MaybeUninit::new(9));
+        }
+        n
+    })
+    .unwrap();
+    assert_eq!(m.to_vec().unwrap(), vec![9u8; 5000]);
+    assert_eq!(pool.map_ref(&r).unwrap().to_vec().unwrap(), data[1000..6000]);
+    pool.release_ref(&r).unwrap();
+    drop((a, kept, m, pool));
+    tp.assert_clean();
+}
+
+#[test]
 fn double_free_and_foreign_buffers() {
     let tp = TempPool::new(8 << 20);
     let tp2 = TempPool::new(8 << 20);

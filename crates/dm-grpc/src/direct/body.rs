@@ -2,50 +2,55 @@
 //! call's payload and its caller's items (server side), and response
 //! bodies read from a call's answer (client side).
 
+use super::by_ref::{views_wanted, Inbox, Part};
 use super::wire::{answer_headers, status_of, status_trailers};
 use crate::reader::Reader;
 use bytes::Bytes;
 use dm_rpc::{AsyncInbox, AsyncStreaming, Payload};
 use http::HeaderMap;
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, Frame};
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 type Polled = Poll<Option<Result<Frame<Bytes>, tonic::Status>>>;
 
-/// Chunks of body data joined: one chunk as it is (no copy), more
-/// copied into one.
-#[derive(Default)]
-pub(crate) struct Gather {
-    first: Option<Bytes>,
-    more: bytes::BytesMut,
-}
-
-impl Gather {
-    pub(crate) fn push(&mut self, d: Bytes) {
-        match &self.first {
-            None => self.first = Some(d),
-            Some(f) => {
-                if self.more.is_empty() {
-                    self.more.extend_from_slice(f);
-                }
-                self.more.extend_from_slice(&d);
-            }
+impl Part {
+    /// The payload that sends this part.
+    pub(crate) fn payload(self) -> Payload {
+        match self {
+            Part::Bytes(b) => Payload::from_bytes(b),
+            Part::Pool(b) => Payload::from_buffer(b),
         }
     }
+}
 
-    pub(crate) fn bytes(self) -> Bytes {
-        if self.more.is_empty() {
-            self.first.unwrap_or_default()
-        } else {
-            self.more.freeze()
+/// What a body hands tonic next: the parts of the chunks it has read, cut
+/// as the decoder reading it wants them ([`Inbox`]).
+#[derive(Default)]
+struct Out {
+    inbox: Inbox,
+    queue: VecDeque<Bytes>,
+}
+
+impl Out {
+    /// The next part, of what is queued or else of `more` (if it has any).
+    fn next(&mut self, wanted: bool, more: Option<Bytes>) -> Option<Bytes> {
+        if let Some(d) = more.filter(|d| !d.is_empty()) {
+            self.queue.extend(self.inbox.parts(d, wanted));
         }
+        self.queue.pop_front()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queue.is_empty()
     }
 }
 
 /// A body that is whole already: data, then trailers.
 pub(crate) struct Ready {
     data: Option<Bytes>,
+    out: Out,
     trailers: Option<HeaderMap>,
 }
 
@@ -53,6 +58,7 @@ impl Ready {
     pub(crate) fn new(data: Bytes, trailers: HeaderMap) -> Ready {
         Ready {
             data: (!data.is_empty()).then_some(data),
+            out: Out::default(),
             trailers: (!trailers.is_empty()).then_some(trailers),
         }
     }
@@ -63,18 +69,16 @@ impl Body for Ready {
     type Error = tonic::Status;
 
     fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Polled {
-        if let Some(d) = self.data.take() {
+        let wanted = views_wanted();
+        let this = &mut *self;
+        if let Some(d) = this.out.next(wanted, this.data.take()) {
             return Poll::Ready(Some(Ok(Frame::data(d))));
         }
-        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+        Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.data.is_none() && self.trailers.is_none()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.data.as_ref().map_or(0, |d| d.len() as u64))
+        self.data.is_none() && self.out.is_empty() && self.trailers.is_none()
     }
 }
 
@@ -91,6 +95,7 @@ pub(crate) struct Answer {
     items: Reader<AsyncStreaming>,
     /// Data that came with the headers.
     first: Option<Bytes>,
+    out: Out,
     done: bool,
 }
 
@@ -99,6 +104,7 @@ impl Answer {
         Answer {
             items: Reader::new(st),
             first: (!first.is_empty()).then_some(first),
+            out: Out::default(),
             done: false,
         }
     }
@@ -109,17 +115,24 @@ impl Body for Answer {
     type Error = tonic::Status;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
-        if let Some(d) = self.first.take() {
+        let wanted = views_wanted();
+        let this = &mut *self;
+        if let Some(d) = this.out.next(wanted, this.first.take()) {
             return Poll::Ready(Some(Ok(Frame::data(d))));
         }
-        if self.done {
+        if this.done {
             return Poll::Ready(None);
         }
-        let got = std::task::ready!(self.items.poll_next(cx));
+        let got = std::task::ready!(this.items.poll_next(cx));
         let trailers = match got {
-            Some(Ok(p)) => return Poll::Ready(Some(data(p).map(Frame::data))),
+            Some(Ok(p)) => {
+                return Poll::Ready(Some(data(p).map(|d| {
+                    // (An item is never empty: the reader skips those.)
+                    Frame::data(this.out.next(wanted, Some(d)).unwrap_or_default())
+                })));
+            }
             // The end: the trailers its answer carries.
-            None => match self.items.source().map(|st| answer_headers(st.metadata())) {
+            None => match this.items.source().map(|st| answer_headers(st.metadata())) {
                 Some(Ok((_, t))) => t,
                 Some(Err(e)) => status_trailers(&status_of(e)),
                 None => status_trailers(&tonic::Status::internal("an answer lost its end")),
@@ -127,12 +140,12 @@ impl Body for Answer {
             // The call failed under it: a status of its own.
             Some(Err(e)) => status_trailers(&status_of(e)),
         };
-        self.done = true;
+        this.done = true;
         Poll::Ready(Some(Ok(Frame::trailers(trailers))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.first.is_none()
+        self.done && self.first.is_none() && self.out.is_empty()
     }
 }
 
@@ -141,6 +154,7 @@ impl Body for Answer {
 pub(crate) struct Request {
     first: Option<Bytes>,
     items: Reader<AsyncInbox>,
+    out: Out,
     done: bool,
 }
 
@@ -149,6 +163,7 @@ impl Request {
         Request {
             first: (!first.is_empty()).then_some(first),
             items: Reader::new(inbox),
+            out: Out::default(),
             done: false,
         }
     }
@@ -159,26 +174,31 @@ impl Body for Request {
     type Error = tonic::Status;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
-        if let Some(d) = self.first.take() {
+        let wanted = views_wanted();
+        let this = &mut *self;
+        if let Some(d) = this.out.next(wanted, this.first.take()) {
             return Poll::Ready(Some(Ok(Frame::data(d))));
         }
-        if self.done {
+        if this.done {
             return Poll::Ready(None);
         }
-        Poll::Ready(match std::task::ready!(self.items.poll_next(cx)) {
-            Some(Ok(p)) => Some(data(p).map(Frame::data)),
+        Poll::Ready(match std::task::ready!(this.items.poll_next(cx)) {
+            Some(Ok(p)) => Some(data(p).map(|d| {
+                // (An item is never empty: the reader skips those.)
+                Frame::data(this.out.next(wanted, Some(d)).unwrap_or_default())
+            })),
             None => {
-                self.done = true;
+                this.done = true;
                 None
             }
             Some(Err(e)) => {
-                self.done = true;
+                this.done = true;
                 Some(Err(status_of(e)))
             }
         })
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.first.is_none()
+        self.done && self.first.is_none() && self.out.is_empty()
     }
 }

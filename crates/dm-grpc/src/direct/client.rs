@@ -1,10 +1,11 @@
 //! The client's end of the direct way: a gRPC call as a dmrpc call
 //! (see `wire.rs` for the mapping).
 
-use super::body::{self, Gather};
+use super::body;
+use super::by_ref::{Outbox, Part};
 use super::wire::{answer_headers, grpc_timeout, headers_into, status_of, HEADERS, PATH};
 use bytes::Bytes;
-use dm_rpc::{AsyncClient, AsyncStreaming, CallOptions, Metadata, Payload};
+use dm_rpc::{AsyncClient, AsyncStreaming, CallOptions, Metadata, Node, Payload};
 use http_body::Body as _;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -14,11 +15,16 @@ use tonic::body::Body;
 #[derive(Debug, Clone)]
 pub(crate) struct Direct {
     client: AsyncClient,
+    /// Where large messages are encoded (its pool).
+    node: Node,
 }
 
 impl Direct {
-    pub(crate) fn new(client: AsyncClient) -> Direct {
-        Direct { client }
+    pub(crate) fn new(node: &Node, client: AsyncClient) -> Direct {
+        Direct {
+            client,
+            node: node.clone(),
+        }
     }
 
     /// Makes gRPC call `req`, and gives its response.
@@ -36,32 +42,56 @@ impl Direct {
             deadline: grpc_timeout(&parts.headers),
             ..CallOptions::default()
         };
+        // Large messages straight into the pool, unless tonic compresses
+        // what the codec encodes.
+        let mut outbox = match parts.headers.get("grpc-encoding") {
+            Some(e) if e != "identity" => None,
+            _ => Outbox::new(&self.node),
+        };
         // The body the client wrote already goes with the request: all
-        // of a unary or server-streaming call's.
-        let (first, ended) = ready_data(&mut req_body)?;
-        let st = if ended {
+        // of a unary or server-streaming call's (messages in the pool go
+        // one per payload).
+        let (mut now, ended) = ready_data(&mut req_body, &mut outbox)?;
+        let st = if ended && now.len() <= 1 {
+            let first = now.pop().map_or_else(Payload::empty, Part::payload);
             self.client
-                .call_stream_with(path, Payload::from_bytes(first), opts, meta)
+                .call_stream_with(path, first, opts, meta)
                 .await
                 .map_err(status_of)?
         } else {
+            let mut now = now.into_iter();
+            let first = now.next().map_or_else(Payload::empty, Part::payload);
             let call = self
                 .client
-                .call_bidi_with(path, Payload::from_bytes(first), opts, meta)
+                .call_bidi_with(path, first, opts, meta)
                 .await
                 .map_err(status_of)?;
             let (mut items, st) = call.split();
             // The rest, as the client writes it.
             tokio::spawn(async move {
+                for part in now {
+                    if items.send(part.payload()).await.is_err() {
+                        return;
+                    }
+                }
                 let mut b = std::pin::pin!(req_body);
-                while let Some(f) = std::future::poll_fn(|cx| b.as_mut().poll_frame(cx)).await {
+                while let Some(f) = if ended {
+                    None
+                } else {
+                    std::future::poll_fn(|cx| {
+                        Outbox::lend(&mut outbox, || b.as_mut().poll_frame(cx))
+                    })
+                    .await
+                } {
                     let Ok(f) = f else {
                         items.abort();
                         return;
                     };
                     if let Ok(d) = f.into_data() {
-                        if items.send(Payload::from_bytes(d)).await.is_err() {
-                            return;
+                        for part in Outbox::parts(&mut outbox, d) {
+                            if items.send(part.payload()).await.is_err() {
+                                return;
+                            }
                         }
                     }
                 }
@@ -74,21 +104,25 @@ impl Direct {
 }
 
 /// The data of `b` that is there now, and whether `b` ended.
-fn ready_data(b: &mut Body) -> Result<(Bytes, bool), tonic::Status> {
+fn ready_data(
+    b: &mut Body,
+    outbox: &mut Option<Outbox>,
+) -> Result<(Vec<Part>, bool), tonic::Status> {
     let mut cx = Context::from_waker(std::task::Waker::noop());
-    let mut got = Gather::default();
-    loop {
-        match Pin::new(&mut *b).poll_frame(&mut cx) {
+    let mut got = Vec::new();
+    let ended = loop {
+        match Outbox::lend(outbox, || Pin::new(&mut *b).poll_frame(&mut cx)) {
             Poll::Ready(Some(Ok(f))) => {
                 if let Ok(d) = f.into_data() {
-                    got.push(d);
+                    got.extend(Outbox::parts(outbox, d));
                 }
             }
             Poll::Ready(Some(Err(s))) => return Err(s),
-            Poll::Ready(None) => return Ok((got.bytes(), true)),
-            Poll::Pending => return Ok((got.bytes(), false)),
+            Poll::Ready(None) => break true,
+            Poll::Pending => break false,
         }
-    }
+    };
+    Ok((got, ended))
 }
 
 /// The response of a call whose answer comes through `st`.

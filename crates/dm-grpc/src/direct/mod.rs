@@ -5,6 +5,7 @@
 //! tonic the bytes it got (by Ref, views of the pool's pages).
 
 mod body;
+pub(crate) mod by_ref;
 pub(crate) mod client;
 pub(crate) mod server;
 pub(crate) mod wire;

@@ -2,9 +2,9 @@
 //! is handed to a tonic service as the gRPC call it maps (see
 //! `wire.rs`).
 
-use super::body::{self, Gather};
+use super::body;
+use super::by_ref::{Outbox, Part};
 use super::wire::{headers_into, request_headers, status_trailers, HEADERS, PATH, TRAILERS};
-use bytes::Bytes;
 use dm_rpc::{AsyncCall, AsyncInbox, AsyncSink, Metadata, Payload, RpcError};
 use http_body::Body as _;
 use std::pin::Pin;
@@ -64,32 +64,54 @@ pub(crate) async fn serve_call<S: GrpcService>(
     let (parts, mut out) = resp.into_parts();
     let mut head = Metadata::new();
     headers_into(&mut head, &parts.headers)?;
+    // Large messages straight into the pool, unless tonic compresses what
+    // the codec encodes.
+    let mut outbox = match parts.headers.get("grpc-encoding") {
+        Some(e) if e != "identity" => None,
+        _ => Outbox::new(&call.node),
+    };
     // A body that is whole at once (a unary answer, an error) goes in the
     // answer that ends the call: one frame.
-    let (data, end) = ready_body(&mut out);
-    if let Some(trailers) = end {
-        head.insert(TRAILERS, "")
-            .map_err(|e| RpcError::internal(e.to_string()))?;
-        headers_into(&mut head, &trailers)?;
-        call.set_reply_metadata(head)
-            .map_err(|e| RpcError::internal(e.to_string()))?;
-        if !data.is_empty() {
-            sink.end_with(Payload::from_bytes(data));
+    let (mut now, end) = ready_body(&mut out, &mut outbox);
+    if now.len() <= 1 {
+        if let Some(trailers) = end {
+            head.insert(TRAILERS, "")
+                .map_err(|e| RpcError::internal(e.to_string()))?;
+            headers_into(&mut head, &trailers)?;
+            call.set_reply_metadata(head)
+                .map_err(|e| RpcError::internal(e.to_string()))?;
+            if let Some(data) = now.pop() {
+                sink.end_with(data.payload());
+            }
+            return Ok(());
         }
-        return Ok(());
     }
-    // A stream: the headers now (a bidirectional call's client may wait
-    // for them before it writes), then the body as it comes.
+    // A stream (or messages in the pool, each its own item): the headers
+    // now (a bidirectional call's client may wait for them before it
+    // writes), then the body as it comes.
     head.insert(HEADERS, "")
         .map_err(|e| RpcError::internal(e.to_string()))?;
-    sink.send_with_metadata(Payload::from_bytes(data), head)
+    let mut now = now.into_iter();
+    sink.send_with_metadata(now.next().map_or_else(Payload::empty, Part::payload), head)
         .await?;
-    let mut trailers = http::HeaderMap::new();
+    for part in now {
+        sink.send(part.payload()).await?;
+    }
+    let end_seen = end.is_some();
+    let mut trailers = end.unwrap_or_default();
     let mut out = std::pin::pin!(out);
-    while let Some(f) = std::future::poll_fn(|cx| out.as_mut().poll_frame(cx)).await {
+    while let Some(f) = if end_seen {
+        None
+    } else {
+        std::future::poll_fn(|cx| Outbox::lend(&mut outbox, || out.as_mut().poll_frame(cx))).await
+    } {
         match f {
             Ok(f) => match f.into_data() {
-                Ok(d) => sink.send(Payload::from_bytes(d)).await?,
+                Ok(d) => {
+                    for part in Outbox::parts(&mut outbox, d) {
+                        sink.send(part.payload()).await?;
+                    }
+                }
                 Err(f) => {
                     if let Ok(t) = f.into_trailers() {
                         trailers.extend(t);
@@ -125,23 +147,24 @@ pub(crate) fn request_uri(meta: &Metadata) -> Result<http::Uri, RpcError> {
 
 /// The data of `b` there now, and its trailers if it ended (empty ones
 /// if it ended without any).
-fn ready_body(b: &mut Body) -> (Bytes, Option<http::HeaderMap>) {
+fn ready_body(b: &mut Body, outbox: &mut Option<Outbox>) -> (Vec<Part>, Option<http::HeaderMap>) {
     let mut cx = Context::from_waker(std::task::Waker::noop());
-    let mut data = Gather::default();
+    let mut data = Vec::new();
     let mut trailers = http::HeaderMap::new();
-    loop {
-        match Pin::new(&mut *b).poll_frame(&mut cx) {
+    let end = loop {
+        match Outbox::lend(outbox, || Pin::new(&mut *b).poll_frame(&mut cx)) {
             Poll::Ready(Some(Ok(f))) => match f.into_data() {
-                Ok(d) => data.push(d),
+                Ok(d) => data.extend(Outbox::parts(outbox, d)),
                 Err(f) => {
                     if let Ok(t) = f.into_trailers() {
                         trailers.extend(t);
                     }
                 }
             },
-            Poll::Ready(Some(Err(s))) => return (data.bytes(), Some(status_trailers(&s))),
-            Poll::Ready(None) => return (data.bytes(), Some(trailers)),
-            Poll::Pending => return (data.bytes(), None),
+            Poll::Ready(Some(Err(s))) => break Some(status_trailers(&s)),
+            Poll::Ready(None) => break Some(trailers),
+            Poll::Pending => break None,
         }
-    }
+    };
+    (data, end)
 }

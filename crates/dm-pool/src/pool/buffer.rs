@@ -8,6 +8,7 @@ use crate::pages::{Delta, BORROWED, NO_PAGE};
 use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
 use crate::sync::Ordering;
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 /// A buffer id that can cross an FFI boundary: [`Pool::free_id`] detects
@@ -297,6 +298,110 @@ impl Buffer {
                 .atomics()
                 .cow_copies
                 .fetch_add(copies, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Writes the whole buffer front to back with no copy but the caller's
+    /// own stores: an encoder writes straight into pool pages.
+    ///
+    /// Every page first becomes the buffer's alone. A page shared with a
+    /// Ref or another buffer is replaced by a fresh one, not copied (but
+    /// the bytes of a first or last page outside the buffer's range, which
+    /// are copied or zeroed as [`write`](Self::write) does). `fill` gets the
+    /// buffer's bytes as runs of consecutive pool pages, in order. The runs
+    /// are uninitialised memory to `fill`: it can write them, not read
+    /// them. It returns how many bytes from the front it wrote; the rest is
+    /// zeroed. If the pool has too few free pages, nothing changes and
+    /// `ResourceExhausted` is returned.
+    pub fn overwrite(
+        &mut self,
+        fill: impl FnOnce(&mut [&mut [MaybeUninit<u8>]]) -> usize,
+    ) -> Result<()> {
+        let i = self.pool.inner.clone();
+        i.live()?;
+        self.materialize()?;
+        let ps = i.shm.layout.page_size as u64;
+        let d = self.d()?;
+        let t = i.shm.pages();
+        let start = self.offset as u64;
+        let end = start + self.len;
+        let (k0, k1) = ((start / ps) as usize, end.div_ceil(ps) as usize);
+        let mut need = 0;
+        for k in k0..k1 {
+            let (p, borrowed) = self.owned_page_at(k)?;
+            if p == NO_PAGE || borrowed || t.rc(i.shm.check_page(p)?) != 1 {
+                need += 1;
+            }
+        }
+        let mut fresh = i.take_pages(need)?.into_iter();
+        // (page, in-page start, bytes) per run of consecutive pages.
+        let mut runs: Vec<(u32, usize, usize)> = Vec::new();
+        let mut pos = start;
+        while pos < end {
+            let k = (pos / ps) as usize;
+            let in_page = (pos % ps) as usize;
+            let take = ((ps as usize) - in_page).min((end - pos) as usize);
+            let (p, borrowed) = self.owned_page_at(k)?;
+            let target = if p != NO_PAGE && !borrowed && t.rc(p) == 1 {
+                p
+            } else {
+                let q = match fresh.next() {
+                    Some(q) => q,
+                    None => i.take_pages(1)?[0],
+                };
+                if in_page != 0 || take != ps as usize {
+                    if p != NO_PAGE {
+                        // SAFETY: p is held by us and frozen (rc > 1); q is
+                        // ours (cached by this slot); distinct checked pages.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                i.shm.page_ptr(p),
+                                i.shm.page_ptr(q),
+                                ps as usize,
+                            )
+                        };
+                    } else {
+                        // SAFETY: q came from this slot's page cache: a
+                        // checked page no one else reads or writes.
+                        unsafe { i.shm.zero_outside(q, in_page, take) };
+                    }
+                }
+                i.link_page(self.desc, d, k, if borrowed { NO_PAGE } else { p }, q)?;
+                q
+            };
+            match runs.last_mut() {
+                Some((rp, rs, rn))
+                    if in_page == 0 && *rp as u64 + ((*rs + *rn) as u64) / ps == target as u64 =>
+                {
+                    *rn += take
+                }
+                _ => runs.push((target, in_page, take)),
+            }
+            pos += take as u64;
+        }
+        i.give_pages(fresh.collect());
+        let mut slices: Vec<&mut [MaybeUninit<u8>]> = runs
+            .iter()
+            .map(|&(p, at, n)| {
+                // SAFETY: the run's pages are consecutive checked pages held
+                // by this buffer alone (rc == 1, linked above), so no one else
+                // reads or writes them while `&mut self` is borrowed, and
+                // [at, at + n) lies inside them. MaybeUninit: `fill` may not
+                // read bytes a page kept from its last owner.
+                unsafe {
+                    std::slice::from_raw_parts_mut(
+                        i.shm.page_ptr(p).add(at).cast::<MaybeUninit<u8>>(),
+                        n,
+                    )
+                }
+            })
+            .collect();
+        let mut written = fill(&mut slices).min(self.len as usize);
+        for s in slices.iter_mut() {
+            let skip = written.min(s.len());
+            written -= skip;
+            s[skip..].fill(MaybeUninit::new(0));
         }
         Ok(())
     }
