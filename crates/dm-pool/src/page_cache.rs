@@ -121,6 +121,39 @@ impl PageCache {
         Some(out)
     }
 
+    /// `n` pages consecutive in the pool, from the ready ones: the run
+    /// cooled last that is long enough (a buffer's pages come back in
+    /// order, so its run is there whole until taken apart). `None` if
+    /// there is none. One pass over the ready pages.
+    pub(crate) fn take_run(&mut self, n: usize) -> Option<Vec<u32>> {
+        let r = &self.ready;
+        if n == 0 || r.len() < n {
+            return None;
+        }
+        let mut run = 1;
+        let mut at = (n == 1).then(|| r.len() - 1);
+        for i in (0..r.len() - 1).rev() {
+            if at.is_some() {
+                break;
+            }
+            run = if r[i].checked_add(1) == Some(r[i + 1]) {
+                run + 1
+            } else {
+                1
+            };
+            if run == n {
+                at = Some(i);
+            }
+        }
+        let at = at?;
+        self.takes_since_give += 1;
+        if self.takes_since_give > FORGET_OUT_TAKES {
+            (self.out, self.takes_since_give) = (0, 0);
+        }
+        self.out = self.out.saturating_add(n);
+        Some(self.ready.drain(at..at + n).collect())
+    }
+
     /// Pages freed now: they cool until the pages out in buffers and the
     /// ones cooling after them add up to `cool`.
     pub(crate) fn give(&mut self, pages: Vec<u32>, cool: usize) {
@@ -190,6 +223,19 @@ mod tests {
         c.give(vec![21, 22], 2);
         assert_eq!(c.refill_for(3, 3), 0);
         assert_eq!(c.take(3), Some(vec![20, 12, 11]));
+    }
+
+    #[test]
+    fn a_run_is_found_where_it_lies_and_taken_whole() {
+        let mut c = PageCache::default();
+        c.refilled(vec![7, 1, 2, 3, 9, 4, 5, 6, 40], 9);
+        assert_eq!(c.take_run(4), None);
+        assert_eq!(c.take_run(3), Some(vec![4, 5, 6]));
+        assert_eq!(c.take_run(3), Some(vec![1, 2, 3]));
+        assert_eq!(c.take_run(2), None);
+        assert_eq!(c.take_run(1), Some(vec![40]));
+        assert_eq!(c.take_run(0), None);
+        assert_eq!(c.len(), 2);
     }
 
     #[test]

@@ -475,6 +475,54 @@ impl<'a> PageTable<'a> {
             .map(|i| i as u32)
     }
 
+    /// Claims `want` free pages that are consecutive, for `slot`, scanning
+    /// from the shared cursor over at most `budget` words (a run does not
+    /// wrap round the table's end). Gives the first page, or `None` if the
+    /// scan found no such run (it then holds nothing it claimed).
+    pub fn claim_run(
+        &self,
+        cursor: &AtomicU64,
+        slot: u16,
+        want: usize,
+        budget: usize,
+    ) -> Option<u32> {
+        let n = self.words.len();
+        if want == 0 || want > n {
+            return None;
+        }
+        let mut i = (cursor.load(Ordering::Relaxed) % n as u64) as usize;
+        let mut free = 0;
+        for _ in 0..budget.min(n + want) {
+            if i == n {
+                (i, free) = (0, 0);
+            }
+            free = if self.words[i].load(Ordering::Relaxed) == 0 {
+                free + 1
+            } else {
+                0
+            };
+            i += 1;
+            if free < want {
+                continue;
+            }
+            // Free when looked at: claim them, or give back what was
+            // claimed if another process was quicker.
+            let first = i - want;
+            let claimed = (first..i)
+                .take_while(|&p| self.try_claim(p as u32, slot))
+                .count();
+            if claimed == want {
+                cursor.store(i as u64, Ordering::Relaxed);
+                return Some(first as u32);
+            }
+            for p in first..first + claimed {
+                let _ = self.release_cached(p as u32, slot);
+            }
+            free = 0;
+        }
+        None
+    }
+
     /// Claims up to `want` free pages for `slot`, scanning from a shared
     /// cursor, appending them to `out` in ascending runs. Returns how many.
     ///
@@ -591,6 +639,28 @@ mod tests {
         t.release_cached(1, 3).unwrap();
         assert_eq!(t.state(1).unwrap(), PageState::Free);
         assert!(t.state(99).is_err());
+    }
+
+    #[test]
+    fn claim_run_finds_consecutive_free_pages_or_claims_nothing() {
+        let (w, st) = table(12);
+        let t = PageTable::new(&w, &st);
+        let c = AtomicU64::new(0);
+        // Pages 2 and 7 taken: the first run of four is 3..7.
+        assert!(t.try_claim(2, 9) && t.try_claim(7, 9));
+        assert_eq!(t.claim_run(&c, 1, 4, 100), Some(3));
+        assert_eq!(c.load(Ordering::Relaxed), 7);
+        for p in 3..7 {
+            assert_eq!(t.state(p).unwrap(), PageState::Cached(1));
+        }
+        // 8..12 is the only run of four left; none of five, and a budget
+        // too short to reach it finds nothing either.
+        assert_eq!(t.claim_run(&c, 1, 5, 100), None);
+        c.store(0, Ordering::Relaxed);
+        assert_eq!(t.claim_run(&c, 1, 4, 6), None);
+        assert_eq!(t.claim_run(&c, 1, 4, 100), Some(8));
+        assert_eq!(t.claim_run(&c, 1, 1, 100), Some(0));
+        assert_eq!(t.state(1).unwrap(), PageState::Free);
     }
 
     #[test]

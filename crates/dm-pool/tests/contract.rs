@@ -94,9 +94,36 @@ fn overwrite_writes_in_place_and_zeroes_what_it_leaves() {
     })
     .unwrap();
     assert_eq!(m.to_vec().unwrap(), vec![9u8; 5000]);
-    assert_eq!(pool.map_ref(&r).unwrap().to_vec().unwrap(), data[1000..6000]);
+    assert_eq!(
+        pool.map_ref(&r).unwrap().to_vec().unwrap(),
+        data[1000..6000]
+    );
     pool.release_ref(&r).unwrap();
     drop((a, kept, m, pool));
+    // Scattered free pages (every other one of a run freed, and reused at
+    // once): a buffer written whole still gets consecutive pages, and
+    // reads as one slice.
+    let pool = tp.attach_with(AttachOptions {
+        cool_pages: Some(0),
+        ..Default::default()
+    });
+    let mut held: Vec<_> = (0..64)
+        .map(|_| {
+            let mut h = pool.alloc(4096).unwrap();
+            h.write(0, &[1]).unwrap();
+            h
+        })
+        .collect();
+    let mut k = 0;
+    held.retain(|_| {
+        k += 1;
+        k % 2 == 0
+    });
+    let mut b = pool.alloc(16 * 4096).unwrap();
+    b.overwrite(|runs| runs.iter().map(|r| r.len()).sum())
+        .unwrap();
+    assert!(b.as_slice().unwrap().is_some(), "one run of pages");
+    drop((b, held, pool));
     tp.assert_clean();
 }
 

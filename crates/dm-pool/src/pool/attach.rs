@@ -368,6 +368,32 @@ impl Inner {
         }
     }
 
+    /// `n` pages consecutive in the pool if there are such, else any `n`
+    /// ([`take_pages`](Self::take_pages)): a run the cache holds, or one
+    /// claimed from the free pages.
+    /// For buffers whose pages should read as one slice.
+    pub(crate) fn take_run(&self, n: usize) -> Result<Vec<u32>> {
+        if n > 1 {
+            let mut cache = self
+                .cache
+                .lock()
+                .map_err(|_| Error::Corrupt("page cache lock poisoned".into()))?;
+            if let Some(run) = cache.take_run(n) {
+                return Ok(run);
+            }
+            // (A bounded scan: a fragmented pool gives scattered pages.)
+            let t = self.shm.pages();
+            if let Some(first) = t.claim_run(&self.shm.atomics().page_cursor, self.slot, n, 64 * n)
+            {
+                cache.refilled((first..first + n as u32).collect(), n);
+                if let Some(run) = cache.take_run(n) {
+                    return Ok(run);
+                }
+            }
+        }
+        self.take_pages(n)
+    }
+
     /// Returns pages (Cached by this slot) to the page cache, giving the
     /// coldest surplus back to the free set.
     ///

@@ -334,7 +334,14 @@ impl Buffer {
                 need += 1;
             }
         }
-        let mut fresh = i.take_pages(need)?.into_iter();
+        // A buffer written whole from fresh pages gets them in one run if
+        // it can: it then reads as one slice.
+        let mut fresh = if need == k1 - k0 {
+            i.take_run(need)?
+        } else {
+            i.take_pages(need)?
+        }
+        .into_iter();
         // (page, in-page start, bytes) per run of consecutive pages.
         let mut runs: Vec<(u32, usize, usize)> = Vec::new();
         let mut pos = start;
