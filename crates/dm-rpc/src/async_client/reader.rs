@@ -65,6 +65,40 @@ impl Fed {
             w.wake();
         }
     }
+
+    /// The same, later ([`Wakes`]).
+    fn wake_later(&mut self, wakes: &mut Wakes) {
+        wakes.wakers.extend(self.waker.take());
+        wakes.wakers.extend(self.credit_waker.take());
+    }
+}
+
+/// What a delivery owes the callers it served: wake-ups, and answers to
+/// hand over. The pump fires them once it holds no reference to the
+/// reader: a woken caller may drop its client then, and with the last
+/// reference the connection closes and the pool detaches, before the
+/// process (a short one) exits.
+#[derive(Default)]
+pub(super) struct Wakes {
+    wakers: Vec<Waker>,
+    answers: Vec<(AnswerTx, Frame)>,
+}
+
+impl Wakes {
+    /// Fires them all: gives the answers whose callers had given up,
+    /// whose Refs are the caller's to release.
+    pub(super) fn fire(self) -> Vec<Frame> {
+        for w in self.wakers {
+            w.wake();
+        }
+        let mut left = Vec::new();
+        for (tx, f) in self.answers {
+            if let Err(Ok(f)) = tx.send(Ok(f)) {
+                left.push(f);
+            }
+        }
+        left
+    }
 }
 
 /// Call ids are a counter: one multiplication spreads them over the whole
@@ -210,6 +244,21 @@ impl Reader {
     /// Hands an answer to its call (or releases what it carries if the
     /// call gave up). False if the connection is broken now.
     pub(super) fn deliver(&self, got: Result<Frame, TransportError>) -> bool {
+        let mut wakes = Wakes::default();
+        let alive = self.deliver_later(got, &mut wakes);
+        for f in wakes.fire() {
+            orphan(&self.node, f);
+        }
+        alive
+    }
+
+    /// [`deliver`](Self::deliver), with the wake-ups and answers it owes
+    /// left in `wakes` (an error still fails the calls at once).
+    pub(super) fn deliver_later(
+        &self,
+        got: Result<Frame, TransportError>,
+        wakes: &mut Wakes,
+    ) -> bool {
         let f = match got {
             Ok(f) if answers(f.kind) => f,
             Ok(_) => {
@@ -227,14 +276,12 @@ impl Reader {
         match st.pending.get_mut(&f.call_id) {
             Some(Slot::Stream(fed)) if f.kind == Kind::Credit => {
                 fed.credit += u64::from(f.method);
-                if let Some(w) = fed.credit_waker.take() {
-                    w.wake();
-                }
+                wakes.wakers.extend(fed.credit_waker.take());
             }
             Some(Slot::Stream(fed)) => {
                 fed.answered |= f.kind == Kind::Response;
                 fed.frames.push_back(f);
-                fed.wake();
+                fed.wake_later(wakes);
             }
             // (A grant for nothing open carries nothing to release.)
             _ if f.kind == Kind::Credit => {}
@@ -249,10 +296,7 @@ impl Reader {
             }
             Some(Slot::Waiting(_)) => {
                 if let Some(Slot::Waiting(w)) = self.remove(&mut st, f.call_id) {
-                    drop(st);
-                    if let Err(Ok(f)) = w.send(Ok(f)) {
-                        orphan(&self.node, f);
-                    }
+                    wakes.answers.push((w, f));
                 }
             }
             // No such call (it gave up), or a second answer to one.
@@ -869,14 +913,27 @@ pub(super) fn pump(reader: Weak<Reader>) {
         // stream's items reach it in the order they came.)
         let mut rx = lock(&r.rx);
         let got = rx.recv(Some(Instant::now() + Duration::from_millis(100)));
+        let mut wakes = Wakes::default();
         let alive = match got {
             Ok(None) => true,
-            Ok(Some(f)) => r.deliver(Ok(f)),
-            Err(e) => r.deliver(Err(e)),
+            Ok(Some(f)) => r.deliver_later(Ok(f), &mut wakes),
+            Err(e) => r.deliver_later(Err(e), &mut wakes),
         };
         drop(rx);
         if !alive {
             lock(&r.state).pumping = false;
+        }
+        // The callers go on only once the pump holds the reader no more.
+        drop(r);
+        let left = wakes.fire();
+        if !left.is_empty() {
+            if let Some(r) = reader.upgrade() {
+                for f in left {
+                    orphan(&r.node, f);
+                }
+            }
+        }
+        if !alive {
             return;
         }
     }
