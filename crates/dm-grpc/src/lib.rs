@@ -5,29 +5,25 @@
 //! unchanged: only how a server listens and how a client's channel is
 //! made differ.
 //!
-//! * [`h2`] — NotNets' way: tonic's HTTP/2 as it is, over byte streams
-//!   carried by dmrpc's shared-memory rings ([`h2::listen`] for
-//!   `serve_with_incoming`, [`h2::Dial`] for a channel). Outside the pool
-//!   the same client dials ordinary gRPC over TCP.
-//!
-//! A server serves its tonic router on a dmrpc name:
-//!
 //! ```ignore
-//! tonic::transport::Server::builder()
-//!     .add_service(ImagingServer::new(service))
-//!     .serve_with_incoming(dm_grpc::h2::listen(&node, "shop/imaging")?)
-//!     .await?;
-//! ```
-//!
-//! and a client makes its channel by name:
-//!
-//! ```ignore
-//! let channel = dm_grpc::h2::Dial::new(&node, "shop/imaging")
+//! // Server: a generated service on a dmrpc name in the pool.
+//! let served = dm_grpc::serve(&node, "shop/imaging", ImagingServer::new(service))?;
+//! // Client: a channel by name; a service not in this pool over TCP.
+//! let channel = dm_grpc::Dial::new(&node, "shop/imaging")
 //!     .or_tcp("http://imaging.example:50051")
 //!     .connect()
 //!     .await?;
 //! let mut client = ImagingClient::new(channel);
 //! ```
+//!
+//! Two ways go through shared memory, both served on one name:
+//!
+//! * direct (the default): each gRPC call is a dmrpc call, with no
+//!   HTTP/2 between the processes. Code generated with [`Codec`] passes
+//!   large messages by Ref, with no copy but the encode.
+//! * [`h2`], NotNets' way ([`Dial::http2`]): tonic's HTTP/2 as it is, over
+//!   byte streams carried by dmrpc's rings ([`h2::listen`] for tonic's own
+//!   `serve_with_incoming`).
 
 mod channel;
 mod codec;

@@ -41,6 +41,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::PyServer>()?;
     m.add_class::<node::PyClient>()?;
     m.add_class::<stream::PyStream>()?;
+    m.add_class::<stream::PyBidi>()?;
+    m.add_class::<stream::PyInbox>()?;
     m.add_class::<aio::PyAsyncStream>()?;
     m.add_class::<aio::PyAsyncClient>()?;
     m.add_class::<aio::PyCallHandle>()?;

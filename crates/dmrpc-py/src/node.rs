@@ -163,11 +163,14 @@ impl PyNode {
     /// methods ({method: callable}), each taking the `Payload` that arrived
     /// and returning an iterable (a generator, say) of items, sent to the
     /// caller as they come (`Client.call_stream`); raising a `dmrpc.Error`
-    /// ends the stream with its status. `wait_for_name`: seconds to wait
+    /// ends the stream with its status. `bidi`: methods whose caller sends
+    /// items too (`Client.call_bidi`), each taking the request's `Payload`
+    /// and an `Inbox` (an iterator of the caller's items) and returning an
+    /// iterable of answer items. `wait_for_name`: seconds to wait
     /// for a name a live process holds (default: raise
     /// `dmrpc.AlreadyExists` at once, naming the holder). A process that
     /// died, even one not yet reaped, holds no name.
-    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None, replica=false, streams=None, wait_for_name=None))]
+    #[pyo3(signature = (name, handlers, tcp=None, intercept=None, propagate=None, replica=false, streams=None, wait_for_name=None, bidi=None))]
     #[allow(clippy::too_many_arguments)]
     fn serve(
         &self,
@@ -180,6 +183,7 @@ impl PyNode {
         replica: bool,
         streams: Option<&Bound<'_, PyDict>>,
         wait_for_name: Option<f64>,
+        bidi: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyServer> {
         let mut b = self.node.server(name);
         if replica {
@@ -228,6 +232,10 @@ impl PyNode {
         for (k, v) in streams.into_iter().flat_map(|d| d.iter()) {
             let method: String = k.extract()?;
             b = b.method_stream(&method, crate::stream::handler(v.unbind()));
+        }
+        for (k, v) in bidi.into_iter().flat_map(|d| d.iter()) {
+            let method: String = k.extract()?;
+            b = b.method_bidi(&method, crate::stream::bidi_handler(v.unbind()));
         }
         let server = py.allow_threads(|| b.spawn()).map_err(to_py)?;
         Ok(PyServer {
@@ -569,6 +577,36 @@ impl PyClient {
             })
             .map_err(to_py)?;
         Ok(crate::stream::PyStream::new(st, self.node.clone()))
+    }
+
+    /// Calls `method` with `data`, then sends items as it goes: returns a
+    /// `Bidi`, whose `send(item)` and `finish()` write the caller's items
+    /// and which iterates over the answer's. The `timeout` bounds the
+    /// whole call. A balanced client does not make such calls (its
+    /// items would have to follow one replica).
+    #[pyo3(signature = (method, data=None, timeout=None, wait_for_ready=false, metadata=None))]
+    fn call_bidi<'py>(
+        &self,
+        py: Python<'py>,
+        method: &str,
+        data: Option<&Bound<'py, PyAny>>,
+        timeout: Option<f64>,
+        wait_for_ready: bool,
+        metadata: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<crate::stream::PyBidi> {
+        let meta = crate::meta::metadata_of(metadata)?;
+        let p = to_payload(py, &self.node, data)?;
+        let opts = call_options(timeout, false, wait_for_ready, false)?;
+        let b = py
+            .allow_threads(|| match &self.client {
+                Caller::One(c) => c.call_bidi_with(method, p, opts, meta),
+                Caller::Replicas(_) => Err(RpcError::invalid_argument(
+                    "a balanced client makes no calls whose caller sends items: \
+                     connect without balanced=True",
+                )),
+            })
+            .map_err(to_py)?;
+        Ok(crate::stream::PyBidi::new(b, self.node.clone()))
     }
 
     /// A client on the same connection whose calls that pass no `retry`

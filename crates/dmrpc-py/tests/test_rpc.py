@@ -1067,6 +1067,68 @@ def _serve_streams(node, name, closed):
     return node.serve(name, {"plain": lambda b: bytes(b)[::-1]}, streams=streams)
 
 
+def test_a_caller_sends_items_and_reads_the_answers_as_they_come(pool):
+    p, path = pool
+    node = dmrpc.Node(p)
+    name = f"py/bidi/{os.getpid()}/{next(_N)}"
+    kept = []
+
+    def upper(first, inbox):
+        yield bytes(first)
+        for item in inbox:
+            yield bytes(item).upper()
+
+    def total(first, inbox):
+        yield sum(len(bytes(i)) for i in inbox).to_bytes(8, "little")
+
+    def keep(first, inbox):
+        kept.append(inbox)
+        # Read by another thread: refused (only the handler's reads).
+        errors = []
+        t = threading.Thread(target=lambda: errors.append(pytest.raises(dmrpc.InvalidArgument, next, inbox)))
+        t.start()
+        t.join()
+        return [b"ok" if "handler's thread" in str(errors[0].value) else b"not refused"]
+
+    srv = node.serve(name, {}, bidi={"upper": upper, "total": total, "keep": keep})
+    c = node.connect(name)
+    # Each item answered as it comes, a large one (by Ref) too.
+    with c.call_bidi("upper", b"hi") as b:
+        assert bytes(next(b)) == b"hi"
+        for w in [b"a", b"bc", b"d" * 300_000]:
+            b.send(w)
+            assert bytes(next(b)) == w.upper()
+        b.finish()
+        assert list(b) == []
+    # One thread sends (past the server's window of 16) while another
+    # reads the answer.
+    b = c.call_bidi("total", timeout=30)
+
+    def send():
+        for _ in range(100):
+            b.send(np.full(1000, 7, dtype=np.uint8))
+        b.finish()
+
+    t = threading.Thread(target=send)
+    t.start()
+    assert int.from_bytes(bytes(next(b)), "little") == 100_000
+    t.join()
+    # An inbox read after its handler returned is an error, not a crash.
+    assert [bytes(x) for x in c.call_bidi("keep")] == [b"ok"]
+    with pytest.raises(dmrpc.InvalidArgument, match="while its handler runs"):
+        next(kept[0])
+    # Sending after finishing, and a balanced client, are refused.
+    b = c.call_bidi("upper", b"x")
+    b.finish()
+    with pytest.raises(dmrpc.Error):
+        b.send(b"late")
+    b.close()
+    with pytest.raises(dmrpc.InvalidArgument, match="balanced"):
+        node.connect(name, balanced=True).call_bidi("upper")
+    del c, b, kept
+    srv.shutdown()
+
+
 def test_a_generator_streams_items_to_a_caller(pool):
     p, path = pool
     node = dmrpc.Node(p)

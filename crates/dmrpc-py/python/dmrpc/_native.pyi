@@ -217,6 +217,44 @@ class Client:
         (counted in flight there until it ends or is dropped)."""
         ...
 
+    def call_bidi(
+        self,
+        method: str,
+        data: Data = None,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+        metadata: Metadata | None = None,
+    ) -> Bidi:
+        """Calls `method` (served with `Node.serve(..., bidi=...)`) with
+        `data`, then sends items as it goes: `send` and `finish` on the
+        returned `Bidi`, and iterate it for the answer's items. `timeout`
+        bounds the whole call. Not on a balanced client."""
+        ...
+
+class Bidi:
+    """The caller's end of a call whose caller sends items: `send(item)`
+    waits while the server's grant is used up; `finish()` ends the items;
+    iterating gives the answer's items. One thread may send while another
+    reads. `close()` (or leaving a `with` block) cancels the call."""
+
+    def send(self, data: Data) -> None: ...
+    def finish(self) -> None: ...
+    def __iter__(self) -> Bidi: ...
+    def __next__(self) -> Payload: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Bidi: ...
+    def __exit__(self, *exc: object) -> bool: ...
+    @property
+    def metadata(self) -> tuple[tuple[str, bytes], ...]: ...
+
+class Inbox:
+    """The caller's items, as a `bidi` method's handler reads them: iterate
+    for `Payload`s, on the handler's thread while it runs. Read from
+    another thread, or after, it raises `dmrpc.InvalidArgument`."""
+
+    def __iter__(self) -> Inbox: ...
+    def __next__(self) -> Payload: ...
+
 class Stream:
     """The items of a streaming call, as they come: iterate for `Payload`s;
     the error the stream ends with, if any, is raised. `close()` (or leaving
@@ -337,6 +375,7 @@ class Node:
         replica: bool = False,
         streams: dict[str, Callable[[Payload], Iterable[Data]]] | None = None,
         wait_for_name: float | None = None,
+        bidi: dict[str, Callable[[Payload, Inbox], Iterable[Data]]] | None = None,
     ) -> Server:
         """Serves `handlers` as service `name` (on TCP at `tcp` if given).
         `intercept(method, metadata)` runs before every handler: a
@@ -345,7 +384,9 @@ class Node:
         one of any number of servers sharing `name` (see `connect`'s
         `balanced`). `streams`: streaming methods, each returning an iterable
         (a generator, say) of items sent as they come (`Client.call_stream`);
-        a `dmrpc.Error` raised ends the stream with its status.
+        a `dmrpc.Error` raised ends the stream with its status. `bidi`:
+        methods whose caller sends items too (`Client.call_bidi`), each
+        taking the request and an `Inbox` of the caller's items.
         `wait_for_name`: seconds to wait for a name a live process holds
         (default: raise `dmrpc.AlreadyExists` at once, naming the holder)."""
         ...
