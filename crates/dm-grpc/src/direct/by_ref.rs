@@ -236,21 +236,37 @@ pub(crate) fn views_wanted() -> bool {
 
 /// The receiving side of a body: hands its large messages over by token
 /// when the decoder reading it wants them so.
-#[derive(Default)]
 pub(crate) struct Inbox {
     frames: Frames,
     /// Tokens handed out: claimed ones are gone from [`ARRIVED`] already.
     issued: Vec<u128>,
+    /// The smallest message handed over by view ([`VIEW_MIN`]).
+    min: usize,
+}
+
+impl Default for Inbox {
+    fn default() -> Self {
+        Inbox::with_min(VIEW_MIN)
+    }
 }
 
 impl Inbox {
+    /// An inbox that hands over messages of `min` bytes and more by view.
+    pub(crate) fn with_min(min: usize) -> Inbox {
+        Inbox {
+            frames: Frames::default(),
+            issued: Vec::new(),
+            min,
+        }
+    }
+
     /// `chunk` as the decoder reading now should get it.
     pub(crate) fn parts(&mut self, chunk: Bytes, wanted: bool) -> Vec<Bytes> {
-        let issued = &mut self.issued;
+        let (issued, min) = (&mut self.issued, self.min);
         self.frames.split(
             chunk,
             |flag, msg| {
-                if !wanted || flag != 0 || msg.len() < VIEW_MIN || msg.len() > VIEW_MAX {
+                if !wanted || flag != 0 || msg.len() < min || msg.len() > VIEW_MAX {
                     return None;
                 }
                 let id = new_id();

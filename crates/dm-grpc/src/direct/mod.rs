@@ -12,13 +12,45 @@ pub(crate) mod wire;
 
 pub use server::GrpcService;
 
-/// What a peer's metadata becomes on the direct way, for the fuzz target
-/// `grpc_wire`: `data` as metadata entries (a key length byte, the key, a
+/// What a peer's bytes become on the direct way, for the fuzz target
+/// `grpc_wire`. `data` as metadata entries (a key length byte, the key, a
 /// value length byte, the value; keys dmrpc refuses are skipped), read as
 /// a request (its method's URI, its headers, its timeout) and as an answer
-/// (its headers and trailers). Never panics, whatever the bytes.
+/// (its headers and trailers). And `data` as a gRPC body, in chunks of the
+/// first byte's size, handed to a decoder with every whole message of one
+/// byte or more by token: with each token's message put back, it is
+/// `data` again. Never panics, whatever the bytes (but on that check).
 #[doc(hidden)]
-pub fn fuzz_wire(mut data: &[u8]) {
+pub fn fuzz_wire(data: &[u8]) {
+    fuzz_body(data);
+    fuzz_metadata(data);
+}
+
+fn fuzz_body(data: &[u8]) {
+    let cut = data.first().map_or(1, |&b| usize::from(b).max(1));
+    let mut inbox = by_ref::Inbox::with_min(1);
+    let mut back = Vec::with_capacity(data.len());
+    for chunk in data.chunks(cut) {
+        for part in inbox.parts(bytes::Bytes::copy_from_slice(chunk), true) {
+            let msg = part
+                .get(5..)
+                .filter(|_| part.len() == 5 + by_ref::TOKEN_LEN && part[..5] == [0, 0, 0, 0, 17])
+                .and_then(by_ref::token_id)
+                .and_then(by_ref::claim);
+            match msg {
+                Some(m) => {
+                    back.push(0);
+                    back.extend_from_slice(&(m.len() as u32).to_be_bytes());
+                    back.extend_from_slice(&m);
+                }
+                None => back.extend_from_slice(&part),
+            }
+        }
+    }
+    assert_eq!(back, data, "a body read by token is the body");
+}
+
+fn fuzz_metadata(mut data: &[u8]) {
     let mut meta = dm_rpc::Metadata::new();
     let take = |n: usize, d: &mut &[u8]| -> Option<Vec<u8>> {
         let (a, b) = d.split_at_checked(n)?;
