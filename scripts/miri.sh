@@ -5,7 +5,8 @@
 # frames (and their metadata), Refs, pool headers, page descriptors and
 # memory-server requests, the waiting policy, deadline propagation and an
 # answer's metadata slot, a client's receiving half (taken in turn by two
-# threads), and the async client's `Then` (its pinning is unsafe code).
+# threads), the async client's `Then` (its pinning is unsafe code), and
+# dm-grpc's writer into pool pages and its reader of a body's frames.
 # Undefined behaviour, an
 # access out of bounds, a misaligned atomic or a data race fails them.
 # (Tests that map pool files cannot run there: Miri maps only anonymous
@@ -22,3 +23,4 @@ export PROPTEST_CASES="${PROPTEST_CASES:-8}"
 cargo +nightly miri test -p dm-rpc --lib -- transport::ring frame:: metadata:: wait:: deadline:: handoff:: async_client::tests::then_
 cargo +nightly miri test -p dm-pool --lib -- layout:: refs:: desc:: pages::
 cargo +nightly miri test -p dm-memserver --lib -- proto:: cache::
+cargo +nightly miri test -p dm-grpc --lib -- direct::by_ref::tests::runs_ direct::by_ref::tests::frames_

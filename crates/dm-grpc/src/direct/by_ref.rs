@@ -434,6 +434,35 @@ mod tests {
     }
 
     #[test]
+    fn runs_take_a_message_across_their_ends_and_no_further() {
+        use std::mem::MaybeUninit;
+        let mut a = [MaybeUninit::new(0u8); 3];
+        let mut b = [MaybeUninit::new(0u8); 0];
+        let mut c = [MaybeUninit::new(0u8); 5];
+        let mut runs: Vec<&mut [MaybeUninit<u8>]> = vec![&mut a, &mut b, &mut c];
+        let mut w = Runs {
+            runs: &mut runs,
+            at: 0,
+            off: 0,
+        };
+        assert_eq!(w.remaining_mut(), 8);
+        w.put_u8(1);
+        w.put_slice(&[2, 3, 4, 5]);
+        assert_eq!((w.written(), w.remaining_mut()), (5, 3));
+        w.put_u16(0x0607);
+        w.put_u8(8);
+        assert_eq!((w.written(), w.remaining_mut()), (8, 0));
+        assert_eq!(w.chunk_mut().len(), 0);
+        // SAFETY: every byte was initialised above.
+        let got: Vec<u8> = a
+            .iter()
+            .chain(c.iter())
+            .map(|b| unsafe { b.assume_init() })
+            .collect();
+        assert_eq!(got, [1, 2, 3, 4, 5, 6, 7, 8]);
+    }
+
+    #[test]
     fn tokens_are_recognised_and_nothing_else_is() {
         let id = new_id();
         assert_eq!(token_id(&token(id)), Some(id));

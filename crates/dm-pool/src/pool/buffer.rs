@@ -223,13 +223,43 @@ impl Buffer {
             return Ok(());
         }
         self.materialize()?;
+        let start = self.offset as u64 + offset;
+        let end = start + data.len() as u64;
+        let mut src = 0usize;
+        self.own_pages(start, end, false, |target, in_page, take| {
+            // SAFETY: `target` is held by this buffer alone (rc == 1), so no
+            // one else reads or writes it; the range is inside the page.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data[src..].as_ptr(),
+                    i.shm.page_ptr(target).add(in_page),
+                    take,
+                )
+            };
+            src += take;
+        })?;
+        Ok(())
+    }
+
+    /// Makes every page holding bytes `[start, end)` of the buffer's pages
+    /// (offsets from its first page) its own alone, then hands each page's
+    /// part to `each(page, in-page offset, bytes)`, in order. A shared or
+    /// unbacked page is replaced by a fresh one, whose bytes outside the
+    /// part are copied from the old page (or zeroed). Pages are reserved
+    /// first, so it is all or nothing; `run`: in one run of consecutive
+    /// pages if it can ([`Inner::take_run`]).
+    fn own_pages(
+        &mut self,
+        start: u64,
+        end: u64,
+        run: bool,
+        mut each: impl FnMut(u32, usize, usize),
+    ) -> Result<()> {
+        let i = self.pool.inner.clone();
         let ps = i.shm.layout.page_size as u64;
         let d = self.d()?;
         let t = i.shm.pages();
-        let start = self.offset as u64 + offset;
-        let end = start + data.len() as u64;
         let (k0, k1) = ((start / ps) as usize, end.div_ceil(ps) as usize);
-        // Reserve every page the write may need first, so it is all or nothing.
         let mut need = 0;
         for k in k0..k1 {
             let (p, borrowed) = self.owned_page_at(k)?;
@@ -237,9 +267,13 @@ impl Buffer {
                 need += 1;
             }
         }
-        let mut fresh = i.take_pages(need)?.into_iter();
+        let mut fresh = if run && need == k1 - k0 {
+            i.take_run(need)?
+        } else {
+            i.take_pages(need)?
+        }
+        .into_iter();
         let mut pos = start;
-        let mut src = 0usize;
         let mut copies = 0;
         while pos < end {
             let k = (pos / ps) as usize;
@@ -280,17 +314,8 @@ impl Buffer {
                 }
                 q
             };
-            // SAFETY: `target` is held by this buffer alone (rc == 1), so no
-            // one else reads or writes it; the range is inside the page.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    data[src..].as_ptr(),
-                    i.shm.page_ptr(target).add(in_page),
-                    take,
-                )
-            };
+            each(target, in_page, take);
             pos += take as u64;
-            src += take;
         }
         i.give_pages(fresh.collect());
         if copies > 0 {
@@ -322,61 +347,12 @@ impl Buffer {
         i.live()?;
         self.materialize()?;
         let ps = i.shm.layout.page_size as u64;
-        let d = self.d()?;
-        let t = i.shm.pages();
         let start = self.offset as u64;
         let end = start + self.len;
-        let (k0, k1) = ((start / ps) as usize, end.div_ceil(ps) as usize);
-        let mut need = 0;
-        for k in k0..k1 {
-            let (p, borrowed) = self.owned_page_at(k)?;
-            if p == NO_PAGE || borrowed || t.rc(i.shm.check_page(p)?) != 1 {
-                need += 1;
-            }
-        }
-        // A buffer written whole from fresh pages gets them in one run if
-        // it can: it then reads as one slice.
-        let mut fresh = if need == k1 - k0 {
-            i.take_run(need)?
-        } else {
-            i.take_pages(need)?
-        }
-        .into_iter();
-        // (page, in-page start, bytes) per run of consecutive pages.
+        // Fresh pages in one run if it can: the buffer then reads as one
+        // slice. (page, in-page start, bytes) per run of consecutive pages.
         let mut runs: Vec<(u32, usize, usize)> = Vec::new();
-        let mut pos = start;
-        while pos < end {
-            let k = (pos / ps) as usize;
-            let in_page = (pos % ps) as usize;
-            let take = ((ps as usize) - in_page).min((end - pos) as usize);
-            let (p, borrowed) = self.owned_page_at(k)?;
-            let target = if p != NO_PAGE && !borrowed && t.rc(p) == 1 {
-                p
-            } else {
-                let q = match fresh.next() {
-                    Some(q) => q,
-                    None => i.take_pages(1)?[0],
-                };
-                if in_page != 0 || take != ps as usize {
-                    if p != NO_PAGE {
-                        // SAFETY: p is held by us and frozen (rc > 1); q is
-                        // ours (cached by this slot); distinct checked pages.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                i.shm.page_ptr(p),
-                                i.shm.page_ptr(q),
-                                ps as usize,
-                            )
-                        };
-                    } else {
-                        // SAFETY: q came from this slot's page cache: a
-                        // checked page no one else reads or writes.
-                        unsafe { i.shm.zero_outside(q, in_page, take) };
-                    }
-                }
-                i.link_page(self.desc, d, k, if borrowed { NO_PAGE } else { p }, q)?;
-                q
-            };
+        self.own_pages(start, end, true, |target, in_page, take| {
             match runs.last_mut() {
                 Some((rp, rs, rn))
                     if in_page == 0 && *rp as u64 + ((*rs + *rn) as u64) / ps == target as u64 =>
@@ -385,9 +361,7 @@ impl Buffer {
                 }
                 _ => runs.push((target, in_page, take)),
             }
-            pos += take as u64;
-        }
-        i.give_pages(fresh.collect());
+        })?;
         let mut slices: Vec<&mut [MaybeUninit<u8>]> = runs
             .iter()
             .map(|&(p, at, n)| {
