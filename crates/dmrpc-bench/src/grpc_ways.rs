@@ -25,6 +25,7 @@ use super::BenchArgs;
 use crate::say;
 use anyhow::{anyhow, bail, Context, Result};
 use dm_grpc::example::imaging::imaging_client::ImagingClient;
+use dm_grpc::example::imaging::imaging_server::ImagingServer;
 use dm_grpc::example::imaging::{Blob, TileRequest};
 use dm_pool::PoolConfig;
 use dm_rpc::{AsyncClient, Node, Payload};
@@ -70,7 +71,6 @@ pub(crate) fn peer_serve(
     name: &str,
     uds: &str,
 ) -> Result<(dm_rpc::Server, String)> {
-    use dm_grpc::example::imaging::imaging_server::ImagingServer;
     let svc = ImagingServer::new(dm_grpc::example::Service).max_decoding_message_size(64 << 20);
     let node = Node::new(pool.clone());
     let served = dm_grpc::serve(&node, name, svc.clone())?;
@@ -199,7 +199,6 @@ pub(crate) fn peer_tier(
     name: &str,
     next: &str,
 ) -> Result<(TierGuard, String)> {
-    use dm_grpc::example::imaging::imaging_server::ImagingServer;
     let node = Node::new(pool.clone());
     let (way, next, name) = (way.to_owned(), next.to_owned(), name.to_owned());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -267,13 +266,17 @@ pub(crate) fn peer_tier(
     Ok((guard, addr))
 }
 
-/// The ways a call goes, in the order of the table.
-const WAYS: [&str; 5] = [
+/// The ways a call goes, in the order of the table. The last is a floor:
+/// tonic's generated client calling its generated server in this process,
+/// with no transport between them (what an unchanged service costs,
+/// whatever carries its calls).
+const WAYS: [&str; 6] = [
     "tonic TCP",
     "tonic UDS",
     "HTTP/2 over shm",
     "direct",
     "native",
+    "tonic alone",
 ];
 
 /// A client of each way.
@@ -283,6 +286,7 @@ struct Clients {
     h2: ImagingClient<dm_grpc::Channel>,
     direct: ImagingClient<dm_grpc::Channel>,
     native: AsyncClient,
+    alone: ImagingClient<ImagingServer<dm_grpc::example::Service>>,
 }
 
 impl Clients {
@@ -311,6 +315,10 @@ impl Clients {
             h2: ImagingClient::new(h2).max_decoding_message_size(limit),
             direct: ImagingClient::new(direct).max_decoding_message_size(limit),
             native: node.connect_async(native)?,
+            alone: ImagingClient::new(
+                ImagingServer::new(dm_grpc::example::Service).max_decoding_message_size(limit),
+            )
+            .max_decoding_message_size(limit),
         })
     }
 
@@ -325,6 +333,7 @@ impl Clients {
             1 => self.uds.echo(blob()).await?.into_inner().data.len(),
             2 => self.h2.echo(blob()).await?.into_inner().data.len(),
             3 => self.direct.echo(blob()).await?.into_inner().data.len(),
+            5 => self.alone.echo(blob()).await?.into_inner().data.len(),
             _ => {
                 let p = Payload::from_bytes(data.clone());
                 self.native.call("echo", p).await?.len() as usize
@@ -470,7 +479,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         .enable_all()
         .build()?;
     let sizes: &[usize] = &[64, 4 << 10, 64 << 10, 1 << 20, 4 << 20];
-    say!("bench grpc: the same generated tonic service five ways (unary Echo, one call at a time)");
+    say!(
+        "bench grpc: the same generated tonic service five ways (unary Echo, one call at a time),"
+    );
+    say!("and tonic alone: its client calling its server in one process, no transport (a floor)");
     say!(
         "{:>9} {:>16} {:>11} {:>11} {:>9}",
         "size",
@@ -588,7 +600,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         a,
         "grpc",
         &Chart {
-            title: "bench grpc: unary echo p50, five ways",
+            title: "bench grpc: unary echo p50, five ways and tonic alone",
             x: "size",
             ys: &[
                 "tonic_tcp_p50_us",
@@ -596,6 +608,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 "http_2_over_shm_p50_us",
                 "direct_p50_us",
                 "native_p50_us",
+                "tonic_alone_p50_us",
             ],
             by: None,
             y_label: "p50 us",
@@ -612,6 +625,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "http_2_over_shm_p50_us",
             "direct_p50_us",
             "native_p50_us",
+            "tonic_alone_p50_us",
             "tcp_over_direct_p50",
         ],
     )

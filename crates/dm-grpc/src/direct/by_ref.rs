@@ -437,7 +437,7 @@ mod tests {
     fn runs_take_a_message_across_their_ends_and_no_further() {
         use std::mem::MaybeUninit;
         let mut a = [MaybeUninit::new(0u8); 3];
-        let mut b = [MaybeUninit::new(0u8); 0];
+        let mut b: [MaybeUninit<u8>; 0] = [];
         let mut c = [MaybeUninit::new(0u8); 5];
         let mut runs: Vec<&mut [MaybeUninit<u8>]> = vec![&mut a, &mut b, &mut c];
         let mut w = Runs {
