@@ -123,16 +123,33 @@ impl<U: prost::Message + Default> Decoder for MessageDecoder<U> {
 
 static ENCODED: AtomicU64 = AtomicU64::new(0);
 static DECODED: AtomicU64 = AtomicU64::new(0);
+static FORWARDED: AtomicU64 = AtomicU64::new(0);
 
-pub(crate) fn count_encoded() {
+pub(crate) fn count_encoded(forwarded: bool) {
     ENCODED.fetch_add(1, Ordering::Relaxed);
+    if forwarded {
+        FORWARDED.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
-/// How many messages this process's [`Codec`]s have encoded into the pool,
-/// and decoded from views of it (for tests and diagnostics).
-pub fn by_ref_counts() -> (u64, u64) {
-    (
-        ENCODED.load(Ordering::Relaxed),
-        DECODED.load(Ordering::Relaxed),
-    )
+/// What this process's [`Codec`]s have done by Ref, since it started (for
+/// tests and diagnostics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ByRefCounts {
+    /// Messages encoded into the pool.
+    pub encoded: u64,
+    /// Of those, messages laid over the pages of a received one (a
+    /// `bytes` field passed on): no copy of it.
+    pub forwarded: u64,
+    /// Messages decoded from views of the pool's pages.
+    pub decoded: u64,
+}
+
+/// The counts so far.
+pub fn by_ref_counts() -> ByRefCounts {
+    ByRefCounts {
+        encoded: ENCODED.load(Ordering::Relaxed),
+        forwarded: FORWARDED.load(Ordering::Relaxed),
+        decoded: DECODED.load(Ordering::Relaxed),
+    }
 }

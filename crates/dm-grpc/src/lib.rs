@@ -37,7 +37,7 @@ mod reader;
 mod serve;
 
 pub use channel::Channel;
-pub use codec::{by_ref_counts, Codec, MessageDecoder, MessageEncoder};
+pub use codec::{by_ref_counts, ByRefCounts, Codec, MessageDecoder, MessageEncoder};
 pub use dial::{Dial, Way};
 #[doc(hidden)]
 pub use direct::fuzz_wire;

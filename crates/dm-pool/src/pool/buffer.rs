@@ -212,7 +212,9 @@ impl Buffer {
     }
 
     /// Writes `data` at `offset`. Pages shared with a Ref or another buffer
-    /// are copied first (only the pages written); unbacked pages are backed.
+    /// are copied first (only the pages written); unbacked pages are backed
+    /// (in one run of consecutive pages if the write fills the buffer and
+    /// the pool has one, so that it reads as one slice).
     /// If the pool has too few free pages for the whole write, nothing is
     /// written and `ResourceExhausted` is returned.
     pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
@@ -226,7 +228,9 @@ impl Buffer {
         let start = self.offset as u64 + offset;
         let end = start + data.len() as u64;
         let mut src = 0usize;
-        self.own_pages(start, end, false, |target, in_page, take| {
+        // (A whole buffer written takes one run of pages if it can.)
+        let whole = offset == 0 && data.len() as u64 == self.len;
+        self.own_pages(start, end, whole, |target, in_page, take| {
             // SAFETY: `target` is held by this buffer alone (rc == 1), so no
             // one else reads or writes it; the range is inside the page.
             unsafe {

@@ -596,8 +596,10 @@ mod tests {
                     }
                     pool.free(c).unwrap();
                 }
+                // (A whole write takes consecutive pages: now and then no
+                // run of four has cooled, and it claims a fresh one.)
                 assert!(
-                    seen.len() < cool + 8,
+                    seen.len() < cool + cool / 16,
                     "{} pages for a cool of {cool}",
                     seen.len()
                 );
