@@ -21,7 +21,6 @@ use crate::direct::by_ref;
 use bytes::Buf;
 use std::cell::Cell;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering};
 use tonic::codec::{BufferSettings, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::Status;
 
@@ -104,7 +103,7 @@ impl<U: prost::Message + Default> Decoder for MessageDecoder<U> {
                     ));
                 };
                 buf.advance(by_ref::TOKEN_LEN);
-                DECODED.fetch_add(1, Ordering::Relaxed);
+                by_ref::count_decoded();
                 return U::decode(msg).map(Some).map_err(bad);
             }
         }
@@ -118,38 +117,5 @@ impl<U: prost::Message + Default> Decoder for MessageDecoder<U> {
             by_ref::want_views(true);
         }
         BufferSettings::default()
-    }
-}
-
-static ENCODED: AtomicU64 = AtomicU64::new(0);
-static DECODED: AtomicU64 = AtomicU64::new(0);
-static FORWARDED: AtomicU64 = AtomicU64::new(0);
-
-pub(crate) fn count_encoded(forwarded: bool) {
-    ENCODED.fetch_add(1, Ordering::Relaxed);
-    if forwarded {
-        FORWARDED.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// What this process's [`Codec`]s have done by Ref, since it started (for
-/// tests and diagnostics).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ByRefCounts {
-    /// Messages encoded into the pool.
-    pub encoded: u64,
-    /// Of those, messages laid over the pages of a received one (a
-    /// `bytes` field passed on): no copy of it.
-    pub forwarded: u64,
-    /// Messages decoded from views of the pool's pages.
-    pub decoded: u64,
-}
-
-/// The counts so far.
-pub fn by_ref_counts() -> ByRefCounts {
-    ByRefCounts {
-        encoded: ENCODED.load(Ordering::Relaxed),
-        forwarded: FORWARDED.load(Ordering::Relaxed),
-        decoded: DECODED.load(Ordering::Relaxed),
     }
 }

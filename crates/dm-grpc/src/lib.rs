@@ -37,8 +37,9 @@ mod reader;
 mod serve;
 
 pub use channel::Channel;
-pub use codec::{by_ref_counts, ByRefCounts, Codec, MessageDecoder, MessageEncoder};
+pub use codec::{Codec, MessageDecoder, MessageEncoder};
 pub use dial::{Dial, Way};
+pub use direct::by_ref::{by_ref_counts, ByRefCounts};
 #[doc(hidden)]
 pub use direct::fuzz_wire;
 pub use direct::GrpcService;

@@ -34,6 +34,7 @@ use dm_pool::{Buffer, Pool};
 use dm_rpc::{Payload, RpcError};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 /// A token's length: the zero byte and the id.
@@ -146,7 +147,7 @@ pub(crate) fn encode_in_pool<M: prost::Message>(msg: &M) -> Option<[u8; TOKEN_LE
         if let Some(buf) = lay_over(msg, len) {
             let id = new_id();
             ob.made.push((id, buf));
-            crate::codec::count_encoded(true);
+            count_encoded(true);
             return Some(token(id));
         }
         let mut buf = ob.pool.alloc(total as u64).ok()?;
@@ -168,7 +169,7 @@ pub(crate) fn encode_in_pool<M: prost::Message>(msg: &M) -> Option<[u8; TOKEN_LE
         }
         let id = new_id();
         ob.made.push((id, buf));
-        crate::codec::count_encoded(false);
+        count_encoded(false);
         Some(token(id))
     })
 }
@@ -567,6 +568,43 @@ impl Frames {
             out.push(bytes(chunk.slice(from..n)));
         }
         out
+    }
+}
+
+static ENCODED: AtomicU64 = AtomicU64::new(0);
+static DECODED: AtomicU64 = AtomicU64::new(0);
+static FORWARDED: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn count_decoded() {
+    DECODED.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn count_encoded(forwarded: bool) {
+    ENCODED.fetch_add(1, Ordering::Relaxed);
+    if forwarded {
+        FORWARDED.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What this process's [`Codec`](crate::Codec)s have done by Ref, since it started (for
+/// tests and diagnostics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ByRefCounts {
+    /// Messages encoded into the pool.
+    pub encoded: u64,
+    /// Of those, messages laid over the pages of a received one (a
+    /// `bytes` field passed on): no copy of it.
+    pub forwarded: u64,
+    /// Messages decoded from views of the pool's pages.
+    pub decoded: u64,
+}
+
+/// The counts so far.
+pub fn by_ref_counts() -> ByRefCounts {
+    ByRefCounts {
+        encoded: ENCODED.load(Ordering::Relaxed),
+        forwarded: FORWARDED.load(Ordering::Relaxed),
+        decoded: DECODED.load(Ordering::Relaxed),
     }
 }
 
