@@ -85,7 +85,7 @@ impl Body for Ready {
 /// What an item is as body data: its bytes (by Ref, a view of the
 /// pool's pages that owns them: [`super::by_ref::view`]).
 fn data(p: Payload) -> Result<Bytes, tonic::Status> {
-    super::by_ref::view(p).map_err(status_of)
+    super::forward::view(p).map_err(status_of)
 }
 
 /// The response body of a call whose answer is a stream: its items as

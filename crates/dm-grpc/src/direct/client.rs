@@ -133,7 +133,7 @@ async fn answer(mut st: AsyncStreaming) -> Result<http::Response<Body>, tonic::S
         // A stream: the headers came first, the rest follows.
         Some(Ok((p, m))) if m.get(HEADERS).is_some() => {
             let (head, _) = answer_headers(&m).map_err(status_of)?;
-            let data = super::by_ref::view(p).map_err(status_of)?;
+            let data = super::forward::view(p).map_err(status_of)?;
             (head, Body::new(body::Answer::new(st, data)))
         }
         // The whole answer at once: its payload (if any), then the
@@ -146,7 +146,7 @@ async fn answer(mut st: AsyncStreaming) -> Result<http::Response<Body>, tonic::S
                             "the server sent items after an answer without headers",
                         ));
                     }
-                    super::by_ref::view(p).map_err(status_of)?
+                    super::forward::view(p).map_err(status_of)?
                 }
                 _ => Bytes::new(),
             };

@@ -7,6 +7,7 @@
 mod body;
 pub(crate) mod by_ref;
 pub(crate) mod client;
+mod forward;
 pub(crate) mod server;
 pub(crate) mod wire;
 

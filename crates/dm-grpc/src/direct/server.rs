@@ -54,7 +54,7 @@ pub(crate) async fn serve_call<S: GrpcService>(
     headers
         .entry(http::header::CONTENT_TYPE)
         .or_insert(http::HeaderValue::from_static("application/grpc"));
-    let first = super::by_ref::view(std::mem::take(&mut call.payload))?;
+    let first = super::forward::view(std::mem::take(&mut call.payload))?;
     let mut req = http::Request::new(Body::new(body::Request::new(first, inbox)));
     *req.method_mut() = http::Method::POST;
     *req.uri_mut() = uri;
