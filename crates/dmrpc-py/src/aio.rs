@@ -72,6 +72,22 @@ impl AsyncCaller {
         }
     }
 
+    async fn call_bidi(
+        &self,
+        method: &str,
+        p: dm_rpc::Payload,
+        opts: dm_rpc::CallOptions,
+        meta: dm_rpc::Metadata,
+    ) -> Result<dm_rpc::stream::AsyncBidi, RpcError> {
+        match self {
+            AsyncCaller::One(c) => c.call_bidi_with(method, p, opts, meta).await,
+            AsyncCaller::Replicas(_) => Err(RpcError::invalid_argument(
+                "a balanced client makes no calls whose caller sends items: \
+                 connect without balanced=True",
+            )),
+        }
+    }
+
     fn with_retry(&self, r: dm_rpc::Retry) -> AsyncCaller {
         match self {
             AsyncCaller::One(c) => AsyncCaller::One(c.with_retry(r)),
@@ -245,6 +261,46 @@ impl PyAsyncClient {
             },
         )
     }
+
+    /// Starts a call of `method` with `data` whose caller sends items too
+    /// (as `Client.call_bidi`): `resolve(fut, ok, value)` is called with
+    /// the `AsyncBidi` once the request is sent, or with the exception.
+    #[pyo3(signature = (method, data, timeout, event_loop, fut, resolve, wait_for_ready=false, metadata=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn start_bidi(
+        &self,
+        py: Python<'_>,
+        method: String,
+        data: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        event_loop: Py<PyAny>,
+        fut: Py<PyAny>,
+        resolve: Py<PyAny>,
+        wait_for_ready: bool,
+        metadata: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCallHandle> {
+        let meta = crate::meta::metadata_of(metadata)?;
+        let p = to_payload(py, &self.node, data)?;
+        let opts = call_options(timeout, false, wait_for_ready, false)?;
+        let client = self.client.clone();
+        let open = async move { client.call_bidi(&method, p, opts, meta).await };
+        let node = self.node.clone();
+        drive(
+            py,
+            Box::pin(open),
+            (event_loop, fut, resolve),
+            move |py, r| {
+                let r = r.and_then(|b| {
+                    Py::new(py, PyAsyncBidi::new(b, node))
+                        .map_err(|e| RpcError::internal(e.to_string()))
+                });
+                match r {
+                    Ok(b) => (true, b.into_any()),
+                    Err(e) => (false, to_py(e).into_value(py).into_any()),
+                }
+            },
+        )
+    }
 }
 
 /// Where a future's outcome goes: the caller's event loop, the asyncio
@@ -384,6 +440,115 @@ impl PyAsyncStream {
             Ok(g) => crate::meta::pairs(py, g.as_ref().map_or(&empty, |s| s.metadata())),
             Err(_) => crate::meta::pairs(py, &empty),
         }
+    }
+}
+
+/// The caller's end of an async call whose caller sends items: `send` and
+/// `finish` its items, `next` for the answer's (`dmrpc.aio` makes it an
+/// async iterator). The two halves lock apart: one task may send while
+/// another reads. `close()`, or dropping it before the end, cancels the
+/// call.
+#[pyclass(module = "dmrpc._native", name = "AsyncBidi", frozen)]
+#[derive(Debug)]
+pub struct PyAsyncBidi {
+    items: Arc<tokio::sync::Mutex<Option<dm_rpc::stream::AsyncItems>>>,
+    answers: PyAsyncStream,
+}
+
+impl PyAsyncBidi {
+    fn new(b: dm_rpc::stream::AsyncBidi, node: Node) -> PyAsyncBidi {
+        let (items, answers) = b.split();
+        PyAsyncBidi {
+            items: Arc::new(tokio::sync::Mutex::new(Some(items))),
+            answers: PyAsyncStream::new(answers, node),
+        }
+    }
+
+    /// Sends `item`, or ends the items if `None` (after a send in
+    /// progress), resolving with `None` or the exception.
+    fn with_items(
+        &self,
+        py: Python<'_>,
+        resolver: Resolver,
+        item: Option<dm_rpc::Payload>,
+    ) -> PyResult<PyCallHandle> {
+        let items = self.items.clone();
+        let work = async move {
+            match (items.lock().await.as_mut(), item) {
+                (Some(i), Some(p)) => i.send(p).await,
+                (Some(i), None) => i.finish().await,
+                (None, _) => Err(RpcError::invalid_argument("the call's items were closed")),
+            }
+        };
+        drive(py, Box::pin(work), resolver, |py, r| match r {
+            Ok(()) => (true, py.None()),
+            Err(e) => (false, to_py(e).into_value(py).into_any()),
+        })
+    }
+}
+
+#[pymethods]
+impl PyAsyncBidi {
+    /// Sends one item, waiting while the server's grant is used up.
+    fn send(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        event_loop: Py<PyAny>,
+        fut: Py<PyAny>,
+        resolve: Py<PyAny>,
+    ) -> PyResult<PyCallHandle> {
+        let p = to_payload(py, &self.answers.node, Some(data))?;
+        self.with_items(py, (event_loop, fut, resolve), Some(p))
+    }
+
+    /// Ends the items: the server's inbox ends after what was sent.
+    fn finish(
+        &self,
+        py: Python<'_>,
+        event_loop: Py<PyAny>,
+        fut: Py<PyAny>,
+        resolve: Py<PyAny>,
+    ) -> PyResult<PyCallHandle> {
+        self.with_items(py, (event_loop, fut, resolve), None)
+    }
+
+    /// Reads the next item of the answer (as `AsyncStream.next`).
+    fn next(
+        &self,
+        py: Python<'_>,
+        event_loop: Py<PyAny>,
+        fut: Py<PyAny>,
+        resolve: Py<PyAny>,
+    ) -> PyResult<PyCallHandle> {
+        self.answers.next(py, event_loop, fut, resolve)
+    }
+
+    /// Cancels the call if it has not ended.
+    fn close(&self, py: Python<'_>) {
+        self.answers.close(py);
+        let items = self.items.clone();
+        py.allow_threads(move || {
+            let taken = match items.try_lock() {
+                Ok(mut g) => {
+                    drop(g.take());
+                    true
+                }
+                Err(_) => false,
+            };
+            // (A send in progress lets it go on the runtime.)
+            if !taken {
+                if let Ok(rt) = runtime() {
+                    rt.spawn(async move { drop(items.lock().await.take()) });
+                }
+            }
+        });
+    }
+
+    /// The metadata of the answer that ended the call.
+    #[getter]
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+        self.answers.metadata(py)
     }
 }
 

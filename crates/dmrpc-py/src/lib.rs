@@ -43,6 +43,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::PyStream>()?;
     m.add_class::<stream::PyBidi>()?;
     m.add_class::<stream::PyInbox>()?;
+    m.add_class::<aio::PyAsyncBidi>()?;
     m.add_class::<aio::PyAsyncStream>()?;
     m.add_class::<aio::PyAsyncClient>()?;
     m.add_class::<aio::PyCallHandle>()?;

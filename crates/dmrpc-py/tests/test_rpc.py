@@ -1129,6 +1129,51 @@ def test_a_caller_sends_items_and_reads_the_answers_as_they_come(pool):
     srv.shutdown()
 
 
+def test_an_async_caller_sends_items_and_reads_the_answers(pool):
+    p, path = pool
+    node = dmrpc.Node(p)
+    name = f"py/abidi/{os.getpid()}/{next(_N)}"
+
+    def upper(first, inbox):
+        yield bytes(first)
+        for item in inbox:
+            yield bytes(item).upper()
+
+    def total(first, inbox):
+        yield sum(len(bytes(i)) for i in inbox).to_bytes(8, "little")
+
+    srv = node.serve(name, {}, bidi={"upper": upper, "total": total})
+
+    async def main():
+        c = dmrpc.aio.connect(node, name)
+        async with await c.call_bidi("upper", b"hi") as b:
+            assert bytes(await b.__anext__()) == b"hi"
+            for w in [b"a", b"d" * 300_000]:
+                await b.send(w)
+                assert bytes(await b.__anext__()) == w.upper()
+            await b.finish()
+            assert [x async for x in b] == []
+        # One task sends (past the server's window) while another reads.
+        b = await c.call_bidi("total", timeout=30)
+
+        async def send():
+            for _ in range(100):
+                await b.send(np.full(1000, 7, dtype=np.uint8))
+            await b.finish()
+
+        t = asyncio.create_task(send())
+        assert int.from_bytes(bytes(await b.__anext__()), "little") == 100_000
+        await t
+        b.close()
+        with pytest.raises(dmrpc.Error):
+            await b.send(b"after close")
+        with pytest.raises(dmrpc.InvalidArgument, match="balanced"):
+            await dmrpc.aio.connect(node, name, balanced=True).call_bidi("upper")
+
+    asyncio.run(main())
+    srv.shutdown()
+
+
 def test_a_generator_streams_items_to_a_caller(pool):
     p, path = pool
     node = dmrpc.Node(p)

@@ -329,7 +329,31 @@ class AsyncClient:
         metadata: Metadata | None = None,
     ) -> CallHandle: ...
 
+    def start_bidi(
+        self,
+        method: str,
+        data: Data,
+        timeout: float | None,
+        event_loop: Any,
+        fut: Any,
+        resolve: Callable[[Any, bool, Any], None],
+        wait_for_ready: bool = False,
+        metadata: Metadata | None = None,
+    ) -> CallHandle: ...
+
     def with_retry(self, retry: RetryPolicy) -> AsyncClient: ...
+
+class AsyncBidi:
+    """An async call whose caller sends items (wrapped by `dmrpc.aio`):
+    `send` and `finish` resolve their futures with None or the exception,
+    `next` as `AsyncStream.next`."""
+
+    def send(self, data: Data, event_loop: Any, fut: Any, resolve: Callable[[Any, bool, Any], None]) -> CallHandle: ...
+    def finish(self, event_loop: Any, fut: Any, resolve: Callable[[Any, bool, Any], None]) -> CallHandle: ...
+    def next(self, event_loop: Any, fut: Any, resolve: Callable[[Any, bool, Any], None]) -> CallHandle: ...
+    def close(self) -> None: ...
+    @property
+    def metadata(self) -> tuple[tuple[str, bytes], ...]: ...
 
 class AsyncStream:
     """The items of an async streaming call (wrapped by `dmrpc.aio`):

@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ._native import AsyncBidi as _AsyncBidi
 from ._native import AsyncClient as _AsyncClient
 from ._native import AsyncStream as _AsyncStream
 from ._native import Node, Payload
 
-__all__ = ["AsyncClient", "AsyncStream", "connect", "connect_tcp"]
+__all__ = ["AsyncBidi", "AsyncClient", "AsyncStream", "connect", "connect_tcp"]
 
 
 def _resolve(fut: asyncio.Future[Payload], ok: bool, value: Any) -> None:
@@ -95,6 +96,49 @@ class AsyncStream:
         self.close()
 
 
+class AsyncBidi:
+    """An async call whose caller sends items (`AsyncClient.call_bidi`):
+    `await send(item)` waits while the server's grant is used up, `await
+    finish()` ends the items, and `async for item in call` gives the
+    answer's `Payload`s. One task may send while another reads. `close()`
+    (or leaving an `async with` block) before the end cancels the call."""
+
+    def __init__(self, native: _AsyncBidi) -> None:
+        self._b = native
+
+    async def send(self, data: Any) -> None:
+        await _await(lambda loop, fut: self._b.send(data, loop, fut, _resolve))
+
+    async def finish(self) -> None:
+        await _await(lambda loop, fut: self._b.finish(loop, fut, _resolve))
+
+    def __aiter__(self) -> AsyncBidi:
+        return self
+
+    async def __anext__(self) -> Payload:
+        item = await _await(lambda loop, fut: self._b.next(loop, fut, _resolve))
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    def close(self) -> None:
+        self._b.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    @property
+    def metadata(self) -> tuple[tuple[str, bytes], ...]:
+        """The metadata of the answer that ended the call."""
+        return self._b.metadata
+
+    async def __aenter__(self) -> AsyncBidi:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
 class AsyncClient:
     """A connection to a service, for asyncio code."""
 
@@ -151,6 +195,23 @@ class AsyncClient:
             lambda loop, fut: self._client.start_stream(method, data, timeout, loop, fut, _resolve, *extra)
         )
         return AsyncStream(native)
+
+    async def call_bidi(
+        self,
+        method: str,
+        data: Any = None,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+        metadata: Any = None,
+    ) -> AsyncBidi:
+        """Calls `method` and sends items as it goes (see
+        `dmrpc.Client.call_bidi`): the `AsyncBidi`, once the request is
+        sent. Not on a balanced client."""
+        extra = (wait_for_ready, metadata)
+        native = await _await(
+            lambda loop, fut: self._client.start_bidi(method, data, timeout, loop, fut, _resolve, *extra)
+        )
+        return AsyncBidi(native)
 
     def with_retry(self, retry: Any) -> AsyncClient:
         """A client on the same connection whose calls that pass no `retry`
