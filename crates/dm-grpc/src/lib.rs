@@ -8,7 +8,7 @@
 //! ```ignore
 //! // Server: a generated service on a dmrpc name in the pool.
 //! let served = dm_grpc::serve(&node, "shop/imaging", ImagingServer::new(service))?;
-//! // Client: a channel by name; a service not in this pool over TCP.
+//! // Client: a channel by name. A service not in this pool: over TCP.
 //! let channel = dm_grpc::Dial::new(&node, "shop/imaging")
 //!     .or_tcp("http://imaging.example:50051")
 //!     .connect()

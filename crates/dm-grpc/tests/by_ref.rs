@@ -1,6 +1,6 @@
 //! Large messages by Ref on the direct way ([`dm_grpc::Codec`]): encoded
 //! once into the pool, decoded from views of its pages, at sizes just
-//! below and above the threshold, in every kind of stream; and a stock
+//! below and above the threshold, in every kind of stream. And a stock
 //! codec on either end still gets plain bytes. One test: the counts it
 //! checks are the process's.
 #![allow(clippy::unwrap_used)]
@@ -103,7 +103,7 @@ fn large_messages_go_by_ref_and_stock_codecs_get_bytes() {
                 .max_decoding_message_size(64 << 20);
 
             // The threshold: a message whose frame (5-byte prefix and
-            // message) fits inline goes inline; one byte more goes by Ref.
+            // message) fits inline goes inline. One byte more goes by Ref.
             let inline_max = node.config().inline_max;
             let frame = |n: usize| 5 + blob(n, 1).encoded_len();
             let at = (0..inline_max)

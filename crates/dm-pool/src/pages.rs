@@ -653,7 +653,7 @@ mod tests {
         for p in 3..7 {
             assert_eq!(t.state(p).unwrap(), PageState::Cached(1));
         }
-        // 8..12 is the only run of four left; none of five, and a budget
+        // 8..12 is the only run of four left. None of five, and a budget
         // too short to reach it finds nothing either.
         assert_eq!(t.claim_run(&c, 1, 5, 100), None);
         c.store(0, Ordering::Relaxed);

@@ -76,7 +76,7 @@ pub(crate) struct Outbox {
 thread_local! {
     static OUTBOX: RefCell<Option<Outbox>> = const { RefCell::new(None) };
     /// Set by a [`crate::Codec`]'s decoder just before tonic reads the body
-    /// it decodes; taken by the body's read.
+    /// it decodes. The body's read takes it.
     static VIEWS_WANTED: Cell<bool> = const { Cell::new(false) };
 }
 
@@ -323,7 +323,7 @@ struct Frames {
 
 impl Frames {
     /// Splits `chunk` around each whole frame `pick` takes (given its flag
-    /// and message); the rest stays bytes (`bytes`).
+    /// and message). The rest stays bytes (`bytes`).
     fn split<T>(
         &mut self,
         chunk: Bytes,

@@ -236,7 +236,7 @@ mod tests {
         let out = lay_over(&got, got.encoded_len()).unwrap();
         assert_eq!(out.to_vec().unwrap(), frame(&sent));
         // Other fields of the same sizes, before and after the pixels:
-        // written over the first and the last page; the source unchanged.
+        // written over the first and the last page. The source is unchanged.
         let other = Image {
             width: 8,
             digest: 6,

@@ -340,7 +340,7 @@ impl Buffer {
     /// are copied or zeroed as [`write`](Self::write) does). `fill` gets the
     /// buffer's bytes as runs of consecutive pool pages, in order. The runs
     /// are uninitialised memory to `fill`: it can write them, not read
-    /// them. It returns how many bytes from the front it wrote; the rest is
+    /// them. It returns how many bytes from the front it wrote. The rest is
     /// zeroed. If the pool has too few free pages, nothing changes and
     /// `ResourceExhausted` is returned.
     pub fn overwrite(
