@@ -942,7 +942,16 @@ mod tests {
             req.encode(1, &mut b);
             let body = &b[4..];
             if cut < body.len() && !matches!(req, Request::Write { .. } | Request::Put { .. }) {
-                prop_assert!(Request::decode(&body[..cut]).is_err());
+                match (Request::decode(&body[..cut]), &req) {
+                    (Err(_), _) => {}
+                    // A hello's nonce is optional: a hello cut just before
+                    // it is a hello without one.
+                    (
+                        Ok((_, Request::Hello { lease_ms, nonce: None })),
+                        Request::Hello { lease_ms: sent, nonce: Some(_) },
+                    ) if lease_ms == *sent => {}
+                    (Ok(other), _) => prop_assert!(false, "a truncation decoded: {other:?}"),
+                }
             }
         }
     }
