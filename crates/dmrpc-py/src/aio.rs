@@ -249,16 +249,7 @@ impl PyAsyncClient {
             py,
             Box::pin(open),
             (event_loop, fut, resolve),
-            move |py, r| {
-                let r = r.and_then(|st| {
-                    let st = PyAsyncStream::new(st, node);
-                    Py::new(py, st).map_err(|e| RpcError::internal(e.to_string()))
-                });
-                match r {
-                    Ok(st) => (true, st.into_any()),
-                    Err(e) => (false, to_py(e).into_value(py).into_any()),
-                }
-            },
+            move |py, r| opened(py, r.map(|st| PyAsyncStream::new(st, node))),
         )
     }
 
@@ -289,17 +280,20 @@ impl PyAsyncClient {
             py,
             Box::pin(open),
             (event_loop, fut, resolve),
-            move |py, r| {
-                let r = r.and_then(|b| {
-                    Py::new(py, PyAsyncBidi::new(b, node))
-                        .map_err(|e| RpcError::internal(e.to_string()))
-                });
-                match r {
-                    Ok(b) => (true, b.into_any()),
-                    Err(e) => (false, to_py(e).into_value(py).into_any()),
-                }
-            },
+            move |py, r| opened(py, r.map(|b| PyAsyncBidi::new(b, node))),
         )
+    }
+}
+
+/// An opening's result for `resolve`: the Python object of what opened,
+/// or the exception.
+fn opened<T>(py: Python<'_>, r: Result<T, RpcError>) -> (bool, Py<PyAny>)
+where
+    T: Into<pyo3::PyClassInitializer<T>> + pyo3::PyClass,
+{
+    match r.and_then(|t| Py::new(py, t).map_err(|e| RpcError::internal(e.to_string()))) {
+        Ok(t) => (true, t.into_any()),
+        Err(e) => (false, to_py(e).into_value(py).into_any()),
     }
 }
 

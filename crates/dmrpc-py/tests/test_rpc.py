@@ -1067,19 +1067,23 @@ def _serve_streams(node, name, closed):
     return node.serve(name, {"plain": lambda b: bytes(b)[::-1]}, streams=streams)
 
 
+def _upper(first, inbox):
+    # A two-way handler: the request back, then each item in capitals.
+    yield bytes(first)
+    for item in inbox:
+        yield bytes(item).upper()
+
+
+def _total(first, inbox):
+    # A caller's stream answered once: how many bytes came.
+    yield sum(len(bytes(i)) for i in inbox).to_bytes(8, "little")
+
+
 def test_a_caller_sends_items_and_reads_the_answers_as_they_come(pool):
     p, path = pool
     node = dmrpc.Node(p)
     name = f"py/bidi/{os.getpid()}/{next(_N)}"
     kept = []
-
-    def upper(first, inbox):
-        yield bytes(first)
-        for item in inbox:
-            yield bytes(item).upper()
-
-    def total(first, inbox):
-        yield sum(len(bytes(i)) for i in inbox).to_bytes(8, "little")
 
     def keep(first, inbox):
         kept.append(inbox)
@@ -1090,7 +1094,7 @@ def test_a_caller_sends_items_and_reads_the_answers_as_they_come(pool):
         t.join()
         return [b"ok" if "handler's thread" in str(errors[0].value) else b"not refused"]
 
-    srv = node.serve(name, {}, bidi={"upper": upper, "total": total, "keep": keep})
+    srv = node.serve(name, {}, bidi={"upper": _upper, "total": _total, "keep": keep})
     c = node.connect(name)
     # Each item answered as it comes, a large one (by Ref) too.
     with c.call_bidi("upper", b"hi") as b:
@@ -1133,16 +1137,7 @@ def test_an_async_caller_sends_items_and_reads_the_answers(pool):
     p, path = pool
     node = dmrpc.Node(p)
     name = f"py/abidi/{os.getpid()}/{next(_N)}"
-
-    def upper(first, inbox):
-        yield bytes(first)
-        for item in inbox:
-            yield bytes(item).upper()
-
-    def total(first, inbox):
-        yield sum(len(bytes(i)) for i in inbox).to_bytes(8, "little")
-
-    srv = node.serve(name, {}, bidi={"upper": upper, "total": total})
+    srv = node.serve(name, {}, bidi={"upper": _upper, "total": _total})
 
     async def main():
         c = dmrpc.aio.connect(node, name)

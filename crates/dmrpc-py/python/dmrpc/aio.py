@@ -63,7 +63,7 @@ class AsyncStream:
     leaving an `async with` block, or dropping it) before the end cancels
     the call."""
 
-    def __init__(self, native: _AsyncStream) -> None:
+    def __init__(self, native: _AsyncStream | _AsyncBidi) -> None:
         self._st = native
 
     def __aiter__(self) -> AsyncStream:
@@ -96,14 +96,16 @@ class AsyncStream:
         self.close()
 
 
-class AsyncBidi:
+class AsyncBidi(AsyncStream):
     """An async call whose caller sends items (`AsyncClient.call_bidi`):
     `await send(item)` waits while the server's grant is used up, `await
     finish()` ends the items, and `async for item in call` gives the
-    answer's `Payload`s. One task may send while another reads. `close()`
-    (or leaving an `async with` block) before the end cancels the call."""
+    answer's `Payload`s, as an `AsyncStream`'s. One task may send while
+    another reads. `close()` (or leaving an `async with` block) before the
+    end cancels the call."""
 
     def __init__(self, native: _AsyncBidi) -> None:
+        super().__init__(native)
         self._b = native
 
     async def send(self, data: Any) -> None:
@@ -111,32 +113,6 @@ class AsyncBidi:
 
     async def finish(self) -> None:
         await _await(lambda loop, fut: self._b.finish(loop, fut, _resolve))
-
-    def __aiter__(self) -> AsyncBidi:
-        return self
-
-    async def __anext__(self) -> Payload:
-        item = await _await(lambda loop, fut: self._b.next(loop, fut, _resolve))
-        if item is None:
-            raise StopAsyncIteration
-        return item
-
-    def close(self) -> None:
-        self._b.close()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    @property
-    def metadata(self) -> tuple[tuple[str, bytes], ...]:
-        """The metadata of the answer that ended the call."""
-        return self._b.metadata
-
-    async def __aenter__(self) -> AsyncBidi:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
 
 
 class AsyncClient:
