@@ -37,6 +37,10 @@ impl Out {
     /// The next part, of what is queued or else of `more` (if it has any).
     fn next(&mut self, wanted: bool, more: Option<Bytes>) -> Option<Bytes> {
         if let Some(d) = more.filter(|d| !d.is_empty()) {
+            if self.queue.is_empty() && !self.inbox.may_take(&d, wanted) {
+                self.inbox.pass(&d);
+                return Some(d);
+            }
             self.queue.extend(self.inbox.parts(d, wanted));
         }
         self.queue.pop_front()

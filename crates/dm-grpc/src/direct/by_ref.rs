@@ -116,6 +116,11 @@ impl Outbox {
         let Some(ob) = this else {
             return vec![Part::Bytes(chunk)];
         };
+        if ob.made.is_empty() {
+            // (No token in it: only where its frames end is kept.)
+            ob.frames.walk(&chunk, |_, _| {});
+            return vec![Part::Bytes(chunk)];
+        }
         let made = &mut ob.made;
         ob.frames.split(
             chunk,
@@ -270,6 +275,17 @@ impl Inbox {
         }
     }
 
+    /// Whether some of `chunk` may go by token, for a decoder that wants
+    /// it so: else [`pass`](Self::pass) it as it is.
+    pub(crate) fn may_take(&self, chunk: &[u8], wanted: bool) -> bool {
+        wanted && chunk.len() >= PREFIX + self.min
+    }
+
+    /// Notes `chunk` handed over as it is.
+    pub(crate) fn pass(&mut self, chunk: &[u8]) {
+        self.frames.walk(chunk, |_, _| {});
+    }
+
     /// `chunk` as the decoder reading now should get it.
     pub(crate) fn parts(&mut self, chunk: Bytes, wanted: bool) -> Vec<Bytes> {
         let (issued, min) = (&mut self.issued, self.min);
@@ -322,16 +338,10 @@ struct Frames {
 }
 
 impl Frames {
-    /// Splits `chunk` around each whole frame `pick` takes (given its flag
-    /// and message). The rest stays bytes (`bytes`).
-    fn split<T>(
-        &mut self,
-        chunk: Bytes,
-        mut pick: impl FnMut(u8, &Bytes) -> Option<T>,
-        bytes: impl Fn(Bytes) -> T,
-    ) -> Vec<T> {
-        let mut out = Vec::new();
-        let (mut from, mut at, n) = (0, 0, chunk.len());
+    /// Walks `chunk`, calling `whole(at, len)` for each frame that lies in
+    /// it whole (its prefix at `at`, its message `len` bytes after).
+    fn walk(&mut self, chunk: &[u8], mut whole: impl FnMut(usize, usize)) {
+        let (mut at, n) = (0, chunk.len());
         while at < n {
             if self.left > 0 {
                 let k = self.left.min(n - at);
@@ -347,16 +357,8 @@ impl Frames {
                     chunk[at + 4],
                 ]) as usize;
                 if n - at - PREFIX >= len {
-                    let end = at + PREFIX + len;
-                    let msg = chunk.slice(at + PREFIX..end);
-                    if let Some(t) = pick(chunk[at], &msg) {
-                        if from < at {
-                            out.push(bytes(chunk.slice(from..at)));
-                        }
-                        out.push(t);
-                        from = end;
-                    }
-                    at = end;
+                    whole(at, len);
+                    at += PREFIX + len;
                     continue;
                 }
             }
@@ -372,8 +374,30 @@ impl Frames {
                         as usize;
             }
         }
-        if from < n {
-            out.push(bytes(chunk.slice(from..n)));
+    }
+
+    /// Splits `chunk` around each whole frame `pick` takes (given its flag
+    /// and message). The rest stays bytes (`bytes`).
+    fn split<T>(
+        &mut self,
+        chunk: Bytes,
+        mut pick: impl FnMut(u8, &Bytes) -> Option<T>,
+        bytes: impl Fn(Bytes) -> T,
+    ) -> Vec<T> {
+        let mut out = Vec::new();
+        let mut from = 0;
+        self.walk(&chunk, |at, len| {
+            let end = at + PREFIX + len;
+            if let Some(t) = pick(chunk[at], &chunk.slice(at + PREFIX..end)) {
+                if from < at {
+                    out.push(bytes(chunk.slice(from..at)));
+                }
+                out.push(t);
+                from = end;
+            }
+        });
+        if from < chunk.len() {
+            out.push(bytes(chunk.slice(from..)));
         }
         out
     }
