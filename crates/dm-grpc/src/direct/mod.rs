@@ -17,10 +17,13 @@ pub use server::GrpcService;
 /// `grpc_wire`. `data` as metadata entries (a key length byte, the key, a
 /// value length byte, the value; keys dmrpc refuses are skipped), read as
 /// a request (its method's URI, its headers, its timeout) and as an answer
-/// (its headers and trailers). And `data` as a gRPC body, in chunks of the
-/// first byte's size, handed to a decoder with every whole message of one
-/// byte or more by token (but in every third chunk, handed over as it is): with each token's message put back, it is
-/// `data` again. Never panics, whatever the bytes (but on that check).
+/// (its headers and trailers).
+///
+/// And `data` as a gRPC body, in chunks of the first byte's size, handed
+/// to a decoder with every whole message of one byte or more by token
+/// (but every third chunk, handed over as it is). With each token's
+/// message put back, it is `data` again. Never panics, whatever the bytes
+/// (but on that check).
 #[doc(hidden)]
 pub fn fuzz_wire(data: &[u8]) {
     fuzz_body(data);
