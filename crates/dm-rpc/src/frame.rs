@@ -906,7 +906,7 @@ mod tests {
                 (4, _) => Frame::go_away(id),
                 (5, p) => {
                     let meta = crate::metadata::Metadata::new()
-                        .with("trace-id", id.to_le_bytes().to_vec())
+                        .with("trace-id", id.to_le_bytes())
                         .and_then(|m| m.with("x", vec![0; (dl % 300) as usize]))
                         .unwrap_or_default();
                     Frame::request(id, m, dl, p).with_meta(meta)

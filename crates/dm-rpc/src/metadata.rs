@@ -39,11 +39,40 @@ pub const MAX_VALUE: usize = u16::MAX as usize;
 /// A request's metadata: keys and values, in order. Empty (the common
 /// case) costs nothing: no allocation, no bytes in the frame, one word in
 /// a frame (so a call moves and drops no more than it did without).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Metadata(Option<Box<Entries>>);
+/// Otherwise it is held as its encoding in a frame (the table above), in
+/// one buffer: decoding a frame's metadata is one copy, and adding an
+/// entry appends to it.
+#[derive(Clone, Default, PartialEq, Eq)]
+#[allow(clippy::box_collection, reason = "one word in every frame; a Vec is three")]
+pub struct Metadata(Option<Box<Vec<u8>>>);
 
-/// The entries of non-empty metadata.
-type Entries = Vec<(String, Vec<u8>)>;
+impl std::fmt::Debug for Metadata {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.iter().map(|(k, v)| (k, String::from_utf8_lossy(v))))
+            .finish()
+    }
+}
+
+/// The entries of an encoding that was checked (on insert or decode), in
+/// order.
+#[derive(Clone)]
+struct Entries<'a>(&'a [u8]);
+
+impl<'a> Iterator for Entries<'a> {
+    type Item = (&'a str, &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let (&klen, rest) = self.0.split_first()?;
+        let klen = klen as usize;
+        let (key, rest) = rest.split_at_checked(klen)?;
+        let (vlen, rest) = rest.split_first_chunk::<2>()?;
+        let (value, rest) = rest.split_at_checked(u16::from_le_bytes(*vlen) as usize)?;
+        self.0 = rest;
+        // (A checked key is ASCII: never the empty string here.)
+        Some((std::str::from_utf8(key).unwrap_or_default(), value))
+    }
+}
 
 /// Why a key or value cannot be metadata.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -146,61 +175,60 @@ impl Metadata {
     }
 
     /// Adds `value` under `key` (after any value the key has).
-    pub fn insert(&mut self, key: &str, value: impl Into<Vec<u8>>) -> Result<(), MetadataError> {
+    pub fn insert(&mut self, key: &str, value: impl AsRef<[u8]>) -> Result<(), MetadataError> {
         if !valid_key(key.as_bytes()) {
             return Err(MetadataError::Key(key.to_owned()));
         }
-        let value = value.into();
+        let value = value.as_ref();
         if value.len() > MAX_VALUE {
             return Err(MetadataError::Value(value.len()));
         }
-        self.0
-            .get_or_insert_with(Box::default)
-            .push((key.to_owned(), value));
+        self.push(key.as_bytes(), value);
         Ok(())
     }
 
+    /// Appends an entry whose key and value were checked.
+    fn push(&mut self, key: &[u8], value: &[u8]) {
+        let b = self.0.get_or_insert_with(Box::default);
+        b.reserve(3 + key.len() + value.len());
+        // (Lengths checked by the caller.)
+        b.push(key.len() as u8);
+        b.extend_from_slice(key);
+        b.extend_from_slice(&(value.len() as u16).to_le_bytes());
+        b.extend_from_slice(value);
+    }
+
     /// This metadata with `value` added under `key`.
-    pub fn with(mut self, key: &str, value: impl Into<Vec<u8>>) -> Result<Self, MetadataError> {
+    pub fn with(mut self, key: &str, value: impl AsRef<[u8]>) -> Result<Self, MetadataError> {
         self.insert(key, value)?;
         Ok(self)
     }
 
-    fn entries(&self) -> &[(String, Vec<u8>)] {
+    fn bytes(&self) -> &[u8] {
         self.0.as_deref().map_or(&[], Vec::as_slice)
     }
 
     /// The first value of `key`.
     pub fn get(&self, key: &str) -> Option<&[u8]> {
-        self.entries()
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_slice())
+        self.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
     }
 
     /// Every value of `key`, in order.
     pub fn get_all<'a>(&'a self, key: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.entries()
-            .iter()
-            .filter(move |(k, _)| k == key)
-            .map(|(_, v)| v.as_slice())
+        self.iter().filter(move |(k, _)| *k == key).map(|(_, v)| v)
     }
 
     /// Every key and value, in order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &[u8])> {
-        self.entries()
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_slice()))
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &[u8])> + Clone {
+        Entries(self.bytes())
     }
 
     /// The entries whose key is one of `keys`, in order.
     pub fn only(&self, keys: &[String]) -> Metadata {
         let mut out = Metadata::new();
-        for (k, v) in self.entries() {
+        for (k, v) in self.iter() {
             if keys.iter().any(|x| x == k) {
-                out.0
-                    .get_or_insert_with(Box::default)
-                    .push((k.clone(), v.clone()));
+                out.push(k.as_bytes(), v);
             }
         }
         out
@@ -222,12 +250,10 @@ impl Metadata {
             self.clone_from(other);
             return;
         }
-        let mine = self.len();
+        let mine = self.bytes().len();
         for (k, v) in other.iter() {
-            if !self.entries()[..mine].iter().any(|(x, _)| x == k) {
-                self.0
-                    .get_or_insert_with(Box::default)
-                    .push((k.to_owned(), v.to_vec()));
+            if !Entries(&self.bytes()[..mine]).any(|(x, _)| x == k) {
+                self.push(k.as_bytes(), v);
             }
         }
     }
@@ -236,7 +262,7 @@ impl Metadata {
     pub fn extend(&mut self, other: Metadata) {
         let Some(more) = other.0 else { return };
         match &mut self.0 {
-            Some(mine) => mine.extend(*more),
+            Some(mine) => mine.extend_from_slice(&more),
             None => self.0 = Some(more),
         }
     }
@@ -249,16 +275,13 @@ impl Metadata {
 
     /// Entries.
     pub fn len(&self) -> usize {
-        self.entries().len()
+        self.iter().count()
     }
 
     /// Bytes of its encoding in a frame.
     #[inline]
     pub fn encoded_len(&self) -> usize {
-        match &self.0 {
-            None => 0,
-            Some(v) => v.iter().map(|(k, v)| 3 + k.len() + v.len()).sum(),
-        }
+        self.bytes().len()
     }
 
     /// The most payload bytes that may go inline beside it in a frame of a
@@ -284,46 +307,39 @@ impl Metadata {
         Ok(room.min(max_inline.saturating_sub(len)))
     }
 
-    /// Calls `put` with its encoding, in pieces.
+    /// Calls `put` with its encoding.
     #[inline]
     pub(crate) fn encode_with(&self, put: &mut impl FnMut(&[u8])) {
-        for (k, v) in self.entries() {
-            // (Lengths checked on insert and on decode.)
-            put(&[k.len() as u8]);
-            put(k.as_bytes());
-            put(&(v.len() as u16).to_le_bytes());
-            put(v);
+        if !self.is_empty() {
+            put(self.bytes());
         }
     }
 
     /// Its encoding.
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.encoded_len());
-        self.encode_with(&mut |b| out.extend_from_slice(b));
-        out
+        self.bytes().to_vec()
     }
 
     /// Decodes a frame's metadata section, exactly `b`; the error says
     /// what is wrong with it (the frame decoder's `FrameError::Metadata`).
-    pub(crate) fn decode(mut b: &[u8]) -> Result<Metadata, &'static str> {
-        let mut out = Vec::new();
-        while let Some((&klen, rest)) = b.split_first() {
+    pub(crate) fn decode(b: &[u8]) -> Result<Metadata, &'static str> {
+        // Every entry checked before it is kept: the entries, read back,
+        // fill `b` exactly.
+        let mut rest = b;
+        while let Some((&klen, r)) = rest.split_first() {
             let klen = klen as usize;
-            let key = rest
+            let key = r
                 .get(..klen)
                 .filter(|k| valid_key(k))
                 .ok_or("a key is malformed or cut short")?;
-            let rest = &rest[klen..];
-            let vlen = rest
+            let r = &r[key.len()..];
+            let vlen = r
                 .get(..2)
                 .map(|l| u16::from_le_bytes([l[0], l[1]]) as usize)
                 .ok_or("a value's length is cut short")?;
-            let value = rest.get(2..2 + vlen).ok_or("a value is cut short")?;
-            // (A valid key is ASCII.)
-            out.push((String::from_utf8_lossy(key).into_owned(), value.to_vec()));
-            b = &rest[2 + vlen..];
+            rest = r.get(2 + vlen..).ok_or("a value is cut short")?;
         }
-        Ok(Metadata((!out.is_empty()).then(|| Box::new(out))))
+        Ok(Metadata((!b.is_empty()).then(|| Box::new(b.to_vec()))))
     }
 }
 

@@ -134,12 +134,12 @@ impl Outbox {
     }
 }
 
-/// Encodes `msg` into the pool if an outbox is lent and it is large
-/// enough, and gives the token that stands for it.
-pub(crate) fn encode_in_pool<M: prost::Message>(msg: &M) -> Option<[u8; TOKEN_LEN]> {
+/// Encodes `msg` (of encoded length `len`) into the pool if an outbox
+/// is lent and it is large enough, and gives the token that stands for
+/// it.
+pub(crate) fn encode_in_pool<M: prost::Message>(msg: &M, len: usize) -> Option<[u8; TOKEN_LEN]> {
     OUTBOX.with_borrow_mut(|ob| {
         let ob = ob.as_mut()?;
-        let len = msg.encoded_len();
         let total = PREFIX + len;
         if total <= ob.inline_max || u32::try_from(len).is_err() {
             return None;

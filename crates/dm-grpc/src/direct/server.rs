@@ -86,6 +86,23 @@ pub(crate) async fn serve_call<S: GrpcService>(
             return Ok(());
         }
     }
+    // (Boxed: what a stream needs is no part of every call's future.)
+    Box::pin(stream_answer(call, sink, head, out, outbox, now, end)).await
+}
+
+/// Answers call `call` with a stream, into `sink`: headers `head` (the
+/// response's), the body parts `now` that were ready and the rest of body
+/// `out` as it comes (large messages into `outbox`), then its trailers
+/// (`end`, if the body ended already).
+async fn stream_answer(
+    call: AsyncCall,
+    mut sink: AsyncSink,
+    mut head: Metadata,
+    out: Body,
+    mut outbox: Option<Outbox>,
+    now: Vec<Part>,
+    end: Option<http::HeaderMap>,
+) -> Result<(), RpcError> {
     // A stream (or messages in the pool, each its own item): the headers
     // now (a bidirectional call's client may wait for them before it
     // writes), then the body as it comes.
@@ -140,9 +157,12 @@ pub(crate) fn request_uri(meta: &Metadata) -> Result<http::Uri, RpcError> {
         .and_then(|p| std::str::from_utf8(p).ok())
         .filter(|p| p.starts_with('/'))
         .ok_or_else(|| RpcError::invalid_argument("a gRPC call without its method's path"))?;
-    format!("http://dmrpc{path}")
-        .parse()
-        .map_err(|_| RpcError::invalid_argument(format!("{path:?} is not a method's path")))
+    let bad = || RpcError::invalid_argument(format!("{path:?} is not a method's path"));
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(http::uri::Scheme::HTTP);
+    parts.authority = Some(http::uri::Authority::from_static("dmrpc"));
+    parts.path_and_query = Some(path.parse().map_err(|_| bad())?);
+    http::Uri::from_parts(parts).map_err(|_| bad())
 }
 
 /// The data of `b` there now, and its trailers if it ended (empty ones

@@ -55,14 +55,38 @@ fn into_headers<'a>(
         if k.starts_with("dmrpc.") {
             continue;
         }
-        let name = HeaderName::from_bytes(k.as_bytes())
+        let name = header_name(k)
             .map_err(|_| RpcError::invalid_argument(format!("{k:?} cannot be a header")))?;
-        let value = HeaderValue::from_bytes(v).map_err(|_| {
+        let value = header_value(v).map_err(|_| {
             RpcError::invalid_argument(format!("the value of {k:?} cannot be a header's"))
         })?;
         h.append(name, value);
     }
     Ok(())
+}
+
+/// Header `k`: gRPC's own names are made with no allocation.
+fn header_name(k: &str) -> Result<HeaderName, http::header::InvalidHeaderName> {
+    Ok(match k {
+        "content-type" => http::header::CONTENT_TYPE,
+        "grpc-status" => HeaderName::from_static("grpc-status"),
+        "grpc-message" => HeaderName::from_static("grpc-message"),
+        "grpc-encoding" => HeaderName::from_static("grpc-encoding"),
+        "grpc-accept-encoding" => HeaderName::from_static("grpc-accept-encoding"),
+        "grpc-timeout" => HeaderName::from_static("grpc-timeout"),
+        _ => return HeaderName::from_bytes(k.as_bytes()),
+    })
+}
+
+/// A header's value `v`: the values every call carries (its content type,
+/// the status of a success) are made with no allocation.
+fn header_value(v: &[u8]) -> Result<HeaderValue, http::header::InvalidHeaderValue> {
+    Ok(match v {
+        b"application/grpc" => HeaderValue::from_static("application/grpc"),
+        b"0" => HeaderValue::from_static("0"),
+        b"identity" => HeaderValue::from_static("identity"),
+        _ => return HeaderValue::from_bytes(v),
+    })
 }
 
 /// The headers a request's metadata carries.
@@ -175,7 +199,7 @@ mod tests {
         let (h, t) = answer_headers(&Metadata::new().with("k", "v").unwrap()).unwrap();
         assert_eq!((h.len(), t.len()), (1, 0));
         // A value with a newline is no header's.
-        let bad = Metadata::new().with("k", b"a\nb".to_vec()).unwrap();
+        let bad = Metadata::new().with("k", b"a\nb").unwrap();
         assert!(request_headers(&bad).is_err());
         // Hop-by-hop headers stay behind.
         let mut h = HeaderMap::new();

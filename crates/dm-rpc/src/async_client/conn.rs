@@ -318,7 +318,7 @@ impl AsyncConn {
         } = sent;
         if let Some((spin, at)) = spun {
             // The wait began a spin before it ran out.
-            r.ended_after_spin(spin, spin + at.elapsed());
+            r.ended_after_spin(spin, spin + r.came_after(at));
         }
         let got = got.unwrap_or_else(|_| Err(RpcError::unavailable("the connection closed")));
         let f = match got {
@@ -434,7 +434,7 @@ impl AsyncConn {
                 ))),
             },
         };
-        r.ended_after_spin(spun, spun + at.elapsed());
+        r.ended_after_spin(spun, spun + r.came_after(at));
         got
     }
 }

@@ -171,6 +171,9 @@ pub(super) struct State {
     pub(super) wanted: bool,
     /// The pump thread runs.
     pub(super) pumping: bool,
+    /// When the last answer for a parked caller came (read to adapt the
+    /// spin to when answers come, not to when their callers wake).
+    pub(super) arrived: Option<Instant>,
 }
 
 impl State {
@@ -281,7 +284,11 @@ impl Reader {
             Some(Slot::Stream(fed)) => {
                 fed.answered |= f.kind == Kind::Response;
                 fed.frames.push_back(f);
+                let parked = fed.waker.is_some();
                 fed.wake_later(wakes);
+                if parked {
+                    st.arrived = Some(Instant::now());
+                }
             }
             // (A grant for nothing open carries nothing to release.)
             _ if f.kind == Kind::Credit => {}
@@ -295,6 +302,7 @@ impl Reader {
                 self.ready.fetch_add(1, Ordering::Release);
             }
             Some(Slot::Waiting(_)) => {
+                st.arrived = Some(Instant::now());
                 if let Some(Slot::Waiting(w)) = self.remove(&mut st, f.call_id) {
                     wakes.answers.push((w, f));
                 }
@@ -797,6 +805,14 @@ impl Reader {
             .broken
             .clone()
             .unwrap_or_else(|| RpcError::internal("the connection broke"))
+    }
+
+    /// How long after `at` (when a caller's spin ran out) its answer
+    /// came: when the last answer for a parked caller came, if that was
+    /// after `at` (a later caller's, at worst), else now.
+    pub(super) fn came_after(&self, at: Instant) -> Duration {
+        let arrived = lock(&self.state).arrived.filter(|a| *a >= at);
+        arrived.unwrap_or_else(Instant::now) - at
     }
 
     /// Grows the spin again after a wait that ended `waited` after it

@@ -319,7 +319,7 @@ mod tests {
     #[test]
     fn records_are_the_parts_written_straight_from_the_frame() {
         let meta = crate::metadata::Metadata::new()
-            .with("k", b"value".to_vec())
+            .with("k", b"value")
             .unwrap();
         let f = big(10_000).with_meta(meta);
         for slice in [1, 7, 1000, 9_999, 20_000] {
