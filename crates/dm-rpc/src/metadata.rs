@@ -43,7 +43,10 @@ pub const MAX_VALUE: usize = u16::MAX as usize;
 /// one buffer: decoding a frame's metadata is one copy, and adding an
 /// entry appends to it.
 #[derive(Clone, Default, PartialEq, Eq)]
-#[allow(clippy::box_collection, reason = "one word in every frame; a Vec is three")]
+#[allow(
+    clippy::box_collection,
+    reason = "one word in every frame; a Vec is three"
+)]
 pub struct Metadata(Option<Box<Vec<u8>>>);
 
 impl std::fmt::Debug for Metadata {
@@ -381,6 +384,37 @@ mod tests {
         upper[1] = b'T';
         assert!(Metadata::decode(&upper).is_err());
         assert!(Metadata::decode(&[0, 0, 0]).is_err(), "an empty key");
+    }
+
+    proptest::proptest! {
+        /// Entries read back as they were added, through an encoding and
+        /// a decoding; any bytes either decode to entries that encode
+        /// back to exactly them, or are refused.
+        #[test]
+        fn entries_read_back_and_any_bytes_decode_exactly_or_not_at_all(
+            entries in proptest::collection::vec(
+                ("[a-z0-9._-]{1,12}", proptest::collection::vec(proptest::num::u8::ANY, 0..40)),
+                0..8,
+            ),
+            noise in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
+        ) {
+            let mut m = Metadata::new();
+            for (k, v) in &entries {
+                m.insert(k, v).unwrap();
+            }
+            let got: Vec<_> = m.iter().map(|(k, v)| (k.to_owned(), v.to_vec())).collect();
+            proptest::prop_assert_eq!(&got, &entries);
+            proptest::prop_assert_eq!(m.len(), entries.len());
+            let back = Metadata::decode(&m.encode()).unwrap();
+            proptest::prop_assert_eq!(&back, &m);
+            if let Ok(d) = Metadata::decode(&noise) {
+                let mut again = Metadata::new();
+                for (k, v) in d.iter() {
+                    again.insert(k, v).unwrap();
+                }
+                proptest::prop_assert_eq!(again.encode(), noise);
+            }
+        }
     }
 
     #[test]
