@@ -140,6 +140,9 @@ pub enum Error {
     /// Pool metadata is inconsistent (an index out of range, an impossible state).
     #[error("corrupt pool metadata: {0}")]
     Corrupt(String),
+    /// An argument the operation cannot take (what is wrong with it).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
     /// The pool is still being initialised by its creator (or the creator died).
     #[error("pool is not initialised (its creator has not finished or died while creating it)")]
     NotReady,

@@ -43,6 +43,8 @@
 //!   the dead and the expired hold; `page_cache.rs` — a process's pages;
 //! * `pool/` — [`Pool`]: attach, buffers, Refs, copy-on-write;
 //! * `mapped.rs` — [`MappedBuffer`], plain loads and stores;
+//!   `fixed.rs` — [`FixedMapping`], a buffer at one address in every
+//!   process, with no copy-on-write (what shared heaps are made of);
 //! * `check.rs` — the invariant and the counters; `admin.rs` — gc and
 //!   queries of a pool by path;
 //! * `registry.rs` — service names; `channel.rs` — the memory of the RPC
@@ -85,6 +87,8 @@ mod contract;
 #[cfg(not(loom))]
 mod error;
 #[cfg(not(loom))]
+mod fixed;
+#[cfg(not(loom))]
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(not(loom))]
@@ -119,6 +123,8 @@ pub use check::{check_path, counters_of, CheckReport, Counters, QuotaUse};
 pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]
 pub use error::{check_range, Error, Result};
+#[cfg(not(loom))]
+pub use fixed::FixedMapping;
 #[cfg(not(loom))]
 pub use layout::{
     Layout, ParseError, PoolConfig, RefClock, MAX_RING, MAX_TENANTS, MIN_RING, POOL_VERSION,

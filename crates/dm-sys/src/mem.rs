@@ -71,6 +71,20 @@ pub enum SysError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A range of addresses asked for is in use in this process (or not
+    /// in its address space): what must sit at one address in every
+    /// process cannot be mapped here.
+    #[error(
+        "addresses {addr:#x}..{:#x} are in use in this process: what must sit there cannot be \
+         mapped (map it in a process that has the range free, e.g. one that maps it early)",
+        addr + *len as u64
+    )]
+    AddressInUse {
+        /// The first address.
+        addr: u64,
+        /// The length.
+        len: usize,
+    },
 }
 
 /// A backing file (regular file, tmpfs file or DAX device) mapped in full,
@@ -431,6 +445,63 @@ impl Reservation {
         Ok(Self {
             base: p.cast(),
             len: len.max(1),
+        })
+    }
+
+    /// Reserves `len` bytes of address space at `addr` exactly (both
+    /// multiples of the OS page), as [`new`](Self::new) does: never over a
+    /// mapping already there (`MAP_FIXED_NOREPLACE`), which is
+    /// [`SysError::AddressInUse`].
+    pub fn at(addr: u64, len: usize) -> Result<Self, SysError> {
+        let ps = os_page_size() as u64;
+        if len == 0 || !addr.is_multiple_of(ps) || !(len as u64).is_multiple_of(ps) {
+            return Err(SysError::PageTable {
+                op: "mmap(reserve at)",
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "an address or length that is not a multiple of the page",
+                ),
+            });
+        }
+        if addr.checked_add(len as u64).is_none() {
+            return Err(SysError::AddressInUse { addr, len });
+        }
+        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping:
+        // the kernel maps at `addr` only if the range is free.
+        let p = unsafe {
+            libc::mmap(
+                addr as usize as *mut libc::c_void,
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE
+                    | libc::MAP_ANONYMOUS
+                    | libc::MAP_NORESERVE
+                    | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EEXIST) | Some(libc::ENOMEM) | Some(libc::EINVAL) => {
+                    SysError::AddressInUse { addr, len }
+                }
+                _ => SysError::PageTable {
+                    op: "mmap(reserve at)",
+                    source: e,
+                },
+            });
+        }
+        if p as u64 != addr {
+            // (A kernel older than 4.17 takes the flag as a hint.)
+            // SAFETY: the mapping just made, unmapped whole.
+            unsafe { libc::munmap(p, len) };
+            return Err(SysError::AddressInUse { addr, len });
+        }
+        Ok(Self {
+            base: p.cast(),
+            len,
         })
     }
 

@@ -144,6 +144,28 @@ impl Pool {
         self.inner.slot
     }
 
+    /// This process's attachment, as a word that names it for as long as
+    /// it lasts: its slot and the slot's incarnation (bumped by every
+    /// attach). See [`is_attached`](Self::is_attached).
+    pub fn attachment(&self) -> u64 {
+        (u64::from(self.inner.slot) << 32) | u64::from(self.inner.incarnation)
+    }
+
+    /// Whether the attachment named by `who` (another process's
+    /// [`attachment`](Self::attachment)) is still attached: false once it
+    /// detached, or was found dead and reclaimed. What a process records
+    /// in shared memory as its own (a lock it holds) is someone else's to
+    /// take over once this says false.
+    pub fn is_attached(&self, who: u64) -> bool {
+        let Ok(slot) = u16::try_from(who >> 32) else {
+            return false;
+        };
+        self.inner.shm.slot(slot).is_some_and(|s| {
+            s.state.load(crate::sync::Ordering::Acquire)
+                == crate::slot::SlotState::encode(who as u32, crate::slot::SlotKind::Live, 0)
+        })
+    }
+
     /// Backing path.
     pub fn path(&self) -> &Path {
         self.inner.shm.path()

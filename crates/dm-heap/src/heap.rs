@@ -1,0 +1,406 @@
+//! Heaps: creating, sharing and opening them, and the header every heap
+//! starts with.
+//!
+//! A heap is a pool buffer of whole pages, mapped read-write at one
+//! address in every process that opens it ([`dm_pool::FixedMapping`]).
+//! Its creator picks the address at random in a range processes seldom
+//! use, and records it in the heap's header, in the heap's first page:
+//!
+//! | bytes | field |
+//! |-------|-------|
+//! | 8 | magic `DMHEAP\0\x01` |
+//! | 4 | version ([`HEAP_VERSION`]) |
+//! | 4 | zero |
+//! | 8 | the address it sits at |
+//! | 8 | its length in bytes |
+//! | 8 | the lock (`lock.rs`) |
+//! | 8 | the bump: the offset where unused memory starts |
+//! | 8 | the root: the offset of the value set as root, or 0 |
+//! | 8 | bytes in blocks handed out and not given back |
+//! | 8 × [`CLASSES`](crate::alloc) | the free lists' heads, one per size class |
+//!
+//! It is shared as a [`HeapRef`]: a Ref of the buffer, with the address
+//! and the length. Opening it maps the Ref at that address, and checks
+//! the header against the Ref before trusting anything in it. Every value
+//! the allocator later reads from the header or from a free block is
+//! checked too (`alloc.rs`): another process of the heap can write
+//! anything there.
+
+use crate::alloc::{HeapAlloc, CLASSES};
+use dm_pool::{FixedMapping, Pool, Ref};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+
+/// The version of the heap header's layout (the table above).
+pub const HEAP_VERSION: u32 = 1;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"DMHEAP\0\x01");
+
+/// Where heaps are placed: addresses `[LOW, HIGH)`, in steps of `ALIGN`.
+/// Far below where Linux places `mmap`s (just under the stack, near
+/// 0x7fff_...) and far above programs and their heaps.
+const LOW: u64 = 0x5000_0000_0000;
+const HIGH: u64 = 0x6000_0000_0000;
+const ALIGN: u64 = 2 << 20;
+
+/// The bytes the header takes; memory handed out starts after it.
+pub(crate) const HEADER_LEN: u64 = 4096;
+
+/// The header at a heap's first byte (see the module docs). Every field is
+/// atomic: other processes may change any of them at any time.
+#[repr(C)]
+#[derive(Debug)]
+pub(crate) struct Header {
+    magic: AtomicU64,
+    version: AtomicU64,
+    addr: AtomicU64,
+    len: AtomicU64,
+    pub(crate) lock: AtomicU64,
+    pub(crate) bump: AtomicU64,
+    root: AtomicU64,
+    pub(crate) in_use: AtomicU64,
+    pub(crate) free: [AtomicU64; CLASSES],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() as u64 <= HEADER_LEN);
+
+/// Why a heap cannot be made, opened or used as asked.
+#[derive(Debug, thiserror::Error)]
+pub enum HeapError {
+    /// The pool refused (no room, a quota, a Ref expired or forged), or
+    /// the heap's address range is in use in this process
+    /// (`SysError::AddressInUse`).
+    #[error(transparent)]
+    Pool(#[from] dm_pool::Error),
+    /// What should be a heap's header is not one, or does not match the
+    /// [`HeapRef`] it was opened by.
+    #[error("not a heap (or not the one its reference names): {0}")]
+    NotAHeap(String),
+    /// Too small to hold its header and anything else, or larger than
+    /// the range heaps are placed in.
+    #[error("a heap of {0} bytes cannot be made (at least 8 KiB, at most 1 TiB)")]
+    BadSize(u64),
+    /// No free range found for it in this process.
+    #[error("no free address range of {0} bytes for a heap in this process")]
+    NoAddress(u64),
+    /// A heap encoding of the wrong length.
+    #[error("a heap reference is {HEAP_REF_LEN} bytes, not {0}")]
+    BadRef(usize),
+    /// The heap has no room for the value.
+    #[error("the heap is full: no block of {0} bytes is free")]
+    Full(u64),
+    /// Alignment above a page's, which the heap does not give.
+    #[error("an alignment of {0} bytes is more than a heap gives (4096)")]
+    TooAligned(usize),
+    /// The allocator found what another process wrote in the heap's
+    /// bookkeeping out of bounds: nothing was taken from it.
+    #[error("the heap's bookkeeping is corrupt: {0}")]
+    Corrupt(&'static str),
+    /// A pointer that is not into this heap (or not to a block of it).
+    #[error("{0:#x} is not a block of this heap")]
+    Foreign(u64),
+}
+
+/// A heap opened by this process (see the crate docs). Values in it are
+/// reachable only while it is open: the collections made with its
+/// [`alloc`](Self::alloc) borrow it.
+#[derive(Debug)]
+pub struct Heap {
+    map: FixedMapping,
+    pool: Pool,
+    /// This process's entry in [`OPEN`].
+    entry: usize,
+}
+
+/// The heaps open in this process, by base address: how an allocator
+/// handle (which lives in the heap, the same in every process) finds the
+/// process's pool when it needs it.
+const MAX_OPEN: usize = 64;
+static OPEN: [AtomicPtr<Pool>; MAX_OPEN] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_OPEN];
+static OPEN_BASE: [AtomicU64; MAX_OPEN] = [const { AtomicU64::new(0) }; MAX_OPEN];
+static OPEN_LEN: [AtomicU64; MAX_OPEN] = [const { AtomicU64::new(0) }; MAX_OPEN];
+
+/// The pool and the length of the heap open at `base` in this process.
+pub(crate) fn open_at(base: u64) -> Option<(&'static Pool, u64)> {
+    let i = OPEN_BASE
+        .iter()
+        .position(|b| b.load(Ordering::Acquire) == base)?;
+    let p = OPEN[i].load(Ordering::Acquire);
+    // SAFETY: a non-null entry is a leaked Box<Pool> freed only when its
+    // heap closes; a lookup runs inside a call on the heap's allocator,
+    // which borrows the open heap.
+    (!p.is_null()).then(|| (unsafe { &*p }, OPEN_LEN[i].load(Ordering::Acquire)))
+}
+
+/// A heap as it travels: a Ref of its buffer, its address and length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeapRef {
+    r: Ref,
+    addr: u64,
+    len: u64,
+}
+
+/// The length of [`HeapRef::to_bytes`].
+pub const HEAP_REF_LEN: usize = dm_pool::Ref::SIZE + 16;
+
+impl HeapRef {
+    /// Its encoding: the Ref's, then the address and the length
+    /// (little-endian).
+    pub fn to_bytes(&self) -> [u8; HEAP_REF_LEN] {
+        let mut b = [0u8; HEAP_REF_LEN];
+        let n = dm_pool::Ref::SIZE;
+        b[..n].copy_from_slice(&self.r.to_bytes());
+        b[n..n + 8].copy_from_slice(&self.addr.to_le_bytes());
+        b[n + 8..].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes [`to_bytes`](Self::to_bytes) (checked when opened).
+    pub fn from_bytes(b: &[u8]) -> Result<HeapRef, HeapError> {
+        let n = dm_pool::Ref::SIZE;
+        if b.len() != HEAP_REF_LEN {
+            return Err(HeapError::BadRef(b.len()));
+        }
+        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
+        Ok(HeapRef {
+            r: Ref::from_bytes(&b[..n]).map_err(dm_pool::Error::from)?,
+            addr: word(n),
+            len: word(n + 8),
+        })
+    }
+
+    /// The Ref of the heap's buffer (released with
+    /// [`Pool::release_ref`] once every process it went to opened it, or
+    /// left to its TTL).
+    pub fn pool_ref(&self) -> &Ref {
+        &self.r
+    }
+
+    /// The address the heap sits at.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty (never, for a heap).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Heap {
+    /// Makes a heap of `len` bytes (rounded up to pages) in `pool`, at an
+    /// address free in this process, and opens it.
+    pub fn create(pool: &Pool, len: u64) -> Result<Heap, HeapError> {
+        let ps = pool.page_size() as u64;
+        let len = len.div_ceil(ps).saturating_mul(ps);
+        if !(2 * HEADER_LEN..=(HIGH - LOW) / 16).contains(&len) {
+            return Err(HeapError::BadSize(len));
+        }
+        let mut buf = pool.alloc(len)?;
+        // Every page backed and zeroed (its first owner may have left bytes).
+        buf.overwrite(|_| 0)?;
+        let slots = (HIGH - LOW - len) / ALIGN;
+        let mut map = None;
+        for _ in 0..32 {
+            let addr = LOW + (dm_sys::rand::random_u64() % slots) * ALIGN;
+            match FixedMapping::new(buf, addr) {
+                Ok(m) => {
+                    map = Some(m);
+                    break;
+                }
+                Err(dm_pool::Error::Sys(dm_sys::mem::SysError::AddressInUse { .. })) => {
+                    // (The buffer went with the failed mapping: take it anew.)
+                    buf = pool.alloc(len)?;
+                    buf.overwrite(|_| 0)?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let map = map.ok_or(HeapError::NoAddress(len))?;
+        let base = map.base() as u64;
+        // SAFETY: the mapping is at least HEADER_LEN bytes, page aligned,
+        // read-write, and zeroed (all-zero atomics are valid).
+        let h = unsafe { &*(map.base() as *const Header) };
+        h.version.store(u64::from(HEAP_VERSION), Ordering::Relaxed);
+        h.addr.store(base, Ordering::Relaxed);
+        h.len.store(len, Ordering::Relaxed);
+        h.bump.store(HEADER_LEN, Ordering::Relaxed);
+        h.magic.store(MAGIC, Ordering::Release);
+        Heap::register(map, pool)
+    }
+
+    /// Opens the heap `r` names, at its address: `AddressInUse` (in
+    /// [`HeapError::Pool`]) if that range is taken in this process.
+    pub fn open(pool: &Pool, r: &HeapRef) -> Result<Heap, HeapError> {
+        let buf = pool.map_ref(&r.r)?;
+        if buf.len() != r.len {
+            return Err(HeapError::NotAHeap(format!(
+                "its Ref is {} bytes, its reference says {}",
+                buf.len(),
+                r.len
+            )));
+        }
+        if r.addr < LOW
+            || r.addr.checked_add(r.len).is_none_or(|e| e > HIGH)
+            || !r.addr.is_multiple_of(ALIGN)
+        {
+            return Err(HeapError::NotAHeap(format!(
+                "address {:#x} is outside where heaps are placed",
+                r.addr
+            )));
+        }
+        let map = FixedMapping::new(buf, r.addr)?;
+        // SAFETY: as in `create`; the bytes are checked below before use.
+        let h = unsafe { &*(map.base() as *const Header) };
+        let magic = h.magic.load(Ordering::Acquire);
+        let version = h.version.load(Ordering::Relaxed);
+        let (addr, len) = (
+            h.addr.load(Ordering::Relaxed),
+            h.len.load(Ordering::Relaxed),
+        );
+        if magic != MAGIC || version != u64::from(HEAP_VERSION) || addr != r.addr || len != r.len {
+            return Err(HeapError::NotAHeap(format!(
+                "header says magic {magic:#x}, version {version}, at {addr:#x}, {len} bytes"
+            )));
+        }
+        Heap::register(map, pool)
+    }
+
+    fn register(map: FixedMapping, pool: &Pool) -> Result<Heap, HeapError> {
+        let base = map.base() as u64;
+        let entry = OPEN_BASE
+            .iter()
+            .position(|b| {
+                b.compare_exchange(0, u64::MAX, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            })
+            .ok_or(HeapError::Pool(dm_pool::Error::ResourceExhausted {
+                what: "open heaps (64 per process)",
+            }))?;
+        OPEN[entry].store(Box::into_raw(Box::new(pool.clone())), Ordering::Release);
+        OPEN_LEN[entry].store(map.len() as u64, Ordering::Release);
+        OPEN_BASE[entry].store(base, Ordering::Release);
+        Ok(Heap {
+            map,
+            pool: pool.clone(),
+            entry,
+        })
+    }
+
+    pub(crate) fn header(&self) -> &Header {
+        // SAFETY: checked at creation or opening; mapped while self lives.
+        unsafe { &*(self.map.base() as *const Header) }
+    }
+
+    /// The address it sits at, in every process.
+    pub fn base(&self) -> *mut u8 {
+        self.map.base()
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// Whether it is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// The allocator of this heap, for collections:
+    /// `HeapVec::new_in(heap.alloc())`.
+    pub fn alloc(&self) -> HeapAlloc<'_> {
+        HeapAlloc::new(self.header())
+    }
+
+    /// Bytes in blocks handed out and not given back.
+    pub fn in_use(&self) -> u64 {
+        self.header().in_use.load(Ordering::Relaxed)
+    }
+
+    /// Moves `value` into the heap: the returned reference lives as long
+    /// as the heap is open here. (The value is never dropped: a heap's
+    /// memory goes with the heap.)
+    pub fn put<T>(&self, value: T) -> Result<&T, HeapError> {
+        let p = self
+            .alloc()
+            .block(std::alloc::Layout::new::<T>())?
+            .cast::<T>();
+        // SAFETY: a fresh block of T's size and alignment, ours alone.
+        unsafe {
+            p.as_ptr().write(value);
+            Ok(&*p.as_ptr())
+        }
+    }
+
+    /// The offset of `value` in this heap, if it is in it.
+    pub fn offset_of<T>(&self, value: &T) -> Option<u64> {
+        let a = value as *const T as u64;
+        let base = self.base() as u64;
+        (a >= base + HEADER_LEN && a + std::mem::size_of::<T>() as u64 <= base + self.len())
+            .then(|| a - base)
+    }
+
+    /// Sets the heap's root: the value other processes find first.
+    pub fn set_root<T>(&self, value: &T) {
+        // (A value outside the heap is no root.)
+        let off = self.offset_of(value).unwrap_or(0);
+        self.header().root.store(off, Ordering::Release);
+    }
+
+    /// The heap's root, as a `T`.
+    ///
+    /// # Safety
+    /// The root must have been set to a `T` by a process trusted to have
+    /// done so, and nothing may change it while the reference lives:
+    /// nothing here checks the bytes (validated access does).
+    pub unsafe fn root<T>(&self) -> Option<&T> {
+        let off = self.header().root.load(Ordering::Acquire);
+        let size = std::mem::size_of::<T>() as u64;
+        let ok = off >= HEADER_LEN
+            && off.checked_add(size).is_some_and(|e| e <= self.len())
+            && (self.base() as u64 + off).is_multiple_of(std::mem::align_of::<T>() as u64);
+        // SAFETY: in bounds and aligned (checked); a T by the caller's word.
+        ok.then(|| unsafe { &*(self.base().add(off as usize) as *const T) })
+    }
+
+    /// Where the heap's root is, as a `T`, if it is in bounds and aligned
+    /// for one (what is there is the caller's to trust: see
+    /// [`root`](Self::root)).
+    pub fn root_ptr<T>(&self) -> Option<std::ptr::NonNull<T>> {
+        // SAFETY: only the bounds are used; nothing is read through it.
+        unsafe { self.root::<T>() }.map(std::ptr::NonNull::from)
+    }
+
+    /// Shares the heap: a [`HeapRef`] any process of the pool opens it by,
+    /// valid for the pool's Ref TTL (or until released).
+    pub fn share(&self) -> Result<HeapRef, HeapError> {
+        Ok(HeapRef {
+            r: self.map.buffer().share()?,
+            addr: self.base() as u64,
+            len: self.len(),
+        })
+    }
+
+    /// The pool it is in.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+}
+
+impl Drop for Heap {
+    fn drop(&mut self) {
+        OPEN_BASE[self.entry].store(u64::MAX, Ordering::Release);
+        let p = OPEN[self.entry].swap(std::ptr::null_mut(), Ordering::AcqRel);
+        if !p.is_null() {
+            // SAFETY: the Box leaked in `register`, taken back once.
+            drop(unsafe { Box::from_raw(p) });
+        }
+        OPEN_BASE[self.entry].store(0, Ordering::Release);
+    }
+}

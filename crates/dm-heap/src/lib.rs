@@ -1,0 +1,80 @@
+//! # dm-heap — shared heaps: pool memory at one address in every process
+//!
+//! A [`Heap`] is a buffer of the pool mapped at the same virtual address
+//! in every process that opens it, so native pointers inside it are
+//! valid everywhere: a tree, a map or a document built in it crosses
+//! processes with no serialization (RPCool's shared heaps).
+//!
+//! ```
+//! use dm_pool::{Pool, PoolConfig};
+//! use dm_heap::{Heap, HeapMap, HeapVec};
+//! let path = std::env::temp_dir().join(format!("heap-doc-{}.pool", std::process::id()));
+//! Pool::create(&path, &PoolConfig { size: 32 << 20, ..Default::default() })?;
+//! let pool = Pool::open(&path, Default::default())?;
+//!
+//! let heap = Heap::create(&pool, 1 << 20)?;
+//! let mut m = HeapMap::with_capacity_and_hasher_in(8, Default::default(), heap.alloc());
+//! let mut v = HeapVec::new_in(heap.alloc());
+//! v.extend([1u32, 2, 3]);
+//! m.insert(7u64, v);
+//! let m = heap.put(m)?;                 // the map itself, in the heap
+//! heap.set_root(m);
+//! let shared = heap.share()?.to_bytes(); // 56 bytes to send anywhere
+//!
+//! // Another process opens it (`Heap::open(&pool, &HeapRef::from_bytes(..)?)`)
+//! // at the same address, and reads the map in place:
+//! // SAFETY: the root is a HeapMap<u64, HeapVec<u32>>, as set above.
+//! let m: &HeapMap<u64, HeapVec<u32>> = unsafe { heap.root() }.unwrap();
+//! assert_eq!(&m[&7][..], &[1, 2, 3]);
+//! # pool.release_ref(dm_heap::HeapRef::from_bytes(&shared)?.pool_ref())?;
+//! # drop(heap); drop(pool); Pool::destroy(&path)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! * `heap.rs` — [`Heap`]: creating, sharing and opening heaps, and the
+//!   header every heap starts with;
+//! * `alloc.rs` — the allocator inside the heap ([`HeapAlloc`]), which
+//!   the collections of `allocator-api2` and `hashbrown` take;
+//! * `lock.rs` — the heap's lock, which a dead holder does not keep.
+//!
+//! A heap lives while a process holds it open: each opening holds its
+//! pages as a buffer of the pool, so leases, crash reclaim, quotas and
+//! `pool check` cover it. What a process killed mid-way was building is
+//! left in the heap unreachable, until the heap goes.
+
+mod alloc;
+mod heap;
+mod lock;
+
+/// What the multi-process tests reach beneath the API; it is not API.
+#[doc(hidden)]
+pub mod testing {
+    /// Takes `heap`'s lock and kills this process with `SIGKILL`, as a
+    /// process killed mid-allocation would leave it.
+    pub fn die_holding_lock(heap: &crate::Heap) -> ! {
+        let held = crate::lock::lock(&heap.header().lock, Some(heap.pool()));
+        std::mem::forget(held);
+        // SAFETY: signals this process; nothing is touched after.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        std::process::abort()
+    }
+}
+
+pub use alloc::HeapAlloc;
+pub use heap::{Heap, HeapError, HeapRef, HEAP_VERSION};
+
+/// A vector whose memory is in a heap.
+pub type HeapVec<'h, T> = allocator_api2::vec::Vec<T, HeapAlloc<'h>>;
+/// A box whose memory is in a heap.
+pub type HeapBox<'h, T> = allocator_api2::boxed::Box<T, HeapAlloc<'h>>;
+/// The hasher of heap maps: seeded the same in every process (a map's
+/// hashes must agree wherever it is read), unlike a per-process random one.
+pub type HeapHasher = foldhash::fast::FixedState;
+/// A hash map whose memory is in a heap.
+///
+/// Make it with room (`with_capacity_and_hasher_in`), and keep it: a map
+/// with no table (made empty, or shrunk to nothing) points to a static
+/// of the process that made it, which other processes cannot read.
+pub type HeapMap<'h, K, V> = hashbrown::HashMap<K, V, HeapHasher, HeapAlloc<'h>>;
+/// A hash set whose memory is in a heap (made with room, as [`HeapMap`]).
+pub type HeapSet<'h, T> = hashbrown::HashSet<T, HeapHasher, HeapAlloc<'h>>;
