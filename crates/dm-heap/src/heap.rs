@@ -17,7 +17,8 @@
 //! | 8 | the bump: the offset where unused memory starts |
 //! | 8 | the root: the offset of the value set as root, or 0 |
 //! | 8 | bytes in blocks handed out and not given back |
-//! | 8 × [`CLASSES`](crate::alloc) | the free lists' heads, one per size class |
+//! | 8 × 37 | the free lists' heads, one per size class |
+//! | 32 × 64 | the seal records: id, offset, length, sealer (`seal.rs`) |
 //!
 //! It is shared as a [`HeapRef`]: a Ref of the buffer, with the address
 //! and the length. Opening it maps the Ref at that address, and checks
@@ -27,6 +28,7 @@
 //! anything there.
 
 use crate::alloc::{HeapAlloc, CLASSES};
+use crate::seal::{SealRecord, SEALS};
 use dm_pool::{FixedMapping, Pool, Ref};
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
@@ -59,6 +61,7 @@ pub(crate) struct Header {
     root: AtomicU64,
     pub(crate) in_use: AtomicU64,
     pub(crate) free: [AtomicU64; CLASSES],
+    pub(crate) seals: [SealRecord; SEALS],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() as u64 <= HEADER_LEN);
@@ -98,6 +101,9 @@ pub enum HeapError {
     /// A pointer that is not into this heap (or not to a block of it).
     #[error("{0:#x} is not a block of this heap")]
     Foreign(u64),
+    /// An argument that should be sealed is not (why).
+    #[error("not sealed: {0}")]
+    NotSealed(&'static str),
 }
 
 /// A heap opened by this process (see the crate docs). Values in it are
@@ -395,6 +401,8 @@ impl Heap {
 
 impl Drop for Heap {
     fn drop(&mut self) {
+        // (Before the mapping goes: the seals' records are in it.)
+        self.unseal_all();
         OPEN_BASE[self.entry].store(u64::MAX, Ordering::Release);
         let p = OPEN[self.entry].swap(std::ptr::null_mut(), Ordering::AcqRel);
         if !p.is_null() {

@@ -35,7 +35,10 @@
 //!   header every heap starts with;
 //! * `alloc.rs` — the allocator inside the heap ([`HeapAlloc`]), which
 //!   the collections of `allocator-api2` and `hashbrown` take;
-//! * `lock.rs` — the heap's lock, which a dead holder does not keep.
+//! * `lock.rs` — the heap's lock, which a dead holder does not keep;
+//! * `seal.rs` — scopes (a call's argument in pages of its own) and
+//!   seals (those pages read-only to the sender while the call reads
+//!   them).
 //!
 //! A heap lives while a process holds it open: each opening holds its
 //! pages as a buffer of the pool, so leases, crash reclaim, quotas and
@@ -45,6 +48,7 @@
 mod alloc;
 mod heap;
 mod lock;
+mod seal;
 
 /// What the multi-process tests reach beneath the API; it is not API.
 #[doc(hidden)]
@@ -62,6 +66,7 @@ pub mod testing {
 
 pub use alloc::HeapAlloc;
 pub use heap::{Heap, HeapError, HeapRef, HEAP_VERSION};
+pub use seal::{Scope, ScopeAlloc, Seal, BATCH};
 
 /// A vector whose memory is in a heap.
 pub type HeapVec<'h, T> = allocator_api2::vec::Vec<T, HeapAlloc<'h>>;

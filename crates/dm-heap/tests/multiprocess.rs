@@ -218,3 +218,43 @@ fn a_heap_whose_address_is_taken_in_a_process_is_refused_there() {
     drop(pool);
     tp.assert_clean();
 }
+
+#[test]
+fn a_sealed_argument_cannot_be_changed_by_its_sender() {
+    let tp = TempPool::new(64 << 20);
+    let pool = tp.attach();
+    let (heap, r) = heap_with_root(&pool, 4 << 20);
+    let mut a = Agent::spawn(&tp);
+    a.ok(&format!("open {}", hex(&r.to_bytes())));
+    let got = a.ok("seal 1000");
+    let w: Vec<u64> = got.split(' ').map(|x| x.parse().unwrap()).collect();
+    let (id, addr, len) = (w[0], w[1], w[2]);
+    // The receiver verifies the seal, then reads in place.
+    heap.verify_sealed(id, addr as *const u8, len).unwrap();
+    // SAFETY: 1000 u64 in the heap, sealed by their sender.
+    let v = unsafe { std::slice::from_raw_parts(addr as *const u64, 1000) };
+    assert_eq!(v[7], 7);
+    // A wrong id, or bytes beyond the sealed scope, are not sealed.
+    assert!(matches!(
+        heap.verify_sealed(id ^ 1, addr as *const u8, len),
+        Err(HeapError::NotSealed(_))
+    ));
+    assert!(heap.verify_sealed(id, addr as *const u8, 1 << 20).is_err());
+    // The sender stores into it: the store faults, and kills it.
+    writeln!(a.stdin, "write {}", addr + 7 * 8).unwrap();
+    a.stdin.flush().unwrap();
+    let st = a.child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(st.signal(), Some(libc::SIGSEGV), "{st:?}");
+    assert_eq!(v[7], 7, "the receiver's view is unchanged");
+    // Its sealer gone, the seal proves nothing any more.
+    pool.maintain().unwrap();
+    assert!(matches!(
+        heap.verify_sealed(id, addr as *const u8, len),
+        Err(HeapError::NotSealed("its sealer is gone"))
+    ));
+    pool.release_ref(r.pool_ref()).unwrap();
+    drop(heap);
+    drop(pool);
+    tp.assert_clean();
+}

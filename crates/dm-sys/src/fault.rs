@@ -25,14 +25,32 @@ use std::sync::Once;
 /// retried), `false` to pass it on.
 pub type Resolver = fn(addr: usize, is_write: bool) -> bool;
 
-static RESOLVER: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
+/// The resolvers, tried in the order they were added (one per layer that
+/// resolves faults: mapped buffers, heap seals).
+const MAX_RESOLVERS: usize = 4;
+static RESOLVERS: [AtomicPtr<()>; MAX_RESOLVERS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_RESOLVERS];
 static INSTALL: Once = Once::new();
 static SEGV: Chain = Chain::new();
 
-/// Installs the process-wide handler (idempotent) and sets the resolver.
-/// Returns an error if `sigaction` fails.
+/// Installs the process-wide handler (idempotent) and adds `resolver` to
+/// those it asks (once: adding it again changes nothing). Returns an
+/// error if `sigaction` fails, or if four resolvers are in already.
 pub fn install(resolver: Resolver) -> std::io::Result<()> {
-    RESOLVER.store(resolver as *mut (), Ordering::Release);
+    let f = resolver as *mut ();
+    // (Slots fill in order and are never emptied: the first empty one is
+    // after every resolver added.)
+    let added = RESOLVERS.iter().any(|r| {
+        r.load(Ordering::Acquire) == f
+            || r.compare_exchange(std::ptr::null_mut(), f, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            || r.load(Ordering::Acquire) == f
+    });
+    if !added {
+        return Err(std::io::Error::other(
+            "four fault resolvers are installed already",
+        ));
+    }
     let mut err = None;
     INSTALL.call_once(|| err = SEGV.install(libc::SIGSEGV, handler).err());
     match err {
@@ -127,12 +145,15 @@ extern "C" fn handler(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_vo
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
     let addr = unsafe { (*info).si_addr() } as usize;
     let is_write = fault_is_write(ctx);
-    let r = RESOLVER.load(Ordering::Acquire);
-    let resolved = !r.is_null() && {
-        // SAFETY: RESOLVER only ever holds a `Resolver` fn pointer (see `install`).
-        let f: Resolver = unsafe { std::mem::transmute::<*mut (), Resolver>(r) };
-        f(addr, is_write)
-    };
+    let resolved = RESOLVERS.iter().any(|r| {
+        let r = r.load(Ordering::Acquire);
+        !r.is_null() && {
+            // SAFETY: RESOLVERS only ever hold `Resolver` fn pointers (see
+            // `install`).
+            let f: Resolver = unsafe { std::mem::transmute::<*mut (), Resolver>(r) };
+            f(addr, is_write)
+        }
+    });
     if !resolved {
         SEGV.pass_on(sig, info, ctx);
     }

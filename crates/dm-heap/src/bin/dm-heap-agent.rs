@@ -86,6 +86,26 @@ fn main() {
                     }
                     Ok(String::new())
                 }
+                ["seal", n] => {
+                    // A scope holding 0..n, sealed and left in flight:
+                    // "id addr len" of the vector's elements.
+                    let h: &'static Heap = Box::leak(Box::new(heap.take().ok_or("no heap")?));
+                    let scope = Box::leak(Box::new(h.scope(64 << 10).map_err(|e| e.to_string())?));
+                    let mut v = allocator_api2::vec::Vec::new_in(scope.alloc());
+                    v.extend(0..n.parse::<u64>().unwrap());
+                    let v = Box::leak(Box::new(v));
+                    let seal = scope.seal().map_err(|e| e.to_string())?;
+                    let id = seal.id();
+                    std::mem::forget(seal);
+                    Ok(format!("{id} {} {}", v.as_ptr() as u64, v.len() * 8))
+                }
+                ["write", addr] => {
+                    // A plain store, as a buggy sender would make.
+                    let p = addr.parse::<u64>().unwrap() as *mut u64;
+                    // SAFETY: none: the test asks for a store that faults.
+                    unsafe { p.write_volatile(99) };
+                    Ok(String::new())
+                }
                 ["lock-and-die"] => {
                     // Dies holding the heap's lock, mid-allocation.
                     let h = heap.as_ref().ok_or("no heap")?;
