@@ -104,6 +104,10 @@ pub enum HeapError {
     /// An argument that should be sealed is not (why).
     #[error("not sealed: {0}")]
     NotSealed(&'static str),
+    /// Bytes that are not a heap argument, or one that names a value the
+    /// receiver cannot take (why).
+    #[error("bad heap argument: {0}")]
+    BadArg(&'static str),
 }
 
 /// A heap opened by this process (see the crate docs). Values in it are
@@ -115,6 +119,9 @@ pub struct Heap {
     pool: Pool,
     /// This process's entry in [`OPEN`].
     entry: usize,
+    /// The reference its arguments carry, and when it was made (one Ref
+    /// for many calls, made anew at half its TTL).
+    shared: std::sync::Mutex<Option<(HeapRef, std::time::Instant)>>,
 }
 
 /// The heaps open in this process, by base address: how an allocator
@@ -295,6 +302,7 @@ impl Heap {
             map,
             pool: pool.clone(),
             entry,
+            shared: std::sync::Mutex::new(None),
         })
     }
 
@@ -393,6 +401,25 @@ impl Heap {
         })
     }
 
+    /// The reference arguments carry: one [`share`](Self::share) kept
+    /// for many, made anew once half the pool's Ref TTL has passed (the
+    /// old one runs out by itself), released when the heap closes here.
+    pub(crate) fn shared_ref(&self) -> Result<HeapRef, HeapError> {
+        let ttl = std::time::Duration::from_millis(self.pool.layout().ref_ttl_ms);
+        let mut s = self
+            .shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*s {
+            Some((r, at)) if at.elapsed() < ttl / 2 => Ok(r.clone()),
+            _ => {
+                let r = self.share()?;
+                *s = Some((r.clone(), std::time::Instant::now()));
+                Ok(r)
+            }
+        }
+    }
+
     /// The pool it is in.
     pub fn pool(&self) -> &Pool {
         &self.pool
@@ -403,6 +430,12 @@ impl Drop for Heap {
     fn drop(&mut self) {
         // (Before the mapping goes: the seals' records are in it.)
         self.unseal_all();
+        // Arguments passed since name the heap by this Ref: released with
+        // the heap (a process that opened it holds the pages itself).
+        let shared = self.shared.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some((r, _)) = shared.take() {
+            let _ = self.pool.release_ref(&r.r);
+        }
         OPEN_BASE[self.entry].store(u64::MAX, Ordering::Release);
         let p = OPEN[self.entry].swap(std::ptr::null_mut(), Ordering::AcqRel);
         if !p.is_null() {

@@ -35,6 +35,8 @@
 //!   header every heap starts with;
 //! * `alloc.rs` — the allocator inside the heap ([`HeapAlloc`]), which
 //!   the collections of `allocator-api2` and `hashbrown` take;
+//! * `arg.rs` — a value in a heap as a call's argument (96 bytes), and
+//!   the receiver's side ([`Heaps`]), which reads it in place;
 //! * `lock.rs` — the heap's lock, which a dead holder does not keep;
 //! * `seal.rs` — scopes (a call's argument in pages of its own) and
 //!   seals (those pages read-only to the sender while the call reads
@@ -46,6 +48,7 @@
 //! left in the heap unreachable, until the heap goes.
 
 mod alloc;
+mod arg;
 mod heap;
 mod lock;
 mod seal;
@@ -65,7 +68,8 @@ pub mod testing {
 }
 
 pub use alloc::HeapAlloc;
-pub use heap::{Heap, HeapError, HeapRef, HEAP_VERSION};
+pub use arg::{Arg, Heaps, ARG_LEN};
+pub use heap::{Heap, HeapError, HeapRef, HEAP_REF_LEN, HEAP_VERSION};
 pub use seal::{Scope, ScopeAlloc, Seal, BATCH};
 
 /// A vector whose memory is in a heap.
