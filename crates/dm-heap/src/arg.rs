@@ -173,6 +173,17 @@ impl Heaps {
         }
     }
 
+    /// Adds `heap`, which this process made or opened itself: arguments
+    /// in it are read here too (a sender and a receiver in one process).
+    pub fn add(&self, heap: Heap) -> Arc<Heap> {
+        let h = Arc::new(heap);
+        self.open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(h.clone());
+        h
+    }
+
     /// The `T` that argument `bytes` passes.
     pub fn arg<T>(&self, bytes: &[u8]) -> Result<Arg<T>, HeapError> {
         let d = decode(bytes)?;
@@ -223,5 +234,107 @@ impl Heaps {
         let h = Arc::new(Heap::open(&self.pool, r)?);
         open.push(h.clone());
         Ok(h)
+    }
+}
+
+/// Reads `data` as edits of valid arguments, as a peer could send them,
+/// for the fuzz target `heap_arg` (and its corpus, replayed by the tests):
+/// the first byte picks a plain or a sealed argument and the type asked
+/// for; then each pair of bytes sets one byte of the argument. Whatever
+/// comes out must be a typed error, or a value in bounds of the heap.
+#[doc(hidden)]
+pub fn fuzz_arg(data: &[u8]) {
+    use std::sync::OnceLock;
+    struct Fixture {
+        heaps: Heaps,
+        heap: Arc<Heap>,
+        plain: [u8; ARG_LEN],
+        sealed: [u8; ARG_LEN],
+        _scope: &'static crate::Scope<'static>,
+    }
+    struct Shared(Fixture);
+    // SAFETY: the fixture is built once and then only read; the heap's
+    // memory is shared on purpose.
+    unsafe impl Send for Shared {}
+    // SAFETY: as above.
+    unsafe impl Sync for Shared {}
+    static FIXTURE: OnceLock<Shared> = OnceLock::new();
+    let f = &FIXTURE
+        .get_or_init(|| {
+            let path = std::env::temp_dir().join(format!("dm-heap-fuzz-{}", std::process::id()));
+            let _ = Pool::destroy(&path);
+            let cfg = dm_pool::PoolConfig {
+                size: 16 << 20,
+                ..Default::default()
+            };
+            let pool = Pool::open_or_create(&path, &cfg, Default::default()).expect("a pool");
+            // (Mapped, it needs no name: nothing is left behind.)
+            let _ = std::fs::remove_file(&path);
+            let heaps = Heaps::new(&pool);
+            let heap = heaps.add(Heap::create(&pool, 1 << 20).expect("a heap"));
+            let v: &[u64; 4] = heap.put([1, 2, 3, 4]).expect("room");
+            let plain = heap.arg(v).expect("an argument");
+            // (Leaked: the fixture lives as long as the process.)
+            let scope: &'static crate::Scope<'static> = Box::leak(Box::new(
+                // SAFETY: the heap lives in the fixture, for the process.
+                unsafe { &*Arc::as_ptr(&heap) }
+                    .scope(4096)
+                    .expect("a scope"),
+            ));
+            let w = scope.put([5u64, 6, 7, 8]).expect("room");
+            let seal = scope.seal().expect("a seal");
+            let sealed = heap.sealed_arg(w, &seal).expect("an argument");
+            std::mem::forget(seal);
+            Shared(Fixture {
+                heaps,
+                heap,
+                plain,
+                sealed,
+                _scope: scope,
+            })
+        })
+        .0;
+    let Some((&mode, edits)) = data.split_first() else {
+        return;
+    };
+    let mut b = if mode & 1 == 0 { f.plain } else { f.sealed };
+    let mut len = ARG_LEN;
+    for e in edits.chunks(2) {
+        match e {
+            [255, n] => len = usize::from(*n).min(ARG_LEN),
+            [at, v] => b[usize::from(*at) % ARG_LEN] = *v,
+            _ => {}
+        }
+    }
+    let b = &b[..len];
+    let (base, end) = (f.heap.base() as u64, f.heap.base() as u64 + f.heap.len());
+    let check = |p: *const u8, size: usize| {
+        let a = p as u64;
+        assert!(
+            a >= base + HEADER_LEN && a + size as u64 <= end,
+            "a value outside its heap"
+        );
+    };
+    match (mode >> 1) % 4 {
+        0 => {
+            if let Ok(a) = f.heaps.arg::<[u64; 4]>(b) {
+                check(a.as_ptr().cast(), 32);
+            }
+        }
+        1 => {
+            if let Ok(a) = f.heaps.sealed_arg::<[u64; 4]>(b) {
+                check(a.as_ptr().cast(), 32);
+            }
+        }
+        2 => {
+            if let Ok(a) = f.heaps.arg::<u8>(b) {
+                check(a.as_ptr(), 1);
+            }
+        }
+        _ => {
+            if let Ok(a) = f.heaps.arg::<[u64; 512]>(b) {
+                check(a.as_ptr().cast(), 4096);
+            }
+        }
     }
 }

@@ -68,7 +68,7 @@ pub mod testing {
 }
 
 pub use alloc::HeapAlloc;
-pub use arg::{Arg, Heaps, ARG_LEN};
+pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
 pub use heap::{Heap, HeapError, HeapRef, HEAP_REF_LEN, HEAP_VERSION};
 pub use seal::{Scope, ScopeAlloc, Seal, BATCH};
 
