@@ -38,7 +38,7 @@ const MAGIC: [u8; 4] = *b"DMHA";
 const VERSION: u8 = 1;
 
 /// The type tag of `T`: FNV-1a of its name, then its size and alignment.
-fn type_tag<T>() -> u64 {
+pub(crate) fn type_tag<T>() -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     let name = std::any::type_name::<T>().as_bytes();
     let size = (std::mem::size_of::<T>() as u64).to_le_bytes();
@@ -66,31 +66,47 @@ impl Heap {
         let off = self
             .offset_of(value)
             .ok_or(HeapError::Foreign(value as *const T as u64))?;
-        let r = self.shared_ref()?;
-        let mut b = [0u8; ARG_LEN];
-        b[..4].copy_from_slice(&MAGIC);
-        b[4] = VERSION;
-        b[8..8 + HEAP_REF_LEN].copy_from_slice(&r.to_bytes());
-        let mut at = 8 + HEAP_REF_LEN;
-        for w in [off, std::mem::size_of::<T>() as u64, seal, type_tag::<T>()] {
-            b[at..at + 8].copy_from_slice(&w.to_le_bytes());
-            at += 8;
-        }
-        Ok(b)
+        encode_raw(
+            &self.shared_ref()?,
+            off,
+            std::mem::size_of::<T>() as u64,
+            seal,
+            type_tag::<T>(),
+        )
     }
 }
 
-/// An argument as it arrived, its fields not yet checked against a heap.
-#[derive(Debug)]
-struct Decoded {
-    heap: HeapRef,
+/// An argument's bytes (see the module docs).
+pub(crate) fn encode_raw(
+    heap: &HeapRef,
     off: u64,
     size: u64,
     seal: u64,
     tag: u64,
+) -> Result<[u8; ARG_LEN], HeapError> {
+    let mut b = [0u8; ARG_LEN];
+    b[..4].copy_from_slice(&MAGIC);
+    b[4] = VERSION;
+    b[8..8 + HEAP_REF_LEN].copy_from_slice(&heap.to_bytes());
+    let mut at = 8 + HEAP_REF_LEN;
+    for w in [off, size, seal, tag] {
+        b[at..at + 8].copy_from_slice(&w.to_le_bytes());
+        at += 8;
+    }
+    Ok(b)
 }
 
-fn decode(b: &[u8]) -> Result<Decoded, HeapError> {
+/// An argument as it arrived, its fields not yet checked against a heap.
+#[derive(Debug)]
+pub(crate) struct Decoded {
+    pub(crate) heap: HeapRef,
+    pub(crate) off: u64,
+    pub(crate) size: u64,
+    pub(crate) seal: u64,
+    pub(crate) tag: u64,
+}
+
+pub(crate) fn decode(b: &[u8]) -> Result<Decoded, HeapError> {
     let bad = |why: &'static str| HeapError::BadArg(why);
     if b.len() != ARG_LEN {
         return Err(bad("an argument is 96 bytes"));
@@ -202,7 +218,26 @@ impl Heaps {
     }
 
     fn place<T>(&self, d: &Decoded) -> Result<Arg<T>, HeapError> {
-        if d.tag != type_tag::<T>() || d.size != std::mem::size_of::<T>() as u64 {
+        if d.size != std::mem::size_of::<T>() as u64 {
+            return Err(HeapError::BadArg("a value of another type"));
+        }
+        let (heap, p) = self.place_raw(d, type_tag::<T>(), std::mem::align_of::<T>())?;
+        Ok(Arg {
+            // SAFETY: inside the heap's mapping (checked), so not null.
+            ptr: unsafe { NonNull::new_unchecked(p as *mut T) },
+            heap,
+        })
+    }
+
+    /// Where the bytes argument `d` names are: of type `tag`, inside the
+    /// heap past its header, aligned to `align`.
+    pub(crate) fn place_raw(
+        &self,
+        d: &Decoded,
+        tag: u64,
+        align: usize,
+    ) -> Result<(Arc<Heap>, *const u8), HeapError> {
+        if d.tag != tag {
             return Err(HeapError::BadArg("a value of another type"));
         }
         let heap = self.heap_of(&d.heap)?;
@@ -210,14 +245,10 @@ impl Heaps {
             return Err(HeapError::BadArg("a value outside its heap"));
         }
         let addr = heap.base() as u64 + d.off;
-        if !addr.is_multiple_of(std::mem::align_of::<T>() as u64) {
+        if !addr.is_multiple_of(align as u64) {
             return Err(HeapError::BadArg("a value not aligned for its type"));
         }
-        Ok(Arg {
-            // SAFETY: inside the heap's mapping (checked), so not null.
-            ptr: unsafe { NonNull::new_unchecked(addr as *mut T) },
-            heap,
-        })
+        Ok((heap, addr as *const u8))
     }
 
     /// The heap `r` names, opened if it is not open yet.
@@ -237,11 +268,22 @@ impl Heaps {
     }
 }
 
+/// A document for the fuzz target's archives.
+#[derive(rkyv::Archive, rkyv::Serialize)]
+struct FuzzDoc {
+    id: u64,
+    name: String,
+    tags: Vec<String>,
+    rows: Vec<Vec<u32>>,
+}
+
 /// Reads `data` as edits of valid arguments, as a peer could send them,
 /// for the fuzz target `heap_arg` (and its corpus, replayed by the tests):
 /// the first byte picks a plain or a sealed argument and the type asked
-/// for; then each pair of bytes sets one byte of the argument. Whatever
-/// comes out must be a typed error, or a value in bounds of the heap.
+/// for, or an archive; then each pair of bytes sets one byte of the
+/// argument (of the archive's bytes, for an archive). Whatever comes out
+/// must be a typed error, or a value in bounds of the heap (an archive
+/// whose every part reads).
 #[doc(hidden)]
 pub fn fuzz_arg(data: &[u8]) {
     use std::sync::OnceLock;
@@ -251,6 +293,8 @@ pub fn fuzz_arg(data: &[u8]) {
         plain: [u8; ARG_LEN],
         sealed: [u8; ARG_LEN],
         _scope: &'static crate::Scope<'static>,
+        /// An archive's argument, where its bytes are, and a copy of them.
+        archive: ([u8; ARG_LEN], usize, Vec<u8>),
     }
     struct Shared(Fixture);
     // SAFETY: the fixture is built once and then only read; the heap's
@@ -285,18 +329,55 @@ pub fn fuzz_arg(data: &[u8]) {
             let seal = scope.seal().expect("a seal");
             let sealed = heap.sealed_arg(w, &seal).expect("an argument");
             std::mem::forget(seal);
+            let d = FuzzDoc {
+                id: 7,
+                name: "doc".into(),
+                tags: vec!["a".into(), "bc".into(), "a longer tag than inline".into()],
+                rows: (0..6).map(|i| (0..i).collect()).collect(),
+            };
+            let a = heap.archive(&d).expect("an archive");
+            let a_arg = heap.archive_arg(&a).expect("an argument");
+            let at = decode(&a_arg).expect("its own argument").off as usize;
+            // SAFETY: the archive's bytes, just written.
+            let pristine =
+                unsafe { std::slice::from_raw_parts(heap.base().add(at), a.len()) }.to_vec();
             Shared(Fixture {
                 heaps,
                 heap,
                 plain,
                 sealed,
                 _scope: scope,
+                archive: (a_arg, at, pristine),
             })
         })
         .0;
     let Some((&mode, edits)) = data.split_first() else {
         return;
     };
+    if (mode >> 1) % 5 == 4 {
+        // An archive, its bytes edited in the heap, validated (copied).
+        let (arg, at, pristine) = &f.archive;
+        // SAFETY: the fixture's archive, in its heap, this process's own
+        // (the fuzzer runs one input at a time).
+        let b = unsafe { std::slice::from_raw_parts_mut(f.heap.base().add(*at), pristine.len()) };
+        b.copy_from_slice(pristine);
+        for e in edits.chunks(2) {
+            if let [p, v] = e {
+                b[usize::from(*p) % pristine.len()] = *v;
+            }
+        }
+        if let Ok(c) = f.heaps.archived_copy::<FuzzDoc>(arg) {
+            let d = c.get();
+            let n: usize = d.name.len()
+                + d.tags.iter().map(|t| t.len()).sum::<usize>()
+                + d.rows
+                    .iter()
+                    .map(|r| r.iter().map(|x| x.to_native() as usize).sum::<usize>())
+                    .sum::<usize>();
+            std::hint::black_box((d.id, n));
+        }
+        return;
+    }
     let mut b = if mode & 1 == 0 { f.plain } else { f.sealed };
     let mut len = ARG_LEN;
     for e in edits.chunks(2) {
@@ -315,7 +396,7 @@ pub fn fuzz_arg(data: &[u8]) {
             "a value outside its heap"
         );
     };
-    match (mode >> 1) % 4 {
+    match (mode >> 1) % 5 {
         0 => {
             if let Ok(a) = f.heaps.arg::<[u64; 4]>(b) {
                 check(a.as_ptr().cast(), 32);

@@ -108,6 +108,9 @@ pub enum HeapError {
     /// receiver cannot take (why).
     #[error("bad heap argument: {0}")]
     BadArg(&'static str),
+    /// An archive that validation refused (what it found).
+    #[error("an archive is not valid: {0}")]
+    Invalid(String),
 }
 
 /// A heap opened by this process (see the crate docs). Values in it are

@@ -37,6 +37,9 @@
 //!   the collections of `allocator-api2` and `hashbrown` take;
 //! * `arg.rs` — a value in a heap as a call's argument (96 bytes), and
 //!   the receiver's side ([`Heaps`]), which reads it in place;
+//! * `archive.rs` — validated access: `rkyv` archives in a heap, checked
+//!   by `bytecheck` before a receiver that does not trust their sender
+//!   reads them;
 //! * `lock.rs` — the heap's lock, which a dead holder does not keep;
 //! * `seal.rs` — scopes (a call's argument in pages of its own) and
 //!   seals (those pages read-only to the sender while the call reads
@@ -48,6 +51,7 @@
 //! left in the heap unreachable, until the heap goes.
 
 mod alloc;
+mod archive;
 mod arg;
 mod heap;
 mod lock;
@@ -68,8 +72,11 @@ pub mod testing {
 }
 
 pub use alloc::HeapAlloc;
+pub use archive::{Archivable, Checkable, Copied, HeapArchive, Validated};
 pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
 pub use heap::{Heap, HeapError, HeapRef, HEAP_REF_LEN, HEAP_VERSION};
+/// `rkyv`, whose archives are validated access's values.
+pub use rkyv;
 pub use seal::{Scope, ScopeAlloc, Seal, BATCH};
 
 /// A vector whose memory is in a heap.
