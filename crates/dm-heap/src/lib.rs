@@ -40,6 +40,8 @@
 //! * `archive.rs` — validated access: `rkyv` archives in a heap, checked
 //!   by `bytecheck` before a receiver that does not trust their sender
 //!   reads them;
+//! * `collections.rs` — [`HeapString`] and [`HeapOrderedMap`], which
+//!   the crates above do not have;
 //! * `lock.rs` — the heap's lock, which a dead holder does not keep;
 //! * `seal.rs` — scopes (a call's argument in pages of its own) and
 //!   seals (those pages read-only to the sender while the call reads
@@ -53,6 +55,7 @@
 mod alloc;
 mod archive;
 mod arg;
+mod collections;
 mod heap;
 mod lock;
 mod seal;
@@ -74,6 +77,7 @@ pub mod testing {
 pub use alloc::HeapAlloc;
 pub use archive::{Archivable, Checkable, Copied, HeapArchive, Validated};
 pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
+pub use collections::{HeapOrderedMap, HeapString};
 pub use heap::{Heap, HeapError, HeapRef, HEAP_REF_LEN, HEAP_VERSION};
 /// `rkyv`, whose archives are validated access's values.
 pub use rkyv;

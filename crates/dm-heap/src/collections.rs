@@ -1,0 +1,270 @@
+//! The two collections the crates the heap's allocator plugs into do not
+//! have: a string, and an ordered map. Both are thin layers over
+//! `allocator-api2`'s `Vec` in the heap (no crate offers either for an
+//! allocator on stable Rust: `std`'s `String` and `BTreeMap` take one
+//! only on nightly).
+
+use crate::alloc::HeapAlloc;
+use allocator_api2::vec::Vec as AVec;
+use std::borrow::Borrow;
+use std::cmp::Ordering;
+use std::ops::{Bound, Deref, RangeBounds};
+
+/// A UTF-8 string whose bytes are in a heap. It reads as a `str`
+/// (`Deref`), hashes and compares as one, so a `HeapMap` keyed by
+/// `HeapString`s is looked up by `&str`.
+#[derive(Clone)]
+pub struct HeapString<'h> {
+    bytes: AVec<u8, HeapAlloc<'h>>,
+}
+
+impl<'h> HeapString<'h> {
+    /// An empty string (no block taken until it grows).
+    pub fn new_in(alloc: HeapAlloc<'h>) -> HeapString<'h> {
+        HeapString {
+            bytes: AVec::new_in(alloc),
+        }
+    }
+
+    /// A copy of `s` in the heap.
+    pub fn from_str_in(s: &str, alloc: HeapAlloc<'h>) -> HeapString<'h> {
+        let mut h = HeapString {
+            bytes: AVec::with_capacity_in(s.len(), alloc),
+        };
+        h.push_str(s);
+        h
+    }
+
+    /// Appends `s`.
+    pub fn push_str(&mut self, s: &str) {
+        self.bytes.extend_from_slice(s.as_bytes());
+    }
+
+    /// Appends `c`.
+    pub fn push(&mut self, c: char) {
+        self.push_str(c.encode_utf8(&mut [0; 4]));
+    }
+
+    /// Its text.
+    pub fn as_str(&self) -> &str {
+        // SAFETY: only ever appended whole `str`s.
+        unsafe { std::str::from_utf8_unchecked(&self.bytes) }
+    }
+
+    /// Empties it (keeping its block).
+    pub fn clear(&mut self) {
+        self.bytes.clear();
+    }
+}
+
+impl Deref for HeapString<'_> {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl Borrow<str> for HeapString<'_> {
+    fn borrow(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl std::hash::Hash for HeapString<'_> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // (As `str` hashes: lookups by `&str` find it.)
+        self.as_str().hash(state);
+    }
+}
+
+impl PartialEq for HeapString<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for HeapString<'_> {}
+
+impl PartialEq<str> for HeapString<'_> {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for HeapString<'_> {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl PartialOrd for HeapString<'_> {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for HeapString<'_> {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.as_str().cmp(other.as_str())
+    }
+}
+
+impl std::fmt::Debug for HeapString<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_str().fmt(f)
+    }
+}
+
+impl std::fmt::Display for HeapString<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_str().fmt(f)
+    }
+}
+
+/// A map ordered by its keys, whose entries are in a heap: a sorted
+/// vector. Lookups are binary searches; an insert or a removal moves the
+/// entries after it (a document's maps are small; a large index belongs
+/// in a `HeapMap`). Iteration and ranges go in key order.
+#[derive(Clone)]
+pub struct HeapOrderedMap<'h, K, V> {
+    entries: AVec<(K, V), HeapAlloc<'h>>,
+}
+
+impl<'h, K: Ord, V> HeapOrderedMap<'h, K, V> {
+    /// An empty map (no block taken until it grows).
+    pub fn new_in(alloc: HeapAlloc<'h>) -> Self {
+        HeapOrderedMap {
+            entries: AVec::new_in(alloc),
+        }
+    }
+
+    /// An empty map with room for `n` entries.
+    pub fn with_capacity_in(n: usize, alloc: HeapAlloc<'h>) -> Self {
+        HeapOrderedMap {
+            entries: AVec::with_capacity_in(n, alloc),
+        }
+    }
+
+    fn find<Q: Ord + ?Sized>(&self, k: &Q) -> Result<usize, usize>
+    where
+        K: Borrow<Q>,
+    {
+        self.entries.binary_search_by(|(x, _)| x.borrow().cmp(k))
+    }
+
+    /// Sets `k` to `v`; the value it had, if any.
+    pub fn insert(&mut self, k: K, v: V) -> Option<V> {
+        match self.find(&k) {
+            Ok(i) => Some(std::mem::replace(&mut self.entries[i].1, v)),
+            Err(i) => {
+                self.entries.insert(i, (k, v));
+                None
+            }
+        }
+    }
+
+    /// The value of `k`.
+    pub fn get<Q: Ord + ?Sized>(&self, k: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+    {
+        self.find(k).ok().map(|i| &self.entries[i].1)
+    }
+
+    /// The value of `k`, to change.
+    pub fn get_mut<Q: Ord + ?Sized>(&mut self, k: &Q) -> Option<&mut V>
+    where
+        K: Borrow<Q>,
+    {
+        self.find(k).ok().map(|i| &mut self.entries[i].1)
+    }
+
+    /// Whether it has `k`.
+    pub fn contains_key<Q: Ord + ?Sized>(&self, k: &Q) -> bool
+    where
+        K: Borrow<Q>,
+    {
+        self.find(k).is_ok()
+    }
+
+    /// Removes `k`; its value, if it had one.
+    pub fn remove<Q: Ord + ?Sized>(&mut self, k: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+    {
+        self.find(k).ok().map(|i| self.entries.remove(i).1)
+    }
+
+    /// Entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether it has none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The entries in key order.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = (&K, &V)> + ExactSizeIterator {
+        self.entries.iter().map(|(k, v)| (k, v))
+    }
+
+    /// The keys in order.
+    pub fn keys(&self) -> impl DoubleEndedIterator<Item = &K> + ExactSizeIterator {
+        self.entries.iter().map(|(k, _)| k)
+    }
+
+    /// The values in key order.
+    pub fn values(&self) -> impl DoubleEndedIterator<Item = &V> + ExactSizeIterator {
+        self.entries.iter().map(|(_, v)| v)
+    }
+
+    /// The first entry (the least key).
+    pub fn first(&self) -> Option<(&K, &V)> {
+        self.entries.first().map(|(k, v)| (k, v))
+    }
+
+    /// The last entry (the greatest key).
+    pub fn last(&self) -> Option<(&K, &V)> {
+        self.entries.last().map(|(k, v)| (k, v))
+    }
+
+    /// The entries whose keys are in `r`, in order.
+    pub fn range<Q: Ord + ?Sized, R: RangeBounds<Q>>(
+        &self,
+        r: R,
+    ) -> impl DoubleEndedIterator<Item = (&K, &V)>
+    where
+        K: Borrow<Q>,
+    {
+        let at = |b: Bound<&Q>, past: bool| match b {
+            Bound::Unbounded => {
+                if past {
+                    self.entries.len()
+                } else {
+                    0
+                }
+            }
+            Bound::Included(q) => match self.find(q) {
+                Ok(i) => i + usize::from(past),
+                Err(i) => i,
+            },
+            Bound::Excluded(q) => match self.find(q) {
+                Ok(i) => i + usize::from(!past),
+                Err(i) => i,
+            },
+        };
+        let start = at(r.start_bound(), false);
+        let end = at(r.end_bound(), true).max(start);
+        self.entries[start..end].iter().map(|(k, v)| (k, v))
+    }
+}
+
+impl<K: std::fmt::Debug, V: std::fmt::Debug> std::fmt::Debug for HeapOrderedMap<'_, K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.entries.iter().map(|(k, v)| (k, v)))
+            .finish()
+    }
+}
