@@ -96,5 +96,9 @@ pub type HeapHasher = foldhash::fast::FixedState;
 /// with no table (made empty, or shrunk to nothing) points to a static
 /// of the process that made it, which other processes cannot read.
 pub type HeapMap<'h, K, V> = hashbrown::HashMap<K, V, HeapHasher, HeapAlloc<'h>>;
+/// A vector whose memory is in a scope (an argument to seal).
+pub type ScopeVec<'s, T> = allocator_api2::vec::Vec<T, ScopeAlloc<'s>>;
+/// `allocator-api2`, whose collections take the heap's allocators.
+pub use allocator_api2;
 /// A hash set whose memory is in a heap (made with room, as [`HeapMap`]).
 pub type HeapSet<'h, T> = hashbrown::HashSet<T, HeapHasher, HeapAlloc<'h>>;

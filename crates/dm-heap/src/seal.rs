@@ -23,10 +23,10 @@
 //! page-table work at all.
 //!
 //! So a sender that builds each call's argument in the next of a ring of
-//! [`BATCH`] scopes pays about one `mprotect` per call: 1.8 µs a call for
-//! 4 KiB and 64 KiB scopes, 2.4 µs for 1 MiB (about 2.5 ns a page more),
-//! on the 2-core test guest (2026-11-28). One scope written before every
-//! call pays a fault and two `mprotect`s: about 8 µs.
+//! [`BATCH`] scopes pays about one `mprotect` per call, which grows with
+//! the argument's pages (`dmrpc bench heap`, BENCHMARKS.md: a sealed
+//! call 2.9x an unsealed one at 4 KiB, 5.1x at 64 KiB). One scope
+//! written before every call pays a fault and two `mprotect`s.
 //!
 //! What a seal does not do: it binds the sender's mapping alone (other
 //! processes of the heap can still write the pages), and a sender that

@@ -18,6 +18,7 @@ mod chain;
 mod cow;
 mod grpc;
 mod grpc_ways;
+mod heap;
 mod image;
 #[cfg(feature = "iceoryx2")]
 mod iox;
@@ -50,7 +51,9 @@ pub struct BenchArgs {
     /// (the social network: throughput, latency against offered load),
     /// `stream` (items of a streaming call vs one call per item), `grpc`
     /// (one generated tonic service five ways: tonic TCP and UDS, HTTP/2
-    /// over shared memory, direct, native dmrpc), or `all`.
+    /// over shared memory, direct, native dmrpc), `heap` (a document store:
+    /// pointers into a shared heap, trusted and validated, against prost,
+    /// serde_json and bincode; and the cost of seals), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -92,6 +95,7 @@ fn run_named(a: &BenchArgs) -> Result<()> {
         "social" => social::run(a),
         "stream" => stream::run(a),
         "grpc" => grpc_ways::run(a),
+        "heap" => heap::run(a),
         "all" => {
             cow::run(a)?;
             rtt::run(a)?;
@@ -104,10 +108,11 @@ fn run_named(a: &BenchArgs) -> Result<()> {
             image::run(a)?;
             social::run(a)?;
             stream::run(a)?;
-            grpc_ways::run(a)
+            grpc_ways::run(a)?;
+            heap::run(a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, grpc, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, grpc, heap, all)"
         ),
     }
 }

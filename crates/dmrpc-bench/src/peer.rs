@@ -171,6 +171,10 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 tiers.push(t);
                 format!("ok {addr}")
             }
+            (Some("heapdocs"), Some(name), _) => {
+                servers.push(super::heap::peer_serve(&pool, name)?);
+                "ok".into()
+            }
             (Some("grpcsvc"), Some(name), Some(uds)) => {
                 let (s, addr) = super::grpc_ways::peer_serve(&pool, name, uds)?;
                 servers.push(s);
