@@ -1,4 +1,4 @@
-//! Where frames are parsed: the wire format of dmrpc calls (version 9).
+//! Where frames are parsed: the wire format of dmrpc calls (version 10).
 //!
 //! Every transport carries the same frames: a 32-byte fixed header, then a
 //! payload of inline bytes or of [`Ref`]s (the size-aware choice between the
@@ -10,7 +10,7 @@
 //! | 0..2   | magic        | `D5 52`                                                |
 //! | 2      | version      | [`FRAME_VERSION`]                                      |
 //! | 3      | kind         | [`Kind`]: request, response, cancel, go-away, item, credit |
-//! | 4..6   | flags        | [`FLAG_ECHO`], [`FLAG_REFUSED`], [`FLAG_STREAM`], [`FLAG_CALLER_STREAM`], [`FLAG_LAST`]; others zero |
+//! | 4..6   | flags        | [`FLAG_ECHO`], [`FLAG_REFUSED`], [`FLAG_STREAM`], [`FLAG_CALLER_STREAM`], [`FLAG_LAST`], [`FLAG_WINDOW`]; others zero |
 //! | 6      | payload kind | 0 none, 1 inline bytes, 2 Refs                         |
 //! | 7      | status       | [`Status`]; zero except in responses                   |
 //! | 8..16  | call id      | chosen by the caller, echoed by the response           |
@@ -38,7 +38,9 @@
 //! in [`Kind::Credit`] frames (client to server), whose method field
 //! holds how many more items it will take (never zero). A stream starts
 //! with no credit: its caller sends its first grant right after the
-//! request. An item's Refs are made for the caller, as an answer's are.
+//! request, unless the request is flagged [`FLAG_WINDOW`] (version 10),
+//! which grants [`DEFAULT_WINDOW`](crate::stream::DEFAULT_WINDOW) items
+//! with it: a stream of the default window opens with one frame. An item's Refs are made for the caller, as an answer's are.
 //! A go-away frame (server to client, TCP) says that the server stopped
 //! reading the connection, and which requests it took: every request whose
 //! call id is above the frame's call id was never taken, and never will be
@@ -76,7 +78,7 @@ use dm_pool::{Ref, RefDecodeError};
 
 /// Frame encoding version written and read by this build (history:
 /// `CHANGELOG.md`).
-pub const FRAME_VERSION: u8 = 9;
+pub const FRAME_VERSION: u8 = 10;
 /// Flag of a successful answer whose payload is the one Ref its request
 /// carried, passed back (not a Ref made for the caller).
 pub const FLAG_ECHO: u16 = 1;
@@ -95,6 +97,9 @@ pub const FLAG_CALLER_STREAM: u16 = 32;
 /// Flag of the item that ends the caller's items: it carries nothing
 /// (frames v9).
 pub const FLAG_LAST: u16 = 64;
+/// Flag of a stream's request that grants the default window with it
+/// (frames v10): its caller sends no first grant.
+pub const FLAG_WINDOW: u16 = 128;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 32;
 const MAGIC: [u8; 2] = [0xD5, 0x52];
@@ -646,7 +651,8 @@ impl Head {
         } else {
             0
         };
-        let known = FLAG_ECHO | FLAG_REFUSED | FLAG_STREAM | FLAG_CALLER_STREAM | FLAG_LAST;
+        let known =
+            FLAG_ECHO | FLAG_REFUSED | FLAG_STREAM | FLAG_CALLER_STREAM | FLAG_LAST | FLAG_WINDOW;
         if flags & !(known | part) != 0 {
             return Err(FrameError::Reserved("flags"));
         }
@@ -720,6 +726,13 @@ impl Head {
             }
             _ if flags & (FLAG_STREAM | FLAG_CALLER_STREAM) != 0 && kind != Kind::Request => {
                 return Err(FrameError::Inconsistent("only a request asks for a stream"))
+            }
+            _ if flags & FLAG_WINDOW != 0
+                && (kind != Kind::Request || flags & FLAG_STREAM == 0) =>
+            {
+                return Err(FrameError::Inconsistent(
+                    "only a stream's request grants a window",
+                ))
             }
             _ if flags & FLAG_LAST != 0 && (kind != Kind::Item || pkind != 0) => {
                 return Err(FrameError::Inconsistent(
@@ -1084,8 +1097,25 @@ mod tests {
         assert_eq!(bad(2, 8), Err(FrameError::Version(8)));
         assert_eq!(bad(3, 0), Err(FrameError::Kind(0)));
         assert_eq!(bad(4, 8), Err(FrameError::Reserved("flags")));
-        assert_eq!(bad(4, 128), Err(FrameError::Reserved("flags")));
         assert_eq!(bad(5, 1), Err(FrameError::Reserved("flags")));
+        // The window flag: on a stream's request only.
+        assert!(
+            matches!(bad(4, FLAG_WINDOW as u8), Err(FrameError::Inconsistent(_))),
+            "a request that is no stream's, flagged with a window"
+        );
+        assert!(
+            bad(4, (FLAG_WINDOW | FLAG_STREAM) as u8).is_ok(),
+            "a stream's request with its window"
+        );
+        let mut windowed = Frame::response(4, Status::Ok, Body::None);
+        windowed.flags = FLAG_WINDOW;
+        assert!(
+            matches!(
+                Frame::decode(&windowed.encode(), &l),
+                Err(FrameError::Inconsistent(_))
+            ),
+            "an answer flagged with a window"
+        );
         // The caller's stream: its flag on requests only, the last marker
         // on empty items only.
         assert!(

@@ -26,11 +26,17 @@ pub(crate) struct Pending {
 pub(super) fn pending(conn: ConnId, frame: Frame) -> Pending {
     let deadline = (frame.deadline_us > 0)
         .then(|| Instant::now() + Duration::from_micros(frame.deadline_us as u64));
+    // (A stream's request may grant its first window with it.)
+    let credit = if frame.flags & crate::frame::FLAG_WINDOW != 0 {
+        u64::from(crate::stream::DEFAULT_WINDOW)
+    } else {
+        0
+    };
     Pending {
         conn,
         frame,
         deadline,
-        credit: 0,
+        credit,
         items_ended: false,
     }
 }

@@ -10,7 +10,7 @@ use crate::call::options::CallOptions;
 use crate::call::options::Reply;
 use crate::error::RpcError;
 use crate::frame::Status;
-use crate::frame::{Frame, Kind, FLAG_CALLER_STREAM, FLAG_REFUSED, FLAG_STREAM};
+use crate::frame::{Frame, Kind, FLAG_CALLER_STREAM, FLAG_REFUSED, FLAG_STREAM, FLAG_WINDOW};
 use crate::metadata::Metadata;
 use crate::node::Node;
 use crate::payload::{Lent, Payload};
@@ -56,7 +56,16 @@ pub(crate) trait StreamConn: Connected {
         deadline: Option<Instant>,
         window: u32,
     ) -> Result<(), (RpcError, bool)> {
+        // The default window goes with the request (one frame); another
+        // in a grant right after it.
+        let with = window == super::DEFAULT_WINDOW;
+        if with {
+            req.flags |= FLAG_WINDOW;
+        } else {
+            req.flags &= !FLAG_WINDOW;
+        }
         let r = match self.send_opening(req, deadline) {
+            Ok(()) if with => Ok(()),
             Ok(()) => self
                 .send_own(&Frame::credit(req.call_id, window), deadline)
                 .map_err(|(e, _)| (e, true)),
