@@ -59,47 +59,62 @@ impl Direct {
                 .await
                 .map_err(status_of)?
         } else {
-            let mut now = now.into_iter();
-            let first = now.next().map_or_else(Payload::empty, Part::payload);
-            let call = self
-                .client
-                .call_bidi_with(path, first, opts, meta)
-                .await
-                .map_err(status_of)?;
-            let (mut items, st) = call.split();
-            // The rest, as the client writes it.
-            tokio::spawn(async move {
-                for part in now {
-                    if items.send(part.payload()).await.is_err() {
-                        return;
-                    }
+            // (Boxed: what a call whose client writes as it goes needs is
+            // no part of every call's future.)
+            Box::pin(self.open_bidi(path, now, ended, (opts, meta), req_body, outbox)).await?
+        };
+        answer(st).await
+    }
+
+    /// Opens the call of `path` as one whose client writes as it goes:
+    /// the parts `now` ready first, then the rest of `body` (which
+    /// `ended` already, or not) as it comes, large messages into `outbox`.
+    async fn open_bidi(
+        &self,
+        path: &str,
+        now: Vec<Part>,
+        ended: bool,
+        (opts, meta): (CallOptions, Metadata),
+        req_body: Body,
+        mut outbox: Option<Outbox>,
+    ) -> Result<AsyncStreaming, tonic::Status> {
+        let mut now = now.into_iter();
+        let first = now.next().map_or_else(Payload::empty, Part::payload);
+        let call = self
+            .client
+            .call_bidi_with(path, first, opts, meta)
+            .await
+            .map_err(status_of)?;
+        let (mut items, st) = call.split();
+        // The rest, as the client writes it.
+        tokio::spawn(async move {
+            for part in now {
+                if items.send(part.payload()).await.is_err() {
+                    return;
                 }
-                let mut b = std::pin::pin!(req_body);
-                while let Some(f) = if ended {
-                    None
-                } else {
-                    std::future::poll_fn(|cx| {
-                        Outbox::lend(&mut outbox, || b.as_mut().poll_frame(cx))
-                    })
+            }
+            let mut b = std::pin::pin!(req_body);
+            while let Some(f) = if ended {
+                None
+            } else {
+                std::future::poll_fn(|cx| Outbox::lend(&mut outbox, || b.as_mut().poll_frame(cx)))
                     .await
-                } {
-                    let Ok(f) = f else {
-                        items.abort();
-                        return;
-                    };
-                    if let Ok(d) = f.into_data() {
-                        for part in Outbox::parts(&mut outbox, d) {
-                            if items.send(part.payload()).await.is_err() {
-                                return;
-                            }
+            } {
+                let Ok(f) = f else {
+                    items.abort();
+                    return;
+                };
+                if let Ok(d) = f.into_data() {
+                    for part in Outbox::parts(&mut outbox, d) {
+                        if items.send(part.payload()).await.is_err() {
+                            return;
                         }
                     }
                 }
-                let _ = items.finish().await;
-            });
-            st
-        };
-        answer(st).await
+            }
+            let _ = items.finish().await;
+        });
+        Ok(st)
     }
 }
 

@@ -241,7 +241,7 @@ impl Dispatcher {
     fn close_outlet(&mut self, outlet: Option<Arc<Outlet>>) {
         if let Some(o) = outlet {
             self.outlets.retain(|x| !Arc::ptr_eq(x, &o));
-            o.end(&self.node, RpcError::unavailable("the stream has ended"));
+            o.finish(&self.node);
         }
     }
 

@@ -297,6 +297,24 @@ pub(crate) struct Outlet {
     state: std::sync::Mutex<Outbox>,
 }
 
+/// How a stream ended.
+enum Ended {
+    /// Its handler returned: a send after is refused with an error made
+    /// then (none is made for the stream that ends as it should).
+    Done,
+    /// Early, with this error.
+    Early(RpcError),
+}
+
+impl Ended {
+    fn error(&self) -> RpcError {
+        match self {
+            Ended::Done => RpcError::unavailable("the stream has ended"),
+            Ended::Early(e) => e.clone(),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Outbox {
     /// Items granted and not yet queued.
@@ -304,9 +322,9 @@ struct Outbox {
     /// Items queued and not yet sent, with the Ref each made for the
     /// caller (released if it is never sent).
     out: VecDeque<(Frame, Option<dm_pool::Ref>)>,
-    /// How the stream ended early (cancelled, caller gone, deadline,
-    /// server stopping): every send from then on fails with it.
-    ended: Option<RpcError>,
+    /// How the stream ended (early: cancelled, caller gone, deadline,
+    /// server stopping): every send from then on fails with its error.
+    ended: Option<Ended>,
     /// A send waiting for credit.
     credit_waker: Option<std::task::Waker>,
     /// The handler's end waiting for its items to go out.
@@ -366,7 +384,7 @@ impl Outlet {
                 Ok(false) => return,
                 Err(e) => {
                     let e = RpcError::unavailable(format!("the stream's caller is gone: {e}"));
-                    Self::end_locked(b, node, e);
+                    Self::end_locked(b, node, Ended::Early(e));
                     return;
                 }
             }
@@ -382,11 +400,19 @@ impl Outlet {
     pub(crate) fn end(&self, node: &Node, e: RpcError) {
         let b = self.lock();
         if b.ended.is_none() {
-            Self::end_locked(b, node, e);
+            Self::end_locked(b, node, Ended::Early(e));
         }
     }
 
-    fn end_locked(mut b: std::sync::MutexGuard<'_, Outbox>, node: &Node, e: RpcError) {
+    /// Ends the stream as its handler returned (if it has not ended).
+    pub(crate) fn finish(&self, node: &Node) {
+        let b = self.lock();
+        if b.ended.is_none() {
+            Self::end_locked(b, node, Ended::Done);
+        }
+    }
+
+    fn end_locked(mut b: std::sync::MutexGuard<'_, Outbox>, node: &Node, e: Ended) {
         b.ended = Some(e);
         let out = std::mem::take(&mut b.out);
         let wakers = (b.credit_waker.take(), b.flush_waker.take());
@@ -407,7 +433,7 @@ impl Outlet {
         std::future::poll_fn(|cx| {
             let mut b = self.lock();
             if let Some(e) = &b.ended {
-                return std::task::Poll::Ready(Err(e.clone()));
+                return std::task::Poll::Ready(Err(e.error()));
             }
             if b.out.is_empty() {
                 return std::task::Poll::Ready(Ok(()));
@@ -428,7 +454,7 @@ impl Outlet {
         std::future::poll_fn(|cx| {
             let mut b = self.lock();
             if let Some(e) = &b.ended {
-                return std::task::Poll::Ready(Err(e.clone()));
+                return std::task::Poll::Ready(Err(e.error()));
             }
             if b.credit > 0 {
                 b.credit -= 1;
@@ -548,7 +574,7 @@ impl AsyncSink {
         {
             let mut b = self.outlet.lock();
             if let Some(e) = &b.ended {
-                let e = e.clone();
+                let e = e.error();
                 drop(b);
                 if let Some(r) = made {
                     let _ = self.node.release_ref(&r);
