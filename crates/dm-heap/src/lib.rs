@@ -42,6 +42,8 @@
 //!   reads them;
 //! * `collections.rs` — [`HeapString`] and [`HeapOrderedMap`], which
 //!   the crates above do not have;
+//! * `document.rs` — [`Value`], a document that describes itself, for
+//!   readers that know no Rust type (Python);
 //! * `lock.rs` — the heap's lock, which a dead holder does not keep;
 //! * `seal.rs` — scopes (a call's argument in pages of its own) and
 //!   seals (those pages read-only to the sender while the call reads
@@ -56,6 +58,7 @@ mod alloc;
 mod archive;
 mod arg;
 mod collections;
+mod document;
 mod heap;
 mod lock;
 mod seal;
@@ -78,6 +81,7 @@ pub use alloc::HeapAlloc;
 pub use archive::{Archivable, Checkable, Copied, HeapArchive, Validated};
 pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
 pub use collections::{HeapOrderedMap, HeapString};
+pub use document::{ArchivedValue, Value};
 pub use heap::{Heap, HeapError, HeapRef, HEAP_REF_LEN, HEAP_VERSION};
 /// `rkyv`, whose archives are validated access's values.
 pub use rkyv;

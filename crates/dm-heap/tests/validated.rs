@@ -149,3 +149,58 @@ fn forged_pointers_in_an_archive_are_typed_errors() {
     drop(pool);
     tp.assert_clean();
 }
+
+#[test]
+fn a_document_of_values_reads_back_validated() {
+    use dm_heap::{ArchivedValue, Value};
+    let tp = TempPool::new(64 << 20);
+    let pool = tp.attach();
+    let heaps = Heaps::new(&pool);
+    let heap = heaps.add(Heap::create(&pool, 4 << 20).unwrap());
+    let doc = Value::Map(
+        [
+            ("name".to_string(), Value::Str("a".into())),
+            ("n".to_string(), Value::Int(-3)),
+            ("x".to_string(), Value::Float(0.5)),
+            ("ok".to_string(), Value::Bool(true)),
+            ("none".to_string(), Value::Null),
+            ("blob".to_string(), Value::Bytes(vec![9; 1000])),
+            (
+                "list".to_string(),
+                Value::List(vec![
+                    Value::Int(1),
+                    Value::List(vec![Value::Str("deep".into())]),
+                ]),
+            ),
+        ]
+        .into_iter()
+        .collect(),
+    );
+    let scope = heap.scope(64 << 10).unwrap();
+    let a = scope.archive(&doc).unwrap();
+    let seal = scope.seal().unwrap();
+    let arg = heap.sealed_archive_arg(&a, &seal).unwrap();
+    let v = heaps.archived_sealed::<Value>(&arg).unwrap();
+    let ArchivedValue::Map(m) = v.get() else {
+        panic!("a map")
+    };
+    assert_eq!(m.len(), 7);
+    match m.get("blob") {
+        Some(ArchivedValue::Bytes(b)) => assert_eq!(b.len(), 1000),
+        other => panic!("{other:?}"),
+    }
+    match m.get("list") {
+        Some(ArchivedValue::List(l)) => assert!(matches!(&l[1], ArchivedValue::List(_))),
+        other => panic!("{other:?}"),
+    }
+    // Round trip: what was archived is what reads back.
+    let back: Value = rkyv::deserialize::<Value, rkyv::rancor::Error>(v.get()).unwrap();
+    assert_eq!(back, doc);
+    drop(v);
+    drop(seal);
+    drop(scope);
+    drop(heaps);
+    drop(heap);
+    drop(pool);
+    tp.assert_clean();
+}
