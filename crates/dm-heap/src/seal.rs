@@ -161,6 +161,13 @@ pub struct Scope<'h> {
     len: u64,
 }
 
+// SAFETY: a scope is a block of shared memory it owns in an open heap;
+// its allocator works through atomics, and sealing through the heap's
+// records and this process's table (atomics too).
+unsafe impl Send for Scope<'_> {}
+// SAFETY: as above; `&Scope` only allocates and seals.
+unsafe impl Sync for Scope<'_> {}
+
 /// The allocator of a [`Scope`]: an arena in the scope's pages. Giving a
 /// block back does nothing; [`Scope::reset`] empties the scope.
 #[derive(Debug, Clone, Copy)]

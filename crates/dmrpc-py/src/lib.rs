@@ -10,6 +10,7 @@ mod aio;
 mod buffer;
 mod bytes;
 mod errors;
+mod heap;
 mod mem;
 mod meta;
 mod node;
@@ -50,6 +51,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<payload::PyPayload>()?;
     m.add_class::<mem::PyMemPool>()?;
     m.add_class::<mem::PyMemBuffer>()?;
+    m.add_class::<heap::PyHeap>()?;
+    m.add_class::<heap::PyHeapDocument>()?;
+    m.add_class::<heap::PyHeaps>()?;
+    m.add_class::<heap::PyHeapBytes>()?;
     m.add("DEFAULT_INLINE_MAX", dm_rpc::DEFAULT_INLINE_MAX)?;
     errors::register(m)?;
     Ok(())

@@ -1,7 +1,7 @@
 """dmrpc from Python: pools of shared memory, zero-copy buffers with
 copy-on-write, Refs that pass data by reference between processes,
-services and clients whose large payloads travel by Ref, and memory
-servers over the network."""
+services and clients whose large payloads travel by Ref, documents in
+shared heaps read in place, and memory servers over the network."""
 
 from ._native import (
     Buffer,
@@ -10,6 +10,10 @@ from ._native import (
     DEFAULT_INLINE_MAX,
     DeadlineExceeded,
     Error,
+    Heap,
+    HeapBytes,
+    HeapDocument,
+    Heaps,
     Internal,
     InvalidArgument,
     MemBuffer,
@@ -40,6 +44,10 @@ __all__ = [
     "DEFAULT_INLINE_MAX",
     "DeadlineExceeded",
     "Error",
+    "Heap",
+    "HeapBytes",
+    "HeapDocument",
+    "Heaps",
     "Internal",
     "InvalidArgument",
     "MemBuffer",

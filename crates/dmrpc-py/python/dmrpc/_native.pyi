@@ -125,6 +125,44 @@ class MemPool:
     def __enter__(self) -> MemPool: ...
     def __exit__(self, *exc: object) -> bool: ...
 
+Document = None | bool | int | float | str | bytes | bytearray | memoryview | list["Document"] | tuple["Document", ...] | dict[str, "Document"]
+
+class Heap:
+    """A shared heap this process made: documents are written into it."""
+
+    def __init__(self, pool: Pool, size: int) -> None: ...
+    @property
+    def size(self) -> int: ...
+    def archive(self, obj: Document, sealed: bool = True) -> HeapDocument:
+        """Writes `obj` into the heap as a document. Sealed, it holds still
+        (read-only to this process) until `release()`."""
+        ...
+
+class HeapDocument:
+    """A document written into a heap."""
+
+    @property
+    def arg(self) -> bytes:
+        """The 96 bytes that pass it to another process of the pool."""
+        ...
+    def release(self) -> None: ...
+
+class HeapBytes:
+    """Bytes of a document, read in place: a read-only buffer."""
+
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+
+class Heaps:
+    """The heaps this process reads documents from."""
+
+    def __init__(self, pool: Pool) -> None: ...
+    def document(self, arg: bytes | bytearray | memoryview, check: str = "sealed") -> object:
+        """The document `arg` passes, as dicts, lists, str, int, float,
+        bool, None and HeapBytes. `check`: "sealed" (verify the seal,
+        validate in place), "copy" (copy out, then validate) or "trusted"."""
+        ...
+
 class Server:
     """A running service."""
 
