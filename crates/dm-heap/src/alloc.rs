@@ -21,14 +21,14 @@
 //! through it. Walks are never needed (one link is read per block taken),
 //! so a cycle in a list costs nothing.
 
-use crate::heap::{open_at, Header, HeapError, HEADER_LEN};
+use crate::error::HeapError;
+use crate::header::{Header, CLASSES, HEADER_LEN};
+use crate::open::open_at;
 use allocator_api2::alloc::{AllocError, Allocator};
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The number of size classes: 16 bytes to 16 << (CLASSES - 1).
-pub(crate) const CLASSES: usize = 37;
 const MIN_BLOCK: u64 = 16;
 /// The largest alignment blocks get (and requests may ask).
 const MAX_ALIGN: u64 = 4096;
@@ -37,7 +37,7 @@ const MAX_ALIGN: u64 = 4096;
 /// `hashbrown` (`HeapVec::new_in(heap.alloc())`). It is a pointer to the
 /// heap's header, which sits at the same address in every process: a
 /// collection built in one process is grown or freed in another that has
-/// the heap open. It borrows the open [`Heap`](crate::Heap): nothing
+/// the heap open. It borrows the open [`Heap`](crate::heap::Heap): nothing
 /// made with it outlives the heap's mapping in this process.
 #[derive(Debug, Clone, Copy)]
 pub struct HeapAlloc<'h> {

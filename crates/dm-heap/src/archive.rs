@@ -2,7 +2,7 @@
 //! by a receiver that does not trust their sender, after `bytecheck`'s
 //! validation.
 //!
-//! Collections built with [`HeapAlloc`](crate::HeapAlloc) hold native
+//! Collections built with [`HeapAlloc`](crate::alloc::HeapAlloc) hold native
 //! pointers: a receiver follows them as they are, so it must trust their
 //! sender. A value that needs no mutation can travel as an `rkyv` archive
 //! instead: written once into the heap ([`Heap::archive`], or
@@ -22,8 +22,10 @@
 //! validation, for a sender the receiver trusts.
 
 use crate::arg::{decode, encode_raw, type_tag, Heaps, ARG_LEN};
-use crate::heap::{Heap, HeapError};
-use crate::seal::{Scope, Seal};
+use crate::error::HeapError;
+use crate::heap::Heap;
+use crate::scope::Scope;
+use crate::seal::Seal;
 use rkyv::api::high::{HighSerializer, HighValidator};
 use rkyv::rancor::Error as RkyvError;
 use rkyv::ser::allocator::ArenaHandle;

@@ -26,7 +26,9 @@
 //! receiver asks for, and the seal against the heap's seal table. Both
 //! ends must name the type alike (one crate defines it for both).
 
-use crate::heap::{Heap, HeapError, HeapRef, HEADER_LEN, HEAP_REF_LEN};
+use crate::error::HeapError;
+use crate::header::{HEADER_LEN, HEAP_REF_LEN};
+use crate::heap::{Heap, HeapRef};
 use crate::seal::Seal;
 use dm_pool::Pool;
 use std::ptr::NonNull;
@@ -292,7 +294,7 @@ pub fn fuzz_arg(data: &[u8]) {
         heap: Arc<Heap>,
         plain: [u8; ARG_LEN],
         sealed: [u8; ARG_LEN],
-        _scope: &'static crate::Scope<'static>,
+        _scope: &'static crate::scope::Scope<'static>,
         /// An archive's argument, where its bytes are, and a copy of them.
         archive: ([u8; ARG_LEN], usize, Vec<u8>),
     }
@@ -319,7 +321,7 @@ pub fn fuzz_arg(data: &[u8]) {
             let v: &[u64; 4] = heap.put([1, 2, 3, 4]).expect("room");
             let plain = heap.arg(v).expect("an argument");
             // (Leaked: the fixture lives as long as the process.)
-            let scope: &'static crate::Scope<'static> = Box::leak(Box::new(
+            let scope: &'static crate::scope::Scope<'static> = Box::leak(Box::new(
                 // SAFETY: the heap lives in the fixture, for the process.
                 unsafe { &*Arc::as_ptr(&heap) }
                     .scope(4096)

@@ -1,24 +1,9 @@
-//! Heaps: creating, sharing and opening them, and the header every heap
-//! starts with.
+//! Heaps: creating, sharing and opening them.
 //!
 //! A heap is a pool buffer of whole pages, mapped read-write at one
 //! address in every process that opens it ([`dm_pool::FixedMapping`]).
 //! Its creator picks the address at random in a range processes seldom
-//! use, and records it in the heap's header, in the heap's first page:
-//!
-//! | bytes | field |
-//! |-------|-------|
-//! | 8 | magic `DMHEAP\0\x01` |
-//! | 4 | version ([`HEAP_VERSION`]) |
-//! | 4 | zero |
-//! | 8 | the address it sits at |
-//! | 8 | its length in bytes |
-//! | 8 | the lock (`lock.rs`) |
-//! | 8 | the bump: the offset where unused memory starts |
-//! | 8 | the root: the offset of the value set as root, or 0 |
-//! | 8 | bytes in blocks handed out and not given back |
-//! | 8 × 37 | the free lists' heads, one per size class |
-//! | 32 × 64 | the seal records: id, offset, length, sealer (`seal.rs`) |
+//! use, and records it in the heap's header (`header.rs`).
 //!
 //! It is shared as a [`HeapRef`]: a Ref of the buffer, with the address
 //! and the length. Opening it maps the Ref at that address, and checks
@@ -27,15 +12,12 @@
 //! checked too (`alloc.rs`): another process of the heap can write
 //! anything there.
 
-use crate::alloc::{HeapAlloc, CLASSES};
-use crate::seal::{SealRecord, SEALS};
+use crate::alloc::HeapAlloc;
+use crate::error::HeapError;
+use crate::header::{Header, SealRecord, HEADER_LEN, HEAP_REF_LEN, HEAP_VERSION, MAGIC, SEALS};
+use crate::open::{register, unregister};
 use dm_pool::{FixedMapping, Pool, Ref};
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
-
-/// The version of the heap header's layout (the table above).
-pub const HEAP_VERSION: u32 = 1;
-
-const MAGIC: u64 = u64::from_le_bytes(*b"DMHEAP\0\x01");
+use std::sync::atomic::Ordering;
 
 /// Where heaps are placed: addresses `[LOW, HIGH)`, in steps of `ALIGN`.
 /// Far below where Linux places `mmap`s (just under the stack, near
@@ -44,75 +26,6 @@ const LOW: u64 = 0x5000_0000_0000;
 const HIGH: u64 = 0x6000_0000_0000;
 const ALIGN: u64 = 2 << 20;
 
-/// The bytes the header takes; memory handed out starts after it.
-pub(crate) const HEADER_LEN: u64 = 4096;
-
-/// The header at a heap's first byte (see the module docs). Every field is
-/// atomic: other processes may change any of them at any time.
-#[repr(C)]
-#[derive(Debug)]
-pub(crate) struct Header {
-    magic: AtomicU64,
-    version: AtomicU64,
-    addr: AtomicU64,
-    len: AtomicU64,
-    pub(crate) lock: AtomicU64,
-    pub(crate) bump: AtomicU64,
-    root: AtomicU64,
-    pub(crate) in_use: AtomicU64,
-    pub(crate) free: [AtomicU64; CLASSES],
-    pub(crate) seals: [SealRecord; SEALS],
-}
-
-const _: () = assert!(std::mem::size_of::<Header>() as u64 <= HEADER_LEN);
-
-/// Why a heap cannot be made, opened or used as asked.
-#[derive(Debug, thiserror::Error)]
-pub enum HeapError {
-    /// The pool refused (no room, a quota, a Ref expired or forged), or
-    /// the heap's address range is in use in this process
-    /// (`SysError::AddressInUse`).
-    #[error(transparent)]
-    Pool(#[from] dm_pool::Error),
-    /// What should be a heap's header is not one, or does not match the
-    /// [`HeapRef`] it was opened by.
-    #[error("not a heap (or not the one its reference names): {0}")]
-    NotAHeap(String),
-    /// Too small to hold its header and anything else, or larger than
-    /// the range heaps are placed in.
-    #[error("a heap of {0} bytes cannot be made (at least 8 KiB, at most 1 TiB)")]
-    BadSize(u64),
-    /// No free range found for it in this process.
-    #[error("no free address range of {0} bytes for a heap in this process")]
-    NoAddress(u64),
-    /// A heap encoding of the wrong length.
-    #[error("a heap reference is {HEAP_REF_LEN} bytes, not {0}")]
-    BadRef(usize),
-    /// The heap has no room for the value.
-    #[error("the heap is full: no block of {0} bytes is free")]
-    Full(u64),
-    /// Alignment above a page's, which the heap does not give.
-    #[error("an alignment of {0} bytes is more than a heap gives (4096)")]
-    TooAligned(usize),
-    /// The allocator found what another process wrote in the heap's
-    /// bookkeeping out of bounds: nothing was taken from it.
-    #[error("the heap's bookkeeping is corrupt: {0}")]
-    Corrupt(&'static str),
-    /// A pointer that is not into this heap (or not to a block of it).
-    #[error("{0:#x} is not a block of this heap")]
-    Foreign(u64),
-    /// An argument that should be sealed is not (why).
-    #[error("not sealed: {0}")]
-    NotSealed(&'static str),
-    /// Bytes that are not a heap argument, or one that names a value the
-    /// receiver cannot take (why).
-    #[error("bad heap argument: {0}")]
-    BadArg(&'static str),
-    /// An archive that validation refused (what it found).
-    #[error("an archive is not valid: {0}")]
-    Invalid(String),
-}
-
 /// A heap opened by this process (see the crate docs). Values in it are
 /// reachable only while it is open: the collections made with its
 /// [`alloc`](Self::alloc) borrow it.
@@ -120,32 +33,11 @@ pub enum HeapError {
 pub struct Heap {
     map: FixedMapping,
     pool: Pool,
-    /// This process's entry in [`OPEN`].
+    /// This process's entry in the list of open heaps (`open.rs`).
     entry: usize,
     /// The reference its arguments carry, and when it was made (one Ref
     /// for many calls, made anew at half its TTL).
     shared: std::sync::Mutex<Option<(HeapRef, std::time::Instant)>>,
-}
-
-/// The heaps open in this process, by base address: how an allocator
-/// handle (which lives in the heap, the same in every process) finds the
-/// process's pool when it needs it.
-const MAX_OPEN: usize = 64;
-static OPEN: [AtomicPtr<Pool>; MAX_OPEN] =
-    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_OPEN];
-static OPEN_BASE: [AtomicU64; MAX_OPEN] = [const { AtomicU64::new(0) }; MAX_OPEN];
-static OPEN_LEN: [AtomicU64; MAX_OPEN] = [const { AtomicU64::new(0) }; MAX_OPEN];
-
-/// The pool and the length of the heap open at `base` in this process.
-pub(crate) fn open_at(base: u64) -> Option<(&'static Pool, u64)> {
-    let i = OPEN_BASE
-        .iter()
-        .position(|b| b.load(Ordering::Acquire) == base)?;
-    let p = OPEN[i].load(Ordering::Acquire);
-    // SAFETY: a non-null entry is a leaked Box<Pool> freed only when its
-    // heap closes; a lookup runs inside a call on the heap's allocator,
-    // which borrows the open heap.
-    (!p.is_null()).then(|| (unsafe { &*p }, OPEN_LEN[i].load(Ordering::Acquire)))
 }
 
 /// A heap as it travels: a Ref of its buffer, its address and length.
@@ -155,9 +47,6 @@ pub struct HeapRef {
     addr: u64,
     len: u64,
 }
-
-/// The length of [`HeapRef::to_bytes`].
-pub const HEAP_REF_LEN: usize = dm_pool::Ref::SIZE + 16;
 
 impl HeapRef {
     /// Its encoding: the Ref's, then the address and the length
@@ -288,19 +177,7 @@ impl Heap {
     }
 
     fn register(map: FixedMapping, pool: &Pool) -> Result<Heap, HeapError> {
-        let base = map.base() as u64;
-        let entry = OPEN_BASE
-            .iter()
-            .position(|b| {
-                b.compare_exchange(0, u64::MAX, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-            })
-            .ok_or(HeapError::Pool(dm_pool::Error::ResourceExhausted {
-                what: "open heaps (64 per process)",
-            }))?;
-        OPEN[entry].store(Box::into_raw(Box::new(pool.clone())), Ordering::Release);
-        OPEN_LEN[entry].store(map.len() as u64, Ordering::Release);
-        OPEN_BASE[entry].store(base, Ordering::Release);
+        let entry = register(map.base() as u64, map.len() as u64, pool)?;
         Ok(Heap {
             map,
             pool: pool.clone(),
@@ -423,6 +300,28 @@ impl Heap {
         }
     }
 
+    pub(crate) fn seal_records(&self) -> &[SealRecord; SEALS] {
+        &self.header().seals
+    }
+
+    /// Makes the pages of this process's released seals writable now
+    /// (which a batch of [`BATCH`](crate::seal::BATCH), or a store into them,
+    /// does too).
+    pub fn flush_seals(&self) {
+        crate::seal::flush();
+    }
+
+    /// Whether bytes `[ptr, ptr + len)` of this heap are sealed by seal
+    /// `id`, by a process still attached: the receiver's check before it
+    /// trusts that a call's argument holds still. Every field of the
+    /// record is checked (another process may have written it).
+    pub fn verify_sealed(&self, id: u64, ptr: *const u8, len: u64) -> Result<(), HeapError> {
+        let off = (ptr as u64)
+            .checked_sub(self.base() as u64)
+            .ok_or(HeapError::Foreign(ptr as u64))?;
+        crate::seal::verify(self.seal_records(), self.len(), &self.pool, id, off, len)
+    }
+
     /// The pool it is in.
     pub fn pool(&self) -> &Pool {
         &self.pool
@@ -432,19 +331,14 @@ impl Heap {
 impl Drop for Heap {
     fn drop(&mut self) {
         // (Before the mapping goes: the seals' records are in it.)
-        self.unseal_all();
+        let base = self.base() as u64;
+        crate::seal::unseal_within(base, base + self.len());
         // Arguments passed since name the heap by this Ref: released with
         // the heap (a process that opened it holds the pages itself).
         let shared = self.shared.get_mut().unwrap_or_else(|e| e.into_inner());
         if let Some((r, _)) = shared.take() {
             let _ = self.pool.release_ref(&r.r);
         }
-        OPEN_BASE[self.entry].store(u64::MAX, Ordering::Release);
-        let p = OPEN[self.entry].swap(std::ptr::null_mut(), Ordering::AcqRel);
-        if !p.is_null() {
-            // SAFETY: the Box leaked in `register`, taken back once.
-            drop(unsafe { Box::from_raw(p) });
-        }
-        OPEN_BASE[self.entry].store(0, Ordering::Release);
+        unregister(self.entry);
     }
 }

@@ -31,23 +31,25 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! * `heap.rs` — [`Heap`]: creating, sharing and opening heaps, and the
-//!   header every heap starts with;
-//! * `alloc.rs` — the allocator inside the heap ([`HeapAlloc`]), which
-//!   the collections of `allocator-api2` and `hashbrown` take;
+//! From the bottom up (no file imports one above it):
+//!
+//! * `header.rs` — the format of a heap's first page; `error.rs` — the
+//!   errors; `lock.rs` — the heap's lock, which a dead holder does not
+//!   keep; `open.rs` — the heaps open in this process;
+//! * `alloc.rs` — the allocator inside a heap ([`HeapAlloc`]), which the
+//!   collections of `allocator-api2` and `hashbrown` take;
+//! * `seal.rs` — this process's seals: pages read-only to their sender
+//!   while a call reads them;
+//! * `heap.rs` — [`Heap`]: creating, sharing and opening heaps;
+//! * `scope.rs` — scopes: a call's argument in pages of its own, to seal;
+//! * `collections.rs` — [`HeapString`] and [`HeapOrderedMap`], which
+//!   the crates above do not have; `document.rs` — [`Value`], a document
+//!   that describes itself, for readers that know no Rust type (Python);
 //! * `arg.rs` — a value in a heap as a call's argument (96 bytes), and
 //!   the receiver's side ([`Heaps`]), which reads it in place;
 //! * `archive.rs` — validated access: `rkyv` archives in a heap, checked
 //!   by `bytecheck` before a receiver that does not trust their sender
-//!   reads them;
-//! * `collections.rs` — [`HeapString`] and [`HeapOrderedMap`], which
-//!   the crates above do not have;
-//! * `document.rs` — [`Value`], a document that describes itself, for
-//!   readers that know no Rust type (Python);
-//! * `lock.rs` — the heap's lock, which a dead holder does not keep;
-//! * `seal.rs` — scopes (a call's argument in pages of its own) and
-//!   seals (those pages read-only to the sender while the call reads
-//!   them).
+//!   reads them.
 //!
 //! A heap lives while a process holds it open: each opening holds its
 //! pages as a buffer of the pool, so leases, crash reclaim, quotas and
@@ -59,8 +61,12 @@ mod archive;
 mod arg;
 mod collections;
 mod document;
+mod error;
+mod header;
 mod heap;
 mod lock;
+mod open;
+mod scope;
 mod seal;
 
 /// What the multi-process tests reach beneath the API; it is not API.
@@ -82,10 +88,13 @@ pub use archive::{Archivable, Checkable, Copied, HeapArchive, Validated};
 pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
 pub use collections::{HeapOrderedMap, HeapString};
 pub use document::{ArchivedValue, Value};
-pub use heap::{Heap, HeapError, HeapRef, HEAP_REF_LEN, HEAP_VERSION};
+pub use error::HeapError;
+pub use header::{HEAP_REF_LEN, HEAP_VERSION};
+pub use heap::{Heap, HeapRef};
 /// `rkyv`, whose archives are validated access's values.
 pub use rkyv;
-pub use seal::{Scope, ScopeAlloc, Seal, BATCH};
+pub use scope::{Scope, ScopeAlloc};
+pub use seal::{Seal, BATCH};
 
 /// A vector whose memory is in a heap.
 pub type HeapVec<'h, T> = allocator_api2::vec::Vec<T, HeapAlloc<'h>>;
