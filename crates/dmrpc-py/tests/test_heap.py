@@ -2,7 +2,6 @@
 process, read in another as Python objects whose bytes are views of the
 heap (no copy), validated unless the reader trusts the writer."""
 
-import itertools
 import json
 import os
 import subprocess
@@ -12,22 +11,12 @@ import textwrap
 import pytest
 
 import dmrpc
-
-
-_N = itertools.count()
+from conftest import pool_for
 
 
 @pytest.fixture
 def pool():
-    path = f"/dev/shm/dmrpc-pytest-heap-{os.getpid()}-{next(_N)}.pool"
-    p = dmrpc.Pool(path, size=64 << 20)
-    yield p, path
-    try:
-        rep = p.check()
-        assert rep["ok"], rep["problems"]
-        p.close()
-    finally:
-        os.unlink(path)
+    yield from pool_for("heap", 64 << 20, all_free=True)
 
 
 DOC = {

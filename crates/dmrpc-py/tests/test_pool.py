@@ -1,7 +1,6 @@
 """dmrpc's Python bindings: pools, zero-copy buffers, copy-on-write
 between processes, Refs, and typed errors for bad input."""
 
-import itertools
 import os
 import pickle
 import subprocess
@@ -13,22 +12,12 @@ import numpy as np
 import pytest
 
 import dmrpc
-
-
-_N = itertools.count()
+from conftest import pool_for
 
 
 @pytest.fixture
 def pool():
-    path = f"/dev/shm/dmrpc-pytest-{os.getpid()}-{next(_N)}.pool"
-    p = dmrpc.Pool(path, size=16 << 20)
-    yield p, path
-    try:
-        rep = p.check()
-        assert rep["ok"], rep["problems"]
-        p.close()
-    finally:
-        os.unlink(path)
+    yield from pool_for("pool", 16 << 20)
 
 
 def test_numpy_sees_the_pool_memory_with_no_copy(pool):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import dmrpc
+from conftest import pool_for
 import dmrpc.aio
 
 _N = itertools.count()
@@ -31,21 +32,7 @@ def agent():
 
 @pytest.fixture
 def pool():
-    path = f"/dev/shm/dmrpc-pytest-rpc-{os.getpid()}-{next(_N)}.pool"
-    p = dmrpc.Pool(path, size=64 << 20)
-    yield p, path
-    try:
-        for _ in range(100):
-            p.maintain()
-            rep = p.check()
-            if rep["ok"] and rep["pages_held"] == 0:
-                break
-            time.sleep(0.05)
-        assert rep["ok"], rep["problems"]
-        assert rep["pages_held"] == 0, rep
-        p.close()
-    finally:
-        os.unlink(path)
+    yield from pool_for("rpc", 64 << 20, all_free=True)
 
 
 def test_python_service_and_client_in_one_process(pool):
