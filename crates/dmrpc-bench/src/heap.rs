@@ -22,6 +22,15 @@
 //!   sealed (and released after the answer), against the same without a
 //!   seal. The service verifies the seal and reads the first byte.
 //!
+//! * **A key-value service** (RPCool's Memcached under YCSB A, B and C:
+//!   50%, 95% and 100% reads, keys drawn from a Zipfian distribution).
+//!   By value, a value travels in each put and each get and the service
+//!   keeps a copy. In a heap, the values live in a heap the service made
+//!   and shares with its clients: a client builds a value there and
+//!   passes a pointer, the service keeps the pointer (freeing the value
+//!   it replaces), and a get answers with a pointer the client reads in
+//!   place.
+//!
 //! Targets: at 64 KiB, heap pointers at least 10x prost's throughput;
 //! validated within 2x of the trusted heap; a sealed call within 2x of an
 //! unsealed one.
@@ -257,6 +266,244 @@ pub fn peer_serve(pool: &Pool, name: &str) -> Result<Server> {
         .spawn()?)
 }
 
+/// A value of the key-value service in the service's heap, in a box the
+/// client made (a `HeapBox`), which the service owns once it is put.
+type KvValue<'h> = HeapVec<'h, u8>;
+
+/// What a client reads of a value: every 64th byte, summed.
+fn touch(v: &[u8]) -> u64 {
+    v.iter().step_by(64).map(|&b| u64::from(b)).sum()
+}
+
+fn key_of(b: &[u8]) -> Result<u64, RpcError> {
+    b.get(..8)
+        .and_then(|k| k.try_into().ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| RpcError::invalid_argument("no key"))
+}
+
+/// The key-value service (in the peer): `put`/`get` by value, and
+/// `hput`/`hget` with values in the heap it shares (`heap` gives it).
+pub fn peer_kv(pool: &Pool, name: &str) -> Result<Server> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    let node = Node::new(pool.clone());
+    let heaps = Arc::new(Heaps::new(pool));
+    let heap = heaps.add(Heap::create(pool, 160 << 20)?);
+    let shared = heap.share()?.to_bytes().to_vec();
+    let by_value: Arc<Mutex<HashMap<u64, Vec<u8>>>> = Arc::default();
+    // Offsets of the boxes the clients put, by key.
+    let in_heap: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
+    let (v1, v2) = (by_value.clone(), by_value);
+    let (i1, i2) = (in_heap.clone(), in_heap);
+    let (hp1, hp2) = (heap.clone(), heap);
+    let hs = heaps;
+    Ok(node
+        .server(name)
+        .method("heap", move |_| Ok(Payload::from_vec(shared.clone())))
+        .method("put", move |c| {
+            let b = c.payload().bytes()?;
+            let k = key_of(&b)?;
+            v1.lock().map_err(bad)?.insert(k, b[8..].to_vec());
+            Ok(Payload::empty())
+        })
+        .method("get", move |c| {
+            let k = key_of(&c.payload().bytes()?)?;
+            let v = v2.lock().map_err(bad)?.get(&k).cloned().unwrap_or_default();
+            Ok(Payload::from_vec(v))
+        })
+        .method("hput", move |c| {
+            let b = c.payload().bytes()?;
+            let k = key_of(&b)?;
+            let a = hs.arg::<KvValue>(&b[8..]).map_err(bad)?;
+            let off = a.as_ptr() as u64 - hp1.base() as u64;
+            let old = i1.lock().map_err(bad)?.insert(k, off);
+            if let Some(old) = old {
+                // SAFETY: a box a client put and gave up (the bench's
+                // client never keeps what it puts), taken back once: its
+                // key now names another.
+                drop(unsafe {
+                    dm_heap::HeapBox::from_raw_in(
+                        hp1.base().add(old as usize) as *mut KvValue,
+                        hp1.alloc(),
+                    )
+                });
+            }
+            Ok(Payload::empty())
+        })
+        .method("hget", move |c| {
+            let k = key_of(&c.payload().bytes()?)?;
+            let off = i2.lock().map_err(bad)?.get(&k).copied();
+            let Some(off) = off else {
+                return Ok(Payload::empty());
+            };
+            // SAFETY: the box of that key, alive until its key is put again.
+            let v = unsafe { &*(hp2.base().add(off as usize) as *const KvValue) };
+            Ok(Payload::from_vec(hp2.arg(v).map_err(bad)?.to_vec()))
+        })
+        .spawn()?)
+}
+
+/// Keys drawn from a Zipfian distribution over `n` keys (YCSB's, with
+/// its constant 0.99), by a small deterministic generator.
+struct Zipf {
+    cdf: Vec<f64>,
+    state: u64,
+}
+
+impl Zipf {
+    fn new(n: usize, seed: u64) -> Zipf {
+        let w: Vec<f64> = (1..=n).map(|i| 1.0 / (i as f64).powf(0.99)).collect();
+        let total: f64 = w.iter().sum();
+        let mut acc = 0.0;
+        let cdf = w
+            .iter()
+            .map(|x| {
+                acc += x / total;
+                acc
+            })
+            .collect();
+        Zipf {
+            cdf,
+            state: seed | 1,
+        }
+    }
+
+    /// A number in [0, 1).
+    fn unit(&mut self) -> f64 {
+        self.state ^= self.state << 13;
+        self.state ^= self.state >> 7;
+        self.state ^= self.state << 17;
+        (self.state >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn key(&mut self) -> u64 {
+        let u = self.unit();
+        self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1) as u64
+    }
+}
+
+/// The key-value service under YCSB A, B and C, by value and in its heap.
+fn kv(a: &BenchArgs, peer: &mut Peer, node: &Node, pool: &Pool) -> Result<Vec<Obj>> {
+    let name = format!("bench/kv/{}", std::process::id());
+    peer.cmd(&format!("heapkv {name}"))?;
+    let c = node.connect(&name)?;
+    // The service's heap, opened here: values are built in it, and the
+    // service's answers point into it.
+    let reader = Heaps::new(pool);
+    let shared = dm_heap::HeapRef::from_bytes(&c.call("heap", Payload::empty())?.to_vec()?)?;
+    let heap = reader.add(Heap::open(pool, &shared)?);
+    let configs: &[(u64, usize, usize)] = if a.quick {
+        &[(1000, 2000, 4 << 10)]
+    } else {
+        &[(10_000, 100_000, 4 << 10), (1000, 20_000, 64 << 10)]
+    };
+    say!("key-value service (YCSB, Zipfian keys, one call at a time)");
+    say!(
+        "{:>9} {:>9} {:>14} {:>14} {:>10}",
+        "value",
+        "workload",
+        "by value op/s",
+        "heap op/s",
+        "heap/value"
+    );
+    let mut rows = Vec::new();
+    for &(keys, ops, size) in configs {
+        rows.extend(kv_run(&c, &heap, &reader, keys, ops, size)?);
+    }
+    drop(reader);
+    drop(heap);
+    Ok(rows)
+}
+
+/// YCSB A, B and C over `keys` keys of `size`-byte values, `ops`
+/// operations each, by value and in the service's heap.
+fn kv_run(
+    c: &dm_rpc::Client,
+    heap: &Heap,
+    reader: &Heaps,
+    keys: u64,
+    ops: usize,
+    size: usize,
+) -> Result<Vec<Obj>> {
+    let value: Vec<u8> = (0..size).map(|i| i as u8).collect();
+    let put_value = |k: u64| -> Result<()> {
+        let mut b = k.to_le_bytes().to_vec();
+        b.extend_from_slice(&value);
+        c.call("put", Payload::from_vec(b))?;
+        Ok(())
+    };
+    let put_heap = |k: u64| -> Result<()> {
+        let mut v = HeapVec::with_capacity_in(size, heap.alloc());
+        v.extend_from_slice(&value);
+        let boxed = dm_heap::HeapBox::new_in(v, heap.alloc());
+        let mut b = k.to_le_bytes().to_vec();
+        b.extend_from_slice(&heap.arg(&*boxed)?);
+        // (The service owns it now.)
+        let _ = dm_heap::HeapBox::into_raw(boxed);
+        c.call("hput", Payload::from_vec(b))?;
+        Ok(())
+    };
+    let get_value = |k: u64| -> Result<u64> {
+        Ok(touch(
+            &c.call("get", Payload::from_vec(k.to_le_bytes().to_vec()))?
+                .to_vec()?,
+        ))
+    };
+    let get_heap = |k: u64| -> Result<u64> {
+        let arg = c
+            .call("hget", Payload::from_vec(k.to_le_bytes().to_vec()))?
+            .to_vec()?;
+        let v = reader.arg::<KvValue>(&arg)?;
+        // SAFETY: the service's value of that key, which no one puts
+        // again while this client reads it (the bench's one client).
+        Ok(touch(unsafe { v.get() }))
+    };
+    for k in 0..keys {
+        put_value(k)?;
+        put_heap(k)?;
+    }
+    let mut rows = Vec::new();
+    for (w, reads) in [("A", 0.5), ("B", 0.95), ("C", 1.0)] {
+        let mut rate = [0.0; 2];
+        for (i, r) in rate.iter_mut().enumerate() {
+            let mut z = Zipf::new(keys as usize, 0x9e37_79b9 + i as u64);
+            let start = Instant::now();
+            let mut sink = 0u64;
+            for _ in 0..ops {
+                let k = z.key();
+                let read = z.unit() < reads;
+                sink = sink.wrapping_add(match (i, read) {
+                    (0, true) => get_value(k)?,
+                    (0, false) => put_value(k).map(|()| 0)?,
+                    (_, true) => get_heap(k)?,
+                    (_, false) => put_heap(k).map(|()| 0)?,
+                });
+            }
+            std::hint::black_box(sink);
+            *r = ops as f64 / start.elapsed().as_secs_f64();
+        }
+        say!(
+            "{:>9} {:>9} {:>14.0} {:>14.0} {:>9.1}x",
+            fmt_size(size as u64),
+            w,
+            rate[0],
+            rate[1],
+            rate[1] / rate[0]
+        );
+        let mut o = Obj::default();
+        o.str("part", "kv");
+        o.str("workload", w);
+        o.num("value_bytes", size as f64);
+        o.num("value_ops_per_s", rate[0]);
+        o.num("heap_ops_per_s", rate[1]);
+        o.num("heap_over_value", rate[1] / rate[0]);
+        rows.push(o);
+        super::progress::tick(format!("kv {} {w}", fmt_size(size as u64)));
+    }
+    Ok(rows)
+}
+
 /// Times `n` calls made by `call` (after a warm-up): p50 in ns, and calls
 /// per second over the whole run.
 fn time(n: usize, mut call: impl FnMut() -> Result<u64>) -> Result<(f64, f64)> {
@@ -308,7 +555,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         &[1 << 10, 16 << 10, 64 << 10, 1 << 20]
     };
     let ways = ["heap", "validated", "prost", "json", "bincode"];
-    super::progress::start("heap", (sizes.len() * ways.len() + 3) as u64);
+    super::progress::start("heap", (sizes.len() * ways.len() + 9) as u64);
     say!("bench heap: a document store whose service reads a few fields (one call at a time)");
     say!(
         "{:>8} {:>10} {:>8} {:>10} {:>12} {:>10}",
@@ -504,6 +751,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         drop(vecs);
         drop(scopes);
     }
+    rows.extend(kv(a, &mut peer, &node, pool)?);
     peer.cmd("unserve")?;
     drop(peer);
     drop(c);
@@ -514,7 +762,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "heap");
     res.str(
         "method",
-        "document store: p50 and calls/s of one call at a time whose service (another process) reads a few fields; heap = pointer into a shared heap read in place; validated = rkyv archive in a sealed scope, seal verified and archive validated per call; prost/json/bincode = encoded per call, by value, decoded whole. Seal cost: an argument written before each call in a ring of scopes, sealed or not",
+        "document store: p50 and calls/s of one call at a time whose service (another process) reads a few fields; heap = pointer into a shared heap read in place; validated = rkyv archive in a sealed scope, seal verified and archive validated per call; prost/json/bincode = encoded per call, by value, decoded whole. Seal cost: an argument written before each call in a ring of scopes, sealed or not. Key-value: YCSB A/B/C (50/95/100% reads, Zipfian 0.99 keys), values by value or in the service's shared heap",
     );
     res.obj("machine", &super::machine());
     res.arr("rows", &rows);

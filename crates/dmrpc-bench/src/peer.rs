@@ -175,6 +175,10 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 servers.push(super::heap::peer_serve(&pool, name)?);
                 "ok".into()
             }
+            (Some("heapkv"), Some(name), _) => {
+                servers.push(super::heap::peer_kv(&pool, name)?);
+                "ok".into()
+            }
             (Some("grpcsvc"), Some(name), Some(uds)) => {
                 let (s, addr) = super::grpc_ways::peer_serve(&pool, name, uds)?;
                 servers.push(s);
