@@ -142,3 +142,49 @@ fn bookkeeping_written_by_another_process_is_refused_not_followed() {
     drop(pool);
     tp.assert_clean();
 }
+
+#[test]
+fn a_heap_counts_against_the_quota_of_each_process_that_opens_it() {
+    use dm_pool::{AttachOptions, PoolConfig};
+    let tp = TempPool::with(PoolConfig {
+        size: 16 << 20,
+        ..Default::default()
+    });
+    let page = 4096u64;
+    let small = tp.attach_with(AttachOptions {
+        quota: Some(64 * page),
+        ..Default::default()
+    });
+    // Larger than the quota: refused with the pool's typed error.
+    let e = Heap::create(&small, 128 * page).unwrap_err();
+    assert!(
+        matches!(&e, HeapError::Pool(dm_pool::Error::ResourceExhausted { what }) if what.contains("quota")),
+        "{e}"
+    );
+    // Within it: made, and its pages are the quota's.
+    let heap = Heap::create(&small, 48 * page).unwrap();
+    assert!(
+        small.alloc(32 * page).is_err(),
+        "the heap holds 48 of 64 pages"
+    );
+    // Another process opening it is charged too (its own hold).
+    let other = tp.attach_with(AttachOptions {
+        quota: Some(32 * page),
+        ..Default::default()
+    });
+    let r = heap.share().unwrap();
+    assert!(
+        matches!(
+            Heap::open(&other, &r),
+            Err(HeapError::Pool(dm_pool::Error::ResourceExhausted { .. }))
+        ),
+        "a 48-page heap is over a 32-page quota"
+    );
+    small.release_ref(r.pool_ref()).unwrap();
+    drop(heap);
+    // Closed, its pages are the quota's again.
+    let b = small.alloc(60 * page).unwrap();
+    drop(b);
+    drop((small, other));
+    tp.assert_clean();
+}
