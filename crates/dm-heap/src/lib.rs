@@ -86,7 +86,7 @@ pub mod testing {
 pub use alloc::HeapAlloc;
 pub use archive::{Archivable, Checkable, Copied, HeapArchive, Validated};
 pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
-pub use collections::{HeapOrderedMap, HeapString};
+pub use collections::{extend_copy, HeapOrderedMap, HeapString};
 pub use document::{ArchivedValue, Value};
 pub use error::HeapError;
 pub use header::{HEAP_REF_LEN, HEAP_VERSION};

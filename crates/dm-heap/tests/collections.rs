@@ -89,3 +89,27 @@ fn heap_strings_key_maps_looked_up_by_str() {
     drop(pool);
     tp.assert_clean();
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// `extend_copy` appends as `extend_from_slice` does.
+    #[test]
+    fn extend_copy_appends_as_extend_from_slice(
+        a in proptest::collection::vec(any::<u32>(), 0..300),
+        b in proptest::collection::vec(any::<u32>(), 0..300),
+    ) {
+        let tp = TempPool::new(16 << 20);
+        let pool = tp.attach();
+        let heap = Heap::create(&pool, 1 << 20).unwrap();
+        let mut v = dm_heap::HeapVec::new_in(heap.alloc());
+        dm_heap::extend_copy(&mut v, &a);
+        dm_heap::extend_copy(&mut v, &b);
+        let want: Vec<u32> = a.iter().chain(&b).copied().collect();
+        prop_assert_eq!(&v[..], &want[..]);
+        drop(v);
+        drop(heap);
+        drop(pool);
+        tp.assert_clean();
+    }
+}

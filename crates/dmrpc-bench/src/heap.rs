@@ -153,7 +153,7 @@ fn to_heap<'h>(d: &Doc, a: HeapAlloc<'h>) -> HeapDoc<'h> {
     let mut sections = HeapVec::with_capacity_in(d.sections.len(), a);
     sections.extend(d.sections.iter().map(|s| {
         let mut scores = HeapVec::with_capacity_in(s.scores.len(), a);
-        scores.extend_from_slice(&s.scores);
+        dm_heap::extend_copy(&mut scores, &s.scores);
         HeapSection {
             heading: hstr(&s.heading, a),
             body: hstr(&s.body, a),
@@ -435,7 +435,7 @@ fn kv_run(
     };
     let put_heap = |k: u64| -> Result<()> {
         let mut v = HeapVec::with_capacity_in(size, heap.alloc());
-        v.extend_from_slice(&value);
+        dm_heap::extend_copy(&mut v, &value);
         let boxed = dm_heap::HeapBox::new_in(v, heap.alloc());
         let mut b = k.to_le_bytes().to_vec();
         b.extend_from_slice(&heap.arg(&*boxed)?);
