@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, lints, the demo and a benchmark smoke run,
+# The whole test suite: formatting, lints, the API docs, the demo and a benchmark smoke run,
 # the loom models, the unsafe and decoding code's unit tests under Miri,
 # then every unit, property, multi-process and fuzz-corpus test. Needs a
 # Rust toolchain (stable; the loom step uses stable too, Miri the nightly
@@ -25,6 +25,9 @@ CARGO_TARGET_DIR=target/py cargo clippy --manifest-path crates/dmrpc-py/Cargo.to
 # The library without memory servers: dm-rpc reaches them only through its
 # `memserver` feature.
 cargo clippy -p dm-rpc -p dmrpc --no-default-features --all-targets -- -D warnings
+
+step "API docs, every link resolved (cargo doc -D warnings)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace
 
 step "build (release), and the Python package with its PyPI dependencies (scripts/python.sh setup)"
 cargo build --release -p dmrpc-cli --features iceoryx2

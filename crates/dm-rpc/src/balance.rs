@@ -696,7 +696,7 @@ impl Balanced<AsyncClient> {
 
 impl Node {
     /// A client of every replica of service `name`
-    /// ([`ServerBuilder::replica`]), spreading its calls over them and
+    /// ([`ServerBuilder::replica`](crate::ServerBuilder::replica)), spreading its calls over them and
     /// following them as they come and go ([`crate::balance`]). A name
     /// with one registration works too (one replica). `NotFound` if the
     /// name has none.

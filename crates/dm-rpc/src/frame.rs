@@ -44,7 +44,7 @@
 //! A go-away frame (server to client, TCP) says that the server stopped
 //! reading the connection, and which requests it took: every request whose
 //! call id is above the frame's call id was never taken, and never will be
-//! (see [`crate::transport::GoAway`]). It carries nothing else.
+//! (see `transport::GoAway`). It carries nothing else.
 //!
 //! An item may carry metadata too (version 9): a stream's first item may
 //! carry what gRPC sends as response headers before any message.

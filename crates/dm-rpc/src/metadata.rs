@@ -6,7 +6,7 @@
 //! a server's version, a cost, a hint to retry after some time), set by
 //! the handler while it serves the call ([`set_reply`]), on a success or
 //! an error alike, and read by the caller from
-//! [`Reply::metadata`](crate::client::Reply) or
+//! [`Reply::metadata`](crate::Reply::metadata) or
 //! [`RpcError::metadata`](crate::RpcError). An error a handler returns
 //! keeps the metadata it carries (that of a nested call's answer, say),
 //! after what the handler set.

@@ -206,7 +206,7 @@ impl Space {
 
     /// Hands `emit` the pieces of `len` bytes at `offset` of the buffer
     /// at `addr`, in order, as (page, offset in it, length); a page of
-    /// [`NONE`](super::pages::NONE) reads as zeros. Nothing is emitted on
+    /// [`NONE`] reads as zeros. Nothing is emitted on
     /// an error. The caller holds this space's lock meanwhile, so the pages
     /// are held: a share taken then ([`Pages::share`]) keeps one past it.
     pub fn read_spans(

@@ -279,7 +279,7 @@ impl Pool {
         self.inner.maintain_local()
     }
 
-    /// Consistency check of the whole pool (see [`crate::check`]).
+    /// Consistency check of the whole pool (`check.rs`: the invariant, [`CheckReport`](crate::CheckReport)).
     pub fn check(&self) -> crate::check::CheckReport {
         crate::check::check(&self.inner.shm)
     }

@@ -17,12 +17,12 @@ use std::time::Instant;
 pub type Handler = Arc<dyn Fn(&mut Call<'_>) -> Result<Payload, RpcError> + Send + Sync>;
 
 /// A streaming method's handler: it sends the items of its answer into
-/// the [`Sink`], and returns how the stream ends ([`ServerBuilder::method_stream`]).
+/// the [`Sink`], and returns how the stream ends ([`ServerBuilder::method_stream`](crate::ServerBuilder::method_stream)).
 pub type StreamHandler =
     Arc<dyn Fn(&mut Call<'_>, &mut Sink<'_>) -> Result<(), RpcError> + Send + Sync>;
 
 /// A blocking handler of a method whose caller sends items too
-/// ([`ServerBuilder::method_bidi`]): it reads them from the [`Inbox`] and
+/// ([`ServerBuilder::method_bidi`](crate::ServerBuilder::method_bidi)): it reads them from the [`Inbox`] and
 /// answers with items into the [`Sink`].
 pub type BidiHandler =
     Arc<dyn Fn(&mut Call<'_>, &mut Inbox<'_>, &mut Sink<'_>) -> Result<(), RpcError> + Send + Sync>;
@@ -39,17 +39,17 @@ pub type StreamFuture =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), RpcError>> + Send>>;
 
 /// An async streaming method's handler
-/// ([`ServerBuilder::method_stream_async`]).
+/// ([`ServerBuilder::method_stream_async`](crate::ServerBuilder::method_stream_async)).
 pub type AsyncStreamHandler = Arc<dyn Fn(AsyncCall, AsyncSink) -> StreamFuture + Send + Sync>;
 
 /// An async handler of a method whose caller sends items too
-/// ([`ServerBuilder::method_bidi_async`]): it reads them from the
+/// ([`ServerBuilder::method_bidi_async`](crate::ServerBuilder::method_bidi_async)): it reads them from the
 /// [`AsyncInbox`] and answers with items into the [`AsyncSink`].
 pub type AsyncBidiHandler =
     Arc<dyn Fn(AsyncCall, AsyncInbox, AsyncSink) -> StreamFuture + Send + Sync>;
 
 /// A check every request passes before its handler runs
-/// ([`ServerBuilder::intercept`]).
+/// ([`ServerBuilder::intercept`](crate::ServerBuilder::intercept)).
 pub type Interceptor = Arc<dyn Fn(&Incoming<'_>) -> Result<(), RpcError> + Send + Sync>;
 
 /// A request as an interceptor sees it, before its handler runs: its

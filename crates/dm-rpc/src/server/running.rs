@@ -35,7 +35,7 @@ pub struct Stats {
     /// while it drained ([`Server::shutdown_gracefully`]), or were still
     /// queued when it stopped.
     pub refused: AtomicU64,
-    /// Items sent by streaming methods ([`ServerBuilder::method_stream`]).
+    /// Items sent by streaming methods ([`ServerBuilder::method_stream`](crate::ServerBuilder::method_stream)).
     pub items: AtomicU64,
 }
 
@@ -91,7 +91,7 @@ impl Server {
     /// refused, and each client is told which requests were taken: the
     /// others, still waiting in the connections, were never read. Clients
     /// send both kinds to the server registered under the name next, if
-    /// any (see [`crate::transport::GoAway`]).
+    /// any (see `transport::GoAway`).
     pub fn shutdown(mut self) {
         self.stop_now();
     }

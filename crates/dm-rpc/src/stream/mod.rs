@@ -36,7 +36,7 @@
 //! room in a connection for the answer to every request it took, so that
 //! answers never wait for a client that does not read; for a stream it
 //! keeps only the room for a small answer, its end
-//! ([`SMALL_ANSWER`](crate::transport::shm::SMALL_ANSWER): an error
+//! (`transport::shm::SMALL_ANSWER`: an error
 //! message and trailer metadata of at most 16 KiB; a unary method called
 //! as a stream answers with a larger payload by Ref), so that its items
 //! have the rest.

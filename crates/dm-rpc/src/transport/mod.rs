@@ -203,7 +203,7 @@ pub trait FrameRx: Send {
     /// The word the peer rings ([`crate::wait::Bell`]) after it sends a
     /// frame, if the transport has one: then a server's listener can
     /// watch this half along with its own connections
-    /// ([`Watched`]). Its one waiter must then be the listener.
+    /// (`Watched`). Its one waiter must then be the listener.
     fn bell(&self) -> Option<&'static AtomicU32> {
         None
     }
@@ -448,12 +448,12 @@ pub trait Listener: Send {
     /// record again before it calls `next` (`Dispatcher::poll_woken`).
     fn waker(&self) -> Waker;
     /// The answer sources this listener reads while it waits, if it can
-    /// watch any ([`Watched`]; the shared-memory listener can).
+    /// watch any (`Watched`; the shared-memory listener can).
     fn watch_set(&self) -> Option<std::sync::Arc<WatchSet>> {
         None
     }
     /// The server stops: tells every connection's client the highest call
-    /// id it took from it ([`GoAway`]), so that the requests it never
+    /// id it took from it (`GoAway`), so that the requests it never
     /// took go elsewhere. The last call on a listener, before it is
     /// dropped: nothing is taken after it.
     fn go_away(&mut self);

@@ -189,7 +189,7 @@ impl Joiner {
 }
 
 /// The fuzz target `parts_join`: `data` as a peer's stream of frames fed
-/// to a [`Joiner`], which must never panic and must give out only whole
+/// to a `Joiner`, which must never panic and must give out only whole
 /// frames that are not parts. Then the first whole frame found, split in
 /// slices of a length the data picks, must join to itself.
 pub fn fuzz_join(data: &[u8]) {
