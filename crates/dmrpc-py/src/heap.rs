@@ -104,15 +104,22 @@ impl std::fmt::Debug for PyHeapDocument {
     }
 }
 
-impl Drop for PyHeapDocument {
-    fn drop(&mut self) {
-        // The seal before its scope, both before the heap they borrow.
+impl PyHeapDocument {
+    /// Drops the seal, then the scope it seals (both before the heap
+    /// they borrow).
+    fn let_go(&self) {
         if let Ok(mut g) = self.held.lock() {
             if let Some((seal, scope)) = g.take() {
                 drop(seal);
                 drop(scope);
             }
         }
+    }
+}
+
+impl Drop for PyHeapDocument {
+    fn drop(&mut self) {
+        self.let_go();
     }
 }
 
@@ -126,12 +133,7 @@ impl PyHeapDocument {
 
     /// Releases its seal (the call that read it has ended).
     fn release(&self) {
-        if let Ok(mut g) = self.held.lock() {
-            if let Some((seal, scope)) = g.take() {
-                drop(seal);
-                drop(scope);
-            }
-        }
+        self.let_go();
     }
 }
 
