@@ -136,10 +136,12 @@ pub(crate) fn decode(b: &[u8]) -> Result<Decoded, HeapError> {
 }
 
 /// The heaps a receiver reads arguments from: each opened when its first
-/// argument arrives, and kept open while this lives.
+/// argument arrives, and kept open while this lives ([`Heaps::new`]);
+/// or a fixed set, the heaps of one connection ([`Heaps::only`]).
 #[derive(Debug)]
 pub struct Heaps {
-    pool: Pool,
+    /// Where heaps not open yet are opened from (none for a fixed set).
+    pool: Option<Pool>,
     open: Mutex<Vec<Arc<Heap>>>,
 }
 
@@ -186,8 +188,17 @@ impl Heaps {
     /// Heaps of `pool`, none open yet.
     pub fn new(pool: &Pool) -> Heaps {
         Heaps {
-            pool: pool.clone(),
+            pool: Some(pool.clone()),
             open: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// These heaps and no other: an argument in another heap is refused
+    /// (`BadArg`) and nothing is opened for it.
+    pub fn only(heaps: impl IntoIterator<Item = Arc<Heap>>) -> Heaps {
+        Heaps {
+            pool: None,
+            open: Mutex::new(heaps.into_iter().collect()),
         }
     }
 
@@ -264,7 +275,12 @@ impl Heaps {
             }
             return Ok(h.clone());
         }
-        let h = Arc::new(Heap::open(&self.pool, r)?);
+        let Some(pool) = &self.pool else {
+            return Err(HeapError::BadArg(
+                "a heap this receiver does not take (not its connection's, nor its service's)",
+            ));
+        };
+        let h = Arc::new(Heap::open(pool, r)?);
         open.push(h.clone());
         Ok(h)
     }

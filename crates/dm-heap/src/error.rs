@@ -47,4 +47,8 @@ pub enum HeapError {
     /// An archive that validation refused (what it found).
     #[error("an archive is not valid: {0}")]
     Invalid(String),
+    /// A call on a connection that attached no heap, to a service with
+    /// no shared heap (`channel.rs`).
+    #[error("the connection has no heap: attach one first (HeapChannel does)")]
+    NoHeap,
 }

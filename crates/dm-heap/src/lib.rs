@@ -49,7 +49,10 @@
 //!   the receiver's side ([`Heaps`]), which reads it in place;
 //! * `archive.rs` — validated access: `rkyv` archives in a heap, checked
 //!   by `bytecheck` before a receiver that does not trust their sender
-//!   reads them.
+//!   reads them;
+//! * `channel.rs` — heaps of a connection and of a service: a client's
+//!   [`HeapChannel`] brings a heap of its own, and a [`HeapService`]
+//!   takes each connection's arguments from its heap and its shared one.
 //!
 //! A heap lives while a process holds it open: each opening holds its
 //! pages as a buffer of the pool, so leases, crash reclaim, quotas and
@@ -59,6 +62,7 @@
 mod alloc;
 mod archive;
 mod arg;
+mod channel;
 mod collections;
 mod document;
 mod error;
@@ -86,6 +90,7 @@ pub mod testing {
 pub use alloc::HeapAlloc;
 pub use archive::{Archivable, Checkable, Copied, HeapArchive, Validated};
 pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
+pub use channel::{HeapChannel, HeapService, ATTACH, DEFAULT_PRIVATE_MAX, SHARED};
 pub use collections::{extend_copy, HeapOrderedMap, HeapString};
 pub use document::{ArchivedValue, Value};
 pub use error::HeapError;

@@ -139,9 +139,9 @@ pub use registry::{PoolRegistry, Registry, ServiceEntry};
 pub use retry::{Retry, Statuses};
 #[cfg(not(loom))]
 pub use server::{
-    AsyncBidiHandler, AsyncCall, AsyncHandler, AsyncStreamHandler, BidiHandler, Call, Handler,
-    HandlerFuture, Incoming, Interceptor, Server, ServerBuilder, Stats, StreamFuture,
-    StreamHandler,
+    AsyncBidiHandler, AsyncCall, AsyncHandler, AsyncStreamHandler, BidiHandler, Call,
+    DisconnectHook, Handler, HandlerFuture, Incoming, Interceptor, Peer, Server, ServerBuilder,
+    Stats, StreamFuture, StreamHandler,
 };
 #[cfg(not(loom))]
 pub use stream::{

@@ -3851,3 +3851,74 @@ fn a_tcp_peer_that_claims_the_pool_without_proof_gets_values() {
     drop((back, c));
     close(tp, node, svc);
 }
+
+/// A connection's calls share one `Peer`; the disconnect hook runs once
+/// for each connection that made calls, when it closes or when the
+/// server stops.
+fn disconnect_hook(t: Transport) {
+    use std::collections::hash_map::DefaultHasher;
+    use std::hash::{Hash, Hasher};
+    use std::sync::{Arc, Mutex};
+    fn key(p: dm_rpc::Peer) -> u64 {
+        let mut h = DefaultHasher::new();
+        p.hash(&mut h);
+        h.finish()
+    }
+    let tp = pool();
+    let node = Node::new(tp.attach());
+    let name = unique("peers");
+    let gone = Arc::new(Mutex::new(Vec::new()));
+    let g = gone.clone();
+    let svc = node
+        .server(&name)
+        .method("who", |c| {
+            Ok(Payload::from_vec(key(c.peer()).to_le_bytes().to_vec()))
+        })
+        .method_async("who_async", |c| async move {
+            Ok(Payload::from_vec(key(c.peer).to_le_bytes().to_vec()))
+        })
+        .on_disconnect(move |p| g.lock().unwrap().push(key(p)))
+        .transport(t)
+        .spawn()
+        .unwrap();
+    let who = |c: &dm_rpc::Client, m: &str| {
+        let a = c.call(m, Payload::empty()).unwrap().to_vec().unwrap();
+        u64::from_le_bytes(a.try_into().unwrap())
+    };
+    let (c1, c2, c3) = (
+        node.connect(&name).unwrap(),
+        node.connect(&name).unwrap(),
+        node.connect(&name).unwrap(),
+    );
+    let p1 = who(&c1, "who");
+    assert_eq!(who(&c1, "who_async"), p1, "one connection, one peer");
+    let p2 = who(&c2, "who");
+    let p3 = who(&c3, "who_async");
+    assert!(p1 != p2 && p2 != p3 && p1 != p3);
+    let wait_for = |n: usize| {
+        let start = Instant::now();
+        while gone.lock().unwrap().len() < n {
+            assert!(start.elapsed() < Duration::from_secs(5), "no hook ran");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    drop(c1);
+    wait_for(1);
+    assert_eq!(*gone.lock().unwrap(), [p1]);
+    drop(c2);
+    wait_for(2);
+    assert_eq!(*gone.lock().unwrap(), [p1, p2]);
+    // The last is still open when the server stops: it ends with it.
+    svc.shutdown();
+    assert_eq!(*gone.lock().unwrap(), [p1, p2, p3], "once each");
+    drop(c3);
+    drop(node);
+    tp.assert_clean();
+}
+
+#[test]
+fn a_disconnect_hook_runs_once_per_connection_over_every_transport() {
+    for t in every_transport() {
+        disconnect_hook(t);
+    }
+}

@@ -4,7 +4,8 @@
 
 use super::dispatch::Dispatcher;
 use super::handler::{
-    AsyncCall, Call, HandlerFuture, Incoming, Interceptor, Method, Methods, StreamFuture,
+    AsyncCall, Call, DisconnectHook, HandlerFuture, Incoming, Interceptor, Method, Methods, Peer,
+    StreamFuture,
 };
 use super::running::{Reg, Server, Stats};
 use super::tasks::Tasks;
@@ -17,7 +18,7 @@ use crate::stream::{AsyncInbox, AsyncSink, Inbox, Sink};
 use crate::transport::Listener;
 use dm_pool::Endpoint;
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -71,7 +72,13 @@ pub struct ServerBuilder {
     pub(super) protocol: dm_pool::Protocol,
     /// How long `spawn` waits for a name a live process holds.
     pub(super) wait_for_name: Duration,
+    /// Run when a connection that made calls closes.
+    pub(super) on_disconnect: Option<DisconnectHook>,
 }
+
+/// The serial of the next server this process starts (a part of each
+/// [`Peer`]).
+static SERVERS: AtomicU64 = AtomicU64::new(1);
 
 impl std::fmt::Debug for ServerBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -101,7 +108,20 @@ impl ServerBuilder {
             replica: false,
             protocol: dm_pool::Protocol::Dmrpc,
             wait_for_name: Duration::ZERO,
+            on_disconnect: None,
         }
+    }
+
+    /// Runs `hook` when a connection that made calls to this server
+    /// closes: its client dropped it, its process died, or the server
+    /// stopped. It runs on the dispatcher thread within about 100 ms of
+    /// the end (a server with a hook wakes that often), once per
+    /// connection. What a service keeps per connection
+    /// ([`Call::peer`]) goes here. One hook per server: a later one
+    /// replaces an earlier one.
+    pub fn on_disconnect(mut self, hook: impl Fn(Peer) + Send + Sync + 'static) -> Self {
+        self.on_disconnect = Some(Arc::new(hook));
+        self
     }
 
     /// Waits up to `deadline` for the name if a live process holds it
@@ -442,6 +462,10 @@ impl ServerBuilder {
             inlets: Vec::new(),
             rt,
             waker: waker.clone(),
+            serial: SERVERS.fetch_add(1, Ordering::Relaxed),
+            on_disconnect: self.on_disconnect,
+            peers: Default::default(),
+            peers_seen: Instant::now(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("dmrpc:{}", self.name))

@@ -3,8 +3,8 @@
 //! documentation of `server/`).
 
 use super::handler::{
-    intercept, panicked, run_bidi, run_handler, run_stream, AsyncCall, HandlerFuture, Interceptor,
-    Method, Methods, Scope,
+    intercept, panicked, run_bidi, run_handler, run_stream, AsyncCall, DisconnectHook,
+    HandlerFuture, Interceptor, Method, Methods, Peer, Scope,
 };
 use super::intake::{ended_items_of, intake, pending, refuse, Later, Pending, To};
 use super::running::{bump, Stats};
@@ -17,7 +17,7 @@ use crate::node::Node;
 use crate::payload::{Dir, Payload};
 use crate::stream::{AsyncInbox, AsyncSink, Inbox, Inlet, Outlet, Sink};
 use crate::transport::{ConnId, Listener, Waker, WatchSet};
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::Poll;
@@ -80,7 +80,20 @@ pub(super) struct Dispatcher {
     /// listener reads their answers (if it can, and the server has async
     /// methods).
     pub(super) watch: Option<Arc<WatchSet>>,
+    /// This server among the process's: with a connection's id, its
+    /// [`Peer`].
+    pub(super) serial: u64,
+    /// Run when a connection that made calls closes
+    /// ([`ServerBuilder::on_disconnect`](crate::ServerBuilder::on_disconnect)).
+    pub(super) on_disconnect: Option<DisconnectHook>,
+    /// The connections that made calls, while a hook waits for their
+    /// end, and when they were last looked at.
+    pub(super) peers: HashSet<ConnId>,
+    pub(super) peers_seen: Instant,
 }
+
+/// How often a server with a disconnect hook looks for connections gone.
+const PEERS_EVERY: Duration = Duration::from_millis(100);
 
 impl Dispatcher {
     pub(super) fn run(mut self) {
@@ -107,6 +120,35 @@ impl Dispatcher {
             }
         }
         self.listener.go_away();
+        // Every connection ends with the server.
+        for conn in std::mem::take(&mut self.peers) {
+            self.disconnected(conn);
+        }
+    }
+
+    /// Runs the disconnect hook for `conn` (a panic in it is its own).
+    fn disconnected(&self, conn: ConnId) {
+        if let Some(h) = &self.on_disconnect {
+            let peer = Peer::new(self.serial, conn);
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(peer)));
+        }
+    }
+
+    /// Runs the disconnect hook for the connections that closed since the
+    /// last look (at most every [`PEERS_EVERY`]).
+    fn tend_peers(&mut self) {
+        if self.peers.is_empty() || self.peers_seen.elapsed() < PEERS_EVERY {
+            return;
+        }
+        self.peers_seen = Instant::now();
+        let gone: Vec<ConnId> = (self.peers.iter())
+            .copied()
+            .filter(|&c| !self.listener.is_open(c))
+            .collect();
+        for conn in gone {
+            self.peers.remove(&conn);
+            self.disconnected(conn);
+        }
     }
 
     fn serve_until_stopped(&mut self) {
@@ -116,6 +158,9 @@ impl Dispatcher {
             }
             if !self.outlets.is_empty() || !self.inlets.is_empty() {
                 self.tend_outlets();
+            }
+            if self.on_disconnect.is_some() {
+                self.tend_peers();
             }
             if self.drained() {
                 return;
@@ -148,13 +193,26 @@ impl Dispatcher {
         }
     }
 
-    /// When the wait for the next frame ends at the latest: the end of a
-    /// graceful shutdown; with async streams in progress, their earliest
+    /// When the wait for the next frame ends at the latest: the next look
+    /// for connections gone, if a disconnect hook waits for one; the end
+    /// of a graceful shutdown; with async streams in progress, their earliest
     /// deadline, and soon enough to notice a caller gone (50 ms, as a
     /// blocking stream's sink does) or, over a transport whose listener
     /// does not say when room comes, to send items that found none (a
     /// millisecond).
     fn wake_by(&self) -> Option<Instant> {
+        let by = self.streams_wake_by();
+        if self.peers.is_empty() {
+            return by;
+        }
+        // (A disconnect hook waits for a connection's end.)
+        let look = self.peers_seen + PEERS_EVERY;
+        Some(by.map_or(look, |b| b.min(look)))
+    }
+
+    /// When the wait ends at the latest for the streams in progress and
+    /// a graceful shutdown (see [`wake_by`](Self::wake_by)).
+    fn streams_wake_by(&self) -> Option<Instant> {
         if self.outlets.is_empty() && self.inlets.is_empty() {
             return self.draining;
         }
@@ -301,7 +359,11 @@ impl Dispatcher {
         // Cancels of async calls and grants of async streams read while a
         // blocking handler ran.
         let mut later = Vec::new();
+        if self.on_disconnect.is_some() {
+            self.peers.insert(conn);
+        }
         let mut scope = Scope {
+            peer: Peer::new(self.serial, conn),
             deadline,
             meta: Default::default(),
         };
@@ -507,6 +569,7 @@ impl Dispatcher {
             method: name.clone(),
             node: self.node.clone(),
             metadata,
+            peer: scope.peer,
         };
         let _rt = self.rt.as_ref().map(|rt| rt.enter());
         polling_with(self.watch.as_ref(), || scope.run(|| make(call)))

@@ -52,10 +52,32 @@ pub type AsyncBidiHandler =
 /// ([`ServerBuilder::intercept`](crate::ServerBuilder::intercept)).
 pub type Interceptor = Arc<dyn Fn(&Incoming<'_>) -> Result<(), RpcError> + Send + Sync>;
 
+/// The client connection a call came on. Calls with equal `Peer`s came
+/// on one connection of one server, and no later connection of this
+/// process's servers gets that `Peer` again. The server says when one
+/// closes ([`ServerBuilder::on_disconnect`](crate::ServerBuilder::on_disconnect)):
+/// what a service keeps per connection (a heap, a session) lives as
+/// long as it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Peer {
+    server: u64,
+    conn: u64,
+}
+
+impl Peer {
+    pub(super) fn new(server: u64, conn: crate::transport::ConnId) -> Peer {
+        Peer { server, conn }
+    }
+}
+
+/// A hook a server runs when a connection that made calls closes.
+pub type DisconnectHook = Arc<dyn Fn(Peer) + Send + Sync>;
+
 /// A request as an interceptor sees it, before its handler runs: its
 /// method, metadata, deadline and size (not its payload's bytes).
 #[derive(Debug)]
 pub struct Incoming<'a> {
+    pub(super) peer: Peer,
     pub(super) method: &'a str,
     pub(super) metadata: &'a Metadata,
     pub(super) deadline: Option<Instant>,
@@ -63,6 +85,11 @@ pub struct Incoming<'a> {
 }
 
 impl Incoming<'_> {
+    /// The connection it came on.
+    pub fn peer(&self) -> Peer {
+        self.peer
+    }
+
     /// The method's name.
     pub fn method(&self) -> &str {
         self.method
@@ -147,6 +174,8 @@ pub struct AsyncCall {
     pub node: Node,
     /// The request's metadata ([`crate::metadata`]).
     pub metadata: Metadata,
+    /// The connection it came on.
+    pub peer: Peer,
 }
 
 impl AsyncCall {
@@ -166,6 +195,7 @@ pub struct Call<'a> {
     pub(super) method: &'a str,
     pub(super) node: &'a Node,
     pub(super) metadata: Metadata,
+    pub(super) peer: Peer,
 }
 
 impl<'a> Call<'a> {
@@ -185,6 +215,7 @@ impl<'a> Call<'a> {
             method: name,
             node,
             metadata,
+            peer: scope.peer,
         })
     }
 
@@ -232,12 +263,18 @@ impl<'a> Call<'a> {
     pub fn node(&self) -> &Node {
         self.node
     }
+
+    /// The connection it came on.
+    pub fn peer(&self) -> Peer {
+        self.peer
+    }
 }
 
 /// What a handler's work runs in: the call's deadline (which the calls it
 /// makes inherit), the metadata they inherit, and where its answer's
 /// metadata goes.
 pub(super) struct Scope {
+    pub(super) peer: Peer,
     pub(super) deadline: Option<Instant>,
     pub(super) meta: crate::metadata::Served,
 }
@@ -325,6 +362,7 @@ pub(super) fn intercept(
         Body::Refs(rs) => rs.iter().map(|r| r.len).sum(),
     };
     let incoming = Incoming {
+        peer: scope.peer,
         method: name,
         metadata: &frame.meta,
         deadline: scope.deadline,

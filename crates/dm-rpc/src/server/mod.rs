@@ -44,8 +44,9 @@ mod tasks;
 
 pub use builder::ServerBuilder;
 pub use handler::{
-    AsyncBidiHandler, AsyncCall, AsyncHandler, AsyncStreamHandler, BidiHandler, Call, Handler,
-    HandlerFuture, Incoming, Interceptor, StreamFuture, StreamHandler,
+    AsyncBidiHandler, AsyncCall, AsyncHandler, AsyncStreamHandler, BidiHandler, Call,
+    DisconnectHook, Handler, HandlerFuture, Incoming, Interceptor, Peer, StreamFuture,
+    StreamHandler,
 };
 pub(crate) use intake::{take_in, Later, Pending};
 pub use running::{Server, Stats};

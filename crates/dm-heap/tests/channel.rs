@@ -1,0 +1,281 @@
+//! Heaps of a connection and of a service: each client's arguments read
+//! in place from its own heap or the shared one, never from another
+//! client's; answers built in the client's heap; a connection's heap let
+//! go when it closes, by drop or by `kill -9` of its client's process;
+//! a restarted service gets the heap attached again.
+//!
+//! The client killed is this test binary again, run with
+//! `DM_HEAP_CLIENT` set (the `client_process` test connects then, and
+//! returns at once otherwise).
+#![allow(clippy::unwrap_used)]
+
+use dm_heap::{Heap, HeapChannel, HeapError, HeapService, HeapVec, SHARED};
+use dm_pool::testing::TempPool;
+use dm_pool::{AttachOptions, Pool};
+use dm_rpc::{Node, Payload, RpcError, Server, Status};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+type Nums<'h> = HeapVec<'h, u64>;
+
+/// A service of two methods: `sum` reads a vector of numbers in place
+/// and answers their sum as plain bytes; `double` answers a new vector
+/// built in the caller's own heap.
+fn serve(node: &Node, name: &str, svc: &Arc<HeapService>) -> Server {
+    let (s1, s2) = (svc.clone(), svc.clone());
+    svc.serve(node.server(name))
+        .method("sum", move |call| {
+            let heaps = s1.heaps(call.peer())?;
+            let v = heaps.arg::<Nums>(&call.payload().to_vec()?)?;
+            // SAFETY: the tests' clients pass a Nums and leave it be.
+            let sum: u64 = unsafe { v.get() }.iter().sum();
+            Ok(Payload::from_vec(sum.to_le_bytes().to_vec()))
+        })
+        .method("double", move |call| {
+            let heaps = s2.heaps(call.peer())?;
+            let v = heaps.arg::<Nums>(&call.payload().to_vec()?)?;
+            let mine = s2.private(call.peer())?;
+            let mut out = HeapVec::new_in(mine.alloc());
+            // SAFETY: as above.
+            out.extend(unsafe { v.get() }.iter().map(|x| 2 * x));
+            let out = mine.put(out)?;
+            Ok(Payload::from_vec(mine.arg(out)?.to_vec()))
+        })
+        .spawn()
+        .unwrap()
+}
+
+/// Stops the service, lets everything go, and checks the pool is clean.
+fn close(server: Server, svc: Arc<HeapService>, node: Node, pool: Pool, tp: &TempPool) {
+    server.shutdown();
+    drop((svc, node));
+    pool.maintain().unwrap();
+    drop(pool);
+    tp.assert_clean();
+}
+
+fn sum(ch: &HeapChannel, v: &Nums) -> Result<u64, RpcError> {
+    let a = ch.call("sum", v)?.to_vec()?;
+    Ok(u64::from_le_bytes(a.try_into().unwrap()))
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "{what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn each_connection_reads_its_own_heap_and_the_shared_one() {
+    let tp = TempPool::new(128 << 20);
+    let pool = tp.attach();
+    let node = Node::new(pool.clone());
+    let svc = Arc::new(HeapService::with_shared(&pool, 4 << 20).unwrap());
+    let server = serve(&node, "heap/chan/own", &svc);
+    let a = HeapChannel::connect(&node, "heap/chan/own", 1 << 20).unwrap();
+    let b = HeapChannel::connect(&node, "heap/chan/own", 1 << 20).unwrap();
+    assert_eq!(svc.connections(), 2);
+    assert_ne!(a.heap().base(), b.heap().base(), "a heap each");
+    let shared = a.shared().unwrap();
+    assert_eq!(shared.base(), b.shared().unwrap().base(), "one shared heap");
+
+    let mut va = HeapVec::new_in(a.heap().alloc());
+    va.extend(1..=100u64);
+    let va = a.heap().put(va).unwrap();
+    assert_eq!(sum(&a, va).unwrap(), 5050);
+    // In the shared heap, built by a, passed by b.
+    let mut vs = HeapVec::new_in(shared.alloc());
+    vs.extend([7u64, 8, 9]);
+    let vs = shared.put(vs).unwrap();
+    assert_eq!(sum(&b, vs).unwrap(), 24);
+    // An answer built in the caller's heap, read in place.
+    let d = a.call("double", va).unwrap();
+    let d = a.answer::<Nums>(&d).unwrap();
+    assert_eq!(d.heap().base(), a.heap().base());
+    // SAFETY: the service built a Nums and left it.
+    assert_eq!(unsafe { d.get() }.iter().sum::<u64>(), 10100);
+    drop(d);
+
+    // b passes a value in a's heap: refused, a typed error.
+    let forged = a.heap().arg(va).unwrap();
+    let e = b
+        .client()
+        .call("sum", Payload::from_vec(forged.to_vec()))
+        .unwrap_err();
+    assert_eq!(e.status, Status::InvalidArgument, "{e}");
+    assert!(e.message.contains("does not take"), "{e}");
+    // A value in neither heap of the channel: refused before any call.
+    let other = Heap::create(&pool, 64 << 10).unwrap();
+    let x = other.put(5u64).unwrap();
+    assert!(matches!(b.arg(x), Err(HeapError::Foreign(_))));
+    drop(other);
+
+    // A connection that attached no heap reads the shared one only.
+    let plain = node.connect("heap/chan/own").unwrap();
+    let arg = shared.arg(vs).unwrap();
+    let got = plain.call("sum", Payload::from_vec(arg.to_vec())).unwrap();
+    assert_eq!(got.to_vec().unwrap(), 24u64.to_le_bytes());
+    // ... and cannot ask for answers in a heap of its own.
+    let e = plain
+        .call("double", Payload::from_vec(arg.to_vec()))
+        .unwrap_err();
+    assert_eq!(e.metadata.get("dm-heap"), Some(&b"attach"[..]), "{e}");
+
+    // Attaching the shared heap, or another's, as one's own: refused.
+    let sref = plain
+        .call(SHARED, Payload::empty())
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    let e = plain
+        .call(dm_heap::ATTACH, Payload::from_vec(sref))
+        .unwrap_err();
+    assert!(e.message.contains("shared heap"), "{e}");
+    let aref = a.heap().share().unwrap();
+    let e = plain
+        .call(dm_heap::ATTACH, Payload::from_vec(aref.to_bytes().to_vec()))
+        .unwrap_err();
+    assert!(e.message.contains("another connection"), "{e}");
+    pool.release_ref(aref.pool_ref()).unwrap();
+    for bad in [vec![], vec![0u8; 56], vec![1u8; 57]] {
+        let e = plain
+            .call(dm_heap::ATTACH, Payload::from_vec(bad))
+            .unwrap_err();
+        assert_eq!(e.status, Status::InvalidArgument, "{e}");
+    }
+
+    // Closing a connection lets go of its heap.
+    drop(a);
+    wait_until("a's heap let go", || svc.connections() == 1);
+    drop((b, plain));
+    wait_until("b's heap let go", || svc.connections() == 0);
+    close(server, svc, node, pool, &tp);
+}
+
+#[test]
+fn a_heap_too_large_is_refused_and_a_service_without_a_shared_heap_has_none() {
+    let tp = TempPool::new(64 << 20);
+    let pool = tp.attach();
+    let node = Node::new(pool.clone());
+    let svc = Arc::new(HeapService::new(&pool).private_max(1 << 20));
+    let server = serve(&node, "heap/chan/max", &svc);
+    let e = HeapChannel::connect(&node, "heap/chan/max", 2 << 20).unwrap_err();
+    assert_eq!(e.status, Status::InvalidArgument, "{e}");
+    let ch = HeapChannel::connect(&node, "heap/chan/max", 1 << 20).unwrap();
+    assert!(ch.shared().is_none());
+    let mut v = HeapVec::new_in(ch.heap().alloc());
+    v.extend([1u64, 2]);
+    let v = ch.heap().put(v).unwrap();
+    assert_eq!(sum(&ch, v).unwrap(), 3);
+    // Without a heap and without a shared one: NoHeap, marked.
+    let plain = node.connect("heap/chan/max").unwrap();
+    let e = plain
+        .call("sum", Payload::from_vec(ch.arg(v).unwrap().to_vec()))
+        .unwrap_err();
+    assert_eq!(e.metadata.get("dm-heap"), Some(&b"attach"[..]), "{e}");
+    drop((ch, plain));
+    close(server, svc, node, pool, &tp);
+}
+
+#[test]
+fn a_restarted_service_gets_the_heap_attached_again() {
+    let tp = TempPool::new(64 << 20);
+    let pool = tp.attach();
+    let node = Node::new(pool.clone());
+    let svc = Arc::new(HeapService::new(&pool));
+    let server = serve(&node, "heap/chan/again", &svc);
+    let ch = HeapChannel::connect(&node, "heap/chan/again", 1 << 20).unwrap();
+    let mut v = HeapVec::new_in(ch.heap().alloc());
+    v.extend(0..10u64);
+    let v = ch.heap().put(v).unwrap();
+    assert_eq!(sum(&ch, v).unwrap(), 45);
+    server.shutdown();
+    assert_eq!(svc.connections(), 0, "its connections ended with it");
+    drop(svc);
+    let svc = Arc::new(HeapService::new(&pool));
+    let server = serve(&node, "heap/chan/again", &svc);
+    // The client reconnects (its first calls may find nothing to dial
+    // yet), then the channel attaches its heap again by itself.
+    let start = Instant::now();
+    let got = loop {
+        match sum(&ch, v) {
+            Err(e) if e.status == Status::Unavailable => {
+                assert!(start.elapsed() < Duration::from_secs(10), "{e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r => break r.unwrap(),
+        }
+    };
+    assert_eq!(got, 45);
+    assert_eq!(svc.connections(), 1);
+    drop(ch);
+    wait_until("the heap let go", || svc.connections() == 0);
+    close(server, svc, node, pool, &tp);
+}
+
+/// A client's process: connects with a heap, makes one call, says
+/// "ready", and waits to be killed.
+#[test]
+fn client_process() {
+    let Ok(path) = std::env::var("DM_HEAP_CLIENT") else {
+        return;
+    };
+    let pool = Pool::open(std::path::Path::new(&path), AttachOptions::default()).unwrap();
+    let node = Node::new(pool.clone());
+    let ch = HeapChannel::connect(&node, "heap/chan/killed", 2 << 20).unwrap();
+    let mut v = HeapVec::new_in(ch.heap().alloc());
+    v.extend(0..1000u64);
+    let v = ch.heap().put(v).unwrap();
+    assert_eq!(sum(&ch, v).unwrap(), 499_500);
+    println!("ready");
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn a_killed_clients_heap_is_let_go_and_nothing_leaks() {
+    // (Short leases and Ref TTLs: the Ref the killed client attached its
+    // heap by runs out soon.)
+    let tp = TempPool::with(dm_pool::PoolConfig {
+        size: 64 << 20,
+        lease_ms: 400,
+        ref_ttl_ms: 1500,
+        ..Default::default()
+    });
+    let pool = tp.attach();
+    let node = Node::new(pool.clone());
+    let svc = Arc::new(HeapService::with_shared(&pool, 1 << 20).unwrap());
+    let server = serve(&node, "heap/chan/killed", &svc);
+    let mut c = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "client_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("DM_HEAP_CLIENT", &tp.path)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(c.stdout.take().unwrap());
+    let mut line = String::new();
+    while out.read_line(&mut line).unwrap() > 0 && !line.contains("ready") {
+        line.clear();
+    }
+    assert!(line.contains("ready"), "the client did not start");
+    assert_eq!(svc.connections(), 1);
+    c.kill().unwrap();
+    c.wait().unwrap();
+    wait_until("the killed client's heap let go", || svc.connections() == 0);
+    server.shutdown();
+    drop((svc, node));
+    drop(pool);
+    // Its Ref's TTL and its lease run out; then nothing is left.
+    std::thread::sleep(Duration::from_millis(1700));
+    dm_pool::gc_path(&tp.path).unwrap();
+    tp.assert_clean();
+}
