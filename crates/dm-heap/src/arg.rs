@@ -372,7 +372,47 @@ pub fn fuzz_arg(data: &[u8]) {
     let Some((&mode, edits)) = data.split_first() else {
         return;
     };
-    if (mode >> 1) % 5 == 4 {
+    if (mode >> 1) % 6 == 5 {
+        // A document's archive, edited, read through checked views.
+        static DOC: OnceLock<Vec<u8>> = OnceLock::new();
+        let pristine = DOC.get_or_init(|| {
+            let d = crate::document::Value::List(vec![
+                crate::document::Value::Map(
+                    [
+                        (
+                            "title".to_string(),
+                            crate::document::Value::Str("a doc".repeat(9)),
+                        ),
+                        ("n".to_string(), crate::document::Value::Int(7)),
+                        (
+                            "raw".to_string(),
+                            crate::document::Value::Bytes(vec![1; 40]),
+                        ),
+                    ]
+                    .into_iter()
+                    .collect(),
+                ),
+                crate::document::Value::Float(0.5),
+                crate::document::Value::Bool(true),
+            ]);
+            rkyv::to_bytes::<rkyv::rancor::Failure>(&d)
+                .expect("a document archives")
+                .to_vec()
+        });
+        let mut b = rkyv::util::AlignedVec::<16>::new();
+        b.extend_from_slice(pristine);
+        for e in edits.chunks(2) {
+            if let [p, v] = e {
+                let at = usize::from(*p) % b.len();
+                b[at] = *v;
+            }
+        }
+        if let Ok(r) = crate::view::DocView::root(&b) {
+            std::hint::black_box(crate::view::read_all(r, 0));
+        }
+        return;
+    }
+    if (mode >> 1) % 6 == 4 {
         // An archive, its bytes edited in the heap, validated (copied).
         let (arg, at, pristine) = &f.archive;
         // SAFETY: the fixture's archive, in its heap, this process's own
@@ -414,7 +454,7 @@ pub fn fuzz_arg(data: &[u8]) {
             "a value outside its heap"
         );
     };
-    match (mode >> 1) % 5 {
+    match (mode >> 1) % 6 {
         0 => {
             if let Ok(a) = f.heaps.arg::<[u64; 4]>(b) {
                 check(a.as_ptr().cast(), 32);

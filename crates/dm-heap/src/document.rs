@@ -29,6 +29,8 @@ pub enum Value {
     Bytes(Vec<u8>),
     /// A list of values.
     List(#[rkyv(omit_bounds)] Vec<Value>),
-    /// Values by text key, in key order.
-    Map(#[rkyv(omit_bounds)] BTreeMap<String, Value>),
+    /// Values by text key, in key order (archived as a vector of
+    /// entries sorted by key, which a [`DocView`](crate::DocView) searches
+    /// checking only the entries it looks at).
+    Map(#[rkyv(omit_bounds, with = rkyv::with::AsVec)] BTreeMap<String, Value>),
 }

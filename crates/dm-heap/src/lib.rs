@@ -50,6 +50,8 @@
 //! * `archive.rs` — validated access: `rkyv` archives in a heap, checked
 //!   by `bytecheck` before a receiver that does not trust their sender
 //!   reads them;
+//! * `view.rs` — checked views of documents: each node checked when a
+//!   reader reaches it, for receivers that read a few fields;
 //! * `channel.rs` — heaps of a connection and of a service: a client's
 //!   [`HeapChannel`] brings a heap of its own, and a [`HeapService`]
 //!   takes each connection's arguments from its heap and its shared one.
@@ -72,6 +74,7 @@ mod lock;
 mod open;
 mod scope;
 mod seal;
+mod view;
 
 /// What the multi-process tests reach beneath the API; it is not API.
 #[doc(hidden)]
@@ -100,6 +103,7 @@ pub use heap::{Heap, HeapRef};
 pub use rkyv;
 pub use scope::{Scope, ScopeAlloc};
 pub use seal::{Seal, BATCH};
+pub use view::{DocView, Kind, Viewed};
 
 /// A vector whose memory is in a heap.
 pub type HeapVec<'h, T> = allocator_api2::vec::Vec<T, HeapAlloc<'h>>;

@@ -185,14 +185,31 @@ fn a_document_of_values_reads_back_validated() {
         panic!("a map")
     };
     assert_eq!(m.len(), 7);
-    match m.get("blob") {
+    let get = |k: &str| m.iter().find(|e| e.key == k).map(|e| &e.value);
+    match get("blob") {
         Some(ArchivedValue::Bytes(b)) => assert_eq!(b.len(), 1000),
         other => panic!("{other:?}"),
     }
-    match m.get("list") {
+    match get("list") {
         Some(ArchivedValue::List(l)) => assert!(matches!(&l[1], ArchivedValue::List(_))),
         other => panic!("{other:?}"),
     }
+    // The same, through checked views: each node checked as it is read.
+    let view = heaps.document_view(&arg).unwrap();
+    let root = view.root().unwrap();
+    assert_eq!(root.len().unwrap(), 7);
+    let blob = root.get("blob").unwrap().unwrap().as_bytes().unwrap();
+    assert_eq!(blob.len(), 1000);
+    let list = root.get("list").unwrap().unwrap();
+    assert_eq!(list.index(1).unwrap().unwrap().kind(), dm_heap::Kind::List);
+    assert!(root.get("missing").unwrap().is_none());
+    drop(view);
+    // Unsealed: no view.
+    let plain = heap.archive_arg(&a).unwrap();
+    assert!(matches!(
+        heaps.document_view(&plain),
+        Err(HeapError::NotSealed(_))
+    ));
     // Round trip: what was archived is what reads back.
     let back: Value = rkyv::deserialize::<Value, rkyv::rancor::Error>(v.get()).unwrap();
     assert_eq!(back, doc);

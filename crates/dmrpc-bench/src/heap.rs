@@ -14,6 +14,9 @@
 //!     seals it (the scope is not written between calls, so a seal costs
 //!     no page-table work) and the service verifies the seal and
 //!     validates the whole archive (`bytecheck`) before it reads;
+//!   - **heap, view**: the same document as a `dm_heap::Value` archive
+//!     in a sealed scope, read through checked views: the service checks
+//!     only the nodes it reaches;
 //!   - **prost**, **serde_json**, **bincode**: encoded by the caller on
 //!     every call, passed by value (dmrpc's size-aware payloads: inline,
 //!     or copied into the pool from 64 KiB), decoded whole by the service.
@@ -32,7 +35,8 @@
 //!   place.
 //!
 //! Targets: at 64 KiB, heap pointers at least 10x prost's throughput;
-//! validated within 2x of the trusted heap; a sealed call within 2x of an
+//! validated access (the view, or the whole archive) within 2x of the
+//! trusted heap; a sealed call within 2x of an
 //! unsealed one.
 
 use super::peer::{percentile, BenchPool, Peer};
@@ -42,7 +46,10 @@ use super::BenchArgs;
 use crate::say;
 use anyhow::{bail, Result};
 use dm_heap::rkyv;
-use dm_heap::{Heap, HeapAlloc, HeapOrderedMap, HeapString, HeapVec, Heaps, ScopeVec};
+use dm_heap::{
+    DocView, Heap, HeapAlloc, HeapError, HeapOrderedMap, HeapString, HeapVec, Heaps, ScopeVec,
+    Value,
+};
 use dm_pool::{Pool, PoolConfig};
 use dm_rpc::{Node, Payload, RpcError, Server};
 use dmrpc::fmt_size;
@@ -189,6 +196,66 @@ fn read_doc(d: &Doc) -> u64 {
     )
 }
 
+/// The document as a [`Value`] (for readers that know no Rust type).
+fn to_value(d: &Doc) -> Value {
+    let s = |t: &str| Value::Str(t.to_string());
+    let section = |x: &Section| {
+        Value::Map(BTreeMap::from([
+            ("heading".to_string(), s(&x.heading)),
+            ("body".to_string(), s(&x.body)),
+            (
+                "scores".to_string(),
+                Value::List(x.scores.iter().map(|&k| Value::Int(k)).collect()),
+            ),
+        ]))
+    };
+    Value::Map(BTreeMap::from([
+        ("id".to_string(), Value::Int(d.id as i64)),
+        ("title".to_string(), s(&d.title)),
+        ("author".to_string(), s(&d.author)),
+        (
+            "tags".to_string(),
+            Value::List(d.tags.iter().map(|t| s(t)).collect()),
+        ),
+        (
+            "meta".to_string(),
+            Value::Map(d.meta.iter().map(|(k, v)| (k.clone(), s(v))).collect()),
+        ),
+        (
+            "sections".to_string(),
+            Value::List(d.sections.iter().map(section).collect()),
+        ),
+    ]))
+}
+
+/// What the service reads of a document, through checked views: each
+/// node checked as it is reached, nothing else.
+fn read_view(r: DocView<'_>) -> Result<u64, HeapError> {
+    let missing = || HeapError::Invalid("a field is missing".into());
+    let f = |k: &str| r.get(k)?.ok_or_else(missing);
+    let len = |v: Option<DocView<'_>>| -> Result<usize, HeapError> {
+        v.map_or(Ok(0), |v| v.as_str().map(str::len))
+    };
+    let sections = f("sections")?;
+    let n = sections.len()?;
+    let score = match n.checked_sub(1) {
+        Some(last) => {
+            let last = sections.index(last)?.ok_or_else(missing)?;
+            let scores = last.get("scores")?.ok_or_else(missing)?;
+            scores.index(0)?.map_or(Ok(0), |x| x.as_i64())?
+        }
+        None => 0,
+    };
+    Ok(fields(
+        f("id")?.as_i64()? as u64,
+        f("title")?.as_str()?.len(),
+        len(f("tags")?.index(0)?)?,
+        len(f("meta")?.get("lang")?)?,
+        n,
+        score,
+    ))
+}
+
 fn answer(v: u64) -> Result<Payload, RpcError> {
     Ok(Payload::from_vec(v.to_le_bytes().to_vec()))
 }
@@ -201,7 +268,8 @@ fn bad(e: impl std::fmt::Display) -> RpcError {
 pub fn peer_serve(pool: &Pool, name: &str) -> Result<Server> {
     let node = Node::new(pool.clone());
     let heaps = std::sync::Arc::new(Heaps::new(pool));
-    let (h1, h2, h3, h4) = (heaps.clone(), heaps.clone(), heaps.clone(), heaps);
+    let (h1, h2, h3, h4) = (heaps.clone(), heaps.clone(), heaps.clone(), heaps.clone());
+    let h5 = heaps;
     Ok(node
         .server(name)
         .method("heap", move |c| {
@@ -236,6 +304,11 @@ pub fn peer_serve(pool: &Pool, name: &str) -> Result<Server> {
                     .and_then(|s| s.scores.first().map(|x| x.to_native()))
                     .unwrap_or(0),
             ))
+        })
+        .method("view", move |c| {
+            let b = c.payload().bytes()?;
+            let v = h5.document_view(&b).map_err(bad)?;
+            answer(read_view(v.root().map_err(bad)?).map_err(bad)?)
         })
         .method("prost", |c| {
             answer(read_doc(&Doc::decode(&*c.payload().bytes()?).map_err(bad)?))
@@ -506,6 +579,19 @@ fn kv_run(
 
 /// Times `n` calls made by `call` (after a warm-up): p50 in ns, and calls
 /// per second over the whole run.
+/// As [`time`], after checking that the first answer is `expect`.
+fn time_checked(
+    n: usize,
+    expect: u64,
+    mut call: impl FnMut() -> Result<u64>,
+) -> Result<(f64, f64)> {
+    let got = call()?;
+    if got != expect {
+        bail!("answered {got}, not {expect}");
+    }
+    time(n, call)
+}
+
 fn time(n: usize, mut call: impl FnMut() -> Result<u64>) -> Result<(f64, f64)> {
     let want = call()?;
     for _ in 0..(n / 10).max(5) {
@@ -554,7 +640,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     } else {
         &[1 << 10, 16 << 10, 64 << 10, 1 << 20]
     };
-    let ways = ["heap", "validated", "prost", "json", "bincode"];
+    let ways = ["heap", "validated", "view", "prost", "json", "bincode"];
     super::progress::start("heap", (sizes.len() * ways.len() + 9) as u64);
     say!("bench heap: a document store whose service reads a few fields (one call at a time)");
     say!(
@@ -580,16 +666,22 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         let hd = heap.put(to_heap(&d, heap.alloc()))?;
         let scope = heap.scope((size as u64) * 2 + (64 << 10))?;
         let archive = scope.archive(&d)?;
+        let vscope = heap.scope((size as u64) * 2 + (64 << 10))?;
+        let varchive = vscope.archive(&to_value(&d))?;
         let mut results = Vec::new();
+        // What every way must answer: the fields read here.
+        let expect = read_doc(&d);
         for way in ways {
             let (p50, rate, wire) = match way {
                 "heap" => {
                     let arg = heap.arg(hd)?;
-                    let (p, r) = time(n, || num(c.call("heap", Payload::from_vec(arg.to_vec()))?))?;
+                    let (p, r) = time_checked(n, expect, || {
+                        num(c.call("heap", Payload::from_vec(arg.to_vec()))?)
+                    })?;
                     (p, r, arg.len())
                 }
                 "validated" => {
-                    let (p, r) = time(n, || {
+                    let (p, r) = time_checked(n, expect, || {
                         let seal = scope.seal()?;
                         let arg = heap.sealed_archive_arg(&archive, &seal)?;
                         let v = num(c.call("validated", Payload::from_vec(arg.to_vec()))?);
@@ -598,20 +690,30 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     })?;
                     (p, r, dm_heap::ARG_LEN)
                 }
+                "view" => {
+                    let (p, r) = time_checked(n, expect, || {
+                        let seal = vscope.seal()?;
+                        let arg = heap.sealed_archive_arg(&varchive, &seal)?;
+                        let v = num(c.call("view", Payload::from_vec(arg.to_vec()))?);
+                        drop(seal);
+                        v
+                    })?;
+                    (p, r, dm_heap::ARG_LEN)
+                }
                 "prost" => {
-                    let (p, r) = time(n, || {
+                    let (p, r) = time_checked(n, expect, || {
                         num(c.call("prost", Payload::from_vec(d.encode_to_vec()))?)
                     })?;
                     (p, r, d.encoded_len())
                 }
                 "json" => {
-                    let (p, r) = time(n, || {
+                    let (p, r) = time_checked(n, expect, || {
                         num(c.call("json", Payload::from_vec(serde_json::to_vec(&d)?))?)
                     })?;
                     (p, r, serde_json::to_vec(&d)?.len())
                 }
                 _ => {
-                    let (p, r) = time(n, || {
+                    let (p, r) = time_checked(n, expect, || {
                         num(c.call("bincode", Payload::from_vec(bincode::serialize(&d)?))?)
                     })?;
                     (p, r, bincode::serialize(&d)?.len())
@@ -667,7 +769,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             o.num("over_heap", rate / heap_rate);
             rows.push(o);
         }
-        drop(scope);
+        drop((scope, vscope));
     }
 
     // Seal cost: a ring of scopes, each written before its call.
@@ -762,7 +864,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "heap");
     res.str(
         "method",
-        "document store: p50 and calls/s of one call at a time whose service (another process) reads a few fields; heap = pointer into a shared heap read in place; validated = rkyv archive in a sealed scope, seal verified and archive validated per call; prost/json/bincode = encoded per call, by value, decoded whole. Seal cost: an argument written before each call in a ring of scopes, sealed or not. Key-value: YCSB A/B/C (50/95/100% reads, Zipfian 0.99 keys), values by value or in the service's shared heap",
+        "document store: p50 and calls/s of one call at a time whose service (another process) reads a few fields; heap = pointer into a shared heap read in place; validated = rkyv archive in a sealed scope, seal verified and archive validated per call; view = a Value archive in a sealed scope, seal verified and each node read checked (checked views); prost/json/bincode = encoded per call, by value, decoded whole. Seal cost: an argument written before each call in a ring of scopes, sealed or not. Key-value: YCSB A/B/C (50/95/100% reads, Zipfian 0.99 keys), values by value or in the service's shared heap",
     );
     res.obj("machine", &super::machine());
     res.arr("rows", &rows);

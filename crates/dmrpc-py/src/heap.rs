@@ -289,8 +289,8 @@ fn to_python<'py>(
         }
         ArchivedValue::Map(m) => {
             let out = PyDict::new(py);
-            for (k, x) in m.iter() {
-                out.set_item(k.as_str(), to_python(py, x, keep)?)?;
+            for e in m.iter() {
+                out.set_item(e.key.as_str(), to_python(py, &e.value, keep)?)?;
             }
             out.into_any()
         }
