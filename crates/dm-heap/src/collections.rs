@@ -5,6 +5,7 @@
 //! only on nightly).
 
 use crate::alloc::HeapAlloc;
+use crate::error::HeapError;
 use allocator_api2::vec::Vec as AVec;
 use std::borrow::Borrow;
 use std::cmp::Ordering;
@@ -49,6 +50,18 @@ impl<'h> HeapString<'h> {
         };
         h.push_str(s);
         h
+    }
+
+    /// A copy of `s` in the heap, or `Full` if the heap has no room
+    /// (where [`from_str_in`](Self::from_str_in) aborts, as collections
+    /// do when memory runs out).
+    pub fn try_from_str_in(s: &str, alloc: HeapAlloc<'h>) -> Result<HeapString<'h>, HeapError> {
+        let mut bytes = AVec::new_in(alloc);
+        bytes
+            .try_reserve_exact(s.len())
+            .map_err(|_| HeapError::Full(s.len() as u64))?;
+        extend_copy(&mut bytes, s.as_bytes());
+        Ok(HeapString { bytes })
     }
 
     /// Appends `s`.
@@ -159,6 +172,15 @@ impl<'h, K: Ord, V> HeapOrderedMap<'h, K, V> {
         HeapOrderedMap {
             entries: AVec::with_capacity_in(n, alloc),
         }
+    }
+
+    /// A map of `entries`, sorted by key here if they are not already
+    /// (a later entry of an equal key is kept beside the first).
+    pub(crate) fn from_sorted(mut entries: AVec<(K, V), HeapAlloc<'h>>) -> Self {
+        if !entries.windows(2).all(|w| w[0].0 <= w[1].0) {
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        HeapOrderedMap { entries }
     }
 
     fn find<Q: Ord + ?Sized>(&self, k: &Q) -> Result<usize, usize>

@@ -43,7 +43,8 @@
 //! * `heap.rs` — [`Heap`]: creating, sharing and opening heaps;
 //! * `scope.rs` — scopes: a call's argument in pages of its own, to seal;
 //! * `collections.rs` — [`HeapString`] and [`HeapOrderedMap`], which
-//!   the crates above do not have; `document.rs` — [`Value`], a document
+//!   the crates above do not have; `copy.rs` — deep copies into a heap
+//!   and out of one ([`Heap::copy_from`], [`CopyFrom`]); `document.rs` — [`Value`], a document
 //!   that describes itself, for readers that know no Rust type (Python);
 //! * `arg.rs` — a value in a heap as a call's argument (96 bytes), and
 //!   the receiver's side ([`Heaps`]), which reads it in place;
@@ -66,6 +67,7 @@ mod archive;
 mod arg;
 mod channel;
 mod collections;
+mod copy;
 mod document;
 mod error;
 mod header;
@@ -95,6 +97,7 @@ pub use archive::{Archivable, Checkable, Copied, HeapArchive, Validated};
 pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
 pub use channel::{HeapChannel, HeapService, ATTACH, DEFAULT_PRIVATE_MAX, SHARED};
 pub use collections::{extend_copy, HeapOrderedMap, HeapString};
+pub use copy::CopyFrom;
 pub use document::{ArchivedValue, Value};
 pub use error::HeapError;
 pub use header::{HEAP_REF_LEN, HEAP_VERSION};

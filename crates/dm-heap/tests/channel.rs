@@ -24,7 +24,7 @@ type Nums<'h> = HeapVec<'h, u64>;
 /// and answers their sum as plain bytes; `double` answers a new vector
 /// built in the caller's own heap.
 fn serve(node: &Node, name: &str, svc: &Arc<HeapService>) -> Server {
-    let (s1, s2) = (svc.clone(), svc.clone());
+    let (s1, s2, s3) = (svc.clone(), svc.clone(), svc.clone());
     svc.serve(node.server(name))
         .method("sum", move |call| {
             let heaps = s1.heaps(call.peer())?;
@@ -42,6 +42,17 @@ fn serve(node: &Node, name: &str, svc: &Arc<HeapService>) -> Server {
             out.extend(unsafe { v.get() }.iter().map(|x| 2 * x));
             let out = mine.put(out)?;
             Ok(Payload::from_vec(mine.arg(out)?.to_vec()))
+        })
+        // Keeps a copy of the argument in the shared heap, past the call.
+        .method("keep", move |call| {
+            let heaps = s3.heaps(call.peer())?;
+            let v = heaps.arg::<Nums>(&call.payload().to_vec()?)?;
+            let shared = s3
+                .shared()
+                .ok_or_else(|| RpcError::not_found("no shared heap"))?;
+            // SAFETY: as above.
+            let kept = shared.copy_from(unsafe { v.get() })?;
+            Ok(Payload::from_vec(shared.arg(kept)?.to_vec()))
         })
         .spawn()
         .unwrap()
@@ -99,6 +110,16 @@ fn each_connection_reads_its_own_heap_and_the_shared_one() {
     // SAFETY: the service built a Nums and left it.
     assert_eq!(unsafe { d.get() }.iter().sum::<u64>(), 10100);
     drop(d);
+    // A copy the service keeps in the shared heap: a's value, as it was.
+    let mut mine = HeapVec::new_in(a.heap().alloc());
+    mine.extend([1u64, 2, 3]);
+    let mine = a.heap().put(mine).unwrap();
+    let kept = a.call("keep", mine).unwrap();
+    let kept = b.answer::<Nums>(&kept).unwrap();
+    assert_eq!(kept.heap().base(), shared.base(), "in the shared heap");
+    // SAFETY: the service built a Nums and left it.
+    assert_eq!(unsafe { kept.get() }[..], [1, 2, 3]);
+    drop(kept);
 
     // b passes a value in a's heap: refused, a typed error.
     let forged = a.heap().arg(va).unwrap();
