@@ -9,22 +9,32 @@
 //! returns at once otherwise).
 #![allow(clippy::unwrap_used)]
 
-use dm_heap::{Heap, HeapChannel, HeapError, HeapService, HeapVec, SHARED};
+use dm_heap::{
+    allocator_api2, Heap, HeapChannel, HeapError, HeapService, HeapVec, ScopeAlloc, SHARED,
+};
 use dm_pool::testing::TempPool;
 use dm_pool::{AttachOptions, Pool};
 use dm_rpc::{Node, Payload, RpcError, Server, Status};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 type Nums<'h> = HeapVec<'h, u64>;
+/// A sealed argument: numbers in a scope.
+type Sealed<'s> = allocator_api2::vec::Vec<u64, ScopeAlloc<'s>>;
+
+/// Set when `slow` has read its argument once, and whether its second
+/// read found the same.
+static SLOW: AtomicBool = AtomicBool::new(false);
+static SLOW_SAME: AtomicBool = AtomicBool::new(false);
 
 /// A service of two methods: `sum` reads a vector of numbers in place
 /// and answers their sum as plain bytes; `double` answers a new vector
 /// built in the caller's own heap.
 fn serve(node: &Node, name: &str, svc: &Arc<HeapService>) -> Server {
-    let (s1, s2, s3) = (svc.clone(), svc.clone(), svc.clone());
+    let (s1, s2, s3, s4) = (svc.clone(), svc.clone(), svc.clone(), svc.clone());
     svc.serve(node.server(name))
         .method("sum", move |call| {
             let heaps = s1.heaps(call.peer())?;
@@ -42,6 +52,19 @@ fn serve(node: &Node, name: &str, svc: &Arc<HeapService>) -> Server {
             out.extend(unsafe { v.get() }.iter().map(|x| 2 * x));
             let out = mine.put(out)?;
             Ok(Payload::from_vec(mine.arg(out)?.to_vec()))
+        })
+        // Reads a sealed argument, waits, reads it again: the same.
+        .method("slow", move |call| {
+            let heaps = s4.heaps(call.peer())?;
+            let v = heaps.sealed_arg::<Sealed>(&call.payload().to_vec()?)?;
+            // SAFETY: sealed (verified): its sender cannot change it.
+            let before: u64 = unsafe { v.get() }.iter().sum();
+            SLOW.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(800));
+            // SAFETY: as above.
+            let after: u64 = unsafe { v.get() }.iter().sum();
+            SLOW_SAME.store(before == after, Ordering::SeqCst);
+            Ok(Payload::from_vec(after.to_le_bytes().to_vec()))
         })
         // Keeps a copy of the argument in the shared heap, past the call.
         .method("keep", move |call| {
@@ -238,65 +261,145 @@ fn a_restarted_service_gets_the_heap_attached_again() {
     close(server, svc, node, pool, &tp);
 }
 
-/// A client's process: connects with a heap, makes one call, says
-/// "ready", and waits to be killed.
+/// A child process (`DM_HEAP_CHILD` names its part): a client that
+/// makes a call and waits to be killed (`idle`), one killed in a call
+/// (`mid-call`), or a service killed in a call (`server`).
 #[test]
-fn client_process() {
-    let Ok(path) = std::env::var("DM_HEAP_CLIENT") else {
+fn child_process() {
+    let (Ok(part), Ok(path)) = (
+        std::env::var("DM_HEAP_CHILD"),
+        std::env::var("DM_HEAP_POOL"),
+    ) else {
         return;
     };
     let pool = Pool::open(std::path::Path::new(&path), AttachOptions::default()).unwrap();
     let node = Node::new(pool.clone());
-    let ch = HeapChannel::connect(&node, "heap/chan/killed", 2 << 20).unwrap();
-    let mut v = HeapVec::new_in(ch.heap().alloc());
-    v.extend(0..1000u64);
-    let v = ch.heap().put(v).unwrap();
-    assert_eq!(sum(&ch, v).unwrap(), 499_500);
-    println!("ready");
-    std::io::stdout().flush().unwrap();
+    let say = |what: &str| {
+        println!("{what}");
+        std::io::stdout().flush().unwrap();
+    };
+    match part.as_str() {
+        "server" => {
+            let svc = Arc::new(HeapService::with_shared(&pool, 1 << 20).unwrap());
+            let server = serve(&node, "heap/chan/child", &svc);
+            say("ready");
+            // Serves until killed.
+            std::thread::sleep(Duration::from_secs(600));
+            drop(server);
+        }
+        _ => {
+            let ch = HeapChannel::connect(&node, "heap/chan/child", 2 << 20).unwrap();
+            let mut v = HeapVec::new_in(ch.heap().alloc());
+            v.extend(0..1000u64);
+            let v = ch.heap().put(v).unwrap();
+            assert_eq!(sum(&ch, v).unwrap(), 499_500);
+            if part == "mid-call" {
+                let scope = ch.heap().scope(64 << 10).unwrap();
+                let mut w: Sealed = allocator_api2::vec::Vec::new_in(scope.alloc());
+                w.extend(0..1000u64);
+                let w = scope.put(w).unwrap();
+                let seal = scope.seal().unwrap();
+                say("calling");
+                let _ = ch.call_sealed("slow", w, &seal);
+            }
+            say("ready");
+        }
+    }
     std::thread::sleep(Duration::from_secs(600));
 }
 
-#[test]
-fn a_killed_clients_heap_is_let_go_and_nothing_leaks() {
-    // (Short leases and Ref TTLs: the Ref the killed client attached its
-    // heap by runs out soon.)
-    let tp = TempPool::with(dm_pool::PoolConfig {
-        size: 64 << 20,
-        lease_ms: 400,
-        ref_ttl_ms: 1500,
-        ..Default::default()
-    });
-    let pool = tp.attach();
-    let node = Node::new(pool.clone());
-    let svc = Arc::new(HeapService::with_shared(&pool, 1 << 20).unwrap());
-    let server = serve(&node, "heap/chan/killed", &svc);
+/// Starts `child_process` as `part`, and waits until it says `word`.
+fn child(tp: &TempPool, part: &str, word: &str) -> std::process::Child {
     let mut c = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "client_process",
+            "child_process",
             "--nocapture",
             "--test-threads=1",
         ])
-        .env("DM_HEAP_CLIENT", &tp.path)
+        .env("DM_HEAP_CHILD", part)
+        .env("DM_HEAP_POOL", &tp.path)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
     let mut out = BufReader::new(c.stdout.take().unwrap());
     let mut line = String::new();
-    while out.read_line(&mut line).unwrap() > 0 && !line.contains("ready") {
+    while out.read_line(&mut line).unwrap() > 0 && !line.contains(word) {
         line.clear();
     }
-    assert!(line.contains("ready"), "the client did not start");
+    assert!(line.contains(word), "the child ({part}) did not say {word}");
+    std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+    c
+}
+
+/// A pool whose leases and Ref TTLs are short: what a killed process
+/// held (the Ref it attached its heap by) runs out soon.
+fn short_pool() -> TempPool {
+    TempPool::with(dm_pool::PoolConfig {
+        size: 64 << 20,
+        lease_ms: 400,
+        ref_ttl_ms: 1500,
+        ..Default::default()
+    })
+}
+
+/// After every process let go: waits out leases and TTLs, collects, and
+/// checks that nothing is left.
+fn settle(tp: &TempPool) {
+    std::thread::sleep(Duration::from_millis(1700));
+    dm_pool::gc_path(&tp.path).unwrap();
+    tp.assert_clean();
+}
+
+#[test]
+fn a_killed_clients_heap_is_let_go_and_nothing_leaks() {
+    let tp = short_pool();
+    let pool = tp.attach();
+    let node = Node::new(pool.clone());
+    let svc = Arc::new(HeapService::with_shared(&pool, 1 << 20).unwrap());
+    let server = serve(&node, "heap/chan/child", &svc);
+    let mut c = child(&tp, "idle", "ready");
     assert_eq!(svc.connections(), 1);
     c.kill().unwrap();
     c.wait().unwrap();
     wait_until("the killed client's heap let go", || svc.connections() == 0);
+
+    // Killed in a call whose sealed argument the service is reading:
+    // the service reads it to the end, unchanged, then lets it go.
+    SLOW.store(false, Ordering::SeqCst);
+    let mut c = child(&tp, "mid-call", "calling");
+    wait_until("the call began", || SLOW.load(Ordering::SeqCst));
+    c.kill().unwrap();
+    c.wait().unwrap();
+    wait_until("the killed caller's heap let go", || svc.connections() == 0);
+    assert!(SLOW_SAME.load(Ordering::SeqCst), "the argument held still");
     server.shutdown();
-    drop((svc, node));
-    drop(pool);
-    // Its Ref's TTL and its lease run out; then nothing is left.
-    std::thread::sleep(Duration::from_millis(1700));
-    dm_pool::gc_path(&tp.path).unwrap();
-    tp.assert_clean();
+    drop((svc, node, pool));
+    settle(&tp);
+}
+
+#[test]
+fn a_service_killed_mid_call_fails_the_call_and_nothing_leaks() {
+    let tp = short_pool();
+    let pool = tp.attach();
+    let node = Node::new(pool.clone());
+    let mut c = child(&tp, "server", "ready");
+    let ch = HeapChannel::connect(&node, "heap/chan/child", 1 << 20).unwrap();
+    let scope = ch.heap().scope(64 << 10).unwrap();
+    let mut w: Sealed = allocator_api2::vec::Vec::new_in(scope.alloc());
+    w.extend(0..1000u64);
+    let w = scope.put(w).unwrap();
+    let seal = scope.seal().unwrap();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        c.kill().unwrap();
+        c.wait().unwrap();
+    });
+    let e = ch.call_sealed("slow", w, &seal).unwrap_err();
+    assert_eq!(e.status, Status::Unavailable, "{e}");
+    killer.join().unwrap();
+    drop(seal);
+    drop(scope);
+    drop((ch, node, pool));
+    settle(&tp);
 }
