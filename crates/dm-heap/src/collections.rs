@@ -306,3 +306,19 @@ impl<K: std::fmt::Debug, V: std::fmt::Debug> std::fmt::Debug for HeapOrderedMap<
             .finish()
     }
 }
+
+/// A vector whose memory is in a heap.
+pub type HeapVec<'h, T> = allocator_api2::vec::Vec<T, HeapAlloc<'h>>;
+/// A box whose memory is in a heap.
+pub type HeapBox<'h, T> = allocator_api2::boxed::Box<T, HeapAlloc<'h>>;
+/// The hasher of heap maps: seeded the same in every process (a map's
+/// hashes must agree wherever it is read), unlike a per-process random one.
+pub type HeapHasher = foldhash::fast::FixedState;
+/// A hash map whose memory is in a heap.
+///
+/// Make it with room (`with_capacity_and_hasher_in`), and keep it: a map
+/// with no table (made empty, or shrunk to nothing) points to a static
+/// of the process that made it, which other processes cannot read.
+pub type HeapMap<'h, K, V> = hashbrown::HashMap<K, V, HeapHasher, HeapAlloc<'h>>;
+/// A hash set whose memory is in a heap (made with room, as [`HeapMap`]).
+pub type HeapSet<'h, T> = hashbrown::HashSet<T, HeapHasher, HeapAlloc<'h>>;

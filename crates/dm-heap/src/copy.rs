@@ -31,10 +31,11 @@
 //! ```
 
 use crate::alloc::HeapAlloc;
-use crate::collections::{HeapOrderedMap, HeapString};
+use crate::collections::{
+    HeapBox, HeapHasher, HeapMap, HeapOrderedMap, HeapSet, HeapString, HeapVec,
+};
 use crate::error::HeapError;
 use crate::heap::Heap;
-use crate::{HeapBox, HeapHasher, HeapMap, HeapSet, HeapVec};
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::Hash;

@@ -42,8 +42,9 @@
 //!   while a call reads them;
 //! * `heap.rs` — [`Heap`]: creating, sharing and opening heaps;
 //! * `scope.rs` — scopes: a call's argument in pages of its own, to seal;
-//! * `collections.rs` — [`HeapString`] and [`HeapOrderedMap`], which
-//!   the crates above do not have; `copy.rs` — deep copies into a heap
+//! * `collections.rs` — the heap's collections ([`HeapVec`], [`HeapMap`],
+//!   ...), and [`HeapString`] and [`HeapOrderedMap`], which the crates
+//!   above do not have; `copy.rs` — deep copies into a heap
 //!   and out of one ([`Heap::copy_from`], [`CopyFrom`]); `document.rs` — [`Value`], a document
 //!   that describes itself, for readers that know no Rust type (Python);
 //! * `arg.rs` — a value in a heap as a call's argument (96 bytes), and
@@ -55,7 +56,8 @@
 //!   reader reaches it, for receivers that read a few fields;
 //! * `channel.rs` — heaps of a connection and of a service: a client's
 //!   [`HeapChannel`] brings a heap of its own, and a [`HeapService`]
-//!   takes each connection's arguments from its heap and its shared one.
+//!   takes each connection's arguments from its heap and its shared one;
+//! * `fuzz.rs` — the fuzz target's reader of peer bytes ([`fuzz_arg`]).
 //!
 //! A heap lives while a process holds it open: each opening holds its
 //! pages as a buffer of the pool, so leases, crash reclaim, quotas and
@@ -70,6 +72,7 @@ mod collections;
 mod copy;
 mod document;
 mod error;
+mod fuzz;
 mod header;
 mod heap;
 mod lock;
@@ -94,12 +97,15 @@ pub mod testing {
 
 pub use alloc::HeapAlloc;
 pub use archive::{Archivable, Checkable, Copied, HeapArchive, Validated};
-pub use arg::{fuzz_arg, Arg, Heaps, ARG_LEN};
+pub use arg::{Arg, Heaps, ARG_LEN};
 pub use channel::{HeapChannel, HeapService, ATTACH, DEFAULT_PRIVATE_MAX, SHARED};
-pub use collections::{extend_copy, HeapOrderedMap, HeapString};
+pub use collections::{
+    extend_copy, HeapBox, HeapHasher, HeapMap, HeapOrderedMap, HeapSet, HeapString, HeapVec,
+};
 pub use copy::CopyFrom;
 pub use document::{ArchivedValue, Value};
 pub use error::HeapError;
+pub use fuzz::fuzz_arg;
 pub use header::{HEAP_REF_LEN, HEAP_VERSION};
 pub use heap::{Heap, HeapRef};
 /// `rkyv`, whose archives are validated access's values.
@@ -108,22 +114,7 @@ pub use scope::{Scope, ScopeAlloc};
 pub use seal::{Seal, BATCH};
 pub use view::{DocView, Kind, Viewed};
 
-/// A vector whose memory is in a heap.
-pub type HeapVec<'h, T> = allocator_api2::vec::Vec<T, HeapAlloc<'h>>;
-/// A box whose memory is in a heap.
-pub type HeapBox<'h, T> = allocator_api2::boxed::Box<T, HeapAlloc<'h>>;
-/// The hasher of heap maps: seeded the same in every process (a map's
-/// hashes must agree wherever it is read), unlike a per-process random one.
-pub type HeapHasher = foldhash::fast::FixedState;
-/// A hash map whose memory is in a heap.
-///
-/// Make it with room (`with_capacity_and_hasher_in`), and keep it: a map
-/// with no table (made empty, or shrunk to nothing) points to a static
-/// of the process that made it, which other processes cannot read.
-pub type HeapMap<'h, K, V> = hashbrown::HashMap<K, V, HeapHasher, HeapAlloc<'h>>;
 /// A vector whose memory is in a scope (an argument to seal).
 pub type ScopeVec<'s, T> = allocator_api2::vec::Vec<T, ScopeAlloc<'s>>;
 /// `allocator-api2`, whose collections take the heap's allocators.
 pub use allocator_api2;
-/// A hash set whose memory is in a heap (made with room, as [`HeapMap`]).
-pub type HeapSet<'h, T> = hashbrown::HashSet<T, HeapHasher, HeapAlloc<'h>>;
