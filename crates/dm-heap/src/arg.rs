@@ -205,7 +205,7 @@ impl Heaps {
     /// Adds `heap`, which this process made or opened itself: arguments
     /// in it are read here too (a sender and a receiver in one process).
     pub fn add(&self, heap: Heap) -> Arc<Heap> {
-        let h = Arc::new(heap);
+        let h = heap.held();
         self.open
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -280,7 +280,7 @@ impl Heaps {
                 "a heap this receiver does not take (not its connection's, nor its service's)",
             ));
         };
-        let h = Arc::new(Heap::open(pool, r)?);
+        let h = Heap::open_held(pool, r)?;
         open.push(h.clone());
         Ok(h)
     }

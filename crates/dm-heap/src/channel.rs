@@ -43,7 +43,7 @@ use crate::seal::Seal;
 use dm_pool::Pool;
 use dm_rpc::{Client, Metadata, Node, Payload, Peer, RpcError, ServerBuilder, Status};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The method that attaches a client's heap to its connection.
 pub const ATTACH: &str = "dm.heap/attach";
@@ -54,42 +54,6 @@ const NO_HEAP_KEY: &str = "dm-heap";
 
 /// The largest private heap a service opens for a client by default.
 pub const DEFAULT_PRIVATE_MAX: u64 = 1 << 30;
-
-/// The heaps this process holds for channels and services, by address:
-/// a heap is mapped once per process, however many channels use it (a
-/// client and its service in one process, two channels to one service).
-static HELD: Mutex<Vec<Weak<Heap>>> = Mutex::new(Vec::new());
-
-/// Adds `heap` to the heaps held for channels.
-fn keep(heap: Heap) -> Arc<Heap> {
-    let h = Arc::new(heap);
-    let mut held = HELD.lock().unwrap_or_else(PoisonError::into_inner);
-    held.retain(|w| w.strong_count() > 0);
-    held.push(Arc::downgrade(&h));
-    h
-}
-
-/// The heap `r` names: the one this process holds at its address, or
-/// opened now.
-fn hold(pool: &Pool, r: &HeapRef) -> Result<Arc<Heap>, HeapError> {
-    let mut held = HELD.lock().unwrap_or_else(PoisonError::into_inner);
-    held.retain(|w| w.strong_count() > 0);
-    if let Some(h) = held
-        .iter()
-        .filter_map(Weak::upgrade)
-        .find(|h| h.base() as u64 == r.addr())
-    {
-        if h.len() != r.len() {
-            return Err(HeapError::BadArg(
-                "a heap at that address has another length",
-            ));
-        }
-        return Ok(h);
-    }
-    let h = Arc::new(Heap::open(pool, r)?);
-    held.push(Arc::downgrade(&h));
-    Ok(h)
-}
 
 impl From<HeapError> for RpcError {
     fn from(e: HeapError) -> RpcError {
@@ -141,7 +105,7 @@ impl HeapService {
     /// As [`new`](Self::new), with a heap of `len` bytes shared by all
     /// the service's clients.
     pub fn with_shared(pool: &Pool, len: u64) -> Result<HeapService, HeapError> {
-        let shared = keep(Heap::create(pool, len)?);
+        let shared = Heap::create(pool, len)?.held();
         Ok(HeapService {
             shared_only: Some(Arc::new(Heaps::only([shared.clone()]))),
             shared: Some(shared),
@@ -206,7 +170,7 @@ impl HeapService {
         {
             return Err(HeapError::BadArg("another connection's heap"));
         }
-        let heap = hold(&self.pool, &r)?;
+        let heap = Heap::open_held(&self.pool, &r)?;
         let heaps = Heaps::only(std::iter::once(heap.clone()).chain(self.shared.clone()));
         peers.insert(peer, (heap, Arc::new(heaps)));
         Ok(())
@@ -267,10 +231,10 @@ impl HeapChannel {
     /// Makes a heap of `len` bytes in `pool` the connection `client`'s,
     /// and opens its service's shared heap.
     pub fn over(client: Client, pool: &Pool, len: u64) -> Result<HeapChannel, RpcError> {
-        let heap = keep(Heap::create(pool, len)?);
+        let heap = Heap::create(pool, len)?.held();
         attach(&client, &heap)?;
         let shared = match client.call(SHARED, Payload::empty()) {
-            Ok(a) => Some(hold(pool, &HeapRef::from_bytes(&a.to_vec()?)?)?),
+            Ok(a) => Some(Heap::open_held(pool, &HeapRef::from_bytes(&a.to_vec()?)?)?),
             Err(e) if e.status == Status::NotFound => None,
             Err(e) => return Err(e),
         };

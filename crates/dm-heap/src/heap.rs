@@ -18,6 +18,7 @@ use crate::header::{Header, SealRecord, HEADER_LEN, HEAP_REF_LEN, HEAP_VERSION, 
 use crate::open::{register, unregister};
 use dm_pool::{FixedMapping, Pool, Ref};
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 /// Where heaps are placed: addresses `[LOW, HIGH)`, in steps of `ALIGN`.
 /// Far below where Linux places `mmap`s (just under the stack, near
@@ -25,6 +26,10 @@ use std::sync::atomic::Ordering;
 const LOW: u64 = 0x5000_0000_0000;
 const HIGH: u64 = 0x6000_0000_0000;
 const ALIGN: u64 = 2 << 20;
+
+/// The heaps this process holds as shared handles, by address
+/// ([`Heap::open_held`], [`Heap::held`]).
+static HELD: Mutex<Vec<Weak<Heap>>> = Mutex::new(Vec::new());
 
 /// A heap opened by this process (see the crate docs). Values in it are
 /// reachable only while it is open: the collections made with its
@@ -174,6 +179,40 @@ impl Heap {
             )));
         }
         Heap::register(map, pool)
+    }
+
+    /// The heap `r` names as this process holds it: the handle every
+    /// channel, service and [`Heaps`](crate::Heaps) of the process shares,
+    /// opened on first use. (A heap is mapped once per process: a second
+    /// [`open`](Self::open) of it fails with `AddressInUse`.)
+    pub fn open_held(pool: &Pool, r: &HeapRef) -> Result<Arc<Heap>, HeapError> {
+        let mut held = HELD.lock().unwrap_or_else(PoisonError::into_inner);
+        held.retain(|w| w.strong_count() > 0);
+        if let Some(h) = held
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|h| h.base() as u64 == r.addr())
+        {
+            if h.len() != r.len() {
+                return Err(HeapError::BadArg(
+                    "a heap at that address has another length",
+                ));
+            }
+            return Ok(h);
+        }
+        let h = Arc::new(Heap::open(pool, r)?);
+        held.push(Arc::downgrade(&h));
+        Ok(h)
+    }
+
+    /// This heap, made or opened here, as the handle the rest of the
+    /// process finds with [`open_held`](Self::open_held).
+    pub fn held(self) -> Arc<Heap> {
+        let h = Arc::new(self);
+        let mut held = HELD.lock().unwrap_or_else(PoisonError::into_inner);
+        held.retain(|w| w.strong_count() > 0);
+        held.push(Arc::downgrade(&h));
+        h
     }
 
     fn register(map: FixedMapping, pool: &Pool) -> Result<Heap, HeapError> {

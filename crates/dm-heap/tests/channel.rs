@@ -225,6 +225,41 @@ fn a_heap_too_large_is_refused_and_a_service_without_a_shared_heap_has_none() {
     close(server, svc, node, pool, &tp);
 }
 
+/// A process that holds a channel's heap and also reads arguments with
+/// its own `Heaps` (or opens the heap by its reference) shares one
+/// mapping of it: no `AddressInUse`.
+#[test]
+fn heaps_of_a_process_share_the_channel_heaps_mapping() {
+    let tp = TempPool::new(64 << 20);
+    let pool = tp.attach();
+    let node = Node::new(pool.clone());
+    let svc = Arc::new(HeapService::with_shared(&pool, 1 << 20).unwrap());
+    let server = serve(&node, "heap/chan/held", &svc);
+    let ch = HeapChannel::connect(&node, "heap/chan/held", 1 << 20).unwrap();
+    let mut v = HeapVec::new_in(ch.heap().alloc());
+    v.extend([5u64, 6]);
+    let v = ch.heap().put(v).unwrap();
+    let bytes = ch.heap().arg(v).unwrap();
+    let heaps = dm_heap::Heaps::new(&pool);
+    let got = heaps.arg::<Nums>(&bytes).unwrap();
+    assert_eq!(got.heap().base(), ch.heap().base(), "the same mapping");
+    // SAFETY: built above as a Nums and left be.
+    assert_eq!(unsafe { got.get() }.iter().sum::<u64>(), 11);
+    let r = ch.heap().share().unwrap();
+    let again = Heap::open_held(&pool, &r).unwrap();
+    assert_eq!(again.base(), ch.heap().base());
+    // The shared heap too, opened by reference.
+    let sr = ch.shared().unwrap().share().unwrap();
+    assert_eq!(
+        Heap::open_held(&pool, &sr).unwrap().base(),
+        ch.shared().unwrap().base()
+    );
+    pool.release_ref(r.pool_ref()).unwrap();
+    pool.release_ref(sr.pool_ref()).unwrap();
+    drop((got, heaps, again, ch));
+    close(server, svc, node, pool, &tp);
+}
+
 #[test]
 fn a_restarted_service_gets_the_heap_attached_again() {
     let tp = TempPool::new(64 << 20);
