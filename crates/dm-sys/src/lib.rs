@@ -16,12 +16,52 @@
 //! * [`io`] — writing several buffers to a stream with no copy into one.
 //! * [`poll`] — busy-polling sockets before blocking, with an adaptive budget.
 //! * [`malloc`] — keeping large transient buffers' memory mapped.
+//! * [`netns`] — moving a thread or a child process into a network
+//!   namespace.
 
 pub mod bus;
 pub mod fault;
 pub mod futex;
 pub mod mem;
 pub mod poll;
+
+/// Network namespaces: the "hosts" of a cluster on one machine.
+pub mod netns {
+    use std::fs::File;
+    use std::io::Result;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    use std::process::Command;
+
+    /// Moves the calling thread into the network namespace `ns` refers to
+    /// (an open `/run/netns/NAME`). Sockets it makes from then on are
+    /// that namespace's; threads it starts from then on are in it too.
+    pub fn enter(ns: &File) -> Result<()> {
+        // SAFETY: setns on a valid descriptor; it changes only this thread.
+        let r = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+
+    /// Makes `cmd`'s process start in the network namespace `ns` (an
+    /// open `/run/netns/NAME`; `cmd` keeps it open until it spawns).
+    pub fn command_in(cmd: &mut Command, ns: File) -> &mut Command {
+        // SAFETY: the hook runs in the child between fork and exec and
+        // makes one system call, which is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            })
+        }
+    }
+}
 
 /// The C allocator's treatment of large buffers.
 pub mod malloc {
@@ -250,6 +290,12 @@ pub mod proc {
     #[inline]
     pub fn forks() -> u64 {
         FORKS.load(Ordering::Relaxed)
+    }
+
+    /// Whether this process runs as root (its effective user).
+    pub fn is_root() -> bool {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() == 0 }
     }
 
     /// Whether a process with this pid runs on this host: it exists (a
