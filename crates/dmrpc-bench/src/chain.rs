@@ -563,15 +563,33 @@ fn relay_floor(
 }
 
 /// The chain over TCP between processes in different pools: memory-server
-/// Refs vs values.
+/// Refs vs values, over each link of `--links`.
 fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Vec<Obj>> {
+    let mut rows = Vec::new();
+    for link in super::hosts::links(a) {
+        // Host 0 the client, 1 the memory server, 2.. the tiers.
+        if let Some(net) = super::hosts::Net::new(&link, TIERS + 2)? {
+            rows.extend(network_over(a, budget, pin, &net)?);
+        }
+    }
+    Ok(rows)
+}
+
+/// [`network`] over one link: on loopback, or each process on a host of
+/// its own.
+fn network_over(
+    a: &BenchArgs,
+    budget: Duration,
+    pin: &super::peer::Pin,
+    net: &super::hosts::Net,
+) -> Result<Vec<Obj>> {
     let sizes: &[usize] = if a.quick {
-        &[64 << 10]
-    } else {
         &[64 << 10, 1 << 20]
+    } else {
+        &[64 << 10, 256 << 10, 1 << 20]
     };
-    let tiers: &[usize] = if a.quick { &[1, 3] } else { &[1, 3, 5, 7] };
-    let (ms, ms_addr) = super::net::start_memserver("512MiB")?;
+    let tiers: &[usize] = if a.quick { &[1, 7] } else { &[1, 3, 5, 7] };
+    let (ms, ms_addr) = net.memserver(1, "512MiB")?;
     let id = std::process::id();
     let small = || PoolConfig {
         size: 16 << 20,
@@ -581,7 +599,11 @@ fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Ve
     let mut peers = Vec::new();
     for k in 0..TIERS {
         let bp = BenchPool::create(&format!("chainnet{k}"), small())?;
-        peers.push(pin.spawn(&bp.path, k)?);
+        peers.push(if net.is_loopback() {
+            pin.spawn(&bp.path, k)?
+        } else {
+            net.peer(2 + k, &bp.path)?
+        });
         pools.push(bp);
     }
     // Each mode's tiers, last first (each needs the next one's address).
@@ -592,29 +614,19 @@ fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Ve
             let port = peers[k].cmd(&format!(
                 "chainnet bench/chainnet/{id}/{mode}/{k} {next} {mode} {ms_addr}"
             ))?;
-            next = format!("127.0.0.1:{}", port.first().copied().unwrap_or(0.0));
+            next = format!(
+                "{}:{}",
+                net.ip(2 + k)?,
+                port.first().copied().unwrap_or(0.0)
+            );
             addrs[m][k] = next.clone();
         }
     }
     let cp = BenchPool::create("chainnet-client", small())?;
-    let by_ref = Node::with_config(
-        cp.pool.clone(),
-        Config {
-            inline_max: 0,
-            ..Default::default()
-        },
-    )
-    .with_memserver(dm_memserver::MemPool::connect(&[&ms_addr])?);
-    let by_value = Node::with_config(
-        cp.pool.clone(),
-        Config {
-            inline_max: usize::MAX,
-            ..Default::default()
-        },
-    );
     // The memory server's switches count too (by Ref's puts and reads).
     let sw = Switches::of(&peers).and(ms.0.id());
-    say!("\nnetwork variant: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline");
+    let link = net.describe();
+    say!("\nnetwork variant over {link}: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline");
     say!(
         "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
         "size",
@@ -625,32 +637,54 @@ fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Ve
         "value calls/s",
         "ratio"
     );
-    let mut rows = Vec::new();
-    for &size in sizes {
-        let data: Vec<u8> = (0..size).map(|i| (i * 7) as u8).collect();
-        let want = super::peer::sum(&[&data]);
-        for &t in tiers {
-            let mut res = Vec::new();
-            for (m, node) in [&by_ref, &by_value].into_iter().enumerate() {
-                let c = node.connect_tcp(&addrs[m][TIERS - t])?;
-                let call = || {
-                    check(
-                        c.call("go", Payload::from_vec(data.clone()))?.to_vec()?,
-                        want,
-                    )
-                };
-                res.push(measure(call, 5, budget, &sw)?);
+    let rows = net.on(0, || {
+        let by_ref = Node::with_config(
+            cp.pool.clone(),
+            Config {
+                inline_max: 0,
+                ..Default::default()
+            },
+        )
+        .with_memserver(dm_memserver::MemPool::connect(&[&ms_addr])?);
+        let by_value = Node::with_config(
+            cp.pool.clone(),
+            Config {
+                inline_max: usize::MAX,
+                ..Default::default()
+            },
+        );
+        let mut rows = Vec::new();
+        for &size in sizes {
+            let data: Vec<u8> = (0..size).map(|i| (i * 7) as u8).collect();
+            let want = super::peer::sum(&[&data]);
+            for &t in tiers {
+                let mut res = Vec::new();
+                for (m, node) in [&by_ref, &by_value].into_iter().enumerate() {
+                    let c = node.connect_tcp(&addrs[m][TIERS - t])?;
+                    let call = || {
+                        check(
+                            c.call("go", Payload::from_vec(data.clone()))?.to_vec()?,
+                            want,
+                        )
+                    };
+                    res.push(measure(call, 5, budget, &sw)?);
+                }
+                let mut o = row(size, t, &res, None);
+                o.str("link", &link);
+                rows.push(o);
             }
-            rows.push(row(size, t, &res, None));
         }
-    }
+        if let Some(m) = by_ref.memserver() {
+            // Releases go without waiting: let the last ones land.
+            std::thread::sleep(Duration::from_millis(50));
+            let u = dm_pool::Dm::usage(m)?;
+            if u.refs != 0 {
+                bail!("the chain left {} Refs on the memory server", u.refs);
+            }
+        }
+        Ok(rows)
+    })?;
     drop(peers);
-    if let Some(m) = by_ref.memserver() {
-        let u = dm_pool::Dm::usage(m)?;
-        if u.refs != 0 {
-            bail!("the chain left {} Refs on the memory server", u.refs);
-        }
-    }
     Ok(rows)
 }
 

@@ -19,6 +19,7 @@ mod cow;
 mod grpc;
 mod grpc_ways;
 mod heap;
+mod hosts;
 mod image;
 #[cfg(feature = "iceoryx2")]
 mod iox;
@@ -66,6 +67,15 @@ pub struct BenchArgs {
     /// (tonic) run in the same processes, pinned alike.
     #[arg(long)]
     pub pin: bool,
+    /// The links the network variants (`chain`, `image`, `social`,
+    /// `cow`) run over, comma separated: `loopback`, or a rate as `tc`
+    /// writes it (`10gbit`, `25gbit`): then every process of the variant
+    /// runs on a host of its own (a network namespace) whose link is
+    /// shaped to that rate with `tbf`. Needs root and iproute2; where
+    /// they are missing, shaped links are skipped with a message.
+    /// Default: `loopback,10gbit` (`--quick`: `loopback`).
+    #[arg(long)]
+    pub links: Option<String>,
     /// Directory for the JSON, CSV and PNG results.
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,

@@ -29,11 +29,27 @@ pub fn start_memserver(size: &str) -> Result<(Proc, String)> {
 
 /// [`start_memserver`] with more flags (a key file, a quota).
 pub fn start_memserver_with(size: &str, more: &[&str]) -> Result<(Proc, String)> {
-    let mut c = Command::new(std::env::current_exe()?)
+    start_memserver_cmd(
+        Command::new(std::env::current_exe()?),
+        "127.0.0.1:0",
+        size,
+        more,
+    )
+}
+
+/// `dmrpc memserver` (2 worker threads) run by `cmd` (this executable,
+/// perhaps in another network namespace), listening on `listen`.
+pub fn start_memserver_cmd(
+    mut cmd: Command,
+    listen: &str,
+    size: &str,
+    more: &[&str],
+) -> Result<(Proc, String)> {
+    let mut c = cmd
         .args([
             "memserver",
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--size",
             size,
             "--threads",

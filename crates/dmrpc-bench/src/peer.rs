@@ -337,7 +337,7 @@ fn chain_net_tier(
     mode: Option<&str>,
     ms: Option<&str>,
 ) -> Result<dm_rpc::Server> {
-    let mut node = Node::new(pool.clone());
+    let mut node = Node::with_config(pool.clone(), super::hosts::node_config(Config::default()));
     if mode == Some("ref") {
         let addr = ms.ok_or_else(|| anyhow!("ref mode needs a memory server"))?;
         node = node.with_memserver(dm_memserver::MemPool::connect(&[addr])?);
@@ -345,7 +345,7 @@ fn chain_net_tier(
     let next = (next != "-").then(|| next.to_owned());
     Ok(node
         .server(name)
-        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .transport(Transport::Tcp(format!("{}:0", super::hosts::listen_ip())))
         .method("go", tier(node.clone(), next, true))
         .spawn()?)
 }
@@ -518,11 +518,18 @@ pub struct Peer {
 
 impl Peer {
     pub fn spawn(path: &Path, env: &[(&str, &str)]) -> Result<Peer> {
-        let mut child = Command::new(std::env::current_exe()?)
+        let mut c = Command::new(std::env::current_exe()?);
+        c.envs(env.iter().copied());
+        Peer::spawn_cmd(c, path)
+    }
+
+    /// A peer run by `cmd` (this executable, perhaps in another network
+    /// namespace, with its environment).
+    pub fn spawn_cmd(mut cmd: Command, path: &Path) -> Result<Peer> {
+        let mut child = cmd
             .arg("__bench-peer")
             .arg("--path")
             .arg(path)
-            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -1,0 +1,128 @@
+//! Where the network variants' processes run: all on loopback, or each on
+//! a host of its own (a network namespace, `dm-netns`) whose link is
+//! shaped to a datacenter link's rate.
+//!
+//! A benchmark asks a [`Net`] for its peers, its memory server and a
+//! thread for its client, by host index; on loopback every index is the
+//! same machine. A peer learns the address to listen on from
+//! `DMRPC_BENCH_LISTEN` ([`listen_ip`]).
+
+use super::net::{start_memserver_cmd, Proc};
+use super::peer::Peer;
+use anyhow::{Context, Result};
+use dm_netns::{Hosts, Link};
+use std::path::Path;
+use std::process::Command;
+
+/// The environment variable that tells a peer where to listen.
+const LISTEN_ENV: &str = "DMRPC_BENCH_LISTEN";
+
+/// The address a peer's TCP servers listen on: its host's, or loopback.
+pub fn listen_ip() -> String {
+    std::env::var(LISTEN_ENV).unwrap_or_else(|_| "127.0.0.1".into())
+}
+
+/// A peer's node config for its host: serving without a key beyond
+/// loopback (the benchmark's hosts are its own).
+pub fn node_config(cfg: dm_rpc::Config) -> dm_rpc::Config {
+    dm_rpc::Config {
+        tcp_open: listen_ip() != "127.0.0.1",
+        ..cfg
+    }
+}
+
+/// The links the network variants run over (`--links`): `loopback`, or
+/// a rate as `tc` writes it (`10gbit`).
+pub fn links(a: &super::BenchArgs) -> Vec<String> {
+    match &a.links {
+        Some(l) => l.split(',').map(|s| s.trim().to_owned()).collect(),
+        None if a.quick => vec!["loopback".into()],
+        None => vec!["loopback".into(), "10gbit".into()],
+    }
+}
+
+/// Loopback, or hosts on shaped links.
+#[derive(Debug)]
+pub struct Net {
+    hosts: Option<Hosts>,
+}
+
+impl Net {
+    /// `link` (`loopback` or a rate) for `n` hosts. `Ok(None)` where
+    /// hosts cannot be made here (not root, no iproute2): said on stderr.
+    pub fn new(link: &str, n: usize) -> Result<Option<Net>> {
+        if link == "loopback" {
+            return Ok(Some(Net { hosts: None }));
+        }
+        let link = Link::parse(link)?;
+        if let Err(e) = Hosts::available() {
+            eprintln!("skipping the {} link: {e}", link.describe());
+            return Ok(None);
+        }
+        Ok(Some(Net {
+            hosts: Some(Hosts::up(n, link)?),
+        }))
+    }
+
+    /// How the results name the link.
+    pub fn describe(&self) -> String {
+        self.hosts
+            .as_ref()
+            .map_or_else(|| "loopback".into(), |h| h.link().describe())
+    }
+
+    /// Whether this is loopback.
+    pub fn is_loopback(&self) -> bool {
+        self.hosts.is_none()
+    }
+
+    /// Host `i`'s address.
+    pub fn ip(&self, i: usize) -> Result<String> {
+        Ok(match &self.hosts {
+            None => "127.0.0.1".into(),
+            Some(h) => h.addr(i)?.to_string(),
+        })
+    }
+
+    /// A command running `program` on host `i`.
+    fn command(&self, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Result<Command> {
+        let mut c = match &self.hosts {
+            None => Command::new(program),
+            Some(h) => h.command(i, program)?,
+        };
+        c.env(LISTEN_ENV, self.ip(i)?);
+        Ok(c)
+    }
+
+    /// A bench peer on host `i`, attached to the pool at `path`.
+    pub fn peer(&self, i: usize, path: &Path) -> Result<Peer> {
+        Peer::spawn_cmd(self.command(i, std::env::current_exe()?)?, path)
+    }
+
+    /// A memory server on host `i` (open: beyond loopback it serves any
+    /// host of the benchmark without a key), and its address.
+    pub fn memserver(&self, i: usize, size: &str) -> Result<(Proc, String)> {
+        let listen = format!("{}:0", self.ip(i)?);
+        let open: &[&str] = if self.is_loopback() { &[] } else { &["--open"] };
+        start_memserver_cmd(
+            self.command(i, std::env::current_exe()?)?,
+            &listen,
+            size,
+            open,
+        )
+    }
+
+    /// Runs `f` on a thread of host `i` (this process's client there).
+    pub fn on<R: Send>(&self, i: usize, f: impl FnOnce() -> Result<R> + Send) -> Result<R> {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                if let Some(h) = &self.hosts {
+                    h.enter(i).context("entering the client's host")?;
+                }
+                f()
+            })
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the client thread panicked")))
+        })
+    }
+}
