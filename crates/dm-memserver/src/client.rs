@@ -29,6 +29,11 @@ use std::time::{Duration, Instant};
 pub const WRITE_CHUNK: usize = 1 << 20;
 /// Bytes per read request, likewise.
 pub const READ_CHUNK: usize = 4 << 20;
+/// Bytes per read request of a Ref, likewise. Smaller: a Ref whose
+/// bytes are still arriving (`stream_put`) answers each request once its
+/// range has arrived, so the first bytes come back while the last are
+/// still on their way to the server.
+pub const REF_READ_CHUNK: usize = 256 << 10;
 
 /// How a client connects.
 #[derive(Debug, Clone)]
@@ -96,7 +101,18 @@ struct Conn {
     state: Mutex<Pending>,
     cv: Condvar,
     next_id: AtomicU64,
+    /// The server takes `stream_put` (until it answers that it does not:
+    /// then `put`).
+    streams: AtomicBool,
+    /// Requests whose answers nobody waits for (releases), sent ahead of
+    /// the next request, or by the keep-alive thread within half a
+    /// second, or at once when [`LATER_MAX`] bytes wait.
+    later: Mutex<Vec<u8>>,
 }
+
+/// Bytes of requests kept for later before they go at once (about a
+/// hundred releases).
+const LATER_MAX: usize = 8 << 10;
 
 #[derive(Debug, Default)]
 struct Pending {
@@ -214,6 +230,8 @@ impl Conn {
             state: Mutex::new(Pending::default()),
             cv: Condvar::new(),
             next_id: AtomicU64::new(1),
+            streams: AtomicBool::new(true),
+            later: Mutex::new(Vec::new()),
         };
         let lease_ms = cfg.lease.as_millis().min(u32::MAX as u128) as u32;
         // A client with a key challenges the server; one without sends the
@@ -277,6 +295,32 @@ impl Conn {
             self.call(&Request::Auth { role, proof }, cfg.timeout)?;
         }
         Ok(())
+    }
+
+    /// Queues a request whose answer nobody waits for, to go ahead of
+    /// the next one (see `later`).
+    fn send_later(&self, req: &Request) -> Result<()> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut l = lock(&self.later);
+        req.encode(id, &mut l);
+        if l.len() < LATER_MAX {
+            return Ok(());
+        }
+        let b = std::mem::take(&mut *l);
+        drop(l);
+        lock(&self.out)
+            .write_all(&b)
+            .map_err(|e| self.unavailable(&e.to_string()))
+    }
+
+    /// Sends what waits for later, with `more` after it.
+    fn flush_later(&self, more: &[u8]) -> std::io::Result<()> {
+        let mut b = std::mem::take(&mut *lock(&self.later));
+        b.extend_from_slice(more);
+        if b.is_empty() {
+            return Ok(());
+        }
+        lock(&self.out).write_all(&b)
     }
 
     fn unavailable(&self, why: &str) -> Error {
@@ -346,7 +390,12 @@ impl Conn {
                 parts.push((heads.len(), data));
             }
         }
-        let mut slices = Vec::with_capacity(2 * parts.len());
+        // Releases kept for later go first, in the same write.
+        let later = std::mem::take(&mut *lock(&self.later));
+        let mut slices = Vec::with_capacity(2 * parts.len() + 1);
+        if !later.is_empty() {
+            slices.push(std::io::IoSlice::new(&later));
+        }
         let mut from = 0;
         for (end, data) in &parts {
             slices.push(std::io::IoSlice::new(&heads[from..*end]));
@@ -471,7 +520,8 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        // Ends the server's session.
+        // Releases kept for later go now; then the server's session ends.
+        let _ = self.flush_later(&[]);
         let _ = lock(&self.out).shutdown(Shutdown::Both);
     }
 }
@@ -588,6 +638,12 @@ impl MemPool {
     /// Stores `data` on a server (round robin) as a new Ref, in one round
     /// trip (alloc, write, create_ref and free on the server). `ttl` 0:
     /// the server's default.
+    ///
+    /// The Ref comes back once the server has read the request's head
+    /// (`stream_put`), while the bytes may still be on their way: a
+    /// reader of the Ref on another connection waits for them at the
+    /// server. If this process dies before they all arrive, the Ref is
+    /// released and its readers get `Unavailable`.
     pub fn put(&self, data: &[u8], ttl: Duration) -> Result<Ref> {
         let n = self.inner.conns.len();
         let k = self.inner.next.fetch_add(1, Ordering::Relaxed) % n;
@@ -600,13 +656,27 @@ impl MemPool {
             return Ok(r);
         }
         let ttl_ms = ttl.as_millis().min(u32::MAX as u128) as u32;
-        let a = self.inner.call(
-            k,
-            &Request::Put {
-                ttl_ms,
-                data: data.into(),
-            },
-        )?;
+        let data = std::borrow::Cow::Borrowed(data);
+        let c = &self.inner.conns[k];
+        // The Ref comes back as soon as the server has taken the pages:
+        // the bytes follow on the wire while the caller passes it on.
+        let a = if c.streams.load(Ordering::Relaxed) {
+            match self.inner.call(
+                k,
+                &Request::StreamPut {
+                    ttl_ms,
+                    data: data.clone(),
+                },
+            ) {
+                Err(Error::Protocol(m)) if m.contains("unknown operation") => {
+                    c.streams.store(false, Ordering::Relaxed);
+                    self.inner.call(k, &Request::Put { ttl_ms, data })
+                }
+                a => a,
+            }
+        } else {
+            self.inner.call(k, &Request::Put { ttl_ms, data })
+        }?;
         proto::decode_ref(&a).map_err(|e| Error::Protocol(e.to_string()))
     }
 
@@ -618,7 +688,8 @@ impl MemPool {
     }
 
     /// Reads `out.len()` bytes at `offset` of `r`'s snapshot without
-    /// mapping it (one round trip per [`READ_CHUNK`], through the page
+    /// mapping it (one round trip per [`REF_READ_CHUNK`], pipelined,
+    /// through the page
     /// cache). Chunks this client read before come from its cache even if
     /// the Ref was released since: the data is immutable and was readable
     /// to this client; chunks not cached need the Ref live.
@@ -629,7 +700,7 @@ impl MemPool {
             let reqs: Vec<Request> = read_requests(*r, off, buf.len()).collect();
             c.read_into(
                 &reqs,
-                buf.chunks_mut(READ_CHUNK).collect(),
+                buf.chunks_mut(REF_READ_CHUNK).collect(),
                 self.inner.cfg.timeout,
             )
         };
@@ -665,7 +736,7 @@ impl MemPool {
         }
         let outs = ranges
             .iter_mut()
-            .flat_map(|(_, buf)| buf.chunks_mut(READ_CHUNK))
+            .flat_map(|(_, buf)| buf.chunks_mut(REF_READ_CHUNK))
             .collect();
         c.read_into(&reqs, outs, self.inner.cfg.timeout)
     }
@@ -673,14 +744,12 @@ impl MemPool {
     /// Releases `r` without waiting for the answer (a Ref the framework
     /// made for a call, released when the call completes: a failure would
     /// change nothing for the caller, and the TTL reclaims it anyway).
+    /// The release costs no write of its own: it goes ahead of this
+    /// client's next request to that server, or with the keep-alive
+    /// ping within half a second, or when the pool drops. If the process
+    /// dies first, the Ref's TTL reclaims it.
     pub fn release_ref_nowait(&self, r: &Ref) -> Result<()> {
-        let c = self.inner.conn_of(r)?;
-        let id = c.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut b = Vec::new();
-        Request::ReleaseRef(*r).encode(id, &mut b);
-        lock(&c.out)
-            .write_all(&b)
-            .map_err(|e| c.unavailable(&e.to_string()))
+        self.inner.conn_of(r)?.send_later(&Request::ReleaseRef(*r))
     }
 
     /// The counters of the page cache (zeros without one).
@@ -726,10 +795,11 @@ fn keepalive(inner: Weak<Inner>) {
             }
             for c in &i.conns {
                 // Fire and forget: the answer is dropped by the reader.
+                // Releases kept for later go with it.
                 let id = c.next_id.fetch_add(1, Ordering::Relaxed);
                 let mut b = Vec::new();
                 Request::Ping.encode(id, &mut b);
-                let _ = lock(&c.out).write_all(&b);
+                let _ = c.flush_later(&b);
             }
         });
 }
@@ -946,15 +1016,15 @@ impl MemPool {
     }
 }
 
-/// The requests reading `len` bytes at `off` of `r`, a [`READ_CHUNK`]
+/// The requests reading `len` bytes at `off` of `r`, a [`REF_READ_CHUNK`]
 /// each.
 fn read_requests(r: Ref, off: u64, len: usize) -> impl Iterator<Item = Request<'static>> {
     (0..len)
-        .step_by(READ_CHUNK)
+        .step_by(REF_READ_CHUNK)
         .map(move |at| Request::ReadRef {
             r,
             offset: off + at as u64,
-            len: READ_CHUNK.min(len - at) as u32,
+            len: REF_READ_CHUNK.min(len - at) as u32,
         })
 }
 

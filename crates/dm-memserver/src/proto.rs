@@ -26,12 +26,24 @@
 //! | 13 put | ttl_ms u32 (0: default), data (the rest) | Ref (40 bytes) |
 //! | 14 read_ref | Ref (40 bytes), offset u64, len u32 | the bytes |
 //! | 15 auth | role u8 (1 client, 2 admin), proof 32 bytes | — |
+//! | 16 stream_put | ttl_ms u32 (0: default), data (the rest) | Ref (40 bytes), answered before the data has arrived |
 //!
 //! `put` is alloc + write + create_ref + free in one request (a sender's
 //! by-Ref argument in one round trip); `read_ref` reads a Ref's snapshot
 //! without mapping it (a receiver's read in one round trip). Both were
 //! added within version 1: a server without them answers "unknown
 //! operation".
+//!
+//! `stream_put` (also within version 1) is a `put` whose answer does not
+//! wait for its data. The server answers the Ref as soon as it has read
+//! the request's head and taken the pages, then receives the data
+//! straight into them. So the sender passes the Ref on while its bytes
+//! are still on the wire. Until the last byte has arrived the Ref is
+//! *filling*: a `read_ref` waits for the bytes of its range, a `map_ref`
+//! for all of them. If the sender's connection ends first, the Ref is
+//! released and those waiting get `Unavailable`. A server that decodes a
+//! whole `stream_put` frame at once (never over TCP) treats it as a
+//! `put`.
 //!
 //! Authentication (also within version 1) is the challenge of
 //! [`dm_pool::auth`]. A client that sends a nonce in its hello gets the
@@ -147,6 +159,14 @@ pub enum Request<'a> {
         /// Bytes (at most [`MAX_IO`]).
         len: u32,
     },
+    /// Stores `data` as a new Ref's snapshot, answering the Ref before
+    /// the data has arrived (see the module docs).
+    StreamPut {
+        /// Time to live in ms (0: the server's default).
+        ttl_ms: u32,
+        /// The bytes.
+        data: Cow<'a, [u8]>,
+    },
     /// Proves the client holds a key ([`ROLE_CLIENT`] or [`ROLE_ADMIN`]).
     Auth {
         /// Which key.
@@ -194,7 +214,7 @@ pub struct AuthOffer {
 }
 
 /// Operation codes.
-mod op {
+pub mod op_code {
     pub const HELLO: u8 = 1;
     pub const ALLOC: u8 = 2;
     pub const FREE: u8 = 3;
@@ -210,10 +230,11 @@ mod op {
     pub const PUT: u8 = 13;
     pub const READ_REF: u8 = 14;
     pub const AUTH: u8 = 15;
+    pub const STREAM_PUT: u8 = 16;
 }
 
 /// Number of operation codes (for per-op counters), index = op - 1.
-pub const OPS: usize = 15;
+pub const OPS: usize = 16;
 
 /// Names of the operations, index = op - 1.
 pub const OP_NAMES: [&str; OPS] = [
@@ -232,7 +253,24 @@ pub const OP_NAMES: [&str; OPS] = [
     "put",
     "read_ref",
     "auth",
+    "stream_put",
 ];
+
+/// Bytes of a `stream_put` frame before its data: the header and the TTL.
+pub const STREAM_PUT_HEAD: usize = HEADER + 4;
+
+/// The id and TTL of a `stream_put` whose first [`STREAM_PUT_HEAD`]
+/// bytes (after the length prefix) are `head`; `None` for any other
+/// request, or a head that is not valid (then the whole frame is read and
+/// decoded as usual, which reports it).
+pub fn stream_put_head(head: &[u8]) -> Option<(u64, u32)> {
+    if head.len() != STREAM_PUT_HEAD {
+        return None;
+    }
+    let (code, id, mut r) = header(head).ok()?;
+    (code == op_code::STREAM_PUT).then_some(())?;
+    Some((id, r.u32().ok()?))
+}
 
 /// Why bytes are not a valid frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -378,6 +416,10 @@ impl<'a> Request<'a> {
                 ttl_ms,
                 data: Cow::Owned(data.into_owned()),
             },
+            Request::StreamPut { ttl_ms, data } => Request::StreamPut {
+                ttl_ms,
+                data: Cow::Owned(data.into_owned()),
+            },
             Request::Hello { lease_ms, nonce } => Request::Hello { lease_ms, nonce },
             Request::Auth { role, proof } => Request::Auth { role, proof },
             Request::Alloc { len } => Request::Alloc { len },
@@ -407,21 +449,22 @@ impl<'a> Request<'a> {
     /// The operation code.
     pub fn op(&self) -> u8 {
         match self {
-            Request::Hello { .. } => op::HELLO,
-            Request::Alloc { .. } => op::ALLOC,
-            Request::Free { .. } => op::FREE,
-            Request::Read { .. } => op::READ,
-            Request::Write { .. } => op::WRITE,
-            Request::CreateRef { .. } => op::CREATE_REF,
-            Request::MapRef(_) => op::MAP_REF,
-            Request::ReleaseRef(_) => op::RELEASE_REF,
-            Request::Usage => op::USAGE,
-            Request::Check => op::CHECK,
-            Request::Ping => op::PING,
-            Request::Maintain => op::MAINTAIN,
-            Request::Put { .. } => op::PUT,
-            Request::ReadRef { .. } => op::READ_REF,
-            Request::Auth { .. } => op::AUTH,
+            Request::Hello { .. } => op_code::HELLO,
+            Request::Alloc { .. } => op_code::ALLOC,
+            Request::Free { .. } => op_code::FREE,
+            Request::Read { .. } => op_code::READ,
+            Request::Write { .. } => op_code::WRITE,
+            Request::CreateRef { .. } => op_code::CREATE_REF,
+            Request::MapRef(_) => op_code::MAP_REF,
+            Request::ReleaseRef(_) => op_code::RELEASE_REF,
+            Request::Usage => op_code::USAGE,
+            Request::Check => op_code::CHECK,
+            Request::Ping => op_code::PING,
+            Request::Maintain => op_code::MAINTAIN,
+            Request::Put { .. } => op_code::PUT,
+            Request::ReadRef { .. } => op_code::READ_REF,
+            Request::Auth { .. } => op_code::AUTH,
+            Request::StreamPut { .. } => op_code::STREAM_PUT,
         }
     }
 
@@ -464,7 +507,7 @@ impl<'a> Request<'a> {
             }
             Request::MapRef(r) | Request::ReleaseRef(r) => out.extend_from_slice(&r.to_bytes()),
             Request::Usage | Request::Check | Request::Ping | Request::Maintain => {}
-            Request::Put { ttl_ms, data } => {
+            Request::Put { ttl_ms, data } | Request::StreamPut { ttl_ms, data } => {
                 out.extend_from_slice(&ttl_ms.to_le_bytes());
                 out.extend_from_slice(data);
             }
@@ -491,7 +534,7 @@ impl<'a> Request<'a> {
                 out.extend_from_slice(&offset.to_le_bytes());
                 data
             }
-            Request::Put { ttl_ms, data } => {
+            Request::Put { ttl_ms, data } | Request::StreamPut { ttl_ms, data } => {
                 start(out, self.op(), id);
                 out.extend_from_slice(&ttl_ms.to_le_bytes());
                 data
@@ -512,48 +555,52 @@ impl<'a> Request<'a> {
         let (code, id, mut r) = header(frame).map_err(|e| (None, e))?;
         let req = (|| {
             let req = match code {
-                op::HELLO => Request::Hello {
+                op_code::HELLO => Request::Hello {
                     lease_ms: r.u32()?,
                     nonce: match r.b.len() - r.at {
                         0 => None,
                         _ => Some(r.array()?),
                     },
                 },
-                op::AUTH => Request::Auth {
+                op_code::AUTH => Request::Auth {
                     role: r.take(1)?[0],
                     proof: r.array()?,
                 },
-                op::ALLOC => Request::Alloc { len: r.u64()? },
-                op::FREE => Request::Free { addr: r.u64()? },
-                op::READ => {
+                op_code::ALLOC => Request::Alloc { len: r.u64()? },
+                op_code::FREE => Request::Free { addr: r.u64()? },
+                op_code::READ => {
                     let (addr, offset, len) = (r.u64()?, r.u64()?, r.u32()?);
                     if len as usize > MAX_IO {
                         return Err(ProtoError::ReadTooLong(len));
                     }
                     Request::Read { addr, offset, len }
                 }
-                op::WRITE => Request::Write {
+                op_code::WRITE => Request::Write {
                     addr: r.u64()?,
                     offset: r.u64()?,
                     data: Cow::Borrowed(r.rest()),
                 },
-                op::CREATE_REF => Request::CreateRef {
+                op_code::CREATE_REF => Request::CreateRef {
                     addr: r.u64()?,
                     offset: r.u64()?,
                     len: r.u64()?,
                     ttl_ms: r.u32()?,
                 },
-                op::MAP_REF => Request::MapRef(r.reference()?),
-                op::RELEASE_REF => Request::ReleaseRef(r.reference()?),
-                op::USAGE => Request::Usage,
-                op::CHECK => Request::Check,
-                op::PING => Request::Ping,
-                op::MAINTAIN => Request::Maintain,
-                op::PUT => Request::Put {
+                op_code::MAP_REF => Request::MapRef(r.reference()?),
+                op_code::RELEASE_REF => Request::ReleaseRef(r.reference()?),
+                op_code::USAGE => Request::Usage,
+                op_code::CHECK => Request::Check,
+                op_code::PING => Request::Ping,
+                op_code::MAINTAIN => Request::Maintain,
+                op_code::PUT => Request::Put {
                     ttl_ms: r.u32()?,
                     data: Cow::Borrowed(r.rest()),
                 },
-                op::READ_REF => {
+                op_code::STREAM_PUT => Request::StreamPut {
+                    ttl_ms: r.u32()?,
+                    data: Cow::Borrowed(r.rest()),
+                },
+                op_code::READ_REF => {
                     let (rf, offset, len) = (r.reference()?, r.u64()?, r.u32()?);
                     if len as usize > MAX_IO {
                         return Err(ProtoError::ReadTooLong(len));
@@ -902,12 +949,44 @@ mod tests {
                     data: data.into()
                 }
             ),
+            (any::<u32>(), proptest::collection::vec(any::<u8>(), 0..200)).prop_map(
+                |(ttl_ms, data)| Request::StreamPut {
+                    ttl_ms,
+                    data: data.into()
+                }
+            ),
             (any::<u64>(), 0u32..=MAX_IO as u32).prop_map(|(offset, len)| Request::ReadRef {
                 r: a_ref(),
                 offset,
                 len
             }),
         ]
+    }
+
+    #[test]
+    fn a_stream_put_head_is_known_by_its_first_bytes() {
+        let mut f = Vec::new();
+        let data = Request::StreamPut {
+            ttl_ms: 250,
+            data: vec![7u8; 100].into(),
+        }
+        .encode_head(42, &mut f)
+        .to_vec();
+        assert_eq!(data.len(), 100);
+        assert_eq!(f.len(), 4 + STREAM_PUT_HEAD);
+        assert_eq!(stream_put_head(&f[4..]), Some((42, 250)));
+        // Another op, another version, a short head: not one.
+        let mut g = Vec::new();
+        Request::Put {
+            ttl_ms: 250,
+            data: vec![7u8; 100].into(),
+        }
+        .encode_head(42, &mut g);
+        assert_eq!(stream_put_head(&g[4..]), None);
+        let mut bad = f[4..].to_vec();
+        bad[0] = VERSION + 1;
+        assert_eq!(stream_put_head(&bad), None);
+        assert_eq!(stream_put_head(&f[4..f.len() - 1]), None);
     }
 
     proptest! {
@@ -941,7 +1020,9 @@ mod tests {
             let mut b = Vec::new();
             req.encode(1, &mut b);
             let body = &b[4..];
-            if cut < body.len() && !matches!(req, Request::Write { .. } | Request::Put { .. }) {
+            if cut < body.len()
+                && !matches!(req, Request::Write { .. } | Request::Put { .. } | Request::StreamPut { .. })
+            {
                 match (Request::decode(&body[..cut]), &req) {
                     (Err(_), _) => {}
                     // A hello's nonce is optional: a hello cut just before

@@ -1,7 +1,8 @@
 //! The memory server as its own process, with clients in other processes:
 //! a Ref made by one client and mapped by another, CoW isolation, a client
 //! killed mid-request, a server killed under its clients, malformed bytes
-//! on the socket, a silent client's lease, SIGTERM.
+//! on the socket, a silent client's lease, SIGTERM, a client killed
+//! with a release still waiting to go.
 #![allow(clippy::unwrap_used)]
 
 use dm_memserver::proto::{self, Request};
@@ -136,6 +137,25 @@ fn client_killed_mid_request_releases_its_holdings() {
     }
     drop((mine, other));
     assert_clean_within(&s.addr, Duration::from_secs(2));
+}
+
+/// A release waits to go with the client's next request; the client is
+/// killed first. The Ref's TTL reclaims it: nothing leaks.
+#[test]
+fn a_release_kept_for_later_is_reclaimed_by_ttl_if_its_client_dies() {
+    let s = ServerProc::start(&["--ttl-ms", "300"]);
+    let mut c = client(&s.addr, &["release-later"]);
+    let mut line = String::new();
+    BufReader::new(c.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "queued");
+    c.kill().unwrap();
+    c.wait().unwrap();
+    let p = MemPool::connect(&[&s.addr]).unwrap();
+    assert_eq!(p.usage().unwrap().refs, 1, "the release never went");
+    drop(p);
+    assert_clean_within(&s.addr, Duration::from_secs(5));
 }
 
 #[test]

@@ -8,7 +8,10 @@
 //! * `dm-memclient ADDR churn` prints `started`, then allocates, writes,
 //!   shares, maps and frees in a loop until killed;
 //! * `dm-memclient ADDR check` runs the server's check and prints `ok` or
-//!   its problems.
+//!   its problems;
+//! * `dm-memclient ADDR release-later` puts 64 KiB, releases the Ref
+//!   without waiting (kept to go with the next request), prints `queued`
+//!   and sleeps until killed.
 //!
 //! With `DMRPC_KEY_FILE` set, it proves the key in that file.
 
@@ -70,6 +73,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 pool.release_ref(&r)?;
                 drop((b, m));
             }
+        }
+        "release-later" => {
+            // Half-way between two keep-alive pings, which would take the
+            // release along.
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            let r = pool.put(&[5u8; 64 << 10], std::time::Duration::ZERO)?;
+            pool.release_ref_nowait(&r)?;
+            println!("queued");
+            std::thread::sleep(std::time::Duration::from_secs(60));
         }
         "check" => {
             let problems = pool.check_servers()?;

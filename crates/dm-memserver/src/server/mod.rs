@@ -18,11 +18,11 @@ pub mod space;
 
 use crate::proto::{self, encode_err, encode_ok, Request, MAX_FRAME};
 use dm_pool::auth::Key;
-use dm_pool::{Error, Result, Usage};
+use dm_pool::{Error, Ref, Result, Usage};
 use dm_sys::poll::IdlePoll;
 use metrics::{Gauges, Metrics};
 use pages::{lock, Pages};
-use refs::Refs;
+use refs::{Fill, Refs, Snapshot};
 use space::{Space, Standing};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -437,7 +437,7 @@ impl State {
                 self.refs.release(pages, sp.hint, &r)?;
                 ok(out, &[]);
             }
-            Request::Put { ttl_ms, data } => {
+            Request::Put { ttl_ms, data } | Request::StreamPut { ttl_ms, data } => {
                 let len = data.len() as u64;
                 // The Ref's charge is the one that stays.
                 let a = sp.alloc_with(pages, len, self.max_len(), false)?;
@@ -470,6 +470,108 @@ impl State {
             | Request::Ping => {}
         }
         Ok(())
+    }
+
+    /// Takes the pages of a `stream_put` of `len` bytes and makes its Ref,
+    /// filling (see `proto`): the Ref, its fill, and its pages, of which
+    /// the caller, their filler, holds a share each (recorded with the
+    /// session's pinned pages, which the check counts) until
+    /// [`end_fill`](Self::end_fill).
+    fn start_fill(
+        &self,
+        space: &Mutex<Space>,
+        ttl_ms: u32,
+        len: u64,
+    ) -> Result<(Ref, Arc<Fill>, Vec<u32>)> {
+        let pages = &self.pages;
+        let mut sp = lock(space);
+        self.may_use(&sp)?;
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        let max = self.max_len();
+        if len > max {
+            return Err(Error::TooLarge { len, max });
+        }
+        let expires = Instant::now() + self.ttl(ttl_ms)?;
+        let ps = pages.page_size() as u64;
+        let n = len.div_ceil(ps) as usize;
+        // As a put's buffer does, for as long as the bytes arrive.
+        if !pages.reserve(n as u64) {
+            return Err(Error::ResourceExhausted {
+                what: "memory-server pages",
+            });
+        }
+        let taken = sp.account.charge(n as u64).and_then(|charge| {
+            let mut pgs = Vec::with_capacity(n);
+            pages.take(sp.hint, n, &mut pgs)?;
+            Ok((charge, pgs))
+        });
+        let (charge, pgs) = match taken {
+            Ok(t) => t,
+            Err(e) => {
+                pages.unreserve(n as u64);
+                return Err(e);
+            }
+        };
+        pages.zero_tail(pgs[n - 1], (len - (n as u64 - 1) * ps) as usize);
+        // The Ref's shares; the taker's count is the filler's.
+        for &p in &pgs {
+            pages.share(p);
+        }
+        let fill = Arc::new(Fill::new(len));
+        let snap = Snapshot {
+            len,
+            head: 0,
+            pages: pgs.clone(),
+        };
+        match self
+            .refs
+            .insert_filling(snap, expires, charge, Some(fill.clone()))
+        {
+            Ok(r) => {
+                sp.pinned.extend_from_slice(&pgs);
+                Ok((r, fill, pgs))
+            }
+            Err(e) => {
+                for &p in &pgs {
+                    pages.unshare(sp.hint, p);
+                    pages.unshare(sp.hint, p);
+                }
+                pages.unreserve(n as u64);
+                Err(e)
+            }
+        }
+    }
+
+    /// Ends the fill of `r`: `complete`, or broken off (the Ref is
+    /// released and those waiting fail). The filler's shares go.
+    fn end_fill(&self, space: &Mutex<Space>, r: &Ref, fill: &Fill, complete: bool) {
+        let mut sp = lock(space);
+        let hint = sp.hint;
+        if !complete {
+            fill.break_off();
+            // (Released or expired already: nothing to do.)
+            let _ = self.refs.release(&self.pages, hint, r);
+        }
+        let n = sp.pinned.len() as u64;
+        for p in sp.pinned.drain(..) {
+            self.pages.unshare(hint, p);
+        }
+        self.pages.unreserve(n);
+    }
+
+    /// The fill a read or map of a Ref still filling waits for, and up to
+    /// which byte; `None` for anything else.
+    fn fill_to_wait(&self, space: &Mutex<Space>, req: &Request<'_>) -> Option<(Arc<Fill>, u64)> {
+        let (r, end) = match *req {
+            Request::ReadRef { r, offset, len } => (r, offset.saturating_add(len as u64)),
+            Request::MapRef(r) => (r, r.len),
+            _ => return None,
+        };
+        let hint = lock(space).hint;
+        let f = self.refs.filling(&self.pages, hint, &r).ok()??;
+        Some((f, end))
     }
 
     /// The server's side of the challenge, for a hello with nonce `cn`.
@@ -557,6 +659,135 @@ impl State {
             }
         )))
     }
+}
+
+/// Serves a `stream_put` whose head (`id`, `ttl_ms`) was read and whose
+/// `len` bytes follow on `rd`: answers its Ref at once, then receives the
+/// bytes straight into its pages, within `within`. Returns whether it
+/// succeeded; an error ends the session (the stream cannot be followed).
+#[allow(clippy::too_many_arguments)]
+async fn stream_put(
+    state: &State,
+    space: &Mutex<Space>,
+    rd: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    wr: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    id: u64,
+    ttl_ms: u32,
+    len: u64,
+    within: Duration,
+    out: &mut Vec<u8>,
+) -> std::result::Result<bool, &'static str> {
+    out.clear();
+    let (r, fill, pgs) = match state.start_fill(space, ttl_ms, len) {
+        Ok(x) => x,
+        Err(e) => {
+            // Refused: say why, and pass over its bytes.
+            encode_err(id, &e, out);
+            write_within(wr, out, true, within)
+                .await
+                .map_err(|_| "write failed or not read")?;
+            skip(rd, len, within).await.map_err(|_| "truncated frame")?;
+            return Ok(false);
+        }
+    };
+    encode_ok(id, out, |o| o.extend_from_slice(&r.to_bytes()));
+    if write_within(wr, out, true, within).await.is_err() {
+        state.end_fill(space, &r, &fill, false);
+        return Err("write failed or not read");
+    }
+    let got = receive_into(&state.pages, rd, &pgs, len, &fill, within).await;
+    state.end_fill(space, &r, &fill, got.is_ok());
+    got.map(|()| true)
+        .map_err(|_| "a stream_put's bytes stopped short")
+}
+
+/// Reads and drops `len` bytes, within `within`.
+async fn skip(
+    rd: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    len: u64,
+    within: Duration,
+) -> std::io::Result<()> {
+    let mut take = (&mut *rd).take(len);
+    let n = tokio::time::timeout(within, tokio::io::copy(&mut take, &mut tokio::io::sink()))
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    if n < len {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+/// Receives the `len` bytes of a `stream_put` straight into `pgs`, its
+/// Ref's pages from the first byte: what `rd` holds already is copied,
+/// the rest read from the socket into the pages (vectored, no copy in
+/// between). Progress goes to `fill` after each read, within `within`.
+async fn receive_into(
+    pages: &Pages,
+    rd: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    pgs: &[u32],
+    len: u64,
+    fill: &Fill,
+    within: Duration,
+) -> std::io::Result<()> {
+    let ps = pages.page_size() as u64;
+    let deadline = tokio::time::Instant::now() + within;
+    // The page, offset in it and length of the piece at byte `pos`, up
+    // to `end`.
+    let piece = |pos: u64, end: u64| {
+        let (pi, po) = ((pos / ps) as usize, (pos % ps) as usize);
+        (pgs[pi], po, (ps - po as u64).min(end - pos) as usize)
+    };
+    let mut got = 0u64;
+    while got < len {
+        let buffered = rd.buffer();
+        if !buffered.is_empty() {
+            let end = got + (buffered.len() as u64).min(len - got);
+            let mut pos = got;
+            while pos < end {
+                let (p, off, n) = piece(pos, end);
+                // SAFETY: this session is the pages' filler; bytes at and
+                // past `got` are read by nobody until `fill` says so.
+                let dst = unsafe { pages.fill_slice(p, off, n) };
+                let at = (pos - got) as usize;
+                dst.copy_from_slice(&buffered[at..at + n]);
+                pos += n as u64;
+            }
+            rd.consume((end - got) as usize);
+            got = end;
+            fill.advance(got);
+            continue;
+        }
+        // Nothing buffered: from the socket straight into the pages.
+        let s = rd.get_ref();
+        match tokio::time::timeout_at(deadline, s.readable()).await {
+            Ok(r) => r?,
+            Err(_) => return Err(std::io::ErrorKind::TimedOut.into()),
+        }
+        let mut slices = Vec::new();
+        let mut pos = got;
+        // (At most IOV_MAX pieces a read.)
+        while pos < len && slices.len() < 1024 {
+            let (p, off, n) = piece(pos, len);
+            // SAFETY: as above; the slices are dropped before `fill`
+            // says their bytes arrived.
+            slices.push(std::io::IoSliceMut::new(unsafe {
+                pages.fill_slice(p, off, n)
+            }));
+            pos += n as u64;
+        }
+        let r = s.try_read_vectored(&mut slices);
+        drop(slices);
+        match r {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => {
+                got += k as u64;
+                fill.advance(got);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Reads this long or longer are answered from the pages where they lie
@@ -725,6 +956,32 @@ async fn session(
             let _ = wr.flush().await;
             break "oversized frame";
         }
+        // A stream_put: answered before its bytes are read.
+        let streamed = (n >= proto::STREAM_PUT_HEAD && !over_cap)
+            .then(|| rd.buffer().get(..proto::STREAM_PUT_HEAD))
+            .flatten()
+            .and_then(proto::stream_put_head);
+        if let Some((id, ttl_ms)) = streamed {
+            rd.consume(proto::STREAM_PUT_HEAD);
+            let t = Instant::now();
+            let len = (n - proto::STREAM_PUT_HEAD) as u64;
+            match stream_put(
+                &state, &space, &mut rd, &mut wr, id, ttl_ms, len, lease, &mut out,
+            )
+            .await
+            {
+                Ok(ok) => {
+                    state.metrics.request(
+                        sid as usize,
+                        proto::op_code::STREAM_PUT,
+                        t.elapsed(),
+                        ok,
+                    );
+                    continue;
+                }
+                Err(why) => break why,
+            }
+        }
         let whole = avail.1 == Some(n) && avail.0 >= 4 + n;
         if whole {
             // The buffer only grows (zero-filled then, once): a large
@@ -740,7 +997,31 @@ async fn session(
         }
         let frame = &frame[..n];
         let t = Instant::now();
-        let (op, ok) = match Request::decode(frame) {
+        let decoded = Request::decode(frame);
+        // A read or map of a Ref whose bytes are still arriving waits for
+        // them (or fails, if they stopped short).
+        if let Ok((id, req)) = &decoded {
+            if let Some((fill, end)) = state.fill_to_wait(&space, req) {
+                let w = tokio::time::timeout(lease, fill.wait(end))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::Unavailable(
+                            "a Ref's bytes did not arrive in time".into(),
+                        ))
+                    });
+                if let Err(e) = w {
+                    encode_err(*id, &e, &mut out);
+                    state
+                        .metrics
+                        .request(sid as usize, req.op(), t.elapsed(), false);
+                    if write_within(&mut wr, &out, true, lease).await.is_err() {
+                        break "write failed or not read";
+                    }
+                    continue;
+                }
+            }
+        }
+        let (op, ok) = match decoded {
             Ok((id, req)) if answered_in_place(&req) => {
                 let op = req.op();
                 match state.read_pinned(&space, id, &req, &mut out) {
@@ -777,7 +1058,7 @@ async fn session(
                 // Page copies can take a while: large ones off the I/O
                 // workers. (Small ones here: no shared counter touched.)
                 let ok = if matches!(req, Request::Read { len, .. } | Request::ReadRef { len, .. } if len > 1 << 20)
-                    || matches!(&req, Request::Write { data, .. } | Request::Put { data, .. } if data.len() > 1 << 20)
+                    || matches!(&req, Request::Write { data, .. } | Request::Put { data, .. } | Request::StreamPut { data, .. } if data.len() > 1 << 20)
                 {
                     let (st, sp) = (state.clone(), space.clone());
                     let req = req.into_owned();
@@ -1132,7 +1413,7 @@ impl Model {
             Request::CreateRef {
                 addr, offset, len, ..
             } => Op::Share(*addr, *offset, *len),
-            Request::Put { data, .. } => Op::Put(data.to_vec()),
+            Request::Put { data, .. } | Request::StreamPut { data, .. } => Op::Put(data.to_vec()),
             Request::MapRef(r) => Op::Map(*r),
             Request::ReleaseRef(r) => Op::Release(*r),
             Request::ReadRef { r, offset, .. } => Op::ReadRef(*r, *offset),
@@ -1239,7 +1520,10 @@ pub fn fuzz_serve(data: &[u8]) {
                 continue;
             }
             out.clear();
-            let was_ref = matches!(req, Request::CreateRef { .. } | Request::Put { .. });
+            let was_ref = matches!(
+                req,
+                Request::CreateRef { .. } | Request::Put { .. } | Request::StreamPut { .. }
+            );
             let op = Model::op(&req);
             let ok = st.serve(&space, id, req, &mut out);
             let (aid, a) = proto::decode_answer(&out[4..]).expect("the server's answers decode");

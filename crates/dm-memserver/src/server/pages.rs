@@ -243,6 +243,31 @@ impl Pages {
         unsafe { std::slice::from_raw_parts(self.ptr(p).add(off), n) }
     }
 
+    /// Bytes `off..off + n` of page `p`, to receive a Ref's bytes into
+    /// while they arrive (a `stream_put`).
+    ///
+    /// # Safety
+    /// The caller is the page's filler: it holds a share of it, and it
+    /// alone writes these bytes, which nobody reads until the fill says
+    /// they have arrived (readers of the Ref wait for that, and the Ref
+    /// table hands out no range before: `refs.rs`). No two slices of the
+    /// same bytes live at once.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn fill_slice(&self, p: u32, off: usize, n: usize) -> &mut [u8] {
+        assert!(p != NONE && off + n <= self.page_size);
+        // SAFETY: in range (asserted); exclusive by the caller's word.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(p).add(off), n) }
+    }
+
+    /// Zeroes bytes `from..` of page `p`, whose filler the caller is (see
+    /// [`fill_slice`](Self::fill_slice)): the tail past a Ref's last byte.
+    pub fn zero_tail(&self, p: u32, from: usize) {
+        assert!(p != NONE && from <= self.page_size);
+        // SAFETY: in range (asserted); bytes past the Ref's end, which no
+        // holder reads or writes.
+        unsafe { std::ptr::write_bytes(self.ptr(p).add(from), 0, self.page_size - from) }
+    }
+
     /// Zeroes page `p` (held alone by the caller, just taken) except `len`
     /// bytes at `at`, which the caller is about to write.
     pub fn zero_outside(&self, p: u32, at: usize, len: usize) {

@@ -11,8 +11,8 @@ use super::pages::{lock, Pages};
 use super::quota::Charge;
 use dm_pool::{Error, Ref, Result, BACKEND_MEMSERVER};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Number of shards.
@@ -29,6 +29,84 @@ pub struct Snapshot {
     pub pages: Vec<u32>,
 }
 
+/// The bytes of a Ref still arriving (a `stream_put`): how many have,
+/// from the start, and whether they stopped short. Readers of the Ref
+/// wait for their range ([`Fill::wait`]); the table refuses to hand out
+/// a range not filled yet.
+#[derive(Debug)]
+pub struct Fill {
+    len: u64,
+    filled: AtomicU64,
+    broken: AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Fill {
+    /// A fill of `len` bytes, none arrived.
+    pub fn new(len: u64) -> Fill {
+        Fill {
+            len,
+            filled: AtomicU64::new(0),
+            broken: AtomicBool::new(false),
+            notify: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Bytes arrived, from the start.
+    pub fn filled(&self) -> u64 {
+        self.filled.load(Ordering::Acquire)
+    }
+
+    /// Whether every byte has arrived.
+    pub fn complete(&self) -> bool {
+        self.filled() >= self.len
+    }
+
+    /// Records that bytes up to `to` have arrived (written to the pages
+    /// before this is called), and wakes those waiting.
+    pub fn advance(&self, to: u64) {
+        self.filled.store(to.min(self.len), Ordering::Release);
+        self.notify.notify_waiters();
+    }
+
+    /// Records that no more bytes will come, and wakes those waiting.
+    pub fn break_off(&self) {
+        self.broken.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+
+    /// Waits until bytes up to `end` have arrived, or fails if they never
+    /// will.
+    pub async fn wait(&self, end: u64) -> Result<()> {
+        loop {
+            let n = self.notify.notified();
+            tokio::pin!(n);
+            // Registered before the checks, so no wake-up is missed.
+            n.as_mut().enable();
+            if self.filled() >= end.min(self.len) {
+                return Ok(());
+            }
+            if self.broken.load(Ordering::Acquire) {
+                return Err(broken());
+            }
+            n.await;
+        }
+    }
+}
+
+/// What a Ref whose bytes stopped short answers.
+fn broken() -> Error {
+    Error::Unavailable(
+        "the sender of this Ref's bytes went away before the last of them arrived".into(),
+    )
+}
+
+/// What a read of bytes not arrived yet gets (the server waits for them
+/// first: only a caller that does not wait sees this).
+fn arriving() -> Error {
+    Error::Unavailable("this Ref's bytes are still arriving".into())
+}
+
 #[derive(Debug)]
 enum State {
     Live {
@@ -37,6 +115,8 @@ enum State {
         expires: Instant,
         /// Its pages, charged to the quota of the session that made it.
         _charge: Charge,
+        /// Its bytes, if they were still arriving when it was made.
+        fill: Option<Arc<Fill>>,
     },
     Released,
     Expired,
@@ -88,6 +168,18 @@ impl Refs {
     /// Records a snapshot (whose page shares the caller took) as a new Ref.
     /// On failure the caller still owns the shares.
     pub fn insert(&self, snap: Snapshot, expires: Instant, charge: Charge) -> Result<Ref> {
+        self.insert_filling(snap, expires, charge, None)
+    }
+
+    /// [`insert`](Self::insert), for a snapshot whose bytes are still
+    /// arriving (`fill`): its ranges are handed out only once filled.
+    pub fn insert_filling(
+        &self,
+        snap: Snapshot,
+        expires: Instant,
+        charge: Charge,
+        fill: Option<Arc<Fill>>,
+    ) -> Result<Ref> {
         let tag = dm_sys::rand::random_u64();
         let start = self.next_shard.fetch_add(1, Ordering::Relaxed);
         for k in 0..SHARDS {
@@ -112,6 +204,7 @@ impl Refs {
                 snap,
                 expires,
                 _charge: charge,
+                fill,
             };
             self.live.fetch_add(1, Ordering::Relaxed);
             self.created.fetch_add(1, Ordering::Relaxed);
@@ -127,14 +220,21 @@ impl Refs {
         Err(Error::ResourceExhausted { what: "refs" })
     }
 
-    /// Validates `r` and runs `f` on its live snapshot, under its shard's
-    /// lock. A Ref past its TTL is expired on the spot (its pages freed).
+    /// The fill of `r` if its bytes are still arriving (`None` once they
+    /// all have, or for a Ref made whole).
+    pub fn filling(&self, pages: &Pages, hint: usize, r: &Ref) -> Result<Option<Arc<Fill>>> {
+        self.with_live(pages, hint, r, |_, f| f.filter(|f| !f.complete()).cloned())
+    }
+
+    /// Validates `r` and runs `f` on its live snapshot and its fill, under
+    /// its shard's lock. A Ref past its TTL is expired on the spot (its
+    /// pages freed).
     fn with_live<T>(
         &self,
         pages: &Pages,
         hint: usize,
         r: &Ref,
-        f: impl FnOnce(&Snapshot) -> T,
+        f: impl FnOnce(&Snapshot, Option<&Arc<Fill>>) -> T,
     ) -> Result<T> {
         if r.backend != BACKEND_MEMSERVER || r.pool_id != self.server_id {
             return Err(Error::ForeignPool {
@@ -169,7 +269,7 @@ impl Refs {
                 self.drop_snapshot(pages, hint, old);
                 Err(Error::RefExpired { desc, generation })
             }
-            State::Live { snap, .. } => Ok(f(snap)),
+            State::Live { snap, fill, .. } => Ok(f(snap, fill.as_ref())),
         }
     }
 
@@ -184,19 +284,24 @@ impl Refs {
 
     /// The snapshot of `r`, with one more share of each of its pages for
     /// the caller (a new mapping).
+    /// Refused while its bytes are still arriving.
     pub fn map(&self, pages: &Pages, hint: usize, r: &Ref) -> Result<Snapshot> {
-        self.with_live(pages, hint, r, |s| {
+        self.with_live(pages, hint, r, |s, fill| {
+            if fill.is_some_and(|f| !f.complete()) {
+                return Err(arriving());
+            }
             for &p in &s.pages {
                 pages.share(p);
             }
-            s.clone()
-        })
+            Ok(s.clone())
+        })?
     }
 
     /// Hands `emit` the pieces of `len` bytes at `offset` of `r`'s
     /// snapshot, in order, as (page, offset in it, length), with the Ref's
     /// shard locked (so the pages are held: a share taken then ([`Pages::share`]) keeps one past
-    /// it). Nothing is emitted on an error.
+    /// it). Nothing is emitted on an error, nor for a range whose bytes
+    /// have not all arrived.
     pub fn read_spans(
         &self,
         pages: &Pages,
@@ -206,7 +311,7 @@ impl Refs {
         len: u64,
         mut emit: impl FnMut(u32, usize, usize),
     ) -> Result<()> {
-        self.with_live(pages, hint, r, |s| {
+        self.with_live(pages, hint, r, |s, fill| {
             let end =
                 offset
                     .checked_add(len)
@@ -216,6 +321,9 @@ impl Refs {
                         len,
                         size: s.len,
                     })?;
+            if fill.is_some_and(|f| f.filled() < end) {
+                return Err(arriving());
+            }
             let ps = pages.page_size() as u64;
             let mut pos = s.head as u64 + offset;
             let mut left = len as usize;
@@ -233,7 +341,7 @@ impl Refs {
 
     /// Releases `r`: its shares are dropped (mappings keep their own).
     pub fn release(&self, pages: &Pages, hint: usize, r: &Ref) -> Result<()> {
-        self.with_live(pages, hint, r, |_| ())?;
+        self.with_live(pages, hint, r, |_, _| ())?;
         let si = r.desc as usize % SHARDS;
         let idx = r.desc as usize / SHARDS;
         let mut sh = lock(&self.shards[si]);
