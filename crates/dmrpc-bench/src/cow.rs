@@ -300,7 +300,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         bail!("pool check failed after the benchmark: {:?}", rep.problems);
     }
 
-    let net_rows = super::net::cow(if a.quick { 1 << 20 } else { 16 << 20 }, budget)?;
+    let net_rows = super::net::cow(a, if a.quick { 1 << 20 } else { 16 << 20 }, budget)?;
 
     let mut res = Obj::default();
     res.str("benchmark", "cow");

@@ -45,6 +45,17 @@ pub fn links(a: &super::BenchArgs) -> Vec<String> {
 #[derive(Debug)]
 pub struct Net {
     hosts: Option<Hosts>,
+    /// Between hosts: the memory servers' admin key (its file, and the
+    /// key), so the benchmark's clients may run their check.
+    admin: Option<(std::path::PathBuf, dm_pool::auth::Key)>,
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        if let Some((f, _)) = &self.admin {
+            let _ = std::fs::remove_file(f);
+        }
+    }
 }
 
 impl Net {
@@ -52,15 +63,22 @@ impl Net {
     /// hosts cannot be made here (not root, no iproute2): said on stderr.
     pub fn new(link: &str, n: usize) -> Result<Option<Net>> {
         if link == "loopback" {
-            return Ok(Some(Net { hosts: None }));
+            return Ok(Some(Net {
+                hosts: None,
+                admin: None,
+            }));
         }
         let link = Link::parse(link)?;
         if let Err(e) = Hosts::available() {
             eprintln!("skipping the {} link: {e}", link.describe());
             return Ok(None);
         }
+        let file =
+            std::env::temp_dir().join(format!("dmrpc-bench-admin-{}.key", std::process::id()));
+        let key = dm_pool::auth::Key::generate_file(&file)?;
         Ok(Some(Net {
             hosts: Some(Hosts::up(n, link)?),
+            admin: Some((file, key)),
         }))
     }
 
@@ -99,17 +117,35 @@ impl Net {
         Peer::spawn_cmd(self.command(i, std::env::current_exe()?)?, path)
     }
 
-    /// A memory server on host `i` (open: beyond loopback it serves any
-    /// host of the benchmark without a key), and its address.
+    /// A memory server on host `i`, and its address. Beyond loopback it
+    /// serves any host of the benchmark without a client key (`--open`),
+    /// and the benchmark's clients hold its admin key
+    /// ([`client_config`](Self::client_config)).
     pub fn memserver(&self, i: usize, size: &str) -> Result<(Proc, String)> {
         let listen = format!("{}:0", self.ip(i)?);
-        let open: &[&str] = if self.is_loopback() { &[] } else { &["--open"] };
+        let mut more = Vec::new();
+        if let Some((f, _)) = &self.admin {
+            more = vec![
+                "--open".to_owned(),
+                "--admin-key-file".to_owned(),
+                f.display().to_string(),
+            ];
+        }
+        let more: Vec<&str> = more.iter().map(String::as_str).collect();
         start_memserver_cmd(
             self.command(i, std::env::current_exe()?)?,
             &listen,
             size,
-            open,
+            &more,
         )
+    }
+
+    /// How the benchmark's own clients connect to its memory servers.
+    pub fn client_config(&self) -> dm_memserver::ClientConfig {
+        dm_memserver::ClientConfig {
+            admin_key: self.admin.as_ref().map(|(_, k)| *k),
+            ..Default::default()
+        }
     }
 
     /// Runs `f` on a thread of host `i` (this process's client there).
