@@ -35,7 +35,6 @@ const CLIENTS: usize = 2;
 const THUMB: u32 = 64;
 /// The roles, in the order they start (each after the ones it calls).
 const ROLES: [&str; 6] = ["transcode", "compress", "proc0", "proc1", "lb", "firewall"];
-const MODES: [&str; 4] = ["ref", "value", "memserver", "tcp-value"];
 
 /// The peer command `image ROLE NAME MODE NEXT KEY MS`: starts tier ROLE
 /// as service NAME in mode MODE (`ref`/`value` over shared-memory
@@ -92,20 +91,20 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
     };
     let mut node = Node::with_config(
         pool.clone(),
-        Config {
+        super::hosts::node_config(Config {
             inline_max: if mode.ends_with("value") {
                 usize::MAX
             } else {
                 dm_rpc::DEFAULT_INLINE_MAX
             },
             ..Default::default()
-        },
+        }),
     );
     if *mode == "memserver" {
         node = node.with_memserver(dm_memserver::MemPool::connect(&[*ms])?);
     }
     let t = if tcp {
-        Transport::Tcp("127.0.0.1:0".into())
+        Transport::Tcp(format!("{}:0", super::hosts::listen_ip()))
     } else {
         Transport::Shm
     };
@@ -131,7 +130,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         &[4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
     };
     let budget = Duration::from_millis(if a.quick { 250 } else { 2000 });
-    super::progress::start("image", (sizes.len() * MODES.len()) as u64);
+    let links = super::hosts::links(a);
+    super::progress::start("image", (sizes.len() * (2 + 2 * links.len())) as u64);
     let id = std::process::id();
     let mut key: Key = [0; 32];
     for c in key.chunks_mut(8) {
@@ -163,81 +163,23 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         peers.push(p);
     }
-    // The network: a pool per role, TCP links, a memory server.
-    let (_ms, ms_addr) = super::net::start_memserver("1GiB")?;
-    let small = || PoolConfig {
-        size: 32 << 20,
-        ..Default::default()
-    };
-    let mut net_pools = Vec::new();
-    let mut net_peers = Vec::new();
-    let mut entry = std::collections::HashMap::new();
-    for mode in ["memserver", "tcp-value"] {
-        let mut addrs = std::collections::HashMap::new();
-        for (i, role) in ROLES.iter().enumerate() {
-            if net_peers.len() <= i {
-                let bp = BenchPool::create(&format!("image-net-{role}"), small())?;
-                net_peers.push(Peer::spawn(&bp.path, &[])?);
-                net_pools.push(bp);
-            }
-            let next = next_of(role, &|r: &str| addrs.get(r).cloned().unwrap_or_default());
-            let addr = net_peers[i].cmd_text(&format!(
-                "image {role} {} {mode} {next} {key_hex} {ms_addr}",
-                name(mode, role)
-            ))?;
-            addrs.insert(role.to_string(), addr);
-        }
-        entry.insert(mode, addrs["firewall"].clone());
-    }
-    let client_pool = BenchPool::create("image-client", small())?;
-    let ms_client = dm_memserver::MemPool::connect(&[&ms_addr])?;
-
     say!("bench image: client -> firewall -> LB -> 2 image processing -> transcoding, compressing (6 service processes per transport), {CLIENTS} client threads, {THUMB} px thumbnails");
-    say!(
-        "{:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
-        "image",
-        "mode",
-        "calls/s",
-        "avg us",
-        "p50 us",
-        "p99 us",
-        "p99.5 us",
-        "p99.9 us"
-    );
+    header();
     let mut rows = Vec::new();
     let mut ratios = Vec::new();
     for &size in sizes {
         let ppm = app::generate(size, size as u64);
         let want = app::expected(&ppm, THUMB)?;
         let mut per_s = std::collections::HashMap::new();
-        for mode in MODES {
-            let (node, target) = match mode {
-                "ref" | "value" => (
-                    Node::with_config(
-                        bp.pool.clone(),
-                        Config {
-                            inline_max: if mode == "ref" { 0 } else { usize::MAX },
-                            ..Default::default()
-                        },
-                    ),
-                    Link::Shm(name(mode, "firewall")),
-                ),
-                _ => {
-                    let n = Node::with_config(
-                        client_pool.pool.clone(),
-                        Config {
-                            inline_max: if mode == "memserver" { 0 } else { usize::MAX },
-                            ..Default::default()
-                        },
-                    );
-                    let n = if mode == "memserver" {
-                        n.with_memserver(ms_client.clone())
-                    } else {
-                        n
-                    };
-                    (n, Link::Tcp(entry[mode].clone()))
-                }
-            };
+        for mode in ["ref", "value"] {
+            let node = Node::with_config(
+                bp.pool.clone(),
+                Config {
+                    inline_max: if mode == "ref" { 0 } else { usize::MAX },
+                    ..Default::default()
+                },
+            );
+            let target = Link::Shm(name(mode, "firewall"));
             let cell = Cell {
                 node: &node,
                 target: &target,
@@ -246,69 +188,30 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 ppm: &ppm,
                 want: &want,
             };
-            cell.forged_is_rejected()?;
-            let (calls, mut lat, secs) = cell.run(budget)?;
-            let r = calls as f64 / secs;
+            let (o, r) = cell.measure(size, budget, None)?;
             per_s.insert(mode, r);
-            let avg = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
-            let q = |v: &mut Vec<f64>, p| percentile(v, p);
-            let (p50, p99, p995, p999) = (
-                q(&mut lat, 0.5),
-                q(&mut lat, 0.99),
-                q(&mut lat, 0.995),
-                q(&mut lat, 0.999),
-            );
-            super::progress::tick(format!("{} by {mode}", fmt_size(size as u64)));
-            say!(
-                "{:>9} {:>10} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
-                fmt_size(size as u64),
-                mode,
-                r,
-                avg / 1e3,
-                p50 / 1e3,
-                p99 / 1e3,
-                p995 / 1e3,
-                p999 / 1e3
-            );
-            let mut o = Obj::default();
-            o.num("size", ppm.len() as f64);
-            o.str("image", &fmt_size(size as u64));
-            o.str("mode", mode);
-            o.num("calls", calls as f64);
-            o.num("calls_per_s", r);
-            o.num("avg_ns", avg);
-            o.num("p50_ns", p50);
-            o.num("p99_ns", p99);
-            o.num("p995_ns", p995);
-            o.num("p999_ns", p999);
             rows.push(o);
         }
         let mut o = Obj::default();
         o.num("size", ppm.len() as f64);
         o.str("image", &fmt_size(size as u64));
-        let ratio = |a: &str, b: &str| per_s[a] / per_s[b];
-        o.num("ref_over_value_throughput", ratio("ref", "value"));
-        o.num(
-            "memserver_over_tcp_value_throughput",
-            ratio("memserver", "tcp-value"),
-        );
+        let ratio = per_s["ref"] / per_s["value"];
+        o.num("ref_over_value_throughput", ratio);
         say!(
-            "{:>9}   throughput by Ref / by value: pool {:.1}x, memory server {:.1}x",
+            "{:>9}   throughput by Ref / by value with the pool: {ratio:.1}x",
             fmt_size(size as u64),
-            ratio("ref", "value"),
-            ratio("memserver", "tcp-value")
         );
         ratios.push(o);
     }
     drop(peers);
-    drop(net_peers);
     bp.check()?;
-    for p in &net_pools {
-        p.check()?;
-    }
-    let u = dm_pool::Dm::usage(&ms_client)?;
-    if u.refs != 0 {
-        bail!("the application left {} Refs on the memory server", u.refs);
+    for link in links {
+        // Host 0 the client, 1 the memory server, 2.. the roles.
+        if let Some(net) = super::hosts::Net::new(&link, ROLES.len() + 2)? {
+            let (r, q) = network(&net, sizes, budget, &key)?;
+            rows.extend(r);
+            ratios.extend(q);
+        }
     }
     say!(
         "target: by Ref at least 8x by value's throughput with the pool at 64 KiB images and above"
@@ -348,6 +251,124 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "p999_ns",
         ],
     )
+}
+
+/// The table's header.
+fn header() {
+    say!(
+        "{:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "image",
+        "mode",
+        "calls/s",
+        "avg us",
+        "p50 us",
+        "p99 us",
+        "p99.5 us",
+        "p99.9 us"
+    );
+}
+
+/// The network modes over one link: a pool per role, TCP links, a memory
+/// server; each process on a host of its own unless on loopback. Rows,
+/// and the ratio of each size.
+fn network(
+    net: &super::hosts::Net,
+    sizes: &[usize],
+    budget: Duration,
+    key: &Key,
+) -> Result<(Vec<Obj>, Vec<Obj>)> {
+    let id = std::process::id();
+    let key_hex = hex(key);
+    let name = |mode: &str, role: &str| format!("bench/image/{id}/{mode}/{role}");
+    let (_ms, ms_addr) = net.memserver(1, "1GiB")?;
+    let small = || PoolConfig {
+        size: 32 << 20,
+        ..Default::default()
+    };
+    let mut pools = Vec::new();
+    let mut peers = Vec::new();
+    let mut entry = std::collections::HashMap::new();
+    for mode in ["memserver", "tcp-value"] {
+        let mut addrs = std::collections::HashMap::new();
+        for (i, role) in ROLES.iter().enumerate() {
+            if peers.len() <= i {
+                let bp = BenchPool::create(&format!("image-net-{role}"), small())?;
+                peers.push(net.peer(2 + i, &bp.path)?);
+                pools.push(bp);
+            }
+            let next = next_of(role, &|r: &str| addrs.get(r).cloned().unwrap_or_default());
+            let addr = peers[i].cmd_text(&format!(
+                "image {role} {} {mode} {next} {key_hex} {ms_addr}",
+                name(mode, role)
+            ))?;
+            addrs.insert(role.to_string(), addr);
+        }
+        entry.insert(mode, addrs["firewall"].clone());
+    }
+    let client_pool = BenchPool::create("image-client", small())?;
+    let link = net.describe();
+    say!("\nover {link}: a pool per tier, TCP between them; memserver = by memory-server Ref, tcp-value = inline");
+    header();
+    let cfg = net.client_config();
+    let (rows, ratios) = net.on(0, || {
+        let ms_client = dm_memserver::MemPool::connect_with(&[&ms_addr], cfg)?;
+        let mut rows = Vec::new();
+        let mut ratios = Vec::new();
+        for &size in sizes {
+            let ppm = app::generate(size, size as u64);
+            let want = app::expected(&ppm, THUMB)?;
+            let mut per_s = std::collections::HashMap::new();
+            for mode in ["memserver", "tcp-value"] {
+                let n = Node::with_config(
+                    client_pool.pool.clone(),
+                    Config {
+                        inline_max: if mode == "memserver" { 0 } else { usize::MAX },
+                        ..Default::default()
+                    },
+                );
+                let node = if mode == "memserver" {
+                    n.with_memserver(ms_client.clone())
+                } else {
+                    n
+                };
+                let target = Link::Tcp(entry[mode].clone());
+                let cell = Cell {
+                    node: &node,
+                    target: &target,
+                    mode,
+                    key,
+                    ppm: &ppm,
+                    want: &want,
+                };
+                let (o, r) = cell.measure(size, budget, Some(&link))?;
+                per_s.insert(mode, r);
+                rows.push(o);
+            }
+            let ratio = per_s["memserver"] / per_s["tcp-value"];
+            say!(
+                "{:>9}   throughput by Ref / by value over memory servers: {ratio:.1}x",
+                fmt_size(size as u64),
+            );
+            let mut o = Obj::default();
+            o.num("size", ppm.len() as f64);
+            o.str("image", &fmt_size(size as u64));
+            o.str("link", &link);
+            o.num("memserver_over_tcp_value_throughput", ratio);
+            ratios.push(o);
+        }
+        // Releases go with the next request: let the last ones go.
+        std::thread::sleep(Duration::from_millis(600));
+        let u = dm_pool::Dm::usage(&ms_client)?;
+        if u.refs != 0 {
+            bail!("the application left {} Refs on the memory server", u.refs);
+        }
+        Ok((rows, ratios))
+    })?;
+    drop(peers);
+    for p in &pools {
+        p.check()?;
+    }
+    Ok((rows, ratios))
 }
 
 /// One image size in one mode.
@@ -427,6 +448,50 @@ impl Cell<'_> {
         let secs = t0.elapsed().as_secs_f64();
         let all: Vec<f64> = lats.into_iter().flatten().collect();
         Ok((all.len(), all, secs))
+    }
+
+    /// Runs the cell for `budget`, prints its line: its row (with the
+    /// link, if any) and its calls per second.
+    fn measure(&self, size: usize, budget: Duration, link: Option<&str>) -> Result<(Obj, f64)> {
+        self.forged_is_rejected()?;
+        let (calls, mut lat, secs) = self.run(budget)?;
+        let r = calls as f64 / secs;
+        let avg = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
+        let q = |v: &mut Vec<f64>, p| percentile(v, p);
+        let (p50, p99, p995, p999) = (
+            q(&mut lat, 0.5),
+            q(&mut lat, 0.99),
+            q(&mut lat, 0.995),
+            q(&mut lat, 0.999),
+        );
+        let mode = self.mode;
+        super::progress::tick(format!("{} by {mode}", fmt_size(size as u64)));
+        say!(
+            "{:>9} {:>10} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            fmt_size(size as u64),
+            mode,
+            r,
+            avg / 1e3,
+            p50 / 1e3,
+            p99 / 1e3,
+            p995 / 1e3,
+            p999 / 1e3
+        );
+        let mut o = Obj::default();
+        o.num("size", self.ppm.len() as f64);
+        o.str("image", &fmt_size(size as u64));
+        o.str("mode", mode);
+        if let Some(l) = link {
+            o.str("link", l);
+        }
+        o.num("calls", calls as f64);
+        o.num("calls_per_s", r);
+        o.num("avg_ns", avg);
+        o.num("p50_ns", p50);
+        o.num("p99_ns", p99);
+        o.num("p995_ns", p995);
+        o.num("p999_ns", p999);
+        Ok((o, r))
     }
 
     fn check(&self, r: &Payload) -> Result<()> {
