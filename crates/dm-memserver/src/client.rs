@@ -828,6 +828,13 @@ impl MemBuffer {
         self.server
     }
 
+    /// The pool (the servers, through this client) the buffer is of.
+    pub fn pool(&self) -> MemPool {
+        MemPool {
+            inner: self.inner.clone(),
+        }
+    }
+
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         dm_pool::check_range(offset, len, self.len)
     }

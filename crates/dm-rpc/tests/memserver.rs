@@ -241,3 +241,91 @@ fn a_memory_server_ref_with_a_forged_length_is_refused_on_arrival() {
     settled(&ms);
     tp.assert_clean();
 }
+
+/// A service keeps what arrived by memory-server Ref (its own buffer on
+/// the server, no copy) and answers it by Ref again and again, as a
+/// store does: each answer a Ref of the kept buffer.
+#[test]
+fn kept_remote_data_is_answered_by_ref_many_times() {
+    let ms = MemServer::start(MsConfig {
+        size: 64 << 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let (pa, pb) = (TempPool::new(16 << 20), TempPool::new(16 << 20));
+    let nb = node(&pb, &[&ms]);
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(None::<Payload>));
+    let (k1, k2, k3) = (kept.clone(), kept.clone(), kept.clone());
+    let sb = nb
+        .server("net/store")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("put", move |c| {
+            *k1.lock().unwrap() = Some(c.take_payload().keep()?);
+            Ok(Payload::empty())
+        })
+        .method("get", move |_| {
+            k2.lock().unwrap().as_ref().unwrap().forward()
+        })
+        .method("stamp", move |_| {
+            let mut g = k3.lock().unwrap();
+            let p = g.as_mut().unwrap();
+            p.write(0, b"stamped")?;
+            Ok(Payload::empty())
+        })
+        .spawn()
+        .unwrap();
+    // A middle tier passes the store's answers back untouched.
+    let pm = TempPool::new(16 << 20);
+    let nm = node(&pm, &[&ms]);
+    let to_store = nm.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
+    let sm = nm
+        .server("net/middle-back")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("get", move |c| to_store.call("get", c.take_payload()))
+        .spawn()
+        .unwrap();
+    let na = node(&pa, &[&ms]);
+    let c = na.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
+    let data: Vec<u8> = (0..300_000).map(|i| (i % 253) as u8).collect();
+    c.call("put", Payload::from_vec(data.clone())).unwrap();
+    let creates = || ms.state().metrics.requests_of("create_ref");
+    let reads = || ms.state().metrics.requests_of("read_ref");
+    let before = creates();
+    let answers: Vec<Payload> = (0..3)
+        .map(|_| c.call("get", Payload::empty()).unwrap())
+        .collect();
+    assert_eq!(
+        creates() - before,
+        3,
+        "each answer a Ref of the kept buffer"
+    );
+    let via = na.connect_tcp(sm.tcp_addr().unwrap()).unwrap();
+    let (c0, r0) = (creates(), reads());
+    let back = via.call("get", Payload::empty()).unwrap();
+    assert_eq!(
+        (creates() - c0, reads() - r0),
+        (1, 0),
+        "passed back, not read"
+    );
+    assert!(back.is_remote());
+    assert_eq!(back.to_vec().unwrap(), data);
+    drop((back, via));
+    sm.shutdown();
+    drop(nm);
+    for a in &answers {
+        assert!(a.is_remote(), "by Ref");
+        assert_eq!(a.to_vec().unwrap(), data);
+    }
+    // Written once its forwards are gone; an answer not read yet keeps
+    // what it was given (its Ref is a snapshot).
+    let unread = c.call("get", Payload::empty()).unwrap();
+    c.call("stamp", Payload::empty()).unwrap();
+    let after = c.call("get", Payload::empty()).unwrap().to_vec().unwrap();
+    assert_eq!(&after[..7], b"stamped");
+    assert_eq!(&after[7..], &data[7..]);
+    assert_eq!(unread.to_vec().unwrap(), data);
+    drop((answers, unread, c, na));
+    sb.shutdown();
+    drop((kept, nb));
+    settled(&ms);
+}

@@ -156,8 +156,9 @@ pub fn peer(a: PeerArgs) -> Result<()> {
             }
             (Some("social"), _, _) => {
                 let words: Vec<&str> = line.split_whitespace().skip(1).collect();
-                servers.push(super::social::peer_cmd(&pool, &words)?);
-                "ok".into()
+                let (s, addr) = super::social::peer_cmd(&pool, &words)?;
+                servers.push(s);
+                format!("ok {addr}")
             }
             (Some("image"), _, _) => {
                 let words: Vec<&str> = line.split_whitespace().skip(1).collect();

@@ -12,6 +12,11 @@
 //! then latency against offered load: an open-loop generator sends at
 //! fixed rates (fractions of by value's throughput) and measures each
 //! request from the time it was due, so queueing shows.
+//!
+//! Then, as DmRPC-net ran DeathStarBench, over each link of `--links`:
+//! every service in a pool of its own (on a host of its own beyond
+//! loopback), linked by TCP. **memserver**: posts by memory-server Ref,
+//! small messages inline; **tcp-value**: everything inline. Closed loop.
 
 use super::peer::{on_threads, percentile, BenchPool, Peer};
 use super::plot::Chart;
@@ -35,7 +40,12 @@ const LOADS: [f64; 5] = [0.25, 0.5, 0.75, 1.0, 1.5];
 
 fn config(mode: &str) -> Config {
     Config {
-        inline_max: if mode == "ref" { 0 } else { usize::MAX },
+        inline_max: match mode {
+            "ref" => 0,
+            // Posts (16 KiB and up) by Ref; ids and user numbers inline.
+            "memserver" => 4 << 10,
+            _ => usize::MAX,
+        },
         ..Default::default()
     }
 }
@@ -44,20 +54,50 @@ fn name(id: u32, mode: &str, role: &str) -> String {
     format!("bench/social/{id}/{mode}/{role}")
 }
 
-/// The peer command `social ROLE MODE ID`: starts service ROLE of mode
-/// MODE for the run of process ID.
-pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<dm_rpc::Server> {
-    let [role, mode, id] = words else {
-        bail!("usage: social ROLE MODE ID");
+/// The peer command `social ROLE MODE ID [ADDRS MS]`: starts service
+/// ROLE of mode MODE for the run of process ID. Modes `ref` and `value`
+/// serve over shared-memory channels; `memserver` and `tcp-value` over
+/// TCP, calling the services at ADDRS (`role=host:port`, comma
+/// separated) with memory server MS (`-` for none). Answers the TCP
+/// address, or `-`.
+pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)> {
+    let (role, mode, id, addrs, ms) = match words {
+        [role, mode, id] => (*role, *mode, *id, "", "-"),
+        [role, mode, id, addrs, ms] => (*role, *mode, *id, *addrs, *ms),
+        _ => bail!("usage: social ROLE MODE ID [ADDRS MS]"),
     };
     let id: u32 = id.parse()?;
-    let node = Node::with_config(pool.clone(), config(mode));
-    let at = |r: &str| Link::Shm(name(id, mode, r));
+    let tcp = matches!(mode, "memserver" | "tcp-value");
+    let mut node = Node::with_config(pool.clone(), super::hosts::node_config(config(mode)));
+    if ms != "-" {
+        node = node.with_memserver(dm_memserver::MemPool::connect(&[ms])?);
+    }
+    let addr_of = |r: &str| {
+        addrs
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(r)?.strip_prefix('='))
+            .unwrap_or("")
+            .to_owned()
+    };
+    let at = |r: &str| {
+        if tcp {
+            Link::Tcp(addr_of(r))
+        } else {
+            Link::Shm(name(id, mode, r))
+        }
+    };
     let (_, r) = app::roles(&at, USERS, CAPACITY)
         .into_iter()
-        .find(|(n, _)| n == role)
+        .find(|(n, _)| *n == role)
         .ok_or_else(|| anyhow!("unknown role {role:?}"))?;
-    Ok(app::serve(&node, &name(id, mode, role), r, Transport::Shm)?)
+    let t = if tcp {
+        Transport::Tcp(format!("{}:0", super::hosts::listen_ip()))
+    } else {
+        Transport::Shm
+    };
+    let s = app::serve(&node, &name(id, mode, role), r, t)?;
+    let addr = s.tcp_addr().unwrap_or("-").to_owned();
+    Ok((s, addr))
 }
 
 /// Posts to send, one per media size (16 KiB to 256 KiB).
@@ -71,7 +111,7 @@ fn posts() -> Vec<Vec<u8>> {
 struct Driver<'a> {
     node: &'a Node,
     mode: &'a str,
-    entry: String,
+    entry: Link,
     posts: &'a [Vec<u8>],
 }
 
@@ -117,7 +157,43 @@ impl Driver<'_> {
     }
 
     fn connect(&self) -> Result<dm_rpc::Client> {
-        Ok(self.node.connect(&self.entry)?)
+        Ok(self.entry.connect(self.node)?)
+    }
+
+    /// Every user posts twice, so timelines have posts to read.
+    fn preload(&self) -> Result<()> {
+        let c = self.connect()?;
+        for u in 0..USERS * 2 {
+            let mut p = self.posts[u as usize % self.posts.len()].clone();
+            p[16..20].copy_from_slice(&(u % USERS).to_le_bytes());
+            c.call("compose", p)?;
+        }
+        Ok(())
+    }
+
+    /// The closed loop's row, printed.
+    fn closed_row(&self, budget: Duration, link: Option<&str>) -> Result<(Obj, f64, f64)> {
+        let (r, mut lat) = self.closed(budget)?;
+        let mut o = Obj::default();
+        o.str("mode", self.mode);
+        o.str("load", "closed loop");
+        if let Some(l) = link {
+            o.str("link", l);
+        }
+        o.num("req_per_s", r);
+        let (avg, p50, p99, p999) = stats(&mut o, &mut lat);
+        super::progress::tick(format!("{} closed loop", self.mode));
+        say!(
+            "{:>9} {:>16} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            self.mode,
+            "closed loop",
+            r,
+            avg / 1e3,
+            p50 / 1e3,
+            p99 / 1e3,
+            p999 / 1e3
+        );
+        Ok((o, r, avg))
     }
 
     /// Runs `body` on `n` threads, each with its connection, the thread's
@@ -180,6 +256,108 @@ impl Driver<'_> {
     }
 }
 
+/// The table's header.
+fn header() {
+    say!(
+        "{:>9} {:>16} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "mode",
+        "offered req/s",
+        "req/s",
+        "avg us",
+        "p50 us",
+        "p99 us",
+        "p99.9 us"
+    );
+}
+
+/// The services over one link: a pool each, TCP between them, posts by
+/// memory-server Ref or inline; the closed loop of each mode. Rows, and
+/// the ratios.
+fn network(
+    net: &super::hosts::Net,
+    roles: &[&str],
+    budget: Duration,
+    posts: &[Vec<u8>],
+) -> Result<(Vec<Obj>, Obj)> {
+    let id = std::process::id();
+    let (_ms, ms_addr) = net.memserver(1, "2GiB")?;
+    let small = || PoolConfig {
+        size: 64 << 20,
+        ..Default::default()
+    };
+    let mut pools = Vec::new();
+    let mut peers = Vec::new();
+    let mut entry = std::collections::HashMap::new();
+    for mode in ["memserver", "tcp-value"] {
+        let mut addrs: Vec<String> = Vec::new();
+        for (i, role) in roles.iter().enumerate() {
+            if peers.len() <= i {
+                let bp = BenchPool::create(&format!("social-net-{role}"), small())?;
+                peers.push(net.peer(2 + i, &bp.path)?);
+                pools.push(bp);
+            }
+            let ms = if mode == "memserver" {
+                ms_addr.as_str()
+            } else {
+                "-"
+            };
+            let known = if addrs.is_empty() {
+                "-".to_owned()
+            } else {
+                addrs.join(",")
+            };
+            let addr = peers[i].cmd_text(&format!("social {role} {mode} {id} {known} {ms}"))?;
+            addrs.push(format!("{role}={addr}"));
+            if *role == "frontend" {
+                entry.insert(mode, addr);
+            }
+        }
+    }
+    let client_pool = BenchPool::create("social-client", small())?;
+    let link = net.describe();
+    say!("\nover {link}: a pool per service, TCP between them; memserver = posts by memory-server Ref, tcp-value = inline");
+    header();
+    let cfg = net.client_config();
+    let out = net.on(0, || {
+        let ms_client = dm_memserver::MemPool::connect_with(&[&ms_addr], cfg)?;
+        let mut rows = Vec::new();
+        let mut res = std::collections::HashMap::new();
+        for mode in ["memserver", "tcp-value"] {
+            let n = Node::with_config(client_pool.pool.clone(), config(mode));
+            let node = if mode == "memserver" {
+                n.with_memserver(ms_client.clone())
+            } else {
+                n
+            };
+            let d = Driver {
+                node: &node,
+                mode,
+                entry: Link::Tcp(entry[mode].clone()),
+                posts,
+            };
+            d.preload()?;
+            let (o, r, avg) = d.closed_row(budget, Some(&link))?;
+            res.insert(mode, (r, avg));
+            rows.push(o);
+        }
+        let (tput, lat) = (
+            res["memserver"].0 / res["tcp-value"].0,
+            res["tcp-value"].1 / res["memserver"].1,
+        );
+        say!("by memory-server Ref / by value over {link}: {tput:.1}x the throughput, {lat:.1}x lower average latency (DmRPC-net: 3.1x and 2.5x)");
+        let mut q = Obj::default();
+        q.str("link", &link);
+        q.num("memserver_over_tcp_value_throughput", tput);
+        q.num("tcp_value_over_memserver_avg_latency", lat);
+        Ok((rows, q))
+    })?;
+    drop(peers);
+    for p in &pools {
+        p.check()?;
+    }
+    Ok(out)
+}
+
 fn stats(o: &mut Obj, v: &mut [f64]) -> (f64, f64, f64, f64) {
     let avg = v.iter().sum::<f64>() / v.len().max(1) as f64;
     let (p50, p99, p999) = (
@@ -198,7 +376,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let budget = Duration::from_millis(if a.quick { 400 } else { 3000 });
     let open_budget = Duration::from_millis(if a.quick { 300 } else { 2000 });
     let loads: &[f64] = if a.quick { &[0.5, 1.5] } else { &LOADS };
-    super::progress::start("social", (MODES.len() * (1 + loads.len())) as u64);
+    let links = super::hosts::links(a);
+    super::progress::start(
+        "social",
+        (MODES.len() * (1 + loads.len()) + 2 * links.len()) as u64,
+    );
     let id = std::process::id();
     let bp = BenchPool::create(
         "social",
@@ -217,7 +399,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     for role in &roles {
         let mut p = Peer::spawn(&bp.path, &[])?;
         for mode in MODES {
-            p.cmd(&format!("social {role} {mode} {id}"))?;
+            p.cmd_text(&format!("social {role} {mode} {id}"))?;
         }
         peers.push(p);
     }
@@ -232,51 +414,20 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         .map(|(m, node)| Driver {
             node,
             mode: m,
-            entry: name(id, m, "frontend"),
+            entry: Link::Shm(name(id, m, "frontend")),
             posts: &posts,
         })
         .collect();
-    // Every user posts twice first, so timelines have posts to read.
     for d in &drivers {
-        let c = d.connect()?;
-        for u in 0..USERS * 2 {
-            let mut p = posts[u as usize % posts.len()].clone();
-            p[16..20].copy_from_slice(&(u % USERS).to_le_bytes());
-            c.call("compose", p)?;
-        }
+        d.preload()?;
     }
     say!("bench social: frontend, compose-post, text, media, post-storage, user- and home-timeline (7 processes); {USERS} users following {} each; media 16-256 KiB; 60% home reads, 30% user reads, 10% posts", app::FOLLOWS);
-    say!(
-        "{:>6} {:>16} {:>10} {:>10} {:>10} {:>10} {:>10}",
-        "mode",
-        "offered req/s",
-        "req/s",
-        "avg us",
-        "p50 us",
-        "p99 us",
-        "p99.9 us"
-    );
+    header();
     let mut rows = Vec::new();
     let mut max = Vec::new();
     let mut avgs = Vec::new();
     for d in &drivers {
-        let (r, mut lat) = d.closed(budget)?;
-        let mut o = Obj::default();
-        o.str("mode", d.mode);
-        o.str("load", "closed loop");
-        o.num("req_per_s", r);
-        let (avg, p50, p99, p999) = stats(&mut o, &mut lat);
-        super::progress::tick(format!("{} closed loop", d.mode));
-        say!(
-            "{:>6} {:>16} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
-            d.mode,
-            "closed loop",
-            r,
-            avg / 1e3,
-            p50 / 1e3,
-            p99 / 1e3,
-            p999 / 1e3
-        );
+        let (o, r, avg) = d.closed_row(budget, None)?;
         max.push(r);
         avgs.push(avg);
         rows.push(o);
@@ -295,7 +446,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             let (avg, p50, p99, p999) = stats(&mut o, &mut lat);
             super::progress::tick(format!("{} at {rate:.0} req/s", d.mode));
             say!(
-                "{:>6} {:>16.0} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                "{:>9} {:>16.0} {:>10.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
                 d.mode,
                 rate,
                 r,
@@ -311,6 +462,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     drop(peers);
     drop(nodes);
     bp.check()?;
+    let mut net_rows = Vec::new();
+    let mut net_ratios = Vec::new();
+    for link in links {
+        // Host 0 the client, 1 the memory server, 2.. the services.
+        if let Some(net) = super::hosts::Net::new(&link, roles.len() + 2)? {
+            let (r, q) = network(&net, &roles, budget, &posts)?;
+            net_rows.extend(r);
+            net_ratios.push(q);
+        }
+    }
     let mut res = Obj::default();
     res.str("benchmark", "social");
     res.str(
@@ -321,6 +482,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.num("ref_over_value_throughput", tput);
     res.num("value_over_ref_avg_latency", lat);
     res.arr("closed_loop", &rows);
+    res.arr("network", &net_rows);
+    res.arr("network_ratios", &net_ratios);
     res.arr("rows", &curve);
     super::write_results(
         a,

@@ -65,9 +65,9 @@ enum Repr {
     Buffer(Buffer),
     Ref(Arc<Received>),
     /// A buffer on a memory server (the sender's), with its bytes once read
-    /// (boxed: the common kinds of payload stay small to move).
+    /// (shared by its forwards: each sends a Ref of it).
     #[cfg(feature = "memserver")]
-    MemBuffer(Box<remote::MemData>),
+    MemBuffer(Arc<remote::MemData>),
     /// A memory-server Ref that arrived.
     #[cfg(feature = "memserver")]
     Remote(Arc<remote::RemoteReceived>),
@@ -322,8 +322,10 @@ impl Payload {
     /// out with copies them once, into its frame).
     /// A pool buffer (an answer, or one you built) is duplicated by sharing
     /// its pages (a Ref made, mapped and released: no copy, and the pages
-    /// become copy-on-write). A memory-server buffer you built is sent by
-    /// moving the payload itself.
+    /// become copy-on-write). A memory-server buffer (one you built, or
+    /// data you kept) is shared by its forwards: each call sends a Ref of
+    /// it (one round trip to its server), and the buffer is written again
+    /// only once its forwards are gone.
     pub fn forward(&self) -> Result<Payload, RpcError> {
         Ok(Payload {
             repr: match &self.repr {
@@ -334,11 +336,7 @@ impl Payload {
                 Repr::Remote(r) => Repr::Remote(r.clone()),
                 Repr::Buffer(b) => Repr::Buffer(b.pool().dup(b)?),
                 #[cfg(feature = "memserver")]
-                Repr::MemBuffer(..) => {
-                    return Err(RpcError::invalid_argument(
-                        "a memory-server buffer payload is forwarded by moving it into the call",
-                    ))
-                }
+                Repr::MemBuffer(m) => Repr::MemBuffer(m.clone()),
             },
         })
     }
@@ -375,7 +373,14 @@ impl Payload {
         match &mut self.repr {
             Repr::Buffer(b) => Ok(b.write(offset, data)?),
             #[cfg(feature = "memserver")]
-            Repr::MemBuffer(m) => m.write(offset, data),
+            Repr::MemBuffer(m) => Arc::get_mut(m)
+                .ok_or_else(|| {
+                    RpcError::invalid_argument(
+                        "a memory-server buffer is written while a forward of it lives: write \
+                         it before forwarding it",
+                    )
+                })?
+                .write(offset, data),
             Repr::Bytes(b) => {
                 dm_pool::check_range(offset, data.len() as u64, b.len() as u64)?;
                 let at = offset as usize;
@@ -503,10 +508,23 @@ impl Payload {
             ),
             #[cfg(feature = "memserver")]
             Repr::MemBuffer(d) if len > inline_max && remote => {
-                remote::buffer_body(node, *d, len as u64)?
+                remote::buffer_body(node, d, len as u64)?
             }
             #[cfg(feature = "memserver")]
             Repr::Remote(rec) if remote && !answer => (Body::Refs(vec![rec.r]), Lent::default()),
+            // An answer's Ref that came from further on, passed back: the
+            // caller takes it over (no read, no copy), if it is this
+            // payload's alone to give.
+            #[cfg(feature = "memserver")]
+            Repr::Remote(rec) if remote => match remote::hand_over(rec) {
+                Ok(r) => (Body::Refs(vec![r]), Lent::made(r)),
+                Err(rec) => {
+                    let p = Payload {
+                        repr: Repr::Remote(rec),
+                    };
+                    bytes_body(p.to_vec()?.into(), node, inline_max, refs)?
+                }
+            },
             _ => bytes_body(self.to_vec()?.into(), node, inline_max, refs)?,
         })
     }

@@ -106,7 +106,7 @@ impl Payload {
     /// use the same servers (inline when small, or to others).
     pub fn from_mem_buffer(b: MemBuffer) -> Payload {
         Payload {
-            repr: Repr::MemBuffer(Box::new(MemData::new(b))),
+            repr: Repr::MemBuffer(Arc::new(MemData::new(b))),
         }
     }
 
@@ -115,7 +115,18 @@ impl Payload {
     /// `Ok(None)` for data that is not on a memory server.
     pub fn keep_remote(self) -> Result<Option<MemBuffer>, RpcError> {
         match self.repr {
-            Repr::MemBuffer(m) => Ok(Some(m.buf)),
+            Repr::MemBuffer(m) => match Arc::try_unwrap(m) {
+                Ok(d) => Ok(Some(d.buf)),
+                // Forwards of it live: a buffer of its own, sharing the
+                // pages (copy-on-write).
+                Err(shared) => {
+                    let p = shared.buf.pool();
+                    let r = p.create_ref(&shared.buf, 0, shared.len())?;
+                    let m = p.map_ref(&r);
+                    p.release_ref_nowait(&r)?;
+                    Ok(Some(m?))
+                }
+            },
             Repr::Remote(r) => Ok(Some(r.keep()?)),
             _ => Ok(None),
         }
@@ -164,13 +175,33 @@ fn received(m: &MemPool, r: &Ref, owned: bool) -> Result<Payload, RpcError> {
     })
 }
 
-/// A memory-server buffer as a body: a Ref of `len` bytes of it, and the
-/// buffer freed (the Ref holds the pages), released when the call
-/// completes.
-pub(super) fn buffer_body(node: &Node, d: MemData, len: u64) -> Result<(Body, Lent), RpcError> {
+/// The Ref of `rec` to hand over to another holder (an answer passed
+/// back to its caller), if `rec` held it alone and was to release it:
+/// it will not now. Otherwise `rec` back.
+pub(super) fn hand_over(rec: Arc<RemoteReceived>) -> Result<Ref, Arc<RemoteReceived>> {
+    match Arc::try_unwrap(rec) {
+        Ok(mut rr) if rr.owned => {
+            rr.owned = false;
+            Ok(rr.r)
+        }
+        Ok(rr) => Err(Arc::new(rr)),
+        Err(shared) => Err(shared),
+    }
+}
+
+/// A memory-server buffer as a body: a Ref of `len` bytes of it, released
+/// when the call completes (an answer's, by its caller). The buffer is
+/// freed (the Ref holds the pages) unless forwards of it live.
+pub(super) fn buffer_body(
+    node: &Node,
+    d: Arc<MemData>,
+    len: u64,
+) -> Result<(Body, Lent), RpcError> {
     let m = servers(node, "a memory-server buffer")?;
     let r = m.create_ref(&d.buf, 0, len)?;
-    m.free(d.buf)?;
+    if let Ok(d) = Arc::try_unwrap(d) {
+        m.free(d.buf)?;
+    }
     Ok((Body::Refs(vec![r]), Lent::made(r)))
 }
 
