@@ -21,7 +21,8 @@
 //! ([`crate::reconnect`]).
 
 use crate::call::attempt::{
-    answers, carried, deadline_of, ended, orphan, outgoing, sent_as, Failure, Outgoing, Refused,
+    answers, carried, deadline_of, ended, orphan, outgoing, outgoing_at, sent_as, Failure,
+    Outgoing, Refused,
 };
 use crate::call::failover::{Failover, Link, Next};
 use crate::call::options::{CallOptions, Reply};
@@ -32,6 +33,7 @@ use crate::handle::ClientOf;
 use crate::handoff::{Half, Held};
 use crate::metadata::Metadata;
 use crate::node::Node;
+use crate::payload::choice::{Chooser, Way};
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
 use crate::sender::{send_holding_rx, send_unheld, Out, Sender};
@@ -66,6 +68,8 @@ pub struct BlockingConn {
     max_inline: usize,
     refs: crate::transport::Sharing,
     goaway: Arc<dyn crate::transport::GoAway>,
+    /// Inline or by memory-server Ref, learned ([`crate::RemoteChoice`]).
+    choice: Chooser,
 }
 
 impl std::fmt::Debug for BlockingConn {
@@ -165,6 +169,7 @@ impl Connected for BlockingConn {
             max_inline: conn.max_inline,
             refs: conn.refs,
             goaway: conn.goaway,
+            choice: Chooser::default(),
         }
     }
 
@@ -423,8 +428,53 @@ impl BlockingConn {
         meta: Metadata,
     ) -> Result<Reply, Failure> {
         let (node, refs) = (&self.node, self.refs);
-        let out = outgoing(node, self.max_inline, refs, method, payload, opts, meta)?;
-        self.send_and_wait(out)
+        let Some((k, way)) = self.learned(method, &payload) else {
+            let out = outgoing(node, self.max_inline, refs, method, payload, opts, meta)?;
+            return self.send_and_wait(out);
+        };
+        // Inline: as to a peer that shares nothing. By Ref: whatever the
+        // size.
+        let (refs, threshold) = match way {
+            Way::Inline => (
+                crate::transport::Sharing {
+                    remote: false,
+                    ..refs
+                },
+                usize::MAX,
+            ),
+            Way::ByRef => (refs, 0),
+        };
+        let t = Instant::now();
+        let limits = (self.max_inline, threshold);
+        let out = outgoing_at(node, limits, refs, method, payload, opts, meta)?;
+        let r = self.send_and_wait(out);
+        if r.is_ok() {
+            let ns = t.elapsed().as_nanos() as f64;
+            self.choice.record(method, k, way, ns);
+        }
+        r
+    }
+
+    /// The size class and the way chosen for `payload`, if its way is
+    /// learned ([`crate::RemoteChoice::Measured`]): bytes of a size that
+    /// may go either way, to a peer in another pool that uses the same
+    /// memory servers.
+    fn learned(&self, method: &str, payload: &Payload) -> Option<(usize, Way)> {
+        let cfg = &self.node.cfg;
+        #[cfg(feature = "memserver")]
+        let remote = self.node.remote.is_some();
+        #[cfg(not(feature = "memserver"))]
+        let remote = false;
+        let len = payload.len();
+        let open = remote
+            && cfg.remote_choice == crate::RemoteChoice::Measured
+            && !cfg.by_value
+            && self.refs.remote
+            && !self.refs.pool
+            && payload.is_plain_bytes()
+            && len >= crate::payload::choice::MIN_LEARNED
+            && len <= self.max_inline as u64;
+        open.then(|| self.choice.choose(method, len))
     }
 
     /// Sends again, on this connection, a request another refused.

@@ -130,7 +130,7 @@ pub use handle::ClientOf;
 #[cfg(not(loom))]
 pub use metadata::{Metadata, MetadataError};
 #[cfg(not(loom))]
-pub use node::{Config, Node, Transport, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN};
+pub use node::{Config, Node, RemoteChoice, Transport, DEFAULT_INLINE_MAX, DEFAULT_TCP_SPIN};
 #[cfg(not(loom))]
 pub use payload::Payload;
 #[cfg(not(loom))]

@@ -49,11 +49,20 @@ pub const DEFAULT_INLINE_MAX: usize = 64 << 10;
 ///
 /// A payload that arrived by Ref and is forwarded travels by Ref whatever
 /// its size (no copy), unless the node asked for [`by_value`](Self::by_value).
+///
+/// Between pools, by memory-server Ref ([`remote_choice`](Self::remote_choice)):
+/// with [`RemoteChoice::Measured`] (the default) a blocking client learns,
+/// per method and size, whether inline or by Ref is faster, from its own
+/// calls; with [`RemoteChoice::Threshold`] rule 2 applies as within a
+/// pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
     /// The threshold: payloads up to this many bytes go inline, larger by
     /// Ref. Capped by what the connection's frames carry (above).
     pub inline_max: usize,
+    /// How a payload of bytes between pools chooses between inline and a
+    /// memory server's Ref.
+    pub remote_choice: RemoteChoice,
     /// Every payload inline, whatever its size (to compare, or to isolate
     /// a peer): a payload too large for the connection's frames fails its
     /// call, never travels by Ref instead. Off by default.
@@ -81,6 +90,25 @@ pub struct Config {
     /// Connections a TCP server takes at once, and how long a frame may
     /// take to arrive.
     pub tcp_limits: crate::transport::tcp::TcpLimits,
+}
+
+/// How a payload of bytes travels to a peer in another pool that uses the
+/// same memory servers: inline, or written to a memory server and passed
+/// as its Ref. (Data already on a memory server, or in the pool, goes as
+/// it is.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RemoteChoice {
+    /// Learned from the calls' latencies, per method and power-of-two size
+    /// from 16 KiB (smaller ones inline): each way a few times, then the
+    /// faster, the other still tried once in 64 calls. What is faster
+    /// depends on the services behind the method: through one, inline
+    /// (by Ref the bytes cross the network twice); through a chain that
+    /// forwards them, by Ref. Blocking clients learn; async ones use the
+    /// threshold.
+    #[default]
+    Measured,
+    /// By Ref above [`Config::inline_max`], as within a pool.
+    Threshold,
 }
 
 /// The default [`Config::tcp_spin`]: a loopback round trip between polling
@@ -116,6 +144,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             inline_max: DEFAULT_INLINE_MAX,
+            remote_choice: RemoteChoice::Measured,
             by_value: false,
             wait: WaitPolicy::from_env(),
             default_deadline: None,

@@ -7,11 +7,21 @@
 use dm_memserver::{Config as MsConfig, MemPool, Server as MemServer};
 use dm_pool::testing::TempPool;
 use dm_pool::{Dm, DmBuffer};
-use dm_rpc::{Node, Payload, Transport};
+use dm_rpc::{Config, Node, Payload, RemoteChoice, Transport};
 
+/// A node that uses the memory servers `ms`, sending by Ref above the
+/// threshold (not learning: the tests check which way payloads go).
 fn node(tp: &TempPool, ms: &[&MemServer]) -> Node {
+    node_with(tp, ms, RemoteChoice::Threshold)
+}
+
+fn node_with(tp: &TempPool, ms: &[&MemServer], choice: RemoteChoice) -> Node {
     let addrs: Vec<String> = ms.iter().map(|s| s.addr().to_string()).collect();
-    Node::new(tp.attach()).with_memserver(MemPool::connect(&addrs).unwrap())
+    let cfg = Config {
+        remote_choice: choice,
+        ..Config::default()
+    };
+    Node::with_config(tp.attach(), cfg).with_memserver(MemPool::connect(&addrs).unwrap())
 }
 
 fn sum(p: &Payload) -> u64 {
@@ -327,5 +337,60 @@ fn kept_remote_data_is_answered_by_ref_many_times() {
     drop((answers, unread, c, na));
     sb.shutdown();
     drop((kept, nb));
+    settled(&ms);
+}
+
+/// With the choice learned, a client tries both ways for a size before
+/// it settles on the faster, and the data arrives whole whichever way it
+/// went. (Here by Ref is made slow: the service sleeps on it.)
+#[test]
+fn a_learning_client_tries_both_ways_and_settles_on_the_faster() {
+    let ms = MemServer::start(MsConfig {
+        size: 64 << 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let (pa, pb) = (TempPool::new(16 << 20), TempPool::new(16 << 20));
+    let nb = node(&pb, &[&ms]);
+    let sb = nb
+        .server("net/learn")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("sum", |c| {
+            if c.payload().is_remote() {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            sum_and_how(c)
+        })
+        .spawn()
+        .unwrap();
+    let na = node_with(&pa, &[&ms], RemoteChoice::Measured);
+    let c = na.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
+    let data: Vec<u8> = (0..200_000).map(|i| (i % 241) as u8).collect();
+    let want: u64 = data.iter().map(|&b| b as u64).sum();
+    let mut ways = Vec::new();
+    for _ in 0..40 {
+        let v = c
+            .call("sum", Payload::from_vec(data.clone()))
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_eq!(u64::from_le_bytes(v[..8].try_into().unwrap()), want);
+        ways.push(v[8]);
+    }
+    // Warming up: both ways, four times each, first.
+    let by_ref = ways[..8].iter().filter(|&&w| w == 1).count();
+    assert_eq!(by_ref, 4, "{ways:?}");
+    // Then the faster (exploring the other once in 64 calls: not yet).
+    assert!(ways[8..].iter().all(|&w| w == 0), "{ways:?}");
+    // Small payloads are never learned: inline.
+    let v = c
+        .call("sum", Payload::from_vec(vec![1u8; 1000]))
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_eq!(v[8], 0);
+    drop((c, na));
+    sb.shutdown();
+    drop(nb);
     settled(&ms);
 }

@@ -252,9 +252,15 @@ fn contract_with_memory_server(t: Transport, between_pools: bool) {
     let ms = dm_memserver::Server::start(dm_memserver::Config::default()).unwrap();
     let mem = || dm_memserver::MemPool::connect(&[ms.addr().to_string()]).unwrap();
     let (ps, pc) = (pool(), pool());
-    let snode = Node::new(ps.attach()).with_memserver(mem());
+    // The threshold, not the learned choice: the contract checks which
+    // way payloads go.
+    let cfg = dm_rpc::Config {
+        remote_choice: dm_rpc::RemoteChoice::Threshold,
+        ..dm_rpc::Config::default()
+    };
+    let snode = Node::with_config(ps.attach(), cfg).with_memserver(mem());
     let cnode = if between_pools {
-        Node::new(pc.attach()).with_memserver(mem())
+        Node::with_config(pc.attach(), cfg).with_memserver(mem())
     } else {
         snode.clone()
     };
@@ -277,7 +283,7 @@ fn contract_with_memory_server(t: Transport, between_pools: bool) {
     assert!(m.requests_of("write") > 0, "no argument was written there");
     // Where both ends use the memory server, its Refs travel; shared-memory
     // rings pass such an argument through the pool.
-    let refs = m.requests_of("create_ref") + m.requests_of("put");
+    let refs = m.requests_of("create_ref") + m.requests_of("put") + m.requests_of("stream_put");
     assert_eq!(
         refs > 0,
         t != Transport::Shm,

@@ -607,8 +607,9 @@ fn network_over(
         pools.push(bp);
     }
     // Each mode's tiers, last first (each needs the next one's address).
-    let mut addrs = vec![vec![String::new(); TIERS]; 2];
-    for (m, mode) in ["ref", "value"].iter().enumerate() {
+    let modes = ["ref", "value", "auto"];
+    let mut addrs = vec![vec![String::new(); TIERS]; modes.len()];
+    for (m, mode) in modes.iter().enumerate() {
         let mut next = "-".to_string();
         for k in (0..TIERS).rev() {
             let port = peers[k].cmd(&format!(
@@ -626,26 +627,32 @@ fn network_over(
     // The memory server's switches count too (by Ref's puts and reads).
     let sw = Switches::of(&peers).and(ms.0.id());
     let link = net.describe();
-    say!("\nnetwork variant over {link}: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline");
+    say!("\nnetwork variant over {link}: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline, auto = learned per call size");
     say!(
-        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
+        "{:>9} {:>6} {:>11} {:>11} {:>11} {:>12} {:>12} {:>12} {:>8} {:>10}",
         "size",
         "tiers",
         "Ref p50 us",
-        "value p50 us",
+        "value p50",
+        "auto p50",
         "Ref calls/s",
         "value calls/s",
-        "ratio"
+        "auto calls/s",
+        "ratio",
+        "auto/best"
     );
     let rows = net.on(0, || {
+        let servers = dm_memserver::MemPool::connect(&[&ms_addr])?;
         let by_ref = Node::with_config(
             cp.pool.clone(),
             Config {
                 inline_max: 0,
+                remote_choice: dm_rpc::RemoteChoice::Threshold,
                 ..Default::default()
             },
         )
-        .with_memserver(dm_memserver::MemPool::connect(&[&ms_addr])?);
+        .with_memserver(servers.clone());
+        let auto = Node::new(cp.pool.clone()).with_memserver(servers);
         let by_value = Node::with_config(
             cp.pool.clone(),
             Config {
@@ -659,7 +666,7 @@ fn network_over(
             let want = super::peer::sum(&[&data]);
             for &t in tiers {
                 let mut res = Vec::new();
-                for (m, node) in [&by_ref, &by_value].into_iter().enumerate() {
+                for (m, node) in [&by_ref, &by_value, &auto].into_iter().enumerate() {
                     let c = node.connect_tcp(&addrs[m][TIERS - t])?;
                     let call = || {
                         check(
@@ -667,16 +674,16 @@ fn network_over(
                             want,
                         )
                     };
-                    res.push(measure(call, 5, budget, &sw)?);
+                    // (Auto learns in its warm-up calls, 16 of them.)
+                    res.push(measure(call, 16, budget, &sw)?);
                 }
-                let mut o = row(size, t, &res, None);
-                o.str("link", &link);
-                rows.push(o);
+                rows.push(net_row(size, t, &link, &res));
             }
         }
         if let Some(m) = by_ref.memserver() {
-            // Releases go without waiting: let the last ones land.
-            std::thread::sleep(Duration::from_millis(50));
+            // Releases go with the next request or the keep-alive ping
+            // (within half a second): let the last ones land.
+            std::thread::sleep(Duration::from_millis(600));
             let u = dm_pool::Dm::usage(m)?;
             if u.refs != 0 {
                 bail!("the chain left {} Refs on the memory server", u.refs);
@@ -686,6 +693,44 @@ fn network_over(
     })?;
     drop(peers);
     Ok(rows)
+}
+
+/// Prints a row of the network variant (by Ref, by value, auto) and
+/// returns it for the results.
+fn net_row(size: usize, tiers: usize, link: &str, res: &[Cell]) -> Obj {
+    super::progress::tick(format!("{} through {tiers} tiers", fmt_size(size as u64)));
+    let (r, v, a) = (res[0], res[1], res[2]);
+    let best = r.per_s.max(v.per_s);
+    say!(
+        "{:>9} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>12.0} {:>12.0} {:>12.0} {:>7.1}x {:>9.2}x",
+        fmt_size(size as u64),
+        tiers,
+        r.p50 / 1e3,
+        v.p50 / 1e3,
+        a.p50 / 1e3,
+        r.per_s,
+        v.per_s,
+        a.per_s,
+        r.per_s / v.per_s,
+        a.per_s / best
+    );
+    let mut o = Obj::default();
+    o.num("size", size as f64);
+    o.str("payload", &fmt_size(size as u64));
+    o.num("tiers", tiers as f64);
+    o.str("link", link);
+    o.num("ref_p50_ns", r.p50);
+    o.num("value_p50_ns", v.p50);
+    o.num("auto_p50_ns", a.p50);
+    o.num("ref_calls_per_s", r.per_s);
+    o.num("value_calls_per_s", v.per_s);
+    o.num("auto_calls_per_s", a.per_s);
+    o.num("ref_over_value_throughput", r.per_s / v.per_s);
+    o.num("auto_over_best_throughput", a.per_s / best);
+    o.num("ref_switches_per_call", r.switches);
+    o.num("value_switches_per_call", v.switches);
+    o.num("auto_switches_per_call", a.switches);
+    o
 }
 
 /// Checks a tier's answer: the checksum of the request.

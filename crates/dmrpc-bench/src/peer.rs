@@ -338,9 +338,19 @@ fn chain_net_tier(
     mode: Option<&str>,
     ms: Option<&str>,
 ) -> Result<dm_rpc::Server> {
-    let mut node = Node::with_config(pool.clone(), super::hosts::node_config(Config::default()));
-    if mode == Some("ref") {
-        let addr = ms.ok_or_else(|| anyhow!("ref mode needs a memory server"))?;
+    // `ref`: by Ref above the threshold; `auto`: the choice learned;
+    // `value`: no memory server.
+    let choice = match mode {
+        Some("auto") => dm_rpc::RemoteChoice::Measured,
+        _ => dm_rpc::RemoteChoice::Threshold,
+    };
+    let cfg = Config {
+        remote_choice: choice,
+        ..Config::default()
+    };
+    let mut node = Node::with_config(pool.clone(), super::hosts::node_config(cfg));
+    if matches!(mode, Some("ref" | "auto")) {
+        let addr = ms.ok_or_else(|| anyhow!("{mode:?} mode needs a memory server"))?;
         node = node.with_memserver(dm_memserver::MemPool::connect(&[addr])?);
     }
     let next = (next != "-").then(|| next.to_owned());

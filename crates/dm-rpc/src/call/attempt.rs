@@ -86,8 +86,32 @@ pub(crate) fn outgoing(
     method: &str,
     payload: Payload,
     opts: CallOptions,
+    meta: Metadata,
+) -> Result<Outgoing, RpcError> {
+    let threshold = node.cfg.threshold();
+    outgoing_at(
+        node,
+        (max_inline, threshold),
+        refs,
+        method,
+        payload,
+        opts,
+        meta,
+    )
+}
+
+/// [`outgoing`], with the threshold given (`limits`: the connection's
+/// cap and the threshold).
+pub(crate) fn outgoing_at(
+    node: &Node,
+    limits: (usize, usize),
+    refs: crate::transport::Sharing,
+    method: &str,
+    payload: Payload,
+    opts: CallOptions,
     mut meta: Metadata,
 ) -> Result<Outgoing, RpcError> {
+    let (max_inline, threshold) = limits;
     // What the call being served passes on (ServerBuilder::propagate_metadata).
     crate::metadata::inherit_into(&mut meta);
     let (deadline, deadline_us) = if opts.deadline.is_none()
@@ -115,7 +139,7 @@ pub(crate) fn outgoing(
     };
     // (The metadata travels in the frame too, within the receiver's limit.)
     let inline_max = meta
-        .inline_room(node.cfg.threshold(), max_inline)
+        .inline_room(threshold, max_inline)
         .map_err(|(len, max)| {
             RpcError::invalid_argument(format!(
                 "metadata of {len} bytes exceeds the limit of {max}"

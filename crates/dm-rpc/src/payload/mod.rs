@@ -46,6 +46,7 @@ use dm_pool::{Buffer, Dm, Pool, Ref};
 use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
+pub(crate) mod choice;
 #[cfg(feature = "memserver")]
 mod remote;
 #[cfg(feature = "memserver")]
@@ -314,6 +315,12 @@ impl Payload {
     /// A copy of the data.
     pub fn to_vec(&self) -> Result<Vec<u8>, RpcError> {
         Ok(self.bytes()?.into_owned())
+    }
+
+    /// Whether these are bytes in memory (whose way, inline or by Ref, is
+    /// still open), not data in the pool or on a memory server.
+    pub(crate) fn is_plain_bytes(&self) -> bool {
+        matches!(self.repr, Repr::Bytes(_))
     }
 
     /// The same data, to pass on in another call without touching it: a

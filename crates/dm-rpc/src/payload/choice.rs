@@ -1,0 +1,212 @@
+//! Inline or by memory-server Ref, between pools: learned per method and
+//! payload size from the calls' own latencies ([`RemoteChoice::Measured`]).
+//!
+//! Which way is faster depends on what happens to a payload after the
+//! call: through one service, inline wins (by Ref the bytes travel twice:
+//! to the memory server and from it); through a chain that forwards it,
+//! by Ref wins (the bytes travel twice, not once per hop). A client
+//! cannot know the chain behind a method, but it sees each call's
+//! latency. So for every method and size class (a power of two) it tries
+//! each way a few times, then takes the faster one, and keeps trying the
+//! other once in [`EXPLORE`] calls to follow changes. A tier that
+//! forwards an inline payload makes the same choice for its own callee.
+//!
+//! [`RemoteChoice::Measured`]: crate::RemoteChoice::Measured
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Below this, payloads go inline whatever was measured: by Ref costs a
+/// round trip to the memory server that so few bytes never pay back.
+pub(crate) const MIN_LEARNED: u64 = 16 << 10;
+/// Size classes: powers of two from [`MIN_LEARNED`] up (the last class
+/// takes everything above).
+const CLASSES: usize = 12;
+/// Calls of each way in a class before the faster is chosen.
+const WARM: u32 = 4;
+/// One call in this many tries the way not chosen. (Tiers that forward
+/// a payload inline each explore too: rarely, so that a chain's calls
+/// seldom take the slow way at some hop.)
+const EXPLORE: u32 = 128;
+/// Latencies kept per way: its estimate is their median, so one slow
+/// call (the first of a connection, a hiccup) does not decide.
+const KEPT: usize = 7;
+
+/// A way a payload travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Way {
+    Inline = 0,
+    ByRef = 1,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Arm {
+    /// The last latencies, in ns (a ring).
+    kept: [f64; KEPT],
+    n: u32,
+}
+
+impl Arm {
+    /// The median of the latencies kept.
+    fn estimate(&self) -> f64 {
+        let k = (self.n as usize).min(KEPT);
+        let mut v = self.kept;
+        let v = &mut v[..k];
+        v.sort_by(f64::total_cmp);
+        v.get(k / 2).copied().unwrap_or(f64::INFINITY)
+    }
+
+    fn add(&mut self, ns: f64) {
+        self.kept[self.n as usize % KEPT] = ns;
+        self.n = self.n.saturating_add(1);
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Class {
+    arms: [Arm; 2],
+    calls: u32,
+}
+
+/// What a connection learned, per method.
+#[derive(Debug, Default)]
+pub(crate) struct Chooser {
+    methods: Mutex<HashMap<String, [Class; CLASSES]>>,
+}
+
+/// The size class of `len` bytes (at least [`MIN_LEARNED`]).
+fn class_of(len: u64) -> usize {
+    let log = 63 - len.max(1).leading_zeros() as usize;
+    log.saturating_sub(MIN_LEARNED.trailing_zeros() as usize)
+        .min(CLASSES - 1)
+}
+
+impl Chooser {
+    /// The way for a payload of `len` bytes of a call of `method`, and
+    /// its class (to [`record`](Self::record) the call's latency under).
+    pub(crate) fn choose(&self, method: &str, len: u64) -> (usize, Way) {
+        let k = class_of(len);
+        let mut m = self.methods.lock().unwrap_or_else(|p| p.into_inner());
+        let t = match m.get_mut(method) {
+            Some(t) => t,
+            None => m.entry(method.to_owned()).or_default(),
+        };
+        let c = &mut t[k];
+        c.calls = c.calls.wrapping_add(1);
+        let [i, r] = c.arms;
+        let way = if i.n < WARM || r.n < WARM {
+            // Warming up: the way tried less.
+            if i.n <= r.n {
+                Way::Inline
+            } else {
+                Way::ByRef
+            }
+        } else {
+            let best = if i.estimate() <= r.estimate() {
+                Way::Inline
+            } else {
+                Way::ByRef
+            };
+            match (c.calls % EXPLORE == 0, best) {
+                (false, b) => b,
+                (true, Way::Inline) => Way::ByRef,
+                (true, Way::ByRef) => Way::Inline,
+            }
+        };
+        (k, way)
+    }
+
+    /// Records that a call of `method` whose payload was in class `k`
+    /// and went `way` took `ns`.
+    pub(crate) fn record(&self, method: &str, k: usize, way: Way, ns: f64) {
+        let mut m = self.methods.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = m.get_mut(method) {
+            t[k.min(CLASSES - 1)].arms[way as usize].add(ns);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_are_powers_of_two_from_the_minimum() {
+        assert_eq!(class_of(16 << 10), 0);
+        assert_eq!(class_of((32 << 10) - 1), 0);
+        assert_eq!(class_of(32 << 10), 1);
+        assert_eq!(class_of(1 << 20), 6);
+        assert_eq!(class_of(1 << 40), CLASSES - 1);
+    }
+
+    /// Feeds `calls` calls whose latency is `cost(way)`: how many went
+    /// each way.
+    fn run(c: &Chooser, len: u64, calls: u32, mut cost: impl FnMut(Way) -> f64) -> [u32; 2] {
+        let mut n = [0u32; 2];
+        for _ in 0..calls {
+            let (k, w) = c.choose("m", len);
+            n[w as usize] += 1;
+            c.record("m", k, w, cost(w));
+        }
+        n
+    }
+
+    #[test]
+    fn the_faster_way_wins_and_the_other_is_still_tried() {
+        let c = Chooser::default();
+        let n = run(&c, 1 << 20, 1000, |w| {
+            if w == Way::ByRef {
+                100.0
+            } else {
+                300.0
+            }
+        });
+        assert!(n[Way::ByRef as usize] > 980, "{n:?}");
+        assert!(n[Way::Inline as usize] >= WARM, "{n:?}");
+        // Another size class learns on its own: there inline is faster.
+        let n = run(&c, 64 << 10, 1000, |w| {
+            if w == Way::Inline {
+                50.0
+            } else {
+                90.0
+            }
+        });
+        assert!(n[Way::Inline as usize] > 980, "{n:?}");
+        // And a change is followed: by Ref gets slower at 1 MiB.
+        let n = run(&c, 1 << 20, 3000, |w| {
+            if w == Way::ByRef {
+                500.0
+            } else {
+                300.0
+            }
+        });
+        assert!(n[Way::Inline as usize] > 2700, "{n:?}");
+    }
+
+    #[test]
+    fn one_slow_call_does_not_decide() {
+        let c = Chooser::default();
+        // The first call by Ref is very slow (a connection's first), the
+        // rest fast: by Ref still wins at once.
+        let mut first = true;
+        let n = run(&c, 1 << 20, 200, |w| match w {
+            Way::ByRef if std::mem::take(&mut first) => 1e9,
+            Way::ByRef => 100.0,
+            Way::Inline => 300.0,
+        });
+        assert_eq!(n[Way::Inline as usize], WARM + 1, "{n:?}");
+    }
+
+    #[test]
+    fn methods_learn_apart() {
+        let c = Chooser::default();
+        for _ in 0..200 {
+            let (k, w) = c.choose("a", 1 << 20);
+            c.record("a", k, w, if w == Way::ByRef { 1.0 } else { 2.0 });
+            let (k, w) = c.choose("b", 1 << 20);
+            c.record("b", k, w, if w == Way::Inline { 1.0 } else { 2.0 });
+        }
+        assert_eq!(c.choose("a", 1 << 20).1, Way::ByRef);
+        assert_eq!(c.choose("b", 1 << 20).1, Way::Inline);
+    }
+}
