@@ -68,8 +68,9 @@ pub struct BlockingConn {
     max_inline: usize,
     refs: crate::transport::Sharing,
     goaway: Arc<dyn crate::transport::GoAway>,
-    /// Inline or by memory-server Ref, learned ([`crate::RemoteChoice`]).
-    choice: Chooser,
+    /// Inline or by memory-server Ref, learned ([`crate::RemoteChoice`]),
+    /// with the node's other clients of this service.
+    choice: Arc<Chooser>,
 }
 
 impl std::fmt::Debug for BlockingConn {
@@ -157,6 +158,7 @@ fn list_under<T>(list: &mut Vec<(u64, T)>, old: u64, new: u64, fresh: impl FnOnc
 
 impl Connected for BlockingConn {
     fn open(node: Node, name: &str, conn: Connection) -> BlockingConn {
+        let choice = node.choices.of(name);
         BlockingConn {
             node,
             name: name.to_owned(),
@@ -169,7 +171,7 @@ impl Connected for BlockingConn {
             max_inline: conn.max_inline,
             refs: conn.refs,
             goaway: conn.goaway,
-            choice: Chooser::default(),
+            choice,
         }
     }
 

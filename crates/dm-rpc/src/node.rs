@@ -176,6 +176,9 @@ pub struct Node {
     pub(crate) registry: Arc<dyn Registry>,
     #[cfg(feature = "memserver")]
     pub(crate) remote: Option<MemPool>,
+    /// What its blocking clients learned of inline or by memory-server
+    /// Ref, per service (shared by the clones of this node).
+    pub(crate) choices: Arc<crate::payload::choice::Choices>,
 }
 
 /// What a lookup found, or, if it failed while the name is bound in this
@@ -195,6 +198,7 @@ impl Node {
             registry,
             #[cfg(feature = "memserver")]
             remote: None,
+            choices: Arc::default(),
         }
     }
 

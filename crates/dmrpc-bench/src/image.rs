@@ -46,7 +46,7 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
     let [role, name, mode, next, key, ms] = words else {
         bail!("usage: image ROLE NAME MODE NEXT KEY MS");
     };
-    let tcp = matches!(*mode, "memserver" | "tcp-value");
+    let tcp = matches!(*mode, "memserver" | "tcp-value" | "auto");
     let links: Vec<Link> = next
         .split(',')
         .filter(|n| *n != "-")
@@ -97,10 +97,15 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
             } else {
                 dm_rpc::DEFAULT_INLINE_MAX
             },
+            remote_choice: if *mode == "auto" {
+                dm_rpc::RemoteChoice::Measured
+            } else {
+                dm_rpc::RemoteChoice::Threshold
+            },
             ..Default::default()
         }),
     );
-    if *mode == "memserver" {
+    if matches!(*mode, "memserver" | "auto") {
         node = node.with_memserver(dm_memserver::MemPool::connect(&[*ms])?);
     }
     let t = if tcp {
@@ -131,7 +136,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     };
     let budget = Duration::from_millis(if a.quick { 250 } else { 2000 });
     let links = super::hosts::links(a);
-    super::progress::start("image", (sizes.len() * (2 + 2 * links.len())) as u64);
+    super::progress::start("image", (sizes.len() * (2 + 3 * links.len())) as u64);
     let id = std::process::id();
     let mut key: Key = [0; 32];
     for c in key.chunks_mut(8) {
@@ -288,7 +293,7 @@ fn network(
     let mut pools = Vec::new();
     let mut peers = Vec::new();
     let mut entry = std::collections::HashMap::new();
-    for mode in ["memserver", "tcp-value"] {
+    for mode in ["memserver", "tcp-value", "auto"] {
         let mut addrs = std::collections::HashMap::new();
         for (i, role) in ROLES.iter().enumerate() {
             if peers.len() <= i {
@@ -307,7 +312,7 @@ fn network(
     }
     let client_pool = BenchPool::create("image-client", small())?;
     let link = net.describe();
-    say!("\nover {link}: a pool per tier, TCP between them; memserver = by memory-server Ref, tcp-value = inline");
+    say!("\nover {link}: a pool per tier, TCP between them; memserver = by memory-server Ref, tcp-value = inline, auto = learned");
     header();
     let cfg = net.client_config();
     let (rows, ratios) = net.on(0, || {
@@ -318,15 +323,23 @@ fn network(
             let ppm = app::generate(size, size as u64);
             let want = app::expected(&ppm, THUMB)?;
             let mut per_s = std::collections::HashMap::new();
-            for mode in ["memserver", "tcp-value"] {
+            for mode in ["memserver", "tcp-value", "auto"] {
                 let n = Node::with_config(
                     client_pool.pool.clone(),
-                    Config {
-                        inline_max: if mode == "memserver" { 0 } else { usize::MAX },
-                        ..Default::default()
+                    match mode {
+                        "memserver" => Config {
+                            inline_max: 0,
+                            remote_choice: dm_rpc::RemoteChoice::Threshold,
+                            ..Default::default()
+                        },
+                        "auto" => Config::default(),
+                        _ => Config {
+                            inline_max: usize::MAX,
+                            ..Default::default()
+                        },
                     },
                 );
-                let node = if mode == "memserver" {
+                let node = if mode != "tcp-value" {
                     n.with_memserver(ms_client.clone())
                 } else {
                     n
@@ -345,8 +358,9 @@ fn network(
                 rows.push(o);
             }
             let ratio = per_s["memserver"] / per_s["tcp-value"];
+            let auto = per_s["auto"] / per_s["memserver"].max(per_s["tcp-value"]);
             say!(
-                "{:>9}   throughput by Ref / by value over memory servers: {ratio:.1}x",
+                "{:>9}   throughput by Ref / by value over memory servers: {ratio:.1}x; auto / the better: {auto:.2}x",
                 fmt_size(size as u64),
             );
             let mut o = Obj::default();
@@ -354,6 +368,7 @@ fn network(
             o.str("image", &fmt_size(size as u64));
             o.str("link", &link);
             o.num("memserver_over_tcp_value_throughput", ratio);
+            o.num("auto_over_best_throughput", auto);
             ratios.push(o);
         }
         // Releases go with the next request: let the last ones go.
@@ -425,7 +440,10 @@ impl Cell<'_> {
     /// seconds.
     fn run(&self, budget: Duration) -> Result<(usize, Vec<f64>, f64)> {
         let warm = self.connect()?;
-        for _ in 0..3 {
+        // (A learning client, and the tiers behind it, try both ways in
+        // their first calls.)
+        let warm_calls = if self.mode == "auto" { 24 } else { 3 };
+        for _ in 0..warm_calls {
             self.check(&warm.call(app::METHOD, self.request()?)?)?;
         }
         // Connected before the clock starts: a first connection to a

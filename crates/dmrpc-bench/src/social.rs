@@ -35,10 +35,17 @@ const CLIENTS: usize = 2;
 /// Threads of the open-loop generator (requests in flight at most).
 const OPEN_THREADS: usize = 4;
 const MODES: [&str; 2] = ["ref", "value"];
+/// The modes between pools: posts by memory-server Ref, everything
+/// inline, the way learned.
+const MODES_NET: [&str; 3] = ["memserver", "tcp-value", "auto"];
 /// Offered loads, as fractions of by value's closed-loop throughput.
 const LOADS: [f64; 5] = [0.25, 0.5, 0.75, 1.0, 1.5];
 
 fn config(mode: &str) -> Config {
+    if mode == "auto" {
+        // Inline or by Ref learned per method and size.
+        return Config::default();
+    }
     Config {
         inline_max: match mode {
             "ref" => 0,
@@ -46,6 +53,7 @@ fn config(mode: &str) -> Config {
             "memserver" => 4 << 10,
             _ => usize::MAX,
         },
+        remote_choice: dm_rpc::RemoteChoice::Threshold,
         ..Default::default()
     }
 }
@@ -67,7 +75,7 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
         _ => bail!("usage: social ROLE MODE ID [ADDRS MS]"),
     };
     let id: u32 = id.parse()?;
-    let tcp = matches!(mode, "memserver" | "tcp-value");
+    let tcp = matches!(mode, "memserver" | "tcp-value" | "auto");
     let mut node = Node::with_config(pool.clone(), super::hosts::node_config(config(mode)));
     if ms != "-" {
         node = node.with_memserver(dm_memserver::MemPool::connect(&[ms])?);
@@ -288,7 +296,7 @@ fn network(
     let mut pools = Vec::new();
     let mut peers = Vec::new();
     let mut entry = std::collections::HashMap::new();
-    for mode in ["memserver", "tcp-value"] {
+    for mode in MODES_NET {
         let mut addrs: Vec<String> = Vec::new();
         for (i, role) in roles.iter().enumerate() {
             if peers.len() <= i {
@@ -296,10 +304,10 @@ fn network(
                 peers.push(net.peer(2 + i, &bp.path)?);
                 pools.push(bp);
             }
-            let ms = if mode == "memserver" {
-                ms_addr.as_str()
-            } else {
+            let ms = if mode == "tcp-value" {
                 "-"
+            } else {
+                ms_addr.as_str()
             };
             let known = if addrs.is_empty() {
                 "-".to_owned()
@@ -315,16 +323,16 @@ fn network(
     }
     let client_pool = BenchPool::create("social-client", small())?;
     let link = net.describe();
-    say!("\nover {link}: a pool per service, TCP between them; memserver = posts by memory-server Ref, tcp-value = inline");
+    say!("\nover {link}: a pool per service, TCP between them; memserver = posts by memory-server Ref, tcp-value = inline, auto = learned");
     header();
     let cfg = net.client_config();
     let out = net.on(0, || {
         let ms_client = dm_memserver::MemPool::connect_with(&[&ms_addr], cfg)?;
         let mut rows = Vec::new();
         let mut res = std::collections::HashMap::new();
-        for mode in ["memserver", "tcp-value"] {
+        for mode in MODES_NET {
             let n = Node::with_config(client_pool.pool.clone(), config(mode));
-            let node = if mode == "memserver" {
+            let node = if mode != "tcp-value" {
                 n.with_memserver(ms_client.clone())
             } else {
                 n
@@ -344,8 +352,10 @@ fn network(
             res["memserver"].0 / res["tcp-value"].0,
             res["tcp-value"].1 / res["memserver"].1,
         );
-        say!("by memory-server Ref / by value over {link}: {tput:.1}x the throughput, {lat:.1}x lower average latency (DmRPC-net: 3.1x and 2.5x)");
+        let auto = res["auto"].0 / res["memserver"].0.max(res["tcp-value"].0);
+        say!("by memory-server Ref / by value over {link}: {tput:.1}x the throughput, {lat:.1}x lower average latency (DmRPC-net: 3.1x and 2.5x); auto / the better: {auto:.2}x");
         let mut q = Obj::default();
+        q.num("auto_over_best_throughput", auto);
         q.str("link", &link);
         q.num("memserver_over_tcp_value_throughput", tput);
         q.num("tcp_value_over_memserver_avg_latency", lat);
@@ -379,7 +389,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let links = super::hosts::links(a);
     super::progress::start(
         "social",
-        (MODES.len() * (1 + loads.len()) + 2 * links.len()) as u64,
+        (MODES.len() * (1 + loads.len()) + MODES_NET.len() * links.len()) as u64,
     );
     let id = std::process::id();
     let bp = BenchPool::create(

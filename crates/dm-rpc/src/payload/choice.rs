@@ -10,11 +10,13 @@
 //! each way a few times, then takes the faster one, and keeps trying the
 //! other once in [`EXPLORE`] calls to follow changes. A tier that
 //! forwards an inline payload makes the same choice for its own callee.
+//! What one client learned, the node's other clients of the same service
+//! use ([`Choices`]).
 //!
 //! [`RemoteChoice::Measured`]: crate::RemoteChoice::Measured
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Below this, payloads go inline whatever was measured: by Ref costs a
 /// round trip to the memory server that so few bytes never pay back.
@@ -72,6 +74,20 @@ struct Class {
 #[derive(Debug, Default)]
 pub(crate) struct Chooser {
     methods: Mutex<HashMap<String, [Class; CLASSES]>>,
+}
+
+/// What a node's clients learned, per service they call (by the name or
+/// address they dialled): a client connected anew starts from what the
+/// others found.
+#[derive(Debug, Default)]
+pub(crate) struct Choices(Mutex<HashMap<String, Arc<Chooser>>>);
+
+impl Choices {
+    /// The chooser of calls to `target`.
+    pub(crate) fn of(&self, target: &str) -> Arc<Chooser> {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(target.to_owned()).or_default().clone()
+    }
 }
 
 /// The size class of `len` bytes (at least [`MIN_LEARNED`]).
