@@ -24,6 +24,15 @@ fn node_with(tp: &TempPool, ms: &[&MemServer], choice: RemoteChoice) -> Node {
     Node::with_config(tp.attach(), cfg).with_memserver(MemPool::connect(&addrs).unwrap())
 }
 
+/// A memory server of 64 MiB in this process.
+fn mem_server() -> MemServer {
+    MemServer::start(MsConfig {
+        size: 64 << 20,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
 fn sum(p: &Payload) -> u64 {
     p.segments()
         .unwrap()
@@ -56,11 +65,7 @@ fn settled(ms: &MemServer) {
 
 #[test]
 fn large_payloads_travel_as_memory_server_refs_and_are_released() {
-    let ms = MemServer::start(MsConfig {
-        size: 64 << 20,
-        ..Default::default()
-    })
-    .unwrap();
+    let ms = mem_server();
     let (pa, pb, pc) = (
         TempPool::new(16 << 20),
         TempPool::new(16 << 20),
@@ -163,11 +168,7 @@ fn a_peer_without_the_memory_servers_gets_values() {
 
 #[test]
 fn reading_part_of_a_remote_payload_fetches_that_part() {
-    let ms = MemServer::start(MsConfig {
-        size: 64 << 20,
-        ..Default::default()
-    })
-    .unwrap();
+    let ms = mem_server();
     let (pa, pb) = (TempPool::new(16 << 20), TempPool::new(16 << 20));
     // A tier that reads 8 bytes at the offset the payload's first 8 bytes
     // name (a header, then a field it points to), and a range past the end.
@@ -257,11 +258,7 @@ fn a_memory_server_ref_with_a_forged_length_is_refused_on_arrival() {
 /// store does: each answer a Ref of the kept buffer.
 #[test]
 fn kept_remote_data_is_answered_by_ref_many_times() {
-    let ms = MemServer::start(MsConfig {
-        size: 64 << 20,
-        ..Default::default()
-    })
-    .unwrap();
+    let ms = mem_server();
     let (pa, pb) = (TempPool::new(16 << 20), TempPool::new(16 << 20));
     let nb = node(&pb, &[&ms]);
     let kept = std::sync::Arc::new(std::sync::Mutex::new(None::<Payload>));
@@ -345,11 +342,7 @@ fn kept_remote_data_is_answered_by_ref_many_times() {
 /// went. (Here by Ref is made slow: the service sleeps on it.)
 #[test]
 fn a_learning_client_tries_both_ways_and_settles_on_the_faster() {
-    let ms = MemServer::start(MsConfig {
-        size: 64 << 20,
-        ..Default::default()
-    })
-    .unwrap();
+    let ms = mem_server();
     let (pa, pb) = (TempPool::new(16 << 20), TempPool::new(16 << 20));
     let nb = node(&pb, &[&ms]);
     let sb = nb
