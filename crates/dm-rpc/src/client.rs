@@ -26,6 +26,7 @@ use crate::call::attempt::{
 };
 use crate::call::failover::{Failover, Link, Next};
 use crate::call::options::{CallOptions, Reply};
+use crate::choice::{Chooser, Way};
 use crate::dial::Target;
 use crate::error::RpcError;
 use crate::frame::{Frame, Kind, Status};
@@ -33,7 +34,6 @@ use crate::handle::ClientOf;
 use crate::handoff::{Half, Held};
 use crate::metadata::Metadata;
 use crate::node::Node;
-use crate::payload::choice::{Chooser, Way};
 use crate::payload::Payload;
 use crate::reconnect::{Connected, Redial};
 use crate::sender::{send_holding_rx, send_unheld, Out, Sender};
@@ -474,7 +474,7 @@ impl BlockingConn {
             && self.refs.remote
             && !self.refs.pool
             && payload.is_plain_bytes()
-            && len >= crate::payload::choice::MIN_LEARNED
+            && len >= crate::choice::MIN_LEARNED
             && len <= self.max_inline as u64;
         open.then(|| self.choice.choose(method, len))
     }

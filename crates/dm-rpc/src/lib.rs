@@ -76,6 +76,8 @@ mod async_client;
 pub mod balance;
 #[cfg(not(loom))]
 mod call;
+/// Inline or by memory-server Ref, learned from the calls' latencies.
+mod choice;
 #[cfg(not(loom))]
 mod client;
 #[cfg(not(loom))]

@@ -178,7 +178,7 @@ pub struct Node {
     pub(crate) remote: Option<MemPool>,
     /// What its blocking clients learned of inline or by memory-server
     /// Ref, per service (shared by the clones of this node).
-    pub(crate) choices: Arc<crate::payload::choice::Choices>,
+    pub(crate) choices: Arc<crate::choice::Choices>,
 }
 
 /// What a lookup found, or, if it failed while the name is bound in this

@@ -5,31 +5,14 @@
 //! A benchmark asks a [`Net`] for its peers, its memory server and a
 //! thread for its client, by host index; on loopback every index is the
 //! same machine. A peer learns the address to listen on from
-//! `DMRPC_BENCH_LISTEN` ([`listen_ip`]).
+//! `DMRPC_BENCH_LISTEN` (`net::listen_ip`).
 
-use super::net::{start_memserver_cmd, Proc};
+use super::net::{start_memserver_cmd, Proc, LISTEN_ENV};
 use super::peer::Peer;
 use anyhow::{Context, Result};
 use dm_netns::{Hosts, Link};
 use std::path::Path;
 use std::process::Command;
-
-/// The environment variable that tells a peer where to listen.
-const LISTEN_ENV: &str = "DMRPC_BENCH_LISTEN";
-
-/// The address a peer's TCP servers listen on: its host's, or loopback.
-pub fn listen_ip() -> String {
-    std::env::var(LISTEN_ENV).unwrap_or_else(|_| "127.0.0.1".into())
-}
-
-/// A peer's node config for its host: serving without a key beyond
-/// loopback (the benchmark's hosts are its own).
-pub fn node_config(cfg: dm_rpc::Config) -> dm_rpc::Config {
-    dm_rpc::Config {
-        tcp_open: listen_ip() != "127.0.0.1",
-        ..cfg
-    }
-}
 
 /// The links the network variants run over (`--links`): `loopback`, or
 /// a rate as `tc` writes it (`10gbit`).

@@ -91,7 +91,7 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
     };
     let mut node = Node::with_config(
         pool.clone(),
-        super::hosts::node_config(Config {
+        super::net::node_config(Config {
             inline_max: if mode.ends_with("value") {
                 usize::MAX
             } else {
@@ -109,7 +109,7 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
         node = node.with_memserver(dm_memserver::MemPool::connect(&[*ms])?);
     }
     let t = if tcp {
-        Transport::Tcp(format!("{}:0", super::hosts::listen_ip()))
+        Transport::Tcp(format!("{}:0", super::net::listen_ip()))
     } else {
         Transport::Shm
     };

@@ -348,7 +348,7 @@ fn chain_net_tier(
         remote_choice: choice,
         ..Config::default()
     };
-    let mut node = Node::with_config(pool.clone(), super::hosts::node_config(cfg));
+    let mut node = Node::with_config(pool.clone(), super::net::node_config(cfg));
     if matches!(mode, Some("ref" | "auto")) {
         let addr = ms.ok_or_else(|| anyhow!("{mode:?} mode needs a memory server"))?;
         node = node.with_memserver(dm_memserver::MemPool::connect(&[addr])?);
@@ -356,7 +356,7 @@ fn chain_net_tier(
     let next = (next != "-").then(|| next.to_owned());
     Ok(node
         .server(name)
-        .transport(Transport::Tcp(format!("{}:0", super::hosts::listen_ip())))
+        .transport(Transport::Tcp(format!("{}:0", super::net::listen_ip())))
         .method("go", tier(node.clone(), next, true))
         .spawn()?)
 }

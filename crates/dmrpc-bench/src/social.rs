@@ -76,7 +76,7 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
     };
     let id: u32 = id.parse()?;
     let tcp = matches!(mode, "memserver" | "tcp-value" | "auto");
-    let mut node = Node::with_config(pool.clone(), super::hosts::node_config(config(mode)));
+    let mut node = Node::with_config(pool.clone(), super::net::node_config(config(mode)));
     if ms != "-" {
         node = node.with_memserver(dm_memserver::MemPool::connect(&[ms])?);
     }
@@ -99,7 +99,7 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
         .find(|(n, _)| *n == role)
         .ok_or_else(|| anyhow!("unknown role {role:?}"))?;
     let t = if tcp {
-        Transport::Tcp(format!("{}:0", super::hosts::listen_ip()))
+        Transport::Tcp(format!("{}:0", super::net::listen_ip()))
     } else {
         Transport::Shm
     };

@@ -46,7 +46,6 @@ use dm_pool::{Buffer, Dm, Pool, Ref};
 use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
-pub(crate) mod choice;
 #[cfg(feature = "memserver")]
 mod remote;
 #[cfg(feature = "memserver")]
