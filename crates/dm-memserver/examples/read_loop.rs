@@ -1,7 +1,9 @@
-//! 4 KiB reads of one buffer in a loop against a memory server in this
+//! Reads of one buffer in a loop against a memory server in this
 //! process, for profiling a request's round trip (`perf record -a --
-//! target/release/examples/read_loop 200000`; env SPIN_US: both sides'
-//! busy-poll budget).
+//! target/release/examples/read_loop 200000`). Env `SPIN_US`: both
+//! sides' busy-poll budget; `SIZE`: bytes per read (4096); `REF=1`:
+//! read a Ref of the buffer (`read_ref`) instead of the buffer;
+//! `WRITE=1`: write the buffer instead of reading it.
 #![allow(clippy::unwrap_used)]
 
 use dm_memserver::{ClientConfig, Config, MemPool, Server};
@@ -26,22 +28,45 @@ fn main() {
         &[s.addr().to_string()],
         ClientConfig {
             spin,
+            // Every read crosses to the server.
+            cache_bytes: 0,
             ..Default::default()
         },
     )
     .unwrap();
-    let mut b = p.alloc(4096).unwrap();
-    b.write(0, &[7u8; 4096]).unwrap();
-    let mut out = vec![0u8; 4096];
+    let size: usize = std::env::var("SIZE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4096);
+    let by_ref = std::env::var_os("REF").is_some();
+    let write = std::env::var_os("WRITE").is_some();
+    let mut b = p.alloc(size as u64).unwrap();
+    b.write(0, &vec![7u8; size]).unwrap();
+    let r = p.create_ref(&b, 0, size as u64).unwrap();
+    let mut out = vec![7u8; size];
     let mut v = Vec::with_capacity(n);
     for _ in 0..n {
         let t = Instant::now();
-        b.read(0, &mut out).unwrap();
+        if write {
+            b.write(0, &out).unwrap();
+        } else if by_ref {
+            p.read_ref(&r, 0, &mut out).unwrap();
+        } else {
+            b.read(0, &mut out).unwrap();
+        }
         v.push(t.elapsed().as_nanos() as u64);
     }
+    b.read(0, &mut out).unwrap();
+    assert!(out.iter().all(|&x| x == 7));
+    p.release_ref(&r).unwrap();
     v.sort_unstable();
     println!(
-        "4 KiB reads: p50 {:.1} us, p99 {:.1} us, avg {:.1} us",
+        "{size} B {}: p50 {:.1} us, p99 {:.1} us, avg {:.1} us",
+        match (write, by_ref) {
+            (true, _) => "writes",
+            (false, true) => "reads of a Ref",
+            (false, false) => "reads",
+        },
         v[n / 2] as f64 / 1e3,
         v[n * 99 / 100] as f64 / 1e3,
         v.iter().sum::<u64>() as f64 / n as f64 / 1e3

@@ -140,17 +140,139 @@ struct Rx {
     end: usize,
     /// The busy-poll before a blocking read.
     spin: Spin,
+    /// Why the stream broke in the middle of a body received in place.
+    broken: Option<String>,
+}
+
+/// Bytes before an answer's body: the length prefix and the header.
+const ANSWER_HEAD: usize = 4 + proto::HEADER;
+
+/// Answers at least this long are received straight into the caller's
+/// buffer when the caller reads them itself. Below it the extra read of
+/// the header costs more than the copy it saves.
+const IN_PLACE_MIN: usize = 16 << 10;
+
+/// What [`Rx::frame_with`] found.
+enum Next<T> {
+    /// A whole frame, handed to the callback.
+    Frame(T),
+    /// The head of the success answer awaited in place, its body still
+    /// arriving.
+    Arriving,
+}
+
+/// An answer as a caller waiting for it gets it.
+enum Got<'a> {
+    /// Decoded, where it lies.
+    Frame(Result<&'a [u8]>),
+    /// A success answer whose body is still arriving: exactly the length
+    /// the caller asked to receive in place.
+    Arriving(Arriving<'a>),
+}
+
+/// The rest of an answer's body, to be received into a caller's buffer.
+struct Arriving<'a> {
+    rx: &'a mut Rx,
+    deadline: Instant,
+}
+
+impl Got<'_> {
+    /// The answer's body, owned.
+    fn into_vec(self) -> Result<Vec<u8>> {
+        match self {
+            Got::Frame(a) => a.map(<[u8]>::to_vec),
+            Got::Arriving(a) => {
+                let mut v = vec![0u8; a.len()];
+                a.receive(&mut v)?;
+                Ok(v)
+            }
+        }
+    }
+
+    /// Puts the answer's body into `out`, which it must fill exactly.
+    fn fill(self, out: &mut [u8]) -> Result<()> {
+        match self {
+            Got::Frame(a) => {
+                let b = a?;
+                if b.len() != out.len() {
+                    return Err(Error::Protocol(format!(
+                        "a read of {} bytes answered {}",
+                        out.len(),
+                        b.len()
+                    )));
+                }
+                out.copy_from_slice(b);
+                Ok(())
+            }
+            Got::Arriving(a) if a.len() == out.len() => a.receive(out),
+            Got::Arriving(a) => Err(Error::Protocol(format!(
+                "a read of {} bytes answered {}",
+                out.len(),
+                a.len()
+            ))),
+        }
+    }
+}
+
+impl Arriving<'_> {
+    /// The body's length.
+    fn len(&self) -> usize {
+        let h = &self.rx.buf[self.rx.start..self.rx.start + 4];
+        u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize - proto::HEADER
+    }
+
+    /// Receives the body into `out` (of its length): the part already
+    /// buffered is copied, the rest read from the socket straight into
+    /// `out`. A stream that breaks or stalls past the deadline midway is
+    /// recorded in `rx.broken`: the connection cannot go on.
+    fn receive(self, out: &mut [u8]) -> Result<()> {
+        let rx = self.rx;
+        let body = &rx.buf[rx.start + ANSWER_HEAD..rx.end];
+        let mut at = body.len();
+        out[..at].copy_from_slice(body);
+        (rx.start, rx.end) = (0, 0);
+        while at < out.len() {
+            let s = &mut rx.s;
+            let r = rx.spin.read(s.as_raw_fd(), &mut out[at..], |to| s.read(to));
+            let why = match r {
+                Ok(0) => "connection closed by the server".to_owned(),
+                Ok(k) => {
+                    at += k;
+                    continue;
+                }
+                Err(e) if no_bytes_yet(&e) && Instant::now() < self.deadline => continue,
+                Err(e) if no_bytes_yet(&e) => "an answer stopped midway".to_owned(),
+                Err(e) => format!("connection lost ({e})"),
+            };
+            rx.broken = Some(why.clone());
+            return Err(Error::Unavailable(why));
+        }
+        Ok(())
+    }
+}
+
+/// Whether a read failed only for want of bytes within its slice.
+fn no_bytes_yet(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock
+            | std::io::ErrorKind::TimedOut
+            | std::io::ErrorKind::Interrupted
+    )
 }
 
 impl Rx {
     /// The next answer frame, handed to `f` as its id and its body where
     /// it lies in the receive buffer (no copy): `Ok(None)` if none arrived
     /// within a read slice (partial bytes are kept), an error if the
-    /// connection broke.
+    /// connection broke. With `in_place` (an id and a body length), the
+    /// head of that success answer with that body length is reported as
+    /// [`Next::Arriving`] as soon as it is here, unless the whole frame is.
     fn frame_with<T>(
         &mut self,
+        in_place: Option<(u64, usize)>,
         f: impl FnOnce(u64, Result<&[u8]>) -> T,
-    ) -> std::result::Result<Option<T>, String> {
+    ) -> std::result::Result<Option<Next<T>>, String> {
         loop {
             let have = &self.buf[self.start..self.end];
             let mut need = 4;
@@ -168,9 +290,23 @@ impl Rx {
                     if self.start == self.end {
                         (self.start, self.end) = (0, 0);
                     }
-                    return Ok(Some(t));
+                    return Ok(Some(Next::Frame(t)));
+                }
+                if let Some((want, len)) = in_place {
+                    if have.len() >= ANSWER_HEAD {
+                        let head = have[4..ANSWER_HEAD]
+                            .try_into()
+                            .unwrap_or([0; proto::HEADER]);
+                        if n == proto::HEADER + len && proto::success_id(&head) == Some(want) {
+                            return Ok(Some(Next::Arriving));
+                        }
+                    }
                 }
             }
+            // The answer awaited in place: read only up to its head, so that
+            // its body lands in the caller's buffer.
+            let head_only =
+                in_place.is_some_and(|(_, len)| len >= IN_PLACE_MIN) && have.len() < ANSWER_HEAD;
             // Room for the rest of this frame and a good read.
             if self.buf.len() - self.start < need.max(64 << 10) {
                 self.buf.copy_within(self.start..self.end, 0);
@@ -179,23 +315,19 @@ impl Rx {
                     self.buf.resize(need.max(256 << 10), 0);
                 }
             }
+            let to = if head_only {
+                self.start + ANSWER_HEAD
+            } else {
+                self.buf.len()
+            };
             let s = &mut self.s;
             let r = self
                 .spin
-                .read(s.as_raw_fd(), &mut self.buf[self.end..], |to| s.read(to));
+                .read(s.as_raw_fd(), &mut self.buf[self.end..to], |to| s.read(to));
             match r {
                 Ok(0) => return Err("connection closed by the server".into()),
                 Ok(k) => self.end += k,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock
-                            | std::io::ErrorKind::TimedOut
-                            | std::io::ErrorKind::Interrupted
-                    ) =>
-                {
-                    return Ok(None)
-                }
+                Err(e) if no_bytes_yet(&e) => return Ok(None),
                 Err(e) => return Err(format!("connection lost ({e})")),
             }
         }
@@ -226,6 +358,7 @@ impl Conn {
                 start: 0,
                 end: 0,
                 spin: Spin::new(cfg.spin),
+                broken: None,
             }),
             state: Mutex::new(Pending::default()),
             cv: Condvar::new(),
@@ -335,14 +468,15 @@ impl Conn {
         };
         let deadline = Instant::now() + timeout;
         ids.into_iter()
-            .map(|id| self.wait_with(id, deadline, |a| a.map(<[u8]>::to_vec)))
+            .map(|id| self.wait_with(id, deadline, 0, |g| g.into_vec()))
             .collect()
     }
 
-    /// Sends reads `reqs` back to back and copies each answer straight from
-    /// the receive buffer into its part of `outs` (one per request, of the
-    /// length it reads), when this caller reads it itself (the usual case:
-    /// an answer another caller read comes through a vector).
+    /// Sends reads `reqs` back to back and receives each answer into its
+    /// part of `outs` (one per request, of the length it reads): from the
+    /// socket straight into it when this caller reads the answer itself
+    /// (the usual case: an answer another caller read comes through a
+    /// vector).
     fn read_into(&self, reqs: &[Request], outs: Vec<&mut [u8]>, timeout: Duration) -> Result<()> {
         debug_assert_eq!(reqs.len(), outs.len(), "one buffer per read");
         let ids = self.send_many(reqs).map_err(|why| self.unavailable(&why))?;
@@ -350,18 +484,7 @@ impl Conn {
         let mut first = None;
         // Every answer is waited for, even after an error.
         for (id, out) in ids.into_iter().zip(outs) {
-            let r = self.wait_with(id, deadline, |a| {
-                let b = a?;
-                if b.len() != out.len() {
-                    return Err(Error::Protocol(format!(
-                        "a read of {} bytes answered {}",
-                        out.len(),
-                        b.len()
-                    )));
-                }
-                out.copy_from_slice(b);
-                Ok(())
-            });
+            let r = self.wait_with(id, deadline, out.len(), |g| g.fill(out));
             if let Err(e) = r {
                 first.get_or_insert(e);
             }
@@ -416,12 +539,15 @@ impl Conn {
 
     /// Waits for the answer to `id`, reading as the leader when nobody is,
     /// and hands it to `take` (from the receive buffer when this caller
-    /// reads it, else from the vector the reader left).
+    /// reads it, else from the vector the reader left). A success answer
+    /// with a body of `in_place` bytes (non-zero) may be handed over as
+    /// [`Got::Arriving`], to be received where `take` puts it.
     fn wait_with<T>(
         &self,
         id: u64,
         deadline: Instant,
-        mut take: impl FnMut(Result<&[u8]>) -> Result<T>,
+        in_place: usize,
+        mut take: impl FnMut(Got<'_>) -> Result<T>,
     ) -> Result<T> {
         let mut st = lock(&self.state);
         loop {
@@ -429,8 +555,8 @@ impl Conn {
                 st.waiting.remove(&id);
                 drop(st);
                 return match a {
-                    Ok(v) => take(Ok(&v)),
-                    Err(e) => take(Err(e)),
+                    Ok(v) => take(Got::Frame(Ok(&v))),
+                    Err(e) => take(Got::Frame(Err(e))),
                 };
             }
             if let Some(why) = &st.dead {
@@ -456,7 +582,7 @@ impl Conn {
             // Lead: read until our answer comes (or the connection breaks).
             st.leader = true;
             drop(st);
-            let got = self.lead(id, deadline, &mut take);
+            let got = self.lead(id, deadline, in_place, &mut take);
             st = lock(&self.state);
             st.leader = false;
             match got {
@@ -487,13 +613,15 @@ impl Conn {
         &self,
         id: u64,
         deadline: Instant,
-        take: &mut impl FnMut(Result<&[u8]>) -> Result<T>,
+        in_place: usize,
+        take: &mut impl FnMut(Got<'_>) -> Result<T>,
     ) -> std::result::Result<Option<Result<T>>, String> {
         let mut rx = lock(&self.rx);
+        let in_place = (in_place > 0).then_some((id, in_place));
         loop {
-            let got = rx.frame_with(|aid, a| {
+            let got = rx.frame_with(in_place, |aid, a| {
                 if aid == id {
-                    return Some(take(a));
+                    return Some(take(Got::Frame(a)));
                 }
                 let mut st = lock(&self.state);
                 if st.waiting.contains(&aid) {
@@ -503,8 +631,18 @@ impl Conn {
                 None
             })?;
             match got {
-                Some(Some(r)) => return Ok(Some(r)),
-                Some(None) => {}
+                Some(Next::Frame(Some(r))) => return Ok(Some(r)),
+                Some(Next::Frame(None)) => {}
+                Some(Next::Arriving) => {
+                    let r = take(Got::Arriving(Arriving {
+                        rx: &mut rx,
+                        deadline,
+                    }));
+                    return match rx.broken.take() {
+                        Some(why) => Err(why),
+                        None => Ok(Some(r)),
+                    };
+                }
                 None if Instant::now() >= deadline => return Ok(None),
                 None => {}
             }

@@ -272,6 +272,22 @@ pub fn stream_put_head(head: &[u8]) -> Option<(u64, u32)> {
     Some((id, r.u32().ok()?))
 }
 
+/// Bytes of a `write` frame before its data: the header, the buffer's
+/// address and the offset in it.
+pub const WRITE_HEAD: usize = HEADER + 16;
+
+/// The id, address and offset of a `write` whose first [`WRITE_HEAD`]
+/// bytes (after the length prefix) are `head`; `None` for any other
+/// request or a head that is not valid (as [`stream_put_head`]).
+pub fn write_head(head: &[u8]) -> Option<(u64, u64, u64)> {
+    if head.len() != WRITE_HEAD {
+        return None;
+    }
+    let (code, id, mut r) = header(head).ok()?;
+    (code == op_code::WRITE).then_some(())?;
+    Some((id, r.u64().ok()?, r.u64().ok()?))
+}
+
 /// Why bytes are not a valid frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProtoError {
@@ -808,6 +824,15 @@ pub fn decode_answer(frame: &[u8]) -> Result<(u64, Result<&[u8], Error>), ProtoE
     }
 }
 
+/// The id of a success answer whose frame starts with `head` (the
+/// [`HEADER`] bytes after the length prefix), or `None` for an error
+/// answer or a header [`decode_answer`] would refuse. A client uses it
+/// to receive a long answer's body straight into its caller's buffer.
+pub fn success_id(head: &[u8; HEADER]) -> Option<u64> {
+    let [v, status, r0, r1, id @ ..] = *head;
+    (v == VERSION && status == 0 && r0 == 0 && r1 == 0).then(|| u64::from_le_bytes(id))
+}
+
 /// Reads fixed `u64`s from an answer body (exactly `N`).
 pub fn u64s<const N: usize>(body: &[u8]) -> Result<[u64; N], ProtoError> {
     let mut r = Rd { b: body, at: 0 };
@@ -987,6 +1012,24 @@ mod tests {
         bad[0] = VERSION + 1;
         assert_eq!(stream_put_head(&bad), None);
         assert_eq!(stream_put_head(&f[4..f.len() - 1]), None);
+    }
+
+    #[test]
+    fn a_write_head_is_known_by_its_first_bytes() {
+        let mut f = Vec::new();
+        Request::Write {
+            addr: 1 << 40,
+            offset: 12_345,
+            data: vec![7u8; 100].into(),
+        }
+        .encode_head(42, &mut f);
+        assert_eq!(f.len(), 4 + WRITE_HEAD);
+        assert_eq!(write_head(&f[4..]), Some((42, 1 << 40, 12_345)));
+        assert_eq!(stream_put_head(&f[4..4 + STREAM_PUT_HEAD]), None);
+        let mut bad = f[4..].to_vec();
+        bad[2] = 1;
+        assert_eq!(write_head(&bad), None);
+        assert_eq!(write_head(&f[4..f.len() - 1]), None);
     }
 
     proptest! {

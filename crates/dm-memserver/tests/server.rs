@@ -279,7 +279,13 @@ fn threads_sharing_one_client_pipeline_on_one_connection() {
             let p = &p;
             sc.spawn(move || {
                 for i in 0..200usize {
-                    let len = 100 + i * 37;
+                    // Every tenth read is long: its answer is received in
+                    // place by whoever reads it, or handed over.
+                    let len = if i % 10 == 0 {
+                        (300 << 10) + i * 4099
+                    } else {
+                        100 + i * 37
+                    };
                     let mut b = p.alloc(len as u64).unwrap();
                     b.write(0, &vec![t; len]).unwrap();
                     let r = p.create_ref(&b, 0, len as u64).unwrap();
@@ -510,5 +516,187 @@ fn one_client_more_than_the_cap_is_refused() {
     let mut x = c.alloc(4096).unwrap();
     x.write(0, b"ok").unwrap();
     drop((x, b, c));
+    settle(&s);
+}
+
+#[test]
+fn an_answer_cut_off_midway_fails_the_read_and_the_connection() {
+    // A fake server: it says hello, then answers a 256 KiB read with the
+    // head of the whole answer and half its body, and hangs up. The
+    // client receives such an answer straight into the caller's buffer:
+    // the read fails as unavailable, and so does what follows (the
+    // stream has lost its place).
+    use dm_memserver::proto::{self, HelloAnswer, Request};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let len = 256usize << 10;
+    let fake = std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let frame = |c: &mut std::net::TcpStream| {
+            let mut n = [0u8; 4];
+            c.read_exact(&mut n).unwrap();
+            let mut f = vec![0u8; u32::from_le_bytes(n) as usize];
+            c.read_exact(&mut f).unwrap();
+            let (id, req) = Request::decode(&f).unwrap();
+            (id, req.op())
+        };
+        let (id, _) = frame(&mut c);
+        let mut out = Vec::new();
+        let hello = HelloAnswer {
+            server_id: 7,
+            page_size: 4096,
+            max_len: 1 << 30,
+            auth: None,
+        };
+        proto::encode_ok(id, &mut out, |o| hello.encode_body(o));
+        c.write_all(&out).unwrap();
+        let (id, op) = frame(&mut c);
+        assert_eq!(op, proto::op_code::READ_REF);
+        out.clear();
+        proto::encode_ok_head(id, len, &mut out);
+        out.extend_from_slice(&vec![9u8; len / 2]);
+        c.write_all(&out).unwrap();
+        c.shutdown(std::net::Shutdown::Both).unwrap();
+    });
+    let p = MemPool::connect_with(
+        &[addr],
+        dm_memserver::ClientConfig {
+            cache_bytes: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let r = dm_pool::Ref {
+        backend: dm_pool::BACKEND_MEMSERVER,
+        pool_id: 7,
+        desc: 1,
+        generation: 1,
+        tag: 1,
+        len: len as u64,
+    };
+    let mut out = vec![0u8; len];
+    let e = p.read_ref(&r, 0, &mut out).unwrap_err();
+    assert!(matches!(e, Error::Unavailable(_)), "{e:?}");
+    fake.join().unwrap();
+    let e = p.read_ref(&r, 0, &mut out[..4096]).unwrap_err();
+    assert!(matches!(e, Error::Unavailable(_)), "{e:?}");
+}
+
+#[test]
+fn long_writes_land_in_place_and_keep_snapshots() {
+    // Writes of 64 KiB and more are received straight into the buffer's
+    // pages: at unaligned offsets, over pages a Ref shares (copied
+    // first), over pages never written (zeroed around).
+    let s = Server::start(Config::default()).unwrap();
+    let p = MemPool::connect_with(
+        &[s.addr().to_string()],
+        dm_memserver::ClientConfig {
+            cache_bytes: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let n = 1 << 20;
+    let old: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+    let mut b = p.alloc(n as u64 + 8192).unwrap();
+    b.write(0, &old).unwrap();
+    let r = p.create_ref(&b, 0, n as u64).unwrap();
+    let mut want = old.clone();
+    want.resize(n + 8192, 0);
+    for (off, len) in [
+        (1000usize, 300_000usize),
+        (4096, 65_536),
+        (n - 70_000, 78_000),
+    ] {
+        let new: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8 ^ 0x5a).collect();
+        b.write(off as u64, &new).unwrap();
+        want[off..off + len].copy_from_slice(&new);
+        assert_eq!(b.to_vec().unwrap(), want, "write of {len} at {off}");
+    }
+    let mut snap = vec![0u8; n];
+    p.read_ref(&r, 0, &mut snap).unwrap();
+    assert!(snap == old, "the Ref's snapshot changed");
+    p.release_ref(&r).unwrap();
+    drop((b, p));
+    settle(&s);
+}
+
+#[test]
+fn a_long_write_refused_keeps_the_session_and_one_cut_off_ends_it() {
+    use dm_memserver::proto::{decode_answer, Request, WRITE_HEAD};
+    let s = Server::start(Config::default()).unwrap();
+    let p = MemPool::connect(&[s.addr().to_string()]).unwrap();
+    let b = p.alloc(1 << 20).unwrap();
+    // A raw client of its own: a hello, an alloc, then a write's head
+    // and half its bytes.
+    let mut c = std::net::TcpStream::connect(s.addr()).unwrap();
+    let answer = |c: &mut std::net::TcpStream| {
+        let mut n = [0u8; 4];
+        c.read_exact(&mut n).unwrap();
+        let mut f = vec![0u8; u32::from_le_bytes(n) as usize];
+        c.read_exact(&mut f).unwrap();
+        f
+    };
+    let mut f = Vec::new();
+    Request::Hello {
+        lease_ms: 10_000,
+        nonce: None,
+    }
+    .encode(1, &mut f);
+    Request::Alloc { len: 1 << 20 }.encode(2, &mut f);
+    c.write_all(&f).unwrap();
+    answer(&mut c);
+    let a = answer(&mut c);
+    let addr = u64::from_le_bytes(a[a.len() - 8..].try_into().unwrap());
+    // A long write to no buffer is refused and its bytes passed over; one
+    // that fits follows and is done.
+    f.clear();
+    for (id, at) in [(3, addr + (1 << 30)), (4, addr)] {
+        Request::Write {
+            addr: at,
+            offset: 0,
+            data: vec![5u8; 200 << 10].into(),
+        }
+        .encode(id, &mut f);
+    }
+    c.write_all(&f).unwrap();
+    let a = answer(&mut c);
+    assert!(matches!(decode_answer(&a).unwrap(), (3, Err(_))));
+    let a = answer(&mut c);
+    assert!(matches!(decode_answer(&a).unwrap(), (4, Ok(_))));
+    // Then a write's head and half its bytes, and the client is gone.
+    f.clear();
+    let data = vec![3u8; 1 << 20];
+    let head_len = {
+        let d = Request::Write {
+            addr,
+            offset: 0,
+            data: data.as_slice().into(),
+        }
+        .encode_head(5, &mut f)
+        .len();
+        assert_eq!(f.len(), 4 + WRITE_HEAD);
+        d
+    };
+    f.extend_from_slice(&data[..head_len / 2]);
+    c.write_all(&f).unwrap();
+    drop(c);
+    // The cut session ends.
+    let clients = || {
+        s.state()
+            .metrics
+            .clients
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    for _ in 0..500 {
+        if clients() == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(clients(), 1, "the cut session is over");
+    // The other client's buffer is untouched; the cut session's pages went.
+    assert_eq!(b.to_vec().unwrap(), vec![0u8; 1 << 20]);
+    drop((b, p));
     settle(&s);
 }

@@ -695,10 +695,59 @@ async fn stream_put(
         state.end_fill(space, &r, &fill, false);
         return Err("write failed or not read");
     }
-    let got = receive_into(&state.pages, rd, &pgs, len, &fill, within).await;
+    let pieces = pieces_of(&pgs, state.pages.page_size(), len);
+    let got = receive_into(&state.pages, rd, &pieces, |n| fill.advance(n), within).await;
     state.end_fill(space, &r, &fill, got.is_ok());
     got.map(|()| true)
         .map_err(|_| "a stream_put's bytes stopped short")
+}
+
+/// Writes at least this long are received straight into the buffer's
+/// pages; shorter ones are read whole first and copied (one read of the
+/// frame costs less than following its pieces).
+pub const WRITE_IN_PLACE_MIN: usize = 64 << 10;
+
+/// Serves a `write` whose head (`id`, `addr`, `offset`) was read and whose
+/// `len` bytes follow on `rd`: receives them straight into the buffer's
+/// pages (made ready as any write makes them), then puts its answer in
+/// `out`. Returns whether it succeeded; an error ends the session (the
+/// stream cannot be followed).
+#[allow(clippy::too_many_arguments)]
+async fn write_in_place(
+    state: &State,
+    space: &Mutex<Space>,
+    rd: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    id: u64,
+    addr: u64,
+    offset: u64,
+    len: u64,
+    within: Duration,
+    out: &mut Vec<u8>,
+) -> std::result::Result<bool, &'static str> {
+    out.clear();
+    let pieces = {
+        let mut sp = lock(space);
+        state
+            .may_use(&sp)
+            .and_then(|()| sp.write_pieces(&state.pages, addr, offset, len))
+    };
+    match pieces {
+        Ok(pieces) => {
+            // The session goes on only once the bytes are in: nothing else
+            // of it runs meanwhile, and nobody else holds these pages.
+            receive_into(&state.pages, rd, &pieces, |_| {}, within)
+                .await
+                .map_err(|_| "a write's bytes stopped short")?;
+            encode_ok(id, out, |_| {});
+            Ok(true)
+        }
+        Err(e) => {
+            // Refused: say why, and pass over its bytes.
+            encode_err(id, &e, out);
+            skip(rd, len, within).await.map_err(|_| "truncated frame")?;
+            Ok(false)
+        }
+    }
 }
 
 /// Reads and drops `len` bytes, within `within`.
@@ -717,44 +766,45 @@ async fn skip(
     Ok(())
 }
 
-/// Receives the `len` bytes of a `stream_put` straight into `pgs`, its
-/// Ref's pages from the first byte: what `rd` holds already is copied,
-/// the rest read from the socket into the pages (vectored, no copy in
-/// between). Progress goes to `fill` after each read, within `within`.
+/// Receives bytes straight into `pieces` (page, offset, length), in
+/// order: what `rd` holds already is copied, the rest read from the
+/// socket into the pages (vectored, no copy in between). `arrived` is
+/// told how many bytes are in after each read; all within `within`.
+///
+/// The pieces are the caller's to fill (see [`Pages::fill_slice`]): the
+/// pages of a `stream_put`'s Ref while its fill runs, or of a buffer a
+/// write goes to, which only this session touches.
 async fn receive_into(
     pages: &Pages,
     rd: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
-    pgs: &[u32],
-    len: u64,
-    fill: &Fill,
+    pieces: &[(u32, usize, usize)],
+    mut arrived: impl FnMut(u64),
     within: Duration,
 ) -> std::io::Result<()> {
-    let ps = pages.page_size() as u64;
     let deadline = tokio::time::Instant::now() + within;
-    // The page, offset in it and length of the piece at byte `pos`, up
-    // to `end`.
-    let piece = |pos: u64, end: u64| {
-        let (pi, po) = ((pos / ps) as usize, (pos % ps) as usize);
-        (pgs[pi], po, (ps - po as u64).min(end - pos) as usize)
-    };
+    // The next piece, and bytes of it already in.
+    let (mut next, mut part) = (0usize, 0usize);
     let mut got = 0u64;
-    while got < len {
+    while next < pieces.len() {
         let buffered = rd.buffer();
         if !buffered.is_empty() {
-            let end = got + (buffered.len() as u64).min(len - got);
-            let mut pos = got;
-            while pos < end {
-                let (p, off, n) = piece(pos, end);
-                // SAFETY: this session is the pages' filler; bytes at and
-                // past `got` are read by nobody until `fill` says so.
-                let dst = unsafe { pages.fill_slice(p, off, n) };
-                let at = (pos - got) as usize;
-                dst.copy_from_slice(&buffered[at..at + n]);
-                pos += n as u64;
+            let mut used = 0;
+            while next < pieces.len() && used < buffered.len() {
+                let (p, off, n) = pieces[next];
+                let k = (n - part).min(buffered.len() - used);
+                // SAFETY: the caller fills these bytes (above); nobody
+                // reads them until `arrived` says they are in.
+                let dst = unsafe { pages.fill_slice(p, off + part, k) };
+                dst.copy_from_slice(&buffered[used..used + k]);
+                used += k;
+                part += k;
+                if part == n {
+                    (next, part) = (next + 1, 0);
+                }
             }
-            rd.consume((end - got) as usize);
-            got = end;
-            fill.advance(got);
+            rd.consume(used);
+            got += used as u64;
+            arrived(got);
             continue;
         }
         // Nothing buffered: from the socket straight into the pages.
@@ -764,30 +814,52 @@ async fn receive_into(
             Err(_) => return Err(std::io::ErrorKind::TimedOut.into()),
         }
         let mut slices = Vec::new();
-        let mut pos = got;
         // (At most IOV_MAX pieces a read.)
-        while pos < len && slices.len() < 1024 {
-            let (p, off, n) = piece(pos, len);
-            // SAFETY: as above; the slices are dropped before `fill`
-            // says their bytes arrived.
+        for (i, &(p, off, n)) in pieces[next..].iter().take(1024).enumerate() {
+            let skip = if i == 0 { part } else { 0 };
+            // SAFETY: as above; the slices are dropped before `arrived`
+            // says their bytes are in.
             slices.push(std::io::IoSliceMut::new(unsafe {
-                pages.fill_slice(p, off, n)
+                pages.fill_slice(p, off + skip, n - skip)
             }));
-            pos += n as u64;
         }
         let r = s.try_read_vectored(&mut slices);
         drop(slices);
         match r {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(k) => {
+            Ok(mut k) => {
                 got += k as u64;
-                fill.advance(got);
+                while k > 0 {
+                    let left = pieces[next].2 - part;
+                    if k < left {
+                        part += k;
+                        break;
+                    }
+                    k -= left;
+                    (next, part) = (next + 1, 0);
+                }
+                arrived(got);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),
         }
     }
     Ok(())
+}
+
+/// The pieces (page, offset, length) of `len` bytes laid from the start
+/// of pages `pgs`.
+fn pieces_of(pgs: &[u32], page_size: usize, len: u64) -> Vec<(u32, usize, usize)> {
+    let mut left = len as usize;
+    pgs.iter()
+        .map_while(|&p| {
+            (left > 0).then(|| {
+                let n = left.min(page_size);
+                left -= n;
+                (p, 0, n)
+            })
+        })
+        .collect()
 }
 
 /// Reads this long or longer are answered from the pages where they lie
@@ -977,6 +1049,32 @@ async fn session(
                         t.elapsed(),
                         ok,
                     );
+                    continue;
+                }
+                Err(why) => break why,
+            }
+        }
+        // A long write: received straight into the buffer's pages.
+        let in_place = (n >= proto::WRITE_HEAD + WRITE_IN_PLACE_MIN && !over_cap)
+            .then(|| rd.buffer().get(..proto::WRITE_HEAD))
+            .flatten()
+            .and_then(proto::write_head);
+        if let Some((id, addr, offset)) = in_place {
+            rd.consume(proto::WRITE_HEAD);
+            let t = Instant::now();
+            let len = (n - proto::WRITE_HEAD) as u64;
+            match write_in_place(
+                &state, &space, &mut rd, id, addr, offset, len, lease, &mut out,
+            )
+            .await
+            {
+                Ok(ok) => {
+                    state
+                        .metrics
+                        .request(sid as usize, proto::op_code::WRITE, t.elapsed(), ok);
+                    if write_within(&mut wr, &out, true, lease).await.is_err() {
+                        break "write failed or not read";
+                    }
                     continue;
                 }
                 Err(why) => break why,

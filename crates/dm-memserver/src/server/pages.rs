@@ -243,15 +243,17 @@ impl Pages {
         unsafe { std::slice::from_raw_parts(self.ptr(p).add(off), n) }
     }
 
-    /// Bytes `off..off + n` of page `p`, to receive a Ref's bytes into
-    /// while they arrive (a `stream_put`).
+    /// Bytes `off..off + n` of page `p`, to receive bytes into while they
+    /// arrive: a Ref's (a `stream_put`) or a buffer's (a long `write`).
     ///
     /// # Safety
-    /// The caller is the page's filler: it holds a share of it, and it
+    /// The caller is the page's filler, and no two slices of the same
+    /// bytes live at once. Either it holds a share of a Ref's page and
     /// alone writes these bytes, which nobody reads until the fill says
     /// they have arrived (readers of the Ref wait for that, and the Ref
-    /// table hands out no range before: `refs.rs`). No two slices of the
-    /// same bytes live at once.
+    /// table hands out no range before: `refs.rs`). Or the page is one
+    /// buffer's alone (count 1) and the caller serves the session that
+    /// owns the buffer, which does nothing else meanwhile.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn fill_slice(&self, p: u32, off: usize, n: usize) -> &mut [u8] {
         assert!(p != NONE && off + n <= self.page_size);

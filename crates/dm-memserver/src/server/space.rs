@@ -236,13 +236,34 @@ impl Space {
     /// get a zeroed page, shared pages are copied first (then written), all
     /// pages needed are taken before anything changes (all or nothing).
     pub fn write(&mut self, pages: &Pages, addr: u64, offset: u64, data: &[u8]) -> Result<()> {
+        let mut done = 0;
+        for (p, off, n) in self.write_pieces(pages, addr, offset, data.len() as u64)? {
+            pages.write(p, off, &data[done..done + n]);
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Makes the `len` bytes at `offset` of the buffer at `addr` ready to
+    /// be written, as [`write`](Self::write) does (a zeroed page for an
+    /// unwritten one, a copy of a shared one; all or nothing), and gives
+    /// the pieces (page, offset in it, length) they lie in, in order. The
+    /// pages are this buffer's alone: only its session writes them.
+    pub fn write_pieces(
+        &mut self,
+        pages: &Pages,
+        addr: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<(u32, usize, usize)>> {
         let ps = pages.page_size();
         let hint = self.hint;
         let (base, b) = self.find_mut(addr, ps)?;
-        let (start, end) = span(base, b, addr, offset, data.len() as u64)?;
-        if data.is_empty() {
-            return Ok(());
+        let (start, end) = span(base, b, addr, offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
         }
+        let len = len as usize;
         let (first, last) = (
             (start / ps as u64) as usize,
             ((end - 1) / ps as u64) as usize,
@@ -254,12 +275,13 @@ impl Space {
         let mut fresh = Vec::with_capacity(need);
         pages.take(hint, need, &mut fresh)?;
         let mut fresh = fresh.into_iter();
+        let mut pieces = Vec::with_capacity(last - first + 1);
         let mut pos = start;
         let mut done = 0;
         for pi in first..=last {
             let old = b.pages[pi];
             let po = (pos % ps as u64) as usize;
-            let n = (ps - po).min(data.len() - done);
+            let n = (ps - po).min(len - done);
             if old == NONE || pages.rc(old) > 1 {
                 let Some(new) = fresh.next() else {
                     // Counted above; cannot run short.
@@ -277,7 +299,7 @@ impl Space {
                 }
                 b.pages[pi] = new;
             }
-            pages.write(b.pages[pi], po, &data[done..done + n]);
+            pieces.push((b.pages[pi], po, n));
             done += n;
             pos += n as u64;
         }
@@ -286,7 +308,7 @@ impl Space {
         for p in fresh {
             pages.unshare(hint, p);
         }
-        Ok(())
+        Ok(pieces)
     }
 
     /// A Ref to `len` bytes at `offset` of the buffer at `addr`: one more
