@@ -12,7 +12,9 @@
 //!   with `Unavailable`, finds a connection spent, or failed over to
 //!   another replica, on the thread of the call that finds it due (a scan
 //!   of the registry, and dialling the replicas it has no connection to),
-//!   or when asked ([`BalancedClient::refresh`]). A new replica gets
+//!   or when asked ([`BalancedClient::refresh`]). Where the node's
+//!   registry watches names (etcd: [`crate::Registry::changes`]), the
+//!   next call after a change looks at once. A new replica gets
 //!   calls from then on; the connection to a replica that left is dropped
 //!   from the set (calls in flight on it go on). (The pool's registry has
 //!   no change counter a client could watch per call without a cache
@@ -166,6 +168,9 @@ struct Balancer<C> {
     /// no replica to call (a caller in a loop on a service that is gone
     /// does not scan the registry every millisecond).
     backoff: AtomicU64,
+    /// The registry's change counter of the name, where it watches
+    /// ([`crate::Registry::changes`]), and its value at the last look.
+    changes: Option<(Arc<AtomicU64>, AtomicU64)>,
 }
 
 impl<C: Member> Balancer<C> {
@@ -173,6 +178,11 @@ impl<C: Member> Balancer<C> {
     /// the first error if none could be dialled).
     fn connect(node: &Node, name: &str) -> Result<Self, RpcError> {
         dm_pool::validate_service_name(name)?;
+        // (Watched from before the first look: no change is missed.)
+        let changes = node.registry.changes(name).map(|c| {
+            let seen = AtomicU64::new(c.load(Ordering::Acquire));
+            (c, seen)
+        });
         let routes = node.resolve_all(&Target::Name(name.to_owned()))?;
         let mut set = Vec::with_capacity(routes.len());
         let mut first_error = None;
@@ -197,6 +207,7 @@ impl<C: Member> Balancer<C> {
             refreshing: Mutex::new(()),
             found,
             backoff: AtomicU64::new(REFRESH_SOON.as_millis() as u64),
+            changes,
         })
     }
 
@@ -215,6 +226,14 @@ impl<C: Member> Balancer<C> {
     /// in flight, from whoever's turn it is (a spent one only if all are).
     fn pick(&self) -> Arc<Replica<C>> {
         let now = self.now();
+        if let Some((c, seen)) = &self.changes {
+            // A watched name changed: look now.
+            let v = c.load(Ordering::Acquire);
+            if v != seen.load(Ordering::Relaxed) {
+                seen.store(v, Ordering::Relaxed);
+                self.next.store(now, Ordering::Relaxed);
+            }
+        }
         if now >= self.next.load(Ordering::Relaxed) {
             self.refresh_if_due(now, false);
         }

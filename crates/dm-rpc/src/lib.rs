@@ -136,7 +136,7 @@ pub use node::{Config, Node, RemoteChoice, Transport, DEFAULT_INLINE_MAX, DEFAUL
 #[cfg(not(loom))]
 pub use payload::Payload;
 #[cfg(not(loom))]
-pub use registry::{PoolRegistry, Registry, ServiceEntry};
+pub use registry::{PoolRegistry, Registration, Registry, ServiceEntry};
 #[cfg(not(loom))]
 pub use retry::{Retry, Statuses};
 #[cfg(not(loom))]

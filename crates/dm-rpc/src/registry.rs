@@ -4,8 +4,8 @@
 //! A registry maps hierarchical service names to endpoints with liveness.
 //! On one host (or one CXL domain) it lives in the pool (`dm_pool::registry`):
 //! no daemon, and a crashed service disappears with its lease. Services
-//! spread over hosts need a registry every host can reach; that is a
-//! second implementation of this trait (etcd, a later issue), given to
+//! spread over hosts need a registry every host can reach: etcd (crate
+//! `dm-etcd`), given to
 //! [`Node::with_registry`](crate::Node::with_registry). Shared-memory
 //! endpoints are always found in the pool (only processes attached to it
 //! can use them); TCP endpoints are registered in, and looked up from, the
@@ -13,6 +13,8 @@
 
 use crate::error::RpcError;
 use dm_pool::{Endpoint, Pool};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 /// A registered service as a registry reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,6 +74,13 @@ pub trait Registry: Send + Sync + std::fmt::Debug {
     }
     /// Every registration (live or not yet removed), by name.
     fn list(&self) -> Result<Vec<ServiceEntry>, RpcError>;
+    /// A counter that moves whenever the registrations of `name` may have
+    /// changed, for a registry that can watch (etcd); `None` (the default)
+    /// where the caller must look again to know. Balanced clients read it
+    /// on each call and look the replicas up again when it moved.
+    fn changes(&self, _name: &str) -> Option<Arc<AtomicU64>> {
+        None
+    }
 }
 
 /// The registry embedded in the pool.
