@@ -6,6 +6,7 @@
 //! |---|---|
 //! | `PREFIX/services/NAME!x/HANDLE` | the one registration of `NAME` ([`Record`], JSON) |
 //! | `PREFIX/services/NAME!r/HANDLE` | one replica of `NAME` |
+//! | `PREFIX/memservers/ZONE/HANDLE` | a memory server ([`MemserverRecord`], JSON) |
 //!
 //! `HANDLE` is the registration's handle in 16 hex digits. `!` cannot
 //! appear in a service name (`dm_pool::validate_service_name`), so the
@@ -88,15 +89,77 @@ impl Keys {
             "r" => Kind::Replica,
             _ => return None,
         };
-        if handle.len() != 16
-            || !handle
-                .bytes()
-                .all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
-        {
+        Some((name.to_owned(), kind, parse_handle(handle)?))
+    }
+}
+
+impl Keys {
+    /// Where the memory servers' keys start (of one zone, or of all).
+    pub fn memservers(&self, zone: Option<&str>) -> String {
+        match zone {
+            Some(z) => format!("{}/memservers/{z}/", self.prefix),
+            None => format!("{}/memservers/", self.prefix),
+        }
+    }
+
+    /// The key of memory server `handle` in `zone`.
+    pub fn memserver(&self, zone: &str, handle: u64) -> String {
+        format!("{}{handle:016x}", self.memservers(Some(zone)))
+    }
+
+    /// The zone and handle of a memory server's key, or `None`.
+    pub fn parse_memserver(&self, key: &[u8]) -> Option<(String, u64)> {
+        let key = std::str::from_utf8(key).ok()?;
+        let rest = key.strip_prefix(&self.memservers(None))?;
+        let (zone, handle) = rest.split_once('/')?;
+        valid_zone(zone).then_some(())?;
+        let h = parse_handle(handle)?;
+        Some((zone.to_owned(), h))
+    }
+}
+
+/// Whether `z` can name a zone: 1 to 64 letters, digits, `_`, `-`, `.`.
+pub fn valid_zone(z: &str) -> bool {
+    (1..=64).contains(&z.len())
+        && z.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'-' | b'.'))
+}
+
+/// A handle as keys write it: 16 lowercase hex digits.
+fn parse_handle(h: &str) -> Option<u64> {
+    if h.len() != 16 || !h.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+        return None;
+    }
+    u64::from_str_radix(h, 16).ok()
+}
+
+/// What a memory server's value says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemserverRecord {
+    /// Where clients reach it (`host:port`).
+    pub addr: String,
+    /// The host it runs on.
+    pub host: String,
+    /// Its process id there.
+    pub pid: u32,
+    /// The bytes it serves.
+    pub size: u64,
+}
+
+impl MemserverRecord {
+    /// The record's JSON.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// A record read from etcd, checked (as [`Record::decode`]).
+    pub fn decode(b: &[u8]) -> Option<MemserverRecord> {
+        if b.len() > RECORD_MAX {
             return None;
         }
-        let handle = u64::from_str_radix(handle, 16).ok()?;
-        Some((name.to_owned(), kind, handle))
+        let r: MemserverRecord = serde_json::from_slice(b).ok()?;
+        let addr_ok = (3..=255).contains(&r.addr.len()) && r.addr.contains(':');
+        (addr_ok && r.host.len() <= 255).then_some(r)
     }
 }
 
@@ -212,6 +275,38 @@ mod tests {
         assert_eq!(Record::decode(long.as_bytes()), None);
     }
 
+    #[test]
+    fn memserver_keys_and_records() {
+        let k = Keys::new("/dmrpc");
+        let key = k.memserver("rack-1", 7);
+        assert_eq!(key, "/dmrpc/memservers/rack-1/0000000000000007");
+        assert_eq!(
+            k.parse_memserver(key.as_bytes()),
+            Some(("rack-1".into(), 7))
+        );
+        assert!(key.starts_with(&k.memservers(Some("rack-1"))));
+        assert!(!key.starts_with(&k.memservers(Some("rack"))));
+        for bad in [
+            "/dmrpc/memservers//0000000000000007",
+            "/dmrpc/memservers/a b/0000000000000007",
+            "/dmrpc/memservers/a/7",
+            "/dmrpc/memservers/a/b/0000000000000007",
+        ] {
+            assert_eq!(k.parse_memserver(bad.as_bytes()), None, "{bad}");
+        }
+        let r = MemserverRecord {
+            addr: "10.99.0.2:7070".into(),
+            host: "h2".into(),
+            pid: 9,
+            size: 1 << 30,
+        };
+        assert_eq!(MemserverRecord::decode(&r.encode()), Some(r));
+        assert_eq!(
+            MemserverRecord::decode(br#"{"addr":"nocolon","host":"h","pid":1,"size":1}"#),
+            None
+        );
+    }
+
     proptest! {
         #[test]
         fn any_bytes_parse_or_are_refused(key in proptest::collection::vec(any::<u8>(), 0..80),
@@ -223,6 +318,12 @@ mod tests {
                 prop_assert_eq!(k.key(&name, kind, h).into_bytes(), full);
             }
             let _ = Record::decode(&val);
+            let _ = MemserverRecord::decode(&val);
+            let mut m = k.memservers(None).into_bytes();
+            m.extend_from_slice(&key);
+            if let Some((zone, h)) = k.parse_memserver(&m) {
+                prop_assert_eq!(k.memserver(&zone, h).into_bytes(), m);
+            }
         }
     }
 }

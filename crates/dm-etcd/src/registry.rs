@@ -14,7 +14,7 @@
 //! registrations, which balanced clients check on each call, so a replica
 //! that joins or leaves reaches them as an event, not at the next poll.
 
-use crate::keys::{Keys, Kind, Record};
+use crate::keys::{Keys, Kind, MemserverRecord, Record};
 use dm_pool::Endpoint;
 use dm_rpc::{Registration, Registry, RpcError, ServiceEntry};
 use etcd_client::{
@@ -132,8 +132,48 @@ struct Shared {
     regrants: AtomicU64,
 }
 
-/// A registration of this process: its name, kind and value.
-type Held = (String, Kind, Vec<u8>);
+/// A key and its value, as read from etcd.
+type KeyValue = (Vec<u8>, Vec<u8>);
+
+/// A registration of this process, as put in etcd.
+#[derive(Debug, Clone)]
+enum Held {
+    /// A service's name, kind and record.
+    Service(String, Kind, Vec<u8>),
+    /// A memory server's zone and record.
+    Memserver(String, Vec<u8>),
+}
+
+impl Held {
+    fn key(&self, keys: &Keys, handle: u64) -> String {
+        match self {
+            Held::Service(name, kind, _) => keys.key(name, *kind, handle),
+            Held::Memserver(zone, _) => keys.memserver(zone, handle),
+        }
+    }
+}
+
+/// Puts `held` under the current lease: a service as [`put_checked`]
+/// does, a memory server as it is.
+async fn put_held(s: &Shared, handle: u64, held: &Held) -> Result<(), RpcError> {
+    match held {
+        Held::Service(name, kind, value) => {
+            put_checked(s, name, *kind, handle, value.clone()).await
+        }
+        Held::Memserver(_, value) => {
+            let lease = s.lease.load(Ordering::Relaxed);
+            let mut c = s.client.clone();
+            c.put(
+                held.key(&s.keys, handle),
+                value.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .map_err(|e| unavailable(&s.cfg, e))?;
+            Ok(())
+        }
+    }
+}
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -180,7 +220,7 @@ impl EtcdRegistry {
                 .map_err(|e| unavailable(&c2, e))?;
             Ok((client, l.id()))
         })
-        .map_err(|e| unavailable(&cfg, format!("unreachable at startup ({})", e.message)))?;
+        .map_err(|e| RpcError::unavailable(format!("{} (unreachable at startup)", e.message)))?;
         let shared = Arc::new(Shared {
             client,
             keys: Keys::new(&cfg.prefix),
@@ -278,20 +318,107 @@ impl EtcdRegistry {
         let s = &self.inner.shared;
         let handle = s.instance | s.seq.fetch_add(1, Ordering::Relaxed);
         let value = self.record(endpoint);
-        let (n, v) = (name.to_owned(), value.clone());
+        self.hold(name, handle, Held::Service(name.to_owned(), kind, value))
+    }
+
+    /// Puts `held` in etcd and keeps it with this process's lease.
+    fn hold(&self, name: &str, handle: u64, held: Held) -> Result<Registration, RpcError> {
+        let h = held.clone();
         self.run(move |s| {
-            let (n, v) = (n.clone(), v.clone());
-            async move { put_checked(&s, &n, kind, handle, v).await }
+            let h = h.clone();
+            async move { put_held(&s, handle, &h).await }
         })?;
-        lock(&s.mine).insert(handle, (name.to_owned(), kind, value));
+        lock(&self.inner.shared.mine).insert(handle, held);
         Ok(Registration {
             name: name.to_owned(),
             handle,
         })
     }
 
-    fn entries(&self, prefix: String) -> Result<Vec<ServiceEntry>, RpcError> {
-        let kvs = self.run(move |s| {
+    /// Registers a memory server this process serves at `addr` (of `size`
+    /// bytes) in `zone`, for as long as this process's lease lives (or
+    /// until [`unregister`](Registry::unregister)).
+    pub fn register_memserver(
+        &self,
+        zone: &str,
+        addr: &str,
+        size: u64,
+    ) -> Result<Registration, RpcError> {
+        if !crate::keys::valid_zone(zone) {
+            return Err(RpcError::invalid_argument(format!(
+                "zone {zone:?}: 1 to 64 letters, digits, '_', '-' or '.'"
+            )));
+        }
+        let s = &self.inner.shared;
+        let handle = s.instance | s.seq.fetch_add(1, Ordering::Relaxed);
+        let value = MemserverRecord {
+            addr: addr.to_owned(),
+            host: s.cfg.host.clone(),
+            pid: std::process::id(),
+            size,
+        }
+        .encode();
+        if MemserverRecord::decode(&value).is_none() {
+            return Err(RpcError::invalid_argument(format!(
+                "{addr:?} is not a memory server's address (host:port)"
+            )));
+        }
+        self.hold(
+            &format!("memserver {addr}"),
+            handle,
+            Held::Memserver(zone.to_owned(), value),
+        )
+    }
+
+    /// The memory servers registered in `zone` (`None`: in every zone),
+    /// with their zones.
+    pub fn memservers(
+        &self,
+        zone: Option<&str>,
+    ) -> Result<Vec<(String, MemserverRecord)>, RpcError> {
+        if zone.is_some_and(|z| !crate::keys::valid_zone(z)) {
+            return Err(RpcError::invalid_argument(format!(
+                "zone {zone:?}: not a zone name"
+            )));
+        }
+        let prefix = self.inner.shared.keys.memservers(zone);
+        let kvs = self.get_prefix(prefix)?;
+        let keys = &self.inner.shared.keys;
+        let mut v: Vec<_> = kvs
+            .iter()
+            .filter_map(|(k, val)| {
+                let (zone, _) = keys.parse_memserver(k)?;
+                Some((zone, MemserverRecord::decode(val)?))
+            })
+            .collect();
+        v.sort_by(|a, b| (&a.0, &a.1.addr).cmp(&(&b.0, &b.1.addr)));
+        Ok(v)
+    }
+
+    /// A client of every memory server registered in `zone` (`None`: in
+    /// every zone), as one pool. `NotFound` if there is none.
+    pub fn mem_pool(
+        &self,
+        zone: Option<&str>,
+        cfg: dm_memserver::ClientConfig,
+    ) -> Result<dm_memserver::MemPool, RpcError> {
+        let addrs: Vec<String> = self
+            .memservers(zone)?
+            .into_iter()
+            .map(|(_, r)| r.addr)
+            .collect();
+        if addrs.is_empty() {
+            return Err(RpcError::not_found(match zone {
+                Some(z) => format!("no memory server registered in zone {z:?}"),
+                None => "no memory server registered".to_owned(),
+            }));
+        }
+        Ok(dm_memserver::MemPool::connect_with(&addrs, cfg)?)
+    }
+
+    /// The keys and values under `prefix`.
+    fn get_prefix(&self, prefix: String) -> Result<Vec<KeyValue>, RpcError> {
+        self.run(move |s| {
             let prefix = prefix.clone();
             async move {
                 let mut c = s.client.clone();
@@ -304,7 +431,11 @@ impl EtcdRegistry {
                     .map(|kv| (kv.key().to_vec(), kv.value().to_vec()))
                     .collect::<Vec<_>>())
             }
-        })?;
+        })
+    }
+
+    fn entries(&self, prefix: String) -> Result<Vec<ServiceEntry>, RpcError> {
+        let kvs = self.get_prefix(prefix)?;
         let keys = &self.inner.shared.keys;
         Ok(kvs
             .iter()
@@ -447,14 +578,20 @@ async fn regrant(s: &Shared) {
     };
     s.lease.store(l.id(), Ordering::Relaxed);
     s.regrants.fetch_add(1, Ordering::Relaxed);
-    let mine: Vec<_> = lock(&s.mine)
-        .iter()
-        .map(|(h, (n, k, v))| (*h, n.clone(), *k, v.clone()))
-        .collect();
-    for (h, n, k, v) in mine {
-        if put_checked(s, &n, k, h, v).await.is_err() {
-            // Taken meanwhile (an exclusive name): this process lost it.
-            lock(&s.mine).remove(&h);
+    let mine: Vec<(u64, Held)> = lock(&s.mine).iter().map(|(h, x)| (*h, x.clone())).collect();
+    for (h, held) in mine {
+        // (A member out of reach refuses a few: made again, as calls are.)
+        for _ in 0..20 {
+            match put_held(s, h, &held).await {
+                Ok(()) => break,
+                Err(e) if e.status == dm_rpc::Status::AlreadyExists => {
+                    // Taken meanwhile (an exclusive name): this process
+                    // lost it.
+                    lock(&s.mine).remove(&h);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
         }
     }
 }
@@ -517,18 +654,18 @@ impl Registry for EtcdRegistry {
     }
 
     fn unregister(&self, r: &Registration) -> Result<(), RpcError> {
-        let Some((name, kind, _)) = lock(&self.inner.shared.mine).remove(&r.handle) else {
+        let Some(held) = lock(&self.inner.shared.mine).remove(&r.handle) else {
             return Err(RpcError::not_found(format!(
                 "{:?} is not registered by this process",
                 r.name
             )));
         };
-        let handle = r.handle;
+        let key = held.key(&self.inner.shared.keys, r.handle);
         self.run(move |s| {
-            let name = name.clone();
+            let key = key.clone();
             async move {
                 let mut c = s.client.clone();
-                c.delete(s.keys.key(&name, kind, handle), None)
+                c.delete(key, None)
                     .await
                     .map_err(|e| unavailable(&s.cfg, e))?;
                 Ok(())

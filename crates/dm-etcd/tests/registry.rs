@@ -219,3 +219,49 @@ fn a_member_killed_and_etcd_gone_midway() {
     });
     assert!(back.is_some(), "{:?}", b.lookup_all("kv"));
 }
+
+#[test]
+fn memory_servers_register_and_make_a_pool_by_zone() {
+    let c = cluster(1, "memservers");
+    let a = EtcdRegistry::connect(cfg(&c, "/t6")).unwrap();
+    let b = EtcdRegistry::connect(cfg(&c, "/t6")).unwrap();
+    let servers: Vec<dm_memserver::Server> = (0..3)
+        .map(|_| dm_memserver::Server::start(dm_memserver::Config::default()).unwrap())
+        .collect();
+    let size = dm_memserver::Config::default().size;
+    a.register_memserver("rack-1", &servers[0].addr().to_string(), size)
+        .unwrap();
+    a.register_memserver("rack-1", &servers[1].addr().to_string(), size)
+        .unwrap();
+    let r3 = b
+        .register_memserver("rack-2", &servers[2].addr().to_string(), size)
+        .unwrap();
+    assert_eq!(a.memservers(Some("rack-1")).unwrap().len(), 2);
+    assert_eq!(a.memservers(None).unwrap().len(), 3);
+    assert!(a.register_memserver("no/slash", "h:1", 1).is_err());
+    assert!(a.register_memserver("z", "nocolon", 1).is_err());
+    assert!(a.memservers(Some("a b")).is_err());
+    // A pool of one zone's servers, used.
+    let p = b
+        .mem_pool(Some("rack-1"), dm_memserver::ClientConfig::default())
+        .unwrap();
+    assert_eq!(p.server_ids().len(), 2);
+    let data = vec![7u8; 100_000];
+    let r = p.put(&data, Duration::from_secs(5)).unwrap();
+    let mut out = vec![0u8; data.len()];
+    p.read_ref(&r, 0, &mut out).unwrap();
+    assert_eq!(out, data);
+    dm_pool::Dm::release_ref(&p, &r).unwrap();
+    drop(p);
+    // Gone with its registration (or its process's lease).
+    b.unregister(&r3).unwrap();
+    let e = a
+        .mem_pool(Some("rack-2"), dm_memserver::ClientConfig::default())
+        .unwrap_err();
+    assert_eq!(e.status, Status::NotFound, "{e}");
+    drop(a);
+    assert!(b.memservers(None).unwrap().is_empty());
+    for s in servers {
+        s.shutdown();
+    }
+}

@@ -1445,6 +1445,14 @@ impl Drop for Server {
 pub fn run(cfg: Config, on_ready: impl FnOnce(&Server)) -> Result<()> {
     let server = Server::start(cfg)?;
     on_ready(&server);
+    wait_for_stop_signal()?;
+    tracing::info!("shutting down");
+    server.shutdown();
+    Ok(())
+}
+
+/// Waits for SIGTERM or SIGINT.
+pub fn wait_for_stop_signal() -> std::io::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -1456,11 +1464,8 @@ pub fn run(cfg: Config, on_ready: impl FnOnce(&Server)) -> Result<()> {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-        Ok::<(), std::io::Error>(())
-    })?;
-    tracing::info!("shutting down");
-    server.shutdown();
-    Ok(())
+        Ok(())
+    })
 }
 
 /// The fuzz target `memserver_serve`: `data` read as a stream of request

@@ -57,6 +57,18 @@ pub struct MemserverArgs {
     /// Refs it created), e.g. 256MiB.
     #[arg(long, value_parser = parse_size)]
     pub client_quota: Option<u64>,
+    /// Register in etcd at these endpoints (comma separated; default: the
+    /// DMRPC_ETCD environment variable, if set) under this process's
+    /// lease, where clients find it (`MemPool` of a zone).
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// The zone it is registered in.
+    #[arg(long, default_value = "default")]
+    pub zone: String,
+    /// The address registered, where clients reach it (default: the
+    /// address it listens on; needed when that is 0.0.0.0).
+    #[arg(long)]
+    pub advertise: Option<String>,
 }
 
 pub fn run(a: MemserverArgs) -> Result<()> {
@@ -85,19 +97,39 @@ pub fn run(a: MemserverArgs) -> Result<()> {
         ..Default::default()
     };
     let fingerprint = cfg.key.as_ref().map(Key::fingerprint);
-    dm_memserver::server::run(cfg, |s| {
-        // One line on stdout for scripts: where it listens and its id.
-        println!("listening {} id {:#018x}", s.addr(), s.state().id);
-        if let Some(f) = &fingerprint {
-            // (stderr: a script may read the first line only, and close.)
-            eprintln!("clients must prove key {f}");
+    let size = cfg.size;
+    let s = dm_memserver::Server::start(cfg)?;
+    // Registered before it says it listens: whoever waits for that line
+    // finds it in etcd.
+    let registered = match super::etcd::config(a.etcd.as_deref()) {
+        Some(ecfg) => {
+            let addr = a.advertise.clone().unwrap_or_else(|| s.addr().to_string());
+            let reg = dm_etcd::EtcdRegistry::connect(ecfg)
+                .and_then(|reg| {
+                    reg.register_memserver(&a.zone, &addr, size)?;
+                    Ok(reg)
+                })
+                .map_err(|e| anyhow::anyhow!("registering in etcd: {e}"))?;
+            eprintln!("registered in etcd as {addr}, zone {}", a.zone);
+            Some(reg)
         }
-        if let Some(m) = s.metrics_addr() {
-            // (A reader that took the first line and left must not kill
-            // the server: a write to its closed pipe is ignored.)
-            use std::io::Write;
-            let _ = writeln!(std::io::stdout(), "metrics http://{m}/metrics");
-        }
-    })?;
+        None => None,
+    };
+    // One line on stdout for scripts: where it listens and its id.
+    println!("listening {} id {:#018x}", s.addr(), s.state().id);
+    if let Some(f) = &fingerprint {
+        // (stderr: a script may read the first line only, and close.)
+        eprintln!("clients must prove key {f}");
+    }
+    if let Some(m) = s.metrics_addr() {
+        // (A reader that took the first line and left must not kill the
+        // server: a write to its closed pipe is ignored.)
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout(), "metrics http://{m}/metrics");
+    }
+    dm_memserver::server::wait_for_stop_signal()?;
+    // Out of etcd first: no client is sent to a server going away.
+    drop(registered);
+    s.shutdown();
     Ok(())
 }

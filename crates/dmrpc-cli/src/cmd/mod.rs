@@ -2,6 +2,7 @@
 
 pub mod call;
 pub mod demo;
+pub mod etcd;
 pub mod grpc;
 pub mod key;
 pub mod ls;
