@@ -255,6 +255,12 @@ impl Hosts {
         Ok(c)
     }
 
+    /// Makes `cmd` run in host `i` (a command made elsewhere).
+    pub fn place(&self, i: usize, cmd: &mut Command) -> Result<(), Error> {
+        dm_sys::netns::command_in(cmd, self.open(i)?);
+        Ok(())
+    }
+
     /// Moves the calling thread into host `i`: its sockets and the
     /// threads it starts from then on are that host's.
     pub fn enter(&self, i: usize) -> Result<(), Error> {

@@ -28,7 +28,7 @@ enum Cmd {
     Pool(cmd::pool::PoolCmd),
     /// A client, a load balancer and two workers as processes: by Ref vs by value.
     Demo(cmd::demo::DemoArgs),
-    /// List the services registered in a pool.
+    /// List the services registered in a pool (or in etcd: --etcd).
     Ls(cmd::ls::LsArgs),
     /// Call a method of a service and print its answer.
     Call(cmd::call::CallArgs),
@@ -37,10 +37,15 @@ enum Cmd {
     /// Make and inspect key files (peers over TCP prove they hold one).
     #[command(subcommand)]
     Key(cmd::key::KeyCmd),
+    /// Three hosts on this machine (network namespaces), etcd on each,
+    /// memory servers, and a chain of replicated services found by name.
+    Cluster(cmd::cluster::ClusterArgs),
     /// Run a benchmark against its baseline (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
     #[command(name = "__demo-service", hide = true)]
     DemoService(cmd::demo::ServiceArgs),
+    #[command(name = "__cluster-tier", hide = true)]
+    ClusterTier(cmd::cluster::TierArgs),
     #[command(name = "__bench-peer", hide = true)]
     BenchPeer(bench::PeerArgs),
 }
@@ -61,6 +66,8 @@ fn main() {
         },
         Cmd::Memserver(a) => cmd::memserver::run(a),
         Cmd::Key(c) => cmd::key::run(c),
+        Cmd::Cluster(a) => cmd::cluster::run(a),
+        Cmd::ClusterTier(a) => cmd::cluster::tier(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::DemoService(a) => cmd::demo::service(a),
         Cmd::BenchPeer(a) => bench::peer(a),

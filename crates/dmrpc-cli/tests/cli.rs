@@ -407,3 +407,31 @@ fn call_calls_a_grpc_service_with_raw_messages() {
     // process is left to reclaim.
     tp.assert_clean();
 }
+
+#[test]
+fn a_cluster_of_three_hosts_finds_services_by_name_and_survives_a_host() {
+    // Three network-namespace hosts, etcd on each, memory servers on two,
+    // a replicated chain across them; then one host's processes killed.
+    if let Err(e) = dm_netns::Hosts::available() {
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let (ok, out) = dmrpc(&[
+        "cluster",
+        "--link",
+        "unshaped",
+        "--sizes",
+        "4KiB,256KiB",
+        "--calls",
+        "30",
+        "--kill-host",
+        "2",
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("256 KiB"), "{out}");
+    assert!(
+        out.contains("host 2 killed") && out.contains("none failed"),
+        "{out}"
+    );
+    assert!(out.contains("every pool checked: clean"), "{out}");
+}

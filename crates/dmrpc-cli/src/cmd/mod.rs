@@ -1,6 +1,7 @@
 //! The subcommands of the `dmrpc` tool.
 
 pub mod call;
+pub mod cluster;
 pub mod demo;
 pub mod etcd;
 pub mod grpc;
