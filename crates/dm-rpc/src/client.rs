@@ -491,9 +491,10 @@ impl BlockingConn {
         let i = self;
         let (mut frame, lent, deadline, again) = out.into_frame();
         if let Some(e) = i.failure() {
-            // A broken connection fails the call at once.
-            lent.release(&i.node);
-            return Err(e.into());
+            // A broken connection sends nothing: the request goes to the
+            // service's next server if there is one (it did not run),
+            // else fails at once.
+            return Err(Failure::not_run(frame, e, lent, deadline, i.refs, again));
         }
         // Nobody reading answers: read our own (taken before sending, so
         // no one else can take our answer). Else the call is listed under

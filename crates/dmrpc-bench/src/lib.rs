@@ -16,6 +16,7 @@ pub mod apps;
 mod access;
 mod chain;
 mod cow;
+mod failover;
 mod grpc;
 mod grpc_ways;
 mod heap;
@@ -106,6 +107,7 @@ fn run_named(a: &BenchArgs) -> Result<()> {
         "stream" => stream::run(a),
         "grpc" => grpc_ways::run(a),
         "heap" => heap::run(a),
+        "failover" => failover::run(a),
         "all" => {
             cow::run(a)?;
             rtt::run(a)?;
@@ -119,10 +121,11 @@ fn run_named(a: &BenchArgs) -> Result<()> {
             social::run(a)?;
             stream::run(a)?;
             grpc_ways::run(a)?;
-            heap::run(a)
+            heap::run(a)?;
+            failover::run(a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, grpc, heap, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, grpc, heap, failover, all)"
         ),
     }
 }

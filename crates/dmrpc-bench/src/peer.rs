@@ -135,6 +135,13 @@ pub fn peer(a: PeerArgs) -> Result<()> {
                 servers.push(chain_tier(&pool, name, "-", mode, true)?);
                 "ok".into()
             }
+            // A replica of `name` that answers `who` with its pid, found
+            // through the pool's registry (`pool`, over shared memory) or
+            // through etcd at the endpoints given (over TCP).
+            (Some("whoreplica"), Some(name), Some(reg)) => {
+                servers.push(super::failover::who_replica(&pool, name, reg)?);
+                "ok".into()
+            }
             (Some("chainasync"), Some(name), Some(next)) => {
                 servers.push(chain_async_tier(&pool, name, next, fourth.as_deref())?);
                 "ok".into()

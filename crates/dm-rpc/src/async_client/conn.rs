@@ -177,8 +177,8 @@ impl AsyncConn {
             let mut slot = None;
             if lone.is_none() {
                 if let Some(e) = i.failure() {
-                    lent.release(&i.node);
-                    return Err(e.into());
+                    // Nothing sent: the request may go to the next server.
+                    return Err(Failure::not_run(frame, e, lent, deadline, i.refs, again));
                 }
                 slot = Some(if r.driver.load(Ordering::Acquire) == LISTENER {
                     let (reply, w) = oneshot::channel();

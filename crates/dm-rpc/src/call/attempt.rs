@@ -234,7 +234,7 @@ fn goes_as_is(
     (from, to): (crate::transport::Sharing, crate::transport::Sharing),
     max_inline: usize,
 ) -> bool {
-    from == to && len <= max_inline
+    to.covers(from) && len <= max_inline
 }
 
 /// How the answer `f` to request `frame` ends its call: a refusal or a
@@ -457,11 +457,17 @@ mod tests {
         let none = Metadata::new;
         let r = refused(None, 800, none());
         assert_eq!((r.req.method, r.req.body.len()), (7, 800));
-        // The same sharing, and room for its bytes (and its metadata).
+        // Its sharing, and room for its bytes (and its metadata).
         assert!(r.fits(Sharing::POOL, 1000));
         assert!(r.fits(Sharing::POOL, 800));
         assert!(!r.fits(Sharing::POOL, 799));
-        assert!(!r.fits(Sharing::ALL, 1000));
+        // A connection that passes more kinds of Ref, yes; fewer, no.
+        assert!(r.fits(Sharing::ALL, 1000));
+        let remote_only = Sharing {
+            pool: false,
+            remote: true,
+        };
+        assert!(!r.fits(remote_only, 1000));
         let meta = Metadata::new().with("k", "v").unwrap();
         let m = refused(None, 800, meta.clone());
         assert!(m.fits(Sharing::POOL, 805) && !m.fits(Sharing::POOL, 804));

@@ -229,11 +229,34 @@ mod tests {
         assert!(!f.takes(&x, link(false, 800), true), "the same connection");
         assert!(!f.takes(&x, link(true, 800), false), "a spent one");
         assert!(!f.takes(&x, link(false, 799), false), "too small");
-        let other = Link {
+        // A connection that passes more kinds of Ref takes it; one that
+        // cannot pass the kinds it was placed for does not.
+        let more = Link {
             refs: Sharing::ALL,
             ..link(false, 800)
         };
-        assert!(!f.takes(&x, other, false), "Refs not mapped there");
+        assert!(
+            f.takes(&x, more, false),
+            "pool Refs go where pool and remote Refs do"
+        );
+        let remote_only = Sharing {
+            pool: false,
+            remote: true,
+        };
+        let fewer = Link {
+            refs: remote_only,
+            ..link(false, 800)
+        };
+        assert!(!f.takes(&x, fewer, false), "pool Refs not mapped there");
+        let lent = crate::payload::Lent::default();
+        let req = Frame::request(1, 7, 0, Body::Inline(vec![1; 8].into()));
+        let e = RpcError::unavailable("gone");
+        let y = Refused::new(req, e, lent, None, remote_only, Again::default());
+        assert!(f.takes(&y, more, false), "to a peer of the same pool");
+        assert!(
+            !f.takes(&y, link(false, 800), false),
+            "memory-server Refs not passed there"
+        );
         // Waiting for the service to come back: only when asked, and only
         // when the next connection cannot take calls.
         assert!(!f.waits_for(link(true, 800)));

@@ -353,6 +353,12 @@ impl Sharing {
         pool: true,
         remote: false,
     };
+
+    /// Whether every kind of Ref `other` passes, this passes too: a
+    /// request placed for `other` can go over a connection with this.
+    pub fn covers(self, other: Sharing) -> bool {
+        (self.pool || !other.pool) && (self.remote || !other.remote)
+    }
 }
 
 impl std::fmt::Debug for Connection {

@@ -115,14 +115,9 @@ fn node(pool: Pool, path: &Path, etcd: &[String], key: &Path) -> Result<(Node, E
 }
 
 /// Options of the chain's calls: they may run twice (a tier has no
-/// state), so one whose replica died is sent to another, and one that
-/// finds a replica gone is tried again a few times (until etcd has
-/// forgotten it, within the lease).
+/// state), so one whose replica died is sent to another.
 fn calls_may_repeat() -> CallOptions {
-    CallOptions::deadline(Duration::from_secs(10)).retry(
-        dm_rpc::Retry::new(5, &[dm_rpc::Status::Unavailable])
-            .backoff(Duration::from_millis(5), Duration::from_millis(200)),
-    )
+    CallOptions::deadline(Duration::from_secs(10)).idempotent()
 }
 
 /// A checksum of bytes, as the last tier answers it.
