@@ -18,4 +18,4 @@ pub mod members;
 pub mod registry;
 
 pub use members::{etcd_available, EtcdCluster};
-pub use registry::{parse_endpoints, EtcdConfig, EtcdRegistry, ETCD_ENV};
+pub use registry::{parse_endpoints, registry_from_env, EtcdConfig, EtcdRegistry, ETCD_ENV};

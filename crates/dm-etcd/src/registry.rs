@@ -71,6 +71,19 @@ impl EtcdConfig {
     }
 }
 
+/// The registry a node of `pool` uses by configuration: etcd's when
+/// [`ETCD_ENV`] names its endpoints, else the pool's own. So the same
+/// program runs on one host and across hosts.
+pub fn registry_from_env(pool: &dm_pool::Pool) -> Result<Arc<dyn Registry>, RpcError> {
+    Ok(match EtcdConfig::from_env() {
+        Some(mut cfg) => {
+            cfg.pool = Some(pool.path().display().to_string());
+            Arc::new(EtcdRegistry::connect(cfg)?)
+        }
+        None => Arc::new(dm_rpc::PoolRegistry::new(pool.clone())),
+    })
+}
+
 /// Endpoints from a comma-separated list.
 pub fn parse_endpoints(s: &str) -> Vec<String> {
     s.split(',')
