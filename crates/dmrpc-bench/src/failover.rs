@@ -21,38 +21,13 @@ use super::BenchArgs;
 use crate::say;
 use anyhow::{anyhow, bail, Result};
 use dm_pool::testing::TempPool;
-use dm_rpc::{CallOptions, Node, Payload, Registry, Transport};
+use dm_rpc::{CallOptions, Node, Payload, Registry};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const NAME: &str = "failover/who";
-const LEASE: Duration = Duration::from_secs(2);
-
-/// Serves `name` as a replica answering `who` with this process's pid,
-/// found through `reg`: `pool`, or etcd's endpoints.
-pub fn who_replica(pool: &dm_pool::Pool, name: &str, reg: &str) -> Result<dm_rpc::Server> {
-    let pid = std::process::id();
-    let (node, transport) = if reg == "pool" {
-        (Node::new(pool.clone()), Transport::Shm)
-    } else {
-        let mut cfg = dm_etcd::EtcdConfig::new(&dm_etcd::parse_endpoints(reg));
-        cfg.lease = LEASE;
-        let r = dm_etcd::EtcdRegistry::connect(cfg)?;
-        (
-            Node::new(pool.clone()).with_registry(Arc::new(r)),
-            Transport::Tcp("127.0.0.1:0".into()),
-        )
-    };
-    Ok(node
-        .server(name)
-        .transport(transport)
-        .replica()
-        .method("who", move |_| {
-            Ok(Payload::from_vec(pid.to_le_bytes().to_vec()))
-        })
-        .spawn()?)
-}
+use super::peer::ETCD_LEASE as LEASE;
 
 /// One round's times, in ms.
 struct Round {

@@ -139,7 +139,7 @@ pub fn peer(a: PeerArgs) -> Result<()> {
             // through the pool's registry (`pool`, over shared memory) or
             // through etcd at the endpoints given (over TCP).
             (Some("whoreplica"), Some(name), Some(reg)) => {
-                servers.push(super::failover::who_replica(&pool, name, reg)?);
+                servers.push(who_replica(&pool, name, reg)?);
                 "ok".into()
             }
             (Some("chainasync"), Some(name), Some(next)) => {
@@ -764,4 +764,32 @@ pub fn request(pool: &Pool, mode: &str, data: &[u8]) -> Result<Payload> {
 /// ends, and no secret (it measures what proving a key costs).
 pub fn bench_key() -> dm_pool::auth::Key {
     dm_pool::auth::Key::from_bytes(*b"dmrpc bench: what a key costs..!")
+}
+
+/// The etcd lease of `bench failover`'s processes.
+pub const ETCD_LEASE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Serves `name` as a replica answering `who` with this process's pid,
+/// found through `reg`: `pool`, or etcd's endpoints.
+pub fn who_replica(pool: &dm_pool::Pool, name: &str, reg: &str) -> Result<dm_rpc::Server> {
+    let pid = std::process::id();
+    let (node, transport) = if reg == "pool" {
+        (Node::new(pool.clone()), Transport::Shm)
+    } else {
+        let mut cfg = dm_etcd::EtcdConfig::new(&dm_etcd::parse_endpoints(reg));
+        cfg.lease = ETCD_LEASE;
+        let r = dm_etcd::EtcdRegistry::connect(cfg)?;
+        (
+            Node::new(pool.clone()).with_registry(std::sync::Arc::new(r)),
+            Transport::Tcp("127.0.0.1:0".into()),
+        )
+    };
+    Ok(node
+        .server(name)
+        .transport(transport)
+        .replica()
+        .method("who", move |_| {
+            Ok(Payload::from_vec(pid.to_le_bytes().to_vec()))
+        })
+        .spawn()?)
 }
