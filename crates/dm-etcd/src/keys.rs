@@ -6,6 +6,7 @@
 //! |---|---|
 //! | `PREFIX/services/NAME!x/HANDLE` | the one registration of `NAME` ([`Record`], JSON) |
 //! | `PREFIX/services/NAME!r/HANDLE` | one replica of `NAME` |
+//! | `PREFIX/services/NAME!s/HANDLE` | a service reachable only from its pool (listed, claims nothing) |
 //! | `PREFIX/memservers/ZONE/HANDLE` | a memory server ([`MemserverRecord`], JSON) |
 //!
 //! `HANDLE` is the registration's handle in 16 hex digits. `!` cannot
@@ -31,6 +32,9 @@ pub enum Kind {
     Exclusive,
     /// One of any number of replicas.
     Replica,
+    /// A service reachable only from its pool, listed: no claim on the
+    /// name across hosts.
+    Local,
 }
 
 impl Kind {
@@ -38,6 +42,7 @@ impl Kind {
         match self {
             Kind::Exclusive => 'x',
             Kind::Replica => 'r',
+            Kind::Local => 's',
         }
     }
 }
@@ -87,6 +92,7 @@ impl Keys {
         let kind = match kind {
             "x" => Kind::Exclusive,
             "r" => Kind::Replica,
+            "s" => Kind::Local,
             _ => return None,
         };
         Some((name.to_owned(), kind, parse_handle(handle)?))
@@ -212,9 +218,13 @@ impl Record {
         (r.host.len() <= 255 && r.pool.as_ref().is_none_or(|p| p.len() <= 4096)).then_some(r)
     }
 
-    /// Who registered it, for people.
+    /// Who registered it, for people (and in which pool, for a service
+    /// reached over shared memory).
     pub fn owner(&self) -> String {
-        format!("{} pid {}", self.host, self.pid)
+        match (&self.pool, self.endpoint.as_str()) {
+            (Some(p), "shm") => format!("{} pool {p} pid {}", self.host, self.pid),
+            _ => format!("{} pid {}", self.host, self.pid),
+        }
     }
 }
 

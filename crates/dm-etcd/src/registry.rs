@@ -447,13 +447,18 @@ impl EtcdRegistry {
         })
     }
 
-    fn entries(&self, prefix: String) -> Result<Vec<ServiceEntry>, RpcError> {
+    /// The services under `prefix`, with those reached only from their
+    /// pool if `local`.
+    fn entries(&self, prefix: String, local: bool) -> Result<Vec<ServiceEntry>, RpcError> {
         let kvs = self.get_prefix(prefix)?;
         let keys = &self.inner.shared.keys;
         Ok(kvs
             .iter()
             .filter_map(|(k, v)| {
-                let (name, _, handle) = keys.parse(k)?;
+                let (name, kind, handle) = keys.parse(k)?;
+                if kind == Kind::Local && !local {
+                    return None;
+                }
                 let r = Record::decode(v)?;
                 Some(ServiceEntry {
                     name,
@@ -487,8 +492,9 @@ fn block<T: Send + 'static>(
 }
 
 /// Puts registration `handle` of `name` under the current lease, if its
-/// kind allows: an exclusive one where `name` has no key, a replica where
-/// it has no exclusive one. Else `AlreadyExists`, naming the holder.
+/// kind allows: an exclusive one where `name` has no sole registration
+/// or replica, a replica where it has no sole one, a local one always.
+/// Else `AlreadyExists`, naming the holder.
 async fn put_checked(
     s: &Shared,
     name: &str,
@@ -497,19 +503,31 @@ async fn put_checked(
     value: Vec<u8>,
 ) -> Result<(), RpcError> {
     let k = &s.keys;
-    let guard = match kind {
-        Kind::Exclusive => k.name(name),
-        Kind::Replica => k.kind(name, Kind::Exclusive),
+    // The kinds that must be absent: a sole registration excludes every
+    // other claim on the name, a replica a sole one; a local service
+    // claims nothing.
+    let guards: Vec<String> = match kind {
+        Kind::Exclusive => vec![k.kind(name, Kind::Exclusive), k.kind(name, Kind::Replica)],
+        Kind::Replica => vec![k.kind(name, Kind::Exclusive)],
+        Kind::Local => Vec::new(),
     };
     let lease = s.lease.load(Ordering::Relaxed);
+    let when: Vec<Compare> = guards
+        .iter()
+        .map(|g| Compare::create_revision(g.clone(), CompareOp::Equal, 0).with_prefix())
+        .collect();
+    let holders: Vec<TxnOp> = guards
+        .iter()
+        .map(|g| TxnOp::get(g.clone(), Some(GetOptions::new().with_prefix())))
+        .collect();
     let txn = Txn::new()
-        .when([Compare::create_revision(guard.clone(), CompareOp::Equal, 0).with_prefix()])
+        .when(when)
         .and_then([TxnOp::put(
             k.key(name, kind, handle),
             value,
             Some(PutOptions::new().with_lease(lease)),
         )])
-        .or_else([TxnOp::get(guard, Some(GetOptions::new().with_prefix()))]);
+        .or_else(holders);
     let mut c = s.client.clone();
     let r = c.txn(txn).await.map_err(|e| unavailable(&s.cfg, e))?;
     if r.succeeded() {
@@ -536,10 +554,10 @@ async fn put_checked(
         })
         .unwrap_or_else(|| "another process".to_owned());
     Err(RpcError::already_exists(match kind {
-        Kind::Exclusive => format!("{name:?} is registered already, by {holder}"),
         Kind::Replica => {
             format!("{name:?} is registered as one service (not replicas), by {holder}")
         }
+        _ => format!("{name:?} is registered already, by {holder}"),
     }))
 }
 
@@ -692,15 +710,23 @@ impl Registry for EtcdRegistry {
 
     fn lookup_all(&self, name: &str) -> Result<Vec<ServiceEntry>, RpcError> {
         dm_pool::validate_service_name(name)?;
-        let mut v = self.entries(self.inner.shared.keys.name(name))?;
+        let mut v = self.entries(self.inner.shared.keys.name(name), false)?;
         v.retain(|e| e.name == name);
         Ok(v)
     }
 
     fn list(&self) -> Result<Vec<ServiceEntry>, RpcError> {
-        let mut v = self.entries(self.inner.shared.keys.services())?;
+        let mut v = self.entries(self.inner.shared.keys.services(), true)?;
         v.sort_by(|a, b| a.name.cmp(&b.name).then(a.handle.cmp(&b.handle)));
         Ok(v)
+    }
+
+    fn publish_local(
+        &self,
+        name: &str,
+        endpoint: &Endpoint,
+    ) -> Result<Option<Registration>, RpcError> {
+        self.add(name, endpoint, Kind::Local).map(Some)
     }
 
     fn changes(&self, name: &str) -> Option<Arc<AtomicU64>> {

@@ -79,3 +79,56 @@ fn balanced_clients_follow_replicas_by_the_watch() {
         p.assert_clean_within(Duration::from_secs(2));
     }
 }
+
+#[test]
+fn shared_memory_services_are_listed_in_etcd_and_claim_nothing() {
+    // A service over shared memory is listed with its pool and host, and
+    // goes with its server; lookups leave it out (it is found in its
+    // pool), and the same name elsewhere does not clash with it.
+    let dir = std::env::temp_dir().join(format!("dm-etcd-local-{}", std::process::id()));
+    let c = EtcdCluster::start(1, &dir).unwrap();
+    let pools: Vec<TempPool> = (0..2).map(|_| TempPool::new(64 << 20)).collect();
+    {
+        let (a, areg) = node(&pools[0], &c);
+        let (b, _) = node(&pools[1], &c);
+        let local = a
+            .server("cache")
+            .transport(Transport::Shm)
+            .method("who", |_| Ok(Payload::from_vec(vec![0])))
+            .spawn()
+            .unwrap();
+        let listed = areg.list().unwrap();
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        assert_eq!(listed[0].endpoint, dm_pool::Endpoint::Shm);
+        assert!(
+            listed[0]
+                .owner
+                .contains(&pools[0].path.display().to_string()),
+            "{listed:?}"
+        );
+        assert!(areg.lookup_all("cache").unwrap().is_empty());
+        // Another host's own "cache" (shared memory, then TCP) registers.
+        let other = b
+            .server("cache")
+            .transport(Transport::Shm)
+            .method("who", |_| Ok(Payload::from_vec(vec![1])))
+            .spawn()
+            .unwrap();
+        let tcp = b
+            .server("cache")
+            .transport(Transport::Tcp("127.0.0.1:0".into()))
+            .method("who", |_| Ok(Payload::from_vec(vec![2])))
+            .spawn()
+            .unwrap();
+        assert_eq!(areg.list().unwrap().len(), 3);
+        // A client on pool 0 reaches its own over shared memory.
+        let cl = a.connect("cache").unwrap();
+        assert_eq!(cl.call("who", vec![]).unwrap().to_vec().unwrap(), [0]);
+        drop(cl);
+        drop((local, other, tcp));
+        assert!(areg.list().unwrap().is_empty());
+    }
+    for p in &pools {
+        p.assert_clean_within(Duration::from_secs(2));
+    }
+}

@@ -74,6 +74,19 @@ pub trait Registry: Send + Sync + std::fmt::Debug {
     }
     /// Every registration (live or not yet removed), by name.
     fn list(&self) -> Result<Vec<ServiceEntry>, RpcError>;
+    /// Publishes a service reachable only from this node's pool (over
+    /// shared memory), for listing beside the others. It claims nothing:
+    /// services of the same name on other pools do not clash with it, and
+    /// lookups do not return it (its pool's registry has it). `None` (the
+    /// default): this registry does not publish them (the pool's own,
+    /// which holds them already).
+    fn publish_local(
+        &self,
+        _name: &str,
+        _endpoint: &Endpoint,
+    ) -> Result<Option<Registration>, RpcError> {
+        Ok(None)
+    }
     /// A counter that moves whenever the registrations of `name` may have
     /// changed, for a registry that can watch (etcd); `None` (the default)
     /// where the caller must look again to know. Balanced clients read it

@@ -365,7 +365,16 @@ impl ServerBuilder {
                         l
                     }
                 }) {
-                    Ok(l) => (Box::new(l), Some(Reg::Pool(svc))),
+                    Ok(l) => {
+                        // Listed beside the other hosts' services too (etcd),
+                        // if the node's registry lists local ones; a registry
+                        // that fails to take it does not stop the service.
+                        let listed = node
+                            .registry
+                            .publish_local(&self.name, &Endpoint::Shm)
+                            .unwrap_or(None);
+                        (Box::new(l), Some(Reg::Pool(svc, listed)))
+                    }
                     Err(e) => {
                         let _ = node.pool.unregister(&svc);
                         return Err(e.into());

@@ -41,8 +41,9 @@ pub struct Stats {
 
 /// Where a server's name is registered.
 pub(super) enum Reg {
-    /// In the pool (shared-memory services).
-    Pool(ServiceInfo),
+    /// In the pool (shared-memory services), and listed in the node's
+    /// registry if it lists local services.
+    Pool(ServiceInfo, Option<crate::registry::Registration>),
     /// In the node's registry (TCP services).
     Registry(crate::registry::Registration),
     /// Bound in this process (in-memory services): the name and binding.
@@ -126,8 +127,11 @@ impl Server {
 
     fn unregister(&mut self) {
         match self.reg.take() {
-            Some(Reg::Pool(s)) => {
+            Some(Reg::Pool(s, listed)) => {
                 let _ = self.node.pool.unregister(&s);
+                if let Some(r) = listed {
+                    let _ = self.node.registry.unregister(&r);
+                }
             }
             Some(Reg::Registry(r)) => {
                 let _ = self.node.registry.unregister(&r);
