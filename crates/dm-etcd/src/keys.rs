@@ -169,6 +169,16 @@ impl MemserverRecord {
     }
 }
 
+/// The endpoint `text` names as records write it (`shm` or
+/// `tcp://HOST:PORT`), if it is one.
+pub fn parse_endpoint(text: &str) -> Option<Endpoint> {
+    if text == "shm" {
+        return Some(Endpoint::Shm);
+    }
+    let a = text.strip_prefix("tcp://")?;
+    (!a.is_empty() && a.len() <= 255).then(|| Endpoint::Tcp(a.to_owned()))
+}
+
 /// What a registration's value says.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
@@ -195,11 +205,7 @@ impl Record {
 
     /// The endpoint the record names, if it is one.
     pub fn endpoint(&self) -> Option<Endpoint> {
-        if self.endpoint == "shm" {
-            return Some(Endpoint::Shm);
-        }
-        let a = self.endpoint.strip_prefix("tcp://")?;
-        (!a.is_empty() && a.len() <= 255).then(|| Endpoint::Tcp(a.to_owned()))
+        parse_endpoint(&self.endpoint)
     }
 
     /// The record's JSON.

@@ -108,6 +108,18 @@ impl Link {
     }
 }
 
+fn open_namespace(name: &str) -> Result<File, Error> {
+    Ok(File::open(format!("/run/netns/{name}"))?)
+}
+
+/// Makes `cmd` run in the host whose namespace is `name` (one of
+/// [`Hosts::namespaces`]): for a command made where the [`Hosts`] cannot
+/// be reached.
+pub fn place(name: &str, cmd: &mut Command) -> Result<(), Error> {
+    dm_sys::netns::command_in(cmd, open_namespace(name)?);
+    Ok(())
+}
+
 /// Hosts made by this process so far (in names, with the pid).
 static MADE: AtomicU32 = AtomicU32::new(0);
 
@@ -240,7 +252,7 @@ impl Hosts {
     }
 
     fn open(&self, i: usize) -> Result<File, Error> {
-        Ok(File::open(format!("/run/netns/{}", self.name(i)?))?)
+        open_namespace(self.name(i)?)
     }
 
     /// A command that runs `program` in host `i`.
@@ -253,12 +265,6 @@ impl Hosts {
         let mut c = Command::new(program);
         dm_sys::netns::command_in(&mut c, ns);
         Ok(c)
-    }
-
-    /// Makes `cmd` run in host `i` (a command made elsewhere).
-    pub fn place(&self, i: usize, cmd: &mut Command) -> Result<(), Error> {
-        dm_sys::netns::command_in(cmd, self.open(i)?);
-        Ok(())
     }
 
     /// Moves the calling thread into host `i`: its sockets and the

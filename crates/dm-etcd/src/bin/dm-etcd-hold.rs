@@ -3,7 +3,7 @@
 //! until stdin closes), printing `registered HANDLE` once it is in. For
 //! tests and scripts: a process whose lease others watch run out.
 
-use dm_etcd::keys::Record;
+use dm_etcd::keys::parse_endpoint;
 use dm_etcd::{parse_endpoints, EtcdConfig, EtcdRegistry};
 use dm_rpc::Registry;
 use std::io::Read;
@@ -26,14 +26,7 @@ fn main() {
             }
         }
     }
-    let endpoint = Record {
-        endpoint: args[2].clone(),
-        host: String::new(),
-        pid: 0,
-        pool: None,
-    }
-    .endpoint();
-    let Some(endpoint) = endpoint else {
+    let Some(endpoint) = parse_endpoint(&args[2]) else {
         eprintln!("{}: not tcp://ADDR or shm", args[2]);
         std::process::exit(2);
     };

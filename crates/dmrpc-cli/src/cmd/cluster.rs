@@ -19,6 +19,7 @@
 //!
 //! Needs root and iproute2 (`scripts/deps.sh`), and etcd.
 
+use super::demo::checksum;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use dm_etcd::{EtcdCluster, EtcdConfig, EtcdRegistry};
@@ -120,13 +121,6 @@ fn calls_may_repeat() -> CallOptions {
     CallOptions::deadline(Duration::from_secs(10)).idempotent()
 }
 
-/// A checksum of bytes, as the last tier answers it.
-fn checksum(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 /// The tier process: serves `cluster/tier/K` as a replica on its host's
 /// address until its stdin closes.
 pub fn tier(a: TierArgs) -> Result<()> {
@@ -163,8 +157,8 @@ pub fn tier(a: TierArgs) -> Result<()> {
                 bc.call_with("pass", c.take_payload(), opts)
             }
             None => {
-                let data = c.payload().to_vec()?;
-                let mut out = checksum(&data).to_le_bytes().to_vec();
+                // Every byte read where it lies (no copy out).
+                let mut out = checksum(&c.payload().segments()?).to_le_bytes().to_vec();
                 out.push(host);
                 Ok(Payload::from_vec(out))
             }
@@ -254,9 +248,8 @@ fn run_on(a: &ClusterArgs, hosts: &dm_netns::Hosts, work: &Path) -> Result<()> {
         .collect();
     let namespaces = hosts.namespaces();
     let mut etcd = EtcdCluster::start_with(&addrs, &work.join("etcd"), move |i, mut c| {
-        if let Ok(f) = std::fs::File::open(format!("/run/netns/{}", namespaces[i])) {
-            dm_sys::netns::command_in(&mut c, f);
-        }
+        // (A namespace gone makes the member fail to start, said there.)
+        let _ = dm_netns::place(&namespaces[i], &mut c);
         c
     })
     .context("starting etcd")?;
@@ -373,7 +366,7 @@ fn client_on_host0(
         let call = |data: &[u8]| -> Result<u8, RpcError> {
             let a = bc.call_with("pass", Payload::from_vec(data.to_vec()), opts())?;
             let v = a.to_vec()?;
-            if v.len() != 9 || v[..8] != checksum(data).to_le_bytes() {
+            if v.len() != 9 || v[..8] != checksum(&[data]).to_le_bytes() {
                 return Err(RpcError::internal(
                     "the chain's answer does not match its request",
                 ));
