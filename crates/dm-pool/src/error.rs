@@ -188,6 +188,22 @@ pub enum Error {
     /// A pool with that name or path exists.
     #[error("{0} already exists")]
     AlreadyExists(PathBuf),
+    /// A device holds no namespace of that name (or one still being made
+    /// or removed).
+    #[error(
+        "{device} holds no namespace {name:?}{why} (`dmrpc ns ls {device}` lists those it holds)"
+    )]
+    NoNamespace {
+        /// The device or file.
+        device: PathBuf,
+        /// The name asked for.
+        name: String,
+        /// Why not, when it is there but not ready (else empty).
+        why: String,
+    },
+    /// Something cannot be removed while processes use it (what, who).
+    #[error("in use: {0}")]
+    InUse(String),
     /// A memory server is unreachable, or its connection broke (it died,
     /// or it dropped this client).
     #[error("memory server unavailable: {0}")]
@@ -253,6 +269,14 @@ fn exhausted_hint(what: &str) -> &'static str {
             "This process's tenant holds as many bytes of buffers as its quota allows \
              (`dmrpc pool stats NAME` shows who holds what): free buffers, or create the pool \
              with a larger quota for the tenant (`--tenant NAME=SIZE`)"
+        }
+        "namespace entries" => {
+            "The device's segment table is full: remove a namespace (`dmrpc ns rm DEVICE \
+             NAME`) or use another device"
+        }
+        "device space" => {
+            "No gap on the device is as large as the namespace asked for: remove a namespace \
+             (`dmrpc ns ls DEVICE` shows where each lies) or ask for a smaller size"
         }
         "channels" => {
             "Too many shared-memory connections are open: close clients, or create the pool \

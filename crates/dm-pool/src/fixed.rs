@@ -71,7 +71,7 @@ impl FixedMapping {
                 }
                 run += 1;
             }
-            let off = shm.layout.data_off + u64::from(p) * ps as u64;
+            let off = shm.data_file_off() + u64::from(p) * ps as u64;
             res.map_file(k * ps, shm.raw_fd(), off, run * ps, Prot::ReadWrite)?;
             k += run;
         }

@@ -96,6 +96,8 @@ mod layout;
 #[cfg(not(loom))]
 mod mapped;
 #[cfg(not(loom))]
+pub mod namespace;
+#[cfg(not(loom))]
 mod page_cache;
 #[cfg(not(loom))]
 mod pool;

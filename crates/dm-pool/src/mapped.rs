@@ -40,6 +40,7 @@ struct Window {
     len: usize,
     ps: usize,
     fd: i32,
+    /// Where the data area starts in the file (the pool may be a region of it).
     data_off: u64,
     data: *mut u8,
     n_pages: u32,
@@ -111,7 +112,7 @@ impl MappedBuffer {
             len: n * ps,
             ps,
             fd: shm.raw_fd(),
-            data_off: shm.layout.data_off,
+            data_off: shm.data_file_off(),
             // SAFETY: a validated layout has at least one data page.
             data: unsafe { shm.page_ptr(0) },
             n_pages: shm.layout.n_pages,
@@ -180,7 +181,7 @@ impl MappedBuffer {
                 }
                 run += 1;
             }
-            let off = shm.layout.data_off + p as u64 * ps as u64;
+            let off = shm.data_file_off() + p as u64 * ps as u64;
             self.res
                 .map_file(k * ps, shm.raw_fd(), off, run * ps, prot)?;
             k += run;

@@ -17,12 +17,22 @@ pub(crate) struct Shm {
     file: SharedFile,
     /// The validated layout.
     pub layout: Layout,
+    /// The path it was opened by (`DEVICE/NAME` for a namespace).
+    path: std::path::PathBuf,
+    /// A namespace's tie to its segment table entry.
+    ns: Option<crate::namespace::Link>,
 }
 
 impl Shm {
     /// Maps `path`, a file written by no one `access` does not name
     /// ([`SharedFile::open`]), and validates its header.
+    /// A path `DEVICE/NAME` opens namespace NAME of DEVICE
+    /// (`namespace/mod.rs`).
     pub(crate) fn open(path: &Path, access: Access) -> Result<Shm> {
+        if let Some((device, name)) = crate::namespace::split(path) {
+            let (file, link) = crate::namespace::open(&device, &name, access)?;
+            return Self::from_file(file, path, Some(link));
+        }
         let device = SharedFile::is_device(path);
         let file = if device {
             // A device has no size: read the header to learn the pool's length.
@@ -33,8 +43,23 @@ impl Shm {
         } else {
             SharedFile::open(path, None, access)?
         };
+        Self::from_file(file, path, None)
+    }
+
+    /// Validates the pool in `file` (opened by `path`) and waits briefly
+    /// for a concurrent creator to finish.
+    pub(crate) fn from_file(
+        file: SharedFile,
+        path: &Path,
+        ns: Option<crate::namespace::Link>,
+    ) -> Result<Shm> {
         let layout = Self::parse(&file, path, file.len() as u64)?;
-        let shm = Shm { file, layout };
+        let shm = Shm {
+            file,
+            layout,
+            path: path.to_owned(),
+            ns,
+        };
         // Wait briefly for a concurrent creator to finish.
         for _ in 0..200 {
             if shm.atomics().ready.load(Ordering::Acquire) == READY {
@@ -88,7 +113,13 @@ impl Shm {
                 secret.len(),
             )
         };
-        let shm = Shm { file, layout };
+        let path = file.path().to_owned();
+        let shm = Shm {
+            file,
+            layout,
+            path,
+            ns: None,
+        };
         for i in 0..shm.layout.n_descs {
             if let Some(d) = shm.desc(i) {
                 d.reset();
@@ -129,9 +160,37 @@ impl Shm {
         unsafe { std::ptr::write_bytes(self.file.base(), 0, 8) };
     }
 
-    /// The path of the backing.
+    /// The path it was opened by (`DEVICE/NAME` for a namespace).
     pub(crate) fn path(&self) -> &Path {
-        self.file.path()
+        &self.path
+    }
+
+    /// This process has its slot: a namespace counts the attachment and
+    /// lets go of the lock that kept it from being removed meanwhile.
+    pub(crate) fn attached(&self) {
+        if let Some(l) = &self.ns {
+            l.attached();
+        }
+    }
+
+    /// Where the data area starts in the backing file (a namespace's pool
+    /// starts at its region's offset).
+    pub(crate) fn data_file_off(&self) -> u64 {
+        self.file.file_off() + self.layout.data_off
+    }
+
+    /// Slots of processes attached now: live, and not judged gone (a
+    /// process of this host that runs; of another, one whose lease lasts;
+    /// one in quarantine counts, as it may only be stopped).
+    pub(crate) fn live_slots(&self) -> u32 {
+        let now = LeaseNow::read();
+        (0..self.layout.n_slots as u16)
+            .filter_map(|s| self.slot(s))
+            .filter(|slot| {
+                SlotState::decode(slot.state.load(Ordering::Acquire)).kind == Some(SlotKind::Live)
+                    && (!self.slot_expired(slot, now) || self.in_quarantine(slot, None, now))
+            })
+            .count() as u32
     }
 
     /// File descriptor of the backing (for fixed mappings).

@@ -6,11 +6,28 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 static N: AtomicU32 = AtomicU32::new(0);
 
-/// A pool file under /dev/shm, removed on drop.
+/// A pool file under /dev/shm, removed on drop. With
+/// [`NAMESPACES_ENV`] set, a namespace of a device file of this process
+/// instead (the device goes when its last namespace does), so that a test
+/// suite runs inside namespaces unchanged.
 #[derive(Debug)]
 pub struct TempPool {
     /// Its path.
     pub path: PathBuf,
+}
+
+/// Set (to anything but `0`), [`TempPool`]s are namespaces of one device.
+pub const NAMESPACES_ENV: &str = "DMRPC_TEST_NAMESPACES";
+
+/// The length of the device file namespaced test pools share (sparse).
+const TEST_DEVICE_LEN: u64 = 16 << 30;
+
+/// Namespaced test pools alive, and the device they live on.
+static NS_DEVICE: std::sync::Mutex<(usize, Option<PathBuf>)> = std::sync::Mutex::new((0, None));
+
+/// Whether test pools are namespaces ([`NAMESPACES_ENV`]).
+pub fn in_namespaces() -> bool {
+    std::env::var(NAMESPACES_ENV).is_ok_and(|v| v != "0" && !v.is_empty())
 }
 
 impl TempPool {
@@ -24,6 +41,9 @@ impl TempPool {
 
     /// A pool with `cfg`. Panics if it cannot be created.
     pub fn with(cfg: PoolConfig) -> TempPool {
+        if in_namespaces() {
+            return Self::namespaced(cfg);
+        }
         let path = PathBuf::from(format!(
             "/dev/shm/dmrpc-test-{}-{}.pool",
             std::process::id(),
@@ -34,6 +54,32 @@ impl TempPool {
             panic!("cannot create test pool {}: {e}", path.display());
         }
         TempPool { path }
+    }
+
+    fn namespaced(cfg: PoolConfig) -> TempPool {
+        let mut dev = NS_DEVICE.lock().unwrap_or_else(|e| e.into_inner());
+        let device = dev
+            .1
+            .get_or_insert_with(|| {
+                let d = PathBuf::from(format!(
+                    "/dev/shm/dmrpc-test-{}-namespaces.dev",
+                    std::process::id()
+                ));
+                let _ = std::fs::remove_file(&d);
+                if let Err(e) = crate::namespace::format(&d, TEST_DEVICE_LEN, cfg.group) {
+                    panic!("cannot make test device {}: {e}", d.display());
+                }
+                d
+            })
+            .clone();
+        let name = format!("t{}", N.fetch_add(1, Ordering::Relaxed));
+        if let Err(e) = crate::namespace::create(&device, &name, &cfg) {
+            panic!("cannot create test namespace {name} on {}: {e}", device.display());
+        }
+        dev.0 += 1;
+        TempPool {
+            path: crate::namespace::path(&device, &name),
+        }
     }
 
     /// Attaches with default options. Panics on failure.
@@ -81,8 +127,30 @@ impl TempPool {
 
 impl Drop for TempPool {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        let Some((device, _)) = crate::namespace::split(&self.path) else {
+            let _ = std::fs::remove_file(&self.path);
+            return;
+        };
+        let _ = Pool::destroy(&self.path);
+        let mut dev = NS_DEVICE.lock().unwrap_or_else(|e| e.into_inner());
+        dev.0 = dev.0.saturating_sub(1);
+        if dev.0 == 0 {
+            let _ = std::fs::remove_file(&device);
+            dev.1 = None;
+        }
     }
+}
+
+/// Makes this process stop for good halfway through its next namespace
+/// creation (the entry written, the pool not) or, with `removing`,
+/// removal (the entry marked, the region not yet wiped), as a crash there
+/// would leave it; for tests of recovery, whose caller is killed next.
+pub fn stop_namespace_change(removing: bool) {
+    crate::namespace::stop_at(if removing {
+        crate::namespace::Step::Remove
+    } else {
+        crate::namespace::Step::Create
+    });
 }
 
 /// Runs `run` on every input of the saved fuzz corpus of `target`

@@ -109,6 +109,9 @@ pub struct SharedFile {
     fd: OwnedFd,
     base: *mut u8,
     len: usize,
+    /// Where the mapping starts in the file: 0, or a region's offset
+    /// ([`SharedFile::open_region`]).
+    file_off: u64,
     path: PathBuf,
     /// A bus error in the mapping says which file and why.
     _bus: crate::bus::Watch,
@@ -179,7 +182,7 @@ impl SharedFile {
                 source: e,
             });
         }
-        Self::map(fd, path, size as usize).inspect_err(|_| {
+        Self::map(fd, path, 0, size as usize).inspect_err(|_| {
             // SAFETY: `c` is valid; we remove the file we just created.
             unsafe { libc::unlink(c.as_ptr()) };
         })
@@ -192,6 +195,33 @@ impl SharedFile {
     /// (its group too with [`Access::Group`]); a symbolic link is refused.
     /// A device (DAX) is left to its own permissions.
     pub fn open(path: &Path, device_len: Option<u64>, access: Access) -> Result<Self, SysError> {
+        let fd = Self::open_fd(path, access)?;
+        let len = match device_len {
+            Some(l) => l,
+            None => file_len(&fd).map_err(|source| SysError::Open {
+                path: path.to_owned(),
+                source,
+            })?,
+        };
+        Self::map(fd, path, 0, len as usize)
+    }
+
+    /// Opens an existing backing, as [`open`](Self::open) does, and maps
+    /// only `len` bytes of it from `file_off` (a multiple of the OS page
+    /// size): one region of a larger file or device. Offsets into this
+    /// mapping are offsets into the region; [`file_off`](Self::file_off)
+    /// turns them into the file's.
+    pub fn open_region(
+        path: &Path,
+        file_off: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<Self, SysError> {
+        let fd = Self::open_fd(path, access)?;
+        Self::map(fd, path, file_off, len as usize)
+    }
+
+    fn open_fd(path: &Path, access: Access) -> Result<OwnedFd, SysError> {
         let c = cpath(path)?;
         // SAFETY: `c` is a valid NUL-terminated path.
         let fd = unsafe {
@@ -221,14 +251,7 @@ impl SharedFile {
                 why,
             });
         }
-        let len = match device_len {
-            Some(l) => l,
-            None => file_len(&fd).map_err(|source| SysError::Open {
-                path: path.to_owned(),
-                source,
-            })?,
-        };
-        Self::map(fd, path, len as usize)
+        Ok(fd)
     }
 
     /// Whether `path` is a character device (a DAX device: it has no file size).
@@ -239,7 +262,7 @@ impl SharedFile {
             .unwrap_or(false)
     }
 
-    fn map(fd: OwnedFd, path: &Path, len: usize) -> Result<Self, SysError> {
+    fn map(fd: OwnedFd, path: &Path, file_off: u64, len: usize) -> Result<Self, SysError> {
         if len == 0 {
             return Err(SysError::Map {
                 path: path.to_owned(),
@@ -256,7 +279,7 @@ impl SharedFile {
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
-                0,
+                file_off as libc::off_t,
             )
         };
         if p == libc::MAP_FAILED {
@@ -281,6 +304,7 @@ impl SharedFile {
             fd,
             base: p.cast(),
             len,
+            file_off,
             path: path.to_owned(),
             _bus: bus,
         })
@@ -298,7 +322,7 @@ impl SharedFile {
     /// [`SharedFile::reserve_space`] does for the whole file. A file
     /// system that cannot allocate ahead is left as it is.
     pub fn reserve_range(&self, off: u64, len: u64) -> Result<(), SysError> {
-        match back_range(self.fd.as_raw_fd(), off, len as usize) {
+        match back_range(self.fd.as_raw_fd(), self.file_off + off, len as usize) {
             Ok(()) => Ok(()),
             Err(libc::ENOSPC) => Err(SysError::NoSpace {
                 path: self.path.clone(),
@@ -333,9 +357,16 @@ impl SharedFile {
         &self.path
     }
 
-    /// The file descriptor, for mapping single pages elsewhere.
+    /// The file descriptor, for mapping single pages elsewhere (at file
+    /// offsets: add [`file_off`](Self::file_off) to offsets into the mapping).
     pub fn raw_fd(&self) -> i32 {
         self.fd.as_raw_fd()
+    }
+
+    /// Where the mapping starts in the file (0 unless opened with
+    /// [`open_region`](Self::open_region)).
+    pub fn file_off(&self) -> u64 {
+        self.file_off
     }
 
     /// Faults in `len` bytes at `offset` ahead of use (`MADV_POPULATE_WRITE`),
@@ -598,6 +629,72 @@ pub fn back_range(fd: i32, file_off: u64, len: usize) -> Result<(), i32> {
             libc::EINTR => continue,
             libc::EOPNOTSUPP | libc::ENODEV | libc::ESPIPE => return Ok(()),
             e => return Err(e),
+        }
+    }
+}
+
+/// Returns `len` bytes of the file at `file_off` to its file system
+/// (`fallocate` with `FALLOC_FL_PUNCH_HOLE`): they read as zeros after.
+/// `Ok(false)` for a file or device that cannot punch holes (a DAX
+/// device): it is left as it is. The error is the `errno`.
+pub fn punch_hole(fd: i32, file_off: u64, len: u64) -> Result<bool, i32> {
+    loop {
+        // SAFETY: fallocate only reads its arguments.
+        let r = unsafe {
+            libc::fallocate(
+                fd,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                file_off as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if r == 0 {
+            return Ok(true);
+        }
+        // SAFETY: __errno_location returns this thread's errno.
+        match unsafe { *libc::__errno_location() } {
+            libc::EINTR => continue,
+            libc::EOPNOTSUPP | libc::ENODEV | libc::ESPIPE | libc::EINVAL => return Ok(false),
+            e => return Err(e),
+        }
+    }
+}
+
+/// Takes an open-file-description lock (`F_OFD_SETLKW`) on `len` bytes of
+/// `fd` at `file_off`, shared or exclusive, waiting for it. The kernel lets
+/// go of it when the descriptor is closed or its process dies, so a lock is
+/// never left behind by a crash. Locks are per host: processes of other
+/// hosts sharing a device do not see them.
+pub fn lock_range(fd: i32, file_off: u64, len: u64, exclusive: bool) -> std::io::Result<()> {
+    let kind = if exclusive {
+        libc::F_WRLCK
+    } else {
+        libc::F_RDLCK
+    };
+    ofd_lock(fd, libc::F_OFD_SETLKW, kind, file_off, len)
+}
+
+/// Lets go of a lock taken with [`lock_range`].
+pub fn unlock_range(fd: i32, file_off: u64, len: u64) -> std::io::Result<()> {
+    ofd_lock(fd, libc::F_OFD_SETLK, libc::F_UNLCK, file_off, len)
+}
+
+fn ofd_lock(fd: i32, cmd: i32, kind: i32, file_off: u64, len: u64) -> std::io::Result<()> {
+    // SAFETY: an all-zero flock is a valid value to fill in.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = file_off as libc::off_t;
+    fl.l_len = len as libc::off_t;
+    loop {
+        // SAFETY: `fl` is a valid flock; l_pid must be 0 for OFD locks,
+        // which the zeroed value gives.
+        if unsafe { libc::fcntl(fd, cmd, &mut fl) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
         }
     }
 }

@@ -23,6 +23,11 @@
 //! stopref B                 -> ok stopped     (stops in create_ref before copying entries)
 //! churn SEED [MASK]         -> never returns: random ops until killed
 //!                              (MASK: bit n enables op n of `churn`, default all)
+//! nscreate DEV NAME SIZE [stop] -> ok OFFSET  (creates a namespace; with `stop`,
+//!                              answers `ok stopping` and stops halfway)
+//! nsrm DEV NAME [stop]      -> ok             (removes one; `stop` as above)
+//! nschurn DEV SEED          -> never returns: creates and removes namespaces
+//!                              of DEV until killed
 //! exit                      -> detaches and exits
 //! ```
 
@@ -214,6 +219,45 @@ mod agent {
                         Ok(String::new())
                     } else {
                         Err(format!("check: {}", rep.problems.join("; ")))
+                    }
+                }
+                "nscreate" | "nsrm" => {
+                    let dev = std::path::PathBuf::from(it.next().ok_or("usage: device")?);
+                    let name = it.next().ok_or("usage: name")?.to_owned();
+                    let size = if cmd == "nscreate" { num(&mut it)? } else { 0 };
+                    if it.next() == Some("stop") {
+                        dm_pool::testing::stop_namespace_change(cmd == "nsrm");
+                        println!("ok stopping");
+                        let _ = std::io::stdout().flush();
+                    }
+                    if cmd == "nsrm" {
+                        dm_pool::namespace::remove(&dev, &name).map_err(e)?;
+                        return Ok(String::new());
+                    }
+                    let cfg = dm_pool::PoolConfig {
+                        size,
+                        ..Default::default()
+                    };
+                    let ns = dm_pool::namespace::create(&dev, &name, &cfg).map_err(e)?;
+                    Ok(ns.offset.to_string())
+                }
+                "nschurn" => {
+                    let dev = std::path::PathBuf::from(it.next().ok_or("usage: device")?);
+                    let mut x = num(&mut it)? | 1;
+                    println!("ok churning");
+                    let _ = std::io::stdout().flush();
+                    loop {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let name = format!("c{}", x % 6);
+                        let cfg = dm_pool::PoolConfig {
+                            size: (1 + x % 5) << 20,
+                            ..Default::default()
+                        };
+                        if dm_pool::namespace::create(&dev, &name, &cfg).is_err() {
+                            let _ = dm_pool::namespace::remove(&dev, &name);
+                        }
                     }
                 }
                 "churn" => {

@@ -193,6 +193,7 @@ impl Pool {
         let Some((slot, incarnation)) = claimed else {
             return Err(Error::ResourceExhausted { what: "slots" });
         };
+        shm.attached();
         // Wait out a maintenance recount (gc with no other process
         // attached) or another attacher's taking over the Ref clock, then
         // make sure the Ref clock is this host's.

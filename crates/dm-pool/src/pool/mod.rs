@@ -39,6 +39,21 @@ pub fn default_path(name: &str) -> PathBuf {
     }
 }
 
+/// Gives the pool's bookkeeping (header, page table, slots, descriptors,
+/// registry) its space in `file` now, and the whole pool its space with
+/// `cfg.reserve`. The bookkeeping is small, and it is written inside
+/// signal handlers (a mapped buffer's copy-on-write), where a full file
+/// system could not be said plainly. The data pages and rings get theirs
+/// only if asked.
+pub(crate) fn prepare_backing(file: &SharedFile, layout: &Layout, cfg: &PoolConfig) -> Result<()> {
+    if cfg.reserve {
+        file.reserve_range(0, layout.total_len)?;
+    } else {
+        file.reserve_range(0, layout.chan_off)?;
+    }
+    Ok(())
+}
+
 /// An attached pool. Cheap to clone; the slot is released when the last
 /// clone and every buffer of it are dropped.
 #[derive(Debug, Clone)]
@@ -48,8 +63,13 @@ pub struct Pool {
 
 impl Pool {
     /// Creates a pool at `path` (a file that must not exist, or a DAX/char
-    /// device that is overwritten) with `cfg`. Does not attach.
+    /// device that is overwritten) with `cfg`. Does not attach. A path
+    /// `DEVICE/NAME`, where DEVICE holds a segment table, creates
+    /// namespace NAME there ([`crate::namespace::create`]).
     pub fn create(path: &Path, cfg: &PoolConfig) -> Result<()> {
+        if let Some((device, name)) = crate::namespace::split(path) {
+            return crate::namespace::create(&device, &name, cfg).map(drop);
+        }
         let layout = Layout::compute(cfg, dm_sys::rand::random_u64(), now_ms())
             .map_err(Error::InvalidConfig)?;
         let access = if cfg.group {
@@ -64,20 +84,10 @@ impl Pool {
                 Err(dm_sys::mem::SysError::Exists(p)) => return Err(Error::AlreadyExists(p)),
                 r => r?,
             };
-            // The bookkeeping (header, page table, slots, descriptors,
-            // registry) always gets its space now. It is small, and it is
-            // written inside signal handlers (a mapped buffer's
-            // copy-on-write), where a full file system could not be said
-            // plainly. The data pages and rings get theirs only if asked.
-            let reserved = if cfg.reserve {
-                f.reserve_space()
-            } else {
-                f.reserve_range(0, layout.chan_off)
-            };
-            if let Err(e) = reserved {
+            if let Err(e) = prepare_backing(&f, &layout, cfg) {
                 drop(f);
                 let _ = dm_sys::mem::unlink(path);
-                return Err(e.into());
+                return Err(e);
             }
             f
         };
@@ -107,8 +117,13 @@ impl Pool {
     /// Destroys the pool at `path`: removes its backing file, or, on a
     /// device (DAX), erases its header so that nothing opens it as a pool
     /// (the device node itself is never removed). Attached processes keep
-    /// their mappings until they detach.
+    /// their mappings until they detach. A namespace (`DEVICE/NAME`) is
+    /// removed from its device, and refused while processes are attached
+    /// ([`crate::namespace::remove`]).
     pub fn destroy(path: &Path) -> Result<()> {
+        if let Some((device, name)) = crate::namespace::split(path) {
+            return crate::namespace::remove(&device, &name);
+        }
         let shm = Shm::open(path, Access::Group)?;
         if SharedFile::is_device(path) {
             shm.erase_header();
