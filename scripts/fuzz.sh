@@ -12,7 +12,7 @@ secs="${1:-60}"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-for t in ref_decode pool_open frame_decode ring_consume parts_join memserver_request memserver_serve image_request social_post grpc_wire heap_arg; do
+for t in ref_decode pool_open ns_table frame_decode ring_consume parts_join memserver_request memserver_serve image_request social_post grpc_wire heap_arg; do
   echo "== fuzz $t for ${secs}s"
   if [ "${KEEP:-0}" = 1 ]; then
     dirs=("fuzz/corpus/$t")

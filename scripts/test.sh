@@ -70,6 +70,9 @@ step "unit, property, multi-process tests, and the fuzz targets over their saved
 mkdir -p target
 cargo test --workspace 2>&1 | tee target/test-output.log
 
+step "the pool's whole suite again, every test pool a namespace of one device file"
+DMRPC_TEST_NAMESPACES=1 cargo test -p dm-pool 2>&1 | tee -a target/test-output.log
+
 step "Python bindings: build with maturin, pytest (scripts/python.sh)"
 ./scripts/python.sh 2>&1 | tee -a target/test-output.log
 

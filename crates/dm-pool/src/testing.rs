@@ -74,12 +74,42 @@ impl TempPool {
             .clone();
         let name = format!("t{}", N.fetch_add(1, Ordering::Relaxed));
         if let Err(e) = crate::namespace::create(&device, &name, &cfg) {
-            panic!("cannot create test namespace {name} on {}: {e}", device.display());
+            panic!(
+                "cannot create test namespace {name} on {}: {e}",
+                device.display()
+            );
         }
         dev.0 += 1;
         TempPool {
             path: crate::namespace::path(&device, &name),
         }
+    }
+
+    /// The file that holds the pool, and where the pool starts in it (a
+    /// namespace's region offset; 0 for a pool file).
+    pub fn backing(&self) -> (PathBuf, u64) {
+        match crate::namespace::split(&self.path) {
+            Some((device, name)) => {
+                let ns = crate::namespace::info(&device, &name)
+                    .unwrap_or_else(|e| panic!("{}: {e}", self.path.display()));
+                (device, ns.offset)
+            }
+            None => (self.path.clone(), 0),
+        }
+    }
+
+    /// The pool's bytes, as they are in its backing now.
+    pub fn bytes(&self) -> Vec<u8> {
+        use std::os::unix::fs::FileExt;
+        let (file, off) = self.backing();
+        let len = crate::layout_of(&self.path)
+            .unwrap_or_else(|e| panic!("{}: {e}", self.path.display()))
+            .total_len;
+        let mut v = vec![0u8; len as usize];
+        std::fs::File::open(&file)
+            .and_then(|f| f.read_exact_at(&mut v, off))
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        v
     }
 
     /// Attaches with default options. Panics on failure.

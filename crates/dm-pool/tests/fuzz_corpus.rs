@@ -13,3 +13,8 @@ fn ref_decode_corpus() {
 fn pool_open_corpus() {
     replay_corpus("pool_open", dm_pool::fuzzing::pool_open);
 }
+
+#[test]
+fn ns_table_corpus() {
+    replay_corpus("ns_table", dm_pool::fuzzing::ns_table);
+}

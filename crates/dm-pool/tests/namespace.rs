@@ -222,7 +222,11 @@ fn a_creator_killed_halfway_leaves_no_namespace() {
     namespace::create(&dev.0, "keep", &cfg(4 << 20)).unwrap();
     let mut agent = Agent::spawn(&dev.ns("keep"), None);
     assert_eq!(
-        agent.ok(&format!("nscreate {} half {} stop", dev.0.display(), 8 << 20)),
+        agent.ok(&format!(
+            "nscreate {} half {} stop",
+            dev.0.display(),
+            8 << 20
+        )),
         "stopping"
     );
     wait_for_state(&dev.0, State::Creating as u32);
@@ -273,7 +277,9 @@ fn a_remover_killed_halfway_leaves_the_namespace_removed() {
     let names: Vec<String> = dev.names().into_iter().map(|(n, _)| n).collect();
     assert_eq!(names, ["keep", "new"]);
     let p = Pool::open(&dev.ns("new"), quiet()).unwrap();
-    assert!(read(&p.alloc(1 << 20).unwrap(), 0, 4096).iter().all(|&x| x == 0));
+    assert!(read(&p.alloc(1 << 20).unwrap(), 0, 4096)
+        .iter()
+        .all(|&x| x == 0));
 }
 
 #[test]

@@ -1,5 +1,5 @@
-//! The `dmrpc` command-line tool. Subcommands live in `cmd/` (pool
-//! management, `ls`, `call`, the demo, the memory server); `bench` runs
+//! The `dmrpc` command-line tool. Subcommands live in `cmd/` (pool and
+//! namespace management, `ls`, `call`, the demo, the memory server); `bench` runs
 //! the `dmrpc-bench` crate (benchmarks against baselines).
 
 mod cmd;
@@ -26,6 +26,10 @@ enum Cmd {
     /// Create, inspect, check, collect and destroy memory pools.
     #[command(subcommand)]
     Pool(cmd::pool::PoolCmd),
+    /// Namespaces of one device or large file, each with its own pool
+    /// (DirectCXL): create, ls, info, rm.
+    #[command(subcommand)]
+    Ns(cmd::ns::NsCmd),
     /// A client, a load balancer and two workers as processes: by Ref vs by value.
     Demo(cmd::demo::DemoArgs),
     /// List the services registered in a pool (or in etcd: --etcd).
@@ -57,6 +61,7 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Pool(c) => cmd::pool::run(c),
+        Cmd::Ns(c) => cmd::ns::run(c),
         Cmd::Demo(a) => cmd::demo::run(a),
         Cmd::Ls(a) => cmd::ls::run(a),
         Cmd::Call(a) => match cmd::call::run(a) {

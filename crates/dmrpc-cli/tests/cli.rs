@@ -435,3 +435,60 @@ fn a_cluster_of_three_hosts_finds_services_by_name_and_survives_a_host() {
     );
     assert!(out.contains("every pool checked: clean"), "{out}");
 }
+
+/// `dmrpc ns`: namespaces of one file made, listed, used by a service and
+/// a shell client through `DEVICE/NAME`, and removed once unused.
+#[test]
+fn namespaces_of_one_file_hold_pools_that_services_use() {
+    let dev = std::path::PathBuf::from(format!("/dev/shm/dmrpc-cli-ns-{}.dev", std::process::id()));
+    let _ = std::fs::remove_file(&dev);
+    let d = dev.to_str().unwrap();
+    let (ok, out) = dmrpc(&["ns", "create", d, "alpha", "--size", "32MiB"]);
+    assert!(!ok && out.contains("--device-size"), "{out}");
+    let (ok, out) = dmrpc(&[
+        "ns",
+        "create",
+        d,
+        "alpha",
+        "--size",
+        "32MiB",
+        "--device-size",
+        "256MiB",
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out) = dmrpc(&["ns", "create", d, "beta", "--size", "64MiB"]);
+    assert!(ok, "{out}");
+    let (ok, out) = dmrpc(&["ns", "ls", d]);
+    assert!(ok && out.contains("alpha") && out.contains("beta"), "{out}");
+    assert!(out.contains("2 namespace(s)"), "{out}");
+
+    let alpha = dm_pool::namespace::path(&dev, "alpha");
+    let a = alpha.to_str().unwrap();
+    let node = Node::new(dm_pool::Pool::open(&alpha, Default::default()).unwrap());
+    let svc = node
+        .server("ns/echo")
+        .method("echo", |c| Ok(c.take_payload()))
+        .spawn()
+        .unwrap();
+    let (code, out, err) = dmrpc_out(&["call", "--path", a, "ns/echo", "echo", "--data", "hi"]);
+    assert_eq!((code, out.as_slice()), (0, &b"hi"[..]), "{err}");
+    let (ok, out) = dmrpc(&["ls", "--path", a]);
+    assert!(ok && out.contains("ns/echo"), "{out}");
+    let (ok, out) = dmrpc(&["ns", "info", d, "alpha"]);
+    assert!(ok && out.contains("attached    1 process"), "{out}");
+    let (ok, out) = dmrpc(&["ns", "rm", d, "alpha"]);
+    assert!(!ok && out.contains("in use"), "{out}");
+
+    drop(svc);
+    drop(node);
+    let (ok, out) = dmrpc(&["pool", "check", a, "--deep"]);
+    assert!(ok, "{out}");
+    let (ok, out) = dmrpc(&["ns", "rm", d, "alpha"]);
+    assert!(ok, "{out}");
+    let (ok, out) = dmrpc(&["ns", "ls", d]);
+    assert!(
+        ok && !out.contains("alpha") && out.contains("1 namespace(s)"),
+        "{out}"
+    );
+    std::fs::remove_file(&dev).unwrap();
+}

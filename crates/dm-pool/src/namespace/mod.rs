@@ -42,8 +42,8 @@ use crate::shm::Shm;
 use dm_sys::mem::{Access, SharedFile};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-pub use table::{valid_name, State, ALIGN, MAX_ENTRIES, NAME_MAX, NS_VERSION, TABLE_LEN};
 use table::{check_entries, entry_off, find_gap, Entry, Header, TableError, ENTRY_LEN};
+pub use table::{valid_name, State, ALIGN, MAX_ENTRIES, NAME_MAX, NS_VERSION, TABLE_LEN};
 
 /// What the segment table says of one namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -113,7 +113,11 @@ impl Device {
         let backing_len = if SharedFile::is_device(path) {
             None
         } else {
-            Some(std::fs::metadata(path)?.len())
+            let m = std::fs::metadata(path).map_err(|source| dm_sys::mem::SysError::Open {
+                path: path.to_owned(),
+                source,
+            })?;
+            Some(m.len())
         };
         if backing_len.is_some_and(|l| l < TABLE_LEN) {
             return Err(Error::NoNamespace {
@@ -174,7 +178,7 @@ impl Device {
 
     fn word(&self, i: u32, at: usize) -> &AtomicU32 {
         let off = entry_off(i) + at;
-        assert!(off + 4 <= TABLE_LEN as usize && off % 4 == 0);
+        assert!(off + 4 <= TABLE_LEN as usize && off.is_multiple_of(4));
         // SAFETY: in bounds of the table mapping (checked), 4-aligned (the
         // mapping is page-aligned), and only ever used as an atomic.
         unsafe { &*self.table.base().add(off).cast::<AtomicU32>() }
@@ -245,11 +249,13 @@ impl Device {
     }
 
     fn find<'a>(&self, used: &'a [(u32, Entry)], name: &str) -> Result<&'a (u32, Entry)> {
-        used.iter().find(|(_, e)| e.name == name).ok_or_else(|| Error::NoNamespace {
-            device: self.path.clone(),
-            name: name.to_owned(),
-            why: String::new(),
-        })
+        used.iter()
+            .find(|(_, e)| e.name == name)
+            .ok_or_else(|| Error::NoNamespace {
+                device: self.path.clone(),
+                name: name.to_owned(),
+                why: String::new(),
+            })
     }
 
     fn describe(&self, e: &Entry, refs: u32) -> Namespace {
@@ -456,7 +462,9 @@ pub fn info(device: &Path, name: &str) -> Result<Namespace> {
 
 /// The device's length for namespaces, as its table records it.
 pub fn device_len(device: &Path) -> Result<u64> {
-    Ok(Device::open(device, Access::Group, false)?.header()?.device_len)
+    Ok(Device::open(device, Access::Group, false)?
+        .header()?
+        .device_len)
 }
 
 /// A mapped namespace's tie to its table entry: the shared lock, held

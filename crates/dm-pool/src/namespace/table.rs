@@ -153,7 +153,11 @@ impl Header {
             return Err(TableError::Corrupt("header checksum does not match".into()));
         }
         let fixed = [
-            ("entry count", u64::from(u32_at(b, 12)), u64::from(MAX_ENTRIES)),
+            (
+                "entry count",
+                u64::from(u32_at(b, 12)),
+                u64::from(MAX_ENTRIES),
+            ),
             ("entry length", u64::from(u32_at(b, 16)), ENTRY_LEN as u64),
             ("table length", u64_at(b, 24), TABLE_LEN),
             ("alignment", u64_at(b, 40), ALIGN),
@@ -166,7 +170,7 @@ impl Header {
             }
         }
         let device_len = u64_at(b, 32);
-        if device_len < TABLE_LEN + ALIGN || device_len % ALIGN != 0 {
+        if device_len < TABLE_LEN + ALIGN || !device_len.is_multiple_of(ALIGN) {
             return Err(TableError::Corrupt(format!(
                 "device length {device_len} is not a multiple of {ALIGN} holding one region"
             )));
@@ -264,7 +268,7 @@ impl Entry {
             .to_owned();
         let (offset, size) = (u64_at(b, 8), u64_at(b, 16));
         let end = offset.checked_add(size).ok_or("offset + size overflows")?;
-        if offset < TABLE_LEN || offset % ALIGN != 0 || size == 0 || size % ALIGN != 0 {
+        if offset < TABLE_LEN || !offset.is_multiple_of(ALIGN) || size == 0 || !size.is_multiple_of(ALIGN) {
             return Err(format!(
                 "region {offset}+{size} is not {ALIGN}-aligned past the table"
             ));
@@ -425,14 +429,35 @@ mod tests {
         assert_eq!(Header::parse(&v, None), Err(TableError::Version(9)));
         let mut s = h.encode();
         s[33] ^= 1;
-        assert!(matches!(Header::parse(&s, None), Err(TableError::Corrupt(_))));
+        assert!(matches!(
+            Header::parse(&s, None),
+            Err(TableError::Corrupt(_))
+        ));
         let cases = [
-            (vec![(0, entry("a", TABLE_LEN, ALIGN)), (1, entry("b", TABLE_LEN, ALIGN))], "overlap"),
-            (vec![(0, entry("a", TABLE_LEN, ALIGN)), (1, entry("a", TABLE_LEN + ALIGN, ALIGN))], "same name"),
+            (
+                vec![
+                    (0, entry("a", TABLE_LEN, ALIGN)),
+                    (1, entry("b", TABLE_LEN, ALIGN)),
+                ],
+                "overlap",
+            ),
+            (
+                vec![
+                    (0, entry("a", TABLE_LEN, ALIGN)),
+                    (1, entry("a", TABLE_LEN + ALIGN, ALIGN)),
+                ],
+                "same name",
+            ),
             (vec![(0, entry("a", 0, ALIGN))], "aligned past"),
             (vec![(0, entry("a", TABLE_LEN + 1, ALIGN))], "aligned past"),
-            (vec![(0, entry("a", DEV - ALIGN, 2 * ALIGN))], "past the device"),
-            (vec![(0, entry("a", u64::MAX - ALIGN + 1, ALIGN))], "overflows"),
+            (
+                vec![(0, entry("a", DEV - ALIGN, 2 * ALIGN))],
+                "past the device",
+            ),
+            (
+                vec![(0, entry("a", u64::MAX - ALIGN + 1, ALIGN))],
+                "overflows",
+            ),
             (vec![(0, entry("a/b", TABLE_LEN, ALIGN))], "name"),
         ];
         for (entries, why) in cases {
@@ -444,10 +469,41 @@ mod tests {
         }
         let mut t = table(&h, &[(3, entry("a", TABLE_LEN, ALIGN))]);
         t[entry_off(3) + 9] ^= 1;
-        assert!(matches!(check_entries(&t, &h), Err(TableError::Corrupt(m)) if m.contains("checksum")));
+        assert!(
+            matches!(check_entries(&t, &h), Err(TableError::Corrupt(m)) if m.contains("checksum"))
+        );
         let mut t = table(&h, &[]);
         t[entry_off(2)] = 7;
-        assert!(matches!(check_entries(&t, &h), Err(TableError::Corrupt(m)) if m.contains("state")));
+        assert!(
+            matches!(check_entries(&t, &h), Err(TableError::Corrupt(m)) if m.contains("state"))
+        );
+    }
+
+    proptest::proptest! {
+        /// A valid table with bytes changed anywhere: parsing never panics,
+        /// and a table that is accepted keeps its regions apart and inside.
+        #[test]
+        fn changed_tables_are_refused_or_sound(
+            changes in proptest::collection::vec((0usize..entry_off(8), proptest::num::u8::ANY), 1..6)
+        ) {
+            let h = Header { device_len: DEV, formatted_ms: 3 };
+            let mut t = table(&h, &[
+                (0, entry("a", TABLE_LEN, ALIGN)),
+                (1, entry("b", TABLE_LEN + ALIGN, 4 * ALIGN)),
+                (6, entry("c", DEV - ALIGN, ALIGN)),
+            ]);
+            for (at, v) in changes {
+                t[at] = v;
+            }
+            if let Ok(h) = Header::parse(&t, Some(DEV)) {
+                if let Ok(used) = check_entries(&t, &h) {
+                    let mut r: Vec<(u64, u64)> = used.iter().map(|(_, e)| (e.offset, e.end())).collect();
+                    r.sort_unstable();
+                    proptest::prop_assert!(r.iter().all(|&(a, b)| a >= TABLE_LEN && b <= DEV));
+                    proptest::prop_assert!(r.windows(2).all(|w| w[0].1 <= w[1].0));
+                }
+            }
+        }
     }
 
     #[test]

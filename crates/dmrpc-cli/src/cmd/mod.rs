@@ -8,5 +8,6 @@ pub mod grpc;
 pub mod key;
 pub mod ls;
 pub mod memserver;
+pub mod ns;
 pub mod out;
 pub mod pool;

@@ -33,65 +33,96 @@ impl Target {
     }
 }
 
+/// How a pool is made (`pool create`, `ns create`).
+#[derive(Args, Debug, Clone)]
+pub struct PoolOptions {
+    /// Total size, e.g. 256MiB, 1GiB.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    size: u64,
+    /// Page size: the unit of sharing and copy-on-write (power of two, >= 4KiB).
+    #[arg(long, default_value = "4KiB", value_parser = parse_size)]
+    page_size: u64,
+    /// How many processes may attach at once.
+    #[arg(long, default_value_t = 256)]
+    slots: u32,
+    /// A process silent this long (ms) is dead; its holdings are reclaimed.
+    #[arg(long, default_value_t = 2000)]
+    lease_ms: u64,
+    /// Default time to live of a Ref (ms).
+    #[arg(long, default_value_t = 60_000)]
+    ref_ttl_ms: u64,
+    /// The clock Refs live by: `host` (this host's monotonic clock: a
+    /// step of the wall clock expires nothing; only this host may
+    /// attach) or `wall` (for a pool on a device several hosts attach).
+    #[arg(long, default_value = "host")]
+    ref_clock: RefClock,
+    /// How many services may be registered at once.
+    #[arg(long, default_value_t = 128)]
+    services: u32,
+    /// How many shared-memory RPC connections may be open at once
+    /// (default: as many as fit in a sixteenth of the pool, at most 64).
+    #[arg(long)]
+    channels: Option<u32>,
+    /// Bytes of each ring of a connection (power of two, 4KiB..16MiB).
+    #[arg(long, default_value = "256KiB", value_parser = parse_size)]
+    ring_size: u64,
+    /// Shared with the file's group (mode 0660): for processes of
+    /// several users in one group, which attach with
+    /// `AttachOptions::group`. By default the pool is its creator's
+    /// user's alone (mode 0600).
+    #[arg(long)]
+    group: bool,
+    /// Allocate the whole file now: a pool that does not fit is
+    /// refused, and no write into it can later find the file system
+    /// full. On tmpfs this takes the memory at once.
+    #[arg(long)]
+    reserve: bool,
+    /// Bytes of buffers each process may hold at most (e.g. 256MiB).
+    #[arg(long, value_parser = parse_size)]
+    process_quota: Option<u64>,
+    /// A tenant and its quota, NAME=SIZE (repeat for more, at most 16):
+    /// processes that attach as it share the quota.
+    #[arg(long = "tenant", value_name = "NAME=SIZE", value_parser = parse_tenant)]
+    tenants: Vec<(String, u64)>,
+    /// How long the holdings of a process of another host or PID
+    /// namespace are kept after its lease ran out, in case it was only
+    /// stopped and resumes storing into them (0: reused at once).
+    #[arg(long, default_value_t = 30)]
+    quarantine_secs: u64,
+}
+
+impl PoolOptions {
+    /// The configuration of a pool named `name`.
+    pub fn config(&self, name: &str) -> Result<PoolConfig> {
+        Ok(PoolConfig {
+            size: self.size,
+            page_size: u32::try_from(self.page_size).context("page size too large")?,
+            slots: self.slots,
+            descs: None,
+            lease_ms: self.lease_ms,
+            ref_ttl_ms: self.ref_ttl_ms,
+            services: self.services,
+            channels: self.channels,
+            ring_size: u32::try_from(self.ring_size).context("ring size too large")?,
+            ref_clock: self.ref_clock,
+            name: name.to_owned(),
+            group: self.group,
+            reserve: self.reserve,
+            process_quota: self.process_quota,
+            tenants: self.tenants.clone(),
+            quarantine_ms: self.quarantine_secs.saturating_mul(1000),
+        })
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum PoolCmd {
     /// Create a pool (a file under /dev/shm by default, or --path FILE|DAX device).
     Create {
         #[command(flatten)]
         target: Target,
-        /// Total size, e.g. 256MiB, 1GiB.
-        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
-        size: u64,
-        /// Page size: the unit of sharing and copy-on-write (power of two, >= 4KiB).
-        #[arg(long, default_value = "4KiB", value_parser = parse_size)]
-        page_size: u64,
-        /// How many processes may attach at once.
-        #[arg(long, default_value_t = 256)]
-        slots: u32,
-        /// A process silent this long (ms) is dead; its holdings are reclaimed.
-        #[arg(long, default_value_t = 2000)]
-        lease_ms: u64,
-        /// Default time to live of a Ref (ms).
-        #[arg(long, default_value_t = 60_000)]
-        ref_ttl_ms: u64,
-        /// The clock Refs live by: `host` (this host's monotonic clock: a
-        /// step of the wall clock expires nothing; only this host may
-        /// attach) or `wall` (for a pool on a device several hosts attach).
-        #[arg(long, default_value = "host")]
-        ref_clock: RefClock,
-        /// How many services may be registered at once.
-        #[arg(long, default_value_t = 128)]
-        services: u32,
-        /// How many shared-memory RPC connections may be open at once
-        /// (default: as many as fit in a sixteenth of the pool, at most 64).
-        #[arg(long)]
-        channels: Option<u32>,
-        /// Bytes of each ring of a connection (power of two, 4KiB..16MiB).
-        #[arg(long, default_value = "256KiB", value_parser = parse_size)]
-        ring_size: u64,
-        /// Shared with the file's group (mode 0660): for processes of
-        /// several users in one group, which attach with
-        /// `AttachOptions::group`. By default the pool is its creator's
-        /// user's alone (mode 0600).
-        #[arg(long)]
-        group: bool,
-        /// Allocate the whole file now: a pool that does not fit is
-        /// refused, and no write into it can later find the file system
-        /// full. On tmpfs this takes the memory at once.
-        #[arg(long)]
-        reserve: bool,
-        /// Bytes of buffers each process may hold at most (e.g. 256MiB).
-        #[arg(long, value_parser = parse_size)]
-        process_quota: Option<u64>,
-        /// A tenant and its quota, NAME=SIZE (repeat for more, at most 16):
-        /// processes that attach as it share the quota.
-        #[arg(long = "tenant", value_name = "NAME=SIZE", value_parser = parse_tenant)]
-        tenants: Vec<(String, u64)>,
-        /// How long the holdings of a process of another host or PID
-        /// namespace are kept after its lease ran out, in case it was only
-        /// stopped and resumes storing into them (0: reused at once).
-        #[arg(long, default_value_t = 30)]
-        quarantine_secs: u64,
+        #[command(flatten)]
+        opts: PoolOptions,
     },
     /// Show the pool's format and geometry.
     Info {
@@ -132,42 +163,9 @@ pub enum PoolCmd {
 
 pub fn run(cmd: PoolCmd) -> Result<()> {
     match cmd {
-        PoolCmd::Create {
-            target,
-            size,
-            page_size,
-            slots,
-            lease_ms,
-            ref_ttl_ms,
-            ref_clock,
-            services,
-            channels,
-            ring_size,
-            group,
-            reserve,
-            process_quota,
-            tenants,
-            quarantine_secs,
-        } => {
+        PoolCmd::Create { target, opts } => {
             let path = target.path();
-            let cfg = PoolConfig {
-                size,
-                page_size: u32::try_from(page_size).context("page size too large")?,
-                slots,
-                descs: None,
-                lease_ms,
-                ref_ttl_ms,
-                services,
-                channels,
-                ring_size: u32::try_from(ring_size).context("ring size too large")?,
-                ref_clock,
-                name: target.name.clone(),
-                group,
-                reserve,
-                process_quota,
-                tenants,
-                quarantine_ms: quarantine_secs.saturating_mul(1000),
-            };
+            let cfg = opts.config(&target.name)?;
             Pool::create(&path, &cfg)
                 .with_context(|| format!("creating pool {}", path.display()))?;
             let info = dm_pool::check_path(&path, false)?;
@@ -176,7 +174,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 target.name,
                 path.display(),
                 info.pages_total,
-                fmt_size(page_size)
+                fmt_size(opts.page_size)
             );
         }
         PoolCmd::Info { target } => {
@@ -308,7 +306,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
         }
         PoolCmd::Destroy { target } => {
             let path = target.path();
-            if !path.exists() {
+            if !path.exists() && dm_pool::namespace::split(&path).is_none() {
                 bail!("no pool at {}", path.display());
             }
             Pool::destroy(&path).with_context(|| format!("destroying {}", path.display()))?;
