@@ -353,7 +353,7 @@ pub fn format(device: &Path, device_len: u64, group: bool) -> Result<()> {
     Ok(())
 }
 
-/// Creates namespace `name` on `device` (formatted: [`format`]) with a
+/// Creates namespace `name` on `device` (formatted: [`format()`]) with a
 /// pool of `cfg` inside, in the first gap large enough. The region is the
 /// pool's length rounded up to [`ALIGN`]. A process killed meanwhile
 /// leaves no namespace: the next change of the table frees what it began.
