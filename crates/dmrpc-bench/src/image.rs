@@ -397,7 +397,7 @@ struct Cell<'a> {
 }
 
 impl Cell<'_> {
-    fn connect(&self) -> Result<dm_rpc::Client> {
+    fn connect(&self) -> Result<crate::apps::Conn> {
         Ok(self.target.connect(self.node)?)
     }
 

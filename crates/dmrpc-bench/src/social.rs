@@ -126,7 +126,7 @@ struct Driver<'a> {
 impl Driver<'_> {
     /// Request `k` of a thread whose random state is `x`: the op's
     /// latency in ns.
-    fn one(&self, c: &dm_rpc::Client, x: &mut u64, k: u64) -> Result<f64> {
+    fn one(&self, c: &crate::apps::Conn, x: &mut u64, k: u64) -> Result<f64> {
         *x ^= *x << 13;
         *x ^= *x >> 7;
         *x ^= *x << 17;
@@ -164,7 +164,7 @@ impl Driver<'_> {
         Ok(t.elapsed().as_nanos() as f64)
     }
 
-    fn connect(&self) -> Result<dm_rpc::Client> {
+    fn connect(&self) -> Result<crate::apps::Conn> {
         Ok(self.entry.connect(self.node)?)
     }
 
@@ -212,7 +212,7 @@ impl Driver<'_> {
     fn threads(
         &self,
         n: usize,
-        body: impl Fn(usize, &dm_rpc::Client, Instant) -> Result<Vec<f64>> + Sync,
+        body: impl Fn(usize, &crate::apps::Conn, Instant) -> Result<Vec<f64>> + Sync,
     ) -> Result<(f64, Vec<f64>)> {
         let cs = (0..n).map(|_| self.connect()).collect::<Result<Vec<_>>>()?;
         let t0 = Instant::now();

@@ -411,7 +411,8 @@ fn call_calls_a_grpc_service_with_raw_messages() {
 #[test]
 fn a_cluster_of_three_hosts_finds_services_by_name_and_survives_a_host() {
     // Three network-namespace hosts, etcd on each, memory servers on two,
-    // a replicated chain across them; then one host's processes killed.
+    // a replicated chain and the image application across them; then one
+    // host's processes killed.
     if let Err(e) = dm_netns::Hosts::available() {
         eprintln!("skipped: {e}");
         return;
@@ -428,7 +429,15 @@ fn a_cluster_of_three_hosts_finds_services_by_name_and_survives_a_host() {
         "2",
     ]);
     assert!(ok, "{out}");
-    assert!(out.contains("256 KiB"), "{out}");
+    // Both applications answered (every answer is checked), on pools that
+    // are namespaces of one device file.
+    for app in ["chain", "image"] {
+        let row = out
+            .lines()
+            .find(|l| l.contains(app) && l.contains("256 KiB"));
+        assert!(row.is_some(), "no {app} row: {out}");
+    }
+    assert!(out.contains("namespaces host0..host2"), "{out}");
     assert!(
         out.contains("host 2 killed") && out.contains("none failed"),
         "{out}"

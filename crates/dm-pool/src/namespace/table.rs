@@ -268,7 +268,11 @@ impl Entry {
             .to_owned();
         let (offset, size) = (u64_at(b, 8), u64_at(b, 16));
         let end = offset.checked_add(size).ok_or("offset + size overflows")?;
-        if offset < TABLE_LEN || !offset.is_multiple_of(ALIGN) || size == 0 || !size.is_multiple_of(ALIGN) {
+        if offset < TABLE_LEN
+            || !offset.is_multiple_of(ALIGN)
+            || size == 0
+            || !size.is_multiple_of(ALIGN)
+        {
             return Err(format!(
                 "region {offset}+{size} is not {ALIGN}-aligned past the table"
             ));

@@ -48,7 +48,7 @@
 
 pub use super::Link;
 use super::{u32_at, u64_at, Next};
-use dm_rpc::{Node, Payload, RpcError, Server, Transport};
+use dm_rpc::{Node, Payload, RpcError, Server, ServerBuilder, Transport};
 use hmac::{Hmac, Mac};
 use image::codecs::pnm::{PnmDecoder, PnmEncoder, PnmSubtype, SampleEncoding};
 use image::{ColorType, ImageDecoder, ImageEncoder};
@@ -466,7 +466,12 @@ pub fn serve(
     role: Role,
     transport: Transport,
 ) -> Result<Server, RpcError> {
-    let b = node.server(name).transport(transport);
+    serve_with(node, node.server(name).transport(transport), role)
+}
+
+/// Starts tier `role` on `b`, a server of `node` made as the caller
+/// wants it (a replica, say).
+pub fn serve_with(node: &Node, b: ServerBuilder, role: Role) -> Result<Server, RpcError> {
     let b = match role {
         Role::Firewall { key, next } => {
             let next = Next::new(node, next);

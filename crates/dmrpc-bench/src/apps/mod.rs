@@ -6,26 +6,57 @@
 pub mod image;
 pub mod social;
 
-use dm_rpc::{Client, Node, Payload, RpcError};
+use dm_rpc::{BalancedClient, CallOptions, Client, Node, Payload, RpcError};
 use std::sync::OnceLock;
 
 /// How a service reaches another: by name over shared-memory channels,
-/// or at a TCP address.
+/// at a TCP address, or by name among replicas the node's registry lists.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Link {
     /// A service in the same pool, by name.
     Shm(String),
     /// A service at `host:port`.
     Tcp(String),
+    /// Replicas of a service found by name in the node's registry (etcd
+    /// across hosts), wherever they are: calls are balanced over them and,
+    /// as the tiers keep no state, one whose replica died is sent again
+    /// to another.
+    Replicas(String),
+}
+
+/// A connection a [`Link`] makes.
+#[derive(Debug)]
+pub enum Conn {
+    /// One service.
+    One(Client),
+    /// Replicas, balanced.
+    Balanced(BalancedClient),
+}
+
+impl Conn {
+    /// Calls `method` with `p`.
+    pub fn call(&self, method: &str, p: impl Into<Payload>) -> Result<Payload, RpcError> {
+        match self {
+            Conn::One(c) => c.call(method, p),
+            Conn::Balanced(b) => b.call_with(method, p.into(), may_repeat()),
+        }
+    }
+}
+
+/// Options of a call to replicas: it may run twice (the tiers keep no
+/// state), so one whose replica died is sent to another.
+pub fn may_repeat() -> CallOptions {
+    CallOptions::deadline(std::time::Duration::from_secs(10)).idempotent()
 }
 
 impl Link {
     /// Connects `node` to the service this names.
-    pub fn connect(&self, node: &Node) -> Result<Client, RpcError> {
-        match self {
-            Link::Shm(name) => node.connect(name),
-            Link::Tcp(addr) => node.connect_tcp(addr),
-        }
+    pub fn connect(&self, node: &Node) -> Result<Conn, RpcError> {
+        Ok(match self {
+            Link::Shm(name) => Conn::One(node.connect(name)?),
+            Link::Tcp(addr) => Conn::One(node.connect_tcp(addr)?),
+            Link::Replicas(name) => Conn::Balanced(node.connect_balanced(name)?),
+        })
     }
 }
 
@@ -49,7 +80,7 @@ fn u64_at(b: &[u8], i: usize) -> u64 {
 struct Next {
     node: Node,
     link: Link,
-    client: OnceLock<Client>,
+    client: OnceLock<Conn>,
 }
 
 impl Next {

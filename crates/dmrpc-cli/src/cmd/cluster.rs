@@ -3,19 +3,29 @@
 //!
 //! The hosts are network namespaces joined by a switch (crate
 //! `dm-netns`), each link shaped to `--link`. Each host has a pool of
-//! its own and a member of a three-member etcd cluster; hosts 0 and 1
-//! run a memory server each, registered in etcd (zone `cluster`). A
-//! chain of `--tiers` services spreads over the hosts, each tier a
-//! replica on two hosts, registered in etcd under its lease
-//! (`cluster/tier/K`) and calling the next tier by name. Payloads go
-//! inline or by memory-server Ref as each node learns is faster.
+//! its own: a namespace of one device file, as hosts would each have one
+//! of a CXL device. Each host runs a member of a three-member etcd
+//! cluster; hosts 0 and 1 run a memory server each, registered in etcd
+//! (zone `cluster`). Two applications spread over the hosts, every
+//! service a replica on two hosts, registered in etcd under its lease and
+//! calling the next by name:
 //!
-//! A client on host 0 calls the chain with each of `--sizes` and checks
-//! every answer (the last tier's checksum of what it read). With
-//! `--kill-host N` it then kills every process of host N (its tiers and
-//! its etcd member) with SIGKILL, calls on (the balanced clients fail
-//! over to the replicas on the other hosts), and says how long etcd took
-//! to forget the dead tiers. It ends with every pool checked.
+//! * the chain: `--tiers` services (`cluster/tier/K`), the last answering
+//!   a checksum of what it read;
+//! * the image application (`cluster/image/ROLE`): firewall, load
+//!   balancer, two image-processing services, transcoding and
+//!   compressing, answering a compressed thumbnail.
+//!
+//! Payloads go inline or by memory-server Ref as each node learns is
+//! faster.
+//!
+//! A client on host 0 calls each application with each of `--sizes` and
+//! checks every answer (the checksum; the thumbnail computed locally).
+//! With `--kill-host N` it then kills every process of host N (its
+//! services and its etcd member) with SIGKILL, calls on (the balanced
+//! clients fail over to the replicas on the other hosts), and says how
+//! long etcd took to forget the dead services. It ends with every pool
+//! checked.
 //!
 //! Needs root and iproute2 (`scripts/deps.sh`), and etcd.
 
@@ -25,8 +35,11 @@ use clap::Args;
 use dm_etcd::{EtcdCluster, EtcdConfig, EtcdRegistry};
 use dm_pool::auth::Key;
 use dm_pool::{AttachOptions, Pool, PoolConfig};
-use dm_rpc::{CallOptions, Config, Node, Payload, Registry, RpcError, Transport};
+use dm_rpc::{Config, Node, Payload, Registry, RpcError, Transport};
 use dmrpc::{fmt_size, parse_size};
+use dmrpc_bench::apps::image as img;
+use dmrpc_bench::apps::may_repeat;
+use dmrpc_bench::apps::Link;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -39,6 +52,10 @@ const HOSTS: usize = 3;
 const ZONE: &str = "cluster";
 /// etcd's lease of every process here.
 const LEASE: Duration = Duration::from_secs(2);
+/// The image application's services, in order.
+const IMAGE_ROLES: [&str; 6] = ["firewall", "lb", "proc0", "proc1", "transcode", "compress"];
+/// The image application's thumbnails' largest side.
+const THUMB: u32 = 64;
 
 #[derive(Args, Debug)]
 pub struct ClusterArgs {
@@ -59,6 +76,9 @@ pub struct ClusterArgs {
     /// on.
     #[arg(long)]
     pub kill_host: Option<usize>,
+    /// The applications to run: `chain`, `image` (comma separated).
+    #[arg(long, default_value = "chain,image", value_delimiter = ',')]
+    pub apps: Vec<String>,
 }
 
 /// A tier process of the cluster (`dmrpc __cluster-tier`).
@@ -70,14 +90,53 @@ pub struct TierArgs {
     pub etcd: String,
     #[arg(long)]
     pub ip: String,
+    /// A tier of the chain (with --tiers), or
     #[arg(long)]
-    pub tier: usize,
-    #[arg(long)]
+    pub tier: Option<usize>,
+    #[arg(long, default_value_t = 0)]
     pub tiers: usize,
+    /// a role of the image application (with --image-key, hex).
+    #[arg(long)]
+    pub image_role: Option<String>,
+    #[arg(long)]
+    pub image_key: Option<String>,
     #[arg(long)]
     pub host: usize,
     #[arg(long)]
     pub key_file: PathBuf,
+}
+
+fn image_name(role: &str) -> String {
+    format!("cluster/image/{role}")
+}
+
+/// The image application's role `role`, its next services found by name.
+fn image_role(role: &str, key: &str) -> Result<img::Role> {
+    let next = |r: &str| Link::Replicas(image_name(r));
+    Ok(match role {
+        "firewall" => {
+            let bytes = (0..key.len() / 2)
+                .map(|i| u8::from_str_radix(key.get(2 * i..2 * i + 2).unwrap_or("-"), 16))
+                .collect::<Result<Vec<u8>, _>>()
+                .context("the image key")?;
+            img::Role::Firewall {
+                key: bytes
+                    .try_into()
+                    .map_err(|_| anyhow!("the image key is 32 bytes"))?,
+                next: next("lb"),
+            }
+        }
+        "lb" => img::Role::Balancer {
+            next: vec![next("proc0"), next("proc1")],
+        },
+        "proc0" | "proc1" => img::Role::Processing {
+            transcode: next("transcode"),
+            compress: next("compress"),
+        },
+        "transcode" => img::Role::Transcoding,
+        "compress" => img::Role::Compressing,
+        r => bail!("no image role {r:?}"),
+    })
 }
 
 fn tier_name(t: usize) -> String {
@@ -115,12 +174,6 @@ fn node(pool: Pool, path: &Path, etcd: &[String], key: &Path) -> Result<(Node, E
     Ok((n, reg))
 }
 
-/// Options of the chain's calls: they may run twice (a tier has no
-/// state), so one whose replica died is sent to another.
-fn calls_may_repeat() -> CallOptions {
-    CallOptions::deadline(Duration::from_secs(10)).idempotent()
-}
-
 /// The tier process: serves `cluster/tier/K` as a replica on its host's
 /// address until its stdin closes.
 pub fn tier(a: TierArgs) -> Result<()> {
@@ -134,15 +187,29 @@ pub fn tier(a: TierArgs) -> Result<()> {
     let pool = Pool::open(&a.pool, AttachOptions::default())?;
     let eps = dm_etcd::parse_endpoints(&a.etcd);
     let (node, _reg) = node(pool, &a.pool, &eps, &a.key_file)?;
-    let next = (a.tier + 1 < a.tiers).then(|| tier_name(a.tier + 1));
+    let on = Transport::Tcp(format!("{}:0", a.ip));
+    let Some(tier) = a.tier else {
+        let role = a
+            .image_role
+            .as_deref()
+            .ok_or_else(|| anyhow!("--tier or --image-role"))?;
+        let key = a.image_key.as_deref().unwrap_or("");
+        let b = node.server(&image_name(role)).transport(on).replica();
+        let server = img::serve_with(&node, b, image_role(role, key)?)?;
+        println!("ready");
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        drop(server);
+        return Ok(());
+    };
+    let next = (tier + 1 < a.tiers).then(|| tier_name(tier + 1));
     let host = a.host as u8;
     // The next tier is found by name on the first call (it may start
     // after this one).
     let onward: Arc<std::sync::OnceLock<dm_rpc::BalancedClient>> = Default::default();
     let n2 = node.clone();
     let server = node
-        .server(&tier_name(a.tier))
-        .transport(Transport::Tcp(format!("{}:0", a.ip)))
+        .server(&tier_name(tier))
+        .transport(on)
         .replica()
         .method("pass", move |c| match &next {
             Some(next) => {
@@ -153,8 +220,7 @@ pub fn tier(a: TierArgs) -> Result<()> {
                         onward.get_or_init(|| bc)
                     }
                 };
-                let opts = calls_may_repeat();
-                bc.call_with("pass", c.take_payload(), opts)
+                bc.call_with("pass", c.take_payload(), may_repeat())
             }
             None => {
                 // Every byte read where it lies (no copy out).
@@ -210,8 +276,15 @@ fn first_line(c: &mut Child, want: &str) -> Result<String> {
 }
 
 pub fn run(a: ClusterArgs) -> Result<()> {
-    if a.tiers == 0 || a.sizes.is_empty() || a.calls == 0 {
-        bail!("--tiers, --sizes and --calls must not be empty");
+    if a.tiers == 0 || a.sizes.is_empty() || a.calls == 0 || a.apps.is_empty() {
+        bail!("--tiers, --sizes, --calls and --apps must not be empty");
+    }
+    if let Some(x) = a
+        .apps
+        .iter()
+        .find(|x| !matches!(x.as_str(), "chain" | "image"))
+    {
+        bail!("no application {x:?}: --apps takes chain and image");
     }
     if a.kill_host.is_some_and(|h| h == 0 || h >= HOSTS) {
         bail!("--kill-host must be 1 or 2 (host 0 runs the client)");
@@ -255,24 +328,25 @@ fn run_on(a: &ClusterArgs, hosts: &dm_netns::Hosts, work: &Path) -> Result<()> {
     .context("starting etcd")?;
     let eps = etcd.endpoints();
     let eps_arg = eps.join(",");
-    // Pools, a key for the memory servers, the memory servers.
+    // The hosts' pools: a namespace each of one device file.
+    let device = PathBuf::from(format!("/dev/shm/dmrpc-cluster-{}.dev", std::process::id()));
+    let _ = std::fs::remove_file(&device);
+    let device_guard = RemoveOnDrop(vec![device.clone()]);
+    dm_pool::namespace::format(&device, 1 << 30, false)?;
     let mut pools = Vec::new();
     for i in 0..HOSTS {
-        let p = PathBuf::from(format!(
-            "/dev/shm/dmrpc-cluster-{}-h{i}.pool",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&p);
-        Pool::create(
-            &p,
-            &PoolConfig {
-                size: 256 << 20,
-                ..Default::default()
-            },
-        )?;
-        pools.push(p);
+        let cfg = PoolConfig {
+            size: 256 << 20,
+            ..Default::default()
+        };
+        let ns = dm_pool::namespace::create(&device, &format!("host{i}"), &cfg)?;
+        pools.push(ns.path());
     }
-    let pools_guard = RemoveOnDrop(pools.clone());
+    println!(
+        "the hosts' pools: namespaces host0..host{} of {}",
+        HOSTS - 1,
+        device.display()
+    );
     let key = work.join("memserver.key");
     Key::generate_file(&key)?;
     let mut procs: Vec<(usize, Proc)> = Vec::new();
@@ -288,36 +362,57 @@ fn run_on(a: &ClusterArgs, hosts: &dm_netns::Hosts, work: &Path) -> Result<()> {
         first_line(&mut child, "listening")?;
         procs.push((h, Proc(child)));
     }
-    // The tiers: tier K on hosts K and K+1 (mod 3).
-    for t in 0..a.tiers {
-        for h in [t % HOSTS, (t + 1) % HOSTS] {
+    // Service K of an application on hosts K and K+1 (mod 3).
+    let image_key: img::Key = std::array::from_fn(|_| dm_sys::rand::random_u64() as u8);
+    let key_hex: String = image_key.iter().map(|b| format!("{b:02x}")).collect();
+    let mut services: Vec<Vec<String>> = Vec::new();
+    if a.apps.iter().any(|x| x == "chain") {
+        services.extend((0..a.tiers).map(|t| {
+            let (t, n) = (t.to_string(), a.tiers.to_string());
+            vec!["--tier".into(), t, "--tiers".into(), n]
+        }));
+    }
+    if a.apps.iter().any(|x| x == "image") {
+        services.extend(IMAGE_ROLES.iter().map(|r| {
+            let r = r.to_string();
+            vec![
+                "--image-role".into(),
+                r,
+                "--image-key".into(),
+                key_hex.clone(),
+            ]
+        }));
+    }
+    for (k, args) in services.iter().enumerate() {
+        for h in [k % HOSTS, (k + 1) % HOSTS] {
             let mut c = hosts.command(h, &exe)?;
             c.arg("__cluster-tier")
                 .arg("--pool")
                 .arg(&pools[h])
                 .args(["--etcd", &eps_arg, "--ip", &ip(h)])
-                .args(["--tier", &t.to_string(), "--tiers", &a.tiers.to_string()])
+                .args(args)
                 .args(["--host", &h.to_string()])
                 .arg("--key-file")
                 .arg(&key)
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped());
-            let mut child = c.spawn().context("starting a tier")?;
+            let mut child = c.spawn().context("starting a service")?;
             first_line(&mut child, "ready")?;
             procs.push((h, Proc(child)));
         }
     }
     println!(
-        "{} tiers, each a replica on two hosts, registered in etcd at {eps_arg}",
-        a.tiers
+        "{} services ({}), each a replica on two hosts, registered in etcd at {eps_arg}",
+        services.len(),
+        a.apps.join(", ")
     );
     // The client, on host 0.
-    let client = client_on_host0(&pools[0], &key, &eps, a, &mut etcd, &mut procs)?;
+    let client = client_on_host0(&pools[0], &key, &image_key, &eps, a, &mut etcd, &mut procs)?;
     for l in client {
         println!("{l}");
     }
-    // Every pool checked: the killed host's too (its dead tiers' holdings
-    // are reclaimed on the way).
+    // Every pool checked: the killed host's too (its dead services'
+    // holdings are reclaimed on the way).
     for p in &pools {
         dm_pool::gc_path(p)?;
         let r = dm_pool::check_path(p, true)?;
@@ -331,12 +426,15 @@ fn run_on(a: &ClusterArgs, hosts: &dm_netns::Hosts, work: &Path) -> Result<()> {
             );
         }
     }
-    println!("every pool checked: clean");
-    drop(pools_guard);
+    for i in 0..HOSTS {
+        dm_pool::namespace::remove(&device, &format!("host{i}"))?;
+    }
+    println!("every pool checked: clean; the namespaces removed");
+    drop(device_guard);
     Ok(())
 }
 
-/// Removes pool files (each checked first) when dropped.
+/// Removes files when dropped.
 struct RemoveOnDrop(Vec<PathBuf>);
 
 impl Drop for RemoveOnDrop {
@@ -347,61 +445,132 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// A request, and the answer it must get.
+type Exchange = (Vec<u8>, Vec<u8>);
+
+/// One application as the client calls it: a request of a size, and a
+/// call that checks its answer (the host that answered, if it says).
+struct App<'a> {
+    name: &'static str,
+    service: String,
+    method: &'static str,
+    request: Box<dyn Fn(u64) -> Result<Exchange> + 'a>,
+    check: fn(&[u8], &[u8]) -> Result<(), RpcError>,
+}
+
+fn chain_app<'a>() -> App<'a> {
+    App {
+        name: "chain",
+        service: tier_name(0),
+        method: "pass",
+        request: Box::new(|size| {
+            let data: Vec<u8> = (0..size as usize).map(|i| (i * 31 % 251) as u8).collect();
+            let want = checksum(&[&data]).to_le_bytes().to_vec();
+            Ok((data, want))
+        }),
+        check: |got, want| {
+            if got.len() != 9 || got[..8] != *want {
+                return Err(RpcError::internal(
+                    "the chain's answer does not match its request",
+                ));
+            }
+            Ok(())
+        },
+    }
+}
+
+fn image_app(key: &img::Key) -> App<'_> {
+    App {
+        name: "image",
+        service: image_name("firewall"),
+        method: img::METHOD,
+        request: Box::new(move |size| {
+            let ppm = img::generate(size as usize, size);
+            let h = img::Header {
+                client: u64::from(std::process::id()),
+                expires: img::unix_now() + 3600,
+                thumb: THUMB,
+            };
+            Ok((img::request(&h, key, &ppm), img::expected(&ppm, THUMB)?))
+        }),
+        check: |got, want| {
+            if got != want {
+                return Err(RpcError::internal(
+                    "the image application's thumbnail differs from the one computed here",
+                ));
+            }
+            Ok(())
+        },
+    }
+}
+
 /// The client's calls (from host 0), and the kill of `a.kill_host`.
+#[allow(clippy::too_many_arguments)]
 fn client_on_host0(
     pool: &Path,
     key: &Path,
+    image_key: &img::Key,
     eps: &[String],
     a: &ClusterArgs,
     etcd: &mut EtcdCluster,
     procs: &mut Vec<(usize, Proc)>,
 ) -> Result<Vec<String>> {
-    let (sizes, calls, tiers) = (&a.sizes, a.calls, a.tiers);
+    let calls = a.calls;
+    let mut apps = Vec::new();
+    if a.apps.iter().any(|x| x == "chain") {
+        apps.push(chain_app());
+    }
+    if a.apps.iter().any(|x| x == "image") {
+        apps.push(image_app(image_key));
+    }
     let mut lines = Vec::new();
     {
         let p = Pool::open(pool, AttachOptions::default())?;
         let (node, reg) = node(p, pool, eps, key)?;
-        let bc = node.connect_balanced(&tier_name(0))?;
-        let opts = calls_may_repeat;
-        let call = |data: &[u8]| -> Result<u8, RpcError> {
-            let a = bc.call_with("pass", Payload::from_vec(data.to_vec()), opts())?;
-            let v = a.to_vec()?;
-            if v.len() != 9 || v[..8] != checksum(&[data]).to_le_bytes() {
-                return Err(RpcError::internal(
-                    "the chain's answer does not match its request",
-                ));
-            }
-            Ok(v[8])
+        let clients = apps
+            .iter()
+            .map(|app| node.connect_balanced(&app.service))
+            .collect::<Result<Vec<_>, _>>()?;
+        let call = |k: usize, req: &[u8], want: &[u8]| -> Result<(), RpcError> {
+            let got = clients[k].call_with(
+                apps[k].method,
+                Payload::from_vec(req.to_vec()),
+                may_repeat(),
+            )?;
+            (apps[k].check)(&got.to_vec()?, want)
         };
         lines.push(format!(
-            "{:>9} {:>7} {:>10} {:>10} {:>12}",
-            "size", "calls", "p50 us", "p99 us", "calls/s"
+            "{:>6} {:>9} {:>7} {:>10} {:>10} {:>12}",
+            "app", "size", "calls", "p50 us", "p99 us", "calls/s"
         ));
-        for &size in sizes.iter() {
-            let data: Vec<u8> = (0..size as usize).map(|i| (i * 31 % 251) as u8).collect();
-            for _ in 0..calls.min(20) {
-                call(&data)?;
+        for (k, app) in apps.iter().enumerate() {
+            for &size in &a.sizes {
+                let (req, want) = (app.request)(size)?;
+                for _ in 0..calls.min(20) {
+                    call(k, &req, &want)?;
+                }
+                let mut t = Vec::with_capacity(calls);
+                let start = Instant::now();
+                for _ in 0..calls {
+                    let c = Instant::now();
+                    call(k, &req, &want)?;
+                    t.push(c.elapsed());
+                }
+                let all = start.elapsed();
+                t.sort_unstable();
+                lines.push(format!(
+                    "{:>6} {:>9} {:>7} {:>10.1} {:>10.1} {:>12.0}",
+                    app.name,
+                    fmt_size(size),
+                    calls,
+                    t[calls / 2].as_secs_f64() * 1e6,
+                    t[calls * 99 / 100].as_secs_f64() * 1e6,
+                    calls as f64 / all.as_secs_f64()
+                ));
             }
-            let mut t = Vec::with_capacity(calls);
-            let start = Instant::now();
-            for _ in 0..calls {
-                let c = Instant::now();
-                call(&data)?;
-                t.push(c.elapsed());
-            }
-            let all = start.elapsed();
-            t.sort_unstable();
-            lines.push(format!(
-                "{:>9} {:>7} {:>10.1} {:>10.1} {:>12.0}",
-                fmt_size(size),
-                calls,
-                t[calls / 2].as_secs_f64() * 1e6,
-                t[calls * 99 / 100].as_secs_f64() * 1e6,
-                calls as f64 / all.as_secs_f64()
-            ));
         }
         if let Some(k) = a.kill_host {
-            // Every process of host k: its tiers, its etcd member.
+            // Every process of host k: its services, its etcd member.
             let dead: Vec<u32> = procs
                 .iter()
                 .filter(|(h, _)| *h == k)
@@ -410,15 +579,30 @@ fn client_on_host0(
             let killed = Instant::now();
             etcd.kill(k);
             procs.retain(|(h, _)| *h != k);
-            let data = vec![7u8; sizes[0] as usize];
+            let reqs = apps
+                .iter()
+                .map(|app| (app.request)(a.sizes[0]))
+                .collect::<Result<Vec<_>>>()?;
+            let names: Vec<String> = (0..a.tiers)
+                .map(tier_name)
+                .filter(|_| a.apps.iter().any(|x| x == "chain"))
+                .chain(
+                    IMAGE_ROLES
+                        .iter()
+                        .map(|r| image_name(r))
+                        .filter(|_| a.apps.iter().any(|x| x == "image")),
+                )
+                .collect();
             let mut ok = 0;
             let mut gone = None;
             while killed.elapsed() < LEASE * 3 {
-                call(&data)?;
-                ok += 1;
+                for (j, (req, want)) in reqs.iter().enumerate() {
+                    call(j, req, want)?;
+                    ok += 1;
+                }
                 if gone.is_none() {
-                    let left = (0..tiers).try_fold(0usize, |n, t| {
-                        let l = reg.lookup_all(&tier_name(t))?;
+                    let left = names.iter().try_fold(0usize, |n, name| {
+                        let l = reg.lookup_all(name)?;
                         Ok::<_, RpcError>(
                             n + l
                                 .iter()
@@ -433,19 +617,19 @@ fn client_on_host0(
                     }
                 }
             }
-            let gone = gone.ok_or_else(|| anyhow!("the dead host's tiers are still in etcd"))?;
+            let gone = gone.ok_or_else(|| anyhow!("the dead host's services are still in etcd"))?;
             lines.push(format!(
-                "host {k} killed (its {} tiers and etcd member, SIGKILL): {ok} calls since, none failed; \
-                 its names left etcd after {:.2} s (lease {} s)",
+                "host {k} killed (its {} processes and etcd member, SIGKILL): {ok} calls since, none \
+                 failed; its names left etcd after {:.2} s (lease {} s)",
                 dead.len(),
                 gone.as_secs_f64(),
                 LEASE.as_secs()
             ));
         }
-        drop(bc);
+        drop(clients);
         drop(node);
     }
-    // The tiers and memory servers stop.
+    // The services and memory servers stop.
     for (_, p) in procs.drain(..).rev() {
         p.stop();
     }
