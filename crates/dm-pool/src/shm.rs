@@ -20,7 +20,7 @@ pub(crate) struct Shm {
     /// The path it was opened by (`DEVICE/NAME` for a namespace).
     path: std::path::PathBuf,
     /// A namespace's tie to its segment table entry.
-    ns: Option<crate::namespace::Link>,
+    ns: Option<crate::namespace::device::Link>,
 }
 
 impl Shm {
@@ -29,8 +29,8 @@ impl Shm {
     /// A path `DEVICE/NAME` opens namespace NAME of DEVICE
     /// (`namespace/mod.rs`).
     pub(crate) fn open(path: &Path, access: Access) -> Result<Shm> {
-        if let Some((device, name)) = crate::namespace::split(path) {
-            let (file, link) = crate::namespace::open(&device, &name, access)?;
+        if let Some((device, name)) = crate::namespace::device::split(path) {
+            let (file, link) = crate::namespace::device::open(&device, &name, access)?;
             return Self::from_file(file, path, Some(link));
         }
         let device = SharedFile::is_device(path);
@@ -51,7 +51,7 @@ impl Shm {
     pub(crate) fn from_file(
         file: SharedFile,
         path: &Path,
-        ns: Option<crate::namespace::Link>,
+        ns: Option<crate::namespace::device::Link>,
     ) -> Result<Shm> {
         let layout = Self::parse(&file, path, file.len() as u64)?;
         let shm = Shm {
@@ -634,6 +634,25 @@ impl Shm {
         // pid of another namespace means nothing here: the lease alone.
         here && ns == 0 && !dm_sys::proc::pid_alive(slot.pid.load(Ordering::Relaxed))
     }
+}
+
+/// Gives the pool's bookkeeping (header, page table, slots, descriptors,
+/// registry) its space in `file` now, and the whole pool its space with
+/// `cfg.reserve`. The bookkeeping is small, and it is written inside
+/// signal handlers (a mapped buffer's copy-on-write), where a full file
+/// system could not be said plainly. The data pages and rings get theirs
+/// only if asked.
+pub(crate) fn prepare_backing(
+    file: &SharedFile,
+    layout: &Layout,
+    cfg: &crate::layout::PoolConfig,
+) -> Result<()> {
+    if cfg.reserve {
+        file.reserve_range(0, layout.total_len)?;
+    } else {
+        file.reserve_range(0, layout.chan_off)?;
+    }
+    Ok(())
 }
 
 /// The page an entry names, borrowed or not.

@@ -39,21 +39,6 @@ pub fn default_path(name: &str) -> PathBuf {
     }
 }
 
-/// Gives the pool's bookkeeping (header, page table, slots, descriptors,
-/// registry) its space in `file` now, and the whole pool its space with
-/// `cfg.reserve`. The bookkeeping is small, and it is written inside
-/// signal handlers (a mapped buffer's copy-on-write), where a full file
-/// system could not be said plainly. The data pages and rings get theirs
-/// only if asked.
-pub(crate) fn prepare_backing(file: &SharedFile, layout: &Layout, cfg: &PoolConfig) -> Result<()> {
-    if cfg.reserve {
-        file.reserve_range(0, layout.total_len)?;
-    } else {
-        file.reserve_range(0, layout.chan_off)?;
-    }
-    Ok(())
-}
-
 /// An attached pool. Cheap to clone; the slot is released when the last
 /// clone and every buffer of it are dropped.
 #[derive(Debug, Clone)]
@@ -84,7 +69,7 @@ impl Pool {
                 Err(dm_sys::mem::SysError::Exists(p)) => return Err(Error::AlreadyExists(p)),
                 r => r?,
             };
-            if let Err(e) = prepare_backing(&f, &layout, cfg) {
+            if let Err(e) = crate::shm::prepare_backing(&f, &layout, cfg) {
                 drop(f);
                 let _ = dm_sys::mem::unlink(path);
                 return Err(e);
