@@ -21,6 +21,8 @@
 //!
 //! A client on host 0 calls each application with each of `--sizes` and
 //! checks every answer (the checksum; the thumbnail computed locally).
+//! The chain's last tier also says whether the payload reached it by
+//! memory-server Ref: the share of calls that did is shown.
 //! With `--kill-host N` it then kills every process of host N (its
 //! services and its etcd member) with SIGKILL, calls on (the balanced
 //! clients fail over to the replicas on the other hosts), and says how
@@ -79,6 +81,48 @@ pub struct ClusterArgs {
     /// The applications to run: `chain`, `image` (comma separated).
     #[arg(long, default_value = "chain,image", value_delimiter = ',')]
     pub apps: Vec<String>,
+    /// How payloads between hosts travel: as each node learns is faster,
+    /// always by memory-server Ref above the inline threshold, or always
+    /// inline.
+    #[arg(long, value_enum, default_value = "learned")]
+    pub payloads: Payloads,
+}
+
+/// How payloads between hosts travel (`--payloads`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Payloads {
+    /// As each node learns is faster, per method and size.
+    Learned,
+    /// By memory-server Ref above the inline threshold.
+    Ref,
+    /// Inline.
+    Value,
+}
+
+impl Payloads {
+    fn config(self) -> Config {
+        let base = match self {
+            Payloads::Value => Config::by_value(),
+            _ => Config::default(),
+        };
+        Config {
+            remote_choice: match self {
+                Payloads::Learned => dm_rpc::RemoteChoice::Measured,
+                _ => dm_rpc::RemoteChoice::Threshold,
+            },
+            // The hosts' network is this machine's own.
+            tcp_open: true,
+            ..base
+        }
+    }
+
+    fn arg(self) -> &'static str {
+        match self {
+            Payloads::Learned => "learned",
+            Payloads::Ref => "ref",
+            Payloads::Value => "value",
+        }
+    }
 }
 
 /// A tier process of the cluster (`dmrpc __cluster-tier`).
@@ -104,6 +148,8 @@ pub struct TierArgs {
     pub host: usize,
     #[arg(long)]
     pub key_file: PathBuf,
+    #[arg(long, value_enum)]
+    pub payloads: Payloads,
 }
 
 fn image_name(role: &str) -> String {
@@ -149,7 +195,13 @@ fn ip(host: usize) -> String {
 
 /// A node on `pool` that finds services in etcd and keeps payloads on
 /// the zone's memory servers.
-fn node(pool: Pool, path: &Path, etcd: &[String], key: &Path) -> Result<(Node, EtcdRegistry)> {
+fn node(
+    pool: Pool,
+    path: &Path,
+    etcd: &[String],
+    key: &Path,
+    payloads: Payloads,
+) -> Result<(Node, EtcdRegistry)> {
     let mut cfg = EtcdConfig::new(etcd);
     cfg.lease = LEASE;
     cfg.pool = Some(path.display().to_string());
@@ -161,16 +213,9 @@ fn node(pool: Pool, path: &Path, etcd: &[String], key: &Path) -> Result<(Node, E
             ..Default::default()
         },
     )?;
-    let n = Node::with_config(
-        pool,
-        Config {
-            // The hosts' network is this machine's own.
-            tcp_open: true,
-            ..Default::default()
-        },
-    )
-    .with_registry(Arc::new(reg.clone()))
-    .with_memserver(mem);
+    let n = Node::with_config(pool, payloads.config())
+        .with_registry(Arc::new(reg.clone()))
+        .with_memserver(mem);
     Ok((n, reg))
 }
 
@@ -186,7 +231,7 @@ pub fn tier(a: TierArgs) -> Result<()> {
         .init();
     let pool = Pool::open(&a.pool, AttachOptions::default())?;
     let eps = dm_etcd::parse_endpoints(&a.etcd);
-    let (node, _reg) = node(pool, &a.pool, &eps, &a.key_file)?;
+    let (node, _reg) = node(pool, &a.pool, &eps, &a.key_file, a.payloads)?;
     let on = Transport::Tcp(format!("{}:0", a.ip));
     let Some(tier) = a.tier else {
         let role = a
@@ -223,9 +268,12 @@ pub fn tier(a: TierArgs) -> Result<()> {
                 bc.call_with("pass", c.take_payload(), may_repeat())
             }
             None => {
-                // Every byte read where it lies (no copy out).
-                let mut out = checksum(&c.payload().segments()?).to_le_bytes().to_vec();
-                out.push(host);
+                // Every byte read where it lies (no copy out). The answer
+                // says which host served it and whether the payload came
+                // by memory-server Ref.
+                let p = c.payload();
+                let mut out = checksum(&p.segments()?).to_le_bytes().to_vec();
+                out.extend([host, u8::from(p.is_remote())]);
                 Ok(Payload::from_vec(out))
             }
         })
@@ -392,6 +440,7 @@ fn run_on(a: &ClusterArgs, hosts: &dm_netns::Hosts, work: &Path) -> Result<()> {
                 .args(["--etcd", &eps_arg, "--ip", &ip(h)])
                 .args(args)
                 .args(["--host", &h.to_string()])
+                .args(["--payloads", a.payloads.arg()])
                 .arg("--key-file")
                 .arg(&key)
                 .stdin(Stdio::piped())
@@ -448,14 +497,19 @@ impl Drop for RemoveOnDrop {
 /// A request, and the answer it must get.
 type Exchange = (Vec<u8>, Vec<u8>);
 
+/// Whether an answered payload reached the last service by memory-server
+/// Ref (None: the application does not say).
+type ByRef = Option<bool>;
+
 /// One application as the client calls it: a request of a size, and a
-/// call that checks its answer (the host that answered, if it says).
+/// call that checks its answer: whether the payload reached the last
+/// service by memory-server Ref, if the application says.
 struct App<'a> {
     name: &'static str,
     service: String,
     method: &'static str,
     request: Box<dyn Fn(u64) -> Result<Exchange> + 'a>,
-    check: fn(&[u8], &[u8]) -> Result<(), RpcError>,
+    check: fn(&[u8], &[u8]) -> Result<ByRef, RpcError>,
 }
 
 fn chain_app<'a>() -> App<'a> {
@@ -469,12 +523,12 @@ fn chain_app<'a>() -> App<'a> {
             Ok((data, want))
         }),
         check: |got, want| {
-            if got.len() != 9 || got[..8] != *want {
+            if got.len() != 10 || got[..8] != *want {
                 return Err(RpcError::internal(
                     "the chain's answer does not match its request",
                 ));
             }
-            Ok(())
+            Ok(Some(got[9] == 1))
         },
     }
 }
@@ -499,7 +553,7 @@ fn image_app(key: &img::Key) -> App<'_> {
                     "the image application's thumbnail differs from the one computed here",
                 ));
             }
-            Ok(())
+            Ok(None)
         },
     }
 }
@@ -526,12 +580,12 @@ fn client_on_host0(
     let mut lines = Vec::new();
     {
         let p = Pool::open(pool, AttachOptions::default())?;
-        let (node, reg) = node(p, pool, eps, key)?;
+        let (node, reg) = node(p, pool, eps, key, a.payloads)?;
         let clients = apps
             .iter()
             .map(|app| node.connect_balanced(&app.service))
             .collect::<Result<Vec<_>, _>>()?;
-        let call = |k: usize, req: &[u8], want: &[u8]| -> Result<(), RpcError> {
+        let call = |k: usize, req: &[u8], want: &[u8]| -> Result<ByRef, RpcError> {
             let got = clients[k].call_with(
                 apps[k].method,
                 Payload::from_vec(req.to_vec()),
@@ -540,8 +594,8 @@ fn client_on_host0(
             (apps[k].check)(&got.to_vec()?, want)
         };
         lines.push(format!(
-            "{:>6} {:>9} {:>7} {:>10} {:>10} {:>12}",
-            "app", "size", "calls", "p50 us", "p99 us", "calls/s"
+            "{:>6} {:>9} {:>7} {:>10} {:>10} {:>12} {:>8}",
+            "app", "size", "calls", "p50 us", "p99 us", "calls/s", "by Ref"
         ));
         for (k, app) in apps.iter().enumerate() {
             for &size in &a.sizes {
@@ -550,22 +604,25 @@ fn client_on_host0(
                     call(k, &req, &want)?;
                 }
                 let mut t = Vec::with_capacity(calls);
+                let mut by_ref = Some(0);
                 let start = Instant::now();
                 for _ in 0..calls {
                     let c = Instant::now();
-                    call(k, &req, &want)?;
+                    let r = call(k, &req, &want)?;
                     t.push(c.elapsed());
+                    by_ref = by_ref.zip(r).map(|(n, r)| n + usize::from(r));
                 }
                 let all = start.elapsed();
                 t.sort_unstable();
                 lines.push(format!(
-                    "{:>6} {:>9} {:>7} {:>10.1} {:>10.1} {:>12.0}",
+                    "{:>6} {:>9} {:>7} {:>10.1} {:>10.1} {:>12.0} {:>8}",
                     app.name,
                     fmt_size(size),
                     calls,
                     t[calls / 2].as_secs_f64() * 1e6,
                     t[calls * 99 / 100].as_secs_f64() * 1e6,
-                    calls as f64 / all.as_secs_f64()
+                    calls as f64 / all.as_secs_f64(),
+                    by_ref.map_or("-".into(), |n| format!("{}%", n * 100 / calls))
                 ));
             }
         }
