@@ -92,7 +92,7 @@ fn namespaces_hold_separate_pools_and_go_away_when_unused() {
 
     // Each pool is its own: data, Refs and checks.
     let pa = Pool::open(&dev.ns("a"), quiet()).unwrap();
-    let pb = Pool::open(&dev.ns("b"), quiet()).unwrap();
+    let pb = Pool::open_namespace(&dev.0, "b", quiet()).unwrap();
     assert_eq!(pa.path(), dev.ns("a"));
     assert_ne!(pa.id(), pb.id());
     let mut buf = pa.alloc(3 << 20).unwrap();
@@ -149,6 +149,10 @@ fn namespaces_hold_separate_pools_and_go_away_when_unused() {
     ));
     assert!(matches!(
         namespace::remove(&dev.0, "nope"),
+        Err(Error::NoNamespace { .. })
+    ));
+    assert!(matches!(
+        Pool::open_namespace(Path::new("/dev/shm"), "a", quiet()),
         Err(Error::NoNamespace { .. })
     ));
     let plain = Device::new("plain-file", 8 << 20);

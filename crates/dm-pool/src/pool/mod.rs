@@ -91,6 +91,26 @@ impl Pool {
         Self::attach(shm, opts)
     }
 
+    /// Attaches to the pool of namespace `name` of `device`
+    /// ([`crate::namespace`]): the same as [`open`](Self::open) with the
+    /// path `DEVICE/NAME`.
+    pub fn open_namespace(device: &Path, name: &str, opts: AttachOptions) -> Result<Pool> {
+        if !crate::namespace::valid_name(name) {
+            return Err(Error::InvalidArgument(format!(
+                "{name:?} is not a namespace name"
+            )));
+        }
+        let path = crate::namespace::path(device, name);
+        if crate::namespace::split(&path).is_none() {
+            return Err(Error::NoNamespace {
+                device: device.to_owned(),
+                name: name.to_owned(),
+                why: " (it is not a file or device that holds namespaces)".into(),
+            });
+        }
+        Self::open(&path, opts)
+    }
+
     /// Attaches to the pool at `path`, creating it with `cfg` if it does not exist.
     pub fn open_or_create(path: &Path, cfg: &PoolConfig, opts: AttachOptions) -> Result<Pool> {
         match Self::create(path, cfg) {
