@@ -164,6 +164,11 @@ pub(crate) fn serving<R>(served: &mut Served, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Bytes a metadata's buffer has room for when its first entry comes:
+/// the typical call's entries (a gRPC call's path, content type and
+/// status) fit, so it grows no further.
+const FIRST_ROOM: usize = 128;
+
 fn valid_key(k: &[u8]) -> bool {
     !k.is_empty()
         && k.len() <= MAX_KEY
@@ -192,7 +197,11 @@ impl Metadata {
 
     /// Appends an entry whose key and value were checked.
     fn push(&mut self, key: &[u8], value: &[u8]) {
-        let b = self.0.get_or_insert_with(Box::default);
+        // Room for a few entries at once: metadata is built entry by
+        // entry, and each growth is an allocation.
+        let b = self
+            .0
+            .get_or_insert_with(|| Box::new(Vec::with_capacity(FIRST_ROOM)));
         b.reserve(3 + key.len() + value.len());
         // (Lengths checked by the caller.)
         b.push(key.len() as u8);

@@ -157,18 +157,20 @@ impl Body for Answer {
 /// request carried, then its caller's items.
 pub(crate) struct Request {
     first: Option<Bytes>,
-    items: Reader<AsyncInbox>,
+    /// The caller's items (none for a call made without them).
+    items: Option<Reader<AsyncInbox>>,
     out: Out,
     done: bool,
 }
 
 impl Request {
     pub(crate) fn new(first: Bytes, inbox: AsyncInbox) -> Request {
+        let done = inbox.is_done();
         Request {
             first: (!first.is_empty()).then_some(first),
-            items: Reader::new(inbox),
+            items: (!done).then(|| Reader::new(inbox)),
             out: Out::default(),
-            done: false,
+            done,
         }
     }
 }
@@ -183,10 +185,10 @@ impl Body for Request {
         if let Some(d) = this.out.next(wanted, this.first.take()) {
             return Poll::Ready(Some(Ok(Frame::data(d))));
         }
-        if this.done {
+        let Some(items) = this.items.as_mut().filter(|_| !this.done) else {
             return Poll::Ready(None);
-        }
-        Poll::Ready(match std::task::ready!(this.items.poll_next(cx)) {
+        };
+        Poll::Ready(match std::task::ready!(items.poll_next(cx)) {
             Some(Ok(p)) => Some(data(p).map(|d| {
                 // (An item is never empty: the reader skips those.)
                 Frame::data(this.out.next(wanted, Some(d)).unwrap_or_default())

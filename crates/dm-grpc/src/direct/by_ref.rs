@@ -86,6 +86,55 @@ pub(crate) enum Part {
     Pool(Buffer),
 }
 
+/// Parts of a body, most often one: that one is kept without an
+/// allocation (a call's message, its answer), a second makes a list.
+#[derive(Default)]
+pub(crate) struct Parts {
+    first: Option<Part>,
+    more: Vec<Part>,
+}
+
+impl Parts {
+    fn one(p: Part) -> Parts {
+        Parts {
+            first: Some(p),
+            more: Vec::new(),
+        }
+    }
+
+    /// How many.
+    pub(crate) fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.more.len()
+    }
+
+    /// The first, taken out of them.
+    pub(crate) fn take_first(&mut self) -> Option<Part> {
+        let f = self.first.take();
+        if f.is_some() && !self.more.is_empty() {
+            self.first = Some(self.more.remove(0));
+        }
+        f
+    }
+
+    /// Adds `other`'s at the end.
+    pub(crate) fn append(&mut self, other: Parts) {
+        for p in other {
+            match self.first {
+                None => self.first = Some(p),
+                Some(_) => self.more.push(p),
+            }
+        }
+    }
+}
+
+impl IntoIterator for Parts {
+    type Item = Part;
+    type IntoIter = std::iter::Chain<std::option::IntoIter<Part>, std::vec::IntoIter<Part>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.first.into_iter().chain(self.more)
+    }
+}
+
 impl Outbox {
     /// An outbox for `node`, or none if its payloads all go inline.
     pub(crate) fn new(node: &dm_rpc::Node) -> Option<Outbox> {
@@ -112,25 +161,32 @@ impl Outbox {
 
     /// `chunk` of the body, with each token's frame swapped for the buffer
     /// it stands for.
-    pub(crate) fn parts(this: &mut Option<Outbox>, chunk: Bytes) -> Vec<Part> {
+    pub(crate) fn parts(this: &mut Option<Outbox>, chunk: Bytes) -> Parts {
         let Some(ob) = this else {
-            return vec![Part::Bytes(chunk)];
+            return Parts::one(Part::Bytes(chunk));
         };
         if ob.made.is_empty() {
             // (No token in it: only where its frames end is kept.)
             ob.frames.walk(&chunk, |_, _| {});
-            return vec![Part::Bytes(chunk)];
+            return Parts::one(Part::Bytes(chunk));
         }
         let made = &mut ob.made;
-        ob.frames.split(
-            chunk,
-            |flag, msg| {
-                let id = token_id(msg).filter(|_| flag == 0)?;
-                let at = made.iter().position(|(m, _)| *m == id)?;
-                Some(Part::Pool(made.swap_remove(at).1))
-            },
-            Part::Bytes,
-        )
+        let mut v = ob
+            .frames
+            .split(
+                chunk,
+                |flag, msg| {
+                    let id = token_id(msg).filter(|_| flag == 0)?;
+                    let at = made.iter().position(|(m, _)| *m == id)?;
+                    Some(Part::Pool(made.swap_remove(at).1))
+                },
+                Part::Bytes,
+            )
+            .into_iter();
+        Parts {
+            first: v.next(),
+            more: v.collect(),
+        }
     }
 }
 

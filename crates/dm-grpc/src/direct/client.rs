@@ -2,7 +2,7 @@
 //! (see `wire.rs` for the mapping).
 
 use super::body;
-use super::by_ref::{Outbox, Part};
+use super::by_ref::{Outbox, Part, Parts};
 use super::wire::{answer_headers, grpc_timeout, headers_into, status_of, HEADERS, PATH};
 use bytes::Bytes;
 use dm_rpc::{AsyncClient, AsyncStreaming, CallOptions, Metadata, Node, Payload};
@@ -53,7 +53,7 @@ impl Direct {
         // one per payload).
         let (mut now, ended) = ready_data(&mut req_body, &mut outbox)?;
         let st = if ended && now.len() <= 1 {
-            let first = now.pop().map_or_else(Payload::empty, Part::payload);
+            let first = now.take_first().map_or_else(Payload::empty, Part::payload);
             self.client
                 .call_stream_with(path, first, opts, meta)
                 .await
@@ -72,7 +72,7 @@ impl Direct {
     async fn open_bidi(
         &self,
         path: &str,
-        now: Vec<Part>,
+        now: Parts,
         ended: bool,
         (opts, meta): (CallOptions, Metadata),
         req_body: Body,
@@ -119,17 +119,14 @@ impl Direct {
 }
 
 /// The data of `b` that is there now, and whether `b` ended.
-fn ready_data(
-    b: &mut Body,
-    outbox: &mut Option<Outbox>,
-) -> Result<(Vec<Part>, bool), tonic::Status> {
+fn ready_data(b: &mut Body, outbox: &mut Option<Outbox>) -> Result<(Parts, bool), tonic::Status> {
     let mut cx = Context::from_waker(std::task::Waker::noop());
-    let mut got = Vec::new();
+    let mut got = Parts::default();
     let ended = loop {
         match Outbox::lend(outbox, || Pin::new(&mut *b).poll_frame(&mut cx)) {
             Poll::Ready(Some(Ok(f))) => {
                 if let Ok(d) = f.into_data() {
-                    got.extend(Outbox::parts(outbox, d));
+                    got.append(Outbox::parts(outbox, d));
                 }
             }
             Poll::Ready(Some(Err(s))) => return Err(s),

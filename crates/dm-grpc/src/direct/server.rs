@@ -3,7 +3,7 @@
 //! `wire.rs`).
 
 use super::body;
-use super::by_ref::{Outbox, Part};
+use super::by_ref::{Outbox, Part, Parts};
 use super::wire::{headers_into, request_headers, status_trailers, HEADERS, PATH, TRAILERS};
 use dm_rpc::{AsyncCall, AsyncInbox, AsyncSink, Metadata, Payload, RpcError};
 use http_body::Body as _;
@@ -80,7 +80,7 @@ pub(crate) async fn serve_call<S: GrpcService>(
             headers_into(&mut head, &trailers)?;
             call.set_reply_metadata(head)
                 .map_err(|e| RpcError::internal(e.to_string()))?;
-            if let Some(data) = now.pop() {
+            if let Some(data) = now.take_first() {
                 sink.end_with(data.payload());
             }
             return Ok(());
@@ -100,7 +100,7 @@ async fn stream_answer(
     mut head: Metadata,
     out: Body,
     mut outbox: Option<Outbox>,
-    now: Vec<Part>,
+    now: Parts,
     end: Option<http::HeaderMap>,
 ) -> Result<(), RpcError> {
     // A stream (or messages in the pool, each its own item): the headers
@@ -167,14 +167,14 @@ pub(crate) fn request_uri(meta: &Metadata) -> Result<http::Uri, RpcError> {
 
 /// The data of `b` there now, and its trailers if it ended (empty ones
 /// if it ended without any).
-fn ready_body(b: &mut Body, outbox: &mut Option<Outbox>) -> (Vec<Part>, Option<http::HeaderMap>) {
+fn ready_body(b: &mut Body, outbox: &mut Option<Outbox>) -> (Parts, Option<http::HeaderMap>) {
     let mut cx = Context::from_waker(std::task::Waker::noop());
-    let mut data = Vec::new();
+    let mut data = Parts::default();
     let mut trailers = http::HeaderMap::new();
     let end = loop {
         match Outbox::lend(outbox, || Pin::new(&mut *b).poll_frame(&mut cx)) {
             Poll::Ready(Some(Ok(f))) => match f.into_data() {
-                Ok(d) => data.extend(Outbox::parts(outbox, d)),
+                Ok(d) => data.append(Outbox::parts(outbox, d)),
                 Err(f) => {
                     if let Ok(t) = f.into_trailers() {
                         trailers.extend(t);

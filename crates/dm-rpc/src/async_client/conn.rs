@@ -20,7 +20,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
-use super::reader::{Reader, Slot, State, LISTENER, NO_READER, PUMP};
+use super::reader::{Fed, Reader, Slot, State, LISTENER, NO_READER, PUMP};
 
 /// One connection of an [`AsyncClient`].
 pub struct AsyncConn {
@@ -473,7 +473,7 @@ impl crate::stream::StreamConn for AsyncConn {
         if let Some(e) = self.failure() {
             return Err((e, false));
         }
-        let mut first = Some(Slot::Stream(Box::default()));
+        let mut first = Some(Slot::Stream(Fed::default()));
         let mut enlist = |old: u64, new: u64| r.enlist(old, new, &mut first);
         let sent = r.send(&self.tx, Out::Listed(req, &mut enlist), deadline);
         sent_as(&self.name, sent, |e| r.fail(e))?;

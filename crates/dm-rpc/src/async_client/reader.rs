@@ -33,7 +33,41 @@ pub(super) enum Slot {
     Waiting(AnswerTx),
     /// A stream's caller ([`crate::stream::AsyncStreaming`]): the frames
     /// that came for it.
-    Stream(Box<Fed>),
+    Stream(Fed),
+}
+
+/// Frames in the order they came: the first kept in place, so a stream
+/// that gets one frame at a time (a call answered at once) makes no
+/// queue.
+#[derive(Default)]
+pub(super) struct Frames {
+    first: Option<Frame>,
+    rest: VecDeque<Frame>,
+}
+
+impl Frames {
+    fn push_back(&mut self, f: Frame) {
+        if self.first.is_none() && self.rest.is_empty() {
+            self.first = Some(f);
+        } else {
+            self.rest.push_back(f);
+        }
+    }
+
+    fn pop_front(&mut self) -> Option<Frame> {
+        self.first.take().or_else(|| self.rest.pop_front())
+    }
+}
+
+impl IntoIterator for Frames {
+    type Item = Frame;
+    type IntoIter = std::iter::Chain<
+        std::option::IntoIter<Frame>,
+        std::collections::vec_deque::IntoIter<Frame>,
+    >;
+    fn into_iter(self) -> Self::IntoIter {
+        self.first.into_iter().chain(self.rest)
+    }
 }
 
 /// What came for a stream and is not read yet: items, then the answer
@@ -41,7 +75,7 @@ pub(super) enum Slot {
 /// connection; and the task waiting for it.
 #[derive(Default)]
 pub(super) struct Fed {
-    pub(super) frames: VecDeque<Frame>,
+    pub(super) frames: Frames,
     pub(super) failed: Option<RpcError>,
     /// After `failed`, what was left on the connection was read.
     pub(super) rest_read: bool,

@@ -23,13 +23,10 @@ use std::sync::{Arc, OnceLock};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-/// Makes an async stream's handler future from its call.
-type MakeStream = Box<dyn FnOnce(AsyncCall) -> crate::server::StreamFuture + Send>;
-
 /// The call's future of an async stream whose handler `make` makes: it
 /// ends once the items it queued in `outlet` went out.
 fn items_before_end(
-    make: MakeStream,
+    make: impl FnOnce(AsyncCall) -> crate::server::StreamFuture,
     outlet: Arc<Outlet>,
 ) -> impl FnOnce(AsyncCall) -> HandlerFuture {
     move |c| {
@@ -290,7 +287,7 @@ impl Dispatcher {
     fn close_inlet(&mut self, inlet: Option<Arc<Inlet>>) {
         if let Some(i) = inlet {
             self.inlets.retain(|x| !Arc::ptr_eq(x, &i));
-            i.end(&self.node, RpcError::unavailable("the call has ended"));
+            i.end_call(&self.node);
         }
     }
 
@@ -478,7 +475,7 @@ impl Dispatcher {
                     let outlet = Arc::new(Outlet::new(conn, frame.call_id, deadline, credit));
                     let sink = self.sink(&outlet, conn);
                     let h = h.clone();
-                    let make: MakeStream = Box::new(move |c| h(c, sink));
+                    let make = move |c| h(c, sink);
                     let req = (frame.payload, frame.meta);
                     let make = items_before_end(make, outlet.clone());
                     match self.start_future(name, req, &mut scope, make) {
@@ -498,7 +495,7 @@ impl Dispatcher {
                     let inbox =
                         AsyncInbox::new(inlet.clone(), self.node.clone(), self.waker.clone());
                     let h = h.clone();
-                    let make: MakeStream = Box::new(move |c| h(c, inbox, sink));
+                    let make = move |c| h(c, inbox, sink);
                     let req = (frame.payload, frame.meta);
                     let make = items_before_end(make, outlet.clone());
                     match self.start_future(name, req, &mut scope, make) {

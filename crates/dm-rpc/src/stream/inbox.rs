@@ -34,8 +34,26 @@ struct Held {
     /// the connection has room).
     t: Taking,
     /// How the items ended early: every read from then on gives it.
-    ended: Option<RpcError>,
+    ended: Option<Ended>,
     waker: Option<Waker>,
+}
+
+/// How a call's items ended early.
+enum Ended {
+    /// The call is over: its error is made only if something reads on
+    /// (most calls' items end so, and nobody reads them again).
+    CallOver,
+    /// With this error.
+    Error(RpcError),
+}
+
+impl Ended {
+    fn error(&self) -> RpcError {
+        match self {
+            Ended::CallOver => RpcError::unavailable("the call has ended"),
+            Ended::Error(e) => e.clone(),
+        }
+    }
 }
 
 impl Inlet {
@@ -59,6 +77,12 @@ impl Inlet {
         crate::sync::lock(&self.state)
     }
 
+    /// Whether its items ended cleanly and every one was read.
+    fn is_done(&self) -> bool {
+        let h = self.lock();
+        h.t.finished && h.t.items.is_empty() && h.ended.is_none()
+    }
+
     /// Takes item `f` of the caller in: queued for the handler, or the
     /// end of the items. An item beyond what was granted ends the items
     /// with `ResourceExhausted` (the caller broke the flow control); one
@@ -72,7 +96,7 @@ impl Inlet {
         }
         if let Some(f) = h.t.take(f) {
             let left = if h.t.overflow {
-                Self::end_locked(&mut h, overflowed())
+                Self::end_locked(&mut h, Ended::Error(overflowed()))
             } else {
                 VecDeque::new()
             };
@@ -104,7 +128,7 @@ impl Inlet {
             Ok(false) => {}
             Err(e) => {
                 let e = RpcError::unavailable(format!("the call's caller is gone: {e}"));
-                let left = Self::end_locked(&mut h, e);
+                let left = Self::end_locked(&mut h, Ended::Error(e));
                 drop(h);
                 release(node, left);
             }
@@ -114,6 +138,16 @@ impl Inlet {
     /// Ends the items early with `e` (if they have not ended): what is
     /// held is released, and a waiting read is woken to fail.
     pub(crate) fn end(&self, node: &Node, e: RpcError) {
+        self.end_with(node, Ended::Error(e));
+    }
+
+    /// Ends the items because their call is over: as [`end`](Self::end)
+    /// with `Unavailable`, made only if a read comes.
+    pub(crate) fn end_call(&self, node: &Node) {
+        self.end_with(node, Ended::CallOver);
+    }
+
+    fn end_with(&self, node: &Node, e: Ended) {
         let mut h = self.lock();
         if h.ended.is_some() {
             return;
@@ -127,7 +161,7 @@ impl Inlet {
         }
     }
 
-    fn end_locked(h: &mut Held, e: RpcError) -> VecDeque<Frame> {
+    fn end_locked(h: &mut Held, e: Ended) -> VecDeque<Frame> {
         h.ended = Some(e);
         std::mem::take(&mut h.t.items)
     }
@@ -140,7 +174,7 @@ impl Inlet {
             return Poll::Ready(Some(Ok(f)));
         }
         if let Some(e) = &h.ended {
-            return Poll::Ready(Some(Err(e.clone())));
+            return Poll::Ready(Some(Err(e.error())));
         }
         if h.t.finished {
             return Poll::Ready(None);
@@ -207,6 +241,13 @@ impl AsyncInbox {
     /// Items read so far.
     pub fn read(&self) -> u64 {
         self.read
+    }
+
+    /// Whether every item the caller will send was read: its items ended
+    /// (at once for a call made without any), and none is waiting.
+    /// [`next`](Self::next) then gives `None`.
+    pub fn is_done(&self) -> bool {
+        self.inlet.is_done()
     }
 
     /// The caller's next item: `Some(Ok)`, `None` once the caller ended
