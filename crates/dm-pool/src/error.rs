@@ -190,9 +190,7 @@ pub enum Error {
     AlreadyExists(PathBuf),
     /// A device holds no namespace of that name (or one still being made
     /// or removed).
-    #[error(
-        "{device} holds no namespace {name:?}{why} (`dmrpc ns ls {device}` lists those it holds)"
-    )]
+    #[error("{}", no_namespace(device, name, why))]
     NoNamespace {
         /// The device or file.
         device: PathBuf,
@@ -225,6 +223,16 @@ pub enum Error {
     /// Other I/O.
     #[error("{0}")]
     Io(#[from] std::io::Error),
+}
+
+/// [`Error::NoNamespace`]'s message: of a name, or of a device that
+/// holds none at all (`name` empty).
+fn no_namespace(device: &std::path::Path, name: &str, why: &str) -> String {
+    let d = device.display();
+    if name.is_empty() {
+        return format!("{d} holds no namespaces{why}");
+    }
+    format!("{d} holds no namespace {name:?}{why} (`dmrpc ns ls {d}` lists those it holds)")
 }
 
 /// What to do when the pool has no free `what`: the message's second half.

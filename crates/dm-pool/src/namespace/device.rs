@@ -122,7 +122,8 @@ impl Device {
 
     pub(super) fn generation(&self, i: u32) -> &AtomicU64 {
         let off = entry_off(i) + 24;
-        // SAFETY: as in `word`; 8-aligned.
+        assert!(off + 8 <= TABLE_LEN as usize && off.is_multiple_of(8));
+        // SAFETY: in bounds and 8-aligned (checked), as in `word`.
         unsafe { &*self.table.base().add(off).cast::<AtomicU64>() }
     }
 
@@ -131,7 +132,8 @@ impl Device {
         let b = e.encode();
         // SAFETY: the entry lies in the table mapping; nobody else writes
         // these bytes while the exclusive lock is held (detaching processes
-        // write only the reference count, skipped here).
+        // change only the reference count, which is skipped here and
+        // stored whole after).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 b[8..].as_ptr(),
