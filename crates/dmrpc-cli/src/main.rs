@@ -59,6 +59,16 @@ fn main() {
     // memory mapped (see `dm_sys::malloc`). Before any thread starts.
     dm_sys::malloc::keep_large_buffers();
     let cli = Cli::parse();
+    if matches!(
+        cli.cmd,
+        Cmd::Pool(_) | Cmd::Ns(_) | Cmd::Ls(_) | Cmd::Key(_)
+    ) {
+        // Commands that only print end quietly when their reader goes
+        // (`dmrpc pool info | head`), as other tools do. The rest keep
+        // SIGPIPE ignored: a peer that closes a socket is an error there.
+        // SAFETY: before any thread starts; SIG_DFL is a valid disposition.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let r = match cli.cmd {
         Cmd::Pool(c) => cmd::pool::run(c),
         Cmd::Ns(c) => cmd::ns::run(c),

@@ -504,3 +504,32 @@ fn namespaces_of_one_file_hold_pools_that_services_use() {
     );
     std::fs::remove_file(&dev).unwrap();
 }
+
+/// A command that only prints ends quietly when its reader goes away
+/// (`dmrpc pool info | head -1`), with no panic or backtrace.
+#[test]
+fn a_printing_command_whose_reader_goes_ends_quietly() {
+    use std::io::Read;
+    let tp = TempPool::new(16 << 20);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dmrpc"))
+        .args(["pool", "info", "--path", tp.path.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes before the command writes.
+    drop(child.stdout.take());
+    let st = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        st.success() || std::os::unix::process::ExitStatusExt::signal(&st) == Some(libc::SIGPIPE),
+        "{st:?} {err}"
+    );
+}
