@@ -51,6 +51,7 @@ impl FixedMapping {
                 align: dm_sys::mem::os_page_size() as u64,
             });
         }
+        shm.pages_map_alone()?;
         // Its own page list (a mapped Ref's is its Ref's until then).
         buf.materialize()?;
         let res = Reservation::at(addr, n * ps)?;

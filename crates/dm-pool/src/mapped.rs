@@ -89,6 +89,16 @@ impl MappedBuffer {
 
     /// Maps an existing buffer for load/store.
     pub fn from_buffer(mut buf: Buffer) -> Result<MappedBuffer> {
+        if let Some(h) = buf.pool().shm().huge_page() {
+            // (A write fault copies a page with `pwrite`, which hugetlbfs
+            // does not take, and maps single pages.)
+            return Err(Error::InvalidArgument(format!(
+                "this pool is on hugetlbfs ({} KiB pages), where buffers cannot be mapped for \
+                 loads and stores: use the buffer's reads and writes, or a pool on a huge-page \
+                 tmpfs (`mount -t tmpfs -o huge=always`)",
+                h >> 10
+            )));
+        }
         // The fault handler cannot allocate: give the buffer its own list now.
         buf.materialize()?;
         dm_sys::fault::install(resolve).map_err(Error::Io)?;

@@ -173,6 +173,32 @@ impl Shm {
         }
     }
 
+    /// Whether pool pages can be mapped one by one into a fixed range
+    /// (fixed mappings, mapped buffers). On hugetlbfs only whole huge
+    /// pages map: the pool's pages must be huge pages (or several).
+    pub(crate) fn pages_map_alone(&self) -> Result<()> {
+        let Some(h) = self.file.huge_page() else {
+            return Ok(());
+        };
+        let ps = u64::from(self.layout.page_size);
+        if ps.is_multiple_of(h) && self.data_file_off().is_multiple_of(h) {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "this pool is on hugetlbfs, which maps only whole huge pages of {} KiB: its {} KiB \
+             pages cannot be mapped one by one. Create it with `--page-size {}KiB` \
+             (`PoolConfig::page_size`), or use the buffer's reads and writes",
+            h >> 10,
+            ps >> 10,
+            h >> 10
+        )))
+    }
+
+    /// The huge page size of the pool's file system, if it is hugetlbfs.
+    pub(crate) fn huge_page(&self) -> Option<u64> {
+        self.file.huge_page()
+    }
+
     /// Where the data area starts in the backing file (a namespace's pool
     /// starts at its region's offset).
     pub(crate) fn data_file_off(&self) -> u64 {

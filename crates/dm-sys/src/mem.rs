@@ -112,6 +112,8 @@ pub struct SharedFile {
     /// Where the mapping starts in the file: 0, or a region's offset
     /// ([`SharedFile::open_region`]).
     file_off: u64,
+    /// The huge page size of the file's file system, if it is hugetlbfs.
+    huge_page: Option<u64>,
     path: PathBuf,
     /// A bus error in the mapping says which file and why.
     _bus: crate::bus::Watch,
@@ -162,6 +164,11 @@ impl SharedFile {
             // SAFETY: `fd` is open; the mode is a plain value.
             unsafe { libc::fchmod(fd.as_raw_fd(), 0o660) };
         }
+        // On hugetlbfs a file is a whole number of huge pages.
+        let size = match hugetlbfs_page(&fd) {
+            Some(h) => size.div_ceil(h) * h,
+            None => size,
+        };
         if let Some(free) = free_bytes(&fd).filter(|&free| free < size) {
             // SAFETY: `c` is valid; we remove the file we just created.
             unsafe { libc::unlink(c.as_ptr()) };
@@ -289,6 +296,7 @@ impl SharedFile {
                 source: std::io::Error::last_os_error(),
             });
         }
+        let huge_page = hugetlbfs_page(&fd);
         let bus = crate::bus::watch(
             p as usize,
             len,
@@ -305,6 +313,7 @@ impl SharedFile {
             base: p.cast(),
             len,
             file_off,
+            huge_page,
             path: path.to_owned(),
             _bus: bus,
         })
@@ -367,6 +376,13 @@ impl SharedFile {
     /// [`open_region`](Self::open_region)).
     pub fn file_off(&self) -> u64 {
         self.file_off
+    }
+
+    /// The huge page size of the file's file system if it is hugetlbfs:
+    /// there a file is a whole number of huge pages, mapped only in whole
+    /// huge pages, and cannot be written with `pwrite`.
+    pub fn huge_page(&self) -> Option<u64> {
+        self.huge_page
     }
 
     /// Faults in `len` bytes at `offset` ahead of use (`MADV_POPULATE_WRITE`),
@@ -821,6 +837,30 @@ impl Drop for PinnedRegion {
 
 /// The bytes an unprivileged writer may still use on the file system of
 /// the regular file `fd` (None for a device, or if it cannot be told).
+/// `f_type` of a hugetlbfs file system (`statfs(2)`).
+const HUGETLBFS_MAGIC: libc::c_long = 0x9584_58f6;
+
+/// The huge page size of the file system of `fd` if it is hugetlbfs.
+fn hugetlbfs_page(fd: &OwnedFd) -> Option<u64> {
+    // SAFETY: a zeroed statfs is a valid value of a plain C struct.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is open; `fs` is a valid out-pointer.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } != 0 {
+        return None;
+    }
+    (fs.f_type as libc::c_long == HUGETLBFS_MAGIC && fs.f_bsize > 0).then_some(fs.f_bsize as u64)
+}
+
+/// Huge pages of `size` bytes the kernel has free (for hugetlbfs mounts
+/// with no size limit of their own).
+fn free_huge_pages(size: u64) -> Option<u64> {
+    let p = format!(
+        "/sys/kernel/mm/hugepages/hugepages-{}kB/free_hugepages",
+        size >> 10
+    );
+    std::fs::read_to_string(p).ok()?.trim().parse().ok()
+}
+
 fn free_bytes(fd: &OwnedFd) -> Option<u64> {
     // SAFETY: zeroed stat and statvfs are valid values of plain C structs.
     let (mut st, mut vfs): (libc::stat, libc::statvfs) =
@@ -834,6 +874,10 @@ fn free_bytes(fd: &OwnedFd) -> Option<u64> {
     // SAFETY: `fd` is open; `vfs` is a valid out-pointer.
     if unsafe { libc::fstatvfs(fd.as_raw_fd(), &mut vfs) } != 0 {
         return None;
+    }
+    if let Some(h) = hugetlbfs_page(fd).filter(|_| vfs.f_blocks == 0) {
+        // A hugetlbfs mount with no limit of its own: the kernel's pool.
+        return Some(free_huge_pages(h)?.saturating_mul(h));
     }
     Some(vfs.f_bavail.saturating_mul(vfs.f_frsize))
 }
