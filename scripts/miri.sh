@@ -2,7 +2,8 @@
 # Runs, under Miri, the unit tests of the code that touches shared or peer
 # memory through unsafe code or decodes peer bytes: the ring's raw
 # accessors with a producer and a consumer on two threads, the decoders of
-# frames (and their metadata), Refs, pool headers, page descriptors and
+# frames (and their metadata), Refs, pool headers, page descriptors, the
+# segment table of namespaces and
 # memory-server requests, the waiting policy, deadline propagation and an
 # answer's metadata slot, a client's receiving half (taken in turn by two
 # threads), the async client's `Then` (its pinning is unsafe code), and
@@ -22,7 +23,7 @@ fi
 export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
 export PROPTEST_CASES="${PROPTEST_CASES:-8}"
 cargo +nightly miri test -p dm-rpc --lib -- transport::ring frame:: metadata:: wait:: deadline:: handoff:: async_client::tests::then_
-cargo +nightly miri test -p dm-pool --lib -- layout:: refs:: desc:: pages::
+cargo +nightly miri test -p dm-pool --lib -- layout:: refs:: desc:: pages:: namespace::table::
 cargo +nightly miri test -p dm-memserver --lib -- proto:: cache::
 cargo +nightly miri test -p dm-grpc --lib -- direct::by_ref::tests::runs_ direct::by_ref::tests::frames_
 # Tree Borrows for dm-heap: rkyv 0.8's own check of an archived string
