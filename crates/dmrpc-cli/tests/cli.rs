@@ -289,6 +289,11 @@ fn pool_info_says_which_clock_refs_live_by() {
     let (ok, out) = dmrpc(&["pool", "info", "h", "--path", h]);
     assert!(ok, "{out}");
     assert!(out.contains("on this host's monotonic clock"), "{out}");
+    // Stats say each limit beside its use.
+    let (ok, out) = dmrpc(&["pool", "stats", "h", "--path", h]);
+    assert!(ok, "{out}");
+    assert!(out.contains("services 0 of 128"), "{out}");
+    assert!(out.contains("channels open 0 of "), "{out}");
     let (ok, out) = dmrpc(&[
         "pool",
         "create",

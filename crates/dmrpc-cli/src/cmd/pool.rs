@@ -244,7 +244,8 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 r.slots_live, r.slots_dead, r.slots_total, counters.slots_reclaimed
             );
             println!("cow     pages copied {}", counters.cow_copies);
-            let ps = dm_pool::layout_of(&path)?.page_size as u64;
+            let layout = dm_pool::layout_of(&path)?;
+            let ps = u64::from(layout.page_size);
             if r.process_quota_pages != 0 {
                 println!(
                     "quota   every process: {}",
@@ -263,8 +264,8 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 );
             }
             println!(
-                "rpc     services {}  channels open {}  (dmrpc ls for the list)",
-                r.services, r.channels
+                "rpc     services {} of {}  channels open {} of {}  (dmrpc ls for the list)",
+                r.services, layout.n_services, r.channels, layout.n_channels
             );
         }
         PoolCmd::Check { target, deep } => {
