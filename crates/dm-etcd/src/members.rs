@@ -51,6 +51,18 @@ pub struct EtcdCluster {
 /// How a member's command is made (for one in a namespace).
 type Wrap = Box<dyn Fn(usize, Command) -> Command + Send + Sync>;
 
+/// A member exited while the cluster started (its ports taken, say).
+#[derive(Debug)]
+struct Exited(String);
+
+impl std::fmt::Display for Exited {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Exited {}
+
 fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -60,15 +72,25 @@ fn free_port() -> std::io::Result<u16> {
 impl EtcdCluster {
     /// Starts `n` members on loopback, on free ports, their data under
     /// `dir`, and waits until the cluster answers (at most 20 s).
+    ///
+    /// A port found free may be taken by another process before its
+    /// member binds it, and the member exits: the cluster is then started
+    /// again on other ports (three times at most).
     pub fn start(n: usize, dir: &Path) -> std::io::Result<EtcdCluster> {
-        let mut addrs = Vec::with_capacity(n);
-        for _ in 0..n {
-            addrs.push((
-                format!("127.0.0.1:{}", free_port()?),
-                format!("127.0.0.1:{}", free_port()?),
-            ));
+        let mut tries = 0;
+        loop {
+            let mut addrs = Vec::with_capacity(n);
+            for _ in 0..n {
+                addrs.push((
+                    format!("127.0.0.1:{}", free_port()?),
+                    format!("127.0.0.1:{}", free_port()?),
+                ));
+            }
+            match Self::start_with(&addrs, dir, |_, c| c) {
+                Err(e) if tries < 2 && e.get_ref().is_some_and(|x| x.is::<Exited>()) => tries += 1,
+                r => return r,
+            }
         }
-        Self::start_with(&addrs, dir, |_, c| c)
     }
 
     /// Starts one member per `(client, peer)` address pair, each command
@@ -194,10 +216,10 @@ impl EtcdCluster {
             for m in &mut self.members {
                 if let Some(c) = &mut m.child {
                     if let Some(st) = c.try_wait()? {
-                        return Err(std::io::Error::other(format!(
+                        return Err(std::io::Error::other(Exited(format!(
                             "etcd member {} exited ({st}) while starting",
                             m.name
-                        )));
+                        ))));
                     }
                     all &= healthy(&m.client);
                 }
