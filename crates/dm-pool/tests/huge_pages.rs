@@ -95,6 +95,17 @@ fn pool_at(dir: &Path, name: &str, cfg: PoolConfig) -> PathBuf {
     p
 }
 
+/// The pools at `a` and `b`, attached, after the DM conformance suite
+/// ran on them (`b` as the foreign pool).
+fn conformance(a: &Path, b: &Path) -> (Pool, Pool) {
+    let (pa, pb) = (
+        Pool::open(a, quiet()).unwrap(),
+        Pool::open(b, quiet()).unwrap(),
+    );
+    dm_pool::conformance::run_all(&|| pa.clone(), &|| pb.clone());
+    (pa, pb)
+}
+
 fn clean(path: &Path) {
     let r = dm_pool::check_path(path, true).unwrap();
     assert!(r.ok(), "{:?}", r.problems);
@@ -125,11 +136,7 @@ fn pools_on_hugetlbfs() {
     // A file there is a whole number of huge pages.
     assert_eq!(std::fs::metadata(&a).unwrap().len() % (2 << 20), 0);
     {
-        let (pa, pb) = (
-            Pool::open(&a, quiet()).unwrap(),
-            Pool::open(&b, quiet()).unwrap(),
-        );
-        dm_pool::conformance::run_all(&|| pa.clone(), &|| pb.clone());
+        let (pa, _pb) = conformance(&a, &b);
         let free = meminfo("HugePages_Free:");
         let mut buf = pa.alloc(16 << 20).unwrap();
         buf.write(0, &vec![5u8; 16 << 20]).unwrap();
@@ -200,11 +207,7 @@ fn pools_on_a_huge_page_tmpfs() {
     let a = pool_at(&m.0, "a.pool", cfg.clone());
     let b = pool_at(&m.0, "b.pool", cfg);
     {
-        let (pa, pb) = (
-            Pool::open(&a, quiet()).unwrap(),
-            Pool::open(&b, quiet()).unwrap(),
-        );
-        dm_pool::conformance::run_all(&|| pa.clone(), &|| pb.clone());
+        let (pa, _pb) = conformance(&a, &b);
         let before = meminfo("ShmemHugePages:");
         let mut buf = pa.alloc(32 << 20).unwrap();
         buf.write(0, &vec![3u8; 32 << 20]).unwrap();

@@ -88,6 +88,13 @@ pub struct ClusterArgs {
     pub payloads: Payloads,
 }
 
+impl ClusterArgs {
+    /// Whether application `app` runs (`--apps`).
+    fn runs(&self, app: &str) -> bool {
+        self.apps.iter().any(|x| x == app)
+    }
+}
+
 /// How payloads between hosts travel (`--payloads`).
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Payloads {
@@ -414,13 +421,13 @@ fn run_on(a: &ClusterArgs, hosts: &dm_netns::Hosts, work: &Path) -> Result<()> {
     let image_key: img::Key = std::array::from_fn(|_| dm_sys::rand::random_u64() as u8);
     let key_hex: String = image_key.iter().map(|b| format!("{b:02x}")).collect();
     let mut services: Vec<Vec<String>> = Vec::new();
-    if a.apps.iter().any(|x| x == "chain") {
+    if a.runs("chain") {
         services.extend((0..a.tiers).map(|t| {
             let (t, n) = (t.to_string(), a.tiers.to_string());
             vec!["--tier".into(), t, "--tiers".into(), n]
         }));
     }
-    if a.apps.iter().any(|x| x == "image") {
+    if a.runs("image") {
         services.extend(IMAGE_ROLES.iter().map(|r| {
             let r = r.to_string();
             vec![
@@ -506,16 +513,17 @@ type ByRef = Option<bool>;
 /// service by memory-server Ref, if the application says.
 struct App<'a> {
     name: &'static str,
-    service: String,
+    /// Its services, the one the client calls first.
+    services: Vec<String>,
     method: &'static str,
     request: Box<dyn Fn(u64) -> Result<Exchange> + 'a>,
     check: fn(&[u8], &[u8]) -> Result<ByRef, RpcError>,
 }
 
-fn chain_app<'a>() -> App<'a> {
+fn chain_app<'a>(tiers: usize) -> App<'a> {
     App {
         name: "chain",
-        service: tier_name(0),
+        services: (0..tiers).map(tier_name).collect(),
         method: "pass",
         request: Box::new(|size| {
             let data: Vec<u8> = (0..size as usize).map(|i| (i * 31 % 251) as u8).collect();
@@ -536,7 +544,7 @@ fn chain_app<'a>() -> App<'a> {
 fn image_app(key: &img::Key) -> App<'_> {
     App {
         name: "image",
-        service: image_name("firewall"),
+        services: IMAGE_ROLES.iter().map(|r| image_name(r)).collect(),
         method: img::METHOD,
         request: Box::new(move |size| {
             let ppm = img::generate(size as usize, size);
@@ -571,10 +579,10 @@ fn client_on_host0(
 ) -> Result<Vec<String>> {
     let calls = a.calls;
     let mut apps = Vec::new();
-    if a.apps.iter().any(|x| x == "chain") {
-        apps.push(chain_app());
+    if a.runs("chain") {
+        apps.push(chain_app(a.tiers));
     }
-    if a.apps.iter().any(|x| x == "image") {
+    if a.runs("image") {
         apps.push(image_app(image_key));
     }
     let mut lines = Vec::new();
@@ -583,7 +591,7 @@ fn client_on_host0(
         let (node, reg) = node(p, pool, eps, key, a.payloads)?;
         let clients = apps
             .iter()
-            .map(|app| node.connect_balanced(&app.service))
+            .map(|app| node.connect_balanced(&app.services[0]))
             .collect::<Result<Vec<_>, _>>()?;
         let call = |k: usize, req: &[u8], want: &[u8]| -> Result<ByRef, RpcError> {
             let got = clients[k].call_with(
@@ -640,16 +648,7 @@ fn client_on_host0(
                 .iter()
                 .map(|app| (app.request)(a.sizes[0]))
                 .collect::<Result<Vec<_>>>()?;
-            let names: Vec<String> = (0..a.tiers)
-                .map(tier_name)
-                .filter(|_| a.apps.iter().any(|x| x == "chain"))
-                .chain(
-                    IMAGE_ROLES
-                        .iter()
-                        .map(|r| image_name(r))
-                        .filter(|_| a.apps.iter().any(|x| x == "image")),
-                )
-                .collect();
+            let names: Vec<&String> = apps.iter().flat_map(|app| &app.services).collect();
             let mut ok = 0;
             let mut gone = None;
             while killed.elapsed() < LEASE * 3 {
