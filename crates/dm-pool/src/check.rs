@@ -185,9 +185,7 @@ fn check_list_tails(shm: &Shm, problems: &mut Vec<String>) {
         }
         let n = d.n_pages.load(Ordering::Acquire) as usize;
         let k = n.div_ceil(per).saturating_sub(1);
-        let Some(l) = d.entries.get(k).map(|e| e.load(Ordering::Acquire)) else {
-            continue;
-        };
+        let Ok(l) = shm.list_page(d, k) else { continue };
         let Ok(list) = shm.list(l) else { continue };
         if let Some(at) = list[(n - k * per).min(per)..]
             .iter()
@@ -235,21 +233,41 @@ fn count_desc(
             Err(e) => problems.push(format!("descriptor {idx} entry {k}: {e}")),
         }
     }
-    if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
-        for (k, e) in d.entries.iter().enumerate().skip(lists_from as usize) {
-            match e.load(Ordering::Acquire) {
-                NO_PAGE => {}
-                l if l < n => {
-                    holders[l as usize] += 1;
-                    lists += 1;
+    each_list_slot(shm, d, lists_from, |k, l| match l {
+        Ok(l) if l < n => {
+            holders[l as usize] += 1;
+            lists += 1;
+        }
+        Ok(l) => problems.push(format!(
+            "descriptor {idx} list {k}: page {l} outside the pool"
+        )),
+        Err(e) => problems.push(format!("descriptor {idx} list {k}: {e}")),
+    });
+    lists
+}
+
+/// Calls `f` with every list slot from `from` that names a page (or
+/// cannot be read), in order.
+fn each_list_slot(shm: &Shm, d: &Desc, from: u32, mut f: impl FnMut(usize, Result<u32>)) {
+    let span = shm.list_span(d) as usize;
+    let mut j = from as usize;
+    while j < span {
+        match shm.list_chunk(d, j) {
+            Ok((base, run, len)) => {
+                for (i, e) in run.iter().enumerate().skip(j - base) {
+                    match e.load(Ordering::Acquire) {
+                        NO_PAGE => {}
+                        l => f(base + i, Ok(l)),
+                    }
                 }
-                l => problems.push(format!(
-                    "descriptor {idx} list {k}: page {l} outside the pool"
-                )),
+                j = base + len;
+            }
+            Err(e) => {
+                f(j, Err(e));
+                return;
             }
         }
     }
-    lists
 }
 
 /// Which descriptors name page `p` (as an entry they hold or a list
@@ -277,13 +295,11 @@ fn who_names(shm: &Shm, p: u32) -> String {
                 found.push(format!("{what} entry {k}"));
             }
         }
-        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
-            for (k, e) in d.entries.iter().enumerate() {
-                if e.load(Ordering::Acquire) == p {
-                    found.push(format!("{what} list {k}"));
-                }
+        each_list_slot(shm, d, 0, |k, l| {
+            if l.ok() == Some(p) {
+                found.push(format!("{what} list {k}"));
             }
-        }
+        });
     }
     found.join("; ")
 }

@@ -4,8 +4,23 @@
 //! or a Ref's frozen snapshot. Each non-`NO_PAGE` entry is one share of that
 //! page, except entries flagged `BORROWED`: a buffer mapped from a Ref
 //! borrows the Ref's pages and holds the Ref itself by one count on its
-//! mapper word (see [`mappers`]); writing such a page copies it first. Short lists live inline in the descriptor; longer ones in *list
-//! pages* (pool pages, each held once by the descriptor) named inline.
+//! mapper word (see [`mappers`]); writing such a page copies it first.
+//!
+//! Short lists live inline in the descriptor. Longer ones live in *list
+//! pages* (pool pages, each held once by the descriptor), in one of two
+//! shapes:
+//! - one level (`FLAG_INDIRECT`): the inline entries name list pages of
+//!   data entries, up to `INLINE * per` entries (`per` = page size / 4:
+//!   184 MiB of 4 KiB pages);
+//! - two levels (`FLAG_INDIRECT | FLAG_TWO_LEVEL`): the inline entries
+//!   name second-level list pages, whose entries name the list pages of
+//!   data entries, up to `INLINE * per * per` entries (184 GiB of 4 KiB
+//!   pages; the pool's size bounds it first).
+//!
+//! A descriptor's list pages, in the order a drop releases them, are its
+//! *list slots*: the first-level lists (slot `j` is list `j` of data
+//! entries), then, with two levels, the inline entries at `INLINE * per`
+//! onwards. A list page is dropped only after every page it names.
 //!
 //! The state word packs `generation (32) | kind (8) | owner slot (16)`.
 //! Changing it is the commit point of every multi-step operation, and each
@@ -52,6 +67,9 @@ pub const INLINE: usize = 46;
 
 /// Flag: entries name list pages, not data pages.
 pub const FLAG_INDIRECT: u32 = 1;
+/// Flag (with `FLAG_INDIRECT`): the inline entries name second-level
+/// list pages, whose entries name the lists of data entries.
+pub const FLAG_TWO_LEVEL: u32 = 4;
 /// Flag: a buffer mapped from a Ref with no entries of its own yet: entry
 /// `k` reads as the Ref's entry `k`, borrowed (the Ref's index is in `tag`).
 /// Its first write materialises the list.
@@ -147,14 +165,15 @@ pub struct Desc {
     pub journal_idx: AtomicU32,
     /// CoW journal: the page being replaced.
     pub journal_old: AtomicU32,
-    /// `FLAG_INDIRECT` and the end reason.
+    /// `FLAG_INDIRECT`, `FLAG_TWO_LEVEL`, `FLAG_INHERIT` and the end reason.
     pub flags: AtomicU32,
     /// Serialises the fault handler against other threads of the owner.
     pub lock: AtomicU32,
     /// A Ref: its mapper word (see `refs_aux`). A buffer mapped from a Ref:
     /// 1 once linked to it (the Ref's index is in `tag`), else 0.
     pub aux: AtomicU64,
-    /// Inline entries: data pages, or list pages if `FLAG_INDIRECT`.
+    /// Inline entries: data pages, or list pages if `FLAG_INDIRECT`
+    /// (second-level ones if `FLAG_TWO_LEVEL`).
     pub entries: [AtomicU32; INLINE],
 }
 

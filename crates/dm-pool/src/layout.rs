@@ -1,4 +1,4 @@
-//! The pool file format (version 7): header, areas, and their validation.
+//! The pool file format (version 8): header, areas, and their validation.
 //!
 //! ```text
 //! 0        header (4 KiB): immutable part (checksummed), the pool's secret
@@ -33,7 +33,7 @@ pub(crate) const CONTROL_LEN: usize = 4096;
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// Format version this build reads and writes (history: `CHANGELOG.md`).
-pub const POOL_VERSION: u32 = 7;
+pub const POOL_VERSION: u32 = 8;
 /// Where the pool's secret lies in the header: 32 random bytes written at
 /// creation, known to the processes that can read the pool (zero in pools
 /// created before there was one).
@@ -458,10 +458,12 @@ impl Layout {
         self.page_size as usize / 4
     }
 
-    /// Largest buffer (or Ref) in bytes.
+    /// Largest buffer (or Ref) in bytes: the pool's data pages, or what
+    /// two levels of list pages name if that is less (`desc.rs`).
     pub fn max_len(&self) -> u64 {
-        let pages = (crate::desc::INLINE * self.per_list_page()).min(self.n_pages as usize);
-        pages as u64 * self.page_size as u64
+        let per = self.per_list_page() as u64;
+        let pages = (crate::desc::INLINE as u64 * per * per).min(self.n_pages as u64);
+        pages * self.page_size as u64
     }
 
     /// Encodes the immutable header (with checksum).

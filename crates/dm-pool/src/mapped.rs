@@ -20,7 +20,7 @@
 //! per written shared page here) and sharing a mapped buffer costs one
 //! `mprotect` of its range; the explicit API ([`Buffer`]) is the fast path.
 
-use crate::desc::{Desc, FLAG_INDIRECT};
+use crate::desc::{Desc, FLAG_INDIRECT, FLAG_TWO_LEVEL};
 use crate::error::{Error, Result};
 use crate::pages::{Changed, Delta, PageState, PageTable, BORROWED, NO_PAGE};
 use crate::pool::{Buffer, Pool};
@@ -523,10 +523,27 @@ unsafe fn entry_of<'a>(win: &'a Window, d: &'a Desc, k: usize) -> Option<&'a Ato
         return d.entries.get(k);
     }
     let per = win.ps / 4;
-    let l = d.entries.get(k / per)?.load(Ordering::Acquire);
+    let c = k / per;
+    let l = if d.flags.load(Ordering::Acquire) & FLAG_TWO_LEVEL == 0 {
+        d.entries.get(c)?.load(Ordering::Acquire)
+    } else {
+        let top = d.entries.get(c / per)?.load(Ordering::Acquire);
+        // SAFETY: as below, for the second-level list.
+        unsafe { list_word(win, top, c % per)?.load(Ordering::Acquire) }
+    };
+    // SAFETY: `list_word` checks the page index; `win` is live.
+    unsafe { list_word(win, l, k % per) }
+}
+
+/// Word `i` of list page `l`, if `l` lies in the pool.
+///
+/// # Safety
+/// `win` must be live and `i` below the entries of a page.
+unsafe fn list_word(win: &Window, l: u32, i: usize) -> Option<&AtomicU32> {
     if l >= win.n_pages {
         return None;
     }
-    // SAFETY: l is a list page inside the data area; entries are u32-aligned.
-    Some(unsafe { &*(unsafe_page(win, l) as *const AtomicU32).add(k % per) })
+    // SAFETY: l is a page inside the data area; words are u32-aligned and
+    // i is within the page (the caller's contract).
+    Some(unsafe { &*(unsafe_page(win, l) as *const AtomicU32).add(i) })
 }

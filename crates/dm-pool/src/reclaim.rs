@@ -20,9 +20,7 @@
 //! 4. the descriptor is dropped from its counter onwards.
 
 use crate::desc::mappers;
-use crate::desc::{
-    Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INDIRECT, INLINE,
-};
+use crate::desc::{Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED};
 use crate::error::Result;
 use crate::pages::{Changed, Delta, PageState, BORROWED, NO_PAGE, STRIPE};
 use crate::process::Core;
@@ -100,17 +98,19 @@ pub(crate) enum Stop {
 
 impl Core {
     /// Position `k` of a descriptor's drop space: data entries `[0, held)`,
-    /// then list slots at `held + k`.
+    /// then list slot `j` (`desc.rs`) at `held + j`.
     fn drop_slot(&self, d: &Desc, held: u32, k: u32) -> Result<u32> {
         if k < held {
             self.shm.entry_value(d, k as usize)
-        } else if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
-            Ok(d.entries
-                .get((k - held) as usize)
-                .map_or(NO_PAGE, |e| e.load(Ordering::Acquire)))
         } else {
-            Ok(NO_PAGE)
+            self.shm.list_page(d, (k - held) as usize)
         }
+    }
+
+    /// The end of a descriptor's drop space: `held` data entries, then its
+    /// list slots.
+    pub(crate) fn drop_span(&self, d: &Desc, held: u32) -> u32 {
+        held.saturating_add(self.shm.list_span(d))
     }
 
     /// Applies `delta` to the page at every position `[from, to)` of
@@ -183,15 +183,10 @@ impl Core {
                     Ok((b, r, sp)) => (b as u32, r, (sp as u32).min(held - b as u32)),
                     Err(e) => break Err(e),
                 },
-                Src::Drop { held } => {
-                    let lists: &[crate::sync::AtomicU32] =
-                        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
-                            &d.entries[..]
-                        } else {
-                            &[]
-                        };
-                    (held, lists, INLINE as u32)
-                }
+                Src::Drop { held } => match self.shm.list_chunk(d, (k - held) as usize) {
+                    Ok((b, r, sp)) => (held + b as u32, r, sp as u32),
+                    Err(e) => break Err(e),
+                },
                 Src::One(_) => (0, &one[..], 1),
             };
             let end = to.min(base + span);
@@ -322,7 +317,7 @@ impl Core {
         freed: &mut Vec<u32>,
     ) -> Result<()> {
         let held = d.held.load(Ordering::Acquire);
-        let span = held + INLINE as u32;
+        let span = self.drop_span(d, held);
         let from = d.progress.load(Ordering::Acquire);
         // On error the descriptor stays in Drop: gc reports it; nothing is freed twice.
         self.bulk_change(
@@ -657,7 +652,7 @@ impl Core {
         let n = d.n_pages.load(Ordering::Acquire);
         let held = d.held.load(Ordering::Acquire);
         let (from, span) = match kind {
-            Kind::Drop => (d.progress.load(Ordering::Acquire), held + INLINE as u32),
+            Kind::Drop => (d.progress.load(Ordering::Acquire), self.drop_span(d, held)),
             _ => (held, n),
         };
         let mut k = from;
@@ -707,14 +702,20 @@ impl Core {
                 t.release_cached(p, owner)?;
             }
         }
-        if d.flags.load(Ordering::Acquire) & FLAG_INDIRECT != 0 {
-            for e in &d.entries {
+        // List slots in drop order: a second-level list is read for its
+        // first-level ones before it may be let go itself.
+        let span = self.shm.list_span(d) as usize;
+        let mut j = 0;
+        while j < span {
+            let (base, run, len) = self.shm.list_chunk(d, j)?;
+            for e in run {
                 let l = e.load(Ordering::Acquire);
                 if l != NO_PAGE && t.state(self.shm.check_page(l)?)? == PageState::Cached(owner) {
                     e.store(NO_PAGE, Ordering::Release);
                     t.release_cached(l, owner)?;
                 }
             }
+            j = base + len;
         }
         Ok(())
     }

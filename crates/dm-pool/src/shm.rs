@@ -2,7 +2,7 @@
 //! descriptors, page data. Every index read from the pool is bounds-checked
 //! here before it is turned into an address.
 
-use crate::desc::{Desc, FLAG_INDIRECT, FLAG_INHERIT, INLINE};
+use crate::desc::{Desc, FLAG_INDIRECT, FLAG_INHERIT, FLAG_TWO_LEVEL, INLINE};
 use crate::error::{Error, Result};
 use crate::layout::{HeaderAtomics, Layout, ParseError, RefClock, ATOMICS_OFF, HEADER_LEN, READY};
 use crate::pages::{PageTable, BORROWED, NO_PAGE};
@@ -375,14 +375,79 @@ impl Shm {
             return Ok(d.entries.get(i));
         }
         let per = self.layout.per_list_page();
-        let Some(l) = d.entries.get(i / per) else {
-            return Ok(None);
-        };
-        let l = l.load(Ordering::Acquire);
+        let l = self.list_page(d, i / per)?;
         if l == NO_PAGE {
             return Ok(None);
         }
         Ok(self.list(l)?.get(i % per))
+    }
+
+    /// The page of first-level list `c` of a descriptor with lists (the
+    /// list of data entries `[c * per, (c + 1) * per)`), or NO_PAGE when
+    /// it is missing or out of range.
+    pub(crate) fn list_page(&self, d: &Desc, c: usize) -> Result<u32> {
+        Ok(self
+            .list_slot(d, c)?
+            .map_or(NO_PAGE, |e| e.load(Ordering::Acquire)))
+    }
+
+    /// List slots of a descriptor (see `desc.rs`): its first-level lists,
+    /// then, with two levels, its inline entries. 0 without lists.
+    pub(crate) fn list_span(&self, d: &Desc) -> u32 {
+        let flags = d.flags.load(Ordering::Acquire);
+        if flags & FLAG_INDIRECT == 0 {
+            0
+        } else if flags & FLAG_TWO_LEVEL == 0 {
+            INLINE as u32
+        } else {
+            (INLINE * self.layout.per_list_page() + INLINE) as u32
+        }
+    }
+
+    /// List slot `j` of a descriptor: the word naming that list page
+    /// (None past its list slots, or when the second-level list holding it
+    /// is missing).
+    pub(crate) fn list_slot<'a>(&'a self, d: &'a Desc, j: usize) -> Result<Option<&'a AtomicU32>> {
+        let (base, run, _) = self.list_chunk(d, j)?;
+        Ok(run.get(j - base))
+    }
+
+    /// The chunk of a descriptor's list slots containing slot `j`:
+    /// `(first slot, words, slots the chunk spans)`, like
+    /// [`entry_chunk`](Self::entry_chunk). With two levels a chunk is one
+    /// second-level list page (empty when missing), and the inline
+    /// entries are the last chunk.
+    pub(crate) fn list_chunk<'a>(
+        &'a self,
+        d: &'a Desc,
+        j: usize,
+    ) -> Result<(usize, &'a [AtomicU32], usize)> {
+        let flags = d.flags.load(Ordering::Acquire);
+        if flags & FLAG_INDIRECT == 0 {
+            return Ok((j, &[], 1 << 20));
+        }
+        if flags & FLAG_TWO_LEVEL == 0 {
+            return Ok(if j < INLINE {
+                (0, &d.entries[..], INLINE)
+            } else {
+                (j, &[], 1 << 20)
+            });
+        }
+        let per = self.layout.per_list_page();
+        let firsts = INLINE * per;
+        if j >= firsts {
+            return Ok(if j < firsts + INLINE {
+                (firsts, &d.entries[..], INLINE)
+            } else {
+                (j, &[], 1 << 20)
+            });
+        }
+        let c = j / per;
+        let l = d.entries[c].load(Ordering::Acquire);
+        if l == NO_PAGE {
+            return Ok((c * per, &[], per));
+        }
+        Ok((c * per, self.list(l)?, per))
     }
 
     /// The Ref an inheriting buffer reads through, if `d` inherits.
@@ -417,10 +482,7 @@ impl Shm {
         }
         let per = self.layout.per_list_page();
         let c = k / per;
-        let l = d
-            .entries
-            .get(c)
-            .map_or(NO_PAGE, |e| e.load(Ordering::Acquire));
+        let l = self.list_page(d, c)?;
         if l == NO_PAGE {
             return Ok((c * per, &[], per));
         }
@@ -499,12 +561,18 @@ impl Shm {
             .map_or(NO_PAGE, |e| e.load(Ordering::Acquire)))
     }
 
-    /// Number of list pages a descriptor of `n` entries needs (0 = inline).
-    pub(crate) fn lists_needed(&self, n: usize) -> usize {
+    /// List pages a descriptor of `n` entries needs: `(first-level,
+    /// second-level)`; `(0, 0)` when its entries fit inline, and no
+    /// second-level ones when the first-level ones do.
+    pub(crate) fn lists_needed(&self, n: usize) -> (usize, usize) {
+        let per = self.layout.per_list_page();
         if n <= INLINE {
-            0
+            (0, 0)
+        } else if n <= INLINE * per {
+            (n.div_ceil(per), 0)
         } else {
-            n.div_ceil(self.layout.per_list_page())
+            let firsts = n.div_ceil(per);
+            (firsts, firsts.div_ceil(per))
         }
     }
 

@@ -233,11 +233,24 @@ fn a_stopped_process_keeps_its_holdings_and_loses_them_when_gone() {
 /// and nothing leaks.
 #[test]
 fn kill9_at_random_points_loses_nothing_and_leaks_nothing() {
-    watchdog(240, || {
+    watchdog(240, || kill9_rounds(64 << 20, 0, 12));
+}
+
+/// The same with a quarter of the churners' buffers sparse ones past what
+/// one level of page lists names: their lists have two levels.
+#[test]
+fn kill9_with_two_level_page_lists_loses_nothing_and_leaks_nothing() {
+    watchdog(240, || kill9_rounds(512 << 20, 200 << 20, 8));
+}
+
+/// `rounds` rounds of two churning agents killed at random (`big`: the
+/// churn's sparse buffers, 0 for none), then reclaim and check.
+fn kill9_rounds(size: u64, big: u64, rounds: usize) {
+    {
         // Refs the killed processes created and never released must expire:
         // a short default TTL, and a long one for the survivor's own Ref.
         let tp = TempPool::with(PoolConfig {
-            size: 64 << 20,
+            size,
             ref_ttl_ms: 1500,
             ..Default::default()
         });
@@ -260,7 +273,7 @@ fn kill9_at_random_points_loses_nothing_and_leaks_nothing() {
             seed ^= seed << 17;
             seed
         };
-        for round in 0..12 {
+        for round in 0..rounds {
             let mut agents: Vec<Agent> = (0..2)
                 .map(|_| Agent::spawn(&tp.path, Some(agent_lease())))
                 .collect();
@@ -269,7 +282,7 @@ fn kill9_at_random_points_loses_nothing_and_leaks_nothing() {
                 let m = a.ok(&format!("map {}", hex(&shared.to_bytes())));
                 a.ok(&format!("fill {m} {} 1000 9", rnd() % 200_000));
                 assert!(a
-                    .raw(&format!("churn {} {}", rnd(), churn_mask()))
+                    .raw(&format!("churn {} {} {big}", rnd(), churn_mask()))
                     .starts_with("ok churning"));
             }
             std::thread::sleep(Duration::from_millis(20 + rnd() % 200));
@@ -305,7 +318,7 @@ fn kill9_at_random_points_loses_nothing_and_leaks_nothing() {
         assert!(gc.recounted);
         assert_eq!(gc.pages_repaired, 0, "the recount found nothing to repair");
         tp.assert_clean();
-    });
+    }
 }
 
 /// Two processes that mapped the same Ref die, the second in the middle of

@@ -263,15 +263,17 @@ mod agent {
                 "churn" => {
                     let seed = num(&mut it)?;
                     let mask = it.next().and_then(|m| m.parse().ok()).unwrap_or(u64::MAX);
-                    self.churn(seed, mask)
+                    let big = it.next().and_then(|m| m.parse().ok()).unwrap_or(0);
+                    self.churn(seed, mask, big)
                 }
                 _ => Err(format!("unknown command {cmd:?}")),
             }
         }
 
         /// Random operations forever, exercising every multi-step protocol (for
-        /// kill -9 tests). Announces "ok" once started.
-        fn churn(&mut self, seed: u64, mask: u64) -> R {
+        /// kill -9 tests). Announces "ok" once started. With `big` > 0 a
+        /// quarter of the buffers are sparse ones of up to `big` bytes.
+        fn churn(&mut self, seed: u64, mask: u64, big: u64) -> R {
             let mut x = seed | 1;
             let mut rnd = move || {
                 x ^= x << 13;
@@ -292,7 +294,11 @@ mod agent {
                 }
                 match op {
                     0 | 1 if bufs.len() < 16 => {
-                        let len = 1 + rnd() % (ps * 80);
+                        let len = if big > 0 && rnd() % 4 == 0 {
+                            big - rnd() % (big / 4)
+                        } else {
+                            1 + rnd() % (ps * 80)
+                        };
                         if let Ok(b) = self.pool.alloc(len) {
                             bufs.push(b);
                         }
@@ -301,7 +307,7 @@ mod agent {
                         let i = (rnd() as usize) % bufs.len();
                         let len = bufs[i].len();
                         let off = rnd() % len;
-                        let n = 1 + rnd() % (len - off);
+                        let n = 1 + rnd() % (len - off).min(ps * 80);
                         let _ = bufs[i].write(off, &vec![rnd() as u8; n as usize]);
                     }
                     4 if !bufs.is_empty() && refs.len() < 16 => {

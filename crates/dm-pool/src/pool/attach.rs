@@ -3,7 +3,7 @@
 //! page cache, and descriptor claims.
 
 use super::Pool;
-use crate::desc::{Desc, DescState, Kind, FLAG_INDIRECT, INLINE};
+use crate::desc::{Desc, DescState, Kind, FLAG_INDIRECT, FLAG_TWO_LEVEL, INLINE};
 use crate::error::{Error, Result};
 use crate::page_cache::PageCache;
 use crate::pages::NO_PAGE;
@@ -290,27 +290,42 @@ fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64, reclaim: bool) 
 }
 
 impl Inner {
-    /// Gives a descriptor of `n` entries the list pages it needs.
+    /// Gives a descriptor of `n` entries the list pages it needs (one
+    /// level or two: `desc.rs`).
     /// `fill`: mark entries `[0, n)` as unbacked (a fresh buffer). Builders
     /// that write all `n` entries themselves pass false. Entries past `n`
     /// are zeroed (taken pages keep old bytes), though every reader of a
     /// descriptor stops at `n` (or `held`).
+    ///
+    /// Crash order: the flags first, then each second-level list filled
+    /// with NO_PAGE, named and held, then each first-level list filled,
+    /// named and held. A list named but not yet held is still cached by
+    /// this slot, which is how a reclaimer tells (`normalize`).
     pub(crate) fn attach_lists(&self, d: &Desc, n: usize, fill: bool) -> Result<()> {
-        let lists = self.shm.lists_needed(n);
-        if lists == 0 {
+        let (firsts, seconds) = self.shm.lists_needed(n);
+        if firsts == 0 {
             return Ok(());
         }
-        if lists > INLINE {
+        if seconds > INLINE || n > self.shm.layout.n_pages as usize {
             return Err(Error::TooLarge {
                 len: n as u64 * self.shm.layout.page_size as u64,
                 max: self.shm.layout.max_len(),
             });
         }
-        let got = self.take_pages(lists)?;
-        d.flags.fetch_or(FLAG_INDIRECT, Ordering::Release);
+        let got = self.take_pages(firsts + seconds)?;
+        let (tops, lists) = got.split_at(seconds);
+        let two = if seconds > 0 { FLAG_TWO_LEVEL } else { 0 };
+        d.flags.fetch_or(FLAG_INDIRECT | two, Ordering::Release);
         let pages = self.shm.pages();
         let per = self.shm.layout.per_list_page();
-        for (k, &l) in got.iter().enumerate() {
+        for (c, &l) in tops.iter().enumerate() {
+            for e in self.shm.list(l)? {
+                e.store(NO_PAGE, Ordering::Relaxed);
+            }
+            d.entries[c].store(l, Ordering::Release);
+            pages.hold_cached(l, self.slot)?;
+        }
+        for (k, &l) in lists.iter().enumerate() {
             let used = (n - k * per).min(per);
             let list = self.shm.list(l)?;
             if fill {
@@ -321,7 +336,12 @@ impl Inner {
             for e in &list[used..] {
                 e.store(0, Ordering::Relaxed);
             }
-            d.entries[k].store(l, Ordering::Release);
+            let slot = if seconds == 0 {
+                &d.entries[k]
+            } else {
+                &self.shm.list(tops[k / per])?[k % per]
+            };
+            slot.store(l, Ordering::Release);
             pages.hold_cached(l, self.slot)?;
         }
         Ok(())

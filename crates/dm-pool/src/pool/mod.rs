@@ -569,28 +569,66 @@ mod tests {
 
     /// Every descriptor shape gives a chunk containing the position asked
     /// for, up to its list slots (bulk changes walk chunk by chunk and
-    /// must always advance): inline, with lists, reading through a Ref,
-    /// and past the inline entries of a list-less descriptor.
+    /// must always advance): inline, with one level of lists and with two,
+    /// reading through a Ref, and past the inline entries of a list-less
+    /// descriptor. Its list slots name exactly its list pages.
     #[test]
     fn every_chunk_contains_its_position() {
-        let tp = TempPool::new(16 << 20);
+        let tp = TempPool::new(256 << 20);
         let pool = tp.attach();
         let ps = pool.page_size() as u64;
+        let per = pool.inner.shm.layout.per_list_page();
         let small = pool.alloc(3 * ps).unwrap();
         let mut long = pool.alloc(300 * ps).unwrap();
         long.write(0, &[1u8; 4096]).unwrap();
+        // Past what one level of lists names: two levels.
+        let huge_pages = (crate::desc::INLINE * per + 3 * per / 2) as u64;
+        let mut huge = pool.alloc(huge_pages * ps).unwrap();
+        huge.write((huge_pages - 1) * ps, &[2u8; 10]).unwrap();
         let r = pool.create_ref(&long, 0, long.len()).unwrap();
         let mapped = pool.map_ref(&r).unwrap();
         let shm = &pool.inner.shm;
-        for b in [&small, &long, &mapped] {
+        let mut lists = 0;
+        for (b, want) in [(&small, 0), (&long, 1), (&mapped, 0), (&huge, 2)] {
             let d = pool.inner.desc(b.desc_index()).unwrap();
+            let span = shm.list_span(d) as usize;
+            assert_eq!(
+                span,
+                [
+                    0,
+                    crate::desc::INLINE,
+                    crate::desc::INLINE * per + crate::desc::INLINE
+                ][want]
+            );
             for k in 0..b.page_count() as usize + crate::desc::INLINE + 5 {
                 let (base, run, span) = shm.entry_chunk(d, k).unwrap();
                 assert!(base <= k && k < base + span, "{k}: {base} + {span}");
                 assert!(run.len() <= span);
             }
+            let mut named = 0;
+            for j in 0..span + 5 {
+                let (base, run, len) = shm.list_chunk(d, j).unwrap();
+                assert!(base <= j && j < base + len, "{j}: {base} + {len}");
+                assert!(run.len() <= len);
+                named += usize::from(
+                    shm.list_slot(d, j)
+                        .unwrap()
+                        .is_some_and(|e| e.load(Ordering::Relaxed) != crate::pages::NO_PAGE),
+                );
+            }
+            let (firsts, seconds) = shm.lists_needed(b.page_count() as usize);
+            if want > 0 {
+                assert_eq!(named, firsts + seconds, "{want} levels");
+            }
+            lists += named * usize::from(want > 0);
         }
-        drop((small, mapped, long));
+        assert_eq!(
+            shm.lists_needed(huge_pages as usize),
+            (crate::desc::INLINE + 2, 1)
+        );
+        // The Ref of `long` has a list of its own.
+        assert_eq!(pool.check().pages_lists as usize, lists + 1);
+        drop((small, mapped, long, huge));
         pool.release_ref(&r).unwrap();
         drop(pool);
         tp.assert_clean();
