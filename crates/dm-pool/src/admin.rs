@@ -40,7 +40,8 @@ fn gc_inner(path: &Path) -> Result<GcReport> {
             ..Default::default()
         },
     )?;
-    let mut rep = pool.maintain()?;
+    // Every descriptor group, whatever the expiry summary says.
+    let mut rep = pool.inner.maintain_local(true)?;
     recount(&pool, &mut rep)?;
     Ok(rep)
 }

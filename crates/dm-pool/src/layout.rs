@@ -7,6 +7,7 @@
 //! st_off   stripe locks: one u64 per 64 data pages      (see pages.rs)
 //! slot_off slot table: SLOT_SIZE bytes per slot         (see slot.rs)
 //! desc_off descriptor table: DESC_SIZE bytes per desc   (see desc.rs)
+//! exp_off  expiry summary: one u64 per EXPIRY_GROUP descs (see expiry.rs)
 //! reg_off  service registry: SERVICE_SIZE bytes each    (see registry.rs)
 //! chan_off channels: 4 KiB + 2 * ring_size bytes each   (see channel.rs)
 //! data_off data pages, page_size each, aligned to page_size
@@ -44,7 +45,7 @@ pub(crate) const SECRET_LEN: usize = 32;
 pub(crate) const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.
 pub(crate) const ATOMICS_OFF: usize = 512;
-const IMMUTABLE_LEN: usize = 184;
+const IMMUTABLE_LEN: usize = 192;
 /// Smallest allowed page size.
 pub(crate) const MIN_PAGE_SIZE: u32 = 4096;
 /// Largest allowed page size.
@@ -73,6 +74,10 @@ pub struct Layout {
     pub slot_off: u64,
     /// Offset of the descriptor table.
     pub desc_off: u64,
+    /// Offset of the expiry summary: for each group of
+    /// [`EXPIRY_GROUP`](crate::expiry::EXPIRY_GROUP) descriptors, a time at
+    /// or before which none of its Refs expires (`expiry.rs`).
+    pub exp_off: u64,
     /// Number of service records (registered services at once).
     pub n_services: u32,
     /// Offset of the service registry.
@@ -423,7 +428,8 @@ impl Layout {
         let st_off = align_up(pt_off + n as u64 * 8, 64)?;
         let slot_off = align_up(st_off + crate::pages::stripes_for(n) as u64 * 8, 4096)?;
         let desc_off = align_up(slot_off + cfg.slots as u64 * SLOT_SIZE as u64, 4096)?;
-        let reg_off = align_up(desc_off.checked_add(descs as u64 * DESC_SIZE as u64)?, 4096)?;
+        let exp_off = align_up(desc_off.checked_add(descs as u64 * DESC_SIZE as u64)?, 64)?;
+        let reg_off = align_up(exp_off + crate::expiry::words_for(descs) * 8, 4096)?;
         let chan_off = align_up(reg_off + cfg.services as u64 * SERVICE_SIZE as u64, 4096)?;
         let meta_end =
             chan_off.checked_add(cfg.channel_count() as u64 * channel_stride(cfg.ring_size))?;
@@ -439,6 +445,7 @@ impl Layout {
             st_off,
             slot_off,
             desc_off,
+            exp_off,
             n_services: cfg.services,
             reg_off,
             n_channels: cfg.channel_count(),
@@ -499,6 +506,7 @@ impl Layout {
         put64(&mut b, 168, self.chan_off);
         put32(&mut b, 176, self.ring_size);
         put32(&mut b, 180, self.ref_clock.code());
+        put64(&mut b, 184, self.exp_off);
         let sum = fnv1a(&b[..IMMUTABLE_LEN]);
         put64(&mut b, IMMUTABLE_LEN, sum);
         b
@@ -550,6 +558,7 @@ impl Layout {
             st_off: g64(144),
             slot_off: g64(64),
             desc_off: g64(72),
+            exp_off: g64(184),
             n_services: g32(152),
             reg_off: g64(160),
             n_channels: g32(156),
@@ -609,6 +618,12 @@ impl Layout {
                 "descriptor table",
                 l.desc_off,
                 (l.n_descs as u64).checked_mul(DESC_SIZE as u64),
+                64,
+            ),
+            (
+                "expiry summary",
+                l.exp_off,
+                Some(crate::expiry::words_for(l.n_descs) * 8),
                 64,
             ),
             (

@@ -63,6 +63,11 @@ pub mod desc;
 #[allow(unreachable_pub)]
 pub(crate) mod desc;
 #[cfg(loom)]
+pub mod expiry;
+#[cfg(not(loom))]
+#[allow(unreachable_pub)]
+pub(crate) mod expiry;
+#[cfg(loom)]
 pub mod pages;
 #[cfg(not(loom))]
 #[allow(unreachable_pub)]
@@ -125,6 +130,8 @@ pub use check::{check_path, counters_of, CheckReport, Counters, QuotaUse};
 pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]
 pub use error::{check_range, Error, Result};
+#[cfg(not(loom))]
+pub use expiry::EXPIRY_GROUP;
 #[cfg(not(loom))]
 pub use fixed::FixedMapping;
 #[cfg(not(loom))]

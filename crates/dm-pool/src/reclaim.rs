@@ -20,7 +20,7 @@
 //! 4. the descriptor is dropped from its counter onwards.
 
 use crate::desc::mappers;
-use crate::desc::{Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED};
+use crate::desc::{Desc, DescState, Kind, END_ABORTED, END_RELEASED};
 use crate::error::Result;
 use crate::pages::{Changed, Delta, PageState, BORROWED, NO_PAGE, STRIPE};
 use crate::process::Core;
@@ -34,6 +34,9 @@ pub struct GcReport {
     pub slots_reclaimed: u64,
     /// Refs reclaimed because their TTL passed.
     pub refs_expired: u64,
+    /// Groups of descriptors read to find them: those the expiry summary
+    /// said were due (every group for `dmrpc pool gc`).
+    pub expiry_groups_swept: u64,
     /// Whether a full recount ran (no other process attached).
     pub recounted: bool,
     /// Pages whose refcount the recount corrected.
@@ -399,8 +402,9 @@ impl Core {
         self.drop_desc(ri, r, end, freed)
     }
 
-    /// Reclaims dead slots and expired Refs.
-    pub(crate) fn maintain(&self, freed: &mut Vec<u32>) -> Result<GcReport> {
+    /// Reclaims dead slots and expired Refs: those of the groups the
+    /// expiry summary says are due, or of every group with `all`.
+    pub(crate) fn maintain(&self, freed: &mut Vec<u32>, all: bool) -> Result<GcReport> {
         let mut rep = GcReport::default();
         let now = LeaseNow::read();
         for s in 0..self.shm.layout.n_slots as u16 {
@@ -408,37 +412,7 @@ impl Core {
                 rep.slots_reclaimed += 1;
             }
         }
-        for idx in 0..self.shm.layout.n_descs {
-            let d = self.desc(idx)?;
-            let w = d.state.load(Ordering::Acquire);
-            let st = DescState::decode(w);
-            if st.kind == Some(Kind::RefLive)
-                && self.shm.ref_now(now) > d.expiry_ms.load(Ordering::Relaxed)
-                && !mappers::released(d.aux.load(Ordering::Acquire))
-            {
-                let flags = d.flags.load(Ordering::Relaxed);
-                d.flags
-                    .store((flags & 0xFF) | (END_EXPIRED << 8), Ordering::Release);
-                match mappers::release(&d.aux, self.slot) {
-                    mappers::Release::Drop => {
-                        self.drop_ref(idx, d, w, END_EXPIRED, freed)?;
-                        self.shm
-                            .atomics()
-                            .refs_expired
-                            .fetch_add(1, Ordering::Relaxed);
-                        rep.refs_expired += 1;
-                    }
-                    mappers::Release::Kept => {
-                        self.shm
-                            .atomics()
-                            .refs_expired
-                            .fetch_add(1, Ordering::Relaxed);
-                        rep.refs_expired += 1;
-                    }
-                    _ => {}
-                }
-            }
-        }
+        self.expire_due(now, all, &mut rep, freed)?;
         rep.services_removed = self.shm.sweep_services(self.slot, self.incarnation);
         rep.channels_freed = self.shm.sweep_channels();
         Ok(rep)
@@ -498,6 +472,8 @@ impl Core {
                 self.drop_ref(idx, d, w, END_RELEASED, freed)?;
             }
         }
+        // A Ref `s` committed but had not noted in the expiry summary.
+        self.shm.note_all_expiries();
         // Descriptors first, then the sweep: after `normalize` no descriptor
         // names a page cached by `s`.
         let t = self.shm.pages();

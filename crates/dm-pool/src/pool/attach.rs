@@ -283,7 +283,7 @@ fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64, reclaim: bool) 
         if reclaim && now >= last_maint + lease {
             last_maint = now;
             let mut freed = Vec::new();
-            let _ = core.maintain(&mut freed);
+            let _ = core.maintain(&mut freed, false);
             core.release_freed(freed);
         }
     }
@@ -385,7 +385,7 @@ impl Inner {
             }
             retried = true;
             // Reclaim what dead processes and expired Refs hold, then retry once.
-            self.maintain_local()?;
+            self.maintain_local(false)?;
         }
     }
 
@@ -480,10 +480,11 @@ impl Inner {
         r
     }
 
-    /// Reclaims dead slots and expired Refs, keeping freed pages.
-    pub(crate) fn maintain_local(&self) -> Result<crate::reclaim::GcReport> {
+    /// Reclaims dead slots and expired Refs (of every descriptor group
+    /// with `all`, else of those due), keeping freed pages.
+    pub(crate) fn maintain_local(&self, all: bool) -> Result<crate::reclaim::GcReport> {
         let mut freed = Vec::new();
-        let r = self.core.maintain(&mut freed);
+        let r = self.core.maintain(&mut freed, all);
         self.give_pages(freed);
         r
     }
@@ -585,6 +586,7 @@ fn claim_ref_clock(shm: &Shm, slot: u16) -> Result<bool> {
                 let st = DescState::decode(d.state.load(Ordering::Acquire));
                 if st.kind == Some(Kind::RefLive) {
                     d.expiry_ms.store(0, Ordering::Relaxed);
+                    shm.note_expiry(idx, 0);
                 }
             }
         }

@@ -294,9 +294,11 @@ impl Pool {
     }
 
     /// Reclaims dead slots and expired Refs now (the heartbeat thread does
-    /// this every lease period). Returns what was reclaimed.
+    /// this every lease period). Expired Refs are found through the
+    /// pool's expiry summary: only groups of descriptors holding a Ref
+    /// due are read. Returns what was reclaimed.
     pub fn maintain(&self) -> Result<crate::reclaim::GcReport> {
-        self.inner.maintain_local()
+        self.inner.maintain_local(false)
     }
 
     /// Consistency check of the whole pool (`check.rs`: the invariant, [`CheckReport`](crate::CheckReport)).
@@ -473,10 +475,11 @@ mod tests {
             assert_eq!(pool.maintain().unwrap().refs_expired, 0);
             // Its minute is over, on the pool's clock (the per-call check
             // reads it as of the last tick, a few ms behind).
-            d.expiry_ms.store(
-                pool.shm().ref_now(LeaseNow::read()) - 100,
-                Ordering::Relaxed,
-            );
+            let past = pool.shm().ref_now(LeaseNow::read()) - 100;
+            d.expiry_ms.store(past, Ordering::Relaxed);
+            // Unnoted, the summary still says a minute on.
+            assert_eq!(pool.maintain().unwrap().refs_expired, 0);
+            pool.shm().note_expiry(r.desc, past);
             assert!(matches!(pool.map_ref(&r), Err(Error::RefExpired { .. })));
             assert_eq!(pool.maintain().unwrap().refs_expired, 1);
             drop(buf);

@@ -63,6 +63,7 @@ impl Pool {
         r.aux.store(mappers::IS_REF, Ordering::Release);
         r.state
             .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
+        i.shm.note_expiry(ridx, r.expiry_ms.load(Ordering::Relaxed));
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
         Ok(Ref {
             backend: crate::refs::BACKEND_POOL,
@@ -161,6 +162,8 @@ impl Pool {
             let e = Error::Corrupt(format!("descriptor {} changed under its owner", buf.desc));
             return Err((e, buf));
         }
+        i.shm
+            .note_expiry(buf.desc, d.expiry_ms.load(Ordering::Relaxed));
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
         // A Ref in flight is bounded by its TTL, not by a quota.
         i.uncharge(buf.n_pages as u64);

@@ -1,11 +1,15 @@
-//! Buffers past what one level of page lists names (184 MiB of 4 KiB
-//! pages): a buffer of more than 4 GiB through every sharing path, checked
-//! byte for byte at sampled offsets, and a sparse one of two-level lists
-//! through mapped buffers, partial Refs and `into_ref`.
+//! Pools used whole. Buffers past what one level of page lists names (184
+//! MiB of 4 KiB pages): one of more than 4 GiB through every sharing path,
+//! checked byte for byte at sampled offsets, and a sparse one of two-level
+//! lists through mapped buffers, partial Refs and `into_ref`. A million
+//! live Refs, found by the expiry summary and expired.
+
+#![cfg(not(loom))]
+#![allow(clippy::unwrap_used)]
 
 use dm_pool::testing::TempPool;
-use dm_pool::{Buffer, MappedBuffer, Pool};
-use std::time::Instant;
+use dm_pool::{AttachOptions, Buffer, MappedBuffer, Pool, PoolConfig};
+use std::time::{Duration, Instant};
 
 /// The original content repeats every `PERIOD` bytes: not a multiple of
 /// the page size, so no two pages of a buffer (under 34 TB) hold the same
@@ -32,7 +36,7 @@ fn period(extra: usize) -> Vec<u8> {
     let mut v = vec![0u8; PERIOD as usize + extra];
     for (i, w) in v[..PERIOD as usize].chunks_exact_mut(8).enumerate() {
         let x = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        w.copy_from_slice(&(x ^ (x >> 59) * 0x0101_0101_0101_0101).to_le_bytes());
+        w.copy_from_slice(&(x ^ ((x >> 59) * 0x0101_0101_0101_0101)).to_le_bytes());
     }
     v.copy_within(..extra, PERIOD as usize);
     v
@@ -216,6 +220,87 @@ fn two_level_lists_work_on_every_path() {
     let rep = pool.check();
     assert!(rep.ok(), "{:?}", rep.problems);
     assert_eq!(rep.pages_held, 0, "{rep:?}");
+    drop(pool);
+    tp.assert_clean();
+}
+
+/// A million live Refs. The lease's sweep reads only the groups of
+/// descriptors whose Refs are due (none while none is), and once their TTL
+/// has passed every one expires and the pool is clean.
+#[test]
+fn a_million_refs_expire_and_leave_nothing() {
+    const N: u32 = 1_000_000;
+    let tp = TempPool::with(PoolConfig {
+        size: 640 << 20,
+        descs: Some(N + 4096),
+        ..Default::default()
+    });
+    // No lease thread sweeping meanwhile: the counts are this test's.
+    let pool = tp.attach_with(AttachOptions {
+        reclaim: false,
+        ..Default::default()
+    });
+    let mut buf = pool.alloc(64).unwrap();
+    buf.write(0, b"one page shared by a million Refs").unwrap();
+    // A TTL that outlasts making them all, from the time the first 10 000
+    // take here (debug builds are slow).
+    let t = Instant::now();
+    let mut refs = Vec::with_capacity(N as usize);
+    let probe = 10_000;
+    for _ in 0..probe {
+        refs.push(
+            pool.create_ref_ttl(&buf, 0, 64, Duration::from_secs(3600))
+                .unwrap(),
+        );
+    }
+    let ttl = t.elapsed() * (N / probe) * 2 + Duration::from_secs(2);
+    for r in refs.drain(..) {
+        pool.release_ref(&r).unwrap();
+    }
+    let t = Instant::now();
+    for _ in 0..N {
+        refs.push(pool.create_ref_ttl(&buf, 0, 64, ttl).unwrap());
+    }
+    let made = t.elapsed();
+    let groups = (N as u64).div_ceil(dm_pool::EXPIRY_GROUP as u64);
+    // A new pool's summary says every group is due: the first sweep reads
+    // them all (and a few more: the freed probe's).
+    let first = pool.maintain().unwrap();
+    assert_eq!(first.refs_expired, 0);
+    assert!(first.expiry_groups_swept >= groups, "{first:?}");
+    // Then none is due, and none is read.
+    let t = Instant::now();
+    let idle = pool.maintain().unwrap();
+    let idle_took = t.elapsed();
+    assert_eq!(
+        (idle.refs_expired, idle.expiry_groups_swept),
+        (0, 0),
+        "{idle:?}"
+    );
+    assert!(
+        made < ttl,
+        "making them took {made:?}, past their TTL {ttl:?}"
+    );
+    // Their TTL passes: every one expires.
+    std::thread::sleep(ttl.saturating_sub(t.elapsed()) + Duration::from_millis(100));
+    let t = Instant::now();
+    let due = pool.maintain().unwrap();
+    let due_took = t.elapsed();
+    assert_eq!(due.refs_expired, N as u64, "{due:?}");
+    assert!(due.expiry_groups_swept >= groups, "{due:?}");
+    for r in &refs[..100] {
+        assert!(matches!(
+            pool.map_ref(r),
+            Err(dm_pool::Error::RefExpired { .. }
+                | dm_pool::Error::RefStale { .. }
+                | dm_pool::Error::RefReleased { .. })
+        ));
+    }
+    eprintln!(
+        "{N} Refs: made in {made:?}; a sweep with none due {idle_took:?}, \
+         with all due {due_took:?}"
+    );
+    drop(buf);
     drop(pool);
     tp.assert_clean();
 }
