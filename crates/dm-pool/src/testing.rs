@@ -218,6 +218,14 @@ pub fn stop_creating_ref(pool: &Pool, buf: &crate::Buffer) -> crate::Result<()> 
     pool.create_ref_stop_before_copy(buf)
 }
 
+/// Makes this process stop for good after committing its next Ref and
+/// before noting its expiry in the pool's summary, as a process killed
+/// there leaves it; for tests of crash recovery, whose caller is killed
+/// next.
+pub fn stop_before_noting() {
+    crate::pool::stop_before_noting()
+}
+
 /// Leaves `buf` half turned into a Ref ([`Pool::into_ref`]): the Ref's
 /// fields written, the descriptor still a buffer, as a process killed
 /// just before the commit leaves it; for tests of crash recovery, whose

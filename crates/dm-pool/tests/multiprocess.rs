@@ -4,7 +4,7 @@
 mod common;
 use common::{hex, unhex, watchdog, Agent, TempPool};
 use dm_pool::{MappedBuffer, Pool, PoolConfig, Ref};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 fn fnv(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
@@ -319,6 +319,51 @@ fn kill9_rounds(size: u64, big: u64, rounds: usize) {
         assert_eq!(gc.pages_repaired, 0, "the recount found nothing to repair");
         tp.assert_clean();
     }
+}
+
+/// A process killed between committing a Ref and noting its expiry in
+/// the pool's summary, in a group a sweep had found empty (its word said
+/// no Ref): reclaiming the process notes every live Ref, so the Ref still
+/// expires when due.
+#[test]
+fn a_ref_whose_maker_died_before_noting_it_still_expires() {
+    watchdog(60, || {
+        let tp = TempPool::new(16 << 20);
+        let survivor = survivor_of(&tp);
+        assert_eq!(survivor.maintain().unwrap().refs_expired, 0);
+        let mut maker = Agent::spawn(&tp.path, Some(agent_lease()));
+        let b = maker.ok("alloc 5000");
+        maker.ok(&format!("fill {b} 0 5000 7"));
+        let ttl = Duration::from_millis(2000);
+        maker.send(&format!("stopnote {b} {}", ttl.as_millis()));
+        let t = Instant::now();
+        while survivor.check().refs_live == 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the Ref never went live"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        maker.kill9();
+        // The maker's slot: reclaimed (a process of this host is gone once
+        // killed), its buffer freed, its Ref noted and not yet due.
+        let mut reclaimed = 0;
+        while reclaimed == 0 {
+            let rep = survivor.maintain().unwrap();
+            assert_eq!(rep.refs_expired, 0, "{rep:?}");
+            reclaimed = rep.slots_reclaimed;
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the maker was never reclaimed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(survivor.check().refs_live, 1);
+        std::thread::sleep(ttl.saturating_sub(t.elapsed()) + Duration::from_millis(100));
+        assert_eq!(survivor.maintain().unwrap().refs_expired, 1);
+        drop(survivor);
+        tp.assert_clean();
+    });
 }
 
 /// Two processes that mapped the same Ref die, the second in the middle of

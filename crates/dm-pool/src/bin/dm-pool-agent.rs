@@ -170,6 +170,19 @@ mod agent {
                     dm_pool::testing::stop_creating_ref(&self.pool, buf).map_err(e)?;
                     Ok("stopped".into())
                 }
+                "stopnote" => {
+                    // Crash-recovery tests: share a buffer with a TTL of
+                    // `ms`, and stop for good between the Ref's commit and
+                    // the expiry summary (the test kills this agent next).
+                    let b = num(&mut it)?;
+                    let ms = num(&mut it)?;
+                    let buf = self.bufs.get(&b).ok_or("no such buffer")?;
+                    dm_pool::testing::stop_before_noting();
+                    self.pool
+                        .create_ref_ttl(buf, 0, buf.len(), std::time::Duration::from_millis(ms))
+                        .map_err(e)?;
+                    Err("not stopped".into())
+                }
                 "mmap" => {
                     let r = Self::parse_ref(it.next())?;
                     let m = MappedBuffer::map_ref(&self.pool, &r).map_err(e)?;

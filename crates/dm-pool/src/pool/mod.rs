@@ -19,6 +19,7 @@ mod share;
 pub use attach::AttachOptions;
 pub(crate) use attach::Inner;
 pub use buffer::{Buffer, BufferId};
+pub(crate) use share::stop_before_noting;
 
 use crate::desc::{DescState, Kind, END_ABORTED, END_RELEASED};
 use crate::error::{Error, Result};

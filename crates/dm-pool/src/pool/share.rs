@@ -13,6 +13,26 @@ use crate::refs::Ref;
 use crate::sync::Ordering;
 use std::time::Duration;
 
+/// Set by `testing::stop_before_noting`: the next Ref made stops for good
+/// after its commit, before the expiry summary hears of it.
+static STOP_BEFORE_NOTE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes this process stop for good between committing its next Ref and
+/// noting its expiry (tests of crash recovery).
+pub(crate) fn stop_before_noting() {
+    STOP_BEFORE_NOTE.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// After a Ref's commit: its expiry into the pool's summary (expiry.rs).
+fn noted(i: &super::Inner, di: u32, d: &Desc) {
+    if STOP_BEFORE_NOTE.load(std::sync::atomic::Ordering::Relaxed) {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    i.shm.note_expiry(di, d.expiry_ms.load(Ordering::Relaxed));
+}
+
 impl Pool {
     /// Creates a Ref to `len` bytes at `offset` of `buf`: +1 share on each
     /// page (no copy); the buffer's view of those pages becomes CoW.
@@ -63,7 +83,7 @@ impl Pool {
         r.aux.store(mappers::IS_REF, Ordering::Release);
         r.state
             .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
-        i.shm.note_expiry(ridx, r.expiry_ms.load(Ordering::Relaxed));
+        noted(i, ridx, r);
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
         Ok(Ref {
             backend: crate::refs::BACKEND_POOL,
@@ -162,8 +182,7 @@ impl Pool {
             let e = Error::Corrupt(format!("descriptor {} changed under its owner", buf.desc));
             return Err((e, buf));
         }
-        i.shm
-            .note_expiry(buf.desc, d.expiry_ms.load(Ordering::Relaxed));
+        noted(i, buf.desc, d);
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
         // A Ref in flight is bounded by its TTL, not by a quota.
         i.uncharge(buf.n_pages as u64);

@@ -81,6 +81,12 @@ impl Agent {
 
     /// Sends a command to an agent that may have died; its answer, empty
     /// if it is gone.
+    /// Sends a command whose answer never comes (the agent stops in it).
+    pub fn send(&mut self, cmd: &str) {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
     pub fn try_raw(&mut self, cmd: &str) -> String {
         if writeln!(self.stdin, "{cmd}")
             .and_then(|()| self.stdin.flush())
