@@ -47,7 +47,7 @@ step "bench all --quick (checks each runs and writes its results, not its speed)
 out=target/bench-smoke
 rm -rf "$out"
 ./target/release/dmrpc bench all --quick --out "$out"
-for b in cow rtt threshold chain lb memserver ray access image social stream grpc heap failover; do
+for b in cow rtt threshold chain lb memserver ray access image social stream grpc heap failover scale; do
   for ext in json csv png; do
     test -s "$out/$b.$ext" || { echo "bench $b wrote no $b.$ext"; exit 1; }
   done

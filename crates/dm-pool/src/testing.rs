@@ -2,6 +2,7 @@
 
 use crate::{AttachOptions, Pool, PoolConfig};
 use std::path::PathBuf;
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 static N: AtomicU32 = AtomicU32::new(0);
@@ -240,4 +241,78 @@ pub fn scribble_desc_lock(pool: &Pool, buf: &crate::Buffer, v: u32) -> crate::Re
     let d = pool.inner.desc(buf.desc_index())?;
     d.lock.store(v, std::sync::atomic::Ordering::Release);
     Ok(())
+}
+
+/// A file system mounted for a test or a benchmark, unmounted (and its
+/// directory removed) on drop. Needs root.
+#[derive(Debug)]
+pub struct Mount(pub PathBuf);
+
+impl Mount {
+    /// Mounts with `mount ARGS DIR` on a new directory named by `tag`.
+    pub fn new(tag: &str, args: &[&str]) -> Result<Mount, String> {
+        let dir = std::env::temp_dir().join(format!("dmrpc-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let out = Command::new("mount")
+            .args(args)
+            .arg(&dir)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            let _ = std::fs::remove_dir(&dir);
+            return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+        }
+        Ok(Mount(dir))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// A `/proc/meminfo` figure (0 when missing).
+pub fn meminfo(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.trim().split(' ').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The kernel's pool of 2 MiB pages raised by `n` for a test or a
+/// benchmark, put back on drop. Needs root.
+#[derive(Debug)]
+pub struct HugePages {
+    before: u64,
+}
+
+const NR: &str = "/proc/sys/vm/nr_hugepages";
+
+impl HugePages {
+    /// Asks the kernel for `n` more huge pages; an error says why not.
+    pub fn more(n: u64) -> Result<HugePages, String> {
+        let before: u64 = std::fs::read_to_string(NR)
+            .map_err(|e| e.to_string())?
+            .trim()
+            .parse()
+            .map_err(|_| "unreadable nr_hugepages".to_string())?;
+        std::fs::write(NR, (before + n).to_string()).map_err(|e| e.to_string())?;
+        let hp = HugePages { before };
+        if meminfo("HugePages_Free:") < n {
+            return Err(format!(
+                "the kernel gave {} of the {n} huge pages asked for",
+                meminfo("HugePages_Free:")
+            ));
+        }
+        Ok(hp)
+    }
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        let _ = std::fs::write(NR, self.before.to_string());
+    }
 }

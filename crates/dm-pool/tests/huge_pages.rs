@@ -9,78 +9,9 @@
 //! that cannot have them says why and passes: the suite runs elsewhere.
 #![allow(clippy::unwrap_used)]
 
+use dm_pool::testing::{meminfo, HugePages, Mount};
 use dm_pool::{AttachOptions, Error, FixedMapping, MappedBuffer, Pool, PoolConfig};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-/// A file system mounted for the test, unmounted (and its directory
-/// removed) on drop.
-struct Mount(PathBuf);
-
-impl Mount {
-    fn new(tag: &str, args: &[&str]) -> Result<Mount, String> {
-        let dir = std::env::temp_dir().join(format!("dmrpc-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let out = Command::new("mount")
-            .args(args)
-            .arg(&dir)
-            .output()
-            .map_err(|e| e.to_string())?;
-        if !out.status.success() {
-            let _ = std::fs::remove_dir(&dir);
-            return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
-        }
-        Ok(Mount(dir))
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
-
-fn meminfo(key: &str) -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix(key)?.trim().split(' ').next()?.parse().ok())
-        .unwrap_or(0)
-}
-
-/// The kernel's pool of 2 MiB pages raised by `n` for the test, put back
-/// on drop.
-struct HugePages {
-    before: u64,
-}
-
-const NR: &str = "/proc/sys/vm/nr_hugepages";
-
-impl HugePages {
-    fn more(n: u64) -> Result<HugePages, String> {
-        let before: u64 = std::fs::read_to_string(NR)
-            .map_err(|e| e.to_string())?
-            .trim()
-            .parse()
-            .map_err(|_| "unreadable nr_hugepages".to_string())?;
-        std::fs::write(NR, (before + n).to_string()).map_err(|e| e.to_string())?;
-        let hp = HugePages { before };
-        if meminfo("HugePages_Free:") < n {
-            return Err(format!(
-                "the kernel gave {} of the {n} huge pages asked for",
-                meminfo("HugePages_Free:")
-            ));
-        }
-        Ok(hp)
-    }
-}
-
-impl Drop for HugePages {
-    fn drop(&mut self) {
-        let _ = std::fs::write(NR, self.before.to_string());
-    }
-}
 
 fn quiet() -> AttachOptions {
     AttachOptions {

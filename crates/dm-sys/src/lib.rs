@@ -313,6 +313,21 @@ pub mod proc {
         if pid == 0 || pid > i32::MAX as u32 {
             return false;
         }
+        if start != 0 {
+            if let Some(alive) = handles::alive(pid, start) {
+                return alive;
+            }
+        }
+        let alive = alive_by_proc(pid, start);
+        if alive && start != 0 {
+            handles::keep(pid, start);
+        }
+        alive
+    }
+
+    /// [`alive_since`] from `/proc`: a signal 0 probe, then the process's
+    /// state and start time (four system calls).
+    fn alive_by_proc(pid: u32, start: u64) -> bool {
         // SAFETY: kill with signal 0 performs only the permission/existence check.
         let r = unsafe { libc::kill(pid as i32, 0) };
         let exists = r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
@@ -325,6 +340,82 @@ pub mod proc {
                     && (start == 0 || start_of_stat(&stat).is_none_or(|s| s == start))
             }
             Err(_) => true,
+        }
+    }
+
+    /// Handles (pidfds) of processes found alive, by pid and start time:
+    /// checking one again is one `poll`, where `/proc` costs four system
+    /// calls and a file's formatting (a pool's lease thread checks every
+    /// process attached to it each lease period). A pidfd names its
+    /// process for good, so a reused pid cannot pass for it, and it reads
+    /// as ready once the process has exited (a zombie included).
+    mod handles {
+        use std::collections::HashMap;
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::sync::Mutex;
+
+        /// At most this many handles are kept (past it, all are dropped
+        /// and kept anew).
+        const MAX: usize = 4096;
+
+        /// Handles by pid and start time.
+        type Kept = Option<HashMap<(u32, u64), OwnedFd>>;
+
+        static KEPT: Mutex<Kept> = Mutex::new(None);
+
+        /// Whether the process kept as (`pid`, `start`) is alive; None if
+        /// none is kept.
+        /// The map, unless another thread holds it (then /proc answers:
+        /// a lock held across a fork never blocks the child).
+        fn kept() -> Option<std::sync::MutexGuard<'static, Kept>> {
+            match KEPT.try_lock() {
+                Ok(g) => Some(g),
+                Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            }
+        }
+
+        pub(super) fn alive(pid: u32, start: u64) -> Option<bool> {
+            let mut kept = kept()?;
+            let fd = kept.as_ref()?.get(&(pid, start))?;
+            let mut p = libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, no wait.
+            let r = unsafe { libc::poll(&mut p, 1, 0) };
+            match r {
+                0 => Some(true),
+                _ => {
+                    // Exited (ready), or the handle failed: ask /proc.
+                    kept.as_mut().map(|m| m.remove(&(pid, start)));
+                    (r == 1 && p.revents & libc::POLLIN != 0).then_some(false)
+                }
+            }
+        }
+
+        /// Keeps a handle of `pid` if it is still the process that started
+        /// at `start` once the handle is open.
+        pub(super) fn keep(pid: u32, start: u64) {
+            // SAFETY: pidfd_open takes a pid and flags; it returns a new
+            // descriptor (close-on-exec) or -1.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+            if fd < 0 {
+                return;
+            }
+            // SAFETY: fd is a descriptor just opened, owned by nothing else.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            // The pid may have been reused between the check and the open.
+            if super::start_time(pid) != Some(start) {
+                return;
+            }
+            let Some(mut kept) = kept() else { return };
+            let m = kept.get_or_insert_with(HashMap::new);
+            if m.len() >= MAX {
+                m.clear();
+            }
+            m.insert((pid, start), fd);
         }
     }
 
@@ -501,6 +592,38 @@ pub mod proc {
             assert_eq!(unsafe { libc::kill(id as i32, 0) }, 0);
             child.wait().unwrap();
             assert!(!pid_alive(id));
+        }
+
+        /// A process found alive by its start time is checked again through
+        /// its kept handle, which says when it exits, zombie or reaped.
+        #[test]
+        fn a_kept_handle_follows_its_process() {
+            for reap in [false, true] {
+                let mut child = std::process::Command::new("sleep")
+                    .arg("30")
+                    .spawn()
+                    .unwrap();
+                let id = child.id();
+                let start = start_time(id).unwrap();
+                assert!(alive_since(id, start));
+                assert_eq!(handles::alive(id, start), Some(true), "kept");
+                assert!(alive_since(id, start), "through the handle");
+                assert!(!alive_since(id, start + 1));
+                child.kill().unwrap();
+                if reap {
+                    child.wait().unwrap();
+                }
+                let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while alive_since(id, start) {
+                    assert!(
+                        std::time::Instant::now() < until,
+                        "an exited process looks alive"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                assert_eq!(handles::alive(id, start), None, "dropped once found dead");
+                let _ = child.wait();
+            }
         }
     }
 }

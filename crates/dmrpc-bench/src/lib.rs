@@ -31,6 +31,7 @@ mod peer;
 mod plot;
 mod ray;
 mod rtt;
+mod scale;
 mod social;
 mod stream;
 mod threshold;
@@ -55,7 +56,10 @@ pub struct BenchArgs {
     /// (one generated tonic service five ways: tonic TCP and UDS, HTTP/2
     /// over shared memory, direct, native dmrpc), `heap` (a document store:
     /// pointers into a shared heap, trusted and validated, against prost,
-    /// serde_json and bincode; and the cost of seals), or `all`.
+    /// serde_json and bincode; and the cost of seals), `failover` (how
+    /// soon balanced clients follow replicas), `scale` (per-operation cost
+    /// as a pool is used whole: its size, processes, live Refs, buffer
+    /// size, huge pages), or `all`.
     pub name: String,
     /// A short run for smoke tests (well under a minute).
     #[arg(long)]
@@ -64,7 +68,8 @@ pub struct BenchArgs {
     /// during the run: `rtt`'s and `grpc`'s client and peer on CPUs 0 and
     /// 1; `chain`'s client (and `grpc`'s chain's) on the first CPU and
     /// tier k on CPU k+1 (mod the CPUs), so neighbouring tiers alternate
-    /// between cores. dmrpc and its peers
+    /// between cores; `scale`'s client on the first CPU and its server
+    /// on the second. dmrpc and its peers
     /// (tonic) run in the same processes, pinned alike.
     #[arg(long)]
     pub pin: bool,
@@ -108,6 +113,7 @@ fn run_named(a: &BenchArgs) -> Result<()> {
         "grpc" => grpc_ways::run(a),
         "heap" => heap::run(a),
         "failover" => failover::run(a),
+        "scale" => scale::run(a),
         "all" => {
             cow::run(a)?;
             rtt::run(a)?;
@@ -122,10 +128,11 @@ fn run_named(a: &BenchArgs) -> Result<()> {
             stream::run(a)?;
             grpc_ways::run(a)?;
             heap::run(a)?;
-            failover::run(a)
+            failover::run(a)?;
+            scale::run(a)
         }
         n => bail!(
-            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, grpc, heap, failover, all)"
+            "unknown benchmark {n:?} (available: cow, rtt, threshold, chain, lb, memserver, ray, access, image, social, stream, grpc, heap, failover, scale, all)"
         ),
     }
 }

@@ -50,7 +50,8 @@ pub fn peer(a: PeerArgs) -> Result<()> {
     let pool = Pool::open(
         &a.path,
         AttachOptions {
-            prefault: true,
+            // `bench scale`'s pools are larger than the memory they use.
+            prefault: std::env::var("DMRPC_BENCH_PREFAULT").as_deref() != Ok("0"),
             name: Some("bench-peer".into()),
             tenant: std::env::var("DMRPC_BENCH_TENANT").ok(),
             ..Default::default()
