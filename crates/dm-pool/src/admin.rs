@@ -3,7 +3,7 @@
 //! process is attached; and what the pool says of itself without an
 //! attach (its layout, whose clock its Refs keep).
 
-use crate::check::{count_holders, CheckReport};
+use crate::check::{count_holders, CheckReport, Pass, Problems, Progress};
 use crate::error::Result;
 use crate::pages::PageState;
 use crate::pool::{AttachOptions, Pool};
@@ -25,13 +25,24 @@ pub fn gc_path(path: &Path) -> Result<GcReport> {
 /// whose lease ran out ([`PoolConfig::quarantine_ms`](crate::PoolConfig::quarantine_ms)):
 /// the operator says they are gone, not stopped.
 pub fn gc_path_with(path: &Path, now: bool) -> Result<GcReport> {
+    gc_path_progress(path, now, &mut |_| {})
+}
+
+/// [`gc_path_with`], telling `progress` how far it has come: at the start
+/// and end of each part (slots, expiry groups, then the recount's
+/// descriptors and pages) and every 65 536 items.
+pub fn gc_path_progress(
+    path: &Path,
+    now: bool,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<GcReport> {
     if now {
         Shm::open(path, dm_sys::mem::Access::Own)?.end_quarantines();
     }
-    gc_inner(path)
+    gc_inner(path, &mut Pass(progress))
 }
 
-fn gc_inner(path: &Path) -> Result<GcReport> {
+fn gc_inner(path: &Path, pass: &mut Pass<'_>) -> Result<GcReport> {
     let pool = Pool::open(
         path,
         AttachOptions {
@@ -41,12 +52,12 @@ fn gc_inner(path: &Path) -> Result<GcReport> {
         },
     )?;
     // Every descriptor group, whatever the expiry summary says.
-    let mut rep = pool.inner.maintain_local(true)?;
-    recount(&pool, &mut rep)?;
+    let mut rep = pool.inner.maintain_local(true, pass)?;
+    recount(&pool, &mut rep, pass)?;
     Ok(rep)
 }
 
-fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
+fn recount(pool: &Pool, rep: &mut GcReport, pass: &mut Pass<'_>) -> Result<()> {
     let shm = pool.shm();
     let me = pool.slot();
     let a = shm.atomics();
@@ -65,13 +76,13 @@ fn recount(pool: &Pool, rep: &mut GcReport) -> Result<()> {
     let res = if others {
         Ok(())
     } else {
-        repair(pool, shm, me, rep)
+        repair(pool, shm, me, rep, pass)
     };
     a.maint.store(0, Ordering::SeqCst);
     res
 }
 
-fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport) -> Result<()> {
+fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport, pass: &mut Pass<'_>) -> Result<()> {
     rep.recounted = true;
     // No other process holds anything: no tenant does (this one's own
     // buffers are a gc's, none).
@@ -79,11 +90,13 @@ fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport) -> Result<()> {
     // Descriptors owned by slots that no longer exist (we are the only
     // slot: every other owner is gone).
     pool.inner.reclaim_orphans()?;
-    let mut problems = Vec::new();
+    let mut problems = Problems::default();
     let mut scratch = CheckReport::default();
-    let holders = count_holders(shm, &mut problems, &mut scratch);
+    let holders = count_holders(shm, &mut problems, &mut scratch, pass);
     let t = shm.pages();
+    let n = holders.len() as u64;
     for (p, &h) in holders.iter().enumerate() {
+        pass.at("pages", p as u64, n);
         let p = p as u32;
         let st = t.state(p)?;
         let fixed = match st {

@@ -83,19 +83,100 @@ impl CheckReport {
     }
 }
 
+/// How far a pass over a pool has come: what it counts, and how many of
+/// how many. `dmrpc pool check` and `gc` show it when they run long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// What is counted: descriptors (three passes: the buffers mapped from
+    /// Refs, the Refs, the pages each names), `pages`, `list pages`,
+    /// `slots`, `expiry groups`.
+    pub what: &'static str,
+    /// Done so far.
+    pub done: u64,
+    /// Of.
+    pub total: u64,
+}
+
+/// A pass's progress reports: at each start, every [`STRIDE`] items and
+/// at each end.
+pub(crate) struct Pass<'a>(pub(crate) &'a mut dyn FnMut(Progress));
+
+/// Items between two progress reports.
+const STRIDE: u64 = 1 << 16;
+
+impl Pass<'_> {
+    /// A pass that reports to no one.
+    pub(crate) fn quiet<T>(f: impl FnOnce(&mut Pass<'_>) -> T) -> T {
+        f(&mut Pass(&mut |_| {}))
+    }
+
+    /// Item `i` of `total` of `what` is next.
+    #[inline]
+    pub(crate) fn at(&mut self, what: &'static str, i: u64, total: u64) {
+        if i.is_multiple_of(STRIDE) {
+            (self.0)(Progress {
+                what,
+                done: i,
+                total,
+            });
+        }
+    }
+
+    /// All `total` of `what` done.
+    pub(crate) fn end(&mut self, what: &'static str, total: u64) {
+        (self.0)(Progress {
+            what,
+            done: total,
+            total,
+        });
+    }
+}
+
+/// The problems a check found: the first [`MAX_PROBLEMS`] said, the rest
+/// counted, so a wrecked pool's report stays small.
+#[derive(Default)]
+pub(crate) struct Problems {
+    said: Vec<String>,
+    more: u64,
+}
+
+/// Problems a report says one by one.
+const MAX_PROBLEMS: usize = 1000;
+
+impl Problems {
+    pub(crate) fn push(&mut self, p: String) {
+        if self.said.len() < MAX_PROBLEMS {
+            self.said.push(p);
+        } else {
+            self.more += 1;
+        }
+    }
+
+    fn into_vec(mut self) -> Vec<String> {
+        if self.more > 0 {
+            self.said
+                .push(format!("and {} more problems not listed", self.more));
+        }
+        self.said
+    }
+}
+
 /// Counts how many descriptor entries name each page. Returns problems for
 /// entries that name no page of the pool.
 pub(crate) fn count_holders(
     shm: &Shm,
-    problems: &mut Vec<String>,
+    problems: &mut Problems,
     rep: &mut CheckReport,
+    pass: &mut Pass<'_>,
 ) -> Vec<u32> {
     let n = shm.layout.n_pages as usize;
     let mut holders = vec![0u32; n];
-    let now = LeaseNow::read();
+    let live = slots_live(shm, LeaseNow::read());
     // Mapped buffers linked to each Ref (its mapper count must match).
     let mut links = std::collections::HashMap::<u32, u32>::new();
-    for idx in 0..shm.layout.n_descs {
+    let n_descs = shm.layout.n_descs;
+    for idx in 0..n_descs {
+        pass.at("descriptors (mappings)", idx as u64, n_descs as u64);
         let Some(d) = shm.desc(idx) else { continue };
         let st = DescState::decode(d.state.load(Ordering::Acquire));
         if matches!(st.kind, Some(Kind::Buf | Kind::MapBuild | Kind::Drop))
@@ -106,7 +187,8 @@ pub(crate) fn count_holders(
                 .or_default() += 1;
         }
     }
-    for idx in 0..shm.layout.n_descs {
+    for idx in 0..n_descs {
+        pass.at("descriptors (Refs)", idx as u64, n_descs as u64);
         let Some(d) = shm.desc(idx) else { continue };
         if DescState::decode(d.state.load(Ordering::Acquire)).kind != Some(Kind::RefLive) {
             continue;
@@ -123,7 +205,8 @@ pub(crate) fn count_holders(
             rep.refs_released_mapped += 1;
         }
     }
-    for idx in 0..shm.layout.n_descs {
+    for idx in 0..n_descs {
+        pass.at("descriptors (pages named)", idx as u64, n_descs as u64);
         let Some(d) = shm.desc(idx) else { continue };
         let st = DescState::decode(d.state.load(Ordering::Acquire));
         let (lo, hi) = match st.kind {
@@ -138,12 +221,12 @@ pub(crate) fn count_holders(
             }
             Some(Kind::MapBuild) | Some(Kind::RefBuild) => {
                 rep.descs_in_flight += 1;
-                in_flight(shm, idx, st.owner, now, problems);
+                in_flight(idx, st.owner, &live, problems);
                 (0, d.held.load(Ordering::Acquire))
             }
             Some(Kind::Drop) => {
                 rep.descs_in_flight += 1;
-                in_flight(shm, idx, st.owner, now, problems);
+                in_flight(idx, st.owner, &live, problems);
                 let (pr, held) = (
                     d.progress.load(Ordering::Acquire),
                     d.held.load(Ordering::Acquire),
@@ -168,14 +251,17 @@ pub(crate) fn count_holders(
         };
         rep.pages_lists += count_desc(shm, idx, d, lo, hi, 0, &mut holders, problems);
     }
+    pass.end("descriptors (pages named)", n_descs as u64);
     holders
 }
 
 /// Entries past a live descriptor's page count, in its last list page,
 /// must be zero.
-fn check_list_tails(shm: &Shm, problems: &mut Vec<String>) {
+fn check_list_tails(shm: &Shm, problems: &mut Problems, pass: &mut Pass<'_>) {
     let per = shm.layout.per_list_page();
-    for idx in 0..shm.layout.n_descs {
+    let n = shm.layout.n_descs;
+    for idx in 0..n {
+        pass.at("list pages", idx as u64, n as u64);
         let Some(d) = shm.desc(idx) else { continue };
         let kind = DescState::decode(d.state.load(Ordering::Acquire)).kind;
         if !matches!(kind, Some(Kind::Buf) | Some(Kind::RefLive))
@@ -199,8 +285,8 @@ fn check_list_tails(shm: &Shm, problems: &mut Vec<String>) {
     }
 }
 
-fn in_flight(shm: &Shm, idx: u32, owner: u16, now: LeaseNow, problems: &mut Vec<String>) {
-    if !shm.slot_live(owner, now) {
+fn in_flight(idx: u32, owner: u16, live: &[bool], problems: &mut Problems) {
+    if !live.get(owner as usize).copied().unwrap_or(false) {
         problems.push(format!(
             "descriptor {idx}: interrupted operation of dead slot {owner} (run gc)"
         ));
@@ -218,7 +304,7 @@ fn count_desc(
     hi: u32,
     lists_from: u32,
     holders: &mut [u32],
-    problems: &mut Vec<String>,
+    problems: &mut Problems,
 ) -> u64 {
     let mut lists = 0;
     let n = holders.len() as u32;
@@ -307,7 +393,7 @@ fn who_names(shm: &Shm, p: u32) -> String {
 /// Checks the invariant. `deep` also reads the list pages of every live
 /// descriptor, whose entries past its page count must be zero (taken pages
 /// keep old bytes since format 5, so list pages are zeroed where unused).
-pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
+pub(crate) fn check_shm(shm: &Shm, deep: bool, pass: &mut Pass<'_>) -> CheckReport {
     let mut rep = CheckReport {
         pages_total: shm.layout.n_pages as u64,
         descs_total: shm.layout.n_descs as u64,
@@ -315,7 +401,7 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
         ..Default::default()
     };
     let now = LeaseNow::read();
-    let mut problems = Vec::new();
+    let mut problems = Problems::default();
     rep.process_quota_pages = shm.quotas().process_pages.load(Ordering::Relaxed);
     for (name, held, quota) in shm.tenant_usage() {
         rep.quotas.push(QuotaUse {
@@ -387,17 +473,20 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
             ));
         }
     }
-    let holders = count_holders(shm, &mut problems, &mut rep);
+    let holders = count_holders(shm, &mut problems, &mut rep, pass);
     if deep {
-        check_list_tails(shm, &mut problems);
+        check_list_tails(shm, &mut problems, pass);
     }
+    // Each slot's liveness once (for a process of this host, a system call).
+    let live = slots_live(shm, now);
+    let is_live = |s: u16| live.get(s as usize).copied().unwrap_or(false);
     let t = shm.pages();
     for st in 0..t.stripe_count() {
         if let Some(h) = t.stripe_holder(st) {
             let owner = shm
                 .desc(h)
                 .map(|d| DescState::decode(d.state.load(Ordering::Acquire)).owner);
-            if !owner.is_some_and(|o| shm.slot_live(o, now)) {
+            if !owner.is_some_and(is_live) {
                 problems.push(format!(
                     "stripe {st}: locked by descriptor {h} whose owner is gone (run gc)"
                 ));
@@ -407,7 +496,9 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
     // Pages found free but named whose namers are looked up (a pass over
     // every descriptor each): enough to diagnose, bounded on a wrecked pool.
     let mut named_left = 8;
+    let n_pages = holders.len() as u64;
     for (p, &h) in holders.iter().enumerate() {
+        pass.at("pages", p as u64, n_pages);
         let p = p as u32;
         match t.state(p) {
             Ok(PageState::Free) => {
@@ -426,12 +517,12 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
             }
             Ok(PageState::Cached(s)) => {
                 rep.pages_cached += 1;
-                if !shm.slot_live(s, now) {
+                if !is_live(s) {
                     problems.push(format!(
                         "page {p}: cached by slot {s}, which is not live (run gc)"
                     ));
                 }
-                if h > 0 && shm.slot_live(s, now) {
+                if h > 0 && is_live(s) {
                     problems.push(format!(
                         "page {p}: cached by slot {s} but named by {h} descriptor entries"
                     ));
@@ -459,7 +550,7 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
                     .desc(desc)
                     .map(|d| DescState::decode(d.state.load(Ordering::Acquire)).owner);
                 match owner {
-                    Some(o) if shm.slot_live(o, now) => {} // an operation in flight
+                    Some(o) if is_live(o) => {} // an operation in flight
                     _ => problems.push(format!(
                         "page {p}: refcount {rc}, locked by descriptor {desc} whose owner is gone (run gc)"
                     )),
@@ -482,19 +573,27 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool) -> CheckReport {
     }
     for (i, client, server) in shm.channels_in_use() {
         rep.channels += 1;
-        if !shm.slot_live(client, now) && !shm.slot_live(server, now) {
+        if !is_live(client) && !is_live(server) {
             problems.push(format!(
                 "channel {i}: both ends (slots {client} and {server}) are gone (run gc)"
             ));
         }
     }
-    rep.problems = problems;
+    pass.end("pages", n_pages);
+    rep.problems = problems.into_vec();
     rep
+}
+
+/// Whether each slot is live at `now`, by slot index.
+fn slots_live(shm: &Shm, now: LeaseNow) -> Vec<bool> {
+    (0..shm.layout.n_slots)
+        .map(|s| shm.slot_live(s as u16, now))
+        .collect()
 }
 
 /// Checks the pool in this process's mapping (see [`settled`]).
 pub(crate) fn check(shm: &Shm) -> CheckReport {
-    settled(|| check_shm(shm, false), PAUSE)
+    Pass::quiet(|pass| settled(|| check_shm(shm, false, pass), PAUSE))
 }
 
 /// Checks the pool at `path` without attaching to it. A pass that finds
@@ -502,8 +601,20 @@ pub(crate) fn check(shm: &Shm) -> CheckReport {
 /// every pass found are reported: on a busy pool an operation in flight
 /// looks like a problem to one pass, a real one stays.
 pub fn check_path(path: &Path, deep: bool) -> Result<CheckReport> {
+    check_path_with(path, deep, &mut |_| {})
+}
+
+/// [`check_path`], telling `progress` how far it has come: at the start
+/// and end of each part and every 65 536 descriptors or pages (a 16 GiB
+/// pool has 4 million pages).
+pub fn check_path_with(
+    path: &Path,
+    deep: bool,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<CheckReport> {
     let shm = Shm::open(path, dm_sys::mem::Access::Group)?;
-    Ok(settled(|| check_shm(&shm, deep), PAUSE))
+    let mut pass = Pass(progress);
+    Ok(settled(|| check_shm(&shm, deep, &mut pass), PAUSE))
 }
 
 /// Passes a check makes over a pool with problems before reporting them.
@@ -566,8 +677,38 @@ pub fn counters_of(path: &Path) -> Result<Counters> {
 
 #[cfg(test)]
 mod tests {
-    use super::{settled, CheckReport, PASSES};
+    use super::{settled, CheckReport, Pass, Problems, Progress, MAX_PROBLEMS, PASSES, STRIDE};
     use std::time::Duration;
+
+    /// A wrecked pool's report stays small: the first problems, then a count.
+    #[test]
+    fn problems_past_the_cap_are_counted() {
+        let mut p = Problems::default();
+        for i in 0..MAX_PROBLEMS + 5 {
+            p.push(format!("page {i}: wrong"));
+        }
+        let v = p.into_vec();
+        assert_eq!(v.len(), MAX_PROBLEMS + 1);
+        assert_eq!(
+            v[MAX_PROBLEMS - 1],
+            format!("page {}: wrong", MAX_PROBLEMS - 1)
+        );
+        assert_eq!(v[MAX_PROBLEMS], "and 5 more problems not listed");
+    }
+
+    /// A pass reports its start, every stride and its end.
+    #[test]
+    fn a_pass_reports_each_stride() {
+        let mut seen = Vec::new();
+        let mut f = |p: Progress| seen.push(p.done);
+        let mut pass = Pass(&mut f);
+        let n = 3 * STRIDE + 7;
+        for i in 0..n {
+            pass.at("pages", i, n);
+        }
+        pass.end("pages", n);
+        assert_eq!(seen, [0, STRIDE, 2 * STRIDE, 3 * STRIDE, n]);
+    }
 
     fn with(problems: &[&str]) -> CheckReport {
         CheckReport {

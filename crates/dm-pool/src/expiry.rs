@@ -114,9 +114,12 @@ impl Core {
         all: bool,
         rep: &mut GcReport,
         freed: &mut Vec<u32>,
+        pass: &mut crate::check::Pass<'_>,
     ) -> Result<()> {
         let due = self.shm.ref_now(now);
-        for g in 0..words_for(self.shm.layout.n_descs) as u32 {
+        let n = words_for(self.shm.layout.n_descs);
+        for g in 0..n as u32 {
+            pass.at("expiry groups", g as u64, n);
             let Some(w) = self.shm.expiry_word(g) else {
                 break;
             };
@@ -134,6 +137,7 @@ impl Core {
                 }
             }
         }
+        pass.end("expiry groups", n);
         Ok(())
     }
 

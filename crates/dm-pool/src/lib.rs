@@ -121,11 +121,15 @@ mod shm;
 pub mod testing;
 
 #[cfg(not(loom))]
-pub use admin::{gc_path, gc_path_with, layout_of, ref_clock_is_ours, services_at};
+pub use admin::{
+    gc_path, gc_path_progress, gc_path_with, layout_of, ref_clock_is_ours, services_at,
+};
 #[cfg(not(loom))]
 pub use channel::{ChannelId, ChannelMemory, Closing, Peer, Side};
 #[cfg(not(loom))]
-pub use check::{check_path, counters_of, CheckReport, Counters, QuotaUse};
+pub use check::{
+    check_path, check_path_with, counters_of, CheckReport, Counters, Progress, QuotaUse,
+};
 #[cfg(not(loom))]
 pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]

@@ -404,15 +404,23 @@ impl Core {
 
     /// Reclaims dead slots and expired Refs: those of the groups the
     /// expiry summary says are due, or of every group with `all`.
-    pub(crate) fn maintain(&self, freed: &mut Vec<u32>, all: bool) -> Result<GcReport> {
+    pub(crate) fn maintain(
+        &self,
+        freed: &mut Vec<u32>,
+        all: bool,
+        pass: &mut crate::check::Pass<'_>,
+    ) -> Result<GcReport> {
         let mut rep = GcReport::default();
         let now = LeaseNow::read();
-        for s in 0..self.shm.layout.n_slots as u16 {
+        let n = self.shm.layout.n_slots;
+        for s in 0..n as u16 {
+            pass.at("slots", s as u64, n as u64);
             if s != self.slot && self.reclaim_slot(s, now, freed)? {
                 rep.slots_reclaimed += 1;
             }
         }
-        self.expire_due(now, all, &mut rep, freed)?;
+        pass.end("slots", n as u64);
+        self.expire_due(now, all, &mut rep, freed, pass)?;
         rep.services_removed = self.shm.sweep_services(self.slot, self.incarnation);
         rep.channels_freed = self.shm.sweep_channels();
         Ok(rep)

@@ -317,6 +317,88 @@ fn pool_info_says_which_clock_refs_live_by() {
     }
 }
 
+/// Every limit is chosen at creation, up to what the pool has room for,
+/// and `pool info` shows each: thousands of slots, descriptors, services
+/// and channels, and a buffer as large as the pool.
+#[test]
+fn pool_limits_are_chosen_at_creation_and_shown() {
+    let path = std::env::temp_dir().join(format!("dmrpc-cli-limits-{}.pool", std::process::id()));
+    let p = path.to_str().unwrap();
+    let (ok, out) = dmrpc(&[
+        "pool",
+        "create",
+        "big",
+        "--path",
+        p,
+        "--size",
+        "256MiB",
+        "--slots",
+        "4000",
+        "--descriptors",
+        "100000",
+        "--services",
+        "3000",
+        "--channels",
+        "2000",
+        "--ring-size",
+        "4KiB",
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out) = dmrpc(&["pool", "info", "big", "--path", p]);
+    assert!(ok, "{out}");
+    for want in [
+        "slots       4000",
+        "descriptors 100000",
+        "services    3000",
+        "channels    2000 (rings of 4 KiB each way)",
+    ] {
+        assert!(out.contains(want), "{want:?} in {out}");
+    }
+    let max = out
+        .lines()
+        .find_map(|l| l.strip_prefix("max buffer  "))
+        .unwrap_or_else(|| panic!("no max buffer in {out}"));
+    let pages = out
+        .lines()
+        .find_map(|l| l.strip_prefix("data pages  "))
+        .unwrap_or_else(|| panic!("no data pages in {out}"));
+    assert!(
+        pages.ends_with(&format!("({max})")),
+        "max buffer {max}, data pages {pages}"
+    );
+    let (ok, out) = dmrpc(&["pool", "create", "x", "--path", p, "--slots", "70000"]);
+    assert!(
+        !ok && out.contains("slots must be between 1 and 65535"),
+        "{out}"
+    );
+    // Check and gc say how far they have come.
+    let (ok, out) = dmrpc(&["pool", "check", "big", "--path", p, "--deep", "--progress"]);
+    assert!(ok, "{out}");
+    for want in [
+        "pool check: descriptors (mappings) 0 of 100000 (0%)",
+        "pool check: descriptors (pages named) 100000 of 100000 (100%)",
+        "pool check: list pages 0 of 100000",
+        "pool check: pages 0 of ",
+    ] {
+        assert!(out.contains(want), "{want:?} in {out}");
+    }
+    let (ok, out) = dmrpc(&["pool", "gc", "big", "--path", p, "--progress"]);
+    assert!(ok, "{out}");
+    for want in [
+        "pool gc: slots 4000 of 4000 (100%)",
+        "pool gc: expiry groups 1563 of 1563 (100%)",
+        "pool gc: descriptors (pages named) 100000 of 100000 (100%)",
+        "recount ran",
+    ] {
+        assert!(out.contains(want), "{want:?} in {out}");
+    }
+    // Without --progress a quick pass says nothing of it.
+    let (ok, out) = dmrpc(&["pool", "check", "big", "--path", p]);
+    assert!(ok && !out.contains("of 100000"), "{out}");
+    assert!(dm_pool::check_path(&path, true).unwrap().ok());
+    std::fs::remove_file(&path).unwrap();
+}
+
 /// A pool is named the same way to every command: `ls` takes `--pool` as
 /// `call` does (or the name alone, as `pool` commands do), and a pool that
 /// is not there says so once, with the OS's reason.

@@ -283,7 +283,7 @@ fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64, reclaim: bool) 
         if reclaim && now >= last_maint + lease {
             last_maint = now;
             let mut freed = Vec::new();
-            let _ = core.maintain(&mut freed, false);
+            let _ = crate::check::Pass::quiet(|p| core.maintain(&mut freed, false, p));
             core.release_freed(freed);
         }
     }
@@ -385,7 +385,7 @@ impl Inner {
             }
             retried = true;
             // Reclaim what dead processes and expired Refs hold, then retry once.
-            self.maintain_local(false)?;
+            crate::check::Pass::quiet(|p| self.maintain_local(false, p))?;
         }
     }
 
@@ -482,9 +482,13 @@ impl Inner {
 
     /// Reclaims dead slots and expired Refs (of every descriptor group
     /// with `all`, else of those due), keeping freed pages.
-    pub(crate) fn maintain_local(&self, all: bool) -> Result<crate::reclaim::GcReport> {
+    pub(crate) fn maintain_local(
+        &self,
+        all: bool,
+        pass: &mut crate::check::Pass<'_>,
+    ) -> Result<crate::reclaim::GcReport> {
         let mut freed = Vec::new();
-        let r = self.core.maintain(&mut freed, all);
+        let r = self.core.maintain(&mut freed, all, pass);
         self.give_pages(freed);
         r
     }

@@ -45,6 +45,10 @@ pub struct PoolOptions {
     /// How many processes may attach at once.
     #[arg(long, default_value_t = 256)]
     slots: u32,
+    /// How many buffers and Refs may live at once (default: one per
+    /// four data pages, at least 1024; each costs 256 bytes).
+    #[arg(long)]
+    descriptors: Option<u32>,
     /// A process silent this long (ms) is dead; its holdings are reclaimed.
     #[arg(long, default_value_t = 2000)]
     lease_ms: u64,
@@ -98,7 +102,7 @@ impl PoolOptions {
             size: self.size,
             page_size: u32::try_from(self.page_size).context("page size too large")?,
             slots: self.slots,
-            descs: None,
+            descs: self.descriptors,
             lease_ms: self.lease_ms,
             ref_ttl_ms: self.ref_ttl_ms,
             services: self.services,
@@ -143,6 +147,10 @@ pub enum PoolCmd {
         /// their page count must be zero).
         #[arg(long)]
         deep: bool,
+        /// Say how far it has come from the start (on stderr). Without
+        /// it, a check that runs longer than a second says so every second.
+        #[arg(long)]
+        progress: bool,
     },
     /// Reclaim dead processes' holdings and expired Refs; with no process
     /// attached, also recount every page and repair.
@@ -153,12 +161,38 @@ pub enum PoolCmd {
         /// kept in case they were only stopped): say so when they are gone.
         #[arg(long)]
         now: bool,
+        /// Say how far it has come from the start (on stderr). Without
+        /// it, a gc that runs longer than a second says so every second.
+        #[arg(long)]
+        progress: bool,
     },
     /// Remove the pool's backing file.
     Destroy {
         #[command(flatten)]
         target: Target,
     },
+}
+
+/// Prints a long pass's progress on stderr: every report with `always`,
+/// else at most once a second once the pass has run for a second.
+fn progress_printer(cmd: &'static str, always: bool) -> impl FnMut(dm_pool::Progress) {
+    let start = std::time::Instant::now();
+    let mut last: Option<std::time::Instant> = None;
+    let second = std::time::Duration::from_secs(1);
+    move |p| {
+        let now = std::time::Instant::now();
+        let due = now - start >= second && last.is_none_or(|l| now - l >= second);
+        if always || due {
+            last = Some(now);
+            eprintln!(
+                "{cmd}: {} {} of {} ({:.0}%)",
+                p.what,
+                p.done,
+                p.total,
+                100.0 * p.done as f64 / p.total.max(1) as f64
+            );
+        }
+    }
 }
 
 pub fn run(cmd: PoolCmd) -> Result<()> {
@@ -268,10 +302,18 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 r.services, layout.n_services, r.channels, layout.n_channels
             );
         }
-        PoolCmd::Check { target, deep } => {
+        PoolCmd::Check {
+            target,
+            deep,
+            progress,
+        } => {
             let path = target.path();
-            let r = dm_pool::check_path(&path, deep)
-                .with_context(|| format!("opening {}", path.display()))?;
+            let r = dm_pool::check_path_with(
+                &path,
+                deep,
+                &mut progress_printer("pool check", progress),
+            )
+            .with_context(|| format!("opening {}", path.display()))?;
             if r.ok() {
                 println!(
                     "pool check passed: {} pages ({} free, {} cached, {} held), {} refs, {} buffers, {} live slots, {} services, {} channels",
@@ -285,10 +327,15 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        PoolCmd::Gc { target, now } => {
+        PoolCmd::Gc {
+            target,
+            now,
+            progress,
+        } => {
             let path = target.path();
-            let g = dm_pool::gc_path_with(&path, now)
-                .with_context(|| format!("opening {}", path.display()))?;
+            let g =
+                dm_pool::gc_path_progress(&path, now, &mut progress_printer("pool gc", progress))
+                    .with_context(|| format!("opening {}", path.display()))?;
             println!(
                 "gc: {} dead slot(s) reclaimed, {} expired Ref(s) reclaimed, recount {}{}",
                 g.slots_reclaimed,
