@@ -2,8 +2,9 @@
 //! through six processes, fan-out, servers and clients killed with
 //! `kill -9` mid-call (and a client calling the process that takes the
 //! killed server's name), a deadline inherited down a chain, a graceful
-//! shutdown, a rolling restart, and restarts under load. Every test ends
-//! with `pool check` clean.
+//! shutdown, a rolling restart, restarts under load, and hundreds of client
+//! processes holding thousands of channels, a quarter of them killed.
+//! Every test ends with `pool check` clean.
 #![allow(clippy::unwrap_used)]
 
 use dm_pool::testing::TempPool;
@@ -1094,4 +1095,81 @@ fn a_service_killed_and_reaped_is_restarted_at_once() {
 #[test]
 fn a_service_killed_and_not_yet_reaped_is_restarted_at_once() {
     restart_at_once(false);
+}
+
+/// A pool made for hundreds of processes and thousands of channels: 200
+/// client processes, 10 connections each (a channel each), calling a
+/// server all the while. A quarter of them are killed with kill -9, most
+/// mid-call. The server goes on answering, the dead's slots and channels
+/// are reclaimed, and once all have gone the pool is clean.
+#[test]
+fn hundreds_of_processes_on_thousands_of_channels_survive_kills() {
+    const PROCS: usize = 200;
+    const CONNS: usize = 10;
+    const KILLED: usize = PROCS / 4;
+    let tp = TempPool::with(PoolConfig {
+        size: 256 << 20,
+        slots: 512,
+        channels: Some((PROCS * CONNS + 64) as u32),
+        ring_size: 4096,
+        lease_ms: 400,
+        ..Default::default()
+    });
+    let node = node(&tp);
+    let name = format!("mp/many/{}", std::process::id());
+    let server = node
+        .server(&name)
+        .method_async("nap", |_| async {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            Ok(Payload::empty())
+        })
+        .spawn()
+        .unwrap();
+    let mut agents: Vec<Agent> = (0..PROCS)
+        .map(|_| {
+            Agent::start(
+                &tp,
+                &["many", &name, &CONNS.to_string(), "nap", "--lease", "400"],
+            )
+        })
+        .collect();
+    for a in agents.iter_mut() {
+        assert_eq!(a.line(), format!("connected {CONNS}"));
+    }
+    let rep = node.pool().check();
+    assert!(rep.ok(), "{:?}", rep.problems);
+    assert_eq!(rep.channels, (PROCS * CONNS) as u64, "{rep:?}");
+    assert_eq!(rep.slots_live, PROCS as u64 + 1);
+    // Every agent is calling: kill a quarter (their calls are in flight).
+    for a in agents.drain(..KILLED) {
+        a.kill9();
+    }
+    // The server answers the living and a new client alike.
+    let c = node.connect(&name).unwrap();
+    for _ in 0..20 {
+        c.call("nap", Payload::from_vec(vec![0; 8])).unwrap();
+    }
+    // The dead are reclaimed (by this process's lease thread, and here).
+    let until = Instant::now() + Duration::from_secs(60);
+    let rep = loop {
+        node.pool().maintain().unwrap();
+        let rep = node.pool().check();
+        if rep.slots_dead == 0 && rep.channels == ((PROCS - KILLED) * CONNS + 1) as u64 {
+            break rep;
+        }
+        assert!(
+            Instant::now() < until,
+            "the dead were not reclaimed: {rep:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(rep.ok(), "{:?}", rep.problems);
+    assert_eq!(rep.slots_live, (PROCS - KILLED) as u64 + 1);
+    drop(c);
+    for a in agents {
+        a.stop();
+    }
+    drop(server);
+    drop(node);
+    settle(&tp);
 }

@@ -78,6 +78,7 @@ mod agent {
             "serve" => serve(&node, &args),
             "call" => call(&node, &args),
             "stream" => stream(&node, &args),
+            "many" => many(&node, &args),
             other => {
                 eprintln!("unknown mode {other}");
                 std::process::exit(2);
@@ -283,6 +284,25 @@ mod agent {
         println!("reading");
         std::io::stdout().flush().unwrap();
         for _ in std::io::stdin().lock().lines() {}
+    }
+
+    /// `many NAME CONNS METHOD`: opens CONNS connections to NAME (a
+    /// channel each), says "connected", then calls METHOD (with an 8-byte
+    /// argument) on each in turn until stdin closes, and exits.
+    fn many(node: &Node, args: &[String]) {
+        let (name, conns, method) = (&args[3], args[4].parse::<usize>().unwrap(), &args[5]);
+        let clients: Vec<Client> = (0..conns).map(|_| node.connect(name).unwrap()).collect();
+        std::thread::spawn(|| {
+            for _ in std::io::stdin().lock().lines() {}
+            std::process::exit(0);
+        });
+        println!("connected {}", clients.len());
+        std::io::stdout().flush().unwrap();
+        loop {
+            for c in &clients {
+                let _ = c.call(method, Payload::from_vec(vec![0; 8]));
+            }
+        }
     }
 
     fn call(node: &Node, args: &[String]) {
