@@ -292,6 +292,30 @@ impl<'a> PageTable<'a> {
         )
     }
 
+    /// `Cached(slot) -> Free` for each of `pages`, by plain stores: no
+    /// other process writes a page its live owner caches (a claim takes
+    /// only free pages; a reclaimer, only a dead slot's). A page not
+    /// cached by `slot` is left alone and not counted. Returns how many
+    /// were freed and the lowest of them. A freed page's last writes come
+    /// before its store (release): its next taker, who claims it by a CAS
+    /// (acquire), sees them.
+    pub fn release_cached_run(&self, pages: &[u32], slot: u16) -> (usize, Option<u32>) {
+        let cached = PageState::Cached(slot).encode();
+        let free = PageState::Free.encode();
+        let (mut n, mut first) = (0, None::<u32>);
+        for &p in pages {
+            let Some(w) = self.words.get(p as usize) else {
+                continue;
+            };
+            if w.load(Ordering::Acquire) == cached {
+                w.store(free, Ordering::Release);
+                n += 1;
+                first = Some(first.map_or(p, |f| f.min(p)));
+            }
+        }
+        (n, first)
+    }
+
     /// `Cached(slot) -> Held(1)`: a page from the slot's page cache becomes held by
     /// one descriptor entry (which the caller has already written).
     pub fn hold_cached(&self, page: u32, slot: u16) -> Result<(), PageError> {

@@ -59,6 +59,41 @@ fn held_page(t: &PageTable<'_>, rc: u32) {
     }
 }
 
+/// A slot gives cached pages back by plain stores while another slot
+/// claims: every page ends owned once (by the claimer, or free).
+#[test]
+fn giving_back_by_stores_races_claims_safely() {
+    loom::model(|| {
+        let words = table(2);
+        const N: usize = 2;
+        let cursor = Arc::new(AtomicU64::new(0));
+        {
+            let t = view(&words, N);
+            let mut got = Vec::new();
+            t.claim_batch(&cursor, 0, 2, &mut got);
+            assert_eq!(got.len(), 2);
+        }
+        let (w, c) = (words.clone(), cursor.clone());
+        let claimer = thread::spawn(move || {
+            let t = view(&w, N);
+            let mut got = Vec::new();
+            t.claim_batch(&c, 1, 2, &mut got);
+            got
+        });
+        let t = view(&words, N);
+        assert_eq!(t.release_cached_run(&[0, 1], 0).0, 2);
+        let got = claimer.join().unwrap();
+        for p in 0..2u32 {
+            let want = if got.contains(&p) {
+                PageState::Cached(1)
+            } else {
+                PageState::Free
+            };
+            assert_eq!(t.state(p).unwrap(), want, "page {p}");
+        }
+    });
+}
+
 #[test]
 fn claims_are_exclusive() {
     loom::model(|| {

@@ -434,24 +434,35 @@ impl Inner {
         let Ok(mut cache) = self.cache.lock() else {
             return;
         };
+        let keep = self.opts.cache_max / 2;
+        let t = self.shm.pages();
+        let mut first = None;
+        let mut pages = pages;
+        if pages.len() > self.opts.cache_max {
+            // A large buffer freed: all but the last `keep` of its pages go
+            // straight back (the cache would give them back at once).
+            let (back, _) = pages.split_at(pages.len() - keep);
+            first = t.release_cached_run(back, self.slot).1;
+            pages.drain(..pages.len() - keep);
+        }
         cache.give(pages, self.cool);
         if cache.len() > self.opts.cache_max {
-            let keep = self.opts.cache_max / 2;
-            let t = self.shm.pages();
-            let mut first = None;
+            let mut back = Vec::with_capacity(cache.len() - keep);
             while cache.len() > keep {
-                if let Some(p) = cache.pop_oldest() {
-                    if t.release_cached(p, self.slot).is_ok() {
-                        first = Some(first.map_or(p, |f: u32| f.min(p)));
-                    }
+                match cache.pop_oldest() {
+                    Some(p) => back.push(p),
+                    None => break,
                 }
             }
-            if let Some(f) = first {
-                self.shm
-                    .atomics()
-                    .page_cursor
-                    .store(u64::from(f), Ordering::Relaxed);
+            if let Some(f) = t.release_cached_run(&back, self.slot).1 {
+                first = Some(first.map_or(f, |g: u32| g.min(f)));
             }
+        }
+        if let Some(f) = first {
+            self.shm
+                .atomics()
+                .page_cursor
+                .store(u64::from(f), Ordering::Relaxed);
         }
     }
 
