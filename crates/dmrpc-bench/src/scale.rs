@@ -633,37 +633,31 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     if let Some(why) = &pages.skipped {
         res.str("huge_pages_skipped", why);
     }
-    // The plot: each dimension's operations over their cheapest setting.
-    let plot_rows: Vec<Obj> = rows
-        .iter()
-        .map(|r| {
-            let mut o = Obj::default();
-            o.num(
-                "step",
-                r.get("step").and_then(|s| s.parse().ok()).unwrap_or(0.0),
-            );
-            o.num(
-                "over_first",
-                r.get("over_first")
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0.0),
-            );
-            o.str(
-                "series",
-                &format!(
-                    "{}: {}",
-                    r.get("dimension").unwrap_or(""),
-                    r.get("op").unwrap_or("")
-                ),
-            );
-            o
-        })
-        .collect();
+    // The plot: per dimension and step, the costliest of the caller's
+    // operations over its cost at the smallest setting, and the sweep's.
+    let mut plot_rows: Vec<Obj> = Vec::new();
+    for d in &dims {
+        for (step, c) in d.costs.iter().enumerate() {
+            let over = |k: usize| c[k] / d.costs[0][k];
+            let worst = (0..OPS.len())
+                .filter(|&k| OPS[k] != "sweep")
+                .map(over)
+                .fold(0.0, f64::max);
+            let sweep = OPS.iter().position(|&o| o == "sweep").map_or(f64::NAN, over);
+            for (what, v) in [("costliest operation", worst), ("lease sweep", sweep)] {
+                let mut o = Obj::default();
+                o.num("step", step as f64);
+                o.num("over_first", v);
+                o.str("series", &format!("{}: {what}", d.name));
+                plot_rows.push(o);
+            }
+        }
+    }
     super::write_results(
         a,
         "scale",
         &Chart {
-            title: "bench scale: each operation's cost over its cost at the smallest setting",
+            title: "bench scale: cost over the cost at each dimension's smallest setting",
             x: "step",
             ys: &["over_first"],
             by: Some("series"),
