@@ -643,7 +643,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 .filter(|&k| OPS[k] != "sweep")
                 .map(over)
                 .fold(0.0, f64::max);
-            let sweep = OPS.iter().position(|&o| o == "sweep").map_or(f64::NAN, over);
+            let sweep = OPS
+                .iter()
+                .position(|&o| o == "sweep")
+                .map_or(f64::NAN, over);
             for (what, v) in [("costliest operation", worst), ("lease sweep", sweep)] {
                 let mut o = Obj::default();
                 o.num("step", step as f64);
