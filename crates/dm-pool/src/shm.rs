@@ -397,11 +397,21 @@ impl Shm {
         let flags = d.flags.load(Ordering::Acquire);
         if flags & FLAG_INDIRECT == 0 {
             0
-        } else if flags & FLAG_TWO_LEVEL == 0 {
+        } else if flags & FLAG_TWO_LEVEL == 0 || !self.two_levels_fit() {
+            // (Two levels where they cannot be: `list_chunk` says so.)
             INLINE as u32
         } else {
             (INLINE * self.layout.per_list_page() + INLINE) as u32
         }
+    }
+
+    /// Whether a descriptor's positions (`u32`: its entries, then its list
+    /// slots) can name two levels of lists of this pool's pages: for pages
+    /// up to 128 MiB. Larger pages never need a second level (one names
+    /// more pages than a pool has), so a descriptor of them flagged with
+    /// two is corrupt.
+    fn two_levels_fit(&self) -> bool {
+        (INLINE * self.layout.per_list_page() + INLINE) as u64 <= i32::MAX as u64
     }
 
     /// List slot `j` of a descriptor: the word naming that list page
@@ -432,6 +442,12 @@ impl Shm {
             } else {
                 (j, &[], 1 << 20)
             });
+        }
+        if !self.two_levels_fit() {
+            return Err(Error::Corrupt(format!(
+                "a descriptor flagged with two levels of lists in a pool of {} pages",
+                self.layout.page_size
+            )));
         }
         let per = self.layout.per_list_page();
         let firsts = INLINE * per;

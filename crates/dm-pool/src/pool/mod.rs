@@ -638,6 +638,34 @@ mod tests {
         tp.assert_clean();
     }
 
+    /// A descriptor flagged with two levels of lists in a pool whose pages
+    /// are too large for them (no legitimate one is) is corrupt: the check
+    /// says so and freeing it fails, with no hang and no panic.
+    #[test]
+    fn two_levels_of_lists_of_huge_pages_are_refused_as_corrupt() {
+        let tp = TempPool::with(crate::PoolConfig {
+            size: 2 << 30,
+            page_size: 512 << 20,
+            descs: Some(64),
+            ..Default::default()
+        });
+        let pool = tp.attach();
+        let mut b = pool.alloc(100).unwrap();
+        b.write(0, b"x").unwrap();
+        let d = pool.inner.desc(b.desc_index()).unwrap();
+        d.flags.fetch_or(
+            crate::desc::FLAG_INDIRECT | crate::desc::FLAG_TWO_LEVEL,
+            Ordering::Release,
+        );
+        let rep = pool.check();
+        assert!(
+            rep.problems.iter().any(|p| p.contains("two levels")),
+            "{:?}",
+            rep.problems
+        );
+        assert!(matches!(pool.free(b), Err(Error::Corrupt(_))));
+    }
+
     #[test]
     fn freed_pages_cool_before_reuse_and_come_back_in_order() {
         let tp = TempPool::new(16 << 20);
