@@ -3,10 +3,11 @@
 //! process is attached; and what the pool says of itself without an
 //! attach (its layout, whose clock its Refs keep).
 
-use crate::check::{count_holders, CheckReport, Pass, Problems, Progress};
+use crate::check::{count_holders, CheckReport, Problems};
 use crate::error::Result;
 use crate::pages::PageState;
 use crate::pool::{AttachOptions, Pool};
+use crate::progress::{Pass, Progress};
 use crate::reclaim::GcReport;
 use crate::registry::ServiceInfo;
 use crate::shm::Shm;

@@ -29,6 +29,8 @@ use crate::desc::{mappers, DescState, Kind, END_EXPIRED};
 #[cfg(not(loom))]
 use crate::error::Result;
 #[cfg(not(loom))]
+use crate::layout::{words_for, EXPIRY_GROUP};
+#[cfg(not(loom))]
 use crate::process::Core;
 #[cfg(not(loom))]
 use crate::reclaim::GcReport;
@@ -37,15 +39,6 @@ use crate::shm::Shm;
 #[cfg(not(loom))]
 use crate::slot::LeaseNow;
 use crate::sync::{fence, AtomicU64, Ordering};
-
-/// Descriptors per word of the expiry summary.
-pub const EXPIRY_GROUP: u32 = 64;
-
-/// Words of the summary for `descs` descriptors.
-#[cfg(not(loom))]
-pub(crate) fn words_for(descs: u32) -> u64 {
-    descs.div_ceil(EXPIRY_GROUP) as u64
-}
 
 /// A maker's side, once its Ref is committed: lowers `word` to `at` if
 /// it is later. Most makers find it early enough and write nothing, so
@@ -114,7 +107,7 @@ impl Core {
         all: bool,
         rep: &mut GcReport,
         freed: &mut Vec<u32>,
-        pass: &mut crate::check::Pass<'_>,
+        pass: &mut crate::progress::Pass<'_>,
     ) -> Result<()> {
         let due = self.shm.ref_now(now);
         let n = words_for(self.shm.layout.n_descs);

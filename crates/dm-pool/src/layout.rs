@@ -46,6 +46,14 @@ pub(crate) const HEADER_LEN: u64 = 4096;
 /// Offset of the shared atomics inside the header.
 pub(crate) const ATOMICS_OFF: usize = 512;
 const IMMUTABLE_LEN: usize = 192;
+/// Descriptors per word of the expiry summary (`expiry.rs`).
+pub const EXPIRY_GROUP: u32 = 64;
+
+/// Words of the expiry summary for `descs` descriptors.
+pub(crate) fn words_for(descs: u32) -> u64 {
+    descs.div_ceil(EXPIRY_GROUP) as u64
+}
+
 /// Smallest allowed page size.
 pub(crate) const MIN_PAGE_SIZE: u32 = 4096;
 /// Largest allowed page size.
@@ -75,7 +83,7 @@ pub struct Layout {
     /// Offset of the descriptor table.
     pub desc_off: u64,
     /// Offset of the expiry summary: for each group of
-    /// [`EXPIRY_GROUP`](crate::expiry::EXPIRY_GROUP) descriptors, a time at
+    /// [`EXPIRY_GROUP`] descriptors, a time at
     /// or before which none of its Refs expires (`expiry.rs`).
     pub exp_off: u64,
     /// Number of service records (registered services at once).
@@ -429,7 +437,7 @@ impl Layout {
         let slot_off = align_up(st_off + crate::pages::stripes_for(n) as u64 * 8, 4096)?;
         let desc_off = align_up(slot_off + cfg.slots as u64 * SLOT_SIZE as u64, 4096)?;
         let exp_off = align_up(desc_off.checked_add(descs as u64 * DESC_SIZE as u64)?, 64)?;
-        let reg_off = align_up(exp_off + crate::expiry::words_for(descs) * 8, 4096)?;
+        let reg_off = align_up(exp_off + words_for(descs) * 8, 4096)?;
         let chan_off = align_up(reg_off + cfg.services as u64 * SERVICE_SIZE as u64, 4096)?;
         let meta_end =
             chan_off.checked_add(cfg.channel_count() as u64 * channel_stride(cfg.ring_size))?;
@@ -623,7 +631,7 @@ impl Layout {
             (
                 "expiry summary",
                 l.exp_off,
-                Some(crate::expiry::words_for(l.n_descs) * 8),
+                Some(words_for(l.n_descs) * 8),
                 64,
             ),
             (

@@ -109,6 +109,8 @@ mod pool;
 #[cfg(not(loom))]
 mod process;
 #[cfg(not(loom))]
+mod progress;
+#[cfg(not(loom))]
 mod quota;
 #[cfg(not(loom))]
 mod reclaim;
@@ -127,26 +129,24 @@ pub use admin::{
 #[cfg(not(loom))]
 pub use channel::{ChannelId, ChannelMemory, Closing, Peer, Side};
 #[cfg(not(loom))]
-pub use check::{
-    check_path, check_path_with, counters_of, CheckReport, Counters, Progress, QuotaUse,
-};
+pub use check::{check_path, check_path_with, counters_of, CheckReport, Counters, QuotaUse};
 #[cfg(not(loom))]
 pub use contract::{Dm, DmBuffer, Usage};
 #[cfg(not(loom))]
 pub use error::{check_range, Error, Result};
 #[cfg(not(loom))]
-pub use expiry::EXPIRY_GROUP;
-#[cfg(not(loom))]
 pub use fixed::FixedMapping;
 #[cfg(not(loom))]
 pub use layout::{
-    Layout, ParseError, PoolConfig, RefClock, MAX_RING, MAX_TENANTS, MIN_RING, POOL_VERSION,
-    TENANT_NAME_MAX,
+    Layout, ParseError, PoolConfig, RefClock, EXPIRY_GROUP, MAX_RING, MAX_TENANTS, MIN_RING,
+    POOL_VERSION, TENANT_NAME_MAX,
 };
 #[cfg(not(loom))]
 pub use mapped::MappedBuffer;
 #[cfg(not(loom))]
 pub use pool::{default_path, AttachOptions, Buffer, BufferId, Pool};
+#[cfg(not(loom))]
+pub use progress::Progress;
 #[cfg(not(loom))]
 pub use reclaim::GcReport;
 pub use refs::{Ref, RefDecodeError, BACKEND_MEMSERVER, BACKEND_POOL, REF_VERSION};

@@ -408,7 +408,7 @@ impl Core {
         &self,
         freed: &mut Vec<u32>,
         all: bool,
-        pass: &mut crate::check::Pass<'_>,
+        pass: &mut crate::progress::Pass<'_>,
     ) -> Result<GcReport> {
         let mut rep = GcReport::default();
         let now = LeaseNow::read();

@@ -283,7 +283,7 @@ fn heartbeat(core: Arc<Core>, stop: Arc<AtomicBool>, lease: u64, reclaim: bool) 
         if reclaim && now >= last_maint + lease {
             last_maint = now;
             let mut freed = Vec::new();
-            let _ = crate::check::Pass::quiet(|p| core.maintain(&mut freed, false, p));
+            let _ = crate::progress::Pass::quiet(|p| core.maintain(&mut freed, false, p));
             core.release_freed(freed);
         }
     }
@@ -385,7 +385,7 @@ impl Inner {
             }
             retried = true;
             // Reclaim what dead processes and expired Refs hold, then retry once.
-            crate::check::Pass::quiet(|p| self.maintain_local(false, p))?;
+            crate::progress::Pass::quiet(|p| self.maintain_local(false, p))?;
         }
     }
 
@@ -496,7 +496,7 @@ impl Inner {
     pub(crate) fn maintain_local(
         &self,
         all: bool,
-        pass: &mut crate::check::Pass<'_>,
+        pass: &mut crate::progress::Pass<'_>,
     ) -> Result<crate::reclaim::GcReport> {
         let mut freed = Vec::new();
         let r = self.core.maintain(&mut freed, all, pass);

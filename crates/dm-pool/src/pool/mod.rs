@@ -299,7 +299,7 @@ impl Pool {
     /// pool's expiry summary: only groups of descriptors holding a Ref
     /// due are read. Returns what was reclaimed.
     pub fn maintain(&self) -> Result<crate::reclaim::GcReport> {
-        crate::check::Pass::quiet(|p| self.inner.maintain_local(false, p))
+        crate::progress::Pass::quiet(|p| self.inner.maintain_local(false, p))
     }
 
     /// Consistency check of the whole pool (`check.rs`: the invariant, [`CheckReport`](crate::CheckReport)).
