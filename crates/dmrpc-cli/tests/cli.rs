@@ -371,6 +371,15 @@ fn pool_limits_are_chosen_at_creation_and_shown() {
         !ok && out.contains("slots must be between 1 and 65535"),
         "{out}"
     );
+    let (ok, out) = dmrpc(&["pool", "stats", "big", "--path", p]);
+    assert!(ok, "{out}");
+    for want in [
+        "descriptors used 0 of 100000",
+        "slots   live 0  dead 0  total 4000",
+        "services 0 of 3000",
+    ] {
+        assert!(out.contains(want), "{want:?} in {out}");
+    }
     // Check and gc say how far they have come.
     let (ok, out) = dmrpc(&["pool", "check", "big", "--path", p, "--deep", "--progress"]);
     assert!(ok, "{out}");

@@ -270,8 +270,11 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 r.refs_live, counters.refs_created, counters.refs_expired
             );
             println!(
-                "buffers {}  in flight {}  descriptors {}",
-                r.buffers, r.descs_in_flight, r.descs_total
+                "buffers {}  in flight {}  descriptors used {} of {}",
+                r.buffers,
+                r.descs_in_flight,
+                r.buffers + r.refs_live + r.descs_in_flight,
+                r.descs_total
             );
             println!(
                 "slots   live {}  dead {}  total {}  reclaimed {}",
