@@ -131,7 +131,7 @@ async fn stream_answer(
                 }
                 Err(f) => {
                     if let Ok(t) = f.into_trailers() {
-                        trailers.extend(t);
+                        add_trailers(&mut trailers, t);
                     }
                 }
             },
@@ -165,6 +165,16 @@ pub(crate) fn request_uri(meta: &Metadata) -> Result<http::Uri, RpcError> {
     http::Uri::from_parts(parts).map_err(|_| bad())
 }
 
+/// Adds trailers `t` to `to`: moved, when they are the first (a unary
+/// answer's only ones), with no copy and no allocation.
+fn add_trailers(to: &mut http::HeaderMap, t: http::HeaderMap) {
+    if to.is_empty() {
+        *to = t;
+    } else {
+        to.extend(t);
+    }
+}
+
 /// The data of `b` there now, and its trailers if it ended (empty ones
 /// if it ended without any).
 fn ready_body(b: &mut Body, outbox: &mut Option<Outbox>) -> (Parts, Option<http::HeaderMap>) {
@@ -177,7 +187,7 @@ fn ready_body(b: &mut Body, outbox: &mut Option<Outbox>) -> (Parts, Option<http:
                 Ok(d) => data.append(Outbox::parts(outbox, d)),
                 Err(f) => {
                     if let Ok(t) = f.into_trailers() {
-                        trailers.extend(t);
+                        add_trailers(&mut trailers, t);
                     }
                 }
             },

@@ -91,7 +91,8 @@ fn header_value(v: &[u8]) -> Result<HeaderValue, http::header::InvalidHeaderValu
 
 /// The headers a request's metadata carries.
 pub(crate) fn request_headers(meta: &Metadata) -> Result<HeaderMap, RpcError> {
-    let mut h = HeaderMap::new();
+    // Room for them and the two the server adds (`te`, `content-type`).
+    let mut h = HeaderMap::with_capacity(meta.len() + 2);
     into_headers(&mut h, meta.iter())?;
     Ok(h)
 }
