@@ -354,9 +354,10 @@ pub mod proc {
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         use std::sync::Mutex;
 
-        /// At most this many handles are kept (past it, all are dropped
-        /// and kept anew).
-        const MAX: usize = 4096;
+        /// At most this many handles are kept: each is an open descriptor
+        /// of this process. Past it, those of processes that exited go
+        /// (one `poll` for all), and if none has, all go.
+        pub(super) const MAX: usize = 256;
 
         /// Handles by pid and start time.
         type Kept = Option<HashMap<(u32, u64), OwnedFd>>;
@@ -395,6 +396,12 @@ pub mod proc {
             }
         }
 
+        /// Handles kept now.
+        #[cfg(test)]
+        pub(super) fn count() -> usize {
+            kept().map_or(0, |k| k.as_ref().map_or(0, HashMap::len))
+        }
+
         /// Keeps a handle of `pid` if it is still the process that started
         /// at `start` once the handle is open.
         pub(super) fn keep(pid: u32, start: u64) {
@@ -413,7 +420,30 @@ pub mod proc {
             let Some(mut kept) = kept() else { return };
             let m = kept.get_or_insert_with(HashMap::new);
             if m.len() >= MAX {
-                m.clear();
+                // A process nobody asks about again keeps its handle until
+                // here: drop those that exited.
+                let keys: Vec<(u32, u64)> = m.keys().copied().collect();
+                let mut polls: Vec<libc::pollfd> = keys
+                    .iter()
+                    .map(|k| libc::pollfd {
+                        fd: m[k].as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    })
+                    .collect();
+                // SAFETY: `polls` holds polls.len() valid pollfds; no wait.
+                let r = unsafe { libc::poll(polls.as_mut_ptr(), polls.len() as libc::nfds_t, 0) };
+                if r < 0 {
+                    m.clear();
+                }
+                for (k, p) in keys.iter().zip(&polls) {
+                    if p.revents != 0 {
+                        m.remove(k);
+                    }
+                }
+                if m.len() >= MAX {
+                    m.clear();
+                }
             }
             m.insert((pid, start), fd);
         }
@@ -623,6 +653,50 @@ pub mod proc {
                 }
                 assert_eq!(handles::alive(id, start), None, "dropped once found dead");
                 let _ = child.wait();
+            }
+        }
+
+        /// Handles of processes nobody asks about again do not pile up:
+        /// past the limit, those that exited are dropped, and those of
+        /// processes still running are kept.
+        #[test]
+        fn handles_of_exited_processes_do_not_pile_up() {
+            let sleeper = || {
+                std::process::Command::new("sleep")
+                    .arg("30")
+                    .spawn()
+                    .unwrap()
+            };
+            let mut live: Vec<_> = (0..4).map(|_| sleeper()).collect();
+            let keys: Vec<(u32, u64)> = live
+                .iter()
+                .map(|c| (c.id(), start_time(c.id()).unwrap()))
+                .collect();
+            for &(id, start) in &keys {
+                assert!(alive_since(id, start));
+            }
+            for _ in 0..handles::MAX + 8 {
+                let mut child = sleeper();
+                let id = child.id();
+                assert!(alive_since(id, start_time(id).unwrap()));
+                child.kill().unwrap();
+                child.wait().unwrap();
+            }
+            assert!(
+                handles::count() <= handles::MAX,
+                "{} handles kept",
+                handles::count()
+            );
+            for &(id, start) in &keys {
+                assert_eq!(
+                    handles::alive(id, start),
+                    Some(true),
+                    "a live one's handle went"
+                );
+            }
+            for c in &mut live {
+                let _ = c.kill();
+                let _ = c.wait();
             }
         }
     }
