@@ -3,7 +3,7 @@
 //! process is attached; and what the pool says of itself without an
 //! attach (its layout, whose clock its Refs keep).
 
-use crate::check::{count_holders, CheckReport, Problems};
+use crate::check::{count_holders, slots_live, CheckReport, Problems};
 use crate::error::Result;
 use crate::pages::PageState;
 use crate::pool::{AttachOptions, Pool};
@@ -93,7 +93,8 @@ fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport, pass: &mut Pass<'
     pool.inner.reclaim_orphans()?;
     let mut problems = Problems::default();
     let mut scratch = CheckReport::default();
-    let holders = count_holders(shm, &mut problems, &mut scratch, pass);
+    let live = slots_live(shm, crate::slot::LeaseNow::read());
+    let holders = count_holders(shm, &mut problems, &mut scratch, &live, pass);
     let t = shm.pages();
     let n = holders.len() as u64;
     for (p, &h) in holders.iter().enumerate() {

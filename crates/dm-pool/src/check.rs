@@ -119,11 +119,11 @@ pub(crate) fn count_holders(
     shm: &Shm,
     problems: &mut Problems,
     rep: &mut CheckReport,
+    live: &[bool],
     pass: &mut Pass<'_>,
 ) -> Vec<u32> {
     let n = shm.layout.n_pages as usize;
     let mut holders = vec![0u32; n];
-    let live = slots_live(shm, LeaseNow::read());
     // Mapped buffers linked to each Ref (its mapper count must match).
     let mut links = std::collections::HashMap::<u32, u32>::new();
     let n_descs = shm.layout.n_descs;
@@ -173,12 +173,12 @@ pub(crate) fn count_holders(
             }
             Some(Kind::MapBuild) | Some(Kind::RefBuild) => {
                 rep.descs_in_flight += 1;
-                in_flight(idx, st.owner, &live, problems);
+                in_flight(idx, st.owner, live, problems);
                 (0, d.held.load(Ordering::Acquire))
             }
             Some(Kind::Drop) => {
                 rep.descs_in_flight += 1;
-                in_flight(idx, st.owner, &live, problems);
+                in_flight(idx, st.owner, live, problems);
                 let (pr, held) = (
                     d.progress.load(Ordering::Acquire),
                     d.held.load(Ordering::Acquire),
@@ -425,12 +425,12 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool, pass: &mut Pass<'_>) -> CheckRepo
             ));
         }
     }
-    let holders = count_holders(shm, &mut problems, &mut rep, pass);
+    // Each slot's liveness once (for a process of this host, a system call).
+    let live = slots_live(shm, now);
+    let holders = count_holders(shm, &mut problems, &mut rep, &live, pass);
     if deep {
         check_list_tails(shm, &mut problems, pass);
     }
-    // Each slot's liveness once (for a process of this host, a system call).
-    let live = slots_live(shm, now);
     let is_live = |s: u16| live.get(s as usize).copied().unwrap_or(false);
     let t = shm.pages();
     for st in 0..t.stripe_count() {
@@ -537,7 +537,7 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool, pass: &mut Pass<'_>) -> CheckRepo
 }
 
 /// Whether each slot is live at `now`, by slot index.
-fn slots_live(shm: &Shm, now: LeaseNow) -> Vec<bool> {
+pub(crate) fn slots_live(shm: &Shm, now: LeaseNow) -> Vec<bool> {
     (0..shm.layout.n_slots)
         .map(|s| shm.slot_live(s as u16, now))
         .collect()

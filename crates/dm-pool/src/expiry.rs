@@ -80,20 +80,6 @@ impl Shm {
             note(w, at);
         }
     }
-
-    /// Lowers every group's word for the live Refs in it (after a process
-    /// died, perhaps between committing a Ref and noting it). Reads every
-    /// descriptor.
-    pub(crate) fn note_all_expiries(&self) {
-        for idx in 0..self.layout.n_descs {
-            let Some(d) = self.desc(idx) else { continue };
-            if DescState::decode(d.state.load(Ordering::Acquire)).kind == Some(Kind::RefLive)
-                && !mappers::released(d.aux.load(Ordering::Acquire))
-            {
-                self.note_expiry(idx, d.expiry_ms.load(Ordering::Relaxed));
-            }
-        }
-    }
 }
 
 #[cfg(not(loom))]

@@ -471,17 +471,21 @@ impl Core {
     pub(crate) fn release_holdings_of(&self, s: u16, freed: &mut Vec<u32>) -> Result<()> {
         self.reclaim_descs(|st| st.owner == s, freed)?;
         // Refs `s` was dropping (it won the drop, then died): adopt and drop.
+        // Every other live Ref is noted in the expiry summary: `s` may have
+        // committed one and died before noting it (expiry.rs).
         for idx in 0..self.shm.layout.n_descs {
             let d = self.desc(idx)?;
             let w = d.state.load(Ordering::Acquire);
-            if DescState::decode(w).kind == Some(Kind::RefLive)
-                && mappers::adopt(&d.aux, s, self.slot)
-            {
+            if DescState::decode(w).kind != Some(Kind::RefLive) {
+                continue;
+            }
+            if mappers::adopt(&d.aux, s, self.slot) {
                 self.drop_ref(idx, d, w, END_RELEASED, freed)?;
+            } else if !mappers::released(d.aux.load(Ordering::Acquire)) {
+                self.shm
+                    .note_expiry(idx, d.expiry_ms.load(Ordering::Relaxed));
             }
         }
-        // A Ref `s` committed but had not noted in the expiry summary.
-        self.shm.note_all_expiries();
         // Descriptors first, then the sweep: after `normalize` no descriptor
         // names a page cached by `s`.
         let t = self.shm.pages();
