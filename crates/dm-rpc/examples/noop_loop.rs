@@ -3,7 +3,10 @@
 //! SIZE, BYREF=1, INLINE_MAX, ECHO=1, SUM=1, POLICY=spin|park|yield,
 //! TCP=1: over the TCP transport on loopback instead of shm rings,
 //! TCP_SPIN_US: its busy-poll budget, SERVE_CPU: the server's CPU,
-//! ASYNC=1: no-op calls of the async client on a current-thread runtime,
+//! ASYNC=1: no-op calls of the async client on a current-thread runtime
+//! (ASYNC_METHOD=async: to an async handler; stream: opening a stream
+//! that a bidirectional async handler ends with one item, as gRPC's
+//! direct way does; sstream: the same from a server-streaming handler),
 //! BALANCED=1: the server registered as a replica, the client balanced
 //! over the name's replicas, here one; RAW=1: request frames sent and
 //! answers read straight through a connection's halves, no client;
@@ -65,6 +68,15 @@ fn main() {
             } else {
                 dm_rpc::Transport::Shm
             })
+            .method_bidi_async("noop_stream", |mut c, _inbox, mut sink| async move {
+                sink.end_with(std::mem::take(&mut c.payload));
+                Ok(())
+            })
+            .method_stream_async("noop_sstream", |mut c, mut sink| async move {
+                sink.end_with(std::mem::take(&mut c.payload));
+                Ok(())
+            })
+            .method_async("noop_async", |_c| async { Ok(Payload::empty()) })
             .method("noop", move |c| {
                 dm_rpc::probe::stamp(dm_rpc::probe::USER[2]);
                 let _end = Stamp(dm_rpc::probe::USER[3]);
@@ -131,9 +143,34 @@ fn async_calls(node: &Node, n: u64) -> f64 {
         .build()
         .unwrap();
     rt.block_on(async {
+        let how = std::env::var("ASYNC_METHOD").unwrap_or_default();
         let t = Instant::now();
         for _ in 0..n {
-            c.call("noop", Payload::empty()).await.unwrap();
+            match how.as_str() {
+                "stream" | "sstream" => {
+                    let mut st = c
+                        .call_stream_with(
+                            if how == "stream" {
+                                "noop_stream"
+                            } else {
+                                "noop_sstream"
+                            },
+                            Payload::from(vec![7u8; 16]),
+                            dm_rpc::CallOptions::default(),
+                            dm_rpc::Metadata::new(),
+                        )
+                        .await
+                        .unwrap();
+                    st.next_with_metadata().await.unwrap().unwrap();
+                    assert!(st.next().await.is_none());
+                }
+                "async" => {
+                    c.call("noop_async", Payload::empty()).await.unwrap();
+                }
+                _ => {
+                    c.call("noop", Payload::empty()).await.unwrap();
+                }
+            }
         }
         t.elapsed().as_nanos() as f64 / n as f64
     })

@@ -343,6 +343,53 @@ fn a_caller_that_sends_more_than_granted_is_refused() {
 }
 
 #[test]
+fn items_for_a_call_that_takes_none_are_dropped_unread() {
+    let tp = pool();
+    {
+        let node = Node::new(tp.attach());
+        let name = unique("bidi-none");
+        let s = service(&node, &name, &Transport::Mem, Arc::new(Seen::default()));
+        let mut conn = dm_rpc::raw::mem::connect(&name).unwrap();
+        // A stream opened without items of its caller, then items anyway.
+        let mut req = Frame::request(1, method_id("echo"), 0, Body::None);
+        req.flags = FLAG_STREAM;
+        assert!(conn.tx.send(&req, None).unwrap());
+        assert!(conn.tx.send(&Frame::credit(1, 1000), None).unwrap());
+        for k in 0..20u8 {
+            let item = Frame::item(1, Body::Inline(vec![k].into()));
+            assert!(conn.tx.send(&item, None).unwrap());
+        }
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut items = Vec::new();
+        let end = loop {
+            let f = conn.rx.recv(Some(until)).unwrap().expect("an answer");
+            match f.kind {
+                dm_rpc::Kind::Response => break f,
+                _ => items.push(f),
+            }
+        };
+        assert_eq!(end.status, Status::Ok);
+        // The handler read none: its one item (or the answer) says 0.
+        let said: Vec<u8> = match (items.as_slice(), &end.payload) {
+            ([f], _) | ([f, ..], _) => match &f.payload {
+                Body::Inline(b) => b.to_vec(),
+                other => panic!("an item of {other:?}"),
+            },
+            ([], Body::Inline(b)) => b.to_vec(),
+            (_, other) => panic!("an answer of {other:?}"),
+        };
+        assert_eq!(said, 0u64.to_le_bytes().to_vec(), "{items:?}");
+        // The connection goes on.
+        let req = Frame::request(2, method_id("unary"), 0, Body::Inline(vec![9u8].into()));
+        assert!(conn.tx.send(&req, None).unwrap());
+        let f = conn.rx.recv(Some(until)).unwrap().expect("an answer");
+        assert_eq!((f.call_id, f.status), (2, Status::Ok));
+        s.shutdown();
+    }
+    tp.assert_clean_within(Duration::from_secs(2));
+}
+
+#[test]
 fn a_fallback_serves_every_other_method_and_items_carry_metadata() {
     over_every_transport("bidi-fallback", |t, c, _, _| async move {
         for (method, items) in [("/pkg.Svc/Unary", 0u32), ("/pkg.Svc/Stream", 3)] {

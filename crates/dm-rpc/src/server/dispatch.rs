@@ -491,7 +491,9 @@ impl Dispatcher {
                     let outlet = Arc::new(Outlet::new(conn, frame.call_id, deadline, credit));
                     let sink = self.sink(&outlet, conn);
                     let items = frame.flags & FLAG_CALLER_STREAM != 0 && !items_ended;
-                    let inlet = Arc::new(Inlet::new(conn, frame.call_id, items));
+                    // (A caller that sends no items gets an inbox with
+                    // nothing behind it: no inlet to keep, flush or close.)
+                    let inlet = items.then(|| Arc::new(Inlet::new(conn, frame.call_id, true)));
                     let inbox =
                         AsyncInbox::new(inlet.clone(), self.node.clone(), self.waker.clone());
                     let h = h.clone();
@@ -500,7 +502,7 @@ impl Dispatcher {
                     let make = items_before_end(make, outlet.clone());
                     match self.start_future(name, req, &mut scope, make) {
                         Ok(fut) => {
-                            let io = (outlet, Some(inlet));
+                            let io = (outlet, inlet);
                             self.start_stream(to, frame.method, fut, scope, io);
                             return;
                         }

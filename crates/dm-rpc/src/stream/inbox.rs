@@ -207,7 +207,9 @@ fn release(node: &Node, items: VecDeque<Frame>) {
 /// Owned, so the handler's future holds it across awaits (or moves it
 /// into a task it spawns).
 pub struct AsyncInbox {
-    inlet: std::sync::Arc<Inlet>,
+    /// None for a call whose caller sends no items (its items ended
+    /// with the request): nothing to queue, grant or end.
+    inlet: Option<std::sync::Arc<Inlet>>,
     node: Node,
     /// Pokes the dispatcher (an inbox read off its thread), to send the
     /// grants the read owes.
@@ -218,7 +220,7 @@ pub struct AsyncInbox {
 impl std::fmt::Debug for AsyncInbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AsyncInbox")
-            .field("call_id", &self.inlet.id)
+            .field("call_id", &self.inlet.as_ref().map(|i| i.id))
             .field("read", &self.read)
             .finish_non_exhaustive()
     }
@@ -226,7 +228,7 @@ impl std::fmt::Debug for AsyncInbox {
 
 impl AsyncInbox {
     pub(crate) fn new(
-        inlet: std::sync::Arc<Inlet>,
+        inlet: Option<std::sync::Arc<Inlet>>,
         node: Node,
         poke: crate::transport::Waker,
     ) -> Self {
@@ -247,7 +249,7 @@ impl AsyncInbox {
     /// (at once for a call made without any), and none is waiting.
     /// [`next`](Self::next) then gives `None`.
     pub fn is_done(&self) -> bool {
-        self.inlet.is_done()
+        self.inlet.as_ref().is_none_or(|i| i.is_done())
     }
 
     /// The caller's next item: `Some(Ok)`, `None` once the caller ended
@@ -257,12 +259,13 @@ impl AsyncInbox {
     /// more than it was granted). Items travel inline or as Refs made for
     /// this server, which the payload releases when it is dropped.
     pub async fn next(&mut self) -> Option<Result<Payload, RpcError>> {
-        let f = match std::future::poll_fn(|cx| self.inlet.poll_next(cx)).await? {
+        let inlet = self.inlet.as_ref()?;
+        let f = match std::future::poll_fn(|cx| inlet.poll_next(cx)).await? {
             Ok(f) => f,
             Err(e) => return Some(Err(e)),
         };
         self.read += 1;
-        if std::thread::current().id() != self.inlet.home && self.inlet.owes() {
+        if std::thread::current().id() != inlet.home && inlet.owes() {
             self.poke.wake();
         }
         crate::stats::count(&f.payload, false);
