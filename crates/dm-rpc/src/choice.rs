@@ -8,7 +8,11 @@
 //! cannot know the chain behind a method, but it sees each call's
 //! latency. So for every method and size class (a power of two) it tries
 //! each way a few times, then takes the faster one, and keeps trying the
-//! other once in [`EXPLORE`] calls to follow changes. A tier that
+//! other now and then to follow changes: the slower the other way was,
+//! the more rarely ([`explore_gap`]), so that trying it costs about 1% of
+//! the calls' time. A try that comes out faster than the chosen way is
+//! followed by more at once, so a change is followed within a few calls.
+//! A tier that
 //! forwards an inline payload makes the same choice for its own callee.
 //! What one client learned, the node's other clients of the same service
 //! use ([`Choices`]).
@@ -26,13 +30,20 @@ pub(crate) const MIN_LEARNED: u64 = 16 << 10;
 const CLASSES: usize = 12;
 /// Calls of each way in a class before the faster is chosen.
 const WARM: u32 = 4;
-/// One call in this many tries the way not chosen. (Tiers that forward
-/// a payload inline each explore too: rarely, so that a chain's calls
-/// seldom take the slow way at some hop.)
-const EXPLORE: u32 = 128;
+/// The share of the calls' time that trying the way not chosen may cost.
+/// (Tiers that forward a payload inline each explore too: rarely, so that
+/// a chain's calls seldom take the slow way at some hop.)
+const EXPLORE_COST: f64 = 0.01;
+/// Calls between two tries of the way not chosen: at least this many...
+const MIN_GAP: u32 = 32;
+/// ...and at most this many (a way far slower is still tried, to follow
+/// changes).
+const MAX_GAP: u32 = 4096;
 /// Latencies kept per way: its estimate is their median, so one slow
-/// call (the first of a connection, a hiccup) does not decide.
-const KEPT: usize = 7;
+/// call (the first of a connection, a hiccup) does not decide, and two
+/// ways a few percent apart are told apart through the noise of a busy
+/// machine.
+const KEPT: usize = 15;
 
 /// A way a payload travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,33 +52,73 @@ pub(crate) enum Way {
     ByRef = 1,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Arm {
     /// The last latencies, in ns (a ring).
     kept: [f64; KEPT],
     n: u32,
+    /// Their median (infinite before the first).
+    median: f64,
+}
+
+impl Default for Arm {
+    fn default() -> Self {
+        Arm {
+            kept: [0.0; KEPT],
+            n: 0,
+            median: f64::INFINITY,
+        }
+    }
 }
 
 impl Arm {
     /// The median of the latencies kept.
     fn estimate(&self) -> f64 {
-        let k = (self.n as usize).min(KEPT);
-        let mut v = self.kept;
-        let v = &mut v[..k];
-        v.sort_by(f64::total_cmp);
-        v.get(k / 2).copied().unwrap_or(f64::INFINITY)
+        self.median
     }
 
     fn add(&mut self, ns: f64) {
         self.kept[self.n as usize % KEPT] = ns;
         self.n = self.n.saturating_add(1);
+        let k = (self.n as usize).min(KEPT);
+        let mut v = self.kept;
+        let v = &mut v[..k];
+        v.sort_by(f64::total_cmp);
+        self.median = v[k / 2];
     }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
 struct Class {
     arms: [Arm; 2],
-    calls: u32,
+    /// Calls since the way not chosen was last tried.
+    since: u32,
+}
+
+/// Calls between two tries of the way not chosen, when the chosen way
+/// takes `best` ns and the other `other`: a try costs `other - best`
+/// more, so one in `(other - best) / (EXPLORE_COST * best)` calls keeps
+/// the tries at [`EXPLORE_COST`] of the time.
+fn explore_gap(best: f64, other: f64) -> u32 {
+    let gap = (other - best) / (EXPLORE_COST * best.max(1.0));
+    if gap.is_nan() {
+        return MIN_GAP;
+    }
+    // (A float cast saturates: an infinite estimate gives MAX_GAP.)
+    (gap as u32).clamp(MIN_GAP, MAX_GAP)
+}
+
+impl Class {
+    /// The way chosen now (by the estimates), and both estimates.
+    fn best(&self) -> (Way, f64, f64) {
+        let [i, r] = self.arms;
+        let (ei, er) = (i.estimate(), r.estimate());
+        if ei <= er {
+            (Way::Inline, ei, er)
+        } else {
+            (Way::ByRef, er, ei)
+        }
+    }
 }
 
 /// What a connection learned, per method.
@@ -108,7 +159,6 @@ impl Chooser {
             None => m.entry(method.to_owned()).or_default(),
         };
         let c = &mut t[k];
-        c.calls = c.calls.wrapping_add(1);
         let [i, r] = c.arms;
         let way = if i.n < WARM || r.n < WARM {
             // Warming up: the way tried less.
@@ -118,15 +168,16 @@ impl Chooser {
                 Way::ByRef
             }
         } else {
-            let best = if i.estimate() <= r.estimate() {
-                Way::Inline
+            let (best, b, o) = c.best();
+            c.since = c.since.saturating_add(1);
+            if c.since < explore_gap(b, o) {
+                best
             } else {
-                Way::ByRef
-            };
-            match (c.calls % EXPLORE == 0, best) {
-                (false, b) => b,
-                (true, Way::Inline) => Way::ByRef,
-                (true, Way::ByRef) => Way::Inline,
+                c.since = 0;
+                match best {
+                    Way::Inline => Way::ByRef,
+                    Way::ByRef => Way::Inline,
+                }
             }
         };
         (k, way)
@@ -137,7 +188,14 @@ impl Chooser {
     pub(crate) fn record(&self, method: &str, k: usize, way: Way, ns: f64) {
         let mut m = self.methods.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(t) = m.get_mut(method) {
-            t[k.min(CLASSES - 1)].arms[way as usize].add(ns);
+            let c = &mut t[k.min(CLASSES - 1)];
+            let (best, b, _) = c.best();
+            c.arms[way as usize].add(ns);
+            // A try of the other way that beat the chosen one: try again
+            // at once, until its estimate says which is faster now.
+            if way != best && ns < b {
+                c.since = MAX_GAP;
+            }
         }
     }
 }
@@ -211,6 +269,55 @@ mod tests {
             Way::Inline => 300.0,
         });
         assert_eq!(n[Way::Inline as usize], WARM + 1, "{n:?}");
+    }
+
+    #[test]
+    fn trying_a_far_slower_way_costs_about_a_hundredth() {
+        for (fast, slow) in [(15.0, 130.0), (15.0, 20.0), (100.0, 300.0), (10.0, 400.0)] {
+            let c = Chooser::default();
+            let mut spent = 0.0;
+            let calls = 100_000;
+            run(&c, 64 << 10, calls, |w| {
+                let t = if w == Way::Inline { fast } else { slow };
+                spent += t;
+                t
+            });
+            let ideal = fast * f64::from(calls);
+            // (The warm-up's calls of the slow way are part of it.)
+            let over = (spent - ideal - f64::from(WARM) * (slow - fast)) / ideal;
+            assert!(over < 0.02, "{fast} vs {slow}: {:.2}% more", over * 100.0);
+            assert!(over > 0.0, "{fast} vs {slow}: the other way is still tried");
+        }
+    }
+
+    #[test]
+    fn a_change_is_followed_within_a_few_tries_of_a_far_slower_way() {
+        let c = Chooser::default();
+        // By Ref far slower: tried once in thousands of calls.
+        run(&c, 1 << 20, 10_000, |w| {
+            if w == Way::ByRef {
+                1e6
+            } else {
+                100.0
+            }
+        });
+        // Then by Ref becomes the faster: the first try that shows it
+        // brings the others at once.
+        let n = run(&c, 1 << 20, 2 * MAX_GAP + 10, |w| {
+            if w == Way::ByRef {
+                50.0
+            } else {
+                100.0
+            }
+        });
+        assert!(n[Way::ByRef as usize] > MAX_GAP, "{n:?}");
+        let n = run(
+            &c,
+            1 << 20,
+            100,
+            |w| if w == Way::ByRef { 50.0 } else { 100.0 },
+        );
+        assert!(n[Way::ByRef as usize] >= 95, "{n:?}");
     }
 
     #[test]

@@ -473,7 +473,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at, and the ratio measured again in paired rounds (by Ref and by value back to back at those loads, the order alternating; the median of the rounds' ratios, and their range); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at, and the ratio measured again in paired rounds (by Ref and by value back to back at those loads, the order alternating; the median of the rounds' ratios, and their range); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc; network variant: a pool per tier, TCP between them, by Ref = memory-server Refs, auto = the way learned per call size, the three modes taking turns in 5 rounds per cell (the order rotating)",
     );
     res.obj("machine", &super::machine());
     res.str(
@@ -665,18 +665,19 @@ fn network_over(
             let data: Vec<u8> = (0..size).map(|i| (i * 7) as u8).collect();
             let want = super::peer::sum(&[&data]);
             for &t in tiers {
-                let mut res = Vec::new();
+                let mut callers = Vec::new();
                 for (m, node) in [&by_ref, &by_value, &auto].into_iter().enumerate() {
                     let c = node.connect_tcp(&addrs[m][TIERS - t])?;
-                    let call = || {
+                    let data = &data;
+                    callers.push(Box::new(move || {
                         check(
                             c.call("go", Payload::from_vec(data.clone()))?.to_vec()?,
                             want,
                         )
-                    };
-                    // (Auto learns in its warm-up calls, 16 of them.)
-                    res.push(measure(call, 16, budget, &sw)?);
+                    }) as Caller);
                 }
+                // (Auto learns in its warm-up calls, 16 of them.)
+                let res = measure_in_turns(&mut callers, 16, budget, &sw)?;
                 rows.push(net_row(size, t, &link, &res));
             }
         }
@@ -768,6 +769,52 @@ fn measure(
         per_s,
         switches,
     })
+}
+
+/// Rounds in which [`measure_in_turns`]'s callers take turns.
+const TURN_ROUNDS: usize = 5;
+
+/// [`measure`] for several callers at once: each makes `warm` calls, then
+/// they take turns, [`TURN_ROUNDS`] rounds of `budget / TURN_ROUNDS` each
+/// (the order rotating every round), so that a drift of the machine's
+/// speed during the cell weighs on each alike. A cell per caller, from
+/// all of its rounds.
+fn measure_in_turns(
+    callers: &mut [Caller],
+    warm: usize,
+    budget: Duration,
+    sw: &Switches,
+) -> Result<Vec<Cell>> {
+    for c in callers.iter_mut() {
+        for _ in 0..warm {
+            c()?;
+        }
+    }
+    let n = callers.len();
+    let slice = budget / TURN_ROUNDS as u32;
+    let mut lat = vec![Vec::new(); n];
+    let (mut busy, mut switches) = (vec![Duration::ZERO; n], vec![0u64; n]);
+    for round in 0..TURN_ROUNDS {
+        for j in 0..n {
+            let m = (j + round) % n;
+            let (c, v) = (&mut callers[m], &mut lat[m]);
+            let (sw0, t0, had) = (sw.now(), Instant::now(), v.len());
+            while v.len() - had < warm || (t0.elapsed() < slice && v.len() < 100_000) {
+                let t = Instant::now();
+                c()?;
+                v.push(t.elapsed().as_nanos() as f64);
+            }
+            busy[m] += t0.elapsed();
+            switches[m] += sw.now().saturating_sub(sw0);
+        }
+    }
+    Ok((0..n)
+        .map(|m| Cell {
+            p50: percentile(&mut lat[m], 0.5),
+            per_s: lat[m].len() as f64 / busy[m].as_secs_f64(),
+            switches: Switches::between(0, switches[m], lat[m].len() as u64),
+        })
+        .collect())
 }
 
 /// Prints a row (by Ref and by value: p50 ns and calls/s; the relay
