@@ -128,6 +128,34 @@ fn next_of(role: &str, at: &dyn Fn(&str) -> String) -> String {
     }
 }
 
+/// The modes of the network variant.
+const NET_MODES: [&str; 3] = ["memserver", "tcp-value", "auto"];
+
+/// Rounds in which [`in_turns`]'s cells take turns.
+const TURN_ROUNDS: u32 = 5;
+
+/// Runs `cells` in turns: [`TURN_ROUNDS`] rounds of `budget /
+/// TURN_ROUNDS` each, the order rotating every round, so that a drift of
+/// the machine's speed weighs on each alike (each first shows that a
+/// forged token is refused). Per cell: calls, latencies (ns), seconds.
+fn in_turns(cells: &[Cell], budget: Duration) -> Result<Vec<(usize, Vec<f64>, f64)>> {
+    for c in cells {
+        c.forged_is_rejected()?;
+    }
+    let n = cells.len();
+    let mut acc = vec![(0, Vec::new(), 0.0); n];
+    for round in 0..TURN_ROUNDS as usize {
+        for j in 0..n {
+            let m = (j + round) % n;
+            let (calls, lat, secs) = cells[m].run(budget / TURN_ROUNDS)?;
+            acc[m].0 += calls;
+            acc[m].1.extend(lat);
+            acc[m].2 += secs;
+        }
+    }
+    Ok(acc)
+}
+
 pub fn run(a: &BenchArgs) -> Result<()> {
     let sizes: &[usize] = if a.quick {
         &[64 << 10, 1 << 20]
@@ -225,7 +253,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "image");
     res.str(
         "method",
-        "client -> firewall (HMAC-SHA256 token) -> round-robin LB -> 2 image-processing services (PPM header decode, dispatch) -> transcoding (nearest-neighbour 64 px thumbnail with the image crate, PPM) and compressing (zstd level 3), each tier its own process; 2 client threads in a closed loop; every answer checked; ref/value over shm channels in one pool, memserver/tcp-value over TCP between pools",
+        "client -> firewall (HMAC-SHA256 token) -> round-robin LB -> 2 image-processing services (PPM header decode, dispatch) -> transcoding (nearest-neighbour 64 px thumbnail with the image crate, PPM) and compressing (zstd level 3), each tier its own process; 2 client threads in a closed loop; every answer checked; ref/value over shm channels in one pool, memserver/tcp-value over TCP between pools, the three taking turns in 5 rounds per size (the order rotating)",
     );
     res.obj("machine", &super::machine());
     res.arr("rows", &rows);
@@ -293,7 +321,7 @@ fn network(
     let mut pools = Vec::new();
     let mut peers = Vec::new();
     let mut entry = std::collections::HashMap::new();
-    for mode in ["memserver", "tcp-value", "auto"] {
+    for mode in NET_MODES {
         let mut addrs = std::collections::HashMap::new();
         for (i, role) in ROLES.iter().enumerate() {
             if peers.len() <= i {
@@ -322,8 +350,8 @@ fn network(
         for &size in sizes {
             let ppm = app::generate(size, size as u64);
             let want = app::expected(&ppm, THUMB)?;
-            let mut per_s = std::collections::HashMap::new();
-            for mode in ["memserver", "tcp-value", "auto"] {
+            let mut nodes = Vec::new();
+            for mode in NET_MODES {
                 let n = Node::with_config(
                     client_pool.pool.clone(),
                     match mode {
@@ -344,17 +372,24 @@ fn network(
                 } else {
                     n
                 };
-                let target = Link::Tcp(entry[mode].clone());
-                let cell = Cell {
-                    node: &node,
-                    target: &target,
+                nodes.push((node, Link::Tcp(entry[mode].clone())));
+            }
+            let cells: Vec<Cell> = NET_MODES
+                .iter()
+                .zip(&nodes)
+                .map(|(mode, (node, target))| Cell {
+                    node,
+                    target,
                     mode,
                     key,
                     ppm: &ppm,
                     want: &want,
-                };
-                let (o, r) = cell.measure(size, budget, Some(&link))?;
-                per_s.insert(mode, r);
+                })
+                .collect();
+            let mut per_s = std::collections::HashMap::new();
+            for (cell, (calls, mut lat, secs)) in cells.iter().zip(in_turns(&cells, budget)?) {
+                let (o, r) = cell.report(size, Some(&link), (calls, &mut lat, secs));
+                per_s.insert(cell.mode, r);
                 rows.push(o);
             }
             let ratio = per_s["memserver"] / per_s["tcp-value"];
@@ -473,15 +508,21 @@ impl Cell<'_> {
     fn measure(&self, size: usize, budget: Duration, link: Option<&str>) -> Result<(Obj, f64)> {
         self.forged_is_rejected()?;
         let (calls, mut lat, secs) = self.run(budget)?;
+        Ok(self.report(size, link, (calls, &mut lat, secs)))
+    }
+
+    /// Prints the row of `calls` calls in `secs` seconds, whose
+    /// latencies were `lat`, and returns it with the calls per second.
+    fn report(
+        &self,
+        size: usize,
+        link: Option<&str>,
+        (calls, lat, secs): (usize, &mut Vec<f64>, f64),
+    ) -> (Obj, f64) {
         let r = calls as f64 / secs;
         let avg = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
         let q = |v: &mut Vec<f64>, p| percentile(v, p);
-        let (p50, p99, p995, p999) = (
-            q(&mut lat, 0.5),
-            q(&mut lat, 0.99),
-            q(&mut lat, 0.995),
-            q(&mut lat, 0.999),
-        );
+        let (p50, p99, p995, p999) = (q(lat, 0.5), q(lat, 0.99), q(lat, 0.995), q(lat, 0.999));
         let mode = self.mode;
         super::progress::tick(format!("{} by {mode}", fmt_size(size as u64)));
         say!(
@@ -509,7 +550,7 @@ impl Cell<'_> {
         o.num("p99_ns", p99);
         o.num("p995_ns", p995);
         o.num("p999_ns", p999);
-        Ok((o, r))
+        (o, r)
     }
 
     fn check(&self, r: &Payload) -> Result<()> {
