@@ -25,7 +25,15 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1 << 20);
     let wait = std::env::var("RELEASE").is_ok_and(|v| v == "wait");
-    let s = Server::start(Config::default()).unwrap();
+    let threads = std::env::var("THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(Config::default().threads);
+    let s = Server::start(Config {
+        threads,
+        ..Config::default()
+    })
+    .unwrap();
     let addr = [s.addr().to_string()];
     let (caller, callee) = (
         MemPool::connect(&addr).unwrap(),

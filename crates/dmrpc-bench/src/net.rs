@@ -44,18 +44,22 @@ pub fn start_memserver_with(size: &str, more: &[&str]) -> Result<(Proc, String)>
         Command::new(std::env::current_exe()?),
         "127.0.0.1:0",
         size,
+        2,
         more,
     )
 }
 
-/// `dmrpc memserver` (2 worker threads) run by `cmd` (this executable,
-/// perhaps in another network namespace), listening on `listen`.
+/// `dmrpc memserver` with `threads` worker threads run by `cmd` (this
+/// executable, perhaps in another network namespace), listening on
+/// `listen`.
 pub fn start_memserver_cmd(
     mut cmd: Command,
     listen: &str,
     size: &str,
+    threads: usize,
     more: &[&str],
 ) -> Result<(Proc, String)> {
+    let threads = threads.to_string();
     let mut c = cmd
         .args([
             "memserver",
@@ -64,7 +68,7 @@ pub fn start_memserver_cmd(
             "--size",
             size,
             "--threads",
-            "2",
+            &threads,
         ])
         .args(more)
         .env("RUST_LOG", "warn")
