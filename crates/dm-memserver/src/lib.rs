@@ -19,4 +19,4 @@ pub mod server;
 
 pub use cache::CacheStats;
 pub use client::{ClientConfig, MemBuffer, MemPool};
-pub use server::{Config, Server};
+pub use server::{default_threads, Config, Server};

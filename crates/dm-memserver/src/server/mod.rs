@@ -45,7 +45,7 @@ pub struct Config {
     pub size: u64,
     /// Page size.
     pub page_size: usize,
-    /// Worker threads.
+    /// Worker threads (default [`default_threads`]).
     pub threads: usize,
     /// Address of the Prometheus metrics endpoint, if any.
     pub metrics: Option<String>,
@@ -87,13 +87,22 @@ pub struct Config {
     pub client_quota: Option<u64>,
 }
 
+/// Worker threads by default: half the CPUs this process may use, at
+/// least one. A worker busy-polls its sockets for a while after each
+/// request; where clients share the host, workers on every CPU take the
+/// CPUs from them (on two CPUs, a `create_ref` + `map_ref` by two local
+/// clients took 41 us with two workers and 21 us with one).
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
             listen: "127.0.0.1:0".into(),
             size: 64 << 20,
             page_size: 4096,
-            threads: 2,
+            threads: default_threads(),
             metrics: None,
             default_ttl: Duration::from_secs(60),
             max_ttl: Duration::from_secs(3600),

@@ -14,8 +14,8 @@ pub struct MemserverArgs {
     /// Memory to serve, pinned at start (e.g. 1GiB).
     #[arg(long, value_parser = parse_size)]
     pub size: u64,
-    /// Worker threads.
-    #[arg(long, default_value_t = 2)]
+    /// Worker threads (default: half the CPUs, at least one).
+    #[arg(long, default_value_t = dm_memserver::default_threads())]
     pub threads: usize,
     /// Serve Prometheus metrics over HTTP at this address.
     #[arg(long)]
