@@ -771,14 +771,9 @@ fn measure(
     })
 }
 
-/// Rounds in which [`measure_in_turns`]'s callers take turns.
-const TURN_ROUNDS: usize = 5;
-
 /// [`measure`] for several callers at once: each makes `warm` calls, then
-/// they take turns, [`TURN_ROUNDS`] rounds of `budget / TURN_ROUNDS` each
-/// (the order rotating every round), so that a drift of the machine's
-/// speed during the cell weighs on each alike. A cell per caller, from
-/// all of its rounds.
+/// they take turns ([`super::peer::in_turns`]) of `budget / TURN_ROUNDS`
+/// each. A cell per caller, from all of its turns.
 fn measure_in_turns(
     callers: &mut [Caller],
     warm: usize,
@@ -791,23 +786,21 @@ fn measure_in_turns(
         }
     }
     let n = callers.len();
-    let slice = budget / TURN_ROUNDS as u32;
+    let slice = budget / super::peer::TURN_ROUNDS as u32;
     let mut lat = vec![Vec::new(); n];
     let (mut busy, mut switches) = (vec![Duration::ZERO; n], vec![0u64; n]);
-    for round in 0..TURN_ROUNDS {
-        for j in 0..n {
-            let m = (j + round) % n;
-            let (c, v) = (&mut callers[m], &mut lat[m]);
-            let (sw0, t0, had) = (sw.now(), Instant::now(), v.len());
-            while v.len() - had < warm || (t0.elapsed() < slice && v.len() < 100_000) {
-                let t = Instant::now();
-                c()?;
-                v.push(t.elapsed().as_nanos() as f64);
-            }
-            busy[m] += t0.elapsed();
-            switches[m] += sw.now().saturating_sub(sw0);
+    super::peer::in_turns(n, |m| {
+        let (c, v) = (&mut callers[m], &mut lat[m]);
+        let (sw0, t0, had) = (sw.now(), Instant::now(), v.len());
+        while v.len() - had < warm || (t0.elapsed() < slice && v.len() < 100_000) {
+            let t = Instant::now();
+            c()?;
+            v.push(t.elapsed().as_nanos() as f64);
         }
-    }
+        busy[m] += t0.elapsed();
+        switches[m] += sw.now().saturating_sub(sw0);
+        Ok(())
+    })?;
     Ok((0..n)
         .map(|m| Cell {
             p50: percentile(&mut lat[m], 0.5),

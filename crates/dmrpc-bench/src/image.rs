@@ -131,28 +131,22 @@ fn next_of(role: &str, at: &dyn Fn(&str) -> String) -> String {
 /// The modes of the network variant.
 const NET_MODES: [&str; 3] = ["memserver", "tcp-value", "auto"];
 
-/// Rounds in which [`in_turns`]'s cells take turns.
-const TURN_ROUNDS: u32 = 5;
-
-/// Runs `cells` in turns: [`TURN_ROUNDS`] rounds of `budget /
-/// TURN_ROUNDS` each, the order rotating every round, so that a drift of
-/// the machine's speed weighs on each alike (each first shows that a
-/// forged token is refused). Per cell: calls, latencies (ns), seconds.
+/// Runs `cells` in turns ([`super::peer::in_turns`]) of `budget /
+/// TURN_ROUNDS` each (each first shows that a forged token is refused).
+/// Per cell: calls, latencies (ns), seconds.
 fn in_turns(cells: &[Cell], budget: Duration) -> Result<Vec<(usize, Vec<f64>, f64)>> {
     for c in cells {
         c.forged_is_rejected()?;
     }
-    let n = cells.len();
-    let mut acc = vec![(0, Vec::new(), 0.0); n];
-    for round in 0..TURN_ROUNDS as usize {
-        for j in 0..n {
-            let m = (j + round) % n;
-            let (calls, lat, secs) = cells[m].run(budget / TURN_ROUNDS)?;
-            acc[m].0 += calls;
-            acc[m].1.extend(lat);
-            acc[m].2 += secs;
-        }
-    }
+    let mut acc = vec![(0, Vec::new(), 0.0); cells.len()];
+    let slice = budget / super::peer::TURN_ROUNDS as u32;
+    super::peer::in_turns(cells.len(), |m| {
+        let (calls, lat, secs) = cells[m].run(slice)?;
+        acc[m].0 += calls;
+        acc[m].1.extend(lat);
+        acc[m].2 += secs;
+        Ok(())
+    })?;
     Ok(acc)
 }
 

@@ -629,6 +629,21 @@ pub fn on_threads<T: Send>(n: usize, f: impl Fn(usize) -> Result<T> + Sync) -> R
     })
 }
 
+/// Rounds in which the modes of a benchmark's cell take turns.
+pub const TURN_ROUNDS: usize = 5;
+
+/// Runs `n` modes in turns: [`TURN_ROUNDS`] rounds, each calling
+/// `run(mode)` for every mode, the order rotating every round, so that a
+/// drift of the machine's speed during a cell weighs on each mode alike.
+pub fn in_turns(n: usize, mut run: impl FnMut(usize) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    for round in 0..TURN_ROUNDS {
+        for j in 0..n {
+            run((j + round) % n)?;
+        }
+    }
+    Ok(())
+}
+
 /// Median (sorts in place).
 pub fn median(v: &mut [f64]) -> f64 {
     percentile(v, 0.5)

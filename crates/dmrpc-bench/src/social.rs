@@ -38,8 +38,6 @@ const MODES: [&str; 2] = ["ref", "value"];
 /// The modes between pools: posts by memory-server Ref, everything
 /// inline, the way learned.
 const MODES_NET: [&str; 3] = ["memserver", "tcp-value", "auto"];
-/// Rounds in which the network variant's modes take turns.
-const TURN_ROUNDS: usize = 5;
 /// Offered loads, as fractions of by value's closed-loop throughput.
 const LOADS: [f64; 5] = [0.25, 0.5, 0.75, 1.0, 1.5];
 
@@ -360,19 +358,17 @@ fn network(
         for d in &drivers {
             d.preload()?;
         }
-        // The modes take turns, the order rotating, so that a drift of
-        // the machine's speed weighs on each alike.
+        // The modes take turns.
         let n = drivers.len();
         let mut lat = vec![Vec::new(); n];
         let mut secs = vec![0.0; n];
-        for round in 0..TURN_ROUNDS {
-            for j in 0..n {
-                let m = (j + round) % n;
-                let (r, l) = drivers[m].closed(budget / TURN_ROUNDS as u32)?;
-                secs[m] += l.len() as f64 / r;
-                lat[m].extend(l);
-            }
-        }
+        let slice = budget / super::peer::TURN_ROUNDS as u32;
+        super::peer::in_turns(n, |m| {
+            let (r, l) = drivers[m].closed(slice)?;
+            secs[m] += l.len() as f64 / r;
+            lat[m].extend(l);
+            Ok(())
+        })?;
         for (m, d) in drivers.iter().enumerate() {
             let r = lat[m].len() as f64 / secs[m];
             let (o, r, avg) = d.closed_report(r, std::mem::take(&mut lat[m]), Some(&link));
