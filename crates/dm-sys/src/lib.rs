@@ -435,10 +435,11 @@ pub mod proc {
                 let r = unsafe { libc::poll(polls.as_mut_ptr(), polls.len() as libc::nfds_t, 0) };
                 if r < 0 {
                     m.clear();
-                }
-                for (k, p) in keys.iter().zip(&polls) {
-                    if p.revents != 0 {
-                        m.remove(k);
+                } else {
+                    for (k, p) in keys.iter().zip(&polls) {
+                        if p.revents != 0 {
+                            m.remove(k);
+                        }
                     }
                 }
                 if m.len() >= MAX {
