@@ -34,7 +34,8 @@ pub struct CheckReport {
     pub pages_held: u64,
     /// Of the held pages, list pages (page lists of large descriptors).
     pub pages_lists: u64,
-    /// Of the held pages, those shared (refcount > 1).
+    /// Of the held data pages, those more than one holder reads (refcount
+    /// above one, or named by a list several descriptors share).
     pub pages_shared: u64,
     /// Live Refs.
     pub refs_live: u64,
@@ -124,6 +125,11 @@ pub(crate) fn count_holders(
 ) -> Vec<u32> {
     let n = shm.layout.n_pages as usize;
     let mut holders = vec![0u32; n];
+    // First-level lists whose entries were counted: a list shared by
+    // several descriptors holds its pages once (`desc.rs`).
+    let mut seen = vec![0u64; n.div_ceil(64)];
+    // Data pages read through a list others hold too.
+    let mut shared = vec![0u64; n.div_ceil(64)];
     // Mapped buffers linked to each Ref (its mapper count must match).
     let mut links = std::collections::HashMap::<u32, u32>::new();
     let n_descs = shm.layout.n_descs;
@@ -171,6 +177,30 @@ pub(crate) fn count_holders(
                 rep.refs_live += 1;
                 (0, d.n_pages.load(Ordering::Acquire))
             }
+            Some(Kind::RefBuild)
+                if d.flags.load(Ordering::Acquire) & crate::desc::FLAG_LIST_BUILD != 0 =>
+            {
+                // Its lists up to `held` hold a count, and their entries.
+                rep.descs_in_flight += 1;
+                in_flight(idx, st.owner, live, problems);
+                let held = d.held.load(Ordering::Acquire);
+                let n = d.n_pages.load(Ordering::Acquire);
+                rep.pages_lists += count_desc(
+                    shm,
+                    Counting {
+                        idx,
+                        d,
+                        lo: 0,
+                        hi: n,
+                        lists_from: 0,
+                        lists_held: Some(held),
+                    },
+                    &mut holders,
+                    (&mut seen, &mut shared),
+                    problems,
+                );
+                continue;
+            }
             Some(Kind::MapBuild) | Some(Kind::RefBuild) => {
                 rep.descs_in_flight += 1;
                 in_flight(idx, st.owner, live, problems);
@@ -186,12 +216,16 @@ pub(crate) fn count_holders(
                 // Positions >= held are list slots: those below progress are done.
                 rep.pages_lists += count_desc(
                     shm,
-                    idx,
-                    d,
-                    pr.min(held),
-                    held,
-                    pr.saturating_sub(held),
+                    Counting {
+                        idx,
+                        d,
+                        lo: pr.min(held),
+                        hi: held,
+                        lists_from: pr.saturating_sub(held),
+                        lists_held: None,
+                    },
                     &mut holders,
+                    (&mut seen, &mut shared),
                     problems,
                 );
                 continue;
@@ -201,9 +235,49 @@ pub(crate) fn count_holders(
                 continue;
             }
         };
-        rep.pages_lists += count_desc(shm, idx, d, lo, hi, 0, &mut holders, problems);
+        rep.pages_lists += count_desc(
+            shm,
+            Counting {
+                idx,
+                d,
+                lo,
+                hi,
+                lists_from: 0,
+                lists_held: None,
+            },
+            &mut holders,
+            (&mut seen, &mut shared),
+            problems,
+        );
     }
     pass.end("descriptors (pages named)", n_descs as u64);
+    // `pages_shared` counts data pages more than one holder reads. The
+    // pass over the page table adds those of count > 1 (shared list pages
+    // among them): here, those read through a shared list, less the
+    // shared list pages (wrapping: the sum ends non-negative).
+    let t = shm.pages();
+    let mut adjust = 0u64;
+    for (i, w) in seen.iter().enumerate() {
+        let mut w = *w;
+        while w != 0 {
+            let l = (i * 64) as u32 + w.trailing_zeros();
+            w &= w - 1;
+            if t.rc(l) > 1 {
+                adjust = adjust.wrapping_sub(1);
+            }
+        }
+    }
+    for (i, w) in shared.iter().enumerate() {
+        let mut w = *w;
+        while w != 0 {
+            let p = i * 64 + w.trailing_zeros() as usize;
+            w &= w - 1;
+            if holders.get(p).is_some_and(|&h| h <= 1) {
+                adjust = adjust.wrapping_add(1);
+            }
+        }
+    }
+    rep.pages_shared = rep.pages_shared.wrapping_add(adjust);
     holders
 }
 
@@ -245,36 +319,83 @@ fn in_flight(idx: u32, owner: u16, live: &[bool], problems: &mut Problems) {
     }
 }
 
-/// Counts a descriptor's entries `[lo, hi)` and list pages; returns the
-/// number of list pages.
-#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
-fn count_desc(
-    shm: &Shm,
+/// What of a descriptor [`count_desc`] counts.
+struct Counting<'a> {
     idx: u32,
-    d: &Desc,
+    d: &'a Desc,
+    /// Data entries `[lo, hi)`.
     lo: u32,
     hi: u32,
+    /// List slots from this one.
     lists_from: u32,
+    /// A Ref sharing its buffer's lists, being built: the first-level
+    /// lists below this one hold a count.
+    lists_held: Option<u32>,
+}
+
+/// Counts a descriptor's entries `[lo, hi)` and list pages; returns the
+/// number of list pages. The entries of a first-level list are counted
+/// once, by the first descriptor naming it (`seen`).
+fn count_desc(
+    shm: &Shm,
+    c: Counting<'_>,
     holders: &mut [u32],
+    (seen, shared): (&mut [u64], &mut [u64]),
     problems: &mut Problems,
 ) -> u64 {
+    let Counting {
+        idx,
+        d,
+        lo,
+        hi,
+        lists_from,
+        lists_held,
+    } = c;
     let mut lists = 0;
     let n = holders.len() as u32;
-    for k in lo..hi {
-        match shm.raw_entry(d, k as usize) {
-            Ok(NO_PAGE) => {}
-            Ok(p) if p & crate::pages::BORROWED != 0 => {} // the Ref holds it
-            Ok(p) if p < n => holders[p as usize] += 1,
-            Ok(p) => problems.push(format!(
-                "descriptor {idx} entry {k}: page {p} outside the pool"
-            )),
-            Err(e) => problems.push(format!("descriptor {idx} entry {k}: {e}")),
+    let per = shm.layout.per_list_page() as u32;
+    let indirect = shm.list_span(d) > 0 && shm.inherits_from(d).is_none();
+    let firsts_end = if !indirect {
+        0
+    } else if d.flags.load(Ordering::Acquire) & crate::desc::FLAG_TWO_LEVEL != 0 {
+        (crate::desc::INLINE as u32).saturating_mul(per)
+    } else {
+        crate::desc::INLINE as u32
+    };
+    let mut k = lo;
+    while k < hi {
+        if indirect {
+            // One first-level list at a time.
+            let j = k / per;
+            let end = (j + 1).saturating_mul(per).min(hi);
+            let l = shm.list_page(d, j as usize).unwrap_or(NO_PAGE);
+            let held = lists_held.is_none_or(|h| j < h);
+            if l == NO_PAGE || l >= n || !held || seen[l as usize / 64] & (1 << (l % 64)) != 0 {
+                k = end;
+                continue;
+            }
+            seen[l as usize / 64] |= 1 << (l % 64);
+            let via_shared = shm.pages().rc(l) > 1;
+            for k in k..end {
+                if let Some(p) = count_entry(shm, idx, d, k, holders, problems) {
+                    if via_shared {
+                        shared[p as usize / 64] |= 1 << (p % 64);
+                    }
+                }
+            }
+            k = end;
+        } else {
+            count_entry(shm, idx, d, k, holders, problems);
+            k += 1;
         }
     }
     each_list_slot(shm, d, lists_from, |k, l| match l {
+        // (A list a Ref being built took no count on yet.)
+        Ok(_) if lists_held.is_some_and(|h| (k as u32) < firsts_end && k as u32 >= h) => {}
         Ok(l) if l < n => {
+            // (A shared list page is one page, however many name it.)
+            lists += u64::from(holders[l as usize] == 0);
             holders[l as usize] += 1;
-            lists += 1;
         }
         Ok(l) => problems.push(format!(
             "descriptor {idx} list {k}: page {l} outside the pool"
@@ -282,6 +403,31 @@ fn count_desc(
         Err(e) => problems.push(format!("descriptor {idx} list {k}: {e}")),
     });
     lists
+}
+
+/// Counts data entry `k` of descriptor `idx`; returns the page it holds.
+fn count_entry(
+    shm: &Shm,
+    idx: u32,
+    d: &Desc,
+    k: u32,
+    holders: &mut [u32],
+    problems: &mut Problems,
+) -> Option<u32> {
+    let n = holders.len() as u32;
+    match shm.raw_entry(d, k as usize) {
+        Ok(NO_PAGE) => {}
+        Ok(p) if p & crate::pages::BORROWED != 0 => {} // the Ref holds it
+        Ok(p) if p < n => {
+            holders[p as usize] += 1;
+            return Some(p);
+        }
+        Ok(p) => problems.push(format!(
+            "descriptor {idx} entry {k}: page {p} outside the pool"
+        )),
+        Err(e) => problems.push(format!("descriptor {idx} entry {k}: {e}")),
+    }
+    None
 }
 
 /// Calls `f` with every list slot from `from` that names a page (or
@@ -483,7 +629,8 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool, pass: &mut Pass<'_>) -> CheckRepo
             Ok(PageState::Held(rc)) => {
                 rep.pages_held += 1;
                 if rc > 1 {
-                    rep.pages_shared += 1;
+                    // (Wrapping: `count_holders` left an adjustment here.)
+                    rep.pages_shared = rep.pages_shared.wrapping_add(1);
                 }
                 if rc > h {
                     problems.push(format!(
@@ -610,6 +757,9 @@ pub struct Counters {
     pub refs_expired: u64,
     /// Dead slots reclaimed, ever.
     pub slots_reclaimed: u64,
+    /// Page lists a buffer copied before writing, because a Ref shared
+    /// them, ever.
+    pub lists_copied: u64,
 }
 
 pub(crate) fn counters(shm: &Shm) -> Counters {
@@ -619,6 +769,7 @@ pub(crate) fn counters(shm: &Shm) -> Counters {
         refs_created: a.refs_created.load(Ordering::Relaxed),
         refs_expired: a.refs_expired.load(Ordering::Relaxed),
         slots_reclaimed: a.slots_reclaimed.load(Ordering::Relaxed),
+        lists_copied: a.lists_copied.load(Ordering::Relaxed),
     }
 }
 

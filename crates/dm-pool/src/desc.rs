@@ -22,6 +22,42 @@
 //! entries), then, with two levels, the inline entries at `INLINE * per`
 //! onwards. A list page is dropped only after every page it names.
 //!
+//! **Shared lists** (pool format 9). A first-level list page holds the
+//! shares of the data pages it names, one each, however many descriptors
+//! name it. Its own count is the number of descriptors naming it. A Ref
+//! of a whole buffer names the buffer's first-level lists and takes one
+//! count on each ([`Pool::create_ref`](crate::Pool::create_ref)): sharing
+//! costs one count change per list (1024 pages of 4 KiB), not one per
+//! page. Second-level lists and inline entries are never shared.
+//!
+//! A buffer about to write through a shared list first gives itself a
+//! copy of it, recorded in the CoW journal as `LIST_JOURNAL | j`:
+//! 1. the copy is taken (cached by the writer) and filled; then the
+//!    journal says `LIST_JOURNAL | j`, and `journal_old` the old list;
+//! 2. under the old list's stripe lock: if the writer holds it alone by
+//!    now, the journal is cleared and the copy given back. Else slot `j`
+//!    names the copy, the old list's count drops (the page locked to the
+//!    buffer), and the journal says `LIST_DROPPED` too;
+//! 3. a count is taken on each page the copy names, recorded by `progress`;
+//! 4. the copy becomes held and the journal is cleared.
+//!
+//! A drop meets each first-level list at the first entry it covers. It
+//! decides under the list's stripe lock:
+//! - a list others hold too loses this descriptor's count (the page
+//!   locked to it), the slot is cleared, and `progress` skips the list's
+//!   entries;
+//! - a list this descriptor holds alone has its entries dropped one by
+//!   one, then itself, as before.
+//!
+//! Only a holder makes another holder, so "alone" stays true until the
+//! drop ends, and a reclaimer finds the same answer again. A count
+//! dropped and not recorded is the list page locked to the descriptor.
+//!
+//! A Ref of shared lists is built with `FLAG_LIST_BUILD`: its `held`
+//! counts first-level list slots holding a count, not data entries. Once
+//! all are counted, `held` becomes `n_pages` and the flag goes: both
+//! readings then say every list is held.
+//!
 //! The state word packs `generation (32) | kind (8) | owner slot (16)`.
 //! Changing it is the commit point of every multi-step operation, and each
 //! kind says exactly which entries hold shares, so a reclaimer can finish or
@@ -32,7 +68,7 @@
 //! | `Free`      | -          | none                                           |
 //! | `Buf`       | user slot  | every entry not flagged `BORROWED` (see CoW journal) |
 //! | `MapBuild`  | user slot  | none: a mapped buffer borrows its Ref's pages   |
-//! | `RefBuild`  | user slot  | `[0, held)` (building a Ref from a buffer)      |
+//! | `RefBuild`  | user slot  | `[0, held)` (building a Ref from a buffer; list slots with `FLAG_LIST_BUILD`) |
 //! | `RefLive`   | none       | all                                            |
 //! | `Drop`      | dropper    | `[progress, held)`, then list slots `k` with `held + k >= progress` |
 //!
@@ -74,6 +110,15 @@ pub const FLAG_TWO_LEVEL: u32 = 4;
 /// `k` reads as the Ref's entry `k`, borrowed (the Ref's index is in `tag`).
 /// Its first write materialises the list.
 pub const FLAG_INHERIT: u32 = 2;
+/// Flag on a `RefBuild`: `held` counts first-level list slots holding a
+/// count (a Ref sharing its buffer's lists), not data entries.
+pub const FLAG_LIST_BUILD: u32 = 8;
+/// A CoW journal (`journal_idx`) replacing shared first-level list `j`
+/// (`LIST_JOURNAL | j`), not data entry `j`: data entries are below
+/// [`MAX_PAGES`](crate::pages::MAX_PAGES), under this bit.
+pub const LIST_JOURNAL: u32 = 1 << 31;
+/// With [`LIST_JOURNAL`]: the old list's count is dropped.
+pub const LIST_DROPPED: u32 = 1 << 30;
 /// End reason stored in `flags` bits 8..16 when a Ref ends.
 pub const END_RELEASED: u32 = 1;
 /// The Ref expired (TTL) and was reclaimed.

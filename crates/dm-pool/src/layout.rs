@@ -1,4 +1,4 @@
-//! The pool file format (version 8): header, areas, and their validation.
+//! The pool file format (version 9): header, areas, and their validation.
 //!
 //! ```text
 //! 0        header (4 KiB): immutable part (checksummed), the pool's secret
@@ -34,7 +34,7 @@ pub(crate) const CONTROL_LEN: usize = 4096;
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"DMRPOOL\0";
 /// Format version this build reads and writes (history: `CHANGELOG.md`).
-pub const POOL_VERSION: u32 = 8;
+pub const POOL_VERSION: u32 = 9;
 /// Where the pool's secret lies in the header: 32 random bytes written at
 /// creation, known to the processes that can read the pool (zero in pools
 /// created before there was one).
@@ -209,6 +209,9 @@ pub(crate) struct HeaderAtomics {
     /// since the quarantine was added to format 7, so 0, none, in pools
     /// created before).
     pub quarantine_ms: AtomicU64,
+    /// Lists a buffer copied because a Ref shared them, ever (since
+    /// format 9).
+    pub lists_copied: AtomicU64,
 }
 
 /// Where the quota table lies in the header (after the atomics; zeros in

@@ -99,8 +99,11 @@ impl MappedBuffer {
                 h >> 10
             )));
         }
-        // The fault handler cannot allocate: give the buffer its own list now.
+        // The fault handler cannot allocate: give the buffer its own list
+        // now, and its own copy of every list a Ref shares (the handler
+        // reads a page's count as its holders).
         buf.materialize()?;
+        buf.own_lists(0, buf.page_count() as usize)?;
         dm_sys::fault::install(resolve).map_err(Error::Io)?;
         let pool = buf.pool().clone();
         let shm = pool.shm();
@@ -239,7 +242,11 @@ impl MappedBuffer {
     /// first (one `mprotect`), so that later stores fault and copy.
     pub fn create_ref(&mut self, offset: u64, len: u64) -> Result<Ref> {
         self.protect(offset, len)?;
-        self.buf.create_ref(offset, len)
+        // One share per page: a shared list would be copied by the fault
+        // handler, which cannot allocate.
+        let pool = self.buf.pool();
+        let ttl = std::time::Duration::from_millis(pool.layout().ref_ttl_ms);
+        pool.create_ref_as(&self.buf, offset, len, ttl, false)
     }
 
     /// A second (explicit) buffer over the same pages ([`Dm::dup`]); the
@@ -247,8 +254,13 @@ impl MappedBuffer {
     ///
     /// [`Dm::dup`]: crate::Dm::dup
     pub fn dup(&mut self) -> Result<Buffer> {
-        self.protect(0, self.buf.len())?;
-        crate::Dm::dup(self.buf.pool(), &self.buf)
+        let r = self.create_ref(0, self.buf.len())?;
+        let pool = self.buf.pool();
+        let mapped = pool.map_ref(&r);
+        let released = pool.release_ref(&r);
+        let d = mapped?;
+        released?;
+        Ok(d)
     }
 
     /// Makes the pages under `len` bytes at `offset` read-only (one

@@ -20,7 +20,9 @@
 //! 4. the descriptor is dropped from its counter onwards.
 
 use crate::desc::mappers;
-use crate::desc::{Desc, DescState, Kind, END_ABORTED, END_RELEASED};
+use crate::desc::{
+    Desc, DescState, Kind, END_ABORTED, END_RELEASED, FLAG_LIST_BUILD, LIST_DROPPED, LIST_JOURNAL,
+};
 use crate::error::Result;
 use crate::pages::{Changed, Delta, PageState, BORROWED, NO_PAGE, STRIPE};
 use crate::process::Core;
@@ -88,6 +90,8 @@ pub(crate) enum Src {
     },
     /// One page (position 0).
     One(u32),
+    /// The first `.1` entries of list page `.0`.
+    List(u32, u32),
 }
 
 /// Where a bulk change stopped.
@@ -191,6 +195,10 @@ impl Core {
                     Err(e) => break Err(e),
                 },
                 Src::One(_) => (0, &one[..], 1),
+                Src::List(l, used) => match self.shm.list(l) {
+                    Ok(run) => (0, &run[..(used as usize).min(run.len())], used),
+                    Err(e) => break Err(e),
+                },
             };
             let end = to.min(base + span);
             debug_assert!(end > k, "a chunk contains its position");
@@ -321,8 +329,9 @@ impl Core {
     ) -> Result<()> {
         let held = d.held.load(Ordering::Acquire);
         let span = self.drop_span(d, held);
-        let from = d.progress.load(Ordering::Acquire);
         // On error the descriptor stays in Drop: gc reports it; nothing is freed twice.
+        self.drop_entries(di, d, held, freed)?;
+        let from = d.progress.load(Ordering::Acquire).max(held);
         self.bulk_change(
             di,
             d,
@@ -347,6 +356,94 @@ impl Core {
         self.desc_hint
             .store(di, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// The data entries of a drop, `[progress, held)`: list by list where
+    /// the descriptor has lists, each list first asked whether others hold
+    /// it too (then only its count is dropped, `desc.rs`).
+    fn drop_entries(&self, di: u32, d: &Desc, held: u32, freed: &mut Vec<u32>) -> Result<()> {
+        let per = self.shm.layout.per_list_page() as u32;
+        let lists = self.shm.list_span(d) > 0;
+        loop {
+            let k = d.progress.load(Ordering::Acquire);
+            if k >= held {
+                return Ok(());
+            }
+            let next = if lists {
+                (k / per + 1).saturating_mul(per).min(held)
+            } else {
+                held
+            };
+            if lists && k.is_multiple_of(per) {
+                if let Some(slot) = self.shm.list_slot(d, (k / per) as usize)? {
+                    let l = slot.load(Ordering::Acquire);
+                    if l != NO_PAGE && !self.holds_list_alone(di, d, slot, l, next, freed)? {
+                        crate::testing::reached(crate::testing::StopPoint::SharedListLeft);
+                        continue;
+                    }
+                }
+            }
+            self.bulk_change(
+                di,
+                d,
+                k,
+                next,
+                Src::Drop { held },
+                Book::Progress,
+                Delta::Dec(self.slot),
+                freed,
+            )?;
+        }
+    }
+
+    /// Whether dropping descriptor `di` holds first-level list `l` (named
+    /// by `slot`) alone. If others hold it too, drops `di`'s count on it
+    /// instead, under its stripe lock: clears the slot and records
+    /// `progress = next` (past the list's entries) before unlocking it.
+    fn holds_list_alone(
+        &self,
+        di: u32,
+        d: &Desc,
+        slot: &crate::sync::AtomicU32,
+        l: u32,
+        next: u32,
+        freed: &mut Vec<u32>,
+    ) -> Result<bool> {
+        let t = self.shm.pages();
+        let l = self.shm.check_page(l)?;
+        let mut spins = 0u32;
+        loop {
+            if let Some(other) = t.lock_stripe_of(l, di)? {
+                self.wait_busy(l, other, &mut spins, freed);
+                continue;
+            }
+            match t.state(l)? {
+                PageState::Held(1) => {
+                    t.unlock_stripe_of(l);
+                    return Ok(true);
+                }
+                PageState::Held(_) => {
+                    let c = t.change_in_stripe(l, di, Delta::Dec(self.slot))?;
+                    slot.store(NO_PAGE, Ordering::Release);
+                    d.progress.store(next, Ordering::Release);
+                    t.done(l, c);
+                    return Ok(false);
+                }
+                PageState::Locked { desc, .. } => {
+                    t.unlock_stripe_of(l);
+                    self.wait_busy(l, desc, &mut spins, freed);
+                }
+                found => {
+                    t.unlock_stripe_of(l);
+                    return Err(crate::pages::PageError {
+                        page: l,
+                        found,
+                        expected: "a held list page",
+                    }
+                    .into());
+                }
+            }
+        }
     }
 
     /// Removes buffer `di`'s count on the Ref it was mapped from; the last
@@ -557,8 +654,15 @@ impl Core {
         ) {
             return Ok(false);
         }
-        self.normalize(d, st)?;
         let n = d.n_pages.load(Ordering::Acquire);
+        if st.kind == Some(Kind::Buf) {
+            // (Before `normalize`, which would free the copy still cached.)
+            self.finish_list_copy(di, d, st.owner, freed)?;
+        }
+        if st.kind == Some(Kind::RefBuild) {
+            self.end_list_build(d)?;
+        }
+        self.normalize(d, st)?;
         if st.kind == Some(Kind::Buf) {
             // A copy-on-write that linked and held its new page but had not
             // dropped the old page's share yet: drop it now (recorded by
@@ -639,14 +743,34 @@ impl Core {
         }
         let n = d.n_pages.load(Ordering::Acquire);
         let held = d.held.load(Ordering::Acquire);
+        let per = self.shm.layout.per_list_page() as u32;
+        let lists = self.shm.list_span(d) > 0;
+        // A Ref sharing its buffer's lists counts them, not data entries.
+        let list_build =
+            kind == Kind::RefBuild && d.flags.load(Ordering::Acquire) & FLAG_LIST_BUILD != 0;
         let (from, span) = match kind {
             Kind::Drop => (d.progress.load(Ordering::Acquire), self.drop_span(d, held)),
+            _ if list_build => (held, if lists { n.div_ceil(per) } else { 0 }),
             _ => (held, n),
         };
         let mut k = from;
         while k < span {
+            if kind == Kind::Drop && lists && k < held && k.is_multiple_of(per) {
+                // A shared list's count dropped, not yet recorded: the
+                // list page is locked to us. Record it (`holds_list_alone`).
+                if let Some(slot) = self.shm.list_slot(d, (k / per) as usize)? {
+                    let l = slot.load(Ordering::Acquire);
+                    if l != NO_PAGE && t.locked_by(self.shm.check_page(l)?, di) {
+                        slot.store(NO_PAGE, Ordering::Release);
+                        k = (k / per + 1).saturating_mul(per).min(held);
+                        continue;
+                    }
+                }
+            }
             let p = if kind == Kind::Drop {
                 self.drop_slot(d, held, k)?
+            } else if list_build {
+                self.shm.list_page(d, k as usize)?
             } else {
                 self.shm.entry_value(d, k as usize)?
             };
@@ -668,6 +792,108 @@ impl Core {
             d.held.fetch_max(k, Ordering::AcqRel);
         }
         Ok(true)
+    }
+
+    /// Phase A for a buffer that was giving itself a copy of shared list
+    /// `j` (journal `LIST_JOURNAL | j`, `desc.rs`): before the old list's
+    /// count dropped, the copy is undone (the old list named again, the
+    /// copy left cached by the owner, swept with its pages); after, the
+    /// counts the copy took but did not record are recorded, and the rest
+    /// is left to the takeover (`finish_list_copy`), which may wait.
+    fn undo_list_journal(&self, di: u32, d: &Desc, idx: u32) -> Result<()> {
+        let t = self.shm.pages();
+        let j = (idx & !(LIST_JOURNAL | LIST_DROPPED)) as usize;
+        let old = self.shm.check_page(d.journal_old.load(Ordering::Acquire))?;
+        let slot = self
+            .shm
+            .list_slot(d, j)?
+            .ok_or_else(|| crate::error::Error::Corrupt(format!("list {j} has no slot")))?;
+        if idx & LIST_DROPPED == 0 {
+            if !t.locked_by(old, di) {
+                slot.store(old, Ordering::Release);
+                d.journal_idx.store(NO_PAGE, Ordering::Release);
+                return Ok(());
+            }
+            d.journal_idx.store(idx | LIST_DROPPED, Ordering::Release);
+        }
+        let q = self.shm.check_page(slot.load(Ordering::Acquire))?;
+        let used = self.list_used(d, j);
+        let list = &self.shm.list(q)?[..used as usize];
+        let mut k = d.progress.load(Ordering::Acquire);
+        while let Some(e) = list.get(k as usize) {
+            let p = e.load(Ordering::Acquire);
+            if p != NO_PAGE && !t.locked_by(self.shm.check_page(p)?, di) {
+                break;
+            }
+            k += 1;
+        }
+        d.progress.fetch_max(k, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Entries of first-level list `j` of `d` that name pages (the rest of
+    /// the list page is zero).
+    pub(crate) fn list_used(&self, d: &Desc, j: usize) -> u32 {
+        let per = self.shm.layout.per_list_page();
+        let n = d.n_pages.load(Ordering::Acquire) as usize;
+        n.saturating_sub(j * per).min(per) as u32
+    }
+
+    /// Takeover of a buffer whose owner died giving itself a copy of a
+    /// shared list, after the old list's count dropped: the copy takes its
+    /// remaining counts, becomes held, and the journal is cleared.
+    fn finish_list_copy(&self, di: u32, d: &Desc, owner: u16, freed: &mut Vec<u32>) -> Result<()> {
+        let idx = d.journal_idx.load(Ordering::Acquire);
+        if idx == NO_PAGE || idx & LIST_JOURNAL == 0 {
+            return Ok(());
+        }
+        let j = (idx & !(LIST_JOURNAL | LIST_DROPPED)) as usize;
+        let t = self.shm.pages();
+        if let Some(slot) = self.shm.list_slot(d, j)? {
+            let q = self.shm.check_page(slot.load(Ordering::Acquire))?;
+            if t.state(q)? == PageState::Cached(owner) {
+                let used = self.list_used(d, j);
+                let from = d.progress.load(Ordering::Acquire);
+                self.bulk_change(
+                    di,
+                    d,
+                    from,
+                    used,
+                    Src::List(q, used),
+                    Book::Progress,
+                    Delta::Inc,
+                    freed,
+                )?;
+                t.hold_cached(q, owner)?;
+            }
+        }
+        d.journal_idx.store(NO_PAGE, Ordering::Release);
+        Ok(())
+    }
+
+    /// Ends the build of a Ref sharing its buffer's lists that will not be
+    /// completed (`FLAG_LIST_BUILD`): the lists it took no count on are
+    /// its buffer's alone and are forgotten; then `held` reads as entries
+    /// (every list left is held). Idempotent; nothing for other builds.
+    pub(crate) fn end_list_build(&self, d: &Desc) -> Result<()> {
+        if d.flags.load(Ordering::Acquire) & FLAG_LIST_BUILD == 0 {
+            return Ok(());
+        }
+        let n = d.n_pages.load(Ordering::Acquire);
+        let per = self.shm.layout.per_list_page();
+        let firsts = if self.shm.list_span(d) > 0 {
+            (n as usize).div_ceil(per)
+        } else {
+            0
+        };
+        for j in d.held.load(Ordering::Acquire) as usize..firsts {
+            if let Some(slot) = self.shm.list_slot(d, j)? {
+                slot.store(NO_PAGE, Ordering::Release);
+            }
+        }
+        d.held.store(n, Ordering::Release);
+        d.flags.fetch_and(!FLAG_LIST_BUILD, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Removes from a descriptor of a gone owner the pages that owner still
@@ -716,6 +942,9 @@ impl Core {
         let idx = d.journal_idx.load(Ordering::Acquire);
         if idx == NO_PAGE {
             return Ok(());
+        }
+        if idx & LIST_JOURNAL != 0 {
+            return self.undo_list_journal(di, d, idx);
         }
         let t = self.shm.pages();
         let p = self.shm.check_page(d.journal_old.load(Ordering::Acquire))?;

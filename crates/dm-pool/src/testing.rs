@@ -227,6 +227,42 @@ pub fn stop_before_noting() {
     crate::pool::stop_before_noting()
 }
 
+/// Where a crash-recovery test can make this process stop for good
+/// ([`stop_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum StopPoint {
+    /// A buffer giving itself a copy of a list a Ref shares: the old
+    /// list's count dropped, the copy's pages counted, the copy not yet
+    /// held.
+    ListCopied = 1,
+    /// A Ref sharing its buffer's lists: every list counted, the build
+    /// not finished.
+    ListsShared = 2,
+    /// A drop: the first list others hold too has lost its count.
+    SharedListLeft = 3,
+}
+
+static STOP_AT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Makes this process stop for good when it next reaches `p`: it says
+/// `ok stopped` on its standard output and sleeps (the test kills it).
+pub fn stop_at(p: StopPoint) {
+    STOP_AT.store(p as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Stops here for good if a test asked for `p` ([`stop_at`]).
+pub(crate) fn reached(p: StopPoint) {
+    if STOP_AT.load(std::sync::atomic::Ordering::Relaxed) == p as u8 {
+        use std::io::Write;
+        println!("ok stopped");
+        let _ = std::io::stdout().flush();
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+}
+
 /// Leaves `buf` half turned into a Ref ([`Pool::into_ref`]): the Ref's
 /// fields written, the descriptor still a buffer, as a process killed
 /// just before the commit leaves it; for tests of crash recovery, whose

@@ -309,6 +309,10 @@ fn kill9_rounds(size: u64, big: u64, rounds: usize) {
         }
         assert!(rep.ok(), "after reclaim: {:?}", rep.problems);
         assert_eq!(rep.slots_live, 1);
+        assert!(
+            survivor.counters().lists_copied > 0,
+            "the churn wrote through lists a Ref shared"
+        );
         survivor.release_ref(&shared).unwrap();
         drop(keep);
         drop(survivor);
@@ -319,6 +323,59 @@ fn kill9_rounds(size: u64, big: u64, rounds: usize) {
         assert_eq!(gc.pages_repaired, 0, "the recount found nothing to repair");
         tp.assert_clean();
     }
+}
+
+/// A process killed at each step of sharing page lists: a buffer giving
+/// itself a copy of a list a Ref shares (its pages counted, the copy not
+/// yet held), a second Ref of shared lists half built,
+/// and a buffer half freed (one shared list left). Its reclaimer finishes
+/// or undoes each exactly: the check passes, the Ref reads what was
+/// shared, and once it is released the pool is clean.
+#[test]
+fn kill9_in_each_step_of_shared_lists_loses_nothing() {
+    watchdog(120, || {
+        for point in ["list-copied", "lists-shared", "shared-list-left"] {
+            let tp = TempPool::new(64 << 20);
+            let survivor = survivor_of(&tp);
+            let mut a = Agent::spawn(&tp.path, Some(agent_lease()));
+            // Three lists of 1024 pages (the last one partly used).
+            let len = 2500 * 4096;
+            let b = a.ok(&format!("alloc {len}"));
+            a.ok(&format!("fill {b} 0 {len} 5"));
+            let r = a.ok(&format!("share {b} 0 {len}"));
+            let r = Ref::from_bytes(&unhex(&r)).unwrap();
+            let t = survivor.check();
+            assert!(t.ok(), "{:?}", t.problems);
+            assert_eq!(t.pages_lists, 3, "the Ref shares the buffer's lists");
+            a.ok(&format!("stopat {point}"));
+            let cmd = match point {
+                "list-copied" => format!("fill {b} 5000 10 6"),
+                "lists-shared" => format!("share {b} 0 {len}"),
+                _ => format!("free {b}"),
+            };
+            assert_eq!(a.raw(&cmd), "ok stopped", "{point}");
+            a.kill9();
+            let t0 = Instant::now();
+            while survivor.maintain().unwrap().slots_reclaimed == 0 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(20),
+                    "{point}: never reclaimed"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let rep = survivor.check();
+            assert!(rep.ok(), "{point}: {:?}", rep.problems);
+            let m = survivor.map_ref(&r).unwrap();
+            assert!(
+                m.to_vec().unwrap().iter().all(|&x| x == 5),
+                "{point}: the Ref reads what was shared"
+            );
+            drop(m);
+            survivor.release_ref(&r).unwrap();
+            drop(survivor);
+            tp.assert_clean();
+        }
+    });
 }
 
 /// A process killed between committing a Ref and noting its expiry in

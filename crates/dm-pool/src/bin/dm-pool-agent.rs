@@ -21,6 +21,10 @@
 //! check                     -> ok | err check: problems
 //! holdlock REFHEX           -> ok holding     (stops in map_ref, holding the Ref's lock)
 //! stopref B                 -> ok stopped     (stops in create_ref before copying entries)
+//! stopat POINT              -> ok             (the next time this process
+//!                              reaches POINT, `list-copied`, `lists-shared`
+//!                              or `shared-list-left`, it answers `ok stopped`
+//!                              and stops for good)
 //! churn SEED [MASK]         -> never returns: random ops until killed
 //!                              (MASK: bit n enables op n of `churn`, default all)
 //! nscreate DEV NAME SIZE [stop] -> ok OFFSET  (creates a namespace; with `stop`,
@@ -169,6 +173,17 @@ mod agent {
                     let buf = self.bufs.get(&b).ok_or("no such buffer")?;
                     dm_pool::testing::stop_creating_ref(&self.pool, buf).map_err(e)?;
                     Ok("stopped".into())
+                }
+                "stopat" => {
+                    use dm_pool::testing::StopPoint;
+                    let p = match it.next() {
+                        Some("list-copied") => StopPoint::ListCopied,
+                        Some("lists-shared") => StopPoint::ListsShared,
+                        Some("shared-list-left") => StopPoint::SharedListLeft,
+                        p => return Err(format!("usage: stopat POINT, not {p:?}")),
+                    };
+                    dm_pool::testing::stop_at(p);
+                    Ok(String::new())
                 }
                 "stopnote" => {
                     // Crash-recovery tests: share a buffer with a TTL of

@@ -347,6 +347,31 @@ impl Inner {
         Ok(())
     }
 
+    /// Gives a descriptor of `n` entries that will name lists it does not
+    /// own (a Ref sharing its buffer's lists) its list flags and, for two
+    /// levels, `seconds` second-level lists of its own, filled with
+    /// NO_PAGE (the crash order of [`attach_lists`](Self::attach_lists)).
+    pub(crate) fn attach_tops(&self, d: &Desc, n: usize, seconds: usize) -> Result<()> {
+        if seconds > INLINE || n > self.shm.layout.n_pages as usize {
+            return Err(Error::TooLarge {
+                len: n as u64 * self.shm.layout.page_size as u64,
+                max: self.shm.layout.max_len(),
+            });
+        }
+        let tops = self.take_pages(seconds)?;
+        let two = if seconds > 0 { FLAG_TWO_LEVEL } else { 0 };
+        d.flags.fetch_or(FLAG_INDIRECT | two, Ordering::Release);
+        let pages = self.shm.pages();
+        for (c, &l) in tops.iter().enumerate() {
+            for e in self.shm.list(l)? {
+                e.store(NO_PAGE, Ordering::Relaxed);
+            }
+            d.entries[c].store(l, Ordering::Release);
+            pages.hold_cached(l, self.slot)?;
+        }
+        Ok(())
+    }
+
     /// Takes `n` pages from the page cache, refilling from the free set.
     /// Their bytes are left as they were: the caller zeroes what it does not
     /// overwrite. The cache is last in, first out: a page freed a moment

@@ -2,9 +2,9 @@
 //! the pool window and written with page-granular copy-on-write.
 
 use super::{Inner, Pool};
-use crate::desc::{Desc, FLAG_INHERIT};
+use crate::desc::{Desc, FLAG_INHERIT, LIST_DROPPED, LIST_JOURNAL};
 use crate::error::{Error, Result};
-use crate::pages::{Delta, BORROWED, NO_PAGE};
+use crate::pages::{Delta, PageState, BORROWED, NO_PAGE};
 use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
 use crate::sync::Ordering;
@@ -112,6 +112,29 @@ impl Buffer {
         i.attach_lists(d, n, true)?;
         d.flags.fetch_and(!FLAG_INHERIT, Ordering::AcqRel);
         i.shm.copy_entries(r, 0, d, n, BORROWED)
+    }
+
+    /// Gives this buffer a copy of every first-level list holding entries
+    /// `[k0, k1)` that a Ref shares (`desc.rs`, *Shared lists*), so that
+    /// each page's count says whether another holder reads it.
+    pub(crate) fn own_lists(&mut self, k0: usize, k1: usize) -> Result<()> {
+        let i = self.pool.inner.clone();
+        let d = self.d()?;
+        if k0 >= k1 || i.shm.list_span(d) == 0 || i.shm.inherits_from(d).is_some() {
+            return Ok(());
+        }
+        let per = i.shm.layout.per_list_page();
+        let t = i.shm.pages();
+        for j in k0 / per..=(k1 - 1) / per {
+            let Some(slot) = i.shm.list_slot(d, j)? else {
+                continue;
+            };
+            let l = slot.load(Ordering::Acquire);
+            if l != NO_PAGE && t.rc(i.shm.check_page(l)?) > 1 {
+                i.copy_list(self.desc, d, j, slot, l)?;
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn desc_index(&self) -> u32 {
@@ -261,6 +284,9 @@ impl Buffer {
     ) -> Result<()> {
         let i = self.pool.inner.clone();
         let ps = i.shm.layout.page_size as u64;
+        // A list shared with a Ref becomes ours first: its pages then count
+        // two holders, and are copied below.
+        self.own_lists((start / ps) as usize, end.div_ceil(ps) as usize)?;
         let d = self.d()?;
         let t = i.shm.pages();
         let (k0, k1) = ((start / ps) as usize, end.div_ceil(ps) as usize);
@@ -412,6 +438,90 @@ impl Buffer {
 }
 
 impl Inner {
+    /// Replaces shared first-level list `l` (slot `j`, `slot`) of owned
+    /// buffer `di` with a copy of its own, following the journal of
+    /// `desc.rs` (*Shared lists*); `reclaim.rs` finishes or undoes it.
+    pub(crate) fn copy_list(
+        &self,
+        di: u32,
+        d: &Desc,
+        j: usize,
+        slot: &crate::sync::AtomicU32,
+        l: u32,
+    ) -> Result<()> {
+        let t = self.shm.pages();
+        let q = self.take_pages(1)?[0];
+        for (from, to) in self.shm.list(l)?.iter().zip(self.shm.list(q)?) {
+            to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        d.progress.store(0, Ordering::Relaxed);
+        d.journal_old.store(l, Ordering::Relaxed);
+        d.journal_idx
+            .store(LIST_JOURNAL | j as u32, Ordering::Release);
+        let mut freed = Vec::new();
+        let mut spins = 0u32;
+        loop {
+            if let Some(other) = t.lock_stripe_of(l, di)? {
+                self.wait_busy(l, other, &mut spins, &mut freed);
+                continue;
+            }
+            match t.state(l)? {
+                PageState::Held(1) => {
+                    // The Ref went meanwhile: the list is ours alone.
+                    t.unlock_stripe_of(l);
+                    d.journal_idx.store(NO_PAGE, Ordering::Release);
+                    freed.push(q);
+                    self.give_pages(freed);
+                    return Ok(());
+                }
+                PageState::Held(_) => {
+                    slot.store(q, Ordering::Release);
+                    let c = t.change_in_stripe(l, di, Delta::Dec(self.slot))?;
+                    d.journal_idx
+                        .store(LIST_JOURNAL | LIST_DROPPED | j as u32, Ordering::Release);
+                    t.done(l, c);
+                    break;
+                }
+                PageState::Locked { desc, .. } => {
+                    t.unlock_stripe_of(l);
+                    self.wait_busy(l, desc, &mut spins, &mut freed);
+                }
+                found => {
+                    t.unlock_stripe_of(l);
+                    d.journal_idx.store(NO_PAGE, Ordering::Release);
+                    freed.push(q);
+                    self.give_pages(freed);
+                    return Err(crate::pages::PageError {
+                        page: l,
+                        found,
+                        expected: "a held list page",
+                    }
+                    .into());
+                }
+            }
+        }
+        let used = self.list_used(d, j);
+        self.bulk_change(
+            di,
+            d,
+            0,
+            used,
+            Src::List(q, used),
+            Book::Progress,
+            Delta::Inc,
+            &mut freed,
+        )?;
+        crate::testing::reached(crate::testing::StopPoint::ListCopied);
+        t.hold_cached(q, self.slot)?;
+        d.journal_idx.store(NO_PAGE, Ordering::Release);
+        self.give_pages(freed);
+        self.shm
+            .atomics()
+            .lists_copied
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Replaces entry `k` (old page `p`, or NO_PAGE) of an owned buffer with
     /// `q`, a page cached by this slot and already filled. The CoW journal
     /// makes this recoverable at every step (see `undo_journal`).

@@ -630,8 +630,8 @@ mod tests {
             shm.lists_needed(huge_pages as usize),
             (crate::desc::INLINE + 2, 1)
         );
-        // The Ref of `long` has a list of its own.
-        assert_eq!(pool.check().pages_lists as usize, lists + 1);
+        // The Ref of `long` shares its list: one list page for both.
+        assert_eq!(pool.check().pages_lists as usize, lists);
         drop((small, mapped, long, huge));
         pool.release_ref(&r).unwrap();
         drop(pool);
@@ -760,6 +760,94 @@ mod tests {
         // 16 384 pages.
         assert!(seen.len() <= 512, "{} distinct pages used", seen.len());
         drop((client, server));
+        tp.assert_clean();
+    }
+
+    /// A Ref of a whole buffer with lists shares them: one count per list,
+    /// none per page. The buffer's first write through a shared list
+    /// copies that list (and the pages it writes), the Ref keeps its
+    /// snapshot, and every other way of sharing (a range, a mapped
+    /// buffer) still counts each page.
+    #[test]
+    fn a_ref_of_a_whole_buffer_shares_its_lists_and_a_write_copies_one() {
+        let tp = TempPool::new(64 << 20);
+        let pool = tp.attach();
+        let ps = pool.page_size() as u64;
+        let n = 2500u64; // three lists, the last one partly used
+        let mut b = pool.alloc(n * ps).unwrap();
+        b.write(0, &vec![5u8; (n * ps) as usize]).unwrap();
+        let t = pool.inner.shm.pages();
+        let lists = |b: &Buffer| -> Vec<u32> {
+            let d = pool.inner.desc(b.desc_index()).unwrap();
+            (0..3)
+                .map(|j| pool.inner.shm.list_page(d, j).unwrap())
+                .collect()
+        };
+        let mine = lists(&b);
+        let r = b.share().unwrap();
+        for &l in &mine {
+            assert_eq!(t.rc(l), 2, "the Ref counts each list once");
+        }
+        for k in [0, 1023, 1024, 2499] {
+            assert_eq!(t.rc(b.page_at(k).unwrap()), 1, "no page was counted");
+        }
+        let rep = pool.check();
+        assert!(rep.ok(), "{:?}", rep.problems);
+        assert_eq!(
+            rep.pages_lists, 3,
+            "one page per list, however many name it"
+        );
+        assert_eq!(rep.pages_shared, n, "every data page has two readers");
+        // A write in the middle list copies it, and the page written.
+        let before = pool.counters();
+        b.write(1500 * ps + 7, b"new").unwrap();
+        let after = pool.counters();
+        assert_eq!(after.lists_copied - before.lists_copied, 1);
+        assert_eq!(after.cow_copies - before.cow_copies, 1);
+        let now = lists(&b);
+        assert_eq!((now[0], now[2]), (mine[0], mine[2]));
+        assert_ne!(now[1], mine[1]);
+        assert_eq!(t.rc(mine[1]), 1, "the Ref alone holds the old list");
+        let rep = pool.check();
+        assert!(rep.ok(), "{:?}", rep.problems);
+        let m = pool.map_ref(&r).unwrap();
+        let mut got = [0u8; 3];
+        m.read(1500 * ps + 7, &mut got).unwrap();
+        assert_eq!(&got, &[5, 5, 5], "the Ref keeps its snapshot");
+        b.read(1500 * ps + 7, &mut got).unwrap();
+        assert_eq!(&got, b"new");
+        drop(m);
+        // A second write through the copied list writes in place.
+        b.write(1500 * ps + 7, b"two").unwrap();
+        assert_eq!(pool.counters().cow_copies, after.cow_copies);
+        // A range is shared page by page: the Ref has a list of its own.
+        let part = b.create_ref(ps, 100 * ps).unwrap();
+        assert_eq!(t.rc(b.page_at(1).unwrap()), 2);
+        // Released, the Ref gives the lists back: writes are in place.
+        pool.release_ref(&r).unwrap();
+        for &l in &[mine[0], mine[2]] {
+            assert_eq!(t.rc(l), 1);
+        }
+        b.write(3 * ps, b"in place").unwrap();
+        assert_eq!(pool.counters().lists_copied, after.lists_copied);
+        pool.release_ref(&part).unwrap();
+        // A mapped buffer never shares a list: it copies those a Ref
+        // shares when mapped, and its own Refs count pages.
+        let r = b.share().unwrap();
+        let mut mb = crate::MappedBuffer::from_buffer(b).unwrap();
+        let r2 = mb.share().unwrap();
+        mb.as_mut_slice()[0] = 9;
+        let rep = pool.check();
+        assert!(rep.ok(), "{:?}", rep.problems);
+        let (m, m2) = (pool.map_ref(&r).unwrap(), pool.map_ref(&r2).unwrap());
+        let (mut x, mut y) = ([0u8; 1], [0u8; 1]);
+        m.read(0, &mut x).unwrap();
+        m2.read(0, &mut y).unwrap();
+        assert_eq!((x[0], y[0], mb.as_slice()[0]), (5, 5, 9));
+        drop((m, m2, mb));
+        pool.release_ref(&r).unwrap();
+        pool.release_ref(&r2).unwrap();
+        drop(pool);
         tp.assert_clean();
     }
 }

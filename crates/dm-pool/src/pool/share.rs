@@ -5,6 +5,7 @@
 use super::{Buffer, Pool};
 use crate::desc::{
     mappers, Desc, DescState, Kind, END_ABORTED, END_EXPIRED, END_RELEASED, FLAG_INHERIT,
+    FLAG_LIST_BUILD,
 };
 use crate::error::{Error, Result};
 use crate::pages::{Delta, NO_PAGE};
@@ -34,8 +35,12 @@ fn noted(i: &super::Inner, di: u32, d: &Desc) {
 }
 
 impl Pool {
-    /// Creates a Ref to `len` bytes at `offset` of `buf`: +1 share on each
-    /// page (no copy); the buffer's view of those pages becomes CoW.
+    /// Creates a Ref to `len` bytes at `offset` of `buf` (no copy); the
+    /// buffer's view of those pages becomes CoW. A Ref of a whole buffer
+    /// with lists (more than 46 pages, not mapped from a Ref) shares them:
+    /// one count per list of 1024 pages, and the buffer's next write
+    /// through a list copies the list first (`desc.rs`). Any other Ref
+    /// takes one share of each page.
     pub fn create_ref(&self, buf: &Buffer, offset: u64, len: u64) -> Result<Ref> {
         self.create_ref_ttl(
             buf,
@@ -53,7 +58,34 @@ impl Pool {
         len: u64,
         ttl: Duration,
     ) -> Result<Ref> {
+        self.create_ref_as(buf, offset, len, ttl, true)
+    }
+
+    /// [`create_ref_ttl`](Self::create_ref_ttl); `share_lists`: whether it
+    /// may share the buffer's lists (a mapped buffer's may not be shared:
+    /// its fault handler cannot copy a list).
+    pub(crate) fn create_ref_as(
+        &self,
+        buf: &Buffer,
+        offset: u64,
+        len: u64,
+        ttl: Duration,
+        share_lists: bool,
+    ) -> Result<Ref> {
         let i = &self.inner;
+        let b = i.desc(buf.desc)?;
+        if share_lists
+            && offset == 0
+            && buf.offset == 0
+            && i.shm.list_span(b) > 0
+            && b.flags.load(Ordering::Acquire) & FLAG_INHERIT == 0
+            && b.aux.load(Ordering::Acquire) == 0
+            && b.journal_idx.load(Ordering::Acquire) == NO_PAGE
+            && b.n_pages.load(Ordering::Acquire) == buf.n_pages
+            && (len.div_ceil(self.page_size() as u64)) == buf.n_pages as u64
+        {
+            return self.share_lists(buf, len, ttl);
+        }
         let (ridx, rgen, tag, first, n) = self.begin_ref(buf, offset, len, ttl)?;
         let r = i.desc(ridx)?;
         let b = i.desc(buf.desc)?;
@@ -80,19 +112,96 @@ impl Pool {
             i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
             return Err(e);
         }
-        r.aux.store(mappers::IS_REF, Ordering::Release);
-        r.state
-            .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
-        noted(i, ridx, r);
+        Ok(self.commit_ref(ridx, rgen, tag, len))
+    }
+
+    /// The last step of building a Ref: `RefBuild -> RefLive`.
+    fn commit_ref(&self, ridx: u32, rgen: u32, tag: u64, len: u64) -> Ref {
+        let i = &self.inner;
+        // (`ridx` was claimed by this slot: it is in range.)
+        if let Ok(r) = i.desc(ridx) {
+            r.aux.store(mappers::IS_REF, Ordering::Release);
+            r.state
+                .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
+            noted(i, ridx, r);
+        }
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
-        Ok(Ref {
+        Ref {
             backend: crate::refs::BACKEND_POOL,
             pool_id: self.id(),
             desc: ridx,
             generation: rgen,
             tag,
             len,
-        })
+        }
+    }
+
+    /// A Ref to the first `len` bytes of `buf` (all its pages) that names
+    /// the buffer's first-level lists and takes one count on each
+    /// (`desc.rs`, *Shared lists*). With two levels the Ref has
+    /// second-level lists of its own.
+    fn share_lists(&self, buf: &Buffer, len: u64, ttl: Duration) -> Result<Ref> {
+        let i = &self.inner;
+        let b = i.desc(buf.desc)?;
+        buf.check(self)?;
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        buf.bounds(0, len)?;
+        let n = buf.n_pages as usize;
+        let (firsts, seconds) = i.shm.lists_needed(n);
+        let (ridx, rgen) = i.claim_desc(Kind::RefBuild)?;
+        let r = i.desc(ridx)?;
+        let res = (|| -> Result<()> {
+            // `held` counts lists from the start: a reclaimer drops no
+            // list it took no count on.
+            r.flags.fetch_or(FLAG_LIST_BUILD, Ordering::Release);
+            r.n_pages.store(n as u32, Ordering::Release);
+            i.attach_tops(r, n, seconds)?;
+            for j in 0..firsts {
+                let (Some(from), Some(to)) = (i.shm.list_slot(b, j)?, i.shm.list_slot(r, j)?)
+                else {
+                    return Err(Error::Corrupt(format!("list {j} of {n} pages has no slot")));
+                };
+                let l = from.load(Ordering::Acquire);
+                if l != NO_PAGE {
+                    i.shm.check_page(l)?;
+                }
+                to.store(l, Ordering::Release);
+            }
+            let mut none = Vec::new();
+            i.bulk_change(
+                ridx,
+                r,
+                0,
+                firsts as u32,
+                Src::Drop { held: 0 },
+                Book::Held,
+                Delta::Inc,
+                &mut none,
+            )?;
+            crate::testing::reached(crate::testing::StopPoint::ListsShared);
+            // Every list is held: read `held` as entries from now on.
+            r.held.store(n as u32, Ordering::Release);
+            r.flags.fetch_and(!FLAG_LIST_BUILD, Ordering::AcqRel);
+            Ok(())
+        })();
+        if let Err(e) = res {
+            i.core.end_list_build(r)?;
+            i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
+            return Err(e);
+        }
+        let tag = dm_sys::rand::random_u64();
+        r.tag.store(tag, Ordering::Relaxed);
+        r.len.store(len, Ordering::Relaxed);
+        r.offset.store(0, Ordering::Relaxed);
+        r.expiry_ms.store(
+            i.shm
+                .ref_now_coarse()
+                .saturating_add(ttl.as_millis() as u64),
+            Ordering::Relaxed,
+        );
+        Ok(self.commit_ref(ridx, rgen, tag, len))
     }
 
     /// Turns `buf` into a Ref to all of it, consuming the buffer: what

@@ -281,6 +281,7 @@ pub fn run(cmd: PoolCmd) -> Result<()> {
                 r.slots_live, r.slots_dead, r.slots_total, counters.slots_reclaimed
             );
             println!("cow     pages copied {}", counters.cow_copies);
+            println!("cow     lists copied {}", counters.lists_copied);
             let layout = dm_pool::layout_of(&path)?;
             let ps = u64::from(layout.page_size);
             if r.process_quota_pages != 0 {
