@@ -8,7 +8,7 @@
 //! | [`Dm::alloc`] | a zero-filled buffer; pages are backed on first write |
 //! | [`Dm::free`] | drops this client's shares of the buffer's pages (so does dropping it) |
 //! | [`DmBuffer::read`] / [`DmBuffer::write`] | explicit access; a write to a shared page copies it first (CoW) |
-//! | [`Dm::create_ref`] | +1 share per page of the range for the Ref; the buffer's pages become CoW |
+//! | [`Dm::create_ref`] | the Ref shares the range's pages (+1 share each; in a pool, a whole buffer's lists are shared instead); the buffer's pages become CoW |
 //! | [`Dm::map_ref`] | a new buffer over the Ref's pages (+1 share each), CoW on write; many times |
 //! | [`Dm::release_ref`] | drops the Ref's shares; a second release is an error |
 

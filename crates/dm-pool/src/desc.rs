@@ -2,12 +2,13 @@
 //!
 //! A descriptor owns a list of page indices (its *entries*): a buffer's pages,
 //! or a Ref's frozen snapshot. Each non-`NO_PAGE` entry is one share of that
-//! page, except entries flagged `BORROWED`: a buffer mapped from a Ref
+//! page (held by its list page, for entries in one: see *Shared lists*),
+//! except entries flagged `BORROWED`: a buffer mapped from a Ref
 //! borrows the Ref's pages and holds the Ref itself by one count on its
 //! mapper word (see [`mappers`]); writing such a page copies it first.
 //!
 //! Short lists live inline in the descriptor. Longer ones live in *list
-//! pages* (pool pages, each held once by the descriptor), in one of two
+//! pages* (pool pages, counted once by each descriptor naming them), in one of two
 //! shapes:
 //! - one level (`FLAG_INDIRECT`): the inline entries name list pages of
 //!   data entries, up to `INLINE * per` entries (`per` = page size / 4:

@@ -13,7 +13,7 @@
 //!
 //! let mut buf = pool.alloc(10_000)?;
 //! buf.write(0, b"hello")?;
-//! let r = buf.share()?;                  // +1 share per page, no copy
+//! let r = buf.share()?;                  // shared, no copy
 //! let bytes = r.to_bytes();              // 40 bytes to put in any message
 //!
 //! // ... in another process: map the Ref and read it through the pool window
