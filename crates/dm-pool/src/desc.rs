@@ -33,14 +33,22 @@
 //!
 //! A buffer about to write through a shared list first gives itself a
 //! copy of it, recorded in the CoW journal as `LIST_JOURNAL | j`:
-//! 1. the copy is taken (cached by the writer) and filled; then the
-//!    journal says `LIST_JOURNAL | j`, and `journal_old` the old list;
-//! 2. under the old list's stripe lock: if the writer holds it alone by
-//!    now, the journal is cleared and the copy given back. Else slot `j`
-//!    names the copy, the old list's count drops (the page locked to the
-//!    buffer), and the journal says `LIST_DROPPED` too;
-//! 3. a count is taken on each page the copy names, recorded by `progress`;
-//! 4. the copy becomes held and the journal is cleared.
+//! 1. the copy is taken (cached by the writer) and filled; `journal_old`
+//!    names the old list, the journal says `LIST_JOURNAL | j`, then slot
+//!    `j` names the copy;
+//! 2. a count is taken on each page the copy names (`progress`), then the
+//!    copy becomes held;
+//! 3. under the old list's stripe lock, the buffer's count on it drops
+//!    (the page locked to the buffer) and the journal says
+//!    `LIST_DROPPED`. If the buffer held it alone by then, the count
+//!    reaches zero and the journal says `LIST_DRAIN`: the old list's
+//!    pages lose its counts (`progress`, from zero), then it is freed;
+//! 4. the journal is cleared.
+//!
+//! The copy counts its pages before the old list is let go: a holder
+//! that then finds itself alone drops the old list's counts, and the
+//! pages stay held by the copy. A reclaimer drives each step forward
+//! (`reclaim.rs`, `finish_list_copy`).
 //!
 //! A drop meets each first-level list at the first entry it covers. It
 //! decides under the list's stripe lock:
@@ -120,6 +128,11 @@ pub const FLAG_LIST_BUILD: u32 = 8;
 pub const LIST_JOURNAL: u32 = 1 << 31;
 /// With [`LIST_JOURNAL`]: the old list's count is dropped.
 pub const LIST_DROPPED: u32 = 1 << 30;
+/// With [`LIST_JOURNAL`]: the old list's count dropped to zero (this
+/// buffer held it alone by then); its pages' counts are being dropped.
+pub const LIST_DRAIN: u32 = 1 << 29;
+/// The list index `j` of a [`LIST_JOURNAL`] (lists number below 2^21).
+pub const LIST_INDEX: u32 = (1 << 29) - 1;
 /// End reason stored in `flags` bits 8..16 when a Ref ends.
 pub const END_RELEASED: u32 = 1;
 /// The Ref expired (TTL) and was reclaimed.

@@ -21,7 +21,8 @@
 
 use crate::desc::mappers;
 use crate::desc::{
-    Desc, DescState, Kind, END_ABORTED, END_RELEASED, FLAG_LIST_BUILD, LIST_DROPPED, LIST_JOURNAL,
+    Desc, DescState, Kind, END_ABORTED, END_RELEASED, FLAG_LIST_BUILD, LIST_DRAIN, LIST_DROPPED,
+    LIST_INDEX, LIST_JOURNAL,
 };
 use crate::error::Result;
 use crate::pages::{Changed, Delta, PageState, BORROWED, NO_PAGE, STRIPE};
@@ -794,31 +795,44 @@ impl Core {
         Ok(true)
     }
 
-    /// Phase A for a buffer that was giving itself a copy of shared list
-    /// `j` (journal `LIST_JOURNAL | j`, `desc.rs`): before the old list's
-    /// count dropped, the copy is undone (the old list named again, the
-    /// copy left cached by the owner, swept with its pages); after, the
-    /// counts the copy took but did not record are recorded, and the rest
-    /// is left to the takeover (`finish_list_copy`), which may wait.
+    /// Phase A for a buffer whose owner died giving itself a copy of a
+    /// shared list (journal `LIST_JOURNAL`, `desc.rs`): records the count
+    /// changes made and not recorded (pages locked to the buffer), which
+    /// phase B would otherwise unlock unseen. The rest is driven forward
+    /// by the takeover (`finish_list_copy`), which may wait.
     fn undo_list_journal(&self, di: u32, d: &Desc, idx: u32) -> Result<()> {
         let t = self.shm.pages();
-        let j = (idx & !(LIST_JOURNAL | LIST_DROPPED)) as usize;
+        let st = DescState::decode(d.state.load(Ordering::Acquire));
+        let j = (idx & LIST_INDEX) as usize;
         let old = self.shm.check_page(d.journal_old.load(Ordering::Acquire))?;
         let slot = self
             .shm
             .list_slot(d, j)?
             .ok_or_else(|| crate::error::Error::Corrupt(format!("list {j} has no slot")))?;
-        if idx & LIST_DROPPED == 0 {
-            if !t.locked_by(old, di) {
-                slot.store(old, Ordering::Release);
-                d.journal_idx.store(NO_PAGE, Ordering::Release);
-                return Ok(());
-            }
-            d.journal_idx.store(idx | LIST_DROPPED, Ordering::Release);
-        }
         let q = self.shm.check_page(slot.load(Ordering::Acquire))?;
+        if q == old {
+            // The copy was never linked: nothing changed (it is swept
+            // with the owner's cached pages).
+            d.journal_idx.store(NO_PAGE, Ordering::Release);
+            return Ok(());
+        }
+        let walk = if idx & LIST_DRAIN != 0 {
+            old
+        } else if idx & LIST_DROPPED != 0 {
+            return Ok(());
+        } else if t.state(q)? == PageState::Cached(st.owner) {
+            q
+        } else {
+            // The copy is held: was the old list's count dropped?
+            if t.locked_by(old, di) {
+                d.journal_idx.store(idx | LIST_DROPPED, Ordering::Release);
+            } else if t.state(old)? == PageState::Cached(st.owner) {
+                d.journal_idx.store(idx | LIST_DRAIN, Ordering::Release);
+            }
+            return Ok(());
+        };
         let used = self.list_used(d, j);
-        let list = &self.shm.list(q)?[..used as usize];
+        let list = &self.shm.list(walk)?[..used as usize];
         let mut k = d.progress.load(Ordering::Acquire);
         while let Some(e) = list.get(k as usize) {
             let p = e.load(Ordering::Acquire);
@@ -839,20 +853,73 @@ impl Core {
         n.saturating_sub(j * per).min(per) as u32
     }
 
-    /// Takeover of a buffer whose owner died giving itself a copy of a
-    /// shared list, after the old list's count dropped: the copy takes its
-    /// remaining counts, becomes held, and the journal is cleared.
-    fn finish_list_copy(&self, di: u32, d: &Desc, owner: u16, freed: &mut Vec<u32>) -> Result<()> {
-        let idx = d.journal_idx.load(Ordering::Acquire);
-        if idx == NO_PAGE || idx & LIST_JOURNAL == 0 {
-            return Ok(());
-        }
-        let j = (idx & !(LIST_JOURNAL | LIST_DROPPED)) as usize;
+    /// Drives buffer `di`'s copy of a shared list (journal
+    /// `LIST_JOURNAL | j`, slot `j` naming the copy, `journal_old` the old
+    /// list) to its end from whichever step it is at (`desc.rs`):
+    /// 1. a count on each page the copy names (`progress`), then the copy
+    ///    held;
+    /// 2. under the old list's stripe lock, this buffer's count on it
+    ///    dropped (`LIST_DROPPED`); if the buffer held it alone by then,
+    ///    the count reaches zero (the list cached by `owner`,
+    ///    `LIST_DRAIN`) and its pages' counts are dropped (`progress`);
+    /// 3. the journal cleared.
+    ///
+    /// The copy counts its pages before the old list is let go: another
+    /// holder that then finds itself alone drops the old list's counts,
+    /// and the pages stay held by the copy. `owner`: the buffer's slot
+    /// (this one, or a dead one being reclaimed).
+    pub(crate) fn finish_list_copy(
+        &self,
+        di: u32,
+        d: &Desc,
+        owner: u16,
+        freed: &mut Vec<u32>,
+    ) -> Result<()> {
         let t = self.shm.pages();
-        if let Some(slot) = self.shm.list_slot(d, j)? {
+        let mut spins = 0u32;
+        loop {
+            let idx = d.journal_idx.load(Ordering::Acquire);
+            if idx == NO_PAGE || idx & LIST_JOURNAL == 0 {
+                return Ok(());
+            }
+            let j = (idx & LIST_INDEX) as usize;
+            let old = self.shm.check_page(d.journal_old.load(Ordering::Acquire))?;
+            let used = self.list_used(d, j);
+            if idx & LIST_DROPPED != 0 {
+                d.journal_idx.store(NO_PAGE, Ordering::Release);
+                return Ok(());
+            }
+            if idx & LIST_DRAIN != 0 {
+                let from = d.progress.load(Ordering::Acquire);
+                self.bulk_change(
+                    di,
+                    d,
+                    from,
+                    used,
+                    Src::List(old, used),
+                    Book::Progress,
+                    Delta::Dec(self.slot),
+                    freed,
+                )?;
+                d.journal_idx.store(NO_PAGE, Ordering::Release);
+                // (A dead owner's cached pages are swept after its
+                // descriptors: so is the old list.)
+                if owner == self.slot {
+                    freed.push(old);
+                }
+                return Ok(());
+            }
+            let slot = self
+                .shm
+                .list_slot(d, j)?
+                .ok_or_else(|| crate::error::Error::Corrupt(format!("list {j} has no slot")))?;
             let q = self.shm.check_page(slot.load(Ordering::Acquire))?;
+            if q == old {
+                // The copy was never linked (its owner died first).
+                d.journal_idx.store(NO_PAGE, Ordering::Release);
+                return Ok(());
+            }
             if t.state(q)? == PageState::Cached(owner) {
-                let used = self.list_used(d, j);
                 let from = d.progress.load(Ordering::Acquire);
                 self.bulk_change(
                     di,
@@ -864,11 +931,50 @@ impl Core {
                     Delta::Inc,
                     freed,
                 )?;
+                crate::testing::reached(crate::testing::StopPoint::ListCopied);
                 t.hold_cached(q, owner)?;
             }
+            // The old list's count: dropped already (not recorded)?
+            match t.state(old)? {
+                PageState::Locked { desc, .. } if desc == di => {
+                    d.journal_idx.store(idx | LIST_DROPPED, Ordering::Release);
+                    t.unlock(old, di);
+                    continue;
+                }
+                PageState::Cached(s) if s == owner => {
+                    d.journal_idx.store(idx | LIST_DRAIN, Ordering::Release);
+                    continue;
+                }
+                _ => {}
+            }
+            // (The drain's counter, should the count reach zero.)
+            d.progress.store(0, Ordering::Release);
+            if let Some(other) = t.lock_stripe_of(old, di)? {
+                self.wait_busy(old, other, &mut spins, freed);
+                continue;
+            }
+            match t.state(old)? {
+                PageState::Held(rc) => {
+                    let c = t.change_in_stripe(old, di, Delta::Dec(owner))?;
+                    let next = if rc == 1 { LIST_DRAIN } else { LIST_DROPPED };
+                    d.journal_idx.store(idx | next, Ordering::Release);
+                    t.done(old, c);
+                }
+                PageState::Locked { desc, .. } => {
+                    t.unlock_stripe_of(old);
+                    self.wait_busy(old, desc, &mut spins, freed);
+                }
+                found => {
+                    t.unlock_stripe_of(old);
+                    return Err(crate::pages::PageError {
+                        page: old,
+                        found,
+                        expected: "a held list page",
+                    }
+                    .into());
+                }
+            }
         }
-        d.journal_idx.store(NO_PAGE, Ordering::Release);
-        Ok(())
     }
 
     /// Ends the build of a Ref sharing its buffer's lists that will not be

@@ -7,6 +7,9 @@
 //!   count exact, a locked page makes others wait, the last drop happens once;
 //! * mapping a Ref while it is released (validate, take shares, re-validate,
 //!   undo): a mapper never keeps a share of a page the release freed;
+//! * shared page lists: two holders letting a list go at once (a drop,
+//!   and a copy that counted the list's pages first) free it once, and
+//!   its pages keep the copy's count;
 //! * the expiry summary: a Ref committed while its group is swept is seen
 //!   by the sweep or keeps the group's word no later than its expiry.
 #![cfg(loom)]
@@ -155,6 +158,75 @@ fn concurrent_share_and_drop_keep_the_count_exact() {
         assert!(matches!(a, Changed::Locked(_)));
         assert_eq!(b, Changed::Last);
         assert_eq!(t.state(0).unwrap(), PageState::Cached(1));
+    });
+}
+
+/// Whether descriptor `desc` holds list page 0 alone, decided under its
+/// stripe lock; if others hold it too, its count drops (`reclaim.rs`).
+/// Alone, a drop keeps its count until it has dropped the list's pages
+/// (`keep`); a buffer done copying the list drops it to zero first.
+fn settle_list(t: &PageTable<'_>, desc: u32, slot: u16, keep: bool) -> bool {
+    loop {
+        if t.lock_stripe_of(0, desc).unwrap().is_some() {
+            thread::yield_now();
+            continue;
+        }
+        let rc = t.state(0).unwrap().rc();
+        assert!(rc > 0, "a holder finds the list held");
+        if rc == 1 && keep {
+            t.unlock_stripe_of(0);
+            return true;
+        }
+        let c = t.change_in_stripe(0, desc, Delta::Dec(slot)).unwrap();
+        t.done(0, c);
+        return rc == 1;
+    }
+}
+
+/// A Ref is dropped while the buffer sharing its page list copies the
+/// list: the copy counts the list's page first, then both let the list
+/// go, each deciding under its stripe lock. Exactly one finds itself
+/// alone and drops the page's count for the list; the page is left with
+/// the copy's count, and the list is freed once.
+#[test]
+fn holders_of_a_shared_list_let_it_go_once() {
+    loom::model(|| {
+        let words = table(2);
+        const N: usize = 2;
+        {
+            let t = view(&words, N);
+            held_page(&t, 2); // page 0: the list, named by a buffer and a Ref
+            assert!(t.try_claim(1, 0));
+            t.hold_cached(1, 0).unwrap(); // page 1: a page the list names
+        }
+        let w1 = words.clone();
+        let dropper = thread::spawn(move || {
+            let t = view(&w1, N);
+            let alone = settle_list(&t, 1, 1, true);
+            if alone {
+                change(&t, 1, 1, Delta::Dec(1));
+                assert_eq!(change(&t, 0, 1, Delta::Dec(1)), Changed::Last);
+            }
+            alone
+        });
+        let w2 = words.clone();
+        let copier = thread::spawn(move || {
+            let t = view(&w2, N);
+            change(&t, 1, 2, Delta::Inc); // the copy's count on the page
+            let alone = settle_list(&t, 2, 2, false);
+            if alone {
+                change(&t, 1, 2, Delta::Dec(2));
+            }
+            alone
+        });
+        let (d, c) = (dropper.join().unwrap(), copier.join().unwrap());
+        assert!(d ^ c, "exactly one holder lets the list's pages go");
+        let t = view(&words, N);
+        assert_eq!(t.state(1).unwrap(), PageState::Held(1), "the copy's count");
+        assert!(matches!(
+            t.state(0).unwrap(),
+            PageState::Cached(1) | PageState::Cached(2)
+        ));
     });
 }
 

@@ -2,9 +2,9 @@
 //! the pool window and written with page-granular copy-on-write.
 
 use super::{Inner, Pool};
-use crate::desc::{Desc, FLAG_INHERIT, LIST_DROPPED, LIST_JOURNAL};
+use crate::desc::{Desc, FLAG_INHERIT, LIST_JOURNAL};
 use crate::error::{Error, Result};
-use crate::pages::{Delta, PageState, BORROWED, NO_PAGE};
+use crate::pages::{Delta, BORROWED, NO_PAGE};
 use crate::reclaim::{Book, Src};
 use crate::refs::Ref;
 use crate::sync::Ordering;
@@ -440,7 +440,8 @@ impl Buffer {
 impl Inner {
     /// Replaces shared first-level list `l` (slot `j`, `slot`) of owned
     /// buffer `di` with a copy of its own, following the journal of
-    /// `desc.rs` (*Shared lists*); `reclaim.rs` finishes or undoes it.
+    /// `desc.rs` (*Shared lists*); `reclaim.rs` finishes each step the
+    /// same way (`Core::finish_list_copy`).
     pub(crate) fn copy_list(
         &self,
         di: u32,
@@ -449,7 +450,6 @@ impl Inner {
         slot: &crate::sync::AtomicU32,
         l: u32,
     ) -> Result<()> {
-        let t = self.shm.pages();
         let q = self.take_pages(1)?[0];
         for (from, to) in self.shm.list(l)?.iter().zip(self.shm.list(q)?) {
             to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -458,63 +458,11 @@ impl Inner {
         d.journal_old.store(l, Ordering::Relaxed);
         d.journal_idx
             .store(LIST_JOURNAL | j as u32, Ordering::Release);
+        slot.store(q, Ordering::Release);
         let mut freed = Vec::new();
-        let mut spins = 0u32;
-        loop {
-            if let Some(other) = t.lock_stripe_of(l, di)? {
-                self.wait_busy(l, other, &mut spins, &mut freed);
-                continue;
-            }
-            match t.state(l)? {
-                PageState::Held(1) => {
-                    // The Ref went meanwhile: the list is ours alone.
-                    t.unlock_stripe_of(l);
-                    d.journal_idx.store(NO_PAGE, Ordering::Release);
-                    freed.push(q);
-                    self.give_pages(freed);
-                    return Ok(());
-                }
-                PageState::Held(_) => {
-                    slot.store(q, Ordering::Release);
-                    let c = t.change_in_stripe(l, di, Delta::Dec(self.slot))?;
-                    d.journal_idx
-                        .store(LIST_JOURNAL | LIST_DROPPED | j as u32, Ordering::Release);
-                    t.done(l, c);
-                    break;
-                }
-                PageState::Locked { desc, .. } => {
-                    t.unlock_stripe_of(l);
-                    self.wait_busy(l, desc, &mut spins, &mut freed);
-                }
-                found => {
-                    t.unlock_stripe_of(l);
-                    d.journal_idx.store(NO_PAGE, Ordering::Release);
-                    freed.push(q);
-                    self.give_pages(freed);
-                    return Err(crate::pages::PageError {
-                        page: l,
-                        found,
-                        expected: "a held list page",
-                    }
-                    .into());
-                }
-            }
-        }
-        let used = self.list_used(d, j);
-        self.bulk_change(
-            di,
-            d,
-            0,
-            used,
-            Src::List(q, used),
-            Book::Progress,
-            Delta::Inc,
-            &mut freed,
-        )?;
-        crate::testing::reached(crate::testing::StopPoint::ListCopied);
-        t.hold_cached(q, self.slot)?;
-        d.journal_idx.store(NO_PAGE, Ordering::Release);
+        let res = self.core.finish_list_copy(di, d, self.slot, &mut freed);
         self.give_pages(freed);
+        res?;
         self.shm
             .atomics()
             .lists_copied

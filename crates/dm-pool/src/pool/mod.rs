@@ -850,4 +850,39 @@ mod tests {
         drop(pool);
         tp.assert_clean();
     }
+
+    /// A buffer that copies a list the Ref let go meanwhile finds itself
+    /// alone when it lets the old list go: the old list's counts drop to
+    /// the copy's, and the old list is freed.
+    #[test]
+    fn a_list_copy_that_finds_itself_alone_drains_the_old_list() {
+        let tp = TempPool::new(32 << 20);
+        let pool = tp.attach();
+        let ps = pool.page_size() as u64;
+        let data: Vec<u8> = (0..2000 * ps).map(|x| (x % 251) as u8).collect();
+        let mut b = pool.alloc(data.len() as u64).unwrap();
+        b.write(0, &data).unwrap();
+        let i = &pool.inner;
+        let d = i.desc(b.desc_index()).unwrap();
+        let slot = i.shm.list_slot(d, 1).unwrap().unwrap();
+        let old = slot.load(Ordering::Acquire);
+        let t = i.shm.pages();
+        assert_eq!(t.rc(old), 1, "no Ref: the buffer holds its list alone");
+        i.copy_list(b.desc_index(), d, 1, slot, old).unwrap();
+        let now = slot.load(Ordering::Acquire);
+        assert_ne!(now, old);
+        assert_eq!(t.rc(now), 1);
+        assert!(matches!(
+            t.state(old).unwrap(),
+            crate::pages::PageState::Free | crate::pages::PageState::Cached(_)
+        ));
+        assert_eq!(t.rc(b.page_at(1500).unwrap()), 1, "the copy's count alone");
+        assert_eq!(d.journal_idx.load(Ordering::Acquire), crate::pages::NO_PAGE);
+        let rep = pool.check();
+        assert!(rep.ok(), "{:?}", rep.problems);
+        assert_eq!(b.to_vec().unwrap(), data);
+        drop(b);
+        drop(pool);
+        tp.assert_clean();
+    }
 }
