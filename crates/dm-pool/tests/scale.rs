@@ -122,7 +122,14 @@ fn a_buffer_over_four_gib_is_shared_mapped_written_and_released() {
         m.write(o, &vec![0xA0 ^ i as u8; n]).unwrap();
     }
     let cow = t.elapsed();
+    // The Ref shares the buffer's lists: the buffer's write copies one.
+    let before = pool.counters();
     b.write(0, b"written after sharing").unwrap();
+    let after = pool.counters();
+    assert_eq!(after.lists_copied - before.lists_copied, 1);
+    assert_eq!(after.cow_copies - before.cow_copies, 1);
+    let rep = pool.check();
+    assert!(rep.ok(), "{:?}", rep.problems);
     for (i, &o) in offsets.iter().enumerate() {
         // A later sample may overwrite an earlier one: the last one wins.
         let last = offsets
