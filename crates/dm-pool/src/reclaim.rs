@@ -805,17 +805,9 @@ impl Core {
         let st = DescState::decode(d.state.load(Ordering::Acquire));
         let j = (idx & LIST_INDEX) as usize;
         let old = self.shm.check_page(d.journal_old.load(Ordering::Acquire))?;
-        let slot = self
-            .shm
-            .list_slot(d, j)?
-            .ok_or_else(|| crate::error::Error::Corrupt(format!("list {j} has no slot")))?;
-        let q = self.shm.check_page(slot.load(Ordering::Acquire))?;
-        if q == old {
-            // The copy was never linked: nothing changed (it is swept
-            // with the owner's cached pages).
-            d.journal_idx.store(NO_PAGE, Ordering::Release);
+        let Some(q) = self.list_copy(d, j, old)? else {
             return Ok(());
-        }
+        };
         let walk = if idx & LIST_DRAIN != 0 {
             old
         } else if idx & LIST_DROPPED != 0 {
@@ -843,6 +835,23 @@ impl Core {
         }
         d.progress.fetch_max(k, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// The copy of list `j` (slot `j`) of a buffer with a list journal
+    /// whose old list is `old`; `None` if slot `j` still names the old
+    /// list: the copy was never linked, and the journal is cleared
+    /// (nothing changed; the copy is swept with the owner's cached pages).
+    fn list_copy(&self, d: &Desc, j: usize, old: u32) -> Result<Option<u32>> {
+        let slot = self
+            .shm
+            .list_slot(d, j)?
+            .ok_or_else(|| crate::error::Error::Corrupt(format!("list {j} has no slot")))?;
+        let q = self.shm.check_page(slot.load(Ordering::Acquire))?;
+        if q == old {
+            d.journal_idx.store(NO_PAGE, Ordering::Release);
+            return Ok(None);
+        }
+        Ok(Some(q))
     }
 
     /// Entries of first-level list `j` of `d` that name pages (the rest of
@@ -909,16 +918,9 @@ impl Core {
                 }
                 return Ok(());
             }
-            let slot = self
-                .shm
-                .list_slot(d, j)?
-                .ok_or_else(|| crate::error::Error::Corrupt(format!("list {j} has no slot")))?;
-            let q = self.shm.check_page(slot.load(Ordering::Acquire))?;
-            if q == old {
-                // The copy was never linked (its owner died first).
-                d.journal_idx.store(NO_PAGE, Ordering::Release);
+            let Some(q) = self.list_copy(d, j, old)? else {
                 return Ok(());
-            }
+            };
             if t.state(q)? == PageState::Cached(owner) {
                 let from = d.progress.load(Ordering::Acquire);
                 self.bulk_change(
