@@ -104,6 +104,7 @@ impl MappedBuffer {
         // reads a page's count as its holders).
         buf.materialize()?;
         buf.own_lists(0, buf.page_count() as usize)?;
+        buf.set_mapped();
         dm_sys::fault::install(resolve).map_err(Error::Io)?;
         let pool = buf.pool().clone();
         let shm = pool.shm();

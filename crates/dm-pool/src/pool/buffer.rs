@@ -36,6 +36,9 @@ pub struct Buffer {
     /// Set when the handle no longer owns the descriptor (freed explicitly
     /// or turned into a `BufferId`): dropping it then frees nothing.
     pub(super) detached: bool,
+    /// Set when a [`MappedBuffer`](crate::MappedBuffer) maps it: shared
+    /// only through the mapped buffer, which write-protects its mapping.
+    pub(super) mapped: bool,
 }
 
 impl Buffer {
@@ -135,6 +138,11 @@ impl Buffer {
             }
         }
         Ok(())
+    }
+
+    /// Marks this buffer as mapped for loads and stores (see `mapped`).
+    pub(crate) fn set_mapped(&mut self) {
+        self.mapped = true;
     }
 
     pub(crate) fn desc_index(&self) -> u32 {

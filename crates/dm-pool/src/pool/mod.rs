@@ -248,6 +248,7 @@ impl Pool {
             offset: 0,
             n_pages: n as u32,
             detached: false,
+            mapped: false,
         })
     }
 
@@ -835,6 +836,10 @@ mod tests {
         // shares when mapped, and its own Refs count pages.
         let r = b.share().unwrap();
         let mut mb = crate::MappedBuffer::from_buffer(b).unwrap();
+        assert!(
+            matches!(mb.buffer().share(), Err(Error::InvalidArgument(_))),
+            "the inner buffer's own share would leave the mapping writable"
+        );
         let r2 = mb.share().unwrap();
         mb.as_mut_slice()[0] = 9;
         let rep = pool.check();

@@ -73,6 +73,15 @@ impl Pool {
         share_lists: bool,
     ) -> Result<Ref> {
         let i = &self.inner;
+        if share_lists && buf.mapped {
+            // Its mapping would stay writable, and stores would change
+            // what the Ref names.
+            return Err(Error::InvalidArgument(
+                "this buffer is mapped for loads and stores: share it with MappedBuffer::create_ref \
+                 or ::share, which make the mapping copy-on-write first"
+                    .into(),
+            ));
+        }
         let b = i.desc(buf.desc)?;
         if share_lists
             && offset == 0
@@ -550,6 +559,7 @@ impl Pool {
             offset: d.offset.load(Ordering::Relaxed),
             n_pages: n as u32,
             detached: false,
+            mapped: false,
         })
     }
 
