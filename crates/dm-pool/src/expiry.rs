@@ -19,6 +19,12 @@
 //! model `expiry_summary_covers_every_live_ref` checks it). A word too
 //! early only costs a sweep of its group.
 //!
+//! The words have a summary of their own, one word in the header
+//! (`expiry_top`), kept by the same rules one level up: a maker lowers
+//! it after its group's word; a sweeper raises it, reads the group words
+//! (sweeping the due groups), and lowers it to the earliest word left.
+//! A lease period's sweep with nothing due reads that one word.
+//!
 //! One case leaves a Ref out: a maker killed between the commit and the
 //! word. Reclaiming a dead process reads every descriptor anyway
 //! (`release_holdings_of`), and lowers each group's word for the Refs live
@@ -78,6 +84,7 @@ impl Shm {
     pub(crate) fn note_expiry(&self, di: u32, at: u64) {
         if let Some(w) = self.expiry_word(di / EXPIRY_GROUP) {
             note(w, at);
+            note(&self.atomics().expiry_top, at);
         }
     }
 }
@@ -97,12 +104,22 @@ impl Core {
     ) -> Result<()> {
         let due = self.shm.ref_now(now);
         let n = words_for(self.shm.layout.n_descs);
+        let top = &self.shm.atomics().expiry_top;
+        if !all && top.load(Ordering::Acquire) > due {
+            // No group's word is due.
+            pass.end("expiry groups", n);
+            return Ok(());
+        }
+        begin_sweep(top);
+        let mut earliest = u64::MAX;
         for g in 0..n as u32 {
             pass.at("expiry groups", g as u64, n);
             let Some(w) = self.shm.expiry_word(g) else {
                 break;
             };
-            if !all && w.load(Ordering::Acquire) > due {
+            let word = w.load(Ordering::Acquire);
+            if !all && word > due {
+                earliest = earliest.min(word);
                 continue;
             }
             begin_sweep(w);
@@ -112,10 +129,13 @@ impl Core {
                 Err(e) => {
                     // Not read to the end: swept again next time.
                     end_sweep(w, 0);
+                    end_sweep(top, 0);
                     return Err(e);
                 }
             }
+            earliest = earliest.min(w.load(Ordering::Acquire));
         }
+        end_sweep(top, earliest);
         pass.end("expiry groups", n);
         Ok(())
     }

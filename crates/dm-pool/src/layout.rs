@@ -212,6 +212,9 @@ pub(crate) struct HeaderAtomics {
     /// Lists a buffer copied because a Ref shared them, ever (since
     /// format 9).
     pub lists_copied: AtomicU64,
+    /// The expiry summary's own summary: a time before which no group's
+    /// word is due (`expiry.rs`; since format 9).
+    pub expiry_top: AtomicU64,
 }
 
 /// Where the quota table lies in the header (after the atomics; zeros in

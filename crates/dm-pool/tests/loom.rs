@@ -11,7 +11,8 @@
 //!   and a copy that counted the list's pages first) free it once, and
 //!   its pages keep the copy's count;
 //! * the expiry summary: a Ref committed while its group is swept is seen
-//!   by the sweep or keeps the group's word no later than its expiry.
+//!   by the sweep or keeps the group's word no later than its expiry; and
+//!   the same one level up, for the top word over the group words.
 #![cfg(loom)]
 
 use dm_pool::desc::{DescState, Kind};
@@ -400,5 +401,34 @@ fn expiry_summary_covers_every_live_ref() {
         a.join().unwrap();
         b.join().unwrap();
         assert!(word.load(Ordering::Acquire) <= 5);
+    });
+}
+
+/// The summary's own summary (`expiry_top`, `expiry.rs`): a Ref committed
+/// while a lease period's sweep raises the top word and reads the group
+/// words leaves the top word no later than its expiry, so a later sweep
+/// does not skip it.
+#[test]
+fn the_top_word_covers_every_live_ref() {
+    use dm_pool::expiry::{begin_sweep, end_sweep, note};
+    loom::model(|| {
+        let top = Arc::new(AtomicU64::new(0));
+        let word = Arc::new(AtomicU64::new(u64::MAX));
+        let maker = {
+            let (top, word) = (top.clone(), word.clone());
+            thread::spawn(move || {
+                // Committed (the descriptor's state), then its group's
+                // word, then the top word.
+                note(&word, 5);
+                note(&top, 5);
+            })
+        };
+        // A sweep at time 1: no group is due; it raises the top word,
+        // reads the group's word and lowers the top word to it.
+        begin_sweep(&top);
+        let earliest = word.load(Ordering::Acquire);
+        end_sweep(&top, earliest);
+        maker.join().unwrap();
+        assert!(top.load(Ordering::Acquire) <= 5);
     });
 }
