@@ -162,6 +162,21 @@ pub(crate) fn count_holders(
         if crate::desc::mappers::released(a) && linked > 0 {
             rep.refs_released_mapped += 1;
         }
+        if !crate::desc::mappers::released(a) {
+            // The expiry summary may say early, never late (`expiry.rs`).
+            let at = d.expiry_ms.load(Ordering::Acquire);
+            let group = shm
+                .expiry_word(idx / crate::layout::EXPIRY_GROUP)
+                .map_or(0, |w| w.load(Ordering::Acquire));
+            let top = shm.atomics().expiry_top.load(Ordering::Acquire);
+            if group > at || top > at {
+                problems.push(format!(
+                    "Ref {idx}: expires at {at} but the expiry summary says {} (a sweep \
+                     would not find it; gc sweeps every group)",
+                    group.max(top)
+                ));
+            }
+        }
     }
     for idx in 0..n_descs {
         pass.at("descriptors (pages named)", idx as u64, n_descs as u64);

@@ -890,4 +890,39 @@ mod tests {
         drop(pool);
         tp.assert_clean();
     }
+
+    /// The check finds a live Ref the expiry summary says later than it
+    /// expires (a sweep would skip it), and a sweep of every group mends
+    /// the summary.
+    #[test]
+    fn the_check_finds_a_ref_the_expiry_summary_misses() {
+        let tp = TempPool::new(16 << 20);
+        let pool = tp.attach();
+        let b = pool.alloc(100).unwrap();
+        let r = b.share().unwrap();
+        assert!(pool.check().ok());
+        let a = pool.inner.shm.atomics();
+        let w = pool
+            .inner
+            .shm
+            .expiry_word(r.desc / crate::layout::EXPIRY_GROUP)
+            .unwrap();
+        w.store(u64::MAX, Ordering::Release);
+        a.expiry_top.store(u64::MAX, Ordering::Release);
+        let rep = pool.check();
+        assert!(
+            rep.problems
+                .iter()
+                .any(|p| p.contains(&format!("Ref {}: expires at", r.desc))),
+            "{:?}",
+            rep.problems
+        );
+        crate::progress::Pass::quiet(|p| pool.inner.maintain_local(true, p)).unwrap();
+        let rep = pool.check();
+        assert!(rep.ok(), "{:?}", rep.problems);
+        assert!(a.expiry_top.load(Ordering::Acquire) < u64::MAX);
+        pool.release_ref(&r).unwrap();
+        drop((b, pool));
+        tp.assert_clean();
+    }
 }
