@@ -94,7 +94,7 @@ fn repair(pool: &Pool, shm: &Shm, me: u16, rep: &mut GcReport, pass: &mut Pass<'
     let mut problems = Problems::default();
     let mut scratch = CheckReport::default();
     let live = slots_live(shm, crate::slot::LeaseNow::read());
-    let holders = count_holders(shm, &mut problems, &mut scratch, &live, pass);
+    let holders = count_holders(shm, &mut problems, &mut scratch, &live, pass).count;
     let t = shm.pages();
     let n = holders.len() as u64;
     for (p, &h) in holders.iter().enumerate() {

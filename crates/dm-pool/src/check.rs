@@ -122,7 +122,7 @@ pub(crate) fn count_holders(
     rep: &mut CheckReport,
     live: &[bool],
     pass: &mut Pass<'_>,
-) -> Vec<u32> {
+) -> Holders {
     let n = shm.layout.n_pages as usize;
     let mut holders = vec![0u32; n];
     // First-level lists whose entries were counted: a list shared by
@@ -266,34 +266,30 @@ pub(crate) fn count_holders(
         );
     }
     pass.end("descriptors (pages named)", n_descs as u64);
-    // `pages_shared` counts data pages more than one holder reads. The
-    // pass over the page table adds those of count > 1 (shared list pages
-    // among them): here, those read through a shared list, less the
-    // shared list pages (wrapping: the sum ends non-negative).
-    let t = shm.pages();
-    let mut adjust = 0u64;
-    for (i, w) in seen.iter().enumerate() {
-        let mut w = *w;
-        while w != 0 {
-            let l = (i * 64) as u32 + w.trailing_zeros();
-            w &= w - 1;
-            if t.rc(l) > 1 {
-                adjust = adjust.wrapping_sub(1);
-            }
-        }
+    Holders {
+        count: holders,
+        lists: seen,
+        shared,
     }
-    for (i, w) in shared.iter().enumerate() {
-        let mut w = *w;
-        while w != 0 {
-            let p = i * 64 + w.trailing_zeros() as usize;
-            w &= w - 1;
-            if holders.get(p).is_some_and(|&h| h <= 1) {
-                adjust = adjust.wrapping_add(1);
-            }
-        }
+}
+
+/// What [`count_holders`] found.
+pub(crate) struct Holders {
+    /// Per page, the descriptors (and lists) holding it.
+    pub count: Vec<u32>,
+    /// First-level list pages whose entries were counted.
+    lists: Vec<u64>,
+    /// Data pages read through a list several descriptors hold.
+    shared: Vec<u64>,
+}
+
+impl Holders {
+    /// Whether page `p`, held `rc` times, is a data page more than one
+    /// holder reads: by its count, or through a shared list.
+    fn read_by_several(&self, p: usize, rc: u32) -> bool {
+        let bit = |v: &[u64]| v.get(p / 64).is_some_and(|w| w & (1 << (p % 64)) != 0);
+        (rc > 1 && !bit(&self.lists)) || bit(&self.shared)
     }
-    rep.pages_shared = rep.pages_shared.wrapping_add(adjust);
-    holders
 }
 
 /// Entries past a live descriptor's page count, in its last list page,
@@ -588,7 +584,8 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool, pass: &mut Pass<'_>) -> CheckRepo
     }
     // Each slot's liveness once (for a process of this host, a system call).
     let live = slots_live(shm, now);
-    let holders = count_holders(shm, &mut problems, &mut rep, &live, pass);
+    let found = count_holders(shm, &mut problems, &mut rep, &live, pass);
+    let holders = &found.count;
     if deep {
         check_list_tails(shm, &mut problems, pass);
     }
@@ -643,9 +640,8 @@ pub(crate) fn check_shm(shm: &Shm, deep: bool, pass: &mut Pass<'_>) -> CheckRepo
             }
             Ok(PageState::Held(rc)) => {
                 rep.pages_held += 1;
-                if rc > 1 {
-                    // (Wrapping: `count_holders` left an adjustment here.)
-                    rep.pages_shared = rep.pages_shared.wrapping_add(1);
+                if found.read_by_several(p as usize, rc) {
+                    rep.pages_shared += 1;
                 }
                 if rc > h {
                     problems.push(format!(

@@ -399,8 +399,8 @@ impl Core {
 
     /// Whether dropping descriptor `di` holds first-level list `l` (named
     /// by `slot`) alone. If others hold it too, drops `di`'s count on it
-    /// instead, under its stripe lock: clears the slot and records
-    /// `progress = next` (past the list's entries) before unlocking it.
+    /// instead: clears the slot and records `progress = next` (past the
+    /// list's entries) before unlocking it.
     fn holds_list_alone(
         &self,
         di: u32,
@@ -409,6 +409,28 @@ impl Core {
         l: u32,
         next: u32,
         freed: &mut Vec<u32>,
+    ) -> Result<bool> {
+        self.drop_list_count(di, l, self.slot, true, freed, |_| {
+            slot.store(NO_PAGE, Ordering::Release);
+            d.progress.store(next, Ordering::Release);
+        })
+    }
+
+    /// Drops descriptor `di`'s count on first-level list `l`, deciding
+    /// under the list's stripe lock (waiting out other lockers) whether
+    /// `di` held it alone, which it returns. `record(alone)` runs between
+    /// the change and the unlock: a reclaimer finds the change recorded,
+    /// or the list page locked to `di`. With `keep_alone` a list held
+    /// alone keeps its count (nothing changes, nothing is recorded). A
+    /// count dropped to zero leaves the list cached by slot `last`.
+    fn drop_list_count(
+        &self,
+        di: u32,
+        l: u32,
+        last: u16,
+        keep_alone: bool,
+        freed: &mut Vec<u32>,
+        record: impl FnOnce(bool),
     ) -> Result<bool> {
         let t = self.shm.pages();
         let l = self.shm.check_page(l)?;
@@ -419,16 +441,15 @@ impl Core {
                 continue;
             }
             match t.state(l)? {
-                PageState::Held(1) => {
+                PageState::Held(1) if keep_alone => {
                     t.unlock_stripe_of(l);
                     return Ok(true);
                 }
-                PageState::Held(_) => {
-                    let c = t.change_in_stripe(l, di, Delta::Dec(self.slot))?;
-                    slot.store(NO_PAGE, Ordering::Release);
-                    d.progress.store(next, Ordering::Release);
+                PageState::Held(rc) => {
+                    let c = t.change_in_stripe(l, di, Delta::Dec(last))?;
+                    record(rc == 1);
                     t.done(l, c);
-                    return Ok(false);
+                    return Ok(rc == 1);
                 }
                 PageState::Locked { desc, .. } => {
                     t.unlock_stripe_of(l);
@@ -885,7 +906,6 @@ impl Core {
         freed: &mut Vec<u32>,
     ) -> Result<()> {
         let t = self.shm.pages();
-        let mut spins = 0u32;
         loop {
             let idx = d.journal_idx.load(Ordering::Acquire);
             if idx == NO_PAGE || idx & LIST_JOURNAL == 0 {
@@ -951,31 +971,10 @@ impl Core {
             }
             // (The drain's counter, should the count reach zero.)
             d.progress.store(0, Ordering::Release);
-            if let Some(other) = t.lock_stripe_of(old, di)? {
-                self.wait_busy(old, other, &mut spins, freed);
-                continue;
-            }
-            match t.state(old)? {
-                PageState::Held(rc) => {
-                    let c = t.change_in_stripe(old, di, Delta::Dec(owner))?;
-                    let next = if rc == 1 { LIST_DRAIN } else { LIST_DROPPED };
-                    d.journal_idx.store(idx | next, Ordering::Release);
-                    t.done(old, c);
-                }
-                PageState::Locked { desc, .. } => {
-                    t.unlock_stripe_of(old);
-                    self.wait_busy(old, desc, &mut spins, freed);
-                }
-                found => {
-                    t.unlock_stripe_of(old);
-                    return Err(crate::pages::PageError {
-                        page: old,
-                        found,
-                        expected: "a held list page",
-                    }
-                    .into());
-                }
-            }
+            self.drop_list_count(di, old, owner, false, freed, |alone| {
+                let next = if alone { LIST_DRAIN } else { LIST_DROPPED };
+                d.journal_idx.store(idx | next, Ordering::Release);
+            })?;
         }
     }
 

@@ -121,19 +121,16 @@ impl Pool {
             i.drop_own(ridx, rgen, Kind::RefBuild, END_ABORTED)?;
             return Err(e);
         }
-        Ok(self.commit_ref(ridx, rgen, tag, len))
+        Ok(self.commit_ref(ridx, r, rgen, tag, len))
     }
 
     /// The last step of building a Ref: `RefBuild -> RefLive`.
-    fn commit_ref(&self, ridx: u32, rgen: u32, tag: u64, len: u64) -> Ref {
+    fn commit_ref(&self, ridx: u32, r: &Desc, rgen: u32, tag: u64, len: u64) -> Ref {
         let i = &self.inner;
-        // (`ridx` was claimed by this slot: it is in range.)
-        if let Ok(r) = i.desc(ridx) {
-            r.aux.store(mappers::IS_REF, Ordering::Release);
-            r.state
-                .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
-            noted(i, ridx, r);
-        }
+        r.aux.store(mappers::IS_REF, Ordering::Release);
+        r.state
+            .store(DescState::encode(rgen, Kind::RefLive, 0), Ordering::Release);
+        noted(i, ridx, r);
         i.shm.atomics().refs_created.fetch_add(1, Ordering::Relaxed);
         Ref {
             backend: crate::refs::BACKEND_POOL,
@@ -210,7 +207,7 @@ impl Pool {
                 .saturating_add(ttl.as_millis() as u64),
             Ordering::Relaxed,
         );
-        Ok(self.commit_ref(ridx, rgen, tag, len))
+        Ok(self.commit_ref(ridx, r, rgen, tag, len))
     }
 
     /// Turns `buf` into a Ref to all of it, consuming the buffer: what
