@@ -5,8 +5,9 @@
 //! (one at a time leads and hands the others their answers by id), so any
 //! number of requests are in flight at once (pipelining: a large read or
 //! write is cut into chunks sent back to back) and a lone caller pays no
-//! thread hand-off. Allocations go to the servers round
-//! robin; a Ref names its server (by id), and any client connected to that
+//! thread hand-off. Allocations and puts go to a server on this host
+//! where there is one, else to the servers round robin ([`Placement`]);
+//! a Ref names its server (by id), and any client connected to that
 //! server can map it. A keep-alive thread pings each server well within
 //! the session's lease. A server that dies or drops the connection turns
 //! every pending and later request on it into `Unavailable`, never a hang
@@ -59,6 +60,25 @@ pub struct ClientConfig {
     /// The servers' admin key, for `check` and `maintain` from another
     /// host. It admits as a client too.
     pub admin_key: Option<Key>,
+    /// Which server a new buffer or put goes to.
+    pub placement: Placement,
+}
+
+/// Which of its servers a client's new buffers and puts go to. A Ref is
+/// read where it was placed, so placement decides which links its bytes
+/// cross.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// The servers on this host, in turn; every server in turn when none
+    /// is. The writer's bytes then stay on its host, and cross the
+    /// network once: to whoever reads the Ref. A server is on this host
+    /// when its address is a loopback address or the connection's own
+    /// (the kernel gives a connection to one of the host's addresses that
+    /// address as its source).
+    #[default]
+    Local,
+    /// Every server in turn, wherever it is.
+    RoundRobin,
 }
 
 impl Default for ClientConfig {
@@ -71,6 +91,7 @@ impl Default for ClientConfig {
             spin: Duration::from_micros(200),
             key: None,
             admin_key: None,
+            placement: Placement::Local,
         }
     }
 }
@@ -93,6 +114,8 @@ const READ_SLICE: Duration = Duration::from_millis(100);
 #[derive(Debug)]
 struct Conn {
     addr: String,
+    /// The server runs on this host ([`Placement::Local`]).
+    local: bool,
     server_id: u64,
     page_size: u32,
     max_len: u64,
@@ -346,8 +369,13 @@ impl Conn {
         s.set_nodelay(true).map_err(unavailable)?;
         let rd = s.try_clone().map_err(unavailable)?;
         rd.set_read_timeout(Some(READ_SLICE)).map_err(unavailable)?;
+        let local = match (s.local_addr(), s.peer_addr()) {
+            (Ok(me), Ok(it)) => it.ip().is_loopback() || me.ip() == it.ip(),
+            _ => false,
+        };
         let mut c = Conn {
             addr: addr.to_owned(),
+            local,
             server_id: 0,
             page_size: 0,
             max_len: 0,
@@ -670,10 +698,18 @@ struct Inner {
     cache: Option<Mutex<PageCache>>,
     cfg: ClientConfig,
     next: AtomicUsize,
+    /// The servers a new buffer or put may go to (indices in `conns`).
+    place: Vec<usize>,
     closed: AtomicBool,
 }
 
 impl Inner {
+    /// The server the next new buffer or put goes to.
+    fn next_server(&self) -> usize {
+        let k = self.next.fetch_add(1, Ordering::Relaxed);
+        self.place[k % self.place.len()]
+    }
+
     /// The connection to the server of `r`, once `r` is checked as far as
     /// the client can: a Ref of one of its servers, no longer than that
     /// server holds (a forged length must not size a buffer or a loop).
@@ -732,7 +768,14 @@ impl MemPool {
                 "the memory servers use different page sizes".into(),
             ));
         }
+        let local: Vec<usize> = (0..conns.len()).filter(|&i| conns[i].local).collect();
+        let place = if cfg.placement == Placement::Local && !local.is_empty() {
+            local
+        } else {
+            (0..conns.len()).collect()
+        };
         let inner = Arc::new(Inner {
+            place,
             conns,
             cache: (cfg.cache_bytes > 0).then(|| Mutex::new(PageCache::new(cfg.cache_bytes))),
             cfg,
@@ -746,6 +789,13 @@ impl MemPool {
     /// The servers' ids, in the order given.
     pub fn server_ids(&self) -> Vec<u64> {
         self.inner.conns.iter().map(|c| c.server_id).collect()
+    }
+
+    /// Which servers (indices in the order given) run on this host.
+    pub fn local_servers(&self) -> Vec<usize> {
+        (0..self.inner.conns.len())
+            .filter(|&i| self.inner.conns[i].local)
+            .collect()
     }
 
     /// Allocates on server `server` (an index in the list given).
@@ -773,7 +823,7 @@ impl MemPool {
         })
     }
 
-    /// Stores `data` on a server (round robin) as a new Ref, in one round
+    /// Stores `data` on a server (as [`Placement`] says) as a new Ref, in one round
     /// trip (alloc, write, create_ref and free on the server). `ttl` 0:
     /// the server's default.
     ///
@@ -783,8 +833,7 @@ impl MemPool {
     /// server. If this process dies before they all arrive, the Ref is
     /// released and its readers get `Unavailable`.
     pub fn put(&self, data: &[u8], ttl: Duration) -> Result<Ref> {
-        let n = self.inner.conns.len();
-        let k = self.inner.next.fetch_add(1, Ordering::Relaxed) % n;
+        let k = self.inner.next_server();
         if data.len() > MAX_IO {
             // Too large for one request: the long way, pipelined.
             let mut b = self.alloc_on(k, data.len() as u64)?;
@@ -1066,9 +1115,7 @@ impl Dm for MemPool {
     }
 
     fn alloc(&self, len: u64) -> Result<MemBuffer> {
-        let n = self.inner.conns.len();
-        let k = self.inner.next.fetch_add(1, Ordering::Relaxed) % n;
-        self.alloc_on(k, len)
+        self.alloc_on(self.inner.next_server(), len)
     }
 
     fn free(&self, mut buf: MemBuffer) -> Result<()> {

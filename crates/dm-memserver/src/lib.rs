@@ -18,5 +18,5 @@ pub mod proto;
 pub mod server;
 
 pub use cache::CacheStats;
-pub use client::{ClientConfig, MemBuffer, MemPool};
+pub use client::{ClientConfig, MemBuffer, MemPool, Placement};
 pub use server::{default_threads, Config, Server};

@@ -110,6 +110,92 @@ fn a_ref_across_two_network_namespaces() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A memory server on each of two hosts: a client's puts and buffers go
+/// to the one on its own host ([`Placement::Local`], the default), or to
+/// both in turn ([`Placement::RoundRobin`]); a client on the other host
+/// reads what was placed.
+#[test]
+fn puts_stay_on_the_writers_host() {
+    use dm_memserver::{ClientConfig, MemPool, Placement};
+    use dm_pool::Dm;
+    let hosts = match Hosts::up(2, Link::default()) {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("SKIPPED puts_stay_on_the_writers_host: {e}");
+            return;
+        }
+    };
+    let servers: Vec<(Killed, String)> = (0..2)
+        .map(|h| {
+            let listen = format!("{}:0", hosts.addr(h).unwrap());
+            let mut c = hosts
+                .command(h, env!("CARGO_BIN_EXE_dm-memserver"))
+                .unwrap();
+            c.args(["--listen", &listen, "--open"]);
+            let mut p = Killed(c.stdout(Stdio::piped()).spawn().unwrap());
+            let mut line = String::new();
+            BufReader::new(p.0.stdout.take().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            let addr = line.split_whitespace().nth(1).unwrap().to_owned();
+            (p, addr)
+        })
+        .collect();
+    let addrs = [servers[0].1.clone(), servers[1].1.clone()];
+    let connect = |host: usize, placement: Placement| {
+        let addrs = addrs.clone();
+        let hosts = &hosts;
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                hosts.enter(host).unwrap();
+                MemPool::connect_with(
+                    &addrs,
+                    ClientConfig {
+                        placement,
+                        ..Default::default()
+                    },
+                )
+                .unwrap()
+            })
+            .join()
+            .unwrap()
+        })
+    };
+    let here = connect(0, Placement::Local);
+    let ids = here.server_ids();
+    assert_eq!(here.local_servers(), vec![0]);
+    let data = vec![7u8; 64 << 10];
+    let refs: Vec<_> = (0..4)
+        .map(|_| here.put(&data, std::time::Duration::ZERO).unwrap())
+        .collect();
+    assert!(
+        refs.iter().all(|r| r.pool_id == ids[0]),
+        "puts stay on host 0"
+    );
+    let b = here.alloc(8192).unwrap();
+    assert_eq!(b.server(), 0, "a new buffer too");
+    here.free(b).unwrap();
+    // The other host's client reads them from there.
+    let there = connect(1, Placement::Local);
+    assert_eq!(there.local_servers(), vec![1]);
+    let mut out = vec![0u8; data.len()];
+    there.read_ref(&refs[3], 0, &mut out).unwrap();
+    assert_eq!(out, data);
+    let spread = connect(0, Placement::RoundRobin);
+    let on: Vec<u64> = (0..4)
+        .map(|_| {
+            let r = spread.put(&data, std::time::Duration::ZERO).unwrap();
+            let id = r.pool_id;
+            spread.release_ref(&r).unwrap();
+            id
+        })
+        .collect();
+    assert!(on.contains(&ids[0]) && on.contains(&ids[1]), "{on:?}");
+    for r in refs {
+        here.release_ref(&r).unwrap();
+    }
+}
+
 /// A child killed (and reaped) on drop, also when an assertion fails.
 struct Killed(std::process::Child);
 

@@ -473,7 +473,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at, and the ratio measured again in paired rounds (by Ref and by value back to back at those loads, the order alternating; the median of the rounds' ratios, and their range); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc; network variant: a pool per tier, TCP between them, by Ref = memory-server Refs, auto = the way learned per call size, the three modes taking turns in 5 rounds per cell (the order rotating)",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at, and the ratio measured again in paired rounds (by Ref and by value back to back at those loads, the order alternating; the median of the rounds' ratios, and their range); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc; network variant: a pool per tier, TCP between them, by Ref = memory-server Refs (ref: the memory server on a host of its own; near, between hosts: on the client's host, placement Local), auto = the way learned per call size (its Refs placed near), the modes taking turns in 5 rounds per cell (the order rotating)",
     );
     res.obj("machine", &super::machine());
     res.str(
@@ -567,7 +567,8 @@ fn relay_floor(
 fn network(a: &BenchArgs, budget: Duration, pin: &super::peer::Pin) -> Result<Vec<Obj>> {
     let mut rows = Vec::new();
     for link in super::hosts::links(a) {
-        // Host 0 the client, 1 the memory server, 2.. the tiers.
+        // Host 0 the client (and, between hosts, a memory server beside
+        // it), 1 the memory host, 2.. the tiers.
         if let Some(net) = super::hosts::Net::new(&link, TIERS + 2)? {
             rows.extend(network_over(a, budget, pin, &net)?);
         }
@@ -590,6 +591,14 @@ fn network_over(
     };
     let tiers: &[usize] = if a.quick { &[1, 7] } else { &[1, 3, 5, 7] };
     let (ms, ms_addr) = net.memserver(1, "512MiB")?;
+    // Between hosts, a second memory server on the client's host: the
+    // client's Refs are then written there and cross one link, to the
+    // tier that reads them (`near`). On loopback every server is near.
+    let near = if net.is_loopback() {
+        None
+    } else {
+        Some(net.memserver(0, "512MiB")?)
+    };
     let id = std::process::id();
     let small = || PoolConfig {
         size: 16 << 20,
@@ -606,14 +615,22 @@ fn network_over(
         });
         pools.push(bp);
     }
-    // Each mode's tiers, last first (each needs the next one's address).
-    let modes = ["ref", "value", "auto"];
+    // Each mode's tiers, last first (each needs the next one's address),
+    // and the memory servers of each mode. Auto places its Refs near.
+    let mut modes = vec![("ref", ms_addr.clone()), ("value", ms_addr.clone())];
+    match &near {
+        Some((_, a)) => {
+            modes.push(("auto", format!("{a},{ms_addr}")));
+            modes.push(("near", a.clone()));
+        }
+        None => modes.push(("auto", ms_addr.clone())),
+    }
     let mut addrs = vec![vec![String::new(); TIERS]; modes.len()];
-    for (m, mode) in modes.iter().enumerate() {
+    for (m, (mode, servers)) in modes.iter().enumerate() {
         let mut next = "-".to_string();
         for k in (0..TIERS).rev() {
             let port = peers[k].cmd(&format!(
-                "chainnet bench/chainnet/{id}/{mode}/{k} {next} {mode} {ms_addr}"
+                "chainnet bench/chainnet/{id}/{mode}/{k} {next} {mode} {servers}"
             ))?;
             next = format!(
                 "{}:{}",
@@ -624,12 +641,27 @@ fn network_over(
         }
     }
     let cp = BenchPool::create("chainnet-client", small())?;
-    // The memory server's switches count too (by Ref's puts and reads).
-    let sw = Switches::of(&peers).and(ms.0.id());
+    // The memory servers' switches count too (by Ref's puts and reads).
+    let mut sw = Switches::of(&peers).and(ms.0.id());
+    if let Some((p, _)) = &near {
+        sw = sw.and(p.0.id());
+    }
     let link = net.describe();
     say!("\nnetwork variant over {link}: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline, auto = learned per call size");
+    if near.is_some() {
+        say!("Ref: the memory server on a host of its own; near: on the client's host (auto's Refs go there too)");
+    }
+    say!("auto/best: auto's calls/s over the best other mode's; rounds: the same, the median of the five rounds' own ratios");
+    let near_cols = if near.is_some() {
+        format!(
+            " {:>11} {:>12} {:>8}",
+            "near p50", "near calls/s", "near/val"
+        )
+    } else {
+        String::new()
+    };
     say!(
-        "{:>9} {:>6} {:>11} {:>11} {:>11} {:>12} {:>12} {:>12} {:>8} {:>10}",
+        "{:>9} {:>6} {:>11} {:>11} {:>11} {:>12} {:>12} {:>12} {:>8}{near_cols} {:>10} {:>7}",
         "size",
         "tiers",
         "Ref p50 us",
@@ -639,34 +671,46 @@ fn network_over(
         "value calls/s",
         "auto calls/s",
         "ratio",
-        "auto/best"
+        "auto/best",
+        "rounds"
     );
     let rows = net.on(0, || {
-        let servers = dm_memserver::MemPool::connect(&[&ms_addr])?;
-        let by_ref = Node::with_config(
-            cp.pool.clone(),
-            Config {
-                inline_max: 0,
-                remote_choice: dm_rpc::RemoteChoice::Threshold,
-                ..Default::default()
-            },
-        )
-        .with_memserver(servers.clone());
-        let auto = Node::new(cp.pool.clone()).with_memserver(servers);
-        let by_value = Node::with_config(
-            cp.pool.clone(),
-            Config {
-                inline_max: usize::MAX,
-                ..Default::default()
-            },
-        );
+        let connect = |servers: &str| {
+            let addrs: Vec<&str> = servers.split(',').collect();
+            dm_memserver::MemPool::connect(&addrs)
+        };
+        let by_ref_on = |servers: &str| -> Result<Node> {
+            Ok(Node::with_config(
+                cp.pool.clone(),
+                Config {
+                    inline_max: 0,
+                    remote_choice: dm_rpc::RemoteChoice::Threshold,
+                    ..Default::default()
+                },
+            )
+            .with_memserver(connect(servers)?))
+        };
+        let mut nodes = vec![
+            by_ref_on(&modes[0].1)?,
+            Node::with_config(
+                cp.pool.clone(),
+                Config {
+                    inline_max: usize::MAX,
+                    ..Default::default()
+                },
+            ),
+            Node::new(cp.pool.clone()).with_memserver(connect(&modes[2].1)?),
+        ];
+        if let Some((_, a)) = &near {
+            nodes.push(by_ref_on(a)?);
+        }
         let mut rows = Vec::new();
         for &size in sizes {
             let data: Vec<u8> = (0..size).map(|i| (i * 7) as u8).collect();
             let want = super::peer::sum(&[&data]);
             for &t in tiers {
                 let mut callers = Vec::new();
-                for (m, node) in [&by_ref, &by_value, &auto].into_iter().enumerate() {
+                for (m, node) in nodes.iter().enumerate() {
                     let c = node.connect_tcp(&addrs[m][TIERS - t])?;
                     let data = &data;
                     callers.push(Box::new(move || {
@@ -677,17 +721,18 @@ fn network_over(
                     }) as Caller);
                 }
                 // (Auto learns in its warm-up calls, 16 of them.)
-                let res = measure_in_turns(&mut callers, 16, budget, &sw)?;
-                rows.push(net_row(size, t, &link, &res));
+                let (res, rounds) = measure_in_turns(&mut callers, 16, budget, &sw)?;
+                let auto = super::peer::over_best_by_round(&rounds, 2);
+                rows.push(net_row(size, t, &link, &res, auto));
             }
         }
-        if let Some(m) = by_ref.memserver() {
-            // Releases go with the next request or the keep-alive ping
-            // (within half a second): let the last ones land.
-            std::thread::sleep(Duration::from_millis(600));
+        // Releases go with the next request or the keep-alive ping
+        // (within half a second): let the last ones land.
+        std::thread::sleep(Duration::from_millis(600));
+        for m in nodes.iter().filter_map(|n| n.memserver()) {
             let u = dm_pool::Dm::usage(m)?;
             if u.refs != 0 {
-                bail!("the chain left {} Refs on the memory server", u.refs);
+                bail!("the chain left {} Refs on a memory server", u.refs);
             }
         }
         Ok(rows)
@@ -696,14 +741,27 @@ fn network_over(
     Ok(rows)
 }
 
-/// Prints a row of the network variant (by Ref, by value, auto) and
-/// returns it for the results.
-fn net_row(size: usize, tiers: usize, link: &str, res: &[Cell]) -> Obj {
+/// Prints a row of the network variant (by Ref, by value, auto, and
+/// between hosts by Ref near) and returns it for the results. `auto`:
+/// auto against the best of the others, the median of the rounds.
+fn net_row(size: usize, tiers: usize, link: &str, res: &[Cell], auto: f64) -> Obj {
     super::progress::tick(format!("{} through {tiers} tiers", fmt_size(size as u64)));
-    let (r, v, a) = (res[0], res[1], res[2]);
-    let best = r.per_s.max(v.per_s);
+    let (r, v, a, n) = (res[0], res[1], res[2], res.get(3).copied());
+    let best = res[..2]
+        .iter()
+        .chain(n.as_ref())
+        .map(|c| c.per_s)
+        .fold(0.0, f64::max);
+    let near_cols = n.map_or(String::new(), |n| {
+        format!(
+            " {:>11.1} {:>12.0} {:>7.1}x",
+            n.p50 / 1e3,
+            n.per_s,
+            n.per_s / v.per_s
+        )
+    });
     say!(
-        "{:>9} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>12.0} {:>12.0} {:>12.0} {:>7.1}x {:>9.2}x",
+        "{:>9} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>12.0} {:>12.0} {:>12.0} {:>7.1}x{near_cols} {:>9.2}x {:>6.2}x",
         fmt_size(size as u64),
         tiers,
         r.p50 / 1e3,
@@ -713,7 +771,8 @@ fn net_row(size: usize, tiers: usize, link: &str, res: &[Cell]) -> Obj {
         v.per_s,
         a.per_s,
         r.per_s / v.per_s,
-        a.per_s / best
+        a.per_s / best,
+        auto
     );
     let mut o = Obj::default();
     o.num("size", size as f64);
@@ -728,9 +787,16 @@ fn net_row(size: usize, tiers: usize, link: &str, res: &[Cell]) -> Obj {
     o.num("auto_calls_per_s", a.per_s);
     o.num("ref_over_value_throughput", r.per_s / v.per_s);
     o.num("auto_over_best_throughput", a.per_s / best);
+    o.num("auto_over_best_median_round", auto);
     o.num("ref_switches_per_call", r.switches);
     o.num("value_switches_per_call", v.switches);
     o.num("auto_switches_per_call", a.switches);
+    if let Some(n) = n {
+        o.num("near_p50_ns", n.p50);
+        o.num("near_calls_per_s", n.per_s);
+        o.num("near_over_value_throughput", n.per_s / v.per_s);
+        o.num("near_switches_per_call", n.switches);
+    }
     o
 }
 
@@ -773,13 +839,14 @@ fn measure(
 
 /// [`measure`] for several callers at once: each makes `warm` calls, then
 /// they take turns ([`super::peer::in_turns`]) of `budget / TURN_ROUNDS`
-/// each. A cell per caller, from all of its turns.
+/// each. A cell per caller, from all of its turns, and each caller's
+/// calls per second in each round.
 fn measure_in_turns(
     callers: &mut [Caller],
     warm: usize,
     budget: Duration,
     sw: &Switches,
-) -> Result<Vec<Cell>> {
+) -> Result<(Vec<Cell>, Vec<Vec<f64>>)> {
     for c in callers.iter_mut() {
         for _ in 0..warm {
             c()?;
@@ -789,6 +856,7 @@ fn measure_in_turns(
     let slice = budget / super::peer::TURN_ROUNDS as u32;
     let mut lat = vec![Vec::new(); n];
     let (mut busy, mut switches) = (vec![Duration::ZERO; n], vec![0u64; n]);
+    let mut rounds = vec![Vec::new(); n];
     super::peer::in_turns(n, |m| {
         let (c, v) = (&mut callers[m], &mut lat[m]);
         let (sw0, t0, had) = (sw.now(), Instant::now(), v.len());
@@ -799,15 +867,17 @@ fn measure_in_turns(
         }
         busy[m] += t0.elapsed();
         switches[m] += sw.now().saturating_sub(sw0);
+        rounds[m].push((v.len() - had) as f64 / t0.elapsed().as_secs_f64());
         Ok(())
     })?;
-    Ok((0..n)
+    let cells = (0..n)
         .map(|m| Cell {
             p50: percentile(&mut lat[m], 0.5),
             per_s: lat[m].len() as f64 / busy[m].as_secs_f64(),
             switches: Switches::between(0, switches[m], lat[m].len() as u64),
         })
-        .collect())
+        .collect();
+    Ok((cells, rounds))
 }
 
 /// Prints a row (by Ref and by value: p50 ns and calls/s; the relay

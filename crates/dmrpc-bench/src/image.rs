@@ -38,15 +38,15 @@ const ROLES: [&str; 6] = ["transcode", "compress", "proc0", "proc1", "lb", "fire
 
 /// The peer command `image ROLE NAME MODE NEXT KEY MS`: starts tier ROLE
 /// as service NAME in mode MODE (`ref`/`value` over shared-memory
-/// channels, `memserver`/`tcp-value` over TCP), calling NEXT (comma
-/// separated service names or addresses; `-` for none), with firewall key
-/// KEY (hex, `-` for none) and memory server MS (`-` for none). Answers
-/// the TCP address, or `-`.
+/// channels, `memserver`/`near`/`tcp-value`/`auto` over TCP), calling
+/// NEXT (comma separated service names or addresses; `-` for none), with
+/// firewall key KEY (hex, `-` for none) and memory servers MS (comma
+/// separated; `-` for none). Answers the TCP address, or `-`.
 pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)> {
     let [role, name, mode, next, key, ms] = words else {
         bail!("usage: image ROLE NAME MODE NEXT KEY MS");
     };
-    let tcp = matches!(*mode, "memserver" | "tcp-value" | "auto");
+    let tcp = matches!(*mode, "memserver" | "near" | "tcp-value" | "auto");
     let links: Vec<Link> = next
         .split(',')
         .filter(|n| *n != "-")
@@ -105,8 +105,9 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
             ..Default::default()
         }),
     );
-    if matches!(*mode, "memserver" | "auto") {
-        node = node.with_memserver(dm_memserver::MemPool::connect(&[*ms])?);
+    if matches!(*mode, "memserver" | "near" | "auto") {
+        let addrs: Vec<&str> = ms.split(',').collect();
+        node = node.with_memserver(dm_memserver::MemPool::connect(&addrs)?);
     }
     let t = if tcp {
         Transport::Tcp(format!("{}:0", super::net::listen_ip()))
@@ -128,27 +129,34 @@ fn next_of(role: &str, at: &dyn Fn(&str) -> String) -> String {
     }
 }
 
-/// The modes of the network variant.
+/// The modes of the network variant. Between hosts also `near`: by
+/// Ref through a memory server on the client's host.
 const NET_MODES: [&str; 3] = ["memserver", "tcp-value", "auto"];
 
 /// Runs `cells` in turns ([`super::peer::in_turns`]) of `budget /
 /// TURN_ROUNDS` each (each first shows that a forged token is refused).
 /// Per cell: calls, latencies (ns), seconds.
-fn in_turns(cells: &[Cell], budget: Duration) -> Result<Vec<(usize, Vec<f64>, f64)>> {
+fn in_turns(cells: &[Cell], budget: Duration) -> Result<Turns> {
     for c in cells {
         c.forged_is_rejected()?;
     }
     let mut acc = vec![(0, Vec::new(), 0.0); cells.len()];
+    let mut rounds = vec![Vec::new(); cells.len()];
     let slice = budget / super::peer::TURN_ROUNDS as u32;
     super::peer::in_turns(cells.len(), |m| {
         let (calls, lat, secs) = cells[m].run(slice)?;
         acc[m].0 += calls;
         acc[m].1.extend(lat);
         acc[m].2 += secs;
+        rounds[m].push(calls as f64 / secs);
         Ok(())
     })?;
-    Ok(acc)
+    Ok((acc, rounds))
 }
+
+/// Per cell: its calls, their latencies (ns) and its seconds, from all
+/// of its turns; and per cell its calls per second in each round.
+type Turns = (Vec<(usize, Vec<f64>, f64)>, Vec<Vec<f64>>);
 
 pub fn run(a: &BenchArgs) -> Result<()> {
     let sizes: &[usize] = if a.quick {
@@ -158,7 +166,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     };
     let budget = Duration::from_millis(if a.quick { 250 } else { 2000 });
     let links = super::hosts::links(a);
-    super::progress::start("image", (sizes.len() * (2 + 3 * links.len())) as u64);
+    // Between hosts the network variant has a fourth mode (near).
+    let hosts = links.iter().filter(|l| *l != "loopback").count();
+    super::progress::start(
+        "image",
+        (sizes.len() * (2 + 3 * links.len() + hosts)) as u64,
+    );
     let id = std::process::id();
     let mut key: Key = [0; 32];
     for c in key.chunks_mut(8) {
@@ -308,6 +321,24 @@ fn network(
     let key_hex = hex(key);
     let name = |mode: &str, role: &str| format!("bench/image/{id}/{mode}/{role}");
     let (_ms, ms_addr) = net.memserver(1, "1GiB")?;
+    // Between hosts a second memory server, on the client's host (`near`;
+    // auto places its Refs there too).
+    let near = if net.is_loopback() {
+        None
+    } else {
+        Some(net.memserver(0, "1GiB")?)
+    };
+    let mut modes = NET_MODES.to_vec();
+    let mut servers = std::collections::HashMap::from([
+        ("memserver", ms_addr.clone()),
+        ("tcp-value", "-".to_owned()),
+        ("auto", ms_addr.clone()),
+    ]);
+    if let Some((_, a)) = &near {
+        modes.push("near");
+        servers.insert("near", a.clone());
+        servers.insert("auto", format!("{a},{ms_addr}"));
+    }
     let small = || PoolConfig {
         size: 32 << 20,
         ..Default::default()
@@ -315,7 +346,7 @@ fn network(
     let mut pools = Vec::new();
     let mut peers = Vec::new();
     let mut entry = std::collections::HashMap::new();
-    for mode in NET_MODES {
+    for &mode in &modes {
         let mut addrs = std::collections::HashMap::new();
         for (i, role) in ROLES.iter().enumerate() {
             if peers.len() <= i {
@@ -325,8 +356,9 @@ fn network(
             }
             let next = next_of(role, &|r: &str| addrs.get(r).cloned().unwrap_or_default());
             let addr = peers[i].cmd_text(&format!(
-                "image {role} {} {mode} {next} {key_hex} {ms_addr}",
-                name(mode, role)
+                "image {role} {} {mode} {next} {key_hex} {}",
+                name(mode, role),
+                servers[mode]
             ))?;
             addrs.insert(role.to_string(), addr);
         }
@@ -335,21 +367,31 @@ fn network(
     let client_pool = BenchPool::create("image-client", small())?;
     let link = net.describe();
     say!("\nover {link}: a pool per tier, TCP between them; memserver = by memory-server Ref, tcp-value = inline, auto = learned");
+    if near.is_some() {
+        say!("memserver: the memory server on a host of its own; near: on the client's host (auto's Refs go there too)");
+    }
     header();
     let cfg = net.client_config();
     let (rows, ratios) = net.on(0, || {
-        let ms_client = dm_memserver::MemPool::connect_with(&[&ms_addr], cfg)?;
+        let connect = |mode: &str| {
+            let addrs: Vec<&str> = servers[mode].split(',').collect();
+            dm_memserver::MemPool::connect_with(&addrs, cfg.clone())
+        };
+        let mut clients = std::collections::HashMap::new();
+        for &mode in modes.iter().filter(|m| **m != "tcp-value") {
+            clients.insert(mode, connect(mode)?);
+        }
         let mut rows = Vec::new();
         let mut ratios = Vec::new();
         for &size in sizes {
             let ppm = app::generate(size, size as u64);
             let want = app::expected(&ppm, THUMB)?;
             let mut nodes = Vec::new();
-            for mode in NET_MODES {
+            for &mode in &modes {
                 let n = Node::with_config(
                     client_pool.pool.clone(),
                     match mode {
-                        "memserver" => Config {
+                        "memserver" | "near" => Config {
                             inline_max: 0,
                             remote_choice: dm_rpc::RemoteChoice::Threshold,
                             ..Default::default()
@@ -361,14 +403,13 @@ fn network(
                         },
                     },
                 );
-                let node = if mode != "tcp-value" {
-                    n.with_memserver(ms_client.clone())
-                } else {
-                    n
+                let node = match clients.get(mode) {
+                    Some(c) => n.with_memserver(c.clone()),
+                    None => n,
                 };
                 nodes.push((node, Link::Tcp(entry[mode].clone())));
             }
-            let cells: Vec<Cell> = NET_MODES
+            let cells: Vec<Cell> = modes
                 .iter()
                 .zip(&nodes)
                 .map(|(mode, (node, target))| Cell {
@@ -381,30 +422,46 @@ fn network(
                 })
                 .collect();
             let mut per_s = std::collections::HashMap::new();
-            for (cell, (calls, mut lat, secs)) in cells.iter().zip(in_turns(&cells, budget)?) {
+            let (turns, rounds) = in_turns(&cells, budget)?;
+            let auto_at = modes.iter().position(|m| *m == "auto").unwrap_or(0);
+            let auto_median = super::peer::over_best_by_round(&rounds, auto_at);
+            for (cell, (calls, mut lat, secs)) in cells.iter().zip(turns) {
                 let (o, r) = cell.report(size, Some(&link), (calls, &mut lat, secs));
                 per_s.insert(cell.mode, r);
                 rows.push(o);
             }
             let ratio = per_s["memserver"] / per_s["tcp-value"];
-            let auto = per_s["auto"] / per_s["memserver"].max(per_s["tcp-value"]);
-            say!(
-                "{:>9}   throughput by Ref / by value over memory servers: {ratio:.1}x; auto / the better: {auto:.2}x",
-                fmt_size(size as u64),
-            );
+            let best = per_s
+                .iter()
+                .filter(|(m, _)| **m != "auto")
+                .map(|(_, r)| *r)
+                .fold(0.0, f64::max);
+            let auto = per_s["auto"] / best;
             let mut o = Obj::default();
             o.num("size", ppm.len() as f64);
             o.str("image", &fmt_size(size as u64));
             o.str("link", &link);
             o.num("memserver_over_tcp_value_throughput", ratio);
             o.num("auto_over_best_throughput", auto);
+            o.num("auto_over_best_median_round", auto_median);
+            let near_ratio = per_s.get("near").map(|n| n / per_s["tcp-value"]);
+            let near_text = near_ratio.map_or(String::new(), |n| {
+                o.num("near_over_tcp_value_throughput", n);
+                format!(", near {n:.1}x")
+            });
+            say!(
+                "{:>9}   throughput by Ref / by value over memory servers: {ratio:.1}x{near_text}; auto / the best: {auto:.2}x (median of the rounds {auto_median:.2}x)",
+                fmt_size(size as u64),
+            );
             ratios.push(o);
         }
         // Releases go with the next request: let the last ones go.
         std::thread::sleep(Duration::from_millis(600));
-        let u = dm_pool::Dm::usage(&ms_client)?;
-        if u.refs != 0 {
-            bail!("the application left {} Refs on the memory server", u.refs);
+        for c in clients.values() {
+            let u = dm_pool::Dm::usage(c)?;
+            if u.refs != 0 {
+                bail!("the application left {} Refs on a memory server", u.refs);
+            }
         }
         Ok((rows, ratios))
     })?;

@@ -346,8 +346,9 @@ fn chain_net_tier(
     mode: Option<&str>,
     ms: Option<&str>,
 ) -> Result<dm_rpc::Server> {
-    // `ref`: by Ref above the threshold; `auto`: the choice learned;
-    // `value`: no memory server.
+    // `ref` and `near`: by Ref above the threshold; `auto`: the choice
+    // learned; `value`: no memory server. `ms`: the memory servers,
+    // comma separated.
     let choice = match mode {
         Some("auto") => dm_rpc::RemoteChoice::Measured,
         _ => dm_rpc::RemoteChoice::Threshold,
@@ -357,9 +358,10 @@ fn chain_net_tier(
         ..Config::default()
     };
     let mut node = Node::with_config(pool.clone(), super::net::node_config(cfg));
-    if matches!(mode, Some("ref" | "auto")) {
-        let addr = ms.ok_or_else(|| anyhow!("{mode:?} mode needs a memory server"))?;
-        node = node.with_memserver(dm_memserver::MemPool::connect(&[addr])?);
+    if matches!(mode, Some("ref" | "near" | "auto")) {
+        let addrs = ms.ok_or_else(|| anyhow!("{mode:?} mode needs a memory server"))?;
+        let addrs: Vec<&str> = addrs.split(',').collect();
+        node = node.with_memserver(dm_memserver::MemPool::connect(&addrs)?);
     }
     let next = (next != "-").then(|| next.to_owned());
     Ok(node
@@ -642,6 +644,24 @@ pub fn in_turns(n: usize, mut run: impl FnMut(usize) -> anyhow::Result<()>) -> a
         }
     }
     Ok(())
+}
+
+/// The median over rounds of mode `m`'s rate against the best of the
+/// other modes in the same round; `rates[mode][round]`. Robust to a
+/// round that the machine slowed for one mode alone, which a ratio of
+/// the totals is not.
+pub fn over_best_by_round(rates: &[Vec<f64>], m: usize) -> f64 {
+    let rounds = rates.iter().map(Vec::len).min().unwrap_or(0);
+    let mut v: Vec<f64> = (0..rounds)
+        .map(|r| {
+            let best = (0..rates.len())
+                .filter(|&o| o != m)
+                .map(|o| rates[o][r])
+                .fold(0.0, f64::max);
+            rates[m][r] / best
+        })
+        .collect();
+    median(&mut v)
 }
 
 /// Median (sorts in place).

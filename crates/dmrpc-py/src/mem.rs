@@ -8,7 +8,7 @@
 use crate::bytes::BytesLike;
 use crate::errors::{closed, pool_err, to_py};
 use crate::refs::PyRef;
-use dm_memserver::{ClientConfig, MemBuffer, MemPool};
+use dm_memserver::{ClientConfig, MemBuffer, MemPool, Placement};
 use dm_pool::{Dm, DmBuffer};
 use dm_rpc::{Payload, RpcError};
 use pyo3::prelude::*;
@@ -57,8 +57,10 @@ impl PyMemPool {
     /// `cache_bytes` sizes the cache of pages read through mapped Refs.
     /// `key_file`: the servers' client key (their `--key-file`);
     /// `admin_key_file`: their admin key, for `check` from another host.
+    /// `placement`: where new buffers and puts go, `"local"` (the servers
+    /// on this host when there are any) or `"round-robin"` (every server).
     #[new]
-    #[pyo3(signature = (servers, cache_bytes=None, timeout=None, key_file=None, admin_key_file=None))]
+    #[pyo3(signature = (servers, cache_bytes=None, timeout=None, key_file=None, admin_key_file=None, placement="local"))]
     fn new(
         py: Python<'_>,
         servers: Vec<String>,
@@ -66,15 +68,26 @@ impl PyMemPool {
         timeout: Option<f64>,
         key_file: Option<std::path::PathBuf>,
         admin_key_file: Option<std::path::PathBuf>,
+        placement: &str,
     ) -> PyResult<PyMemPool> {
         let key = |f: Option<std::path::PathBuf>| {
             f.map(dm_pool::auth::Key::from_file)
                 .transpose()
                 .map_err(pool_err)
         };
+        let placement = match placement {
+            "local" => Placement::Local,
+            "round-robin" => Placement::RoundRobin,
+            p => {
+                return Err(to_py(RpcError::invalid_argument(format!(
+                    "placement {p:?}: \"local\" or \"round-robin\""
+                ))))
+            }
+        };
         let mut cfg = ClientConfig {
             key: key(key_file)?,
             admin_key: key(admin_key_file)?,
+            placement,
             ..ClientConfig::default()
         };
         if let Some(c) = cache_bytes {

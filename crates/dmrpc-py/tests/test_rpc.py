@@ -832,6 +832,12 @@ def test_memory_server_contract_from_python(memserver):
         m.alloc(10)  # closed
     with pytest.raises(dmrpc.Unavailable):
         dmrpc.MemPool(["127.0.0.1:1"], timeout=1.0)
+    with dmrpc.MemPool([memserver], placement="round-robin") as m:
+        r = m.put(b"spread")
+        assert m.read_ref(r) == b"spread"
+        m.release_ref(r)
+    with pytest.raises(dmrpc.InvalidArgument):
+        dmrpc.MemPool([memserver], placement="nearest")
 
 
 def _key_file(tmp_path, name, secret):

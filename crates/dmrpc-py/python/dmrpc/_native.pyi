@@ -1,6 +1,7 @@
 """Type stubs of dmrpc's native module."""
 
-from typing import Any, Callable, Iterable
+import os
+from typing import Any, Callable, Iterable, Literal
 
 class Error(Exception):
     status: str
@@ -109,7 +110,15 @@ class MemBuffer:
 class MemPool:
     """Memory servers (`dmrpc memserver`) used as one pool."""
 
-    def __init__(self, servers: list[str], cache_bytes: int | None = None, timeout: float | None = None) -> None: ...
+    def __init__(
+        self,
+        servers: list[str],
+        cache_bytes: int | None = None,
+        timeout: float | None = None,
+        key_file: str | os.PathLike[str] | None = None,
+        admin_key_file: str | os.PathLike[str] | None = None,
+        placement: Literal["local", "round-robin"] = "local",
+    ) -> None: ...
     @property
     def page_size(self) -> int: ...
     def alloc(self, size: int) -> MemBuffer: ...
