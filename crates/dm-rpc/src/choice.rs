@@ -12,15 +12,35 @@
 //! the more rarely ([`explore_gap`]), so that trying it costs about 1% of
 //! the calls' time. A try that comes out faster than the chosen way is
 //! followed by more at once, so a change is followed within a few calls.
-//! A tier that
-//! forwards an inline payload makes the same choice for its own callee.
-//! What one client learned, the node's other clients of the same service
-//! use ([`Choices`]).
+//!
+//! A learner's inline call says so in its metadata ([`WAY_KEY`]), and a
+//! tier serving it passes the payloads it forwards inline too, without
+//! learning: the learner then measures inline all the way, which is what
+//! it compares with by Ref all the way. (Inline for some hops and by Ref
+//! after costs by Ref's two crossings plus those hops, so it never beats
+//! both.) A tier whose caller did not learn (a client without memory
+//! servers, or one that always sends inline) learns for its own callee
+//! the same way. What one client learned, the node's other clients of
+//! the same service use ([`Choices`]).
 //!
 //! [`RemoteChoice::Measured`]: crate::RemoteChoice::Measured
 
+use crate::metadata::Metadata;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+/// The metadata key of a call whose payload went inline by its caller's
+/// learned choice (value [`WAY_INLINE`]). Reserved: a handler serving such
+/// a call sends the payloads it passes on inline.
+pub const WAY_KEY: &str = "dmrpc-way";
+/// The value of [`WAY_KEY`].
+pub const WAY_INLINE: &[u8] = b"inline";
+
+/// Whether a request with metadata `meta` came inline by its caller's
+/// learned choice.
+pub(crate) fn came_inline(meta: &Metadata) -> bool {
+    meta.get(WAY_KEY) == Some(WAY_INLINE)
+}
 
 /// Below this, payloads go inline whatever was measured: by Ref costs a
 /// round trip to the memory server that so few bytes never pay back.

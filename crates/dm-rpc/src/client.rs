@@ -434,6 +434,11 @@ impl BlockingConn {
             let out = outgoing(node, self.max_inline, refs, method, payload, opts, meta)?;
             return self.send_and_wait(out);
         };
+        let mut meta = meta;
+        if way == Way::Inline {
+            meta.insert(crate::choice::WAY_KEY, crate::choice::WAY_INLINE)
+                .map_err(|e| RpcError::internal(e.to_string()))?;
+        }
         // Inline: as to a peer that shares nothing. By Ref: whatever the
         // size.
         let (refs, threshold) = match way {
@@ -450,7 +455,7 @@ impl BlockingConn {
         let limits = (self.max_inline, threshold);
         let out = outgoing_at(node, limits, refs, method, payload, opts, meta)?;
         let r = self.send_and_wait(out);
-        if r.is_ok() {
+        if let (Ok(_), Some(k)) = (&r, k) {
             let ns = t.elapsed().as_nanos() as f64;
             self.choice.record(method, k, way, ns);
         }
@@ -460,8 +465,10 @@ impl BlockingConn {
     /// The size class and the way chosen for `payload`, if its way is
     /// learned ([`crate::RemoteChoice::Measured`]): bytes of a size that
     /// may go either way, to a peer in another pool that uses the same
-    /// memory servers.
-    fn learned(&self, method: &str, payload: &Payload) -> Option<(usize, Way)> {
+    /// memory servers. No class (nothing to record) when serving a call
+    /// a learner sent inline: inline too, for the learner measures the
+    /// whole way (`choice`).
+    fn learned(&self, method: &str, payload: &Payload) -> Option<(Option<usize>, Way)> {
         let cfg = &self.node.cfg;
         #[cfg(feature = "memserver")]
         let remote = self.node.remote.is_some();
@@ -476,7 +483,14 @@ impl BlockingConn {
             && payload.is_plain_bytes()
             && len >= crate::choice::MIN_LEARNED
             && len <= self.max_inline as u64;
-        open.then(|| self.choice.choose(method, len))
+        open.then(|| {
+            if crate::metadata::follows_inline() {
+                (None, Way::Inline)
+            } else {
+                let (k, way) = self.choice.choose(method, len);
+                (Some(k), way)
+            }
+        })
     }
 
     /// Sends again, on this connection, a request another refused.

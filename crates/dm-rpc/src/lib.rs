@@ -120,6 +120,7 @@ pub use balance::{AsyncBalancedClient, Balanced, BalancedClient};
 #[cfg(not(loom))]
 pub use call::options::{AnswerInterceptor, CallInterceptor, CallOptions, OutgoingCall, Reply};
 #[cfg(not(loom))]
+pub use choice::{WAY_INLINE, WAY_KEY};
 pub use client::Client;
 #[cfg(not(loom))]
 pub use dial::CLOSED_BY_SERVER_GRACE;

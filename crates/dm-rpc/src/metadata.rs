@@ -101,6 +101,9 @@ pub(crate) struct Served {
     pub(crate) reply: Metadata,
     /// What the calls made while serving inherit.
     pub(crate) inherited: Metadata,
+    /// The request came inline by a caller's learned choice
+    /// ([`crate::choice::WAY_KEY`]): payloads passed on go inline too.
+    pub(crate) follow_inline: bool,
 }
 
 thread_local! {
@@ -145,6 +148,15 @@ pub(crate) fn inherit_into(meta: &mut Metadata) {
     // SAFETY: as in `set_reply`; read only.
     let inherited = unsafe { &(*served).inherited };
     meta.fill_from(inherited);
+}
+
+/// Whether the call being served on this thread came inline by its
+/// caller's learned choice, which the calls it makes then follow.
+#[inline]
+pub(crate) fn follows_inline() -> bool {
+    let served = SERVED.with(Cell::get);
+    // SAFETY: as in `set_reply`; read only.
+    !served.is_null() && unsafe { (*served).follow_inline }
 }
 
 /// Runs `f` as the serving of a call whose answer's metadata and
@@ -439,8 +451,11 @@ mod tests {
                 .with("trace-id", "t")
                 .and_then(|x| x.with("k", "inherited"))
                 .unwrap(),
+            follow_inline: true,
         };
+        assert!(!follows_inline(), "serving nothing: nothing to follow");
         serving(&mut outer, || {
+            assert!(follows_inline());
             set_reply(m("outer")).unwrap();
             // Inherited keys the call does not set itself.
             let mut call = m("own");

@@ -387,3 +387,99 @@ fn a_learning_client_tries_both_ways_and_settles_on_the_faster() {
     drop(nb);
     settled(&ms);
 }
+
+/// A tier serving a call a learner sent inline forwards inline too (and
+/// says so), without learning: the learner measures inline all the way.
+/// A tier called without the mark learns for its callee.
+#[test]
+fn a_tier_follows_its_learning_callers_inline_choice() {
+    let ms = mem_server();
+    let (pa, pb, pc) = (
+        TempPool::new(16 << 20),
+        TempPool::new(16 << 20),
+        TempPool::new(16 << 20),
+    );
+    // The last tier answers the sum, how the payload came, and whether
+    // the call carried the mark.
+    let nc = node(&pc, &[&ms]);
+    let sc = nc
+        .server("net/follow/last")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("sum", |c| {
+            let marked = c.metadata().get(dm_rpc::WAY_KEY) == Some(dm_rpc::WAY_INLINE);
+            let mut p = sum_and_how(c)?.to_vec()?;
+            p.push(marked as u8);
+            Ok(Payload::from_vec(p))
+        })
+        .spawn()
+        .unwrap();
+    // The middle tier learns (Measured) and forwards what it gets.
+    let nb = node_with(&pb, &[&ms], RemoteChoice::Measured);
+    let next = nb.connect_tcp(sc.tcp_addr().unwrap()).unwrap();
+    let sb = nb
+        .server("net/follow/middle")
+        .transport(Transport::Tcp("127.0.0.1:0".into()))
+        .method("sum", move |c| {
+            let came_inline = !c.payload().is_remote();
+            let mut v = next.call("sum", c.take_payload())?.to_vec()?;
+            v.push(came_inline as u8);
+            Ok(Payload::from_vec(v))
+        })
+        .spawn()
+        .unwrap();
+    let data: Vec<u8> = (0..100_000).map(|i| (i % 251) as u8).collect();
+    let want: u64 = data.iter().map(|&b| b as u64).sum();
+    // (sum, last tier got it by Ref, marked, middle got it inline)
+    let call = |c: &dm_rpc::Client| {
+        let v = c
+            .call("sum", Payload::from_vec(data.clone()))
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_eq!(u64::from_le_bytes(v[..8].try_into().unwrap()), want);
+        (v[8], v[9], v[10])
+    };
+    let na = node_with(&pa, &[&ms], RemoteChoice::Measured);
+    let c = na.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
+    // The learner warms up: inline, by Ref, inline, by Ref... Each inline
+    // call is passed on inline and marked; each by Ref passes its Ref.
+    for i in 0..8 {
+        let (last_by_ref, marked, middle_inline) = call(&c);
+        if i % 2 == 0 {
+            assert_eq!((middle_inline, last_by_ref, marked), (1, 0, 1), "call {i}");
+        } else {
+            assert_eq!((middle_inline, last_by_ref, marked), (0, 1, 0), "call {i}");
+        }
+    }
+    // A caller that does not learn sends inline, unmarked: the middle
+    // tier learns, and warms up both ways for its callee.
+    let plain = Node::with_config(
+        pa.attach(),
+        Config {
+            inline_max: usize::MAX,
+            ..Config::default()
+        },
+    );
+    let pc_ = plain.connect_tcp(sb.tcp_addr().unwrap()).unwrap();
+    let mut last_ways = Vec::new();
+    for _ in 0..8 {
+        let v = pc_
+            .call("sum", Payload::from_vec(data.clone()))
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        // Inline to the middle; the middle's own inline calls are marked
+        // for its callee, its calls by Ref not.
+        assert_eq!((v[9], v[10]), (1 - v[8], 1), "{v:?}");
+        last_ways.push(v[8]);
+    }
+    assert!(
+        last_ways.contains(&0) && last_ways.contains(&1),
+        "{last_ways:?}"
+    );
+    drop((c, na, pc_, plain));
+    sb.shutdown();
+    sc.shutdown();
+    drop((nb, nc));
+    settled(&ms);
+}

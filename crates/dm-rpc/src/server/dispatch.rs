@@ -364,8 +364,11 @@ impl Dispatcher {
             deadline,
             meta: Default::default(),
         };
-        if !self.propagate.is_empty() && !frame.meta.is_empty() {
-            scope.meta.inherited = frame.meta.only(&self.propagate);
+        if !frame.meta.is_empty() {
+            if !self.propagate.is_empty() {
+                scope.meta.inherited = frame.meta.only(&self.propagate);
+            }
+            scope.meta.follow_inline = crate::choice::came_inline(&frame.meta);
         }
         let method = self.methods.get(&frame.method).or(self.fallback.as_ref());
         let result = if deadline.is_some_and(|d| Instant::now() >= d) {
