@@ -25,6 +25,7 @@
 //!
 //! [`RemoteChoice::Measured`]: crate::RemoteChoice::Measured
 
+#[cfg(not(loom))]
 use crate::metadata::Metadata;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -38,6 +39,7 @@ pub const WAY_INLINE: &[u8] = b"inline";
 
 /// Whether a request with metadata `meta` came inline by its caller's
 /// learned choice.
+#[cfg(not(loom))]
 pub(crate) fn came_inline(meta: &Metadata) -> bool {
     meta.get(WAY_KEY) == Some(WAY_INLINE)
 }

@@ -121,6 +121,7 @@ pub use balance::{AsyncBalancedClient, Balanced, BalancedClient};
 pub use call::options::{AnswerInterceptor, CallInterceptor, CallOptions, OutgoingCall, Reply};
 #[cfg(not(loom))]
 pub use choice::{WAY_INLINE, WAY_KEY};
+#[cfg(not(loom))]
 pub use client::Client;
 #[cfg(not(loom))]
 pub use dial::CLOSED_BY_SERVER_GRACE;
