@@ -473,7 +473,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     res.str("benchmark", "chain");
     res.str(
         "method",
-        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at, and the ratio measured again in paired rounds (by Ref and by value back to back at those loads, the order alternating; the median of the rounds' ratios, and their range); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc; network variant: a pool per tier, TCP between them, by Ref = memory-server Refs (ref: the memory server on a host of its own; near, between hosts: on the client's host, placement Local), auto = the way learned per call size (its Refs placed near), the modes taking turns in 5 rounds per cell (the order rotating)",
+        "one client, sequential calls through N tier processes over shm channels; the last tier reads every byte; by Ref = request written to the pool once, Ref forwarded; by value = request inline at every hop; floor = a raw token relayed down and back up through the same processes, each yielding its core while it waits; in_flight = 1, 4 and 16 (full run: 1, 2, 4, 8, 16) client threads, each with its own connection, calling in a closed loop through the same 7 processes serving with async tiers (tonic: as many clients of its chain); in_flight_peak = each mode's best calls per second over those loads, and the load it was reached at, and the ratio measured again in paired rounds (by Ref and by value back to back at those loads, the order alternating; the median of the rounds' ratios, and their range); tonic = the same chain in gRPC (tonic servers in the same tier processes, bytes by value), over loopback TCP and over Unix sockets (uds); switches = context switches of the client's and the tier processes' threads (in the network variant, the memory server's too) per call (per round for the floor), from /proc; network variant: a pool per tier, TCP between them, by Ref = memory-server Refs (ref: the memory server on a host of its own; near, between hosts: on the client's host, placement Local), auto = the way learned per call size (its Refs placed near), again (on loopback) = by value once more in tier services of its own, an A/A control of what an identical way scores, the modes taking turns in 5 rounds per cell (the order rotating)",
     );
     res.obj("machine", &super::machine());
     res.str(
@@ -623,7 +623,12 @@ fn network_over(
             modes.push(("auto", format!("{a},{ms_addr}")));
             modes.push(("near", a.clone()));
         }
-        None => modes.push(("auto", ms_addr.clone())),
+        None => {
+            // On loopback, by value once more in tier services of its
+            // own: what an identical way scores here (an A/A control).
+            modes.push(("auto", ms_addr.clone()));
+            modes.push(("again", ms_addr.clone()));
+        }
     }
     let mut addrs = vec![vec![String::new(); TIERS]; modes.len()];
     for (m, (mode, servers)) in modes.iter().enumerate() {
@@ -650,6 +655,8 @@ fn network_over(
     say!("\nnetwork variant over {link}: tiers in separate pools linked by TCP; by Ref = memory-server Refs, by value = inline, auto = learned per call size");
     if near.is_some() {
         say!("Ref: the memory server on a host of its own; near: on the client's host (auto's Refs go there too)");
+    } else {
+        say!("again: by value once more, in tier services of its own; A/A: again over value, what an identical way scores");
     }
     say!("auto/best: auto's calls/s over the best other mode's; rounds: the same, the median of the five rounds' own ratios");
     let near_cols = if near.is_some() {
@@ -658,7 +665,7 @@ fn network_over(
             "near p50", "near calls/s", "near/val"
         )
     } else {
-        String::new()
+        format!(" {:>13} {:>6}", "again calls/s", "A/A")
     };
     say!(
         "{:>9} {:>6} {:>11} {:>11} {:>11} {:>12} {:>12} {:>12} {:>8}{near_cols} {:>10} {:>7}",
@@ -701,8 +708,15 @@ fn network_over(
             ),
             Node::new(cp.pool.clone()).with_memserver(connect(&modes[2].1)?),
         ];
-        if let Some((_, a)) = &near {
-            nodes.push(by_ref_on(a)?);
+        match &near {
+            Some((_, a)) => nodes.push(by_ref_on(a)?),
+            None => nodes.push(Node::with_config(
+                cp.pool.clone(),
+                Config {
+                    inline_max: usize::MAX,
+                    ..Default::default()
+                },
+            )),
         }
         let mut rows = Vec::new();
         for &size in sizes {
@@ -722,8 +736,10 @@ fn network_over(
                 }
                 // (Auto learns in its warm-up calls, 16 of them.)
                 let (res, rounds) = measure_in_turns(&mut callers, 16, budget, &sw)?;
-                let auto = super::peer::over_best_by_round(&rounds, 2);
-                rows.push(net_row(size, t, &link, &res, auto));
+                // Auto against the ways (not against the A/A control).
+                let ways = if near.is_some() { 4 } else { 3 };
+                let auto = super::peer::over_best_by_round(&rounds[..ways], 2);
+                rows.push(net_row(size, t, &link, &res, auto, near.is_some()));
             }
         }
         // Releases go with the next request or the keep-alive ping
@@ -742,24 +758,31 @@ fn network_over(
 }
 
 /// Prints a row of the network variant (by Ref, by value, auto, and
-/// between hosts by Ref near) and returns it for the results. `auto`:
-/// auto against the best of the others, the median of the rounds.
-fn net_row(size: usize, tiers: usize, link: &str, res: &[Cell], auto: f64) -> Obj {
+/// between hosts by Ref near, on loopback by value again) and returns
+/// it for the results. `auto`: auto against the best of the others, the
+/// median of the rounds.
+fn net_row(size: usize, tiers: usize, link: &str, res: &[Cell], auto: f64, near: bool) -> Obj {
     super::progress::tick(format!("{} through {tiers} tiers", fmt_size(size as u64)));
-    let (r, v, a, n) = (res[0], res[1], res[2], res.get(3).copied());
+    let (r, v, a) = (res[0], res[1], res[2]);
+    let (n, again) = match res.get(3).copied() {
+        Some(c) if near => (Some(c), None),
+        c => (None, c),
+    };
     let best = res[..2]
         .iter()
         .chain(n.as_ref())
         .map(|c| c.per_s)
         .fold(0.0, f64::max);
-    let near_cols = n.map_or(String::new(), |n| {
-        format!(
+    let near_cols = match (n, again) {
+        (Some(n), _) => format!(
             " {:>11.1} {:>12.0} {:>7.1}x",
             n.p50 / 1e3,
             n.per_s,
             n.per_s / v.per_s
-        )
-    });
+        ),
+        (None, Some(g)) => format!(" {:>13.0} {:>5.2}x", g.per_s, g.per_s / v.per_s),
+        (None, None) => String::new(),
+    };
     say!(
         "{:>9} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>12.0} {:>12.0} {:>12.0} {:>7.1}x{near_cols} {:>9.2}x {:>6.2}x",
         fmt_size(size as u64),
@@ -796,6 +819,10 @@ fn net_row(size: usize, tiers: usize, link: &str, res: &[Cell], auto: f64) -> Ob
         o.num("near_calls_per_s", n.per_s);
         o.num("near_over_value_throughput", n.per_s / v.per_s);
         o.num("near_switches_per_call", n.switches);
+    }
+    if let Some(g) = again {
+        o.num("value_again_calls_per_s", g.per_s);
+        o.num("value_again_over_value", g.per_s / v.per_s);
     }
     o
 }
