@@ -682,10 +682,7 @@ fn network_over(
         "rounds"
     );
     let rows = net.on(0, || {
-        let connect = |servers: &str| {
-            let addrs: Vec<&str> = servers.split(',').collect();
-            dm_memserver::MemPool::connect(&addrs)
-        };
+        let connect = |servers: &str| super::net::memservers(servers, Default::default());
         let by_ref_on = |servers: &str| -> Result<Node> {
             Ok(Node::with_config(
                 cp.pool.clone(),

@@ -106,8 +106,7 @@ pub fn peer_cmd(pool: &Pool, words: &[&str]) -> Result<(dm_rpc::Server, String)>
         }),
     );
     if matches!(*mode, "memserver" | "near" | "auto") {
-        let addrs: Vec<&str> = ms.split(',').collect();
-        node = node.with_memserver(dm_memserver::MemPool::connect(&addrs)?);
+        node = node.with_memserver(super::net::memservers(ms, Default::default())?);
     }
     let t = if tcp {
         Transport::Tcp(format!("{}:0", super::net::listen_ip()))
@@ -373,10 +372,7 @@ fn network(
     header();
     let cfg = net.client_config();
     let (rows, ratios) = net.on(0, || {
-        let connect = |mode: &str| {
-            let addrs: Vec<&str> = servers[mode].split(',').collect();
-            dm_memserver::MemPool::connect_with(&addrs, cfg.clone())
-        };
+        let connect = |mode: &str| super::net::memservers(&servers[mode], cfg.clone());
         let mut clients = std::collections::HashMap::new();
         for &mode in modes.iter().filter(|m| **m != "tcp-value") {
             clients.insert(mode, connect(mode)?);

@@ -23,6 +23,16 @@ pub fn node_config(cfg: dm_rpc::Config) -> dm_rpc::Config {
     }
 }
 
+/// A client of the memory servers `list` names (comma separated), as one
+/// pool.
+pub fn memservers(
+    list: &str,
+    cfg: dm_memserver::ClientConfig,
+) -> dm_pool::Result<dm_memserver::MemPool> {
+    let addrs: Vec<&str> = list.split(',').collect();
+    dm_memserver::MemPool::connect_with(&addrs, cfg)
+}
+
 /// A child process killed on drop.
 pub struct Proc(pub Child);
 

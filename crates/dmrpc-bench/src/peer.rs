@@ -360,8 +360,7 @@ fn chain_net_tier(
     let mut node = Node::with_config(pool.clone(), super::net::node_config(cfg));
     if matches!(mode, Some("ref" | "near" | "auto")) {
         let addrs = ms.ok_or_else(|| anyhow!("{mode:?} mode needs a memory server"))?;
-        let addrs: Vec<&str> = addrs.split(',').collect();
-        node = node.with_memserver(dm_memserver::MemPool::connect(&addrs)?);
+        node = node.with_memserver(super::net::memservers(addrs, Default::default())?);
     }
     let next = (next != "-").then(|| next.to_owned());
     Ok(node
